@@ -1,0 +1,88 @@
+"""The error table of PROTOCOL.md section 9 is total and matches the proto enum."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from turnpoint._status import (
+    control_error_to_error,
+    error_to_control_error,
+    grpc_code,
+    reason_from_proto,
+    reason_to_proto,
+)
+from turnpoint.errors import REASON_CODES, Reason, TurnpointError, is_transient
+from turnpoint.v1 import types_pb2
+
+PROTO_REASONS = [
+    name.removeprefix("ERROR_REASON_")
+    for name in types_pb2.ErrorReason.keys()
+    if name != "ERROR_REASON_UNSPECIFIED"
+]
+
+# PROTOCOL.md section 9, verbatim as data.
+SPEC_TABLE = {
+    "ADMISSION_CLOSED": "UNAVAILABLE",
+    "STALE_CHECKPOINT": "ABORTED",
+    "CHECKPOINT_CONFLICT": "ABORTED",
+    "INVALID_PHASE": "FAILED_PRECONDITION",
+    "RESTART_IN_SCOPE": "FAILED_PRECONDITION",
+    "RETIRE_INCOMPLETE": "FAILED_PRECONDITION",
+    "FENCED": "FAILED_PRECONDITION",
+    "STALE_ATTEMPT": "FAILED_PRECONDITION",
+    "INVALID_ARGUMENT": "INVALID_ARGUMENT",
+    "INVALID_CHECKPOINT_STATE": "DATA_LOSS",
+    "UNAUTHENTICATED": "UNAUTHENTICATED",
+    "DEADLINE_EXCEEDED": "DEADLINE_EXCEEDED",
+}
+
+
+def test_every_proto_reason_has_a_python_reason_and_back() -> None:
+    assert sorted(PROTO_REASONS) == sorted(r.name for r in Reason)
+
+
+def test_every_reason_has_a_grpc_code() -> None:
+    assert set(REASON_CODES) == set(Reason)
+    for reason in Reason:
+        assert isinstance(grpc_code(reason), grpc.StatusCode)
+
+
+@pytest.mark.parametrize(("reason", "code"), sorted(SPEC_TABLE.items()))
+def test_codes_follow_the_specification(reason: str, code: str) -> None:
+    assert REASON_CODES[Reason[reason]] == code
+
+
+@pytest.mark.parametrize("reason", list(Reason))
+def test_reason_round_trips_through_the_proto_enum(reason: Reason) -> None:
+    assert reason_from_proto(reason_to_proto(reason)) is reason
+
+
+def test_unspecified_and_unknown_enum_values_are_not_reasons() -> None:
+    assert reason_from_proto(types_pb2.ERROR_REASON_UNSPECIFIED) is None
+    assert reason_from_proto(9999) is None
+
+
+def test_control_error_carries_reason_code_and_metadata() -> None:
+    err = TurnpointError(Reason.STALE_CHECKPOINT, "late", {"checkpoint_id": "ck-000000000001"})
+    message = error_to_control_error(err)
+    assert message.code == grpc.StatusCode.ABORTED.value[0]
+    back = control_error_to_error(message)
+    assert back is not None
+    assert back.reason is Reason.STALE_CHECKPOINT
+    assert back.metadata == {"checkpoint_id": "ck-000000000001"}
+
+
+def test_transient_reasons_are_the_retryable_ones() -> None:
+    assert is_transient(Reason.ADMISSION_CLOSED)
+    assert is_transient(Reason.STORAGE_UNAVAILABLE)
+    assert not is_transient(Reason.FENCED)
+    assert not is_transient(Reason.INVALID_CHECKPOINT_STATE)
+
+
+def test_errors_pickle_with_their_data() -> None:
+    import pickle
+
+    err = TurnpointError(Reason.FENCED, "old epoch", {"epoch": "3"})
+    back = pickle.loads(pickle.dumps(err))
+    assert (back.reason, back.message, back.metadata) == (err.reason, err.message, err.metadata)

@@ -1,0 +1,83 @@
+"""Every id rule of PROTOCOL.md section 2 is enforced by one helper."""
+
+from __future__ import annotations
+
+import pytest
+
+from turnpoint.ids import (
+    EpisodeId,
+    InvalidIdError,
+    checkpoint_sequence,
+    make_checkpoint_id,
+    validate_attempt,
+    validate_id,
+)
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["a", "0", "rollout-1", "A.b_c-D", "x" * 128, "9lives", "r.0.1"],
+)
+def test_valid_ids(value: str) -> None:
+    assert validate_id(value) == value
+
+
+@pytest.mark.parametrize(
+    ("value", "why"),
+    [
+        ("", "empty"),
+        ("x" * 129, "128"),
+        ("../x", "start"),
+        (".hidden", "start"),
+        ("-dash", "start"),
+        ("_under", "start"),
+        ("a/b", "only"),
+        ("a\\b", "only"),
+        ("a b", "only"),
+        ("a\x00b", "only"),
+        ("é", "start"),
+        ("aé", "only"),
+        ("..", "start"),
+    ],
+)
+def test_invalid_ids(value: str, why: str) -> None:
+    with pytest.raises(InvalidIdError) as info:
+        validate_id(value, "rollout_id")
+    assert why in str(info.value)
+    assert info.value.field == "rollout_id"
+
+
+def test_non_string_id_is_refused() -> None:
+    with pytest.raises(InvalidIdError):
+        validate_id(5)
+
+
+@pytest.mark.parametrize("attempt", [-1, -100, 1.0, True, "1", None])
+def test_invalid_attempts(attempt: object) -> None:
+    with pytest.raises(InvalidIdError):
+        validate_attempt(attempt)
+
+
+def test_episode_id_validates_both_parts() -> None:
+    with pytest.raises(InvalidIdError):
+        EpisodeId("../x", 0)
+    with pytest.raises(InvalidIdError):
+        EpisodeId("ok", -1)
+    assert EpisodeId("r1", 2).next_attempt() == EpisodeId("r1", 3)
+
+
+def test_episode_id_text_round_trip() -> None:
+    episode = EpisodeId("group-3.s1", 4)
+    assert EpisodeId.parse(str(episode)) == episode
+    with pytest.raises(InvalidIdError):
+        EpisodeId.parse("no-attempt")
+
+
+def test_checkpoint_ids_carry_an_increasing_sequence_and_sort() -> None:
+    ids = [make_checkpoint_id("run1", n) for n in (1, 2, 10, 100)]
+    assert [checkpoint_sequence(i) for i in ids] == [1, 2, 10, 100]
+    assert sorted(ids) == ids
+    with pytest.raises(InvalidIdError):
+        checkpoint_sequence("nosequence")
+    with pytest.raises(InvalidIdError):
+        make_checkpoint_id("../run", 1)

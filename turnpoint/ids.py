@@ -1,0 +1,121 @@
+"""Identifier rules of the protocol (PROTOCOL.md section 2), enforced in one place.
+
+Rollout ids, checkpoint ids, restore ids and instance names all follow the same rule:
+1-128 characters of ``[A-Za-z0-9._-]``, starting with a letter or digit. Because the
+first character can never be a dot and no other path separator is allowed, a valid id
+is always a single, harmless path component (never ``.``, ``..`` or ``a/b``), which is
+what lets the snapshot store build paths from ids without any further escaping.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Self
+
+__all__ = [
+    "MAX_ID_LENGTH",
+    "EpisodeId",
+    "InvalidIdError",
+    "checkpoint_sequence",
+    "make_checkpoint_id",
+    "validate_attempt",
+    "validate_id",
+]
+
+MAX_ID_LENGTH = 128
+_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_CHECKPOINT_PATTERN = re.compile(r"(?P<prefix>[A-Za-z0-9][A-Za-z0-9._-]*?)-(?P<seq>[0-9]{1,18})")
+
+
+class InvalidIdError(ValueError):
+    """An identifier broke the rules of PROTOCOL.md section 2.
+
+    ``field`` names what was being validated so that the wire layer can report
+    ``INVALID_ARGUMENT`` with the offending field in the error metadata.
+    """
+
+    def __init__(self, field: str, value: object, why: str) -> None:
+        self.field = field
+        self.value = value
+        self.why = why
+        shown = (
+            repr(value)
+            if not isinstance(value, str) or len(value) <= 40
+            else repr(value[:40] + "...")
+        )
+        super().__init__(f"invalid {field} {shown}: {why}")
+
+
+def validate_id(value: object, field: str = "id") -> str:
+    """Return ``value`` if it is a valid protocol id, else raise :class:`InvalidIdError`."""
+    if not isinstance(value, str):
+        raise InvalidIdError(field, value, "must be a string")
+    if not value:
+        raise InvalidIdError(field, value, "must not be empty")
+    if len(value) > MAX_ID_LENGTH:
+        raise InvalidIdError(field, value, f"must be at most {MAX_ID_LENGTH} characters")
+    if not _ID_PATTERN.fullmatch(value):
+        if not value[0].isascii() or not value[0].isalnum():
+            raise InvalidIdError(field, value, "must start with a letter or digit")
+        raise InvalidIdError(field, value, "may contain only letters, digits, '.', '_' and '-'")
+    return value
+
+
+def validate_attempt(value: object, field: str = "attempt") -> int:
+    """Return ``value`` if it is a valid attempt number (an int >= 0)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidIdError(field, value, "must be an integer")
+    if value < 0:
+        raise InvalidIdError(field, value, "must be >= 0")
+    return value
+
+
+@dataclass(frozen=True, order=True, slots=True)
+class EpisodeId:
+    """One attempt of one rollout: ``(rollout_id, attempt)``.
+
+    Restoring a snapshot continues attempt N as attempt N+1 (:meth:`next_attempt`);
+    attempt N is then dead everywhere.
+    """
+
+    rollout_id: str
+    attempt: int = 0
+
+    def __post_init__(self) -> None:
+        validate_id(self.rollout_id, "rollout_id")
+        validate_attempt(self.attempt)
+
+    def next_attempt(self) -> EpisodeId:
+        return EpisodeId(self.rollout_id, self.attempt + 1)
+
+    def __str__(self) -> str:
+        return f"{self.rollout_id}#{self.attempt}"
+
+    @classmethod
+    def parse(cls, text: str) -> Self:
+        """Parse the ``rollout_id#attempt`` form produced by ``str()``."""
+        rollout_id, sep, attempt = text.rpartition("#")
+        if not sep or not attempt.isdigit():
+            raise InvalidIdError("episode", text, "expected 'rollout_id#attempt'")
+        return cls(rollout_id, int(attempt))
+
+
+def make_checkpoint_id(prefix: str, sequence: int) -> str:
+    """Build a checkpoint id that carries a strictly increasing sequence number.
+
+    The sequence is zero-padded so that ids also sort lexically in sequence order.
+    """
+    validate_id(prefix, "checkpoint prefix")
+    if sequence < 0:
+        raise InvalidIdError("checkpoint sequence", sequence, "must be >= 0")
+    return validate_id(f"{prefix}-{sequence:012d}", "checkpoint_id")
+
+
+def checkpoint_sequence(checkpoint_id: str) -> int:
+    """Return the sequence number a checkpoint id carries (its last ``-<digits>``)."""
+    validate_id(checkpoint_id, "checkpoint_id")
+    match = _CHECKPOINT_PATTERN.fullmatch(checkpoint_id)
+    if match is None:
+        raise InvalidIdError("checkpoint_id", checkpoint_id, "must end in '-<sequence>'")
+    return int(match.group("seq"))
