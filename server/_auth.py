@@ -1,0 +1,183 @@
+"""Bearer-token authentication for participant servers (PROTOCOL.md section 10).
+
+The server side is one ``grpc.aio.ServerInterceptor``: every method of a protected
+service needs ``authorization: Bearer <token>`` in its metadata, compared in constant
+time; a refused call ends UNAUTHENTICATED with a ``google.rpc.Status`` carrying one
+``ErrorInfo`` (reason UNAUTHENTICATED), like every other protocol error. Services are
+protected unless named open (deny by default), so a servicer added later is never
+exposed by accident. The token appears in no log line, error, or repr.
+
+The client side is plain metadata passed with each call (:func:`auth_metadata`), which
+works on plaintext and TLS channels alike; :func:`bearer_call_credentials` attaches it
+to every call instead, on TLS channels only (gRPC refuses call credentials on an
+insecure channel).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import os
+from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final
+
+import grpc
+
+from turnpoint._status import error_to_grpc_status
+from turnpoint.errors import Reason, TurnpointError
+
+__all__ = [
+    "TOKEN_ENV",
+    "TOKEN_FILE_ENV",
+    "BearerTokenInterceptor",
+    "auth_metadata",
+    "bearer_call_credentials",
+    "load_token",
+    "validate_token",
+]
+
+_log = logging.getLogger(__name__)
+
+TOKEN_ENV: Final = "TURNPOINT_TOKEN"
+TOKEN_FILE_ENV: Final = "TURNPOINT_TOKEN_FILE"
+
+_AUTHORIZATION: Final = "authorization"
+_SCHEME: Final = "bearer"
+_MAX_TOKEN_CHARS: Final = 4096
+
+if TYPE_CHECKING:
+    _Handler = grpc.RpcMethodHandler[Any, Any]
+    _InterceptorBase = grpc.aio.ServerInterceptor[Any, Any]
+else:
+    _InterceptorBase = grpc.aio.ServerInterceptor
+
+
+def validate_token(token: str) -> str:
+    """The token if it can travel in gRPC metadata; the error never quotes it."""
+    if not token:
+        raise ValueError("the bearer token is empty")
+    if len(token) > _MAX_TOKEN_CHARS:
+        raise ValueError(f"the bearer token is longer than {_MAX_TOKEN_CHARS} characters")
+    # Visible ASCII only: metadata values are ASCII, and a space or newline would make
+    # "Bearer <token>" ambiguous to parse.
+    if not all("!" <= char <= "~" for char in token):
+        raise ValueError("the bearer token must be visible ASCII without spaces")
+    return token
+
+
+def load_token(
+    token_file: str | Path | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+) -> str | None:
+    """The server's token: ``token_file``, else ``$TURNPOINT_TOKEN``, else the file named
+    by ``$TURNPOINT_TOKEN_FILE``; None when none is configured.
+
+    A file's trailing newline is dropped. Reads a file: call it before the event loop
+    starts or through ``asyncio.to_thread``.
+    """
+    env = os.environ if environ is None else environ
+    if token_file is None:
+        inline = env.get(TOKEN_ENV)
+        if inline:
+            return validate_token(inline)
+        token_file = env.get(TOKEN_FILE_ENV) or None
+        if token_file is None:
+            return None
+    try:
+        text = Path(token_file).read_text(encoding="ascii")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"cannot read the token file {str(token_file)!r}: {err}") from None
+    return validate_token(text.strip())
+
+
+def auth_metadata(token: str) -> tuple[tuple[str, str], ...]:
+    """Call metadata that authenticates one call: ``stub.X(req, metadata=auth_metadata(t))``."""
+    return ((_AUTHORIZATION, f"Bearer {validate_token(token)}"),)
+
+
+def bearer_call_credentials(token: str) -> grpc.CallCredentials:
+    """Per-call credentials for a TLS channel (``grpc.composite_channel_credentials``)."""
+    return grpc.access_token_call_credentials(validate_token(token))
+
+
+def _digest(value: bytes) -> bytes:
+    return hashlib.sha256(value).digest()
+
+
+class BearerTokenInterceptor(_InterceptorBase):
+    """Refuses calls to every service not in ``open_services`` without the right token."""
+
+    def __init__(self, token: str, *, open_services: Collection[str]) -> None:
+        # Comparing fixed-length digests keeps compare_digest from returning early on a
+        # length mismatch, so timing reveals neither the token's bytes nor its length.
+        self._expected_digest = _digest(validate_token(token).encode("ascii"))
+        self._open_services = frozenset(open_services)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(open_services={sorted(self._open_services)!r})"
+
+    def is_protected(self, method: str) -> bool:
+        """Whether ``/package.Service/Method`` needs the token."""
+        service = method.split("/")[1] if method.startswith("/") else method
+        return service not in self._open_services
+
+    def _refusal(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
+        """Why the call's metadata does not authenticate it; None when it does."""
+        values = [value for key, value in (metadata or ()) if key == _AUTHORIZATION]
+        if not values:
+            return "missing bearer token"
+        if len(values) > 1:
+            return "more than one authorization header"
+        value = values[0]
+        if isinstance(value, bytes):
+            return "malformed authorization header"
+        scheme, _, presented = value.partition(" ")
+        if scheme.lower() != _SCHEME or not presented:
+            return "authorization is not a bearer token"
+        presented_digest = _digest(presented.encode("utf-8", "surrogateescape"))
+        if not hmac.compare_digest(presented_digest, self._expected_digest):
+            return "bearer token not accepted"
+        return None
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[_Handler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> _Handler:
+        method = handler_call_details.method
+        if not self.is_protected(method):
+            return await continuation(handler_call_details)
+        refusal = self._refusal(handler_call_details.invocation_metadata)
+        handler = await continuation(handler_call_details)
+        if refusal is None or handler is None:
+            # An unknown method stays UNIMPLEMENTED: its shape is unknown, and reflection
+            # already tells anyone which methods exist.
+            return handler
+        return _rejecting_handler(handler, method, refusal)
+
+
+def _rejecting_handler(handler: _Handler, method: str, refusal: str) -> _Handler:
+    """A handler of the refused method's streaming shape that only aborts.
+
+    No request deserializer: an unauthenticated caller's bytes are never parsed.
+    """
+    error = TurnpointError(
+        Reason.UNAUTHENTICATED, f"{method}: {refusal}", {"method": method, "cause": refusal}
+    )
+    status = error_to_grpc_status(error)
+
+    async def reject(_request: object, context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        _log.warning("refused %s from %s: %s", method, context.peer(), refusal)
+        # grpc-stubs lacks abort_with_status on the aio context; grpcio has it since 1.38.
+        await context.abort_with_status(status)  # type: ignore[attr-defined]
+
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(reject)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(reject)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(reject)
+    return grpc.unary_unary_rpc_method_handler(reject)
