@@ -1,0 +1,112 @@
+"""Recovery levels: how finely each environment's unfinished rollouts can continue.
+
+PROTOCOL.md section 7: one setting, ``target_level`` (``turn``, ``sibling`` or
+``prompt_group``, finest to coarsest). Each environment gets the finest level at or
+below the target that everything it depends on supports, derived from ``Describe``.
+The decision is data: it carries the reasons it was lowered, so the coordinator can log
+one warning per lowered environment and tests can assert on the reasons.
+
+Pure: no grpc, no asyncio, no clock.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+__all__ = [
+    "EnvironmentMember",
+    "Level",
+    "LevelDecision",
+    "decide_levels",
+]
+
+
+class Level(enum.IntEnum):
+    """Recovery levels, ordered finest (lowest) to coarsest (highest)."""
+
+    TURN = 1
+    SIBLING = 2
+    PROMPT_GROUP = 3
+
+    @classmethod
+    def parse(cls, text: str) -> Level:
+        try:
+            return cls[text.upper()]
+        except KeyError:
+            valid = ", ".join(level.name.lower() for level in cls)
+            raise ValueError(f"unknown recovery level {text!r}; choose one of {valid}") from None
+
+    @property
+    def label(self) -> str:
+        return self.name.lower()
+
+
+@dataclass(frozen=True, slots=True)
+class EnvironmentMember:
+    """What ``Describe`` said about one participant an environment's rollouts use."""
+
+    instance: str
+    kind: str  # "agent", "resources", "model", "environment"
+    recovery_mode: str  # "stateless", "exported", "restart_only"
+    supported_levels: frozenset[Level]
+    group_scored: bool = False
+    group_size: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class LevelDecision:
+    """The effective level of one environment and why it differs from the target."""
+
+    environment: str
+    target: Level
+    effective: Level
+    reasons: tuple[str, ...]
+    group_scored: bool
+
+    @property
+    def lowered(self) -> bool:
+        return self.effective > self.target
+
+    def warning(self) -> str:
+        why = "; ".join(self.reasons)
+        return (
+            f"environment {self.environment!r}: recovery level lowered from "
+            f"{self.target.label} to {self.effective.label} ({why})"
+        )
+
+
+def _coarsest_needed(member: EnvironmentMember) -> tuple[Level, str | None]:
+    if member.recovery_mode == "restart_only":
+        # Its sessions start over, so a saved turn that depends on them cannot continue.
+        return Level.SIBLING, f"{member.instance} is restart-only"
+    if member.supported_levels and Level.TURN not in member.supported_levels:
+        finest = min(member.supported_levels)
+        return finest, f"{member.instance} supports {finest.label} at the finest"
+    return Level.TURN, None
+
+
+def decide_levels(
+    target: Level, environments: Mapping[str, Iterable[EnvironmentMember]]
+) -> dict[str, LevelDecision]:
+    """Each environment's effective level: the finest at or below ``target`` it supports."""
+    decisions: dict[str, LevelDecision] = {}
+    for environment, members in sorted(environments.items()):
+        effective = target
+        reasons: list[str] = []
+        group_scored = False
+        for member in sorted(members, key=lambda m: m.instance):
+            group_scored = group_scored or member.group_scored
+            needed, reason = _coarsest_needed(member)
+            if needed > target and reason is not None:
+                reasons.append(reason)
+            effective = max(effective, needed)
+        decisions[environment] = LevelDecision(
+            environment=environment,
+            target=target,
+            effective=effective,
+            reasons=tuple(reasons),
+            group_scored=group_scored,
+        )
+    return decisions
