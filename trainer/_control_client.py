@@ -1,0 +1,813 @@
+"""The coordinator's client for one participant's ``CheckpointControlService``.
+
+PROTOCOL.md section 3: the control path rides on one long-lived ``ControlSession``
+bidirectional stream per participant, which costs about half of the same fan-out made
+of unary calls. :class:`ParticipantControlClient` keeps that stream open, correlates
+replies by ``request_id`` (they may arrive in any order) and gives each call its own
+timeout. It falls back to the unary RPCs for good when a participant does not serve
+``ControlSession`` (tools, other languages, older builds).
+
+What the client does *not* do is retry: a broken session fails every call still waiting
+on it with a transient :class:`SessionBrokenError`, the next call opens a new session,
+and the caller decides whether to send the same request (same ``request_id``) again.
+The participant then replays its recorded answer or joins the work still running, so a
+reply lost with the stream is never mistaken for a new operation.
+
+:func:`classify` is the one place that turns any failure of a control call into a
+:class:`Failure` (transient, not ready, or a broken invariant), from the error's reason
+and gRPC code, never from its text (PROTOCOL.md sections 7 and 9).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import math
+import uuid
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType, TracebackType
+from typing import TYPE_CHECKING, Final, Self, TypeAlias, cast, overload
+
+import grpc
+from google.protobuf import duration_pb2
+
+from turnpoint._keepalive import control_channel
+from turnpoint._status import control_error_to_error, error_from_rpc, grpc_code
+from turnpoint.errors import Reason, TurnpointError, is_transient
+from turnpoint.server import auth_metadata
+from turnpoint.v1 import checkpoint_control_service_pb2 as pb
+from turnpoint.v1 import checkpoint_control_service_pb2_grpc as pb_grpc
+from turnpoint.v1 import types_pb2
+
+if TYPE_CHECKING:
+    from turnpoint.v1.checkpoint_control_service_pb2_grpc import (
+        CheckpointControlServiceAsyncStub,
+    )
+
+__all__ = [
+    "BoundaryWatch",
+    "CallTimeoutError",
+    "ControlCallError",
+    "ControlRequest",
+    "ControlResponse",
+    "Failure",
+    "FailureKind",
+    "MalformedReplyError",
+    "NotReadyError",
+    "ParticipantControlClient",
+    "SessionBrokenError",
+    "TransportError",
+    "classify",
+    "new_request_id",
+]
+
+_LOG = logging.getLogger(__name__)
+
+ControlRequest: TypeAlias = (
+    pb.DescribeRequest
+    | pb.PrepareRequest
+    | pb.RenewRequest
+    | pb.CommitRequest
+    | pb.ResumeRequest
+    | pb.RestoreRequest
+    | pb.RetireRequest
+    | pb.ForgetRequest
+    | pb.GetStatusRequest
+)
+ControlResponse: TypeAlias = (
+    pb.DescribeResponse
+    | pb.PrepareResponse
+    | pb.RenewResponse
+    | pb.CommitResponse
+    | pb.ResumeResponse
+    | pb.RestoreResponse
+    | pb.RetireResponse
+    | pb.ForgetResponse
+    | pb.GetStatusResponse
+)
+
+# PROTOCOL.md section 7: a call is abandoned min(timeout, 5 s) after its timeout.
+_MAX_REPLY_GRACE_S: Final = 5.0
+
+
+def new_request_id() -> str:
+    """A fresh idempotency key; decide it once per operation and reuse it on retries."""
+    return uuid.uuid4().hex
+
+
+@dataclass(frozen=True, slots=True)
+class _Operation:
+    # The oneof field name, the same on ControlSessionRequest and ControlSessionResponse.
+    field: str
+    # The unary method on the stub, also the operation's name in errors.
+    method: str
+    response_type: type[ControlResponse]
+    # Mutating requests carry a request_id the caller chose; the read-only ones do not.
+    mutating: bool
+
+
+_OPERATIONS: Mapping[type[ControlRequest], _Operation] = MappingProxyType(
+    {
+        pb.DescribeRequest: _Operation("describe", "Describe", pb.DescribeResponse, False),
+        pb.PrepareRequest: _Operation("prepare", "Prepare", pb.PrepareResponse, True),
+        pb.RenewRequest: _Operation("renew", "Renew", pb.RenewResponse, True),
+        pb.CommitRequest: _Operation("commit", "Commit", pb.CommitResponse, True),
+        pb.ResumeRequest: _Operation("resume", "Resume", pb.ResumeResponse, True),
+        pb.RestoreRequest: _Operation("restore", "Restore", pb.RestoreResponse, True),
+        pb.RetireRequest: _Operation("retire", "Retire", pb.RetireResponse, True),
+        pb.ForgetRequest: _Operation("forget", "Forget", pb.ForgetResponse, True),
+        pb.GetStatusRequest: _Operation("get_status", "GetStatus", pb.GetStatusResponse, False),
+    }
+)
+
+
+def _operation_of(request: ControlRequest) -> _Operation:
+    try:
+        return _OPERATIONS[type(request)]
+    except KeyError:
+        raise TypeError(f"not a control request: {type(request).__name__}") from None
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class ControlCallError(Exception):
+    """A control call that ended without a verdict of the participant's protocol core.
+
+    ``code`` is the gRPC status the transport reported, when there was one.
+    """
+
+    def __init__(
+        self,
+        participant: str,
+        operation: str,
+        detail: str,
+        code: grpc.StatusCode | None = None,
+    ) -> None:
+        super().__init__(f"{operation} on {participant}: {detail}")
+        self.participant = participant
+        self.operation = operation
+        self.detail = detail
+        self.code = code
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.participant, self.operation, self.detail, self.code))
+
+
+class SessionBrokenError(ControlCallError):
+    """The control session broke (error or end of stream) while the call waited.
+
+    The participant may or may not have acted; retry the same request on a new session.
+    """
+
+
+class CallTimeoutError(ControlCallError):
+    """No reply within the call's timeout (plus the reply grace on a session)."""
+
+
+class TransportError(ControlCallError):
+    """A unary call failed below the protocol: no ``ErrorInfo``, only a gRPC code."""
+
+
+class MalformedReplyError(ControlCallError):
+    """A reply that breaks the contract: wrong type, missing header, another
+    participant's header, or another checkpoint id than the one asked for."""
+
+
+class NotReadyError(Exception):
+    """A participant answered prepare but could not park everything in time.
+
+    Raised by the coordinator, not by the client: a not-ready prepare is an answer on
+    the wire (PROTOCOL.md section 4). It exists so that :func:`classify` can tell this
+    retryable outcome from both an infrastructure failure and a broken invariant.
+    """
+
+    def __init__(
+        self,
+        participant: str,
+        checkpoint_id: str,
+        readiness: types_pb2.ReadinessReport | None = None,
+    ) -> None:
+        blockers = readiness.blocker_count if readiness is not None else "?"
+        super().__init__(f"{participant} not ready for {checkpoint_id}: {blockers} blocker(s)")
+        self.participant = participant
+        self.checkpoint_id = checkpoint_id
+        self.readiness = readiness
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.participant, self.checkpoint_id, self.readiness))
+
+
+class _SessionUnsupported(Exception):
+    """The participant does not serve ControlSession; the request never reached it."""
+
+
+# ------------------------------------------------------------------- classification
+
+
+class FailureKind(enum.Enum):
+    """What a failed control call means for the operation (PROTOCOL.md section 7)."""
+
+    # Infrastructure: unreachable, too slow, a broken stream, storage, admission.
+    TRANSIENT = "transient"
+    # The participant answered but could not park in time.
+    NOT_READY = "not_ready"
+    # Anything else: a retry would only hide it.
+    INVARIANT = "invariant"
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """One participant's failed call, as the coordinator decides on it.
+
+    ``error`` is the exception classified, kept for chaining and logs; it takes no part
+    in comparisons.
+    """
+
+    kind: FailureKind
+    reason: Reason | None
+    code: grpc.StatusCode | None
+    detail: str
+    error: BaseException | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def retryable(self) -> bool:
+        """Whether the same operation may succeed if simply tried again."""
+        return self.kind is not FailureKind.INVARIANT
+
+
+# gRPC codes that mean "the call did not get through in time", whatever the participant
+# is: the transport failed, not the protocol.
+_TRANSIENT_CODES: Final = frozenset(
+    {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
+)
+
+
+def _kind_of_code(code: grpc.StatusCode | None) -> FailureKind:
+    return FailureKind.TRANSIENT if code in _TRANSIENT_CODES else FailureKind.INVARIANT
+
+
+def classify(error: BaseException) -> Failure:
+    """Decide what a failed control call means, from reasons and codes only.
+
+    Transient: UNAVAILABLE, DEADLINE_EXCEEDED, a broken session, a call that got no
+    reply in time, and the transient protocol reasons (ADMISSION_CLOSED,
+    STORAGE_UNAVAILABLE, DEADLINE_EXCEEDED). Not ready: :class:`NotReadyError`.
+    Everything else, protocol refusals (STALE_CHECKPOINT, CHECKPOINT_CONFLICT, FENCED,
+    INVALID_CHECKPOINT_STATE...) and malformed replies included, is an invariant break.
+    """
+    if isinstance(error, TurnpointError):
+        kind = FailureKind.TRANSIENT if is_transient(error.reason) else FailureKind.INVARIANT
+        return Failure(kind, error.reason, grpc_code(error.reason), str(error), error)
+    if isinstance(error, NotReadyError):
+        return Failure(FailureKind.NOT_READY, None, None, str(error), error)
+    if isinstance(error, SessionBrokenError | CallTimeoutError):
+        return Failure(FailureKind.TRANSIENT, None, error.code, str(error), error)
+    if isinstance(error, MalformedReplyError):
+        return Failure(FailureKind.INVARIANT, None, error.code, str(error), error)
+    if isinstance(error, TransportError):
+        return Failure(_kind_of_code(error.code), None, error.code, str(error), error)
+    if isinstance(error, grpc.RpcError):
+        carried = error_from_rpc(error)
+        if carried is not None:
+            return classify(carried)
+        code = _rpc_code(error)
+        return Failure(_kind_of_code(code), None, code, _rpc_details(error), error)
+    if isinstance(error, TimeoutError):
+        return Failure(
+            FailureKind.TRANSIENT, None, grpc.StatusCode.DEADLINE_EXCEEDED, str(error), error
+        )
+    return Failure(FailureKind.INVARIANT, None, None, f"{type(error).__name__}: {error}", error)
+
+
+def _rpc_code(error: grpc.RpcError) -> grpc.StatusCode | None:
+    code = getattr(error, "code", None)
+    if not callable(code):
+        return None
+    value = code()
+    return value if isinstance(value, grpc.StatusCode) else None
+
+
+def _rpc_details(error: grpc.RpcError) -> str:
+    details = getattr(error, "details", None)
+    text = details() if callable(details) else None
+    return text if isinstance(text, str) else type(error).__name__
+
+
+# ------------------------------------------------------------------------- session
+
+
+class _Session:
+    """One open ControlSession stream: a writer task, a reader task, pending futures.
+
+    Writes go through one task so that a caller cancelled mid-write never cancels the
+    stream itself (grpc.aio cancels the whole RPC when a write is cancelled).
+    """
+
+    def __init__(
+        self,
+        call: grpc.aio.StreamStreamCall[pb.ControlSessionRequest, pb.ControlSessionResponse],
+        participant: str,
+    ) -> None:
+        self._call = call
+        self._participant = participant
+        self._pending: dict[str, asyncio.Future[pb.ControlSessionResponse]] = {}
+        self._outbox: asyncio.Queue[
+            tuple[pb.ControlSessionRequest, asyncio.Future[pb.ControlSessionResponse]]
+        ] = asyncio.Queue()
+        # Once the participant answered anything it serves sessions: an UNIMPLEMENTED
+        # after that is a broken stream, not a reason to give up on sessions.
+        self.answered = False
+        self.broken = False
+        self._reader = asyncio.create_task(self._read_loop(), name=f"control-read-{participant}")
+        self._writer = asyncio.create_task(self._write_loop(), name=f"control-write-{participant}")
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def submit(
+        self, envelope: pb.ControlSessionRequest
+    ) -> asyncio.Future[pb.ControlSessionResponse]:
+        if envelope.request_id in self._pending:
+            raise ValueError(
+                f"request_id {envelope.request_id!r} is already in flight to {self._participant}"
+            )
+        future: asyncio.Future[pb.ControlSessionResponse] = (
+            asyncio.get_running_loop().create_future()
+        )
+        self._pending[envelope.request_id] = future
+        self._outbox.put_nowait((envelope, future))
+        return future
+
+    def forget(self, request_id: str, future: asyncio.Future[pb.ControlSessionResponse]) -> None:
+        """Stop waiting for one reply; a late reply for it is then dropped."""
+        if self._pending.get(request_id) is future:
+            del self._pending[request_id]
+        future.cancel()
+
+    async def _read_loop(self) -> None:
+        try:
+            while True:
+                message = await self._call.read()
+                if not isinstance(message, pb.ControlSessionResponse):
+                    # End of stream: the participant closed the session.
+                    code = await self._call.code()
+                    details = await self._call.details()
+                    self._break(code, details or "participant ended the control session")
+                    return
+                self.answered = True
+                future = self._pending.pop(message.request_id, None)
+                if future is None:
+                    _LOG.debug(
+                        "dropping a reply nobody waits for (%s on %s)",
+                        message.request_id,
+                        self._participant,
+                    )
+                elif not future.done():
+                    future.set_result(message)
+        except grpc.aio.AioRpcError as error:
+            self._break_on(error)
+        finally:
+            self._break(None, "control session closed")
+
+    async def _write_loop(self) -> None:
+        while True:
+            envelope, future = await self._outbox.get()
+            if future.done():
+                # Its caller gave up before it was sent: nobody would read the reply.
+                continue
+            try:
+                await self._call.write(envelope)
+            except grpc.aio.AioRpcError as error:
+                self._break_on(error)
+                return
+            except asyncio.InvalidStateError:
+                # The stream already ended; its status says why.
+                self._break(await self._call.code(), await self._call.details())
+                return
+
+    def _break_on(self, error: grpc.aio.AioRpcError) -> None:
+        self._break(
+            error.code(), error.details() or "control session failed", error_from_rpc(error)
+        )
+
+    def _break(
+        self,
+        code: grpc.StatusCode | None,
+        detail: str,
+        carried: TurnpointError | None = None,
+    ) -> None:
+        """Fail every pending call and end the stream; the first cause wins."""
+        if self.broken:
+            return
+        self.broken = True
+        unsupported = code is grpc.StatusCode.UNIMPLEMENTED and not self.answered
+        pending = list(self._pending.values())
+        self._pending.clear()
+        for future in pending:
+            if future.done():
+                continue
+            error: Exception
+            if unsupported:
+                error = _SessionUnsupported(detail)
+            elif carried is not None:
+                # The participant refused the session itself (a bad token, say): that
+                # is its verdict on every call, not a broken connection.
+                error = TurnpointError(carried.reason, carried.message, carried.metadata)
+            else:
+                error = SessionBrokenError(self._participant, "ControlSession", detail, code)
+            future.set_exception(error)
+        self._call.cancel()
+        current = asyncio.current_task()
+        for task in (self._reader, self._writer):
+            if task is not current:
+                task.cancel()
+
+    async def close(self) -> None:
+        self._break(None, "client closed")
+        await asyncio.gather(self._reader, self._writer, return_exceptions=True)
+
+
+# -------------------------------------------------------------------------- client
+
+
+def _check_timeout(timeout_s: float) -> None:
+    if not (math.isfinite(timeout_s) and timeout_s > 0):
+        raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s}")
+
+
+class ParticipantControlClient:
+    """Control calls to one participant, over one ``ControlSession`` stream.
+
+    ``call`` sends a typed request and returns the typed response, raising the
+    :class:`~turnpoint.errors.TurnpointError` the participant answered with, or a
+    :class:`ControlCallError` when it gave no verdict. Use :func:`classify` on either.
+    The client never retries by itself.
+
+    Every reply is checked against the request: it must be the operation's response
+    type, carry a header naming ``participant_name``, and name the checkpoint (or
+    restore) it was asked for; otherwise :class:`MalformedReplyError`.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        token: str,
+        participant_name: str,
+        channel_credentials: grpc.ChannelCredentials | None = None,
+        reply_grace_s: float | None = None,
+    ) -> None:
+        if reply_grace_s is not None and reply_grace_s < 0:
+            raise ValueError(f"reply_grace_s must be >= 0, got {reply_grace_s}")
+        self._address = address
+        self._participant_name = participant_name
+        # Validated now: a token that cannot travel in metadata is a configuration error.
+        self._metadata = auth_metadata(token)
+        self._credentials = channel_credentials
+        self._reply_grace_s = reply_grace_s
+        # Created on first use, inside the event loop that will run it.
+        self._channel: grpc.aio.Channel | None = None
+        self._stub: CheckpointControlServiceAsyncStub | None = None
+        self._session: _Session | None = None
+        # None: not known yet; False: the participant answered UNIMPLEMENTED.
+        self._session_supported: bool | None = None
+        self._watches: set[BoundaryWatch] = set()
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self._participant_name!r}, {self._address!r})"
+
+    @property
+    def participant_name(self) -> str:
+        return self._participant_name
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    @property
+    def uses_session(self) -> bool:
+        """False once the participant refused ``ControlSession`` and calls went unary."""
+        return self._session_supported is not False
+
+    @property
+    def pending_calls(self) -> int:
+        """Calls waiting for a reply on the current session."""
+        session = self._session
+        return 0 if session is None or session.broken else session.pending
+
+    def _stub_for_call(self) -> CheckpointControlServiceAsyncStub:
+        if self._closed:
+            raise RuntimeError(f"{self!r} is closed")
+        if self._stub is None:
+            self._channel = control_channel(self._address, credentials=self._credentials)
+            self._stub = pb_grpc.CheckpointControlServiceStub(self._channel)
+        return self._stub
+
+    def _session_for_call(self) -> _Session:
+        stub = self._stub_for_call()
+        if self._session is None or self._session.broken:
+            call = stub.ControlSession(None, metadata=self._metadata)
+            self._session = _Session(call, self._participant_name)
+        return self._session
+
+    def _reply_grace(self, timeout_s: float) -> float:
+        if self._reply_grace_s is not None:
+            return self._reply_grace_s
+        return min(timeout_s, _MAX_REPLY_GRACE_S)
+
+    @overload
+    async def call(self, request: pb.DescribeRequest, timeout_s: float) -> pb.DescribeResponse: ...
+    @overload
+    async def call(self, request: pb.PrepareRequest, timeout_s: float) -> pb.PrepareResponse: ...
+    @overload
+    async def call(self, request: pb.RenewRequest, timeout_s: float) -> pb.RenewResponse: ...
+    @overload
+    async def call(self, request: pb.CommitRequest, timeout_s: float) -> pb.CommitResponse: ...
+    @overload
+    async def call(self, request: pb.ResumeRequest, timeout_s: float) -> pb.ResumeResponse: ...
+    @overload
+    async def call(self, request: pb.RestoreRequest, timeout_s: float) -> pb.RestoreResponse: ...
+    @overload
+    async def call(self, request: pb.RetireRequest, timeout_s: float) -> pb.RetireResponse: ...
+    @overload
+    async def call(self, request: pb.ForgetRequest, timeout_s: float) -> pb.ForgetResponse: ...
+    @overload
+    async def call(
+        self, request: pb.GetStatusRequest, timeout_s: float
+    ) -> pb.GetStatusResponse: ...
+    @overload
+    async def call(self, request: ControlRequest, timeout_s: float) -> ControlResponse: ...
+
+    async def call(self, request: ControlRequest, timeout_s: float) -> ControlResponse:
+        """Send one control request and wait for its reply, at most ``timeout_s``.
+
+        On the session the participant is told ``timeout_s`` and answers before it; the
+        client waits a reply grace longer before it gives up. Mutating requests must
+        carry the ``request_id`` the caller chose; a retry sends the same one.
+        """
+        _check_timeout(timeout_s)
+        operation = _operation_of(request)
+        request_id = self._request_id_of(operation, request)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        if self._session_supported is not False:
+            try:
+                response = await self._call_on_session(operation, request_id, request, timeout_s)
+            except _SessionUnsupported:
+                self._fall_back_to_unary()
+            else:
+                self._session_supported = True
+                self._check_reply(operation, request, response)
+                return response
+        # The request never reached the participant's core: send it once, unary, in
+        # whatever time the call has left.
+        remaining = deadline - loop.time()
+        if remaining <= 0:
+            raise CallTimeoutError(
+                self._participant_name,
+                operation.method,
+                f"no reply within {timeout_s:g}s",
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+            )
+        response = await self._call_unary(operation, request, remaining)
+        self._check_reply(operation, request, response)
+        return response
+
+    def _fall_back_to_unary(self) -> None:
+        # Only a session that never answered and ended UNIMPLEMENTED gets here. grpc.aio
+        # can report that answer as INTERNAL when it races the session's first write
+        # (the write fails and the status is replaced); that call then fails as a
+        # broken session, transient, and the caller's retry lands here.
+        if self._session_supported is not False:
+            _LOG.info("%s does not serve ControlSession; using unary calls", self._participant_name)
+        self._session_supported = False
+
+    def _request_id_of(self, operation: _Operation, request: ControlRequest) -> str:
+        if not operation.mutating:
+            return new_request_id()
+        request_id = getattr(request, "request_id", "")
+        if not isinstance(request_id, str) or not request_id:
+            raise ValueError(
+                f"{operation.method} needs a request_id chosen by the caller, reused on retries"
+            )
+        return request_id
+
+    async def _call_on_session(
+        self,
+        operation: _Operation,
+        request_id: str,
+        request: ControlRequest,
+        timeout_s: float,
+    ) -> ControlResponse:
+        timeout = duration_pb2.Duration()
+        timeout.FromNanoseconds(round(timeout_s * 1e9))
+        envelope = pb.ControlSessionRequest(request_id=request_id, timeout=timeout)
+        getattr(envelope, operation.field).CopyFrom(request)
+        session = self._session_for_call()
+        future = session.submit(envelope)
+        try:
+            async with asyncio.timeout(timeout_s + self._reply_grace(timeout_s)):
+                reply = await future
+        except TimeoutError:
+            raise CallTimeoutError(
+                self._participant_name,
+                operation.method,
+                f"no reply on the control session within {timeout_s:g}s and its grace",
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+            ) from None
+        finally:
+            session.forget(request_id, future)
+        return self._unwrap(operation, reply)
+
+    def _unwrap(self, operation: _Operation, reply: pb.ControlSessionResponse) -> ControlResponse:
+        which = reply.WhichOneof("result")
+        if which == "error":
+            carried = control_error_to_error(reply.error)
+            if carried is None:
+                raise MalformedReplyError(
+                    self._participant_name,
+                    operation.method,
+                    f"error without a known reason (code {reply.error.code})",
+                )
+            raise carried
+        if which != operation.field:
+            raise MalformedReplyError(
+                self._participant_name,
+                operation.method,
+                f"answered with {which or 'nothing'} instead of {operation.field}",
+            )
+        return cast(ControlResponse, getattr(reply, which))
+
+    async def _call_unary(
+        self, operation: _Operation, request: ControlRequest, timeout_s: float
+    ) -> ControlResponse:
+        method = getattr(self._stub_for_call(), operation.method)
+        call: grpc.aio.UnaryUnaryCall[ControlRequest, ControlResponse] = method(
+            request, timeout=timeout_s, metadata=self._metadata
+        )
+        try:
+            response = await call
+        except grpc.aio.AioRpcError as error:
+            raise self._from_rpc_error(operation.method, error) from error
+        finally:
+            # Propagates a caller's cancellation to the participant (PROTOCOL.md
+            # section 6: cancel control calls the coordinator stopped waiting for).
+            if not call.done():
+                call.cancel()
+        if not isinstance(response, operation.response_type):
+            raise MalformedReplyError(
+                self._participant_name,
+                operation.method,
+                f"answered with {type(response).__name__}",
+            )
+        return response
+
+    def _from_rpc_error(self, method: str, error: grpc.aio.AioRpcError) -> Exception:
+        carried = error_from_rpc(error)
+        if carried is not None:
+            return carried
+        code = error.code()
+        details = error.details() or code.name
+        if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+            return CallTimeoutError(self._participant_name, method, details, code)
+        return TransportError(self._participant_name, method, details, code)
+
+    def _check_header(self, method: str, header: types_pb2.ResponseHeader, present: bool) -> None:
+        if not present:
+            raise MalformedReplyError(self._participant_name, method, "reply has no header")
+        if header.participant_id != self._participant_name:
+            raise MalformedReplyError(
+                self._participant_name,
+                method,
+                f"reply comes from participant {header.participant_id!r}",
+            )
+
+    def _check_reply(
+        self, operation: _Operation, request: ControlRequest, response: ControlResponse
+    ) -> None:
+        method = operation.method
+        self._check_header(method, response.header, response.HasField("header"))
+        asked: str | None = None
+        answered = ""
+        if isinstance(response, pb.PrepareResponse):
+            assert isinstance(request, pb.PrepareRequest)
+            asked, answered = request.checkpoint_id, response.checkpoint_id
+            if response.phase not in (types_pb2.PHASE_PREPARED, types_pb2.PHASE_PREPARING):
+                raise MalformedReplyError(
+                    self._participant_name,
+                    method,
+                    f"prepare answered phase {types_pb2.Phase.Name(response.phase)}",
+                )
+        elif isinstance(response, pb.CommitResponse):
+            assert isinstance(request, pb.CommitRequest)
+            asked, answered = request.checkpoint_id, response.checkpoint_id
+        elif isinstance(response, pb.RestoreResponse):
+            assert isinstance(request, pb.RestoreRequest)
+            asked, answered = request.restore_id, response.restore_id
+        elif isinstance(response, pb.DescribeResponse):
+            asked, answered = self._participant_name, response.instance_name
+        if asked is not None and answered != asked:
+            raise MalformedReplyError(
+                self._participant_name, method, f"reply names {answered!r}, asked for {asked!r}"
+            )
+
+    def watch_boundaries(
+        self, request: pb.WatchBoundariesRequest, *, timeout_s: float
+    ) -> BoundaryWatch:
+        """Subscribe to readiness and boundary changes (a server stream) for ``timeout_s``.
+
+        Iterate the result with ``async for``; leave it with ``async with`` or
+        ``aclose()`` so that the stream is cancelled at once. ``close()`` of the client
+        cancels every watch still open, which ends its iteration. When ``timeout_s``
+        runs out the iteration raises :class:`CallTimeoutError`.
+        """
+        _check_timeout(timeout_s)
+        call = self._stub_for_call().WatchBoundaries(
+            request, timeout=timeout_s, metadata=self._metadata
+        )
+        watch = BoundaryWatch(self, call)
+        self._watches.add(watch)
+        return watch
+
+    def _watch_ended(self, watch: BoundaryWatch) -> None:
+        self._watches.discard(watch)
+
+    async def close(self) -> None:
+        """Fail pending calls, cancel open streams and close the channel. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for watch in list(self._watches):
+            await watch.aclose()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+        if self._channel is not None:
+            await self._channel.close(None)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+
+class BoundaryWatch:
+    """An open ``WatchBoundaries`` stream: an async iterator and an async context manager."""
+
+    def __init__(
+        self,
+        client: ParticipantControlClient,
+        call: grpc.aio.UnaryStreamCall[pb.WatchBoundariesRequest, pb.WatchBoundariesResponse],
+    ) -> None:
+        self._client = client
+        self._call = call
+
+    def __aiter__(self) -> AsyncIterator[pb.WatchBoundariesResponse]:
+        return self
+
+    async def __anext__(self) -> pb.WatchBoundariesResponse:
+        client = self._client
+        try:
+            message = await self._call.read()
+        except grpc.aio.AioRpcError as error:
+            await self.aclose()
+            raise client._from_rpc_error("WatchBoundaries", error) from error
+        except asyncio.CancelledError:
+            task = asyncio.current_task()
+            if self._call.cancelled() and (task is None or not task.cancelling()):
+                # Closed by aclose() or the client's close(), not by our own caller.
+                raise StopAsyncIteration from None
+            raise
+        if not isinstance(message, pb.WatchBoundariesResponse):
+            await self.aclose()
+            raise StopAsyncIteration
+        client._check_header("WatchBoundaries", message.header, message.HasField("header"))
+        return message
+
+    async def aclose(self) -> None:
+        """Cancel the stream (a no-op once it ended)."""
+        if not self._call.done():
+            self._call.cancel()
+        self._client._watch_ended(self)
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await self.aclose()
