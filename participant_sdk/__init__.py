@@ -1,1 +1,107 @@
-"""Placeholder; filled by its issue."""
+"""The participant SDK: what a Gym server links to take part in turnpoint checkpoints.
+
+Implement a kind (:class:`Agent`, :class:`ResourcesServer` or :class:`PolicyModel`) and
+host it in a :class:`ParticipantRuntime`; the wire adapters in ``turnpoint.server`` call
+the runtime's methods one to one. Everything here speaks plain dataclasses; errors are
+``turnpoint.errors.TurnpointError`` carrying a :class:`turnpoint.errors.Reason`.
+"""
+
+from ._agent import (
+    Agent,
+    BoundaryReport,
+    EpisodeContext,
+    RunOutcome,
+    RunResult,
+    SavedTurn,
+)
+from ._model import GenerateChunk, GenerateRequest, PolicyModel
+from ._resources import ConfigurationError, ResourcesServer, Verdict
+from ._runtime import (
+    AcknowledgeResult,
+    BoundaryEvent,
+    CommitResult,
+    Description,
+    ForgetResult,
+    Header,
+    ParticipantRuntime,
+    PrepareResult,
+    ReadinessUpdate,
+    RenewResult,
+    RestoreResult,
+    ResumeResult,
+    RetireResult,
+    StatusResult,
+    WatchEvent,
+)
+from ._shared import RuntimeConfig
+from ._store import (
+    ArtifactRef,
+    CorruptSnapshotError,
+    Record,
+    SnapshotConflictError,
+    SnapshotEntry,
+    SnapshotStore,
+    StoreError,
+    StoreFaults,
+)
+from ._types import (
+    Blocker,
+    CompletionReceipt,
+    EpisodeState,
+    Fence,
+    ParticipantKind,
+    Phase,
+    ReadinessReport,
+    RecoveryLevel,
+    RecoveryMode,
+    VerifyMode,
+)
+
+__all__ = [
+    "AcknowledgeResult",
+    "Agent",
+    "ArtifactRef",
+    "Blocker",
+    "BoundaryEvent",
+    "BoundaryReport",
+    "CommitResult",
+    "CompletionReceipt",
+    "ConfigurationError",
+    "CorruptSnapshotError",
+    "Description",
+    "EpisodeContext",
+    "EpisodeState",
+    "Fence",
+    "ForgetResult",
+    "GenerateChunk",
+    "GenerateRequest",
+    "Header",
+    "ParticipantKind",
+    "ParticipantRuntime",
+    "Phase",
+    "PolicyModel",
+    "PrepareResult",
+    "ReadinessReport",
+    "ReadinessUpdate",
+    "Record",
+    "RecoveryLevel",
+    "RecoveryMode",
+    "RenewResult",
+    "ResourcesServer",
+    "RestoreResult",
+    "ResumeResult",
+    "RetireResult",
+    "RunOutcome",
+    "RunResult",
+    "RuntimeConfig",
+    "SavedTurn",
+    "SnapshotConflictError",
+    "SnapshotEntry",
+    "SnapshotStore",
+    "StatusResult",
+    "StoreError",
+    "StoreFaults",
+    "Verdict",
+    "VerifyMode",
+    "WatchEvent",
+]

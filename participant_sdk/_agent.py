@@ -1,0 +1,659 @@
+"""Agents: episodes that run turn by turn and park at their turn boundaries.
+
+A Gym agent server subclasses :class:`Agent` and implements :meth:`Agent.run`. The SDK
+runs each episode as one execution, streams a :class:`BoundaryReport` each time the
+episode seals a turn (``await ctx.boundary(...)``), then one :class:`RunResult`.
+
+The state given to ``ctx.boundary`` is what a snapshot saves (deep-copied at the
+boundary; plain JSON). ``export_states`` / ``validate_state`` may be overridden to
+transform or check it; ``admission_closed`` / ``admission_opened`` are optional hooks.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import copy
+import enum
+import functools
+import secrets
+from collections.abc import (
+    AsyncGenerator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Mapping,
+    Sequence,
+)
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any, ClassVar, TypeVar
+
+from turnpoint.errors import Reason, TurnpointError
+from turnpoint.ids import EpisodeId
+
+from ._core import ActiveClock, ParticipantCore, WorkKey
+from ._shared import Shared, invalid_record
+from ._store import Record
+from ._types import (
+    CompletionReceipt,
+    EpisodeState,
+    ParticipantKind,
+    RecoveryMode,
+)
+
+__all__ = [
+    "Agent",
+    "AgentHost",
+    "BoundaryReport",
+    "EpisodeContext",
+    "RunOutcome",
+    "RunResult",
+    "SavedTurn",
+]
+
+T = TypeVar("T")
+
+SLOT = "run"
+_PAYLOAD_FIELDS = frozenset({"task", "boundary_index", "turn_index", "state"})
+
+
+class RunOutcome(enum.Enum):
+    COMPLETED = "COMPLETED"  # must be acknowledged
+    CANCELLED = "CANCELLED"  # the caller cancelled: nothing owed
+    FAILED = "FAILED"  # the agent raised; must be acknowledged
+    BUDGET_EXHAUSTED = "BUDGET_EXHAUSTED"  # active time ran out; must be acknowledged
+
+
+@dataclass(frozen=True, slots=True)
+class BoundaryReport:
+    """The episode sealed a turn. ``boundary_index`` is 1-based and continues across attempts."""
+
+    episode: EpisodeId
+    boundary_index: int
+    turn_index: int
+    sealed_at: float  # seconds since the epoch
+
+
+@dataclass(frozen=True, slots=True)
+class RunResult:
+    """The one final message of a run. ``receipt`` is None only when CANCELLED."""
+
+    episode: EpisodeId
+    outcome: RunOutcome
+    receipt: CompletionReceipt | None
+    result: Mapping[str, Any]
+    turns: int
+    active_time_s: float
+    error_message: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class SavedTurn:
+    """The last sealed boundary of an episode: where a restored attempt continues."""
+
+    boundary_index: int
+    turn_index: int
+    state: Mapping[str, Any]
+
+
+class Agent(abc.ABC):
+    """What a Gym agent server implements (the module docstring says how).
+
+    Example::
+
+        class GuessAgent(Agent):
+            async def run(self, ctx: EpisodeContext, task: Mapping[str, Any]) -> Mapping[str, Any]:
+                # Continue from the saved turn after a restore, else start from the prompt.
+                saved = ctx.restored
+                history = list(saved.state["history"]) if saved else []
+                turn = saved.turn_index + 1 if saved else 0
+                while turn < task["max_turns"]:
+                    reply = await ctx.model_call(lambda: self.policy.generate(task, history))
+                    history.append(await self.tools.check(ctx.episode, reply))
+                    await ctx.boundary(turn, {"history": history})  # parks here during a checkpoint
+                    turn += 1
+                return {"answer": history[-1]}
+    """
+
+    # Agents export the state they hand to ctx.boundary, so they can always continue a turn.
+    recovery_mode: ClassVar[RecoveryMode] = RecoveryMode.EXPORTED
+    environment: ClassVar[str] = ""
+
+    @abc.abstractmethod
+    async def run(self, ctx: EpisodeContext, task: Mapping[str, Any]) -> Mapping[str, Any]:
+        """Run one episode to its result; call ``ctx.boundary`` after each turn."""
+
+    async def export_states(
+        self, states: Mapping[EpisodeId, SavedTurn]
+    ) -> Mapping[EpisodeId, Mapping[str, Any]]:
+        """The state to save for each episode; every one asked for must be returned."""
+        return {episode: saved.state for episode, saved in states.items()}
+
+    def validate_state(self, episode: EpisodeId, state: Mapping[str, Any]) -> None:
+        """Raise ValueError if a saved state cannot be continued (checked before any install)."""
+        return None
+
+    async def admission_closed(self) -> None:
+        """A checkpoint closed admission (a failure makes the prepare fail and reopen)."""
+        return None
+
+    async def admission_opened(self) -> None:
+        """Admission reopened; may come without a preceding close (after a restore)."""
+        return None
+
+
+class _Stop(enum.Enum):
+    CANCELLED = "cancelled"  # the caller cancelled the run
+    RETIRED = "retired"
+    BUDGET = "budget"
+    SHUTDOWN = "shutdown"
+
+
+class _Execution:
+    """One execution of one attempt; replaced by a new object when saved state is claimed."""
+
+    def __init__(
+        self,
+        episode: EpisodeId,
+        task: dict[str, Any],
+        saved: SavedTurn | None,
+        budget_s: float | None,
+        now: float,
+    ) -> None:
+        self.episode = episode
+        self.key = WorkKey(episode, SLOT)
+        self.task = task
+        self.saved = saved
+        self.restored = saved
+        self.budget_s = budget_s
+        self.clock = ActiveClock(now)
+        self.boundaries: list[BoundaryReport] = []
+        self.runner: asyncio.Task[None] | None = None
+        self.result: RunResult | None = None
+        self.followers = 0
+        self.stop: _Stop | None = None
+
+    @property
+    def claimable(self) -> bool:
+        """Saved state nobody runs: restored, or cancelled after sealing a boundary."""
+        cancelled = self.result is not None and self.result.outcome is RunOutcome.CANCELLED
+        return self.runner is None and (self.result is None or cancelled) and self.saved is not None
+
+
+class EpisodeContext:
+    """Handed to :meth:`Agent.run`: the episode's identity and its boundary and model calls."""
+
+    def __init__(self, host: AgentHost, execution: _Execution) -> None:
+        self._host = host
+        self._ex = execution
+
+    @property
+    def episode(self) -> EpisodeId:
+        return self._ex.episode
+
+    @property
+    def restored(self) -> SavedTurn | None:
+        """The saved turn this attempt continues from (after a restore), else None."""
+        return self._ex.restored
+
+    @property
+    def last_boundary(self) -> SavedTurn | None:
+        return self._ex.saved
+
+    async def boundary(self, turn_index: int, state: Mapping[str, Any]) -> None:
+        """Seal a turn: report it, and park here while a checkpoint holds admission.
+
+        Woken by resume, the episode stays parked if a new checkpoint closed first.
+        """
+        await self._host._seal(self._ex, turn_index, copy.deepcopy(dict(state)))
+
+    async def model_call(self, factory: Callable[[], Awaitable[T]]) -> T:
+        """Issue a model call that counts as parked at the last boundary.
+
+        Make it right after a boundary (the usual turn shape): a restore continues from
+        that boundary and issues the call again. A reply arriving while a checkpoint is
+        open is held until resume; a call the model refuses with ADMISSION_CLOSED parks
+        and is retried after resume. Before the first boundary it is a plain call.
+
+        Any call that is safe to issue again after a restore fits here, not only model
+        calls: a group-scored REPLAY verify, which waits on siblings a checkpoint may
+        park, must be made this way or the episode blocks its own checkpoint.
+        """
+        return await self._host._model_call(self._ex, factory)
+
+    async def mark_restart(self) -> None:
+        """This episode cannot be captured (it starts over after a restore).
+
+        Takes effect at once while no checkpoint is open, else at the next resume.
+        """
+        async with self._host._shared.changing() as core:
+            core.mark_restart(self._ex.key, self._host._shared.now())
+
+
+def _has_news(execution: _Execution, seen: int) -> bool:
+    return len(execution.boundaries) > seen or execution.result is not None
+
+
+class AgentHost:
+    """Hosts one :class:`Agent`: its executions, their parking and their export."""
+
+    slot = SLOT
+    record_key: str | None = SLOT
+    kind = ParticipantKind.AGENT
+
+    def __init__(self, shared: Shared, agent: Agent) -> None:
+        self._shared = shared
+        self._agent = agent
+        self._executions: dict[EpisodeId, _Execution] = {}
+
+    @property
+    def recovery_mode(self) -> RecoveryMode:
+        return self._agent.recovery_mode
+
+    def describe(self) -> Mapping[str, object]:
+        return {"environment": self._agent.environment}
+
+    # ------------------------------------------------------------------ data plane
+
+    async def run_episode(
+        self,
+        episode: EpisodeId,
+        task: Mapping[str, Any],
+        *,
+        boundaries_seen: int = 0,
+        budget_s: float | None = None,
+    ) -> AsyncGenerator[BoundaryReport | RunResult, None]:
+        """Run (or re-attach to) one episode: its boundary reports, then its result.
+
+        A new episode while a checkpoint holds admission is ADMISSION_CLOSED; a restored
+        attempt N+1 may start (it parks before doing work). Re-invoked for a completed
+        episode it returns the kept result; re-invoked while it runs it attaches (the
+        boundaries after ``boundaries_seen``, then live), never a second execution.
+        Closing or cancelling the iterator (the gRPC call was cancelled) cancels the
+        execution once no other caller follows it: it finishes as CANCELLED, owes no
+        acknowledgement, and a boundary it sealed stays committable (a later Run of the
+        same attempt continues from it). Adapters must close the iterator
+        (``contextlib.aclosing``) when their call ends. ``budget_s`` (None or 0: none) is
+        active time: parked time does not count.
+        """
+        if boundaries_seen < 0:
+            raise TurnpointError(
+                Reason.INVALID_ARGUMENT,
+                "boundaries_seen must be >= 0",
+                {"field": "boundaries_seen"},
+            )
+        if budget_s is not None and (budget_s < 0 or budget_s != budget_s):
+            raise TurnpointError(
+                Reason.INVALID_ARGUMENT, "budget must be >= 0", {"field": "budget"}
+            )
+        async with self._shared.changing() as core:
+            execution = self._attach(core, episode, dict(task), budget_s or None)
+            execution.followers += 1
+        delivered = False
+        seen = 0
+        try:
+            while True:
+                async with self._shared.cond:
+                    await self._shared.wait_for(functools.partial(_has_news, execution, seen))
+                    batch = execution.boundaries[seen:]
+                    seen = len(execution.boundaries)
+                    result = execution.result
+                for report in batch:
+                    if report.boundary_index > boundaries_seen:
+                        yield report
+                if result is not None:
+                    if execution.stop is _Stop.RETIRED:
+                        raise TurnpointError(
+                            Reason.STALE_ATTEMPT,
+                            f"{episode} was retired while it ran",
+                            {"episode": str(episode)},
+                        )
+                    delivered = True
+                    yield result
+                    return
+        finally:
+            execution.followers -= 1
+            if not delivered and execution.followers == 0 and execution.result is None:
+                self._cancel(execution, _Stop.CANCELLED)
+
+    def _attach(
+        self,
+        core: ParticipantCore,
+        episode: EpisodeId,
+        task: dict[str, Any],
+        budget_s: float | None,
+    ) -> _Execution:
+        core.check_attempt(episode)
+        now = self._shared.now()
+        existing = self._executions.get(episode)
+        if (
+            existing is not None
+            and not existing.claimable
+            and existing.runner is None
+            and existing.result is None
+        ):
+            self._executions.pop(episode)  # nothing saved, nothing running: start over
+            existing = None
+        if existing is not None and not existing.claimable:
+            _same_task(existing, task)
+            return existing
+        if existing is not None:
+            # Restored (or cancelled at a boundary): this run continues from the saved turn.
+            _same_task(existing, task)
+            execution = _Execution(episode, task, existing.saved, budget_s, now)
+            execution.restored = existing.saved
+            core.claim_restored(
+                execution.key,
+                EpisodeState.RUNNING if core.admission_open else EpisodeState.PARKED,
+                now,
+            )
+        else:
+            core.admit(WorkKey(episode, SLOT), EpisodeState.RUNNING, now)
+            execution = _Execution(episode, task, None, budget_s, now)
+        self._executions[episode] = execution
+        execution.runner = asyncio.create_task(
+            self._execute(execution), name=f"turnpoint-run-{episode}"
+        )
+        return execution
+
+    async def acknowledge(
+        self, receipts: Iterable[CompletionReceipt]
+    ) -> tuple[int, tuple[CompletionReceipt, ...]]:
+        acknowledged = 0
+        unknown: list[CompletionReceipt] = []
+        async with self._shared.changing() as core:
+            for receipt in receipts:
+                key = core.acknowledge(receipt)
+                if key is None or key.slot != SLOT:
+                    unknown.append(receipt)
+                    continue
+                core.remove(key, self._shared.now())
+                execution = self._executions.get(receipt.episode)
+                if (
+                    execution is not None
+                    and execution.result is not None
+                    and execution.result.receipt == receipt
+                ):
+                    del self._executions[receipt.episode]
+                acknowledged += 1
+        return acknowledged, tuple(unknown)
+
+    # ------------------------------------------------------------------ executions
+
+    def _cancel(self, execution: _Execution, reason: _Stop) -> None:
+        if execution.stop is None and execution.runner is not None:
+            execution.stop = reason
+            execution.runner.cancel()
+
+    async def _execute(self, execution: _Execution) -> None:
+        watchdog = (
+            asyncio.create_task(self._watch_budget(execution))
+            if execution.budget_s is not None
+            else None
+        )
+        outcome = RunOutcome.COMPLETED
+        value: Mapping[str, Any] = {}
+        message = ""
+        try:
+            if execution.restored is not None:
+                async with self._shared.changing() as core:
+                    await self._hold(core, execution)
+            value = await self._agent.run(EpisodeContext(self, execution), execution.task)
+            if not isinstance(value, Mapping):
+                raise TypeError(f"run returned {type(value).__name__}, not a mapping")
+        except asyncio.CancelledError:
+            if execution.stop is None:
+                execution.stop = _Stop.SHUTDOWN
+        except Exception as error:  # noqa: BLE001 - the agent's failure is this episode's result
+            outcome = RunOutcome.FAILED
+            message = f"{type(error).__name__}: {error}"
+        finally:
+            if watchdog is not None:
+                watchdog.cancel()
+        if execution.stop is not None:
+            outcome = (
+                RunOutcome.BUDGET_EXHAUSTED
+                if execution.stop is _Stop.BUDGET
+                else RunOutcome.CANCELLED
+            )
+        async with self._shared.changing() as core:
+            self._finish(core, execution, outcome, value, message)
+
+    def _finish(
+        self,
+        core: ParticipantCore,
+        execution: _Execution,
+        outcome: RunOutcome,
+        value: Mapping[str, Any],
+        message: str,
+    ) -> None:
+        now = self._shared.now()
+        turns = execution.saved.boundary_index if execution.saved is not None else 0
+        active = execution.clock.active(now)
+        execution.runner = None
+        key = execution.key
+        mine = self._executions.get(execution.episode) is execution
+        if outcome is RunOutcome.CANCELLED:
+            execution.result = RunResult(
+                execution.episode, outcome, None, {}, turns, active, message
+            )
+            if execution.stop in (_Stop.RETIRED, _Stop.SHUTDOWN) or not mine:
+                return  # the retire (or shutdown) frees it
+            if execution.saved is not None and core.entry(key) is not None:
+                # Nothing owed, but the sealed boundary stays committable and claimable.
+                core.set_state(
+                    key,
+                    EpisodeState.PARKED,
+                    now,
+                    detail=f"cancelled at boundary {execution.saved.boundary_index}",
+                )
+            else:
+                core.remove(key, now)
+                del self._executions[execution.episode]
+            return
+        # A valid protocol id (the wire validates it), unique per completion.
+        receipt = CompletionReceipt(execution.episode, f"rc-{secrets.token_hex(12)}")
+        execution.result = RunResult(
+            execution.episode, outcome, receipt, dict(value), turns, active, message
+        )
+        if mine and core.entry(key) is not None:
+            core.set_state(
+                key, EpisodeState.COMPLETED_UNACKED, now, receipt=receipt, detail=outcome.value
+            )
+
+    async def _hold(self, core: ParticipantCore, execution: _Execution) -> None:
+        """Park at the last boundary until admission opens (lock held)."""
+        shared = self._shared
+        if core.admission_open or core.is_restart(execution.key):
+            entry = core.entry(execution.key)
+            if entry is not None and entry.state is not EpisodeState.RUNNING:
+                core.set_state(execution.key, EpisodeState.RUNNING, shared.now())
+            return
+        core.set_state(execution.key, EpisodeState.PARKED, shared.now())
+        execution.clock.pause(shared.now())
+        await shared.wait_for(lambda: core.admission_open)
+        core.set_state(execution.key, EpisodeState.RUNNING, shared.now())
+        execution.clock.resume(shared.now())
+
+    async def _seal(self, execution: _Execution, turn_index: int, state: dict[str, Any]) -> None:
+        if turn_index < 0:
+            raise ValueError(f"turn_index must be >= 0, got {turn_index}")
+        shared = self._shared
+        async with shared.changing() as core:
+            now = shared.now()
+            index = (execution.saved.boundary_index if execution.saved is not None else 0) + 1
+            execution.saved = SavedTurn(index, turn_index, state)
+            execution.boundaries.append(
+                BoundaryReport(execution.episode, index, turn_index, shared.wall_clock())
+            )
+            core.seal_boundary(execution.key, index, turn_index, now)
+            await self._hold(core, execution)
+
+    async def _model_call(self, execution: _Execution, factory: Callable[[], Awaitable[T]]) -> T:
+        if execution.saved is None:
+            return await factory()
+        shared = self._shared
+        while True:
+            async with shared.changing() as core:
+                core.set_state(execution.key, EpisodeState.AWAITING_MODEL, shared.now())
+                if not core.admission_open:
+                    # Closed since the boundary: the call waits, parked, instead of issuing.
+                    execution.clock.pause(shared.now())
+                    await shared.wait_for(lambda: core.admission_open)
+                    execution.clock.resume(shared.now())
+            try:
+                reply = await factory()
+            except TurnpointError as error:
+                if error.reason is not Reason.ADMISSION_CLOSED:
+                    await self._running(execution)
+                    raise
+                await self._after_refusal()
+                continue
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                await self._running(execution)
+                raise
+            async with shared.changing() as core:
+                # A reply that arrives while a checkpoint is open is held until resume.
+                await shared.wait_for(lambda: core.admission_open)
+                core.set_state(execution.key, EpisodeState.RUNNING, shared.now())
+                execution.clock.resume(shared.now())
+            return reply
+
+    async def _running(self, execution: _Execution) -> None:
+        async with self._shared.changing() as core:
+            core.set_state(execution.key, EpisodeState.RUNNING, self._shared.now())
+
+    async def _after_refusal(self) -> None:
+        """The model refused with ADMISSION_CLOSED: stay parked, retry after (our) resume."""
+        shared = self._shared
+        async with shared.cond:
+            core = shared.core
+            if core.admission_open:
+                # Our own admission is open: the model's checkpoint is not in step with
+                # ours, so back off a little (or until ours closes too) before retrying.
+                await shared.wait_until(
+                    lambda: not core.admission_open, shared.config.model_retry_backoff_s
+                )
+            await shared.wait_for(lambda: core.admission_open)
+
+    async def _watch_budget(self, execution: _Execution) -> None:
+        budget = execution.budget_s
+        assert budget is not None
+        shared = self._shared
+        async with shared.cond:
+            while True:
+                spent = execution.clock.active(shared.now())
+                if spent >= budget:
+                    self._cancel(execution, _Stop.BUDGET)
+                    return
+                # Paused (parked by a checkpoint): nothing to time until something changes.
+                await shared.wait_change(None if execution.clock.paused else budget - spent)
+
+    # ------------------------------------------------------------------ kind hooks
+
+    async def admission_closed(self) -> None:
+        now = self._shared.now()
+        core = self._shared.core
+        for execution in self._executions.values():
+            entry = core.entry(execution.key)
+            if entry is not None and entry.state is EpisodeState.AWAITING_MODEL:
+                execution.clock.pause(now)
+        await self._agent.admission_closed()
+
+    async def admission_opened(self) -> None:
+        now = self._shared.now()
+        core = self._shared.core
+        for execution in self._executions.values():
+            entry = core.entry(execution.key)
+            if entry is not None and entry.state is EpisodeState.AWAITING_MODEL:
+                execution.clock.resume(now)
+        await self._agent.admission_opened()
+
+    async def export(self, keys: Sequence[WorkKey]) -> list[Record]:
+        saved: dict[EpisodeId, SavedTurn] = {}
+        for key in keys:
+            execution = self._executions.get(key.episode)
+            if execution is None or execution.saved is None:
+                raise TurnpointError(
+                    Reason.INVALID_CHECKPOINT_STATE,
+                    f"{key.episode} has no sealed boundary to export",
+                    {"episode": str(key.episode)},
+                )
+            saved[key.episode] = execution.saved
+        states = await self._agent.export_states(MappingProxyType(saved))
+        records: list[Record] = []
+        for episode, turn in saved.items():
+            if episode not in states:
+                raise TurnpointError(
+                    Reason.INVALID_CHECKPOINT_STATE,
+                    f"the agent's export left out {episode}",
+                    {"episode": str(episode)},
+                )
+            payload = {
+                "task": self._executions[episode].task,
+                "boundary_index": turn.boundary_index,
+                "turn_index": turn.turn_index,
+                "state": states[episode],
+            }
+            records.append(Record(episode, SLOT, payload))
+        return records
+
+    def validate(self, record: Record) -> None:
+        payload = record.payload
+        if set(payload) != _PAYLOAD_FIELDS:
+            raise invalid_record(
+                record, f"fields {sorted(payload)} are not {sorted(_PAYLOAD_FIELDS)}"
+            )
+        index, turn = payload["boundary_index"], payload["turn_index"]
+        for name, value, least in (("boundary_index", index, 1), ("turn_index", turn, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise invalid_record(record, f"{name} must be an integer >= {least}")
+        if not isinstance(payload["task"], Mapping) or not isinstance(payload["state"], Mapping):
+            raise invalid_record(record, "task and state must be objects")
+        try:
+            self._agent.validate_state(record.episode, payload["state"])
+        except (ValueError, TypeError, KeyError) as error:
+            raise invalid_record(record, str(error)) from error
+
+    async def install(self, record: Record, episode: EpisodeId) -> WorkKey:
+        payload = record.payload
+        saved = SavedTurn(payload["boundary_index"], payload["turn_index"], payload["state"])
+        execution = _Execution(episode, dict(payload["task"]), saved, None, self._shared.now())
+        async with self._shared.changing() as core:
+            core.install_restored(
+                execution.key, saved.boundary_index, saved.turn_index, self._shared.now()
+            )
+            self._executions[episode] = execution
+        return execution.key
+
+    async def stop(self, key: WorkKey) -> None:
+        execution = self._executions.get(key.episode)
+        if execution is None:
+            return
+        runner = execution.runner
+        if runner is not None:
+            self._cancel(execution, _Stop.RETIRED)
+            await asyncio.wait([runner])
+        if self._executions.get(key.episode) is execution:
+            del self._executions[key.episode]
+
+    async def aclose(self) -> None:
+        runners = []
+        for execution in list(self._executions.values()):
+            if execution.runner is not None:
+                runners.append(execution.runner)
+                self._cancel(execution, _Stop.SHUTDOWN)
+        if runners:
+            await asyncio.wait(runners)
+
+
+def _same_task(execution: _Execution, task: Mapping[str, Any]) -> None:
+    if execution.task != task:
+        raise TurnpointError(
+            Reason.INVALID_ARGUMENT,
+            f"{execution.episode} is held here with another task",
+            {"episode": str(execution.episode), "field": "task"},
+        )

@@ -1,0 +1,198 @@
+"""Policy model servers: generations under admission control.
+
+A Gym policy server subclasses :class:`PolicyModel` and implements :meth:`generate` as an
+async generator of :class:`GenerateChunk`. While a checkpoint holds admission, new
+generations wait (held, not counted as in flight) until resume; generations already
+streaming finish, and the server is ready when none streams. A generation is never cut
+in the middle of its token stream. Retiring an episode stops its running generation
+before the retire replies. A model holds no episode state, so it exports nothing, and a
+restore into a server that already served a generation is refused.
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+import itertools
+from collections.abc import AsyncGenerator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+from turnpoint.errors import Reason, TurnpointError
+from turnpoint.ids import EpisodeId
+
+from ._core import WorkKey
+from ._shared import Shared, invalid_record
+from ._store import Record
+from ._types import EpisodeState, ParticipantKind, RecoveryMode
+
+__all__ = ["GenerateChunk", "GenerateRequest", "ModelHost", "PolicyModel"]
+
+SLOT = "generate"
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateRequest:
+    prompt_token_ids: tuple[int, ...]
+    max_new_tokens: int
+    temperature: float = 0.0
+    seed: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class GenerateChunk:
+    """Tokens generated since the previous chunk; ``done`` on the last one."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    done: bool
+    weights_version: int
+
+
+class PolicyModel(abc.ABC):
+    """What a Gym policy server implements (the module docstring says how).
+
+    Example::
+
+        class TinyPolicyServer(PolicyModel):
+            def __init__(self, policy: TinyPolicy) -> None:
+                self.policy = policy
+
+            async def generate(self, episode, request):
+                generator = torch.Generator().manual_seed(request.seed)
+                tokens = self.policy.iter_generate(
+                    request.prompt_token_ids, request.max_new_tokens, request.temperature, generator
+                )
+                for sampled in tokens:
+                    yield GenerateChunk((sampled.token,), (sampled.logprob,), False,
+                                        self.policy.weights_version)
+                    await asyncio.sleep(0)  # let other generations interleave
+                yield GenerateChunk((), (), True, self.policy.weights_version)
+    """
+
+    environment: ClassVar[str] = ""
+
+    @abc.abstractmethod
+    def generate(
+        self, episode: EpisodeId, request: GenerateRequest
+    ) -> AsyncGenerator[GenerateChunk, None]:
+        """Stream one generation."""
+
+    async def admission_closed(self) -> None:
+        """A checkpoint closed admission (a failure makes the prepare fail and reopen)."""
+        return None
+
+    async def admission_opened(self) -> None:
+        """Admission reopened; may come without a preceding close (after a restore)."""
+        return None
+
+
+class _End:
+    """Marks the end of a pumped generation (normal, failed or stopped)."""
+
+    def __init__(self, error: BaseException | None = None, stopped: bool = False) -> None:
+        self.error = error
+        self.stopped = stopped
+
+
+class ModelHost:
+    """Hosts one :class:`PolicyModel` behind the admission gate."""
+
+    slot = SLOT
+    record_key: str | None = None
+    kind = ParticipantKind.MODEL
+    recovery_mode = RecoveryMode.STATELESS
+
+    def __init__(self, shared: Shared, model: PolicyModel) -> None:
+        self._shared = shared
+        self._model = model
+        self._numbers = itertools.count(1)
+        self._pumps: dict[WorkKey, asyncio.Task[None]] = {}
+
+    def describe(self) -> Mapping[str, object]:
+        return {"environment": self._model.environment}
+
+    async def generate(
+        self, episode: EpisodeId, request: GenerateRequest
+    ) -> AsyncGenerator[GenerateChunk, None]:
+        shared = self._shared
+        async with shared.changing() as core:
+            while True:
+                core.check_attempt(episode)
+                if core.admission_open:
+                    break
+                # Held at the gate: not in the table, so it never blocks a prepare.
+                await shared.wait_change()
+            key = WorkKey(episode, f"{SLOT}/{next(self._numbers)}")
+            core.admit(key, EpisodeState.REQUEST_IN_FLIGHT, shared.now())
+            queue: asyncio.Queue[GenerateChunk | _End] = asyncio.Queue()
+            pump = asyncio.create_task(self._pump(episode, request, queue))
+            self._pumps[key] = pump
+        try:
+            while True:
+                item = await queue.get()
+                if isinstance(item, GenerateChunk):
+                    yield item
+                    continue
+                if item.stopped:
+                    raise TurnpointError(
+                        Reason.STALE_ATTEMPT,
+                        f"the generation of {episode} was stopped by a retire",
+                        {"episode": str(episode)},
+                    )
+                if item.error is not None:
+                    raise item.error
+                return
+        finally:
+            if not pump.done():
+                pump.cancel()
+                await asyncio.wait([pump])
+            async with shared.changing() as core:
+                self._pumps.pop(key, None)
+                core.remove(key, shared.now())
+
+    async def _pump(
+        self,
+        episode: EpisodeId,
+        request: GenerateRequest,
+        queue: asyncio.Queue[GenerateChunk | _End],
+    ) -> None:
+        end = _End()
+        try:
+            async for chunk in self._model.generate(episode, request):
+                queue.put_nowait(chunk)
+        except asyncio.CancelledError:
+            end = _End(stopped=True)
+        except Exception as error:  # noqa: BLE001 - handed to the caller's stream, not lost
+            end = _End(error)
+        queue.put_nowait(end)
+
+    # ------------------------------------------------------------------ kind hooks
+
+    async def admission_closed(self) -> None:
+        await self._model.admission_closed()
+
+    async def admission_opened(self) -> None:
+        await self._model.admission_opened()
+
+    async def export(self, keys: Sequence[WorkKey]) -> list[Record]:
+        return []
+
+    def validate(self, record: Record) -> None:
+        raise invalid_record(record, "a policy model restores no records")
+
+    async def install(self, record: Record, episode: EpisodeId) -> WorkKey:
+        raise invalid_record(record, "a policy model restores no records")
+
+    async def stop(self, key: WorkKey) -> None:
+        pump = self._pumps.get(key)
+        if pump is not None and not pump.done():
+            pump.cancel()
+            await asyncio.wait([pump])
+
+    async def aclose(self) -> None:
+        pumps = [pump for pump in self._pumps.values() if not pump.done()]
+        for pump in pumps:
+            pump.cancel()
+        if pumps:
+            await asyncio.wait(pumps)

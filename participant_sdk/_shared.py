@@ -1,0 +1,266 @@
+"""What the runtime and the kind hosts share: the one lock, the core, clocks and deadlines.
+
+Every state change of a participant happens inside :meth:`Shared.changing`: it holds
+the one :class:`asyncio.Condition`, hands out the pure core, and on the way out passes
+the core's events to watchers and wakes every waiter (parked episodes, waiting
+prepares, held model replies), which then re-check their own predicate under the lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass
+from typing import Protocol
+
+from turnpoint.errors import Reason, TurnpointError
+from turnpoint.ids import EpisodeId
+
+from ._core import CoreEvent, ParticipantCore, WorkKey
+from ._store import Record
+from ._types import ParticipantKind, RecoveryMode
+
+__all__ = [
+    "Deadline",
+    "KindHost",
+    "RuntimeConfig",
+    "Shared",
+    "invalid_record",
+]
+
+logger = logging.getLogger("turnpoint.participant_sdk")
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeConfig:
+    """Tunables of one participant runtime.
+
+    ``reply_margin_s`` / ``reply_margin_fraction``: a call is answered this long before
+    its deadline (the smaller of the two), so the reply itself still fits.
+    ``default_call_timeout_s`` applies to calls that arrive without a deadline.
+    ``model_retry_backoff_s``: how long an agent waits before re-issuing a model call the
+    model server refused with ADMISSION_CLOSED while this participant's own admission is
+    open (the two checkpoints are not in step).
+    """
+
+    default_lease_s: float = 60.0
+    default_call_timeout_s: float = 60.0
+    reply_margin_s: float = 0.5
+    reply_margin_fraction: float = 0.1
+    default_max_blockers: int = 32
+    max_blockers_limit: int = 1024
+    max_finished_ids: int = 1024
+    max_answered_requests: int = 4096
+    model_retry_backoff_s: float = 0.5
+    watch_queue_size: int = 1024
+
+    def __post_init__(self) -> None:
+        for name in (
+            "default_lease_s",
+            "default_call_timeout_s",
+            "model_retry_backoff_s",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+        if self.reply_margin_s < 0 or not 0 <= self.reply_margin_fraction < 1:
+            raise ValueError("reply margins must be >= 0 (fraction < 1)")
+        if self.default_max_blockers < 0 or self.max_blockers_limit < 1:
+            raise ValueError("blocker caps must be positive")
+        if self.watch_queue_size < 1:
+            raise ValueError("watch_queue_size must be >= 1")
+
+
+class Deadline:
+    """When a call must be answered: its gRPC deadline minus a reply margin.
+
+    Measured on the event loop's clock because it bounds real waits; protocol time
+    (leases, budgets) runs on the injectable clock instead.
+    """
+
+    def __init__(self, timeout_s: float | None, config: RuntimeConfig) -> None:
+        total = config.default_call_timeout_s if timeout_s is None else max(0.0, timeout_s)
+        margin = min(config.reply_margin_s, total * config.reply_margin_fraction)
+        self._loop = asyncio.get_running_loop()
+        self._at = self._loop.time() + total - margin
+
+    @classmethod
+    def never(cls) -> Deadline:
+        deadline = cls.__new__(cls)
+        deadline._loop = asyncio.get_running_loop()
+        deadline._at = float("inf")
+        return deadline
+
+    def remaining(self) -> float | None:
+        """Seconds left (>= 0), or None for a deadline that never comes."""
+        if self._at == float("inf"):
+            return None
+        return max(0.0, self._at - self._loop.time())
+
+    def exceeded(self, what: str) -> TurnpointError:
+        return TurnpointError(
+            Reason.DEADLINE_EXCEEDED,
+            f"{what} did not finish before the call's deadline; it continues and a retry joins it",
+        )
+
+
+class _Watcher:
+    def __init__(self, size: int) -> None:
+        self.events: deque[CoreEvent] = deque(maxlen=size)
+        self.lagged = False
+        self.wake = asyncio.Event()
+
+    def push(self, events: Sequence[CoreEvent]) -> None:
+        if len(self.events) + len(events) > (self.events.maxlen or 0):
+            # The oldest boundary events fall out; the readiness report that follows
+            # still tells the watcher where everything stands.
+            self.lagged = True
+        self.events.extend(events)
+        self.wake.set()
+
+
+class Shared:
+    """The one lock, the core and the clocks of one participant."""
+
+    def __init__(
+        self,
+        core: ParticipantCore,
+        config: RuntimeConfig,
+        clock: Callable[[], float],
+        wall_clock: Callable[[], float],
+    ) -> None:
+        self.core = core
+        self.config = config
+        self.clock = clock
+        self.wall_clock = wall_clock
+        self.cond = asyncio.Condition()
+        self._watchers: set[_Watcher] = set()
+        self._published_version = -1
+
+    def now(self) -> float:
+        return self.clock()
+
+    def to_wall(self, at: float | None) -> float | None:
+        """Map a time on the protocol clock to seconds since the epoch, for the wire."""
+        if at is None:
+            return None
+        return self.wall_clock() + (at - self.clock())
+
+    @asynccontextmanager
+    async def changing(self) -> AsyncIterator[ParticipantCore]:
+        """Hold the lock to change state; watchers and waiters learn of it on the way out."""
+        async with self.cond:
+            try:
+                yield self.core
+            finally:
+                # Forced: some changes live outside the core (a result set on an execution).
+                self.publish(force=True)
+
+    def publish(self, *, force: bool = False) -> None:
+        """Hand the core's events to watchers and wake waiters; the lock must be held.
+
+        Unforced, it does nothing unless the core changed since the last publication, so
+        that waiters re-checking their predicate never wake each other in a loop.
+        """
+        version = self.core.version
+        if not force and version == self._published_version:
+            return
+        self._published_version = version
+        events = self.core.drain_events()
+        for watcher in self._watchers:
+            watcher.push(events)
+        self.cond.notify_all()
+
+    async def wait_for(self, predicate: Callable[[], bool]) -> None:
+        """Wait (lock held) until ``predicate`` holds.
+
+        Changes made under the lock just before are published first: a waiter inside a
+        ``changing`` block (an episode parking) must not hide its change from the others.
+        """
+        if predicate():
+            return
+        self.publish()
+        await self.cond.wait_for(predicate)
+
+    async def wait_change(self, limit_s: float | None = None) -> None:
+        """Wait (lock held) for the next state change, or ``limit_s``."""
+        self.publish()
+        with suppress(TimeoutError):
+            async with asyncio.timeout(limit_s):
+                await self.cond.wait()
+
+    async def wait_until(self, predicate: Callable[[], bool], limit_s: float | None) -> bool:
+        """Wait (lock held) until ``predicate`` holds or ``limit_s`` passed; return it."""
+        if predicate():
+            return True
+        if limit_s is not None and limit_s <= 0:
+            return False
+        self.publish()
+        try:
+            async with asyncio.timeout(limit_s):
+                await self.cond.wait_for(predicate)
+        except TimeoutError:
+            return predicate()
+        return True
+
+    def add_watcher(self) -> _Watcher:
+        watcher = _Watcher(self.config.watch_queue_size)
+        self._watchers.add(watcher)
+        return watcher
+
+    def remove_watcher(self, watcher: _Watcher) -> None:
+        self._watchers.discard(watcher)
+
+
+def invalid_record(record: Record, why: str) -> TurnpointError:
+    return TurnpointError(
+        Reason.INVALID_CHECKPOINT_STATE,
+        f"record {record.key!r} of {record.episode} is invalid: {why}",
+        {"episode": str(record.episode), "key": record.key},
+    )
+
+
+class KindHost(Protocol):
+    """What the runtime needs from each kind it hosts (agent, resources, model).
+
+    ``slot`` names the kind's entries in the work table (``WorkKey.slot``, or its part
+    before a ``/``); ``record_key`` the records it exports (None: it exports nothing).
+    """
+
+    @property
+    def slot(self) -> str: ...
+
+    @property
+    def record_key(self) -> str | None: ...
+
+    @property
+    def kind(self) -> ParticipantKind: ...
+
+    @property
+    def recovery_mode(self) -> RecoveryMode: ...
+
+    async def admission_closed(self) -> None:
+        """Admission just closed (lock held); a failure makes the prepare fail and reopen."""
+
+    async def admission_opened(self) -> None:
+        """Admission just reopened (lock held). Also called after a restore ends."""
+
+    async def export(self, keys: Sequence[WorkKey]) -> list[Record]:
+        """Records of the frozen state of ``keys`` (every key at least one record)."""
+
+    def validate(self, record: Record) -> None:
+        """Raise (TurnpointError INVALID_CHECKPOINT_STATE) if ``record`` cannot be installed."""
+
+    async def install(self, record: Record, episode: EpisodeId) -> WorkKey:
+        """Install a validated record as ``episode`` (attempt N+1) and add its entry."""
+
+    async def stop(self, key: WorkKey) -> None:
+        """Stop the work of ``key`` and free its state; the runtime then drops the entry."""
+
+    async def aclose(self) -> None:
+        """Stop everything (process shutdown)."""
+
+    def describe(self) -> Mapping[str, object]:
+        """Kind-specific Describe fields (verify mode, group scoring)."""

@@ -1,0 +1,1268 @@
+"""The snapshot manifest the trainer publishes, and the directory layout that publishes it.
+
+PROTOCOL.md section 7, step 7: the manifest names the trainer anchor, every participant
+and its artifacts with digests, the continued episodes, the restarts and the trainer's
+rollout state; it is validated, then published atomically, and a snapshot is published
+only when every byte it names is durable.
+
+Manifest
+--------
+:class:`SnapshotManifest` and its parts are frozen dataclasses that validate themselves
+on construction, so an inconsistent manifest cannot exist in memory, let alone on disk.
+Parsing (:meth:`SnapshotManifest.from_json`) is strict: unknown or missing fields,
+duplicate JSON keys, duplicate episodes, a digest that is not 64 lowercase hex
+characters, a bad id or a schema version this build does not read are all
+:class:`ManifestError`. Serialisation is canonical (sorted keys, normalised order of
+every set-like list), so equal manifests have equal bytes.
+
+Layout on disk
+--------------
+::
+
+    <root>/
+      LATEST                        id of the newest published snapshot
+      <checkpoint_id>/
+        <instance>/...              each participant's own store (PROTOCOL.md section 8)
+        trainer/anchor/...          the trainer anchor (model, optimizer, step, loader)
+        MANIFEST.json               written last: its presence is what "published" means
+
+Two designs were possible. One stages a whole snapshot in a hidden directory and renames
+it into place. The other, used here, writes every part in its final place and makes the
+top-level ``MANIFEST.json`` the commit record, as a database does with its commit log
+entry. Staging-and-rename does not fit this protocol: participants build their paths from
+the validated checkpoint id (``<root>/<checkpoint_id>/<instance>``; nothing in a request
+may name another path, and a hidden ``.staging-*`` name is not a valid id), so their
+files would have to be moved under them, and a retry of their commit would write into a
+directory that no longer exists.
+
+Publication therefore goes: every file and directory of the snapshot is fsynced; the
+manifest is written to a temporary file in ``<root>`` and fsynced; it is hard-linked to
+``<checkpoint_id>/MANIFEST.json``, which is atomic and never replaces an existing
+manifest (exclusive create without the risk of a half-written file under the final
+name); the directory and the root are fsynced; then ``LATEST`` is replaced atomically
+(temporary file, fsync, ``os.replace``, fsync of the root). A crash at any point leaves
+``LATEST`` naming a complete snapshot (the previous one, or the new one once its manifest
+is linked) or nothing. A snapshot directory without a manifest is a partial that
+:meth:`SnapshotLayout.clean_partial` removes, unless it is the one being written now.
+Retention unlinks a snapshot's manifest before deleting its files, so a crash during a
+deletion leaves a partial, never a published snapshot with missing bytes.
+
+Everything here blocks (fsync, hashing): the async side calls it through
+``asyncio.to_thread``.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+import math
+import os
+import secrets
+import shutil
+import stat
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Self, TypeAlias, TypeVar
+
+from turnpoint.errors import Reason, TurnpointError
+from turnpoint.ids import (
+    EpisodeId,
+    InvalidIdError,
+    checkpoint_sequence,
+    validate_attempt,
+    validate_id,
+)
+from turnpoint.participant_sdk._types import ParticipantKind
+
+__all__ = [
+    "ANCHOR_DIR",
+    "LATEST_NAME",
+    "MANIFEST_NAME",
+    "SCHEMA_VERSION",
+    "TRAINER_DIR",
+    "AnchorRef",
+    "ArtifactRef",
+    "JSONValue",
+    "ManifestError",
+    "ParticipantEntry",
+    "ParticipantKind",
+    "PlacedEpisode",
+    "PublishStep",
+    "SnapshotLayout",
+    "SnapshotManifest",
+    "TrainerRolloutState",
+    "fsync_tree",
+    "tree_digest",
+]
+
+SCHEMA_VERSION = 1
+MANIFEST_NAME = "MANIFEST.json"
+LATEST_NAME = "LATEST"
+TRAINER_DIR = "trainer"
+ANCHOR_DIR = f"{TRAINER_DIR}/anchor"
+
+_HEX = frozenset("0123456789abcdef")
+_TMP_PREFIXES = (".MANIFEST-", ".LATEST-")
+_TMP_SUFFIX = ".tmp"
+_CHUNK = 1 << 20
+
+_T = TypeVar("_T")
+
+JSONValue: TypeAlias = "bool | int | float | str | list[JSONValue] | dict[str, JSONValue] | None"
+
+
+class ManifestError(TurnpointError):
+    """A manifest or snapshot directory is malformed, inconsistent or incomplete.
+
+    ``INVALID_CHECKPOINT_STATE``: the caller picks an older snapshot (when loading) or
+    stops with a clear error (when its own manifest breaks an invariant).
+    """
+
+    def __init__(
+        self, message: str, *, checkpoint_id: str | None = None, field: str | None = None
+    ) -> None:
+        metadata = {}
+        if checkpoint_id is not None:
+            metadata["checkpoint_id"] = checkpoint_id
+        if field is not None:
+            metadata["field"] = field
+        super().__init__(Reason.INVALID_CHECKPOINT_STATE, message, metadata)
+        self.checkpoint_id = checkpoint_id
+        self.field = field
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild_manifest_error, (self.message, self.checkpoint_id, self.field))
+
+
+def _rebuild_manifest_error(
+    message: str, checkpoint_id: str | None, field: str | None
+) -> ManifestError:
+    return ManifestError(message, checkpoint_id=checkpoint_id, field=field)
+
+
+# -- value checks ----------------------------------------------------------------------
+
+
+def _fail(where: str, why: str) -> ManifestError:
+    return ManifestError(f"{where}: {why}", field=where)
+
+
+def _check_digest(value: object, where: str) -> str:
+    if not isinstance(value, str) or len(value) != 64 or not set(value) <= _HEX:
+        raise _fail(where, f"must be 64 lowercase hex characters, got {value!r}")
+    return value
+
+
+def _check_count(value: object, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise _fail(where, f"must be an integer >= 0, got {value!r}")
+    return value
+
+
+def _check_id(value: object, where: str) -> str:
+    try:
+        return validate_id(value, where)
+    except InvalidIdError as error:
+        raise _fail(where, error.why + f" (got {value!r})") from None
+
+
+def _check_relpath(value: object, where: str) -> str:
+    """A relative POSIX path whose every component is a valid id (never '..' or '/')."""
+    if not isinstance(value, str) or not value:
+        raise _fail(where, f"must be a non-empty relative path, got {value!r}")
+    for part in value.split("/"):
+        try:
+            validate_id(part, where)
+        except InvalidIdError:
+            raise _fail(
+                where, f"every component must be a valid id (no '..', '.', '' or '/x'): {value!r}"
+            ) from None
+    return value
+
+
+def _check_json(value: object, where: str) -> JSONValue:
+    """A deep copy of ``value`` if it is plain JSON (string keys, finite numbers)."""
+    if value is None or isinstance(value, bool | int | str):
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise _fail(where, f"must be a finite number, got {value!r}")
+        return value
+    if isinstance(value, list | tuple):
+        return [_check_json(item, f"{where}[{index}]") for index, item in enumerate(value)]
+    if isinstance(value, Mapping):
+        copy: dict[str, JSONValue] = {}
+        for key, item in value.items():
+            if not isinstance(key, str):
+                raise _fail(where, f"object keys must be strings, got {key!r}")
+            copy[key] = _check_json(item, f"{where}.{key}")
+        return copy
+    raise _fail(where, f"is not JSON data: {type(value).__name__}")
+
+
+def _check_json_object(value: object, where: str) -> dict[str, JSONValue]:
+    if not isinstance(value, Mapping):
+        raise _fail(where, f"must be a JSON object, got {type(value).__name__}")
+    checked = _check_json(value, where)
+    assert isinstance(checked, dict)
+    return checked
+
+
+# -- manifest parts --------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ArtifactRef:
+    """A file a participant wrote: path relative to the snapshot directory."""
+
+    path: str
+    sha256: str
+    size_bytes: int
+    record_count: int
+
+    def __post_init__(self) -> None:
+        _check_relpath(self.path, "artifact.path")
+        _check_digest(self.sha256, f"artifact {self.path!r} sha256")
+        _check_count(self.size_bytes, f"artifact {self.path!r} size_bytes")
+        _check_count(self.record_count, f"artifact {self.path!r} record_count")
+
+    def to_dict(self) -> dict[str, JSONValue]:
+        return {
+            "path": self.path,
+            "sha256": self.sha256,
+            "size_bytes": self.size_bytes,
+            "record_count": self.record_count,
+        }
+
+    @classmethod
+    def from_dict(cls, raw: object, where: str) -> Self:
+        fields = _Fields(raw, where)
+        result = cls(
+            path=fields.take("path", _check_relpath),
+            sha256=fields.take("sha256", _check_digest),
+            size_bytes=fields.take("size_bytes", _check_count),
+            record_count=fields.take("record_count", _check_count),
+        )
+        fields.done()
+        return result
+
+
+@dataclass(frozen=True, slots=True)
+class AnchorRef:
+    """The trainer anchor: a directory relative to the snapshot, and its tree digest."""
+
+    sha256: str
+    path: str = ANCHOR_DIR
+
+    def __post_init__(self) -> None:
+        _check_relpath(self.path, "anchor.path")
+        _check_digest(self.sha256, "anchor.sha256")
+
+    def to_dict(self) -> dict[str, JSONValue]:
+        return {"path": self.path, "sha256": self.sha256}
+
+    @classmethod
+    def from_dict(cls, raw: object, where: str) -> Self:
+        fields = _Fields(raw, where)
+        result = cls(
+            path=fields.take("path", _check_relpath),
+            sha256=fields.take("sha256", _check_digest),
+        )
+        fields.done()
+        return result
+
+
+@dataclass(frozen=True, slots=True)
+class PlacedEpisode:
+    """An episode and the participant instance that saved it (or reported it)."""
+
+    episode: EpisodeId
+    instance: str
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.episode, EpisodeId):
+            raise _fail("episode", f"must be an EpisodeId, got {self.episode!r}")
+        _check_id(self.instance, "instance")
+
+    def to_dict(self) -> dict[str, JSONValue]:
+        return {
+            "rollout_id": self.episode.rollout_id,
+            "attempt": self.episode.attempt,
+            "instance": self.instance,
+        }
+
+    @classmethod
+    def from_dict(cls, raw: object, where: str) -> Self:
+        fields = _Fields(raw, where)
+        episode = EpisodeId(
+            fields.take("rollout_id", _check_id), fields.take("attempt", _check_attempt)
+        )
+        result = cls(episode=episode, instance=fields.take("instance", _check_id))
+        fields.done()
+        return result
+
+
+def _check_attempt(value: object, where: str) -> int:
+    try:
+        return validate_attempt(value, where)
+    except InvalidIdError as error:
+        raise _fail(where, error.why + f" (got {value!r})") from None
+
+
+def _episode_to_dict(episode: EpisodeId) -> dict[str, JSONValue]:
+    return {"rollout_id": episode.rollout_id, "attempt": episode.attempt}
+
+
+def _episode_from_dict(raw: object, where: str) -> EpisodeId:
+    fields = _Fields(raw, where)
+    episode = EpisodeId(
+        fields.take("rollout_id", _check_id), fields.take("attempt", _check_attempt)
+    )
+    fields.done()
+    return episode
+
+
+@dataclass(frozen=True, slots=True)
+class ParticipantEntry:
+    """What one participant instance committed.
+
+    The entry identifies the participant by ``instance`` and ``kind`` only, never by an
+    address: after a crash the same instance may come back elsewhere. ``incarnation``
+    records which process wrote the files, for diagnostics. Every path lies under the
+    instance's own directory. ``manifest`` is the participant's own manifest file; it may
+    be absent only for a participant that saved nothing.
+    """
+
+    instance: str
+    kind: ParticipantKind
+    artifacts: tuple[ArtifactRef, ...] = ()
+    manifest: ArtifactRef | None = None
+    exported: tuple[EpisodeId, ...] = ()
+    incarnation: str = ""
+
+    def __post_init__(self) -> None:
+        where = f"participant {self.instance!r}"
+        _check_id(self.instance, "participant.instance")
+        if not isinstance(self.kind, ParticipantKind):
+            raise _fail(f"{where} kind", f"must be a ParticipantKind, got {self.kind!r}")
+        if not isinstance(self.incarnation, str) or len(self.incarnation) > 256:
+            raise _fail(f"{where} incarnation", "must be a string of at most 256 characters")
+        if not all(isinstance(artifact, ArtifactRef) for artifact in self.artifacts):
+            raise _fail(f"{where} artifacts", "must be ArtifactRef values")
+        if self.manifest is not None and not isinstance(self.manifest, ArtifactRef):
+            raise _fail(f"{where} manifest", "must be an ArtifactRef or None")
+        if not all(isinstance(episode, EpisodeId) for episode in self.exported):
+            raise _fail(f"{where} exported", "must be EpisodeId values")
+        artifacts = tuple(sorted(self.artifacts, key=lambda artifact: artifact.path))
+        exported = tuple(sorted(self.exported))
+        object.__setattr__(self, "artifacts", artifacts)
+        object.__setattr__(self, "exported", exported)
+        paths = [artifact.path for artifact in artifacts]
+        if self.manifest is not None:
+            paths.append(self.manifest.path)
+        for path in paths:
+            if not path.startswith(f"{self.instance}/"):
+                raise _fail(f"{where} artifact {path!r}", f"must lie under {self.instance + '/'!r}")
+        duplicate_path = _first_duplicate(paths)
+        if duplicate_path is not None:
+            raise _fail(where, f"names file {duplicate_path!r} twice")
+        duplicate = _first_duplicate(exported)
+        if duplicate is not None:
+            raise _fail(f"{where} exported", f"duplicate episode {duplicate}")
+        if self.manifest is None and (artifacts or exported):
+            raise _fail(f"{where} manifest", "is required when anything was saved")
+
+    def to_dict(self) -> dict[str, JSONValue]:
+        return {
+            "instance": self.instance,
+            "kind": self.kind.value,
+            "incarnation": self.incarnation,
+            "artifacts": [artifact.to_dict() for artifact in self.artifacts],
+            "manifest": None if self.manifest is None else self.manifest.to_dict(),
+            "exported": [_episode_to_dict(episode) for episode in self.exported],
+        }
+
+    @classmethod
+    def from_dict(cls, raw: object, where: str) -> Self:
+        fields = _Fields(raw, where)
+        kind_name = fields.take("kind", _check_str)
+        try:
+            kind = ParticipantKind(kind_name)
+        except ValueError:
+            known = ", ".join(kind.value for kind in ParticipantKind)
+            raise _fail(f"{where}.kind", f"unknown kind {kind_name!r} (known: {known})") from None
+        manifest_raw = fields.take("manifest", _any)
+        result = cls(
+            instance=fields.take("instance", _check_id),
+            kind=kind,
+            incarnation=fields.take("incarnation", _check_str),
+            artifacts=tuple(
+                ArtifactRef.from_dict(item, f"{where}.artifacts[{index}]")
+                for index, item in enumerate(fields.take("artifacts", _check_list))
+            ),
+            manifest=None
+            if manifest_raw is None
+            else ArtifactRef.from_dict(manifest_raw, f"{where}.manifest"),
+            exported=tuple(
+                _episode_from_dict(item, f"{where}.exported[{index}]")
+                for index, item in enumerate(fields.take("exported", _check_list))
+            ),
+        )
+        fields.done()
+        return result
+
+
+@dataclass(frozen=True, slots=True)
+class TrainerRolloutState:
+    """The trainer's side of the cut.
+
+    ``queue``: the finished rollouts the trainer recorded but has not trained on yet, as
+    JSON objects, in queue order. ``data_loader``: the loader position, any JSON value.
+    ``attempts``: the attempt ledger, rollout id -> the attempt the trainer owns.
+    ``in_flight``: the rollouts dispatched and not finished, one JSON object each (the
+    rollout client's descriptor, task included, so that a restore can rerun any of them
+    from its prompt); each names its ``rollout_id`` and ``attempt``, which must agree
+    with the ledger, and a rollout appears at most once. Set-like: kept sorted by
+    rollout id.
+    """
+
+    queue: tuple[dict[str, JSONValue], ...] = ()
+    data_loader: JSONValue = None
+    attempts: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    in_flight: tuple[dict[str, JSONValue], ...] = ()
+
+    def __post_init__(self) -> None:
+        queue = tuple(
+            _check_json_object(item, f"rollout_state.queue[{index}]")
+            for index, item in enumerate(self.queue)
+        )
+        data_loader = _check_json(self.data_loader, "rollout_state.data_loader")
+        if not isinstance(self.attempts, Mapping):
+            raise _fail("rollout_state.attempts", "must be a mapping of rollout id to attempt")
+        attempts = {
+            _check_id(key, "rollout_state.attempts key"): _check_attempt(
+                value, f"rollout_state.attempts[{key!r}]"
+            )
+            for key, value in sorted(self.attempts.items())
+        }
+        in_flight = _check_in_flight(self.in_flight, attempts)
+        object.__setattr__(self, "queue", queue)
+        object.__setattr__(self, "data_loader", data_loader)
+        object.__setattr__(self, "attempts", MappingProxyType(attempts))
+        object.__setattr__(self, "in_flight", in_flight)
+
+    def to_dict(self) -> dict[str, JSONValue]:
+        return {
+            "queue": list(self.queue),
+            "data_loader": self.data_loader,
+            "attempts": dict(self.attempts),
+            "in_flight": list(self.in_flight),
+        }
+
+    @classmethod
+    def from_dict(cls, raw: object, where: str) -> Self:
+        fields = _Fields(raw, where)
+        result = cls(
+            queue=tuple(
+                _check_json_object(item, f"{where}.queue[{index}]")
+                for index, item in enumerate(fields.take("queue", _check_list))
+            ),
+            data_loader=fields.take("data_loader", _check_json),
+            attempts=fields.take("attempts", _check_mapping),
+            in_flight=tuple(
+                _check_json_object(item, f"{where}.in_flight[{index}]")
+                for index, item in enumerate(fields.take("in_flight", _check_list))
+            ),
+        )
+        fields.done()
+        return result
+
+
+def _check_in_flight(
+    items: Iterable[object], attempts: Mapping[str, int]
+) -> tuple[dict[str, JSONValue], ...]:
+    """Copies of the in-flight descriptors, sorted by rollout id, checked against the ledger."""
+    if isinstance(items, str | bytes | Mapping) or not isinstance(items, Iterable):
+        raise _fail("rollout_state.in_flight", "must be a list of JSON objects")
+    checked: dict[str, dict[str, JSONValue]] = {}
+    for index, item in enumerate(items):
+        where = f"rollout_state.in_flight[{index}]"
+        descriptor = _check_json_object(item, where)
+        if "rollout_id" not in descriptor or "attempt" not in descriptor:
+            raise _fail(where, "must name its rollout_id and attempt")
+        rollout_id = _check_id(descriptor["rollout_id"], f"{where}.rollout_id")
+        attempt = _check_attempt(descriptor["attempt"], f"{where}.attempt")
+        if rollout_id in checked:
+            raise _fail(where, f"duplicate rollout {rollout_id!r}")
+        if attempts.get(rollout_id) != attempt:
+            raise _fail(
+                where,
+                f"{rollout_id}#{attempt} disagrees with the attempt ledger "
+                f"({rollout_id!r} -> {attempts.get(rollout_id)!r})",
+            )
+        checked[rollout_id] = descriptor
+    return tuple(checked[rollout_id] for rollout_id in sorted(checked))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class SnapshotManifest:
+    """The trainer's record of one published snapshot (see the module docstring)."""
+
+    checkpoint_id: str
+    step: int
+    created_at: float
+    anchor: AnchorRef
+    participants: tuple[ParticipantEntry, ...]
+    continued: tuple[PlacedEpisode, ...] = ()
+    restarts: tuple[PlacedEpisode, ...] = ()
+    rollout_state: TrainerRolloutState = field(default_factory=TrainerRolloutState)
+    extra: Mapping[str, JSONValue] = field(default_factory=lambda: MappingProxyType({}))
+    schema_version: int = SCHEMA_VERSION
+
+    def __post_init__(self) -> None:
+        try:
+            self._validate()
+        except ManifestError as error:
+            if error.checkpoint_id is not None:
+                raise
+            raise ManifestError(
+                f"manifest {self.checkpoint_id!r}: {error.message}",
+                checkpoint_id=str(self.checkpoint_id),
+                field=error.field,
+            ) from None
+
+    def _validate(self) -> None:
+        _check_schema_version(self.schema_version)
+        _check_id(self.checkpoint_id, "checkpoint_id")
+        try:
+            checkpoint_sequence(self.checkpoint_id)
+        except InvalidIdError as error:
+            raise _fail("checkpoint_id", error.why) from None
+        _check_count(self.step, "step")
+        if isinstance(self.created_at, bool) or not isinstance(self.created_at, int | float):
+            raise _fail("created_at", f"must be a number, got {self.created_at!r}")
+        if not math.isfinite(self.created_at):
+            raise _fail("created_at", f"must be finite, got {self.created_at!r}")
+        object.__setattr__(self, "created_at", float(self.created_at))
+        if not isinstance(self.anchor, AnchorRef):
+            raise _fail("anchor", "must be an AnchorRef")
+        if not isinstance(self.rollout_state, TrainerRolloutState):
+            raise _fail("rollout_state", "must be a TrainerRolloutState")
+
+        if not all(isinstance(entry, ParticipantEntry) for entry in self.participants):
+            raise _fail("participants", "must be ParticipantEntry values")
+        for label, placed_items in (("continued", self.continued), ("restarts", self.restarts)):
+            if not all(isinstance(placed, PlacedEpisode) for placed in placed_items):
+                raise _fail(label, "must be PlacedEpisode values")
+        participants = tuple(sorted(self.participants, key=lambda entry: entry.instance))
+        object.__setattr__(self, "participants", participants)
+        duplicate_instance = _first_duplicate(entry.instance for entry in participants)
+        if duplicate_instance is not None:
+            raise _fail("participants", f"instance {duplicate_instance!r} appears twice")
+        if any(entry.instance == TRAINER_DIR for entry in participants):
+            raise _fail("participants", f"instance name {TRAINER_DIR!r} is reserved")
+        exported_by: dict[EpisodeId, str] = {}
+        for entry in participants:
+            for episode in entry.exported:
+                if episode in exported_by:
+                    raise _fail(
+                        "participants",
+                        f"episode {episode} exported by both {exported_by[episode]!r} "
+                        f"and {entry.instance!r}",
+                    )
+                exported_by[episode] = entry.instance
+
+        continued = tuple(sorted(self.continued, key=_placed_key))
+        restarts = tuple(sorted(self.restarts, key=_placed_key))
+        object.__setattr__(self, "continued", continued)
+        object.__setattr__(self, "restarts", restarts)
+        instances = {entry.instance for entry in participants}
+        ledger = self.rollout_state.attempts
+        seen_rollouts: dict[str, str] = {}
+        for label, placed_list in (("continued", continued), ("restarts", restarts)):
+            for placed in placed_list:
+                episode = placed.episode
+                if episode.rollout_id in seen_rollouts:
+                    raise _fail(
+                        label,
+                        f"duplicate episode: rollout {episode.rollout_id!r} already listed "
+                        f"in {seen_rollouts[episode.rollout_id]}",
+                    )
+                seen_rollouts[episode.rollout_id] = label
+                if placed.instance not in instances:
+                    raise _fail(
+                        label, f"episode {episode} names unknown instance {placed.instance!r}"
+                    )
+                if ledger.get(episode.rollout_id) != episode.attempt:
+                    raise _fail(
+                        label,
+                        f"episode {episode} disagrees with the attempt ledger "
+                        f"({episode.rollout_id!r} -> {ledger.get(episode.rollout_id)!r})",
+                    )
+        for placed in continued:
+            if exported_by.get(placed.episode) != placed.instance:
+                raise _fail(
+                    "continued",
+                    f"episode {placed.episode} was not exported by {placed.instance!r}",
+                )
+
+        if not isinstance(self.extra, Mapping):
+            raise _fail("extra", "must be a JSON object")
+        extra = _check_json_object(self.extra, "extra")
+        object.__setattr__(self, "extra", MappingProxyType(extra))
+
+    # -- queries -----------------------------------------------------------------------
+
+    @property
+    def sequence(self) -> int:
+        return checkpoint_sequence(self.checkpoint_id)
+
+    @property
+    def instances(self) -> frozenset[str]:
+        return frozenset(entry.instance for entry in self.participants)
+
+    def participant(self, instance: str) -> ParticipantEntry:
+        for entry in self.participants:
+            if entry.instance == instance:
+                return entry
+        raise KeyError(instance)
+
+    def continued_by_instance(self) -> dict[str, tuple[EpisodeId, ...]]:
+        """Each instance's continued episodes (every instance present, maybe empty)."""
+        result: dict[str, list[EpisodeId]] = {entry.instance: [] for entry in self.participants}
+        for placed in self.continued:
+            result[placed.instance].append(placed.episode)
+        return {instance: tuple(episodes) for instance, episodes in result.items()}
+
+    def validate_topology(self, live_instances: Iterable[str]) -> None:
+        """Raise unless the live participant set is exactly the one that was saved."""
+        live = frozenset(live_instances)
+        missing = sorted(self.instances - live)
+        unexpected = sorted(live - self.instances)
+        if missing or unexpected:
+            parts = []
+            if missing:
+                parts.append(f"saved but not live: {', '.join(missing)}")
+            if unexpected:
+                parts.append(f"live but not saved: {', '.join(unexpected)}")
+            raise ManifestError(
+                f"snapshot {self.checkpoint_id!r} was taken with another participant set "
+                f"({'; '.join(parts)})",
+                checkpoint_id=self.checkpoint_id,
+                field="participants",
+            )
+
+    # -- (de)serialisation -------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, JSONValue]:
+        return {
+            "schema_version": self.schema_version,
+            "checkpoint_id": self.checkpoint_id,
+            "step": self.step,
+            "created_at": self.created_at,
+            "anchor": self.anchor.to_dict(),
+            "participants": [entry.to_dict() for entry in self.participants],
+            "continued": [placed.to_dict() for placed in self.continued],
+            "restarts": [placed.to_dict() for placed in self.restarts],
+            "rollout_state": self.rollout_state.to_dict(),
+            "extra": dict(self.extra),
+        }
+
+    def to_json(self) -> bytes:
+        """Canonical bytes: equal manifests serialise identically."""
+        text = json.dumps(
+            self.to_dict(), sort_keys=True, indent=2, ensure_ascii=True, allow_nan=False
+        )
+        return (text + "\n").encode("ascii")
+
+    @classmethod
+    def from_dict(cls, raw: object) -> Self:
+        fields = _Fields(raw, "manifest")
+        # The version first: a newer schema fails on its version, not on its new fields.
+        _check_schema_version(fields.take("schema_version", _any))
+        checkpoint_id = fields.take("checkpoint_id", _check_id)
+        try:
+            result = cls(
+                schema_version=SCHEMA_VERSION,
+                checkpoint_id=checkpoint_id,
+                step=fields.take("step", _check_count),
+                created_at=fields.take("created_at", _check_number),
+                anchor=AnchorRef.from_dict(fields.take("anchor", _any), "anchor"),
+                participants=tuple(
+                    ParticipantEntry.from_dict(item, f"participants[{index}]")
+                    for index, item in enumerate(fields.take("participants", _check_list))
+                ),
+                continued=tuple(
+                    PlacedEpisode.from_dict(item, f"continued[{index}]")
+                    for index, item in enumerate(fields.take("continued", _check_list))
+                ),
+                restarts=tuple(
+                    PlacedEpisode.from_dict(item, f"restarts[{index}]")
+                    for index, item in enumerate(fields.take("restarts", _check_list))
+                ),
+                rollout_state=TrainerRolloutState.from_dict(
+                    fields.take("rollout_state", _any), "rollout_state"
+                ),
+                extra=fields.take("extra", _check_mapping),
+            )
+            fields.done()
+        except ManifestError as error:
+            if error.checkpoint_id is not None:
+                raise
+            raise ManifestError(
+                f"manifest {checkpoint_id!r}: {error.message}",
+                checkpoint_id=checkpoint_id,
+                field=error.field,
+            ) from None
+        return result
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> Self:
+        try:
+            text = data.decode("utf-8") if isinstance(data, bytes) else data
+            raw = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_reject_constant)
+        except UnicodeDecodeError as error:
+            raise ManifestError(f"manifest is not UTF-8: {error}") from None
+        except json.JSONDecodeError as error:
+            raise ManifestError(f"manifest is not valid JSON: {error}") from None
+        return cls.from_dict(raw)
+
+
+def _check_schema_version(value: object) -> int:
+    if isinstance(value, bool) or value != SCHEMA_VERSION:
+        raise _fail(
+            "schema_version",
+            f"unsupported schema version {value!r} (this build reads {SCHEMA_VERSION})",
+        )
+    assert isinstance(value, int)
+    return value
+
+
+def _placed_key(placed: PlacedEpisode) -> tuple[str, EpisodeId]:
+    return (placed.instance, placed.episode)
+
+
+def _first_duplicate(items: Iterable[Any]) -> Any:
+    seen: set[Any] = set()
+    for item in items:
+        if item in seen:
+            return item
+        seen.add(item)
+    return None
+
+
+# -- strict field reading --------------------------------------------------------------
+
+
+def _any(value: object, where: str) -> object:
+    return value
+
+
+def _check_str(value: object, where: str) -> str:
+    if not isinstance(value, str):
+        raise _fail(where, f"must be a string, got {value!r}")
+    return value
+
+
+def _check_number(value: object, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise _fail(where, f"must be a number, got {value!r}")
+    return float(value)
+
+
+def _check_list(value: object, where: str) -> list[object]:
+    if not isinstance(value, list):
+        raise _fail(where, f"must be a list, got {type(value).__name__}")
+    return value
+
+
+def _check_mapping(value: object, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise _fail(where, f"must be an object, got {type(value).__name__}")
+    return value
+
+
+class _Fields:
+    """Reads the fields of one JSON object exactly once; leftovers are unknown fields."""
+
+    def __init__(self, raw: object, where: str) -> None:
+        if not isinstance(raw, dict):
+            raise _fail(where, f"must be an object, got {type(raw).__name__}")
+        self._raw: dict[str, object] = dict(raw)
+        self._where = where
+
+    def take(self, name: str, check: Callable[[object, str], _T]) -> _T:
+        where = f"{self._where}.{name}"
+        if name not in self._raw:
+            raise _fail(where, "missing field")
+        return check(self._raw.pop(name), where)
+
+    def done(self) -> None:
+        if self._raw:
+            names = ", ".join(sorted(self._raw))
+            raise _fail(self._where, f"unknown field(s): {names}")
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    result: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in result:
+            raise ManifestError(f"manifest: JSON key {key!r} appears twice in one object")
+        result[key] = value
+    return result
+
+
+def _reject_constant(name: str) -> float:
+    raise ManifestError(f"manifest: {name} is not a JSON number")
+
+
+# -- digests and durability ------------------------------------------------------------
+
+
+def _file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _walk_files(directory: Path) -> Iterator[tuple[str, Path]]:
+    """(relative POSIX path, path) of every regular file below ``directory``, sorted."""
+    found: list[tuple[str, Path]] = []
+    for current, dirnames, filenames in os.walk(directory):
+        dirnames.sort()
+        for name in filenames:
+            path = Path(current, name)
+            mode = path.lstat().st_mode
+            if not stat.S_ISREG(mode):
+                raise ManifestError(f"{path}: not a regular file (symlinks are not followed)")
+            found.append((path.relative_to(directory).as_posix(), path))
+        for name in dirnames:
+            path = Path(current, name)
+            if path.is_symlink():
+                raise ManifestError(f"{path}: symlinked directory (symlinks are not followed)")
+    found.sort()
+    return iter(found)
+
+
+def tree_digest(directory: Path) -> str:
+    """sha256 over the listing of every file below ``directory``: digest, size, path.
+
+    Any change of a byte, a name, or a file added or removed changes the digest.
+    """
+    if not directory.is_dir() or directory.is_symlink():
+        raise ManifestError(f"{directory}: no such directory")
+    listing = hashlib.sha256()
+    for relative, path in _walk_files(directory):
+        size = path.stat().st_size
+        listing.update(f"{_file_sha256(path)}  {size}  {relative}\n".encode())
+    return listing.hexdigest()
+
+
+def _fsync_path(path: Path, *, directory: bool = False) -> None:
+    flags = os.O_RDONLY | (os.O_DIRECTORY if directory else 0)
+    fd = os.open(path, flags)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(directory: Path) -> None:
+    """fsync every regular file and directory below ``directory`` (itself included)."""
+    # Children before parents, so a directory is synced after the entries it lists.
+    for current, _dirnames, filenames in os.walk(directory, topdown=False):
+        for name in filenames:
+            path = Path(current, name)
+            if stat.S_ISREG(path.lstat().st_mode):
+                _fsync_path(path)
+        _fsync_path(Path(current), directory=True)
+
+
+def _write_durable(path: Path, data: bytes) -> None:
+    with path.open("xb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+# -- the layout ------------------------------------------------------------------------
+
+
+class PublishStep(enum.Enum):
+    """Points in :meth:`SnapshotLayout.publish` after which a crash can be injected."""
+
+    VERIFIED = "verified"
+    TREE_SYNCED = "tree_synced"
+    MANIFEST_STAGED = "manifest_staged"
+    MANIFEST_LINKED = "manifest_linked"
+    SNAPSHOT_SYNCED = "snapshot_synced"
+    LATEST_STAGED = "latest_staged"
+    LATEST_MOVED = "latest_moved"
+
+
+class SnapshotLayout:
+    """Publishes, lists, loads and retires snapshots under one root directory.
+
+    ``after_step`` is called after each :class:`PublishStep`; tests raise from it to
+    simulate a crash at that point (a named, deterministic fault).
+    """
+
+    def __init__(
+        self, root: str | Path, *, after_step: Callable[[PublishStep], None] | None = None
+    ) -> None:
+        self.root = Path(root)
+        self._after_step = after_step
+        self._in_progress: str | None = None
+
+    # -- paths -------------------------------------------------------------------------
+
+    def path(self, checkpoint_id: str) -> Path:
+        """``<root>/<checkpoint_id>``; the id is validated, so it is one safe component."""
+        return self.root / _check_id(checkpoint_id, "checkpoint_id")
+
+    def trainer_dir(self, checkpoint_id: str) -> Path:
+        return self.path(checkpoint_id) / TRAINER_DIR
+
+    def anchor_dir(self, checkpoint_id: str) -> Path:
+        return self.path(checkpoint_id) / ANCHOR_DIR
+
+    def is_published(self, checkpoint_id: str) -> bool:
+        manifest = self.path(checkpoint_id) / MANIFEST_NAME
+        try:
+            return stat.S_ISREG(manifest.lstat().st_mode)
+        except FileNotFoundError:
+            return False
+
+    @property
+    def in_progress(self) -> str | None:
+        """The snapshot begun and not yet published or discarded, if any."""
+        return self._in_progress
+
+    # -- writing -----------------------------------------------------------------------
+
+    def begin(self, checkpoint_id: str) -> Path:
+        """Prepare ``<root>/<checkpoint_id>`` for a new snapshot and return it.
+
+        Call before any participant commits to this id. A leftover of an earlier,
+        unpublished attempt at the same id is removed first: it was never published, and
+        mixing two cuts in one directory would break the snapshot. An id that is already
+        published, or not newer than the newest published one, is refused.
+        """
+        sequence = self._sequence_of(checkpoint_id)
+        snapshot = self.path(checkpoint_id)
+        if self.is_published(checkpoint_id):
+            raise ManifestError(
+                f"snapshot {checkpoint_id!r} is already published",
+                checkpoint_id=checkpoint_id,
+            )
+        newest = self.list_published()
+        if newest and sequence <= checkpoint_sequence(newest[0]):
+            raise ManifestError(
+                f"checkpoint id {checkpoint_id!r} is not newer than the published "
+                f"{newest[0]!r}: checkpoint sequences must increase",
+                checkpoint_id=checkpoint_id,
+            )
+        if snapshot.exists():
+            shutil.rmtree(snapshot)
+        (snapshot / TRAINER_DIR).mkdir(parents=True)
+        self._in_progress = checkpoint_id
+        return snapshot
+
+    def discard(self, checkpoint_id: str) -> bool:
+        """Delete an unpublished snapshot (an aborted round). Published ones are refused."""
+        if self.is_published(checkpoint_id):
+            raise ManifestError(
+                f"snapshot {checkpoint_id!r} is published; use retain() to delete snapshots",
+                checkpoint_id=checkpoint_id,
+            )
+        if self._in_progress == checkpoint_id:
+            self._in_progress = None
+        snapshot = self.path(checkpoint_id)
+        if not snapshot.exists():
+            return False
+        shutil.rmtree(snapshot)
+        return True
+
+    def publish(
+        self, snapshot: Path, manifest: SnapshotManifest, *, verify_artifacts: bool = False
+    ) -> Path:
+        """Make ``snapshot`` durable and published, then point ``LATEST`` at it.
+
+        Checks first that every file the manifest names is there with its recorded size
+        (and, with ``verify_artifacts``, its digest) and that the anchor digest matches
+        the files on disk; a manifest naming bytes that are not there is never written.
+        """
+        checkpoint_id = manifest.checkpoint_id
+        expected = self.path(checkpoint_id)
+        if Path(snapshot).resolve() != expected.resolve():
+            raise ManifestError(
+                f"manifest for {checkpoint_id!r} cannot be published in {snapshot}; "
+                f"its directory is {expected}",
+                checkpoint_id=checkpoint_id,
+            )
+        if not expected.is_dir():
+            raise ManifestError(
+                f"snapshot directory {expected} does not exist; call begin() first",
+                checkpoint_id=checkpoint_id,
+            )
+        if self.is_published(checkpoint_id):
+            raise ManifestError(
+                f"snapshot {checkpoint_id!r} is already published", checkpoint_id=checkpoint_id
+            )
+        self._verify_contents(expected, manifest, verify_artifacts=verify_artifacts)
+        self._step(PublishStep.VERIFIED)
+
+        fsync_tree(expected)
+        self._step(PublishStep.TREE_SYNCED)
+
+        # Temporary files are removed on ordinary errors only; after a crash they are
+        # left for clean_partial(), which is what a crash test must see too.
+        staged = self._temp_path(f".MANIFEST-{checkpoint_id}-")
+        try:
+            _write_durable(staged, manifest.to_json())
+        except OSError:
+            staged.unlink(missing_ok=True)
+            raise
+        self._step(PublishStep.MANIFEST_STAGED)
+        try:
+            # A hard link is atomic and never replaces: exclusive create of a file that
+            # is complete from its first instant.
+            os.link(staged, expected / MANIFEST_NAME)
+        except FileExistsError:
+            staged.unlink(missing_ok=True)
+            raise ManifestError(
+                f"snapshot {checkpoint_id!r} was published concurrently",
+                checkpoint_id=checkpoint_id,
+            ) from None
+        except OSError:
+            staged.unlink(missing_ok=True)
+            raise
+        self._step(PublishStep.MANIFEST_LINKED)
+        staged.unlink()
+        _fsync_path(expected, directory=True)
+        _fsync_path(self.root, directory=True)
+        if self._in_progress == checkpoint_id:
+            self._in_progress = None
+        self._step(PublishStep.SNAPSHOT_SYNCED)
+
+        current = self._read_latest_leniently()
+        if current is None or checkpoint_sequence(current) < manifest.sequence:
+            self._move_latest(checkpoint_id)
+        return expected
+
+    def _move_latest(self, checkpoint_id: str) -> None:
+        staged = self._temp_path(".LATEST-")
+        try:
+            _write_durable(staged, f"{checkpoint_id}\n".encode("ascii"))
+        except OSError:
+            staged.unlink(missing_ok=True)
+            raise
+        self._step(PublishStep.LATEST_STAGED)
+        try:
+            os.replace(staged, self.root / LATEST_NAME)
+        except OSError:
+            staged.unlink(missing_ok=True)
+            raise
+        _fsync_path(self.root, directory=True)
+        self._step(PublishStep.LATEST_MOVED)
+
+    def _verify_contents(
+        self, snapshot: Path, manifest: SnapshotManifest, *, verify_artifacts: bool
+    ) -> None:
+        checkpoint_id = manifest.checkpoint_id
+        anchor_digest = tree_digest(snapshot / manifest.anchor.path)
+        if anchor_digest != manifest.anchor.sha256:
+            raise ManifestError(
+                f"snapshot {checkpoint_id!r}: trainer anchor digest is {anchor_digest}, "
+                f"manifest says {manifest.anchor.sha256}",
+                checkpoint_id=checkpoint_id,
+                field="anchor.sha256",
+            )
+        for entry in manifest.participants:
+            named = list(entry.artifacts)
+            if entry.manifest is not None:
+                named.append(entry.manifest)
+            for artifact in named:
+                path = snapshot / artifact.path
+                try:
+                    info = path.lstat()
+                except FileNotFoundError:
+                    raise ManifestError(
+                        f"snapshot {checkpoint_id!r}: {artifact.path} is missing",
+                        checkpoint_id=checkpoint_id,
+                        field="participants",
+                    ) from None
+                if not stat.S_ISREG(info.st_mode) or info.st_size != artifact.size_bytes:
+                    raise ManifestError(
+                        f"snapshot {checkpoint_id!r}: {artifact.path} has {info.st_size} "
+                        f"bytes, manifest says {artifact.size_bytes}",
+                        checkpoint_id=checkpoint_id,
+                        field="participants",
+                    )
+                if verify_artifacts and _file_sha256(path) != artifact.sha256:
+                    raise ManifestError(
+                        f"snapshot {checkpoint_id!r}: {artifact.path} does not match its sha256",
+                        checkpoint_id=checkpoint_id,
+                        field="participants",
+                    )
+
+    def _step(self, step: PublishStep) -> None:
+        if self._after_step is not None:
+            self._after_step(step)
+
+    def _temp_path(self, prefix: str) -> Path:
+        self.root.mkdir(parents=True, exist_ok=True)
+        return self.root / f"{prefix}{secrets.token_hex(8)}{_TMP_SUFFIX}"
+
+    # -- reading -----------------------------------------------------------------------
+
+    def latest(self) -> str | None:
+        """The id ``LATEST`` names, or ``None`` when nothing was published yet.
+
+        A ``LATEST`` that is garbled or names a snapshot that is not published is
+        reported, not hidden: publication never leaves it so, someone else did.
+        """
+        path = self.root / LATEST_NAME
+        try:
+            text = path.read_text(encoding="ascii")
+        except FileNotFoundError:
+            return None
+        except (OSError, UnicodeDecodeError) as error:
+            raise ManifestError(f"{path}: unreadable: {error}") from None
+        checkpoint_id = text.strip()
+        try:
+            self._sequence_of(checkpoint_id)
+        except ManifestError:
+            raise ManifestError(f"{path}: does not hold a checkpoint id: {text!r}") from None
+        if not self.is_published(checkpoint_id):
+            raise ManifestError(
+                f"{path} names {checkpoint_id!r}, which is not a published snapshot",
+                checkpoint_id=checkpoint_id,
+            )
+        return checkpoint_id
+
+    def _read_latest_leniently(self) -> str | None:
+        try:
+            return self.latest()
+        except ManifestError:
+            return None
+
+    def list_published(self) -> list[str]:
+        """Published snapshot ids, newest (highest checkpoint sequence) first."""
+        try:
+            entries = list(os.scandir(self.root))
+        except FileNotFoundError:
+            return []
+        found: list[tuple[int, str]] = []
+        for entry in entries:
+            sequence = _sequence_or_none(entry.name)
+            if sequence is None or not entry.is_dir(follow_symlinks=False):
+                continue
+            if self.is_published(entry.name):
+                found.append((sequence, entry.name))
+        found.sort(reverse=True)
+        return [name for _, name in found]
+
+    def load(self, checkpoint_id: str) -> SnapshotManifest:
+        """Parse a published manifest strictly and verify the trainer anchor digest."""
+        snapshot = self.path(checkpoint_id)
+        path = snapshot / MANIFEST_NAME
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            raise ManifestError(
+                f"snapshot {checkpoint_id!r} is not published (no {MANIFEST_NAME})",
+                checkpoint_id=checkpoint_id,
+            ) from None
+        manifest = SnapshotManifest.from_json(data)
+        if manifest.checkpoint_id != checkpoint_id:
+            raise ManifestError(
+                f"{path} describes {manifest.checkpoint_id!r}, not {checkpoint_id!r}",
+                checkpoint_id=checkpoint_id,
+                field="checkpoint_id",
+            )
+        digest = tree_digest(snapshot / manifest.anchor.path)
+        if digest != manifest.anchor.sha256:
+            raise ManifestError(
+                f"snapshot {checkpoint_id!r}: trainer anchor does not match its digest "
+                f"(found {digest}, manifest says {manifest.anchor.sha256})",
+                checkpoint_id=checkpoint_id,
+                field="anchor.sha256",
+            )
+        return manifest
+
+    # -- housekeeping ------------------------------------------------------------------
+
+    def retain(self, keep: int) -> list[str]:
+        """Delete published snapshots beyond the newest ``keep``; returns what went.
+
+        The snapshot ``LATEST`` names is always kept. Each deletion unpublishes first
+        (manifest unlinked and synced), so a crash midway leaves a partial that
+        :meth:`clean_partial` removes, never a published snapshot with missing files.
+        """
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"keep must be an integer >= 1, got {keep!r}")
+        published = self.list_published()
+        protected = set(published[:keep])
+        latest = self._read_latest_leniently()
+        if latest is not None:
+            protected.add(latest)
+        doomed = [checkpoint_id for checkpoint_id in published if checkpoint_id not in protected]
+        for checkpoint_id in reversed(doomed):  # oldest first
+            snapshot = self.path(checkpoint_id)
+            (snapshot / MANIFEST_NAME).unlink()
+            _fsync_path(snapshot, directory=True)
+            shutil.rmtree(snapshot)
+        if doomed:
+            _fsync_path(self.root, directory=True)
+        return doomed
+
+    def clean_partial(self) -> list[str]:
+        """Remove unpublished snapshot directories and stale temporary files.
+
+        The snapshot begun by this layout and not yet published is left alone; every
+        other snapshot directory without a manifest is a crash leftover or an aborted
+        round. Names this module did not create are never touched.
+        """
+        try:
+            entries = list(os.scandir(self.root))
+        except FileNotFoundError:
+            return []
+        removed: list[str] = []
+        for entry in sorted(entries, key=lambda item: item.name):
+            name = entry.name
+            if name.startswith(_TMP_PREFIXES) and name.endswith(_TMP_SUFFIX):
+                if entry.is_file(follow_symlinks=False):
+                    Path(entry.path).unlink(missing_ok=True)
+                    removed.append(name)
+                continue
+            if _sequence_or_none(name) is None or not entry.is_dir(follow_symlinks=False):
+                continue
+            if name == self._in_progress or self.is_published(name):
+                continue
+            shutil.rmtree(entry.path)
+            removed.append(name)
+        if removed:
+            _fsync_path(self.root, directory=True)
+        return removed
+
+    def _sequence_of(self, checkpoint_id: str) -> int:
+        _check_id(checkpoint_id, "checkpoint_id")
+        try:
+            return checkpoint_sequence(checkpoint_id)
+        except InvalidIdError as error:
+            raise ManifestError(
+                f"checkpoint id {checkpoint_id!r}: {error.why}", checkpoint_id=checkpoint_id
+            ) from None
+
+
+def _sequence_or_none(name: str) -> int | None:
+    try:
+        return checkpoint_sequence(name)
+    except InvalidIdError:
+        return None
