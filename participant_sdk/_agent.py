@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import copy
 import enum
 import functools
@@ -277,6 +278,30 @@ class AgentHost:
         (``contextlib.aclosing``) when their call ends. ``budget_s`` (None or 0: none) is
         active time: parked time does not count.
         """
+        stream = await self.accept_run(
+            episode, task, boundaries_seen=boundaries_seen, budget_s=budget_s
+        )
+        async with contextlib.aclosing(stream):
+            async for event in stream:
+                yield event
+
+    async def accept_run(
+        self,
+        episode: EpisodeId,
+        task: Mapping[str, Any],
+        *,
+        boundaries_seen: int = 0,
+        budget_s: float | None = None,
+    ) -> AsyncGenerator[BoundaryReport | RunResult, None]:
+        """Accept a Run (raising ADMISSION_CLOSED, STALE_ATTEMPT, ... at once), then follow it.
+
+        Splitting acceptance from following lets the wire layer tell the caller that the
+        participant now owns the attempt before the first boundary (PROTOCOL.md section
+        7: an attempt counts as dispatched only once its Run was accepted). The returned
+        stream is the same as :meth:`run_episode`'s and must be closed the same way; a
+        stream that is never iterated leaves the execution running, followed by nobody,
+        until a caller re-attaches or it is retired.
+        """
         if boundaries_seen < 0:
             raise TurnpointError(
                 Reason.INVALID_ARGUMENT,
@@ -289,7 +314,12 @@ class AgentHost:
             )
         async with self._shared.changing() as core:
             execution = self._attach(core, episode, dict(task), budget_s or None)
-            execution.followers += 1
+        return self._follow(execution, episode, boundaries_seen)
+
+    async def _follow(
+        self, execution: _Execution, episode: EpisodeId, boundaries_seen: int
+    ) -> AsyncGenerator[BoundaryReport | RunResult, None]:
+        execution.followers += 1
         delivered = False
         seen = 0
         try:

@@ -78,6 +78,16 @@ class PolicyModel(abc.ABC):
     ) -> AsyncGenerator[GenerateChunk, None]:
         """Stream one generation."""
 
+    async def update_weights(self, weights_version: int, state: bytes) -> int:
+        """Install new weights (the trainer's weight sync); return the installed version.
+
+        Called outside the admission gate: a model that must not swap weights under a
+        streaming generation waits for its own generations to finish first.
+        """
+        raise TurnpointError(
+            Reason.NOT_FOUND, f"{type(self).__name__} does not take weight updates"
+        )
+
     async def admission_closed(self) -> None:
         """A checkpoint closed admission (a failure makes the prepare fail and reopen)."""
         return None
@@ -166,6 +176,9 @@ class ModelHost:
         except Exception as error:  # noqa: BLE001 - handed to the caller's stream, not lost
             end = _End(error)
         queue.put_nowait(end)
+
+    async def update_weights(self, weights_version: int, state: bytes) -> int:
+        return await self._model.update_weights(weights_version, state)
 
     # ------------------------------------------------------------------ kind hooks
 

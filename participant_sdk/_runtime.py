@@ -1123,6 +1123,19 @@ class ParticipantRuntime:
             episode, task, boundaries_seen=boundaries_seen, budget_s=budget_s
         )
 
+    async def accept_run(
+        self,
+        episode: EpisodeId,
+        task: Mapping[str, Any],
+        *,
+        boundaries_seen: int = 0,
+        budget_s: float | None = None,
+    ) -> AsyncGenerator[BoundaryReport | RunResult, None]:
+        """Accept a Run now (errors raise here), then follow it; see :meth:`AgentHost.accept_run`."""
+        return await self._agent().accept_run(
+            episode, task, boundaries_seen=boundaries_seen, budget_s=budget_s
+        )
+
     async def acknowledge(self, receipts: Iterable[CompletionReceipt]) -> AcknowledgeResult:
         """RolloutService.Acknowledge: drop retained results."""
         acknowledged, unknown = await self._agent().acknowledge(receipts)
@@ -1148,6 +1161,10 @@ class ParticipantRuntime:
     ) -> AsyncGenerator[GenerateChunk, None]:
         """PolicyService.Generate, under admission control (close it when done)."""
         return self._model().generate(episode, request)
+
+    async def update_weights(self, weights_version: int, state: bytes) -> int:
+        """PolicyService.UpdateWeights: the trainer's weight sync."""
+        return await self._model().update_weights(weights_version, state)
 
 
 def _slot_of(key: WorkKey) -> str:

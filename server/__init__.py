@@ -1,7 +1,9 @@
 """Hosting participants as real gRPC servers: health, reflection, auth, graceful drain.
 
-:class:`ParticipantServer` hosts caller-provided servicers under bearer-token auth and
-optional mutual TLS; :func:`auth_metadata` is the client half of the auth.
+:func:`host_participant` serves a :class:`~turnpoint.participant_sdk.ParticipantRuntime`
+(the control service and its kind's data plane) on a :class:`ParticipantServer` under
+bearer-token auth and optional mutual TLS; :func:`auth_metadata` is the client half of
+the auth. :func:`build_example` makes the example Gym servers the demo and tests run.
 """
 
 from turnpoint.server._auth import (
@@ -12,6 +14,13 @@ from turnpoint.server._auth import (
     bearer_call_credentials,
     load_token,
     validate_token,
+)
+from turnpoint.server._control import ControlServicer
+from turnpoint.server._data import (
+    ACCEPTED_METADATA,
+    PolicyServicer,
+    ResourcesServicer,
+    RolloutServicer,
 )
 from turnpoint.server._hosting import (
     CONTROL_SERVICE,
@@ -26,24 +35,43 @@ from turnpoint.server._hosting import (
     ServerState,
     check_list_length,
 )
+from turnpoint.server._serve import (
+    EXAMPLES,
+    ExampleSpec,
+    HostedParticipant,
+    build_example,
+    host_participant,
+    register_runtime,
+)
 
 __all__ = [
+    "ACCEPTED_METADATA",
     "CONTROL_SERVICE",
     "DATA_PLANE_SERVICES",
     "DEFAULT_MAX_LIST_LENGTH",
+    "EXAMPLES",
     "HEALTH_SERVICE",
     "REFLECTION_SERVICES",
     "TOKEN_ENV",
     "TOKEN_FILE_ENV",
     "BearerTokenInterceptor",
+    "ControlServicer",
     "DrainHook",
+    "ExampleSpec",
+    "HostedParticipant",
     "ParticipantServer",
+    "PolicyServicer",
     "RegisterServicers",
+    "ResourcesServicer",
+    "RolloutServicer",
     "ServerOptions",
     "ServerState",
     "auth_metadata",
     "bearer_call_credentials",
+    "build_example",
     "check_list_length",
+    "host_participant",
     "load_token",
+    "register_runtime",
     "validate_token",
 ]

@@ -26,6 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     version = sub.add_parser("version", help="print the package and protocol version")
     version.set_defaults(handler=_version)
+    from turnpoint.server._serve import add_serve_parser
+
+    add_serve_parser(sub)
     return parser
 
 

@@ -103,4 +103,21 @@ def struct_from_mapping(value: Mapping[str, Any] | None) -> struct_pb2.Struct:
 
 
 def struct_to_dict(message: struct_pb2.Struct) -> dict[str, Any]:
-    return MessageToDict(message, preserving_proto_field_name=True)
+    """A Struct as plain JSON values, with integral numbers as ints.
+
+    ``google.protobuf.Struct`` stores every number as a double, so a task's ``3`` comes
+    back as ``3.0``. JSON does not tell the two apart either; giving integral values back
+    as ints lets hooks keep strict integer checks (token ids, turn counts, seeds). Ints
+    beyond 2**53 do not survive a double and must travel as strings.
+    """
+    return _integral(MessageToDict(message, preserving_proto_field_name=True))
+
+
+def _integral(value: Any) -> Any:
+    if isinstance(value, float) and value.is_integer() and abs(value) <= 2**53:
+        return int(value)
+    if isinstance(value, dict):
+        return {key: _integral(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_integral(item) for item in value]
+    return value

@@ -8,6 +8,8 @@ the unary calls' rich status (grpcio-status) and the ``ControlError`` message th
 
 from __future__ import annotations
 
+from typing import Any, NoReturn
+
 import grpc
 from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
@@ -17,6 +19,7 @@ from turnpoint.errors import DOMAIN, REASON_CODES, Reason, TurnpointError
 from turnpoint.v1 import types_pb2
 
 __all__ = [
+    "abort",
     "control_error_to_error",
     "error_from_rpc",
     "error_to_control_error",
@@ -114,3 +117,10 @@ def control_error_to_error(message: types_pb2.ControlError) -> TurnpointError | 
     if reason is None:
         return None
     return TurnpointError(reason, message.message, dict(message.metadata))
+
+
+async def abort(context: grpc.aio.ServicerContext[Any, Any], error: TurnpointError) -> NoReturn:
+    """End the call with ``error`` as a rich status; never returns."""
+    # grpc-stubs lacks abort_with_status on the aio context; grpcio has it since 1.38.
+    await context.abort_with_status(error_to_grpc_status(error))  # type: ignore[attr-defined]
+    raise AssertionError("abort_with_status always raises")

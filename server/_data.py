@@ -1,0 +1,224 @@
+"""The data-plane servicers: RolloutService, PolicyService, ResourcesService.
+
+Thin adapters over :class:`ParticipantRuntime`, like the control servicer: convert,
+call, convert back, and map :class:`TurnpointError` to a rich status in one place.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from turnpoint._convert import (
+    bad_argument,
+    check_list_length,
+    duration_from_seconds,
+    episode_from_proto,
+    episode_to_proto,
+    seconds_from_duration,
+    struct_from_mapping,
+    struct_to_dict,
+    timestamp_from_seconds,
+)
+from turnpoint._status import abort
+from turnpoint.errors import TurnpointError
+from turnpoint.ids import InvalidIdError
+from turnpoint.participant_sdk import (
+    BoundaryReport,
+    GenerateRequest,
+    ParticipantRuntime,
+    RunResult,
+)
+from turnpoint.server._convert import (
+    enum_to_proto,
+    header_to_proto,
+    receipt_from_proto,
+    receipt_to_proto,
+)
+from turnpoint.v1 import (
+    policy_service_pb2,
+    policy_service_pb2_grpc,
+    resources_service_pb2,
+    resources_service_pb2_grpc,
+    rollout_service_pb2,
+    rollout_service_pb2_grpc,
+)
+
+__all__ = ["ACCEPTED_METADATA", "PolicyServicer", "ResourcesServicer", "RolloutServicer"]
+
+# Initial metadata a Run sends the moment the participant owns the attempt, before the
+# first boundary: the trainer counts an attempt as dispatched only from then on.
+ACCEPTED_METADATA = (("turnpoint-accepted", "1"),)
+
+Context = grpc.aio.ServicerContext[Any, Any]
+
+
+@contextlib.asynccontextmanager
+async def _errors(context: Context) -> AsyncIterator[None]:
+    try:
+        yield
+    except TurnpointError as error:
+        await abort(context, error)
+    except InvalidIdError as error:
+        await abort(context, bad_argument(error))
+
+
+class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
+    def __init__(self, runtime: ParticipantRuntime, *, max_list_length: int = 10_000) -> None:
+        self._runtime = runtime
+        self._max_list = max_list_length
+
+    def _event(self, event: BoundaryReport | RunResult) -> rollout_service_pb2.RunResponse:
+        header = header_to_proto(self._runtime.header())
+        if isinstance(event, BoundaryReport):
+            return rollout_service_pb2.RunResponse(
+                header=header,
+                boundary=rollout_service_pb2.BoundaryReport(
+                    episode=episode_to_proto(event.episode),
+                    boundary_index=event.boundary_index,
+                    turn_index=event.turn_index,
+                    sealed_at=timestamp_from_seconds(event.sealed_at),
+                ),
+            )
+        result = rollout_service_pb2.RunResult(
+            episode=episode_to_proto(event.episode),
+            outcome=enum_to_proto(rollout_service_pb2.RunOutcome, event.outcome),
+            result=struct_from_mapping(event.result),
+            turns=event.turns,
+            active_time=duration_from_seconds(event.active_time_s),
+            error_message=event.error_message,
+        )
+        if event.receipt is not None:
+            result.receipt.CopyFrom(receipt_to_proto(event.receipt))
+        return rollout_service_pb2.RunResponse(header=header, result=result)
+
+    async def Run(
+        self, request: rollout_service_pb2.RunRequest, context: Context
+    ) -> AsyncIterator[rollout_service_pb2.RunResponse]:
+        async with _errors(context):
+            episode = episode_from_proto(request.episode)
+            task = struct_to_dict(request.task)
+            budget_s = seconds_from_duration(request.budget, "budget")
+            stream = await self._runtime.accept_run(
+                episode, task, boundaries_seen=request.boundaries_seen, budget_s=budget_s
+            )
+            # Closing the stream when the call ends (also by cancellation, which gRPC
+            # delivers as CancelledError here) is what cancels the execution.
+            async with contextlib.aclosing(stream):
+                await context.send_initial_metadata(ACCEPTED_METADATA)
+                async for event in stream:
+                    yield self._event(event)
+
+    async def Acknowledge(
+        self, request: rollout_service_pb2.AcknowledgeRequest, context: Context
+    ) -> rollout_service_pb2.AcknowledgeResponse:
+        async with _errors(context):
+            check_list_length("receipts", request.receipts, self._max_list)
+            receipts = [receipt_from_proto(r) for r in request.receipts]
+            result = await self._runtime.acknowledge(receipts)
+            return rollout_service_pb2.AcknowledgeResponse(
+                header=header_to_proto(self._runtime.header()),
+                acknowledged=result.acknowledged,
+                unknown=[receipt_to_proto(r) for r in result.unknown],
+            )
+        raise AssertionError("unreachable")
+
+
+class PolicyServicer(policy_service_pb2_grpc.PolicyServiceServicer):
+    def __init__(self, runtime: ParticipantRuntime, *, max_prompt_tokens: int = 65_536) -> None:
+        self._runtime = runtime
+        self._max_prompt = max_prompt_tokens
+
+    async def Generate(
+        self, request: policy_service_pb2.GenerateRequest, context: Context
+    ) -> AsyncIterator[policy_service_pb2.GenerateResponse]:
+        async with _errors(context):
+            episode = episode_from_proto(request.episode)
+            check_list_length("prompt_token_ids", request.prompt_token_ids, self._max_prompt)
+            stream = self._runtime.generate(
+                episode,
+                GenerateRequest(
+                    prompt_token_ids=tuple(request.prompt_token_ids),
+                    max_new_tokens=request.max_new_tokens,
+                    temperature=request.temperature,
+                    seed=request.seed,
+                ),
+            )
+            async with contextlib.aclosing(stream):
+                async for chunk in stream:
+                    yield policy_service_pb2.GenerateResponse(
+                        header=header_to_proto(self._runtime.header()),
+                        token_ids=list(chunk.token_ids),
+                        logprobs=list(chunk.logprobs),
+                        done=chunk.done,
+                        weights_version=chunk.weights_version,
+                    )
+
+    async def UpdateWeights(
+        self, request: policy_service_pb2.UpdateWeightsRequest, context: Context
+    ) -> policy_service_pb2.UpdateWeightsResponse:
+        async with _errors(context):
+            version = await self._runtime.update_weights(request.weights_version, request.state)
+            return policy_service_pb2.UpdateWeightsResponse(
+                header=header_to_proto(self._runtime.header()), weights_version=version
+            )
+        raise AssertionError("unreachable")
+
+
+class ResourcesServicer(resources_service_pb2_grpc.ResourcesServiceServicer):
+    def __init__(self, runtime: ParticipantRuntime) -> None:
+        self._runtime = runtime
+
+    def _header(self) -> Any:
+        return header_to_proto(self._runtime.header())
+
+    async def SeedSession(
+        self, request: resources_service_pb2.SeedSessionRequest, context: Context
+    ) -> resources_service_pb2.SeedSessionResponse:
+        async with _errors(context):
+            task = struct_to_dict(request.task)
+            task.setdefault("prompt_group_id", request.prompt_group_id)
+            task.setdefault("sibling_index", request.sibling_index)
+            task.setdefault("group_size", request.group_size)
+            existed = await self._runtime.seed_session(episode_from_proto(request.episode), task)
+            return resources_service_pb2.SeedSessionResponse(header=self._header(), existed=existed)
+        raise AssertionError("unreachable")
+
+    async def Call(
+        self, request: resources_service_pb2.CallRequest, context: Context
+    ) -> resources_service_pb2.CallResponse:
+        async with _errors(context):
+            if not request.tool:
+                raise bad_argument("tool is required")
+            output = await self._runtime.call_tool(
+                episode_from_proto(request.episode), request.tool, struct_to_dict(request.arguments)
+            )
+            return resources_service_pb2.CallResponse(
+                header=self._header(), output=struct_from_mapping(output)
+            )
+        raise AssertionError("unreachable")
+
+    async def Verify(
+        self, request: resources_service_pb2.VerifyRequest, context: Context
+    ) -> resources_service_pb2.VerifyResponse:
+        async with _errors(context):
+            verdict = await self._runtime.verify(
+                episode_from_proto(request.episode), struct_to_dict(request.answer)
+            )
+            return resources_service_pb2.VerifyResponse(
+                header=self._header(),
+                reward=verdict.reward,
+                details=struct_from_mapping(verdict.details),
+            )
+        raise AssertionError("unreachable")
+
+    async def CloseSession(
+        self, request: resources_service_pb2.CloseSessionRequest, context: Context
+    ) -> resources_service_pb2.CloseSessionResponse:
+        async with _errors(context):
+            closed = await self._runtime.close_session(episode_from_proto(request.episode))
+            return resources_service_pb2.CloseSessionResponse(header=self._header(), closed=closed)
+        raise AssertionError("unreachable")

@@ -1,0 +1,452 @@
+"""The example Gym servers the tests and the demo run, written against the participant SDK.
+
+- :class:`TinyPolicyServer` (MODEL): samples from :class:`TinyPolicy` token by token and
+  takes the trainer's weight syncs.
+- :class:`GuessTools` (RESOURCES, environment ``guess``): the ``check`` tool and a
+  per-sibling verifier; sessions are exported, so rollouts continue at turn level.
+- :class:`GroupGuessTools` (RESOURCES, environment ``guess-group``): the same tool and a
+  group-scored verifier (each sibling's verify waits for all N siblings), declared
+  ``REPLAY``.
+- :class:`GuessAgent` (AGENT): the multi-turn episode: each turn one model call and one
+  tool call, then a sealed boundary; finally a verify.
+
+The shape that keeps checkpoints cheap: the agent seals a boundary as soon as it accepts
+an episode (turn 0), and every call it makes after a boundary (seed, the turn's model and
+tool calls, verify) goes through ``ctx.model_call``, so the episode counts as parked at
+that boundary while it waits on servers that a checkpoint holds closed. Each such call is
+safe to issue again after a restore: seeding is idempotent, a tool call names its turn and
+is answered from the session as it was before that turn, and a verify may replay.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import AsyncGenerator, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+
+from turnpoint._convert import episode_to_proto, struct_from_mapping, struct_to_dict
+from turnpoint._keepalive import data_channel
+from turnpoint.ids import EpisodeId
+from turnpoint.participant_sdk import (
+    Agent,
+    EpisodeContext,
+    GenerateChunk,
+    GenerateRequest,
+    PolicyModel,
+    RecoveryMode,
+    ResourcesServer,
+    Verdict,
+    VerifyMode,
+)
+from turnpoint.server._auth import auth_metadata
+from turnpoint.server.examples._policy_model import TinyPolicy
+from turnpoint.server.examples._task import (
+    MAX_NEW_TOKENS_PER_TURN,
+    VOCAB_SIZE,
+    Reply,
+    Task,
+    Token,
+    ToolSession,
+    Turn,
+    encode_context,
+    episode_answer,
+    group_rewards,
+    is_finished,
+    per_sibling_reward,
+    tool_call,
+)
+from turnpoint.v1 import (
+    policy_service_pb2,
+    policy_service_pb2_grpc,
+    resources_service_pb2,
+    resources_service_pb2_grpc,
+)
+
+if TYPE_CHECKING:
+    from turnpoint.v1.policy_service_pb2_grpc import PolicyServiceAsyncStub
+    from turnpoint.v1.resources_service_pb2_grpc import ResourcesServiceAsyncStub
+
+__all__ = [
+    "GroupGuessTools",
+    "GuessAgent",
+    "GuessTools",
+    "TinyPolicyServer",
+    "VerifierLog",
+    "new_policy",
+]
+
+GUESS = "guess"
+GUESS_GROUP = "guess-group"
+
+
+def new_policy(seed: int = 0) -> TinyPolicy:
+    """The demo's policy, identical in the policy server and the trainer for one seed."""
+    return TinyPolicy(VOCAB_SIZE, eos_token=int(Token.EOS), seed=seed)
+
+
+class TinyPolicyServer(PolicyModel):
+    """Streams tokens from a :class:`TinyPolicy`; swaps weights only between generations."""
+
+    def __init__(self, policy: TinyPolicy) -> None:
+        self.policy = policy
+        self._streaming = 0
+        self._swapping = False
+        self._changed = asyncio.Condition()
+        self.generations = 0
+
+    async def generate(
+        self, episode: EpisodeId, request: GenerateRequest
+    ) -> AsyncGenerator[GenerateChunk, None]:
+        async with self._changed:
+            await self._changed.wait_for(lambda: not self._swapping)
+            self._streaming += 1
+        try:
+            self.generations += 1
+            version = self.policy.weights_version
+            generator = torch.Generator().manual_seed(request.seed)
+            with torch.no_grad():
+                tokens = self.policy.iter_generate(
+                    request.prompt_token_ids,
+                    request.max_new_tokens,
+                    request.temperature,
+                    generator,
+                )
+                for sampled in tokens:
+                    yield GenerateChunk((sampled.token,), (sampled.logprob,), False, version)
+                    await asyncio.sleep(0)  # let other generations interleave
+            yield GenerateChunk((), (), True, version)
+        finally:
+            async with self._changed:
+                self._streaming -= 1
+                self._changed.notify_all()
+
+    async def update_weights(self, weights_version: int, state: bytes) -> int:
+        async with self._changed:
+            self._swapping = True
+            try:
+                await self._changed.wait_for(lambda: self._streaming == 0)
+                self.policy.load_state_bytes(state)
+                self.policy.weights_version = weights_version
+            finally:
+                self._swapping = False
+                self._changed.notify_all()
+        return self.policy.weights_version
+
+
+class VerifierLog:
+    """Append-only JSON lines of every reward a verifier returned, for the demo's audit."""
+
+    def __init__(self, path: str | Path | None) -> None:
+        self._path = Path(path) if path else None
+
+    def write(self, **entry: Any) -> None:
+        if self._path is None:
+            return
+        line = json.dumps(entry, sort_keys=True) + "\n"
+        with self._path.open("a", encoding="utf-8") as handle:
+            handle.write(line)
+            handle.flush()
+            os.fsync(handle.fileno())
+
+
+class GuessTools(ResourcesServer):
+    """The ``check`` tool and a per-sibling verifier, with exported sessions."""
+
+    recovery_mode: ClassVar[RecoveryMode] = RecoveryMode.EXPORTED
+    verify_mode: ClassVar[VerifyMode] = VerifyMode.WAIT
+    environment: ClassVar[str] = GUESS
+
+    def __init__(self, name: str = "tools", log: VerifierLog | None = None) -> None:
+        self.name = name
+        self.log = log or VerifierLog(None)
+        # Per episode: the task, and the tool session before each turn (index = turn).
+        self.sessions: dict[EpisodeId, dict[str, Any]] = {}
+
+    async def seed(self, episode: EpisodeId, task: Mapping[str, Any]) -> None:
+        if episode not in self.sessions:
+            self.sessions[episode] = {
+                "task": dict(task["task"]),
+                "prompt_group_id": str(task.get("prompt_group_id", "")),
+                "sibling_index": int(task.get("sibling_index", 0)),
+                "history": [ToolSession().to_dict()],
+            }
+
+    def _session(self, episode: EpisodeId) -> dict[str, Any]:
+        session = self.sessions.get(episode)
+        if session is None:
+            raise KeyError(f"no session for {episode}")
+        return session
+
+    async def call(
+        self, episode: EpisodeId, tool: str, arguments: Mapping[str, Any]
+    ) -> Mapping[str, Any]:
+        if tool != "check":
+            return {"error": f"unknown tool {tool!r}"}
+        session = self._session(episode)
+        task = Task.from_dict(session["task"])
+        turn = int(arguments.get("turn", len(session["history"]) - 1))
+        history: list[dict[str, Any]] = session["history"][: turn + 1]
+        before = ToolSession.from_dict(history[-1])
+        guess = arguments.get("guess")
+        result = tool_call(task, before, {"guess": int(guess) if guess is not None else None})
+        session["history"] = [*history, result.session.to_dict()]
+        return {"reply": result.reply.value}
+
+    async def verify(self, episode: EpisodeId, answer: Mapping[str, Any]) -> Verdict:
+        session = self._session(episode)
+        guesses = _guesses(answer)
+        reward = per_sibling_reward(Task.from_dict(session["task"]), guesses)
+        self.log.write(
+            verifier=self.name,
+            rollout_id=episode.rollout_id,
+            attempt=episode.attempt,
+            reward=reward,
+        )
+        return Verdict(reward, {"verifier": self.name})
+
+    async def close(self, episode: EpisodeId) -> None:
+        self.sessions.pop(episode, None)
+
+    async def export_sessions(
+        self, episodes: Sequence[EpisodeId]
+    ) -> Mapping[EpisodeId, Mapping[str, Any]]:
+        return {e: json.loads(json.dumps(self.sessions[e])) for e in episodes if e in self.sessions}
+
+    def validate_session(self, episode: EpisodeId, state: Mapping[str, Any]) -> None:
+        Task.from_dict(state["task"])
+        for item in state["history"]:
+            ToolSession.from_dict(item)
+
+    async def restore_session(
+        self, saved: EpisodeId, episode: EpisodeId, state: Mapping[str, Any]
+    ) -> None:
+        self.sessions[episode] = json.loads(json.dumps(dict(state)))
+
+    async def retire_session(self, episode: EpisodeId) -> None:
+        self.sessions.pop(episode, None)
+
+
+class GroupGuessTools(GuessTools):
+    """Group-scored: each sibling's reward depends on all N answers of its prompt group.
+
+    A verify waits until every sibling of the group has submitted, so it must be REPLAY:
+    an in-flight verify never blocks a prepare, and after a restore it is simply asked
+    again. A group's rewards, once computed, are kept (and exported with every session of
+    the group), so a sibling that replays its verify after a restore gets the same reward
+    even when its siblings finished before the snapshot.
+    """
+
+    verify_mode: ClassVar[VerifyMode] = VerifyMode.REPLAY
+    group_scored: ClassVar[bool] = True
+    environment: ClassVar[str] = GUESS_GROUP
+
+    def __init__(
+        self, name: str = "group-tools", log: VerifierLog | None = None, *, group_size: int
+    ) -> None:
+        super().__init__(name, log)
+        self.group_size = group_size  # type: ignore[misc]  # per instance, not per class
+        self.groups: dict[str, dict[str, Any]] = {}
+        self._submitted = asyncio.Condition()
+
+    def _group(self, group_id: str) -> dict[str, Any]:
+        return self.groups.setdefault(group_id, {"answers": {}, "rewards": None})
+
+    async def verify(self, episode: EpisodeId, answer: Mapping[str, Any]) -> Verdict:
+        session = self._session(episode)
+        group_id = session["prompt_group_id"]
+        sibling = str(session["sibling_index"])
+        task = Task.from_dict(session["task"])
+        async with self._submitted:
+            group = self._group(group_id)
+            if group["rewards"] is None:
+                group["answers"][sibling] = list(_guesses(answer))
+                if len(group["answers"]) >= self.group_size:
+                    order = sorted(group["answers"], key=int)
+                    rewards = group_rewards(task, [group["answers"][s] for s in order])
+                    group["rewards"] = dict(zip(order, rewards, strict=True))
+                self._submitted.notify_all()
+            await self._submitted.wait_for(lambda: self._group(group_id)["rewards"] is not None)
+            reward = float(self._group(group_id)["rewards"][sibling])
+        self.log.write(
+            verifier=self.name,
+            rollout_id=episode.rollout_id,
+            attempt=episode.attempt,
+            reward=reward,
+        )
+        return Verdict(reward, {"verifier": self.name, "group": group_id})
+
+    async def export_sessions(
+        self, episodes: Sequence[EpisodeId]
+    ) -> Mapping[EpisodeId, Mapping[str, Any]]:
+        exported = dict(await super().export_sessions(episodes))
+        for episode, state in exported.items():
+            group = self.groups.get(state["prompt_group_id"])
+            exported[episode] = {**state, "group": json.loads(json.dumps(group))}
+        return exported
+
+    def validate_session(self, episode: EpisodeId, state: Mapping[str, Any]) -> None:
+        super().validate_session(episode, {k: v for k, v in state.items() if k != "group"})
+
+    async def restore_session(
+        self, saved: EpisodeId, episode: EpisodeId, state: Mapping[str, Any]
+    ) -> None:
+        plain = {k: v for k, v in state.items() if k != "group"}
+        await super().restore_session(saved, episode, plain)
+        group = state.get("group")
+        if group and group.get("rewards") is not None:
+            self.groups[plain["prompt_group_id"]] = json.loads(json.dumps(group))
+
+
+def _guesses(answer: Mapping[str, Any]) -> list[int | None]:
+    raw = answer.get("guesses", [])
+    return [None if g is None else int(g) for g in raw]
+
+
+class GuessAgent(Agent):
+    """Plays the guessing task against the policy server and the environment's resources."""
+
+    def __init__(
+        self,
+        policy_address: str,
+        resources_addresses: Mapping[str, str],
+        token: str | None,
+        *,
+        temperature: float = 1.0,
+    ) -> None:
+        self._metadata = auth_metadata(token) if token else ()
+        self._policy_channel = data_channel(policy_address)
+        self._policy: PolicyServiceAsyncStub = policy_service_pb2_grpc.PolicyServiceStub(
+            self._policy_channel
+        )
+        self._channels = [self._policy_channel]
+        self._resources: dict[str, ResourcesServiceAsyncStub] = {
+            env: resources_service_pb2_grpc.ResourcesServiceStub(self._open(address))
+            for env, address in resources_addresses.items()
+        }
+        self._temperature = temperature
+
+    def _open(self, address: str) -> Any:
+        channel = data_channel(address)
+        self._channels.append(channel)
+        return channel
+
+    async def run(self, ctx: EpisodeContext, task: Mapping[str, Any]) -> Mapping[str, Any]:
+        episode = ctx.episode
+        prompt = Task.from_dict(task["task"])
+        environment = str(task["environment"])
+        resources = self._resources[environment]
+        saved = ctx.restored
+        turns = [Turn.from_dict(t) for t in saved.state["turns"]] if saved else []
+        versions: list[int] = list(saved.state.get("versions", [])) if saved else []
+        if saved is None:
+            # Boundary 0: the episode is accepted and owns nothing yet; everything after
+            # it is a call that may be issued again after a restore.
+            await ctx.boundary(0, {"turns": [], "versions": []})
+        await ctx.model_call(lambda: self._seed(resources, episode, task))
+        while not is_finished(prompt, turns):
+            completion, reply, version = await ctx.model_call(
+                lambda: self._turn(resources, episode, prompt, turns)
+            )
+            turns.append(Turn(tuple(completion), reply))
+            versions.append(version)
+            await ctx.boundary(
+                len(turns), {"turns": [t.to_dict() for t in turns], "versions": versions}
+            )
+        guesses = list(episode_answer(turns))
+        reward = await ctx.model_call(lambda: self._verify(resources, episode, guesses))
+        return {
+            "environment": environment,
+            "prompt_group_id": str(task.get("prompt_group_id", "")),
+            "sibling_index": int(task.get("sibling_index", 0)),
+            "turns": [t.to_dict() for t in turns],
+            "prompts": [encode_context(prompt, turns[:k]) for k in range(len(turns))],
+            "guesses": guesses,
+            "weights_versions": versions,
+            "reward": reward,
+        }
+
+    async def _seed(
+        self,
+        resources: ResourcesServiceAsyncStub,
+        episode: EpisodeId,
+        task: Mapping[str, Any],
+    ) -> None:
+        await resources.SeedSession(
+            resources_service_pb2.SeedSessionRequest(
+                request_id=f"seed-{episode.rollout_id}-{episode.attempt}",
+                episode=episode_to_proto(episode),
+                prompt_group_id=str(task.get("prompt_group_id", "")),
+                sibling_index=int(task.get("sibling_index", 0)),
+                group_size=int(task.get("group_size", 1)),
+                task=struct_from_mapping(task),
+            ),
+            metadata=self._metadata,
+            timeout=120,
+        )
+
+    async def _turn(
+        self,
+        resources: ResourcesServiceAsyncStub,
+        episode: EpisodeId,
+        prompt: Task,
+        turns: Sequence[Turn],
+    ) -> tuple[list[int], Reply, int]:
+        turn = len(turns)
+        completion: list[int] = []
+        version = 0
+        call = self._policy.Generate(
+            policy_service_pb2.GenerateRequest(
+                request_id=f"gen-{episode.rollout_id}-{episode.attempt}-{turn}",
+                episode=episode_to_proto(episode),
+                prompt_token_ids=encode_context(prompt, turns),
+                max_new_tokens=MAX_NEW_TOKENS_PER_TURN,
+                temperature=self._temperature,
+                seed=hash((episode.rollout_id, episode.attempt, turn)) & 0x7FFFFFFF,
+            ),
+            metadata=self._metadata,
+            timeout=120,
+        )
+        async for chunk in call:
+            completion.extend(chunk.token_ids)
+            version = chunk.weights_version
+        guess = next(
+            (t - int(Token.DIGIT_0) for t in completion if Token.DIGIT_0 <= t <= Token.DIGIT_9),
+            None,
+        )
+        answer = await resources.Call(
+            resources_service_pb2.CallRequest(
+                request_id=f"call-{episode.rollout_id}-{episode.attempt}-{turn}",
+                episode=episode_to_proto(episode),
+                tool="check",
+                arguments=struct_from_mapping({"guess": guess, "turn": turn}),
+            ),
+            metadata=self._metadata,
+            timeout=120,
+        )
+        return completion, Reply(struct_to_dict(answer.output)["reply"]), version
+
+    async def _verify(
+        self,
+        resources: ResourcesServiceAsyncStub,
+        episode: EpisodeId,
+        guesses: list[int | None],
+    ) -> float:
+        response = await resources.Verify(
+            resources_service_pb2.VerifyRequest(
+                request_id=f"verify-{episode.rollout_id}-{episode.attempt}",
+                episode=episode_to_proto(episode),
+                answer=struct_from_mapping({"guesses": guesses}),
+            ),
+            metadata=self._metadata,
+            timeout=300,
+        )
+        return float(response.reward)
+
+    async def aclose(self) -> None:
+        for channel in self._channels:
+            await channel.close(None)
