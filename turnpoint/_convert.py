@@ -110,7 +110,8 @@ def struct_to_dict(message: struct_pb2.Struct) -> dict[str, Any]:
     as ints lets hooks keep strict integer checks (token ids, turn counts, seeds). Ints
     beyond 2**53 do not survive a double and must travel as strings.
     """
-    return _integral(MessageToDict(message, preserving_proto_field_name=True))
+    result: dict[str, Any] = _integral(MessageToDict(message, preserving_proto_field_name=True))
+    return result
 
 
 def _integral(value: Any) -> Any:
