@@ -564,8 +564,13 @@ class SnapshotManifest:
             raise _fail("participants", f"instance {duplicate_instance!r} appears twice")
         if any(entry.instance == TRAINER_DIR for entry in participants):
             raise _fail("participants", f"instance name {TRAINER_DIR!r} is reserved")
+        # An episode runs on one participant, its owner (an agent, say), which alone may
+        # continue it; resources servers export the sessions they hold for the same
+        # episode next to it, so their exports do not count as a second owner.
         exported_by: dict[EpisodeId, str] = {}
         for entry in participants:
+            if entry.kind is ParticipantKind.RESOURCES:
+                continue
             for episode in entry.exported:
                 if episode in exported_by:
                     raise _fail(

@@ -18,6 +18,12 @@ def _version(_: argparse.Namespace) -> int:
     return 0
 
 
+def _inspect(args: argparse.Namespace) -> int:
+    from turnpoint.trainer._inspect import inspect_command
+
+    return inspect_command(args.root, as_json=args.json)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="turnpoint",
@@ -26,6 +32,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     version = sub.add_parser("version", help="print the package and protocol version")
     version.set_defaults(handler=_version)
+    inspect = sub.add_parser(
+        "inspect",
+        help="list published snapshots under a root and verify every digest",
+        description="List the published snapshots under ROOT, newest first, and verify "
+        "every digest they name. Exits 1 on any mismatch.",
+    )
+    inspect.add_argument("root", metavar="ROOT", help="the snapshot root directory")
+    inspect.add_argument("--json", action="store_true", help="print the report as JSON")
+    inspect.set_defaults(handler=_inspect)
     from turnpoint.server._serve import add_serve_parser
 
     add_serve_parser(sub)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 import os
@@ -579,3 +580,78 @@ def test_manifest_dict_copy_is_independent() -> None:
     assert isinstance(mutated["extra"], dict)
     mutated["extra"]["note"] = "changed"
     assert manifest.extra["note"] == "unit test"
+
+
+# -- unfinished rollouts in the trainer's rollout state -------------------------------
+
+
+def _in_flight(rollout_id: str, attempt: int, **extra: object) -> dict[str, Any]:
+    return {"rollout_id": rollout_id, "attempt": attempt, "task": {"prompt": "p"}, **extra}
+
+
+def _state_with_in_flight(*items: dict[str, Any]) -> TrainerRolloutState:
+    # The ledger of make_manifest() (its continued and restarted episodes) plus r9.
+    attempts = {"r0": 0, "r1": 0, "r2": 3, "r3": 1, "r9": 4}
+    return TrainerRolloutState(attempts=attempts, in_flight=items)
+
+
+def test_in_flight_round_trips_sorted_by_rollout() -> None:
+    state = _state_with_in_flight(_in_flight("r9", 4, accepted=False), _in_flight("r1", 0))
+    assert [item["rollout_id"] for item in state.in_flight] == ["r1", "r9"]
+    manifest = dataclasses.replace(make_manifest(), rollout_state=state)
+    assert SnapshotManifest.from_json(manifest.to_json()) == manifest
+    assert json.loads(manifest.to_json())["rollout_state"]["in_flight"] == [
+        _in_flight("r1", 0),
+        _in_flight("r9", 4, accepted=False),
+    ]
+    # The same unfinished rollouts in another order give the same bytes.
+    reordered = _state_with_in_flight(_in_flight("r1", 0), _in_flight("r9", 4, accepted=False))
+    assert reordered == state
+    assert dataclasses.replace(manifest, rollout_state=reordered).to_json() == manifest.to_json()
+
+
+@pytest.mark.parametrize(
+    ("mutate", "expected"),
+    [
+        (_delete("rollout_state.in_flight"), r"rollout_state\.in_flight: missing field"),
+        (_set("rollout_state.in_flight", {}), r"in_flight: must be a list"),
+        (_set("rollout_state.in_flight", [1]), r"in_flight\[0\]: must be a JSON object"),
+        (_set("rollout_state.in_flight", [{"attempt": 0}]), "must name its rollout_id"),
+        (_set("rollout_state.in_flight", [{"rollout_id": "r1"}]), "must name its rollout_id"),
+        (_set("rollout_state.in_flight", [_in_flight("../r1", 0)]), "rollout_id"),
+        (_set("rollout_state.in_flight", [_in_flight("r1", -1)]), "must be >= 0"),
+        (
+            _set("rollout_state.in_flight", [_in_flight("r1", 2)]),
+            r"r1#2 disagrees with the attempt ledger \('r1' -> 0\)",
+        ),
+        (
+            _set("rollout_state.in_flight", [_in_flight("r7", 0)]),
+            r"disagrees with the attempt ledger \('r7' -> None\)",
+        ),
+        (
+            _set("rollout_state.in_flight", [_in_flight("r1", 0), _in_flight("r1", 0)]),
+            "duplicate rollout 'r1'",
+        ),
+        (
+            _set("rollout_state.in_flight", [_in_flight("r1", 0, score=float("nan"))]),
+            "finite number",
+        ),
+        (_set("rollout_state.surprise", []), r"rollout_state: unknown field\(s\): surprise"),
+    ],
+)
+def test_in_flight_parses_strictly(mutate: Mutation, expected: str) -> None:
+    raw = json.loads(make_manifest().to_json())
+    mutate(raw)
+    with pytest.raises(ManifestError, match=expected):
+        SnapshotManifest.from_dict(raw)
+
+
+def test_in_flight_is_validated_on_construction_and_copied() -> None:
+    with pytest.raises(ManifestError, match="disagrees with the attempt ledger"):
+        TrainerRolloutState(attempts={"r1": 0}, in_flight=(_in_flight("r1", 1),))
+    with pytest.raises(ManifestError, match="must be a list"):
+        TrainerRolloutState(in_flight="r1")  # type: ignore[arg-type]
+    item = _in_flight("r1", 0)
+    state = TrainerRolloutState(attempts={"r1": 0}, in_flight=(item,))
+    item["task"]["prompt"] = "changed"
+    assert state.in_flight[0]["task"] == {"prompt": "p"}
