@@ -1,1 +1,125 @@
-"""Placeholder; filled by its issue."""
+"""The coordinator a trainer embeds: snapshots, restore, rollout deadlines, rollouts.
+
+- :class:`Coordinator` drives control operations over every participant (one
+  ``ControlSession`` stream each), fanned out under one deadline.
+- :class:`RolloutClient` dispatches rollouts, records boundaries and results,
+  acknowledges each result as it arrives and gives up only on spent active budgets.
+- :class:`SnapshotDriver` takes one snapshot (PROTOCOL.md section 7, steps 1-8) and
+  :class:`SnapshotPump` takes them periodically; :class:`Restorer` picks the newest
+  usable snapshot and plans the restore.
+- :class:`CoordinatorConfig` is the one typed configuration.
+"""
+
+from turnpoint.trainer._anchor import AnchorError, AnchorWriter, load_anchor, save_anchor
+from turnpoint.trainer._config import ConfigError, CoordinatorConfig
+from turnpoint.trainer._coordinator import (
+    CommitFailed,
+    ControlReport,
+    Coordinator,
+    CoordinatorError,
+    CoordinatorIdentity,
+    ParticipantInfo,
+    PreparedCheckpoint,
+    PrepareFailed,
+    RestoredCheckpoint,
+    RestoreFailed,
+    Topology,
+    bump_epoch,
+)
+from turnpoint.trainer._deadlines import DeadlineRegistry, Hold
+from turnpoint.trainer._inspect import inspect_root
+from turnpoint.trainer._interfaces import InFlightRollout, RolloutSide
+from turnpoint.trainer._manifest import ManifestError, SnapshotLayout, SnapshotManifest
+from turnpoint.trainer._metrics import CoordinatorMetrics
+from turnpoint.trainer._policy_gradient import Sample, StepStats, policy_gradient_step
+from turnpoint.trainer._recovery import Level, LevelDecision, decide_levels
+from turnpoint.trainer._restore import (
+    NoUsableSnapshotError,
+    Redispatch,
+    Rerun,
+    RestorePlan,
+    Restorer,
+    apply_plan,
+    plan_restore,
+    torch_anchor_loader,
+)
+from turnpoint.trainer._rollouts import (
+    AgentEndpoint,
+    Rollout,
+    RolloutClient,
+    RolloutClientSettings,
+    RolloutOutcome,
+    RolloutResult,
+)
+from turnpoint.trainer._snapshots import (
+    FailureReason,
+    SnapshotDriver,
+    SnapshotFailuresError,
+    SnapshotInvariantError,
+    SnapshotOutcome,
+    SnapshotPhase,
+    SnapshotPump,
+    SnapshotReport,
+    SnapshotRunError,
+    TorchAnchorSource,
+)
+
+__all__ = [
+    "AgentEndpoint",
+    "AnchorError",
+    "AnchorWriter",
+    "CommitFailed",
+    "ConfigError",
+    "ControlReport",
+    "Coordinator",
+    "CoordinatorConfig",
+    "CoordinatorError",
+    "CoordinatorIdentity",
+    "CoordinatorMetrics",
+    "DeadlineRegistry",
+    "FailureReason",
+    "Hold",
+    "InFlightRollout",
+    "Level",
+    "LevelDecision",
+    "ManifestError",
+    "NoUsableSnapshotError",
+    "ParticipantInfo",
+    "PrepareFailed",
+    "PreparedCheckpoint",
+    "Redispatch",
+    "Rerun",
+    "RestoreFailed",
+    "RestorePlan",
+    "RestoredCheckpoint",
+    "Restorer",
+    "Rollout",
+    "RolloutClient",
+    "RolloutClientSettings",
+    "RolloutOutcome",
+    "RolloutResult",
+    "RolloutSide",
+    "Sample",
+    "SnapshotDriver",
+    "SnapshotFailuresError",
+    "SnapshotInvariantError",
+    "SnapshotLayout",
+    "SnapshotManifest",
+    "SnapshotOutcome",
+    "SnapshotPhase",
+    "SnapshotPump",
+    "SnapshotReport",
+    "SnapshotRunError",
+    "StepStats",
+    "Topology",
+    "TorchAnchorSource",
+    "apply_plan",
+    "bump_epoch",
+    "decide_levels",
+    "inspect_root",
+    "load_anchor",
+    "plan_restore",
+    "policy_gradient_step",
+    "save_anchor",
+    "torch_anchor_loader",
+]

@@ -504,7 +504,7 @@ class RolloutStats:
     ack_failures: int = 0
 
 
-class AcknowledgementError(Exception):
+class AcknowledgementError(ConnectionError):
     """Receipts that could not be acknowledged (the participant refused or was unreachable)."""
 
     def __init__(self, receipt_ids: Iterable[str], detail: str) -> None:
