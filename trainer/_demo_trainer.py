@@ -1,0 +1,467 @@
+"""The trainer process of ``turnpoint demo``: real RL training that snapshots and restores.
+
+Run by the demo supervisor as ``python -m turnpoint.trainer._demo_trainer --topology F
+--out DIR ...``. It embeds the coordinator the way a real trainer would:
+
+- the policy (:func:`~turnpoint.server.examples._participants.new_policy`) is trained with
+  a group-baseline policy-gradient step on the rewards the verifiers return, and every
+  step's weights are pushed to the policy server (a weight sync that holds rollout
+  deadlines, like a snapshot does);
+- prompt groups come from a deterministic loader (group index ``g`` -> prompt ``g``), half
+  of them scored per sibling (``guess``), half group-scored (``guess-group``);
+- a :class:`SnapshotPump` takes snapshots every ``--snapshot-interval`` seconds while
+  rollouts are in flight;
+- with ``--resume`` it restores the newest usable snapshot first: the trainer anchor
+  (model, optimizer, step), its queue, loader position and attempt ledger, and the
+  unfinished rollouts, which continue as attempt N+1 from their saved turns.
+
+Everything the audit needs goes to ``<out>/events.jsonl`` (see ``server/demo``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from turnpoint.server._auth import auth_metadata
+from turnpoint.server.examples._participants import GUESS, GUESS_GROUP, new_policy
+from turnpoint.server.examples._task import make_prompt
+from turnpoint.trainer._config import CoordinatorConfig
+from turnpoint.trainer._coordinator import Coordinator, bump_epoch
+from turnpoint.trainer._manifest import SnapshotLayout
+from turnpoint.trainer._metrics import CoordinatorMetrics
+from turnpoint.trainer._policy_gradient import Sample, policy_gradient_step
+from turnpoint.trainer._restore import RestorePlan, Restorer, apply_plan, torch_anchor_loader
+from turnpoint.trainer._rollouts import (
+    AgentEndpoint,
+    Rollout,
+    RolloutClient,
+    RolloutClientSettings,
+    RolloutOutcome,
+    RolloutResult,
+)
+from turnpoint.trainer._snapshots import (
+    SnapshotDriver,
+    SnapshotPump,
+    SnapshotReport,
+    SnapshotRunError,
+    TorchAnchorSource,
+)
+
+__all__ = ["main"]
+
+_LOG = logging.getLogger("turnpoint.demo.trainer")
+LEARNING_RATE = 1e-2
+
+
+class EventLog:
+    """Append-only JSON lines; each line is flushed so a SIGKILL loses at most one."""
+
+    def __init__(self, path: Path, incarnation: int) -> None:
+        self._handle = path.open("a", encoding="utf-8")
+        self.incarnation = incarnation
+
+    def write(self, kind: str, **fields: Any) -> None:
+        entry = {"t": time.time(), "type": kind, "incarnation": self.incarnation, **fields}
+        self._handle.write(json.dumps(entry, sort_keys=True) + "\n")
+        self._handle.flush()
+
+    def close(self) -> None:
+        self._handle.close()
+
+
+def _incarnation(path: Path) -> int:
+    if not path.exists():
+        return 1
+    starts = 0
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            starts += json.loads(line).get("type") == "start"
+        except json.JSONDecodeError:
+            continue  # a line cut by a kill
+    return starts + 1
+
+
+def _group_id(group: int) -> str:
+    return f"g{group:05d}"
+
+
+class DemoTrainer:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        topology = json.loads(Path(args.topology).read_text(encoding="utf-8"))
+        self.token = Path(topology["token_file"]).read_text(encoding="utf-8").strip()
+        self.snapshot_root = Path(topology["snapshot_root"])
+        self.participants: list[dict[str, str]] = topology["participants"]
+        self.out = Path(args.out)
+        events = self.out / "events.jsonl"
+        self.events = EventLog(events, _incarnation(events))
+        torch.manual_seed(args.seed)
+        self.model = new_policy(args.seed)
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=LEARNING_RATE)
+        self.step = 0
+        self.next_group = 0
+        self.resumed: set[str] = set()
+        self.logged: set[tuple[str, int]] = set()
+        self.published = 0
+        self.step_lock = asyncio.Lock()
+
+    # ------------------------------------------------------------------ set-up
+
+    def _config(self) -> CoordinatorConfig:
+        return CoordinatorConfig.from_mapping(
+            {
+                "snapshot_root": str(self.snapshot_root),
+                "control_timeout_s": 10.0,
+                "prepare_timeout_s": 8.0,
+                "snapshot_interval_s": self.args.snapshot_interval,
+                "keep_snapshots": 2,
+                "target_level": self.args.target_level,
+                "max_consecutive_failures": 3,
+            }
+        )
+
+    def _addresses(self, kind: str) -> dict[str, str]:
+        return {p["instance"]: p["address"] for p in self.participants if p["kind"] == kind}
+
+    async def _push_weights(self, rollouts: RolloutClient | None) -> None:
+        """The weight sync: rollout deadlines are held while the policy swaps weights."""
+        from turnpoint._keepalive import data_channel
+        from turnpoint.v1 import policy_service_pb2, policy_service_pb2_grpc
+
+        hold = rollouts.hold_deadlines("weight-sync") if rollouts is not None else None
+        try:
+            state = await asyncio.to_thread(self.model.state_bytes)
+            for address in self._addresses("model").values():
+                channel = data_channel(address)
+                try:
+                    stub = policy_service_pb2_grpc.PolicyServiceStub(channel)
+                    await stub.UpdateWeights(
+                        policy_service_pb2.UpdateWeightsRequest(
+                            request_id=f"weights-{self.events.incarnation}-{self.step}",
+                            weights_version=self.step,
+                            state=state,
+                        ),
+                        metadata=auth_metadata(self.token),
+                        timeout=30,
+                    )
+                finally:
+                    await channel.close(None)
+        finally:
+            if rollouts is not None and hold is not None:
+                rollouts.release_deadlines(hold)
+
+    # ------------------------------------------------------------------ rollouts
+
+    def _rollout(self, group: int, sibling: int, agents: Sequence[str]) -> Rollout:
+        size = self.args.group_size
+        environment = GUESS if group % 2 == 0 else GUESS_GROUP
+        group_id = _group_id(group)
+        return Rollout(
+            rollout_id=f"{group_id}-s{sibling}",
+            prompt_group_id=group_id,
+            sibling_index=sibling,
+            group_size=size,
+            environment=environment,
+            task={
+                "task": make_prompt(group, self.args.seed).to_dict(),
+                "environment": environment,
+                "prompt_group_id": group_id,
+                "sibling_index": sibling,
+                "group_size": size,
+            },
+            instance=agents[(group * size + sibling) % len(agents)],
+            budget_s=self.args.rollout_budget,
+        )
+
+    def _fill_pipeline(self, rollouts: RolloutClient, agents: Sequence[str]) -> None:
+        total = self.args.steps * self.args.groups_per_step
+        trained = self.step * self.args.groups_per_step
+        window = self.args.groups_per_step * 2
+        while self.next_group < total and self.next_group - trained < window:
+            for sibling in range(self.args.group_size):
+                rollouts.dispatch(self._rollout(self.next_group, sibling, agents))
+            self.next_group += 1
+            rollouts.set_data_loader({"next_group": self.next_group})
+
+    def _log_results(self, results: Sequence[RolloutResult]) -> None:
+        for result in results:
+            key = (result.rollout_id, result.episode.attempt)
+            if key in self.logged:
+                continue
+            self.logged.add(key)
+            self.events.write(
+                "rollout",
+                rollout_id=result.rollout_id,
+                attempt=result.episode.attempt,
+                group=result.prompt_group_id,
+                sibling=result.sibling_index,
+                environment=result.environment,
+                reward=_reward(result),
+                outcome=result.outcome.value,
+                resumed=result.rollout_id in self.resumed,
+                turns=result.turns,
+            )
+
+    # ------------------------------------------------------------------ training
+
+    def _train(self, groups: Sequence[Sequence[RolloutResult]]) -> dict[str, Any]:
+        samples = []
+        for group in groups:
+            for result in group:
+                output = result.output
+                turns = (
+                    output.get("turns", []) if result.outcome is RolloutOutcome.COMPLETED else []
+                )
+                samples.append(
+                    Sample(
+                        group_id=result.prompt_group_id,
+                        turn_prompts=tuple(
+                            tuple(int(t) for t in p) for p in output.get("prompts", [])
+                        ),
+                        turn_completions=tuple(
+                            tuple(int(t) for t in turn["completion"]) for turn in turns
+                        ),
+                        reward=_reward(result),
+                    )
+                )
+        stats = policy_gradient_step(self.model, self.optimizer, samples)
+        return {"mean_reward": stats.mean_reward, "loss": stats.loss}
+
+    async def _progress(self, rollouts: RolloutClient, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            self._log_results(rollouts.results())
+            self.events.write(
+                "progress",
+                step=self.step,
+                in_flight=len(rollouts.in_flight()),
+                published=self.published,
+                admission_closed=not rollouts.dispatch_open,
+                queue=len(rollouts.results()),
+            )
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.5)
+
+    def _on_snapshot(self, report: SnapshotReport) -> None:
+        outcome = report.outcome.value
+        if outcome == "published":
+            self.published += 1
+        end = time.time()
+        self.events.write(
+            "snapshot",
+            checkpoint_id=report.checkpoint_id,
+            outcome=outcome,
+            reason=report.reason.value if report.reason is not None else None,
+            t_start=end - report.total_s,
+            t_end=end,
+            admission_closed_s=report.admission_closed_s,
+            phases={phase.value: seconds for phase, seconds in report.phases.items()},
+        )
+
+    async def _pump(self, pump: SnapshotPump, interval: float, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), interval)
+                return
+            except TimeoutError:
+                pass
+            self._on_snapshot(await pump.tick())
+
+    # ------------------------------------------------------------------ the run
+
+    async def run(self) -> int:
+        config = self._config()
+        identity = await asyncio.to_thread(bump_epoch, self.snapshot_root)
+        endpoints = {p["instance"]: p["address"] for p in self.participants}
+        metrics = CoordinatorMetrics(_registry())
+        agents = sorted(self._addresses("agent"))
+        layout = SnapshotLayout(self.snapshot_root)
+        async with Coordinator(
+            endpoints,
+            token=self.token,
+            coordinator_id=identity.coordinator_id,
+            epoch=identity.epoch,
+            config=config,
+            metrics=metrics,
+        ) as coordinator:
+            await coordinator.discover()
+            rollouts = RolloutClient(
+                {
+                    name: AgentEndpoint(self._addresses("agent")[name], token=self.token)
+                    for name in agents
+                },
+                settings=RolloutClientSettings(max_concurrency=256),
+            )
+            async with rollouts:
+                plan = None
+                if self.args.resume:
+                    plan = await self._restore(coordinator, layout, config, metrics, rollouts)
+                self.events.write(
+                    "start",
+                    restored_from=plan.checkpoint_id if plan else None,
+                    step=self.step,
+                    coordinator_epoch=identity.epoch,
+                )
+                await self._push_weights(rollouts)
+                driver = SnapshotDriver(
+                    coordinator=coordinator,
+                    rollouts=rollouts,
+                    anchor=TorchAnchorSource(
+                        self.model,
+                        self.optimizer,
+                        step=lambda: self.step,
+                        data_loader=lambda: {"next_group": self.next_group},
+                    ),
+                    layout=layout,
+                    config=config,
+                    epoch=identity.epoch,
+                    metrics=metrics,
+                    step_lock=self.step_lock,
+                )
+                pump = SnapshotPump(driver, config)
+                stop = asyncio.Event()
+                background = [
+                    asyncio.create_task(self._progress(rollouts, stop)),
+                    asyncio.create_task(self._pump(pump, config.snapshot_interval_s, stop)),
+                ]
+                try:
+                    await self._train_loop(rollouts, agents, background)
+                finally:
+                    stop.set()
+                    results = await asyncio.gather(*background, return_exceptions=True)
+                for result in results:
+                    if isinstance(result, BaseException):
+                        raise result
+                self.events.write("done", step=self.step)
+        return 0
+
+    async def _train_loop(
+        self,
+        rollouts: RolloutClient,
+        agents: Sequence[str],
+        background: Sequence[asyncio.Task[None]],
+    ) -> None:
+        per_step = self.args.groups_per_step
+        while self.step < self.args.steps:
+            self._fill_pipeline(rollouts, agents)
+            for task in background:
+                if task.done():
+                    task.result()  # a pump that ended the run raises here
+            try:
+                await rollouts.wait_for(lambda: rollouts.ready_groups() >= per_step, 1.0)
+            except TimeoutError:
+                continue
+            async with self.step_lock:
+                groups = rollouts.take_ready_groups(per_step)
+                self._log_results([r for group in groups for r in group])
+                stats = await asyncio.to_thread(self._train, groups)
+                self.step += 1
+            self.events.write(
+                "train_step",
+                step=self.step,
+                groups=[group[0].prompt_group_id for group in groups],
+                rollouts=[
+                    {"rollout_id": r.rollout_id, "attempt": r.episode.attempt, "reward": _reward(r)}
+                    for group in groups
+                    for r in group
+                ],
+                mean_reward=stats["mean_reward"],
+            )
+            await self._push_weights(rollouts)
+
+    async def _restore(
+        self,
+        coordinator: Coordinator,
+        layout: SnapshotLayout,
+        config: CoordinatorConfig,
+        metrics: CoordinatorMetrics,
+        rollouts: RolloutClient,
+    ) -> RestorePlan | None:
+        started = time.time()
+        restorer = Restorer(
+            coordinator,
+            layout,
+            config,
+            load_anchor=torch_anchor_loader(self.model, self.optimizer),
+            metrics=metrics,
+        )
+        plan = await restorer.restore()
+        if plan is None:
+            return None
+        self.step = plan.step
+        loader = plan.trainer_state.data_loader
+        position = loader.get("next_group", 0) if isinstance(loader, Mapping) else 0
+        self.next_group = position if isinstance(position, int) else 0
+        self.resumed = {action.rollout.episode.rollout_id for action in plan.redispatch}
+        apply_plan(plan, rollouts)
+        rollouts.set_data_loader({"next_group": self.next_group})
+        self.events.write(
+            "restore",
+            checkpoint_id=plan.checkpoint_id,
+            resumed_from_turn=plan.resumed,
+            rerun_from_prompt=plan.rerun_count,
+            groups_retried_whole=plan.groups_retried_whole,
+            seconds=time.time() - started,
+        )
+        return plan
+
+
+def _reward(result: RolloutResult) -> float:
+    if result.outcome is not RolloutOutcome.COMPLETED:
+        return 0.0
+    return float(result.output.get("reward", 0.0))
+
+
+def _registry() -> Any:
+    from prometheus_client import CollectorRegistry
+
+    return CollectorRegistry()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m turnpoint.trainer._demo_trainer")
+    parser.add_argument("--topology", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--group-size", type=int, default=4)
+    parser.add_argument("--groups-per-step", type=int, default=4)
+    parser.add_argument("--snapshot-interval", type=float, default=3.0)
+    parser.add_argument(
+        "--target-level", default="turn", choices=["turn", "sibling", "prompt_group"]
+    )
+    parser.add_argument("--rollout-budget", type=float, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--resume", action="store_true")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=os.environ.get("TURNPOINT_LOG", "WARNING"),
+        format="%(asctime)s trainer %(levelname)s %(name)s: %(message)s",
+    )
+    torch.set_num_threads(1)
+    trainer = DemoTrainer(args)
+    try:
+        return asyncio.run(trainer.run())
+    except SnapshotRunError as error:
+        print(f"trainer: the snapshot pump ended the run: {error}", file=sys.stderr)
+        return 3
+    finally:
+        trainer.events.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
