@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -241,7 +242,6 @@ class DemoTrainer:
 
     async def _progress(self, rollouts: RolloutClient, stop: asyncio.Event) -> None:
         while not stop.is_set():
-            self._log_results(rollouts.results())
             self.events.write(
                 "progress",
                 step=self.step,
@@ -252,6 +252,19 @@ class DemoTrainer:
             )
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), 0.5)
+
+    async def _watch_results(self, rollouts: RolloutClient, stop: asyncio.Event) -> None:
+        """Log each result the moment it arrives (the timeline's throughput)."""
+        seen = -1
+        while not stop.is_set():
+            seen = rollouts.stats().results
+            self._log_results(rollouts.results())
+            with contextlib.suppress(TimeoutError):
+                await rollouts.wait_for(functools.partial(self._news, rollouts, stop, seen), 0.5)
+
+    @staticmethod
+    def _news(rollouts: RolloutClient, stop: asyncio.Event, seen: int) -> bool:
+        return stop.is_set() or rollouts.stats().results != seen
 
     def _on_snapshot(self, report: SnapshotReport) -> None:
         outcome = report.outcome.value
@@ -333,6 +346,7 @@ class DemoTrainer:
                 stop = asyncio.Event()
                 background = [
                     asyncio.create_task(self._progress(rollouts, stop)),
+                    asyncio.create_task(self._watch_results(rollouts, stop)),
                     asyncio.create_task(self._pump(pump, config.snapshot_interval_s, stop)),
                 ]
                 try:

@@ -1,0 +1,73 @@
+"""``turnpoint demo``: the main job, a real training run through an injected crash.
+
+:func:`demo_command` is the command; the supervisor (:mod:`._supervisor`) starts the
+participants and the trainer, injects the crash and restarts the job; :mod:`._report`
+holds the event-log contract, the statistics and the exactly-once audit;
+:mod:`._timeline` draws the run; :mod:`._progress` shows it live; :mod:`._ray` runs the
+participants as Ray actors.
+"""
+
+from turnpoint.server.demo._progress import EventTail, ProgressState
+from turnpoint.server.demo._report import (
+    AuditResult,
+    DemoError,
+    DemoReport,
+    EventLog,
+    EventLogError,
+    Lineage,
+    LineageError,
+    RunLogs,
+    audit,
+    build_report,
+    effective_lineage,
+    load_run,
+    parse_events,
+    render_report,
+)
+from turnpoint.server.demo._supervisor import (
+    LEVELS,
+    DemoOptions,
+    DemoPaths,
+    Launcher,
+    Participant,
+    ParticipantSpec,
+    ProcessLauncher,
+    add_demo_parser,
+    demo_command,
+    prepare_out_dir,
+    run_demo,
+    trainer_command,
+)
+from turnpoint.server.demo._timeline import render_timeline
+
+__all__ = [
+    "LEVELS",
+    "AuditResult",
+    "DemoError",
+    "DemoOptions",
+    "DemoPaths",
+    "DemoReport",
+    "EventLog",
+    "EventLogError",
+    "EventTail",
+    "Launcher",
+    "Lineage",
+    "LineageError",
+    "Participant",
+    "ParticipantSpec",
+    "ProcessLauncher",
+    "ProgressState",
+    "RunLogs",
+    "add_demo_parser",
+    "audit",
+    "build_report",
+    "demo_command",
+    "effective_lineage",
+    "load_run",
+    "parse_events",
+    "prepare_out_dir",
+    "render_report",
+    "render_timeline",
+    "run_demo",
+    "trainer_command",
+]

@@ -1,0 +1,286 @@
+"""What the demo shows while it runs, folded from the tail of ``events.jsonl``.
+
+:class:`EventTail` reads the complete lines the trainer appended since the last read;
+:class:`ProgressState` folds them (and the supervisor's crash and restart) into what the
+display shows and what the crash trigger asks. :func:`open_display` picks a rich ``Live``
+table on a terminal, or one plain line every few seconds otherwise (and with
+``--no-progress``), so a log file or CI output stays readable.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from turnpoint.server.demo._report import (
+    Done,
+    EventLogError,
+    Progress,
+    Restore,
+    RolloutResult,
+    Snapshot,
+    Start,
+    TrainStep,
+    parse_event,
+)
+
+__all__ = [
+    "CRASH_WINDOW",
+    "EventTail",
+    "LiveDisplay",
+    "PlainDisplay",
+    "ProgressDisplay",
+    "ProgressState",
+    "open_display",
+]
+
+CRASH_WINDOW = (0.4, 0.6)
+"""The share of training steps done at which the injected crash is aimed."""
+
+PLAIN_INTERVAL_S = 5.0
+
+
+class EventTail:
+    """Reads the objects appended to a JSON-lines file since the last read.
+
+    Only complete lines are consumed: a line still being written (or torn by a killed
+    writer) stays unread until its newline arrives, so the offset always sits on a line
+    boundary. Blocking: call :meth:`read_new` through a thread from async code.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.offset = 0
+        self.skipped = 0
+
+    def read_new(self) -> list[dict[str, Any]]:
+        try:
+            with self.path.open("rb") as handle:
+                handle.seek(self.offset)
+                chunk = handle.read()
+        except FileNotFoundError:
+            return []
+        complete = chunk.rfind(b"\n") + 1
+        self.offset += complete
+        objects = []
+        for line in chunk[:complete].splitlines():
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError:
+                # The live view shows what it can; the report names the bad line.
+                self.skipped += 1
+                continue
+            if isinstance(value, dict):
+                objects.append(value)
+        return objects
+
+
+@dataclass
+class ProgressState:
+    """The run as the display and the crash trigger see it."""
+
+    total_steps: int
+    crash_planned: bool = True
+    incarnation: int = 0
+    step: int = 0
+    in_flight: int = 0
+    queue: int = 0
+    admission_closed: bool = False
+    rollouts: int = 0
+    published: int = 0
+    published_this_incarnation: int = 0
+    failed: int = 0
+    crashed_at_step: int | None = None
+    restarted: bool = False
+    restored_from: str | None = None
+    restored: bool = False
+    done: bool = False
+    last_reward: float | None = None
+    phase: str = "starting participants"
+    unreadable: int = 0
+    _seen_progress: bool = field(default=False, repr=False)
+    _restored_incarnation: int | None = field(default=None, repr=False)
+    _rollout_keys: set[tuple[str, int]] = field(default_factory=set, repr=False)
+
+    def apply(self, raw: dict[str, Any]) -> None:
+        """Fold one trainer event; a malformed one is counted, never raised."""
+        try:
+            event = parse_event(raw)
+        except EventLogError:
+            self.unreadable += 1
+            return
+        if isinstance(event, Start):
+            self.incarnation = event.incarnation
+            self.step = event.step
+            self.published_this_incarnation = 0
+            self.in_flight = 0
+            self.admission_closed = False
+            # The trainer may log its restore before or after its start.
+            restoring = (
+                bool(event.restored_from) and self._restored_incarnation != event.incarnation
+            )
+            self.phase = "restoring" if restoring else "training"
+            self.restored_from = event.restored_from
+        elif isinstance(event, Progress):
+            self.step = event.step
+            self.in_flight = event.in_flight
+            self.queue = event.queue
+            self.admission_closed = event.admission_closed
+            self._seen_progress = True
+            if self.phase in ("starting the trainer", "restoring"):
+                self.phase = "training"
+        elif isinstance(event, RolloutResult):
+            # A restored trainer may log again what its snapshot's queue held.
+            self._rollout_keys.add(event.key)
+            self.rollouts = len(self._rollout_keys)
+        elif isinstance(event, TrainStep):
+            self.step = event.step
+            self.last_reward = event.mean_reward
+        elif isinstance(event, Snapshot):
+            if event.outcome == "published":
+                self.published += 1
+                self.published_this_incarnation += 1
+            elif event.outcome == "failed":
+                self.failed += 1
+        elif isinstance(event, Restore):
+            self.restored = True
+            self.restored_from = event.checkpoint_id
+            self._restored_incarnation = event.incarnation
+            self.phase = "training"
+        elif isinstance(event, Done):
+            self.step = event.step
+            self.done = True
+            self.in_flight = 0
+            self.phase = "done"
+
+    def note_crash(self) -> None:
+        self.crashed_at_step = self.step
+        self.in_flight = 0
+        self.admission_closed = False
+        self.phase = "crashed: restarting participants"
+
+    def note_restart(self) -> None:
+        self.restarted = True
+        self.phase = "restarted: trainer resuming"
+
+    def crash_due(self) -> bool:
+        """Whether the injected crash should land now.
+
+        Only once: when a snapshot of this incarnation is published (so there is one to
+        restore), rollouts are in flight (so some are cut mid-episode), and 40-60% of the
+        steps are done. A run whose window passes without both conditions still crashes
+        at the first moment they hold, up to the last step.
+        """
+        if not self.crash_planned or self.crashed_at_step is not None or self.done:
+            return False
+        if self.incarnation != 1 or not self._seen_progress:
+            return False
+        earliest = math.ceil(CRASH_WINDOW[0] * self.total_steps)
+        return (
+            self.published_this_incarnation > 0
+            and self.in_flight > 0
+            and earliest <= self.step < self.total_steps
+        )
+
+    @property
+    def crash_status(self) -> str:
+        if not self.crash_planned:
+            return "off (--no-crash)"
+        if self.crashed_at_step is None:
+            return "armed (after a published snapshot, 40-60% through)"
+        status = f"crashed at step {self.crashed_at_step}"
+        if self.restarted:
+            status += ", restarted"
+        if self.restored:
+            status += f", restored from {self.restored_from}"
+        return status
+
+    def line(self) -> str:
+        """One plain line for logs and non-terminals."""
+        return (
+            f"demo: {self.phase}; step {self.step}/{self.total_steps}, "
+            f"{self.in_flight} in flight, {self.rollouts} rollouts recorded, "
+            f"{self.published} snapshots published, "
+            f"admission {'closed' if self.admission_closed else 'open'}; "
+            f"crash: {self.crash_status}"
+        )
+
+    def table(self) -> Table:
+        table = Table(title="turnpoint demo", show_header=False, title_justify="left")
+        table.add_column("what", style="bold")
+        table.add_column("value")
+        table.add_row("phase", self.phase)
+        incarnation = f" (trainer incarnation {self.incarnation})" if self.incarnation else ""
+        table.add_row("training step", f"{self.step} / {self.total_steps}{incarnation}")
+        table.add_row("rollouts in flight", str(self.in_flight))
+        table.add_row("rollouts recorded", str(self.rollouts))
+        table.add_row(
+            "snapshots",
+            f"{self.published} published" + (f", {self.failed} failed" if self.failed else ""),
+        )
+        table.add_row(
+            "admission closed now",
+            "[yellow]yes[/yellow]" if self.admission_closed else "no",
+        )
+        if self.last_reward is not None:
+            table.add_row("last mean reward", f"{self.last_reward:.3f}")
+        table.add_row("crash", self.crash_status)
+        return table
+
+
+class ProgressDisplay(Protocol):
+    def update(self, state: ProgressState, now: float) -> None: ...
+
+    def close(self, state: ProgressState) -> None: ...
+
+
+class LiveDisplay:
+    """A rich ``Live`` table, redrawn on every update."""
+
+    def __init__(self, console: Console) -> None:
+        self._live = Live(console=console, auto_refresh=False, transient=False)
+        self._live.start()
+
+    def update(self, state: ProgressState, now: float) -> None:
+        self._live.update(state.table(), refresh=True)
+
+    def close(self, state: ProgressState) -> None:
+        self._live.update(state.table(), refresh=True)
+        self._live.stop()
+
+
+class PlainDisplay:
+    """One line every ``interval_s`` seconds (of the ``now`` the caller passes), and one
+    whenever the phase changes, so that the crash and the restart are never skipped."""
+
+    def __init__(self, console: Console, interval_s: float = PLAIN_INTERVAL_S) -> None:
+        self._console = console
+        self._interval_s = interval_s
+        self._next: float | None = None
+        self._phase: str | None = None
+
+    def update(self, state: ProgressState, now: float) -> None:
+        if self._next is not None and now < self._next and state.phase == self._phase:
+            return
+        self._next = now + self._interval_s
+        self._phase = state.phase
+        self._console.print(state.line(), markup=False, highlight=False, soft_wrap=True)
+
+    def close(self, state: ProgressState) -> None:
+        self._console.print(state.line(), markup=False, highlight=False, soft_wrap=True)
+
+
+def open_display(console: Console, *, live: bool) -> ProgressDisplay:
+    """A live table when asked for and stdout is a terminal; plain lines otherwise."""
+    if live and console.is_terminal:
+        return LiveDisplay(console)
+    return PlainDisplay(console)

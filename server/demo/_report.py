@@ -1,0 +1,977 @@
+"""The demo's logs, its report and the exactly-once audit: pure functions over parsed events.
+
+The trainer writes ``<out>/events.jsonl``, one JSON object per line. Every object has
+``t`` (wall-clock seconds), ``type`` and ``incarnation`` (1 for the first trainer
+process, 2 for the one started after the crash, ...). The types this module reads:
+
+- ``start``: ``restored_from`` (a checkpoint id or null) and ``step``, the number of
+  training steps already done when the incarnation starts (0 for a fresh run, the
+  restored snapshot's step after a restore).
+- ``progress`` (about twice a second): ``step``, ``in_flight``, ``published``,
+  ``admission_closed``, ``queue``.
+- ``rollout``: a result the trainer recorded: ``rollout_id``, ``attempt``, ``group``
+  (the prompt group's index in data order: 0, 1, 2, ...; an integer, or a string id
+  that ends in it, such as ``g00012``), ``sibling`` (0..N-1),
+  ``environment``, ``reward``, ``resumed`` (continued from a saved turn), ``turns``.
+- ``train_step``: ``step`` (1-based: the step just completed), ``groups`` (prompt group
+  indexes), ``rollouts`` (``rollout_id``, ``attempt``, ``reward`` of each sample) and
+  ``mean_reward``.
+- ``snapshot``: ``checkpoint_id``, ``outcome`` (``published``, ``failed`` or
+  ``skipped``), ``reason``, ``t_start``, ``t_end``, ``admission_closed_s``, ``phases``.
+- ``restore``: ``checkpoint_id``, ``resumed_from_turn``, ``rerun_from_prompt``,
+  ``groups_retried_whole``, ``seconds``.
+- ``done``: ``step``.
+
+Types this module does not know are ignored, so the trainer may log more; a known type
+with a missing or mistyped field is an :class:`EventLogError`.
+
+The supervisor writes ``<out>/supervisor.jsonl`` (``crash`` and ``restart`` with their
+``t``) and every verifier appends ``{verifier, rollout_id, attempt, reward}`` to
+``<out>/verifier-<instance>.jsonl``.
+
+**The audit** replays the run as training saw it. A crashed incarnation's train steps
+after the step its successor restored are rolled back (the successor's steps replace
+them); what remains is the *effective lineage*. Over it: every prompt group is trained
+exactly once and the groups cover 0..G-1 without a gap; every trained group has exactly
+its N siblings, each once (no completed rollout lost, none counted twice); and every
+reward the trainer trained with is one a verifier returned for that rollout attempt.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+__all__ = [
+    "REWARD_TOLERANCE",
+    "AuditResult",
+    "DemoError",
+    "DemoReport",
+    "Done",
+    "EventLog",
+    "EventLogError",
+    "Lineage",
+    "LineageError",
+    "Progress",
+    "RecoverySummary",
+    "Restore",
+    "RewardSummary",
+    "RolloutResult",
+    "RunLogs",
+    "Snapshot",
+    "SnapshotSummary",
+    "Start",
+    "SupervisorEvent",
+    "TrainStep",
+    "TrainedRollout",
+    "VerifierEntry",
+    "audit",
+    "build_report",
+    "effective_lineage",
+    "load_run",
+    "parse_event",
+    "parse_events",
+    "parse_supervisor_events",
+    "parse_verifier_entries",
+    "percentile",
+    "read_jsonl",
+    "render_report",
+]
+
+REWARD_TOLERANCE = 1e-9
+"""Trainer and verifier rewards are the same float written twice; allow only rounding."""
+
+_MEAN_TOLERANCE = 1e-6
+
+
+class DemoError(Exception):
+    """Root of the demo's errors: the message says what went wrong and what to change."""
+
+
+class EventLogError(DemoError):
+    """A log line is not what its contract says."""
+
+
+class LineageError(DemoError):
+    """The incarnations' train steps do not form one history."""
+
+
+# ---------------------------------------------------------------------- parsed events
+
+
+@dataclass(frozen=True, slots=True)
+class Start:
+    incarnation: int
+    t: float
+    restored_from: str | None
+    step: int
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    incarnation: int
+    t: float
+    step: int
+    in_flight: int
+    published: int
+    admission_closed: bool
+    queue: int
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutResult:
+    incarnation: int
+    t: float
+    rollout_id: str
+    attempt: int
+    group: int
+    sibling: int
+    environment: str
+    reward: float
+    resumed: bool
+    turns: int
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.rollout_id, self.attempt)
+
+
+@dataclass(frozen=True, slots=True)
+class TrainedRollout:
+    rollout_id: str
+    attempt: int
+    reward: float
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.rollout_id, self.attempt)
+
+
+@dataclass(frozen=True, slots=True)
+class TrainStep:
+    incarnation: int
+    t: float
+    step: int
+    groups: tuple[int, ...]
+    rollouts: tuple[TrainedRollout, ...]
+    mean_reward: float
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    incarnation: int
+    t: float
+    checkpoint_id: str
+    outcome: str
+    reason: str | None
+    t_start: float
+    t_end: float
+    admission_closed_s: float | None
+    phases: Mapping[str, float]
+
+    @property
+    def attempted(self) -> bool:
+        return self.outcome in ("published", "failed")
+
+
+@dataclass(frozen=True, slots=True)
+class Restore:
+    incarnation: int
+    t: float
+    checkpoint_id: str
+    resumed_from_turn: int
+    rerun_from_prompt: int
+    groups_retried_whole: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Done:
+    incarnation: int
+    t: float
+    step: int
+
+
+Event = Start | Progress | RolloutResult | TrainStep | Snapshot | Restore | Done
+
+
+@dataclass(frozen=True, slots=True)
+class EventLog:
+    """The trainer's events by type, each tuple in log order."""
+
+    starts: tuple[Start, ...] = ()
+    progress: tuple[Progress, ...] = ()
+    rollouts: tuple[RolloutResult, ...] = ()
+    train_steps: tuple[TrainStep, ...] = ()
+    snapshots: tuple[Snapshot, ...] = ()
+    restores: tuple[Restore, ...] = ()
+    dones: tuple[Done, ...] = ()
+
+    @property
+    def times(self) -> list[float]:
+        groups: Sequence[Sequence[Event]] = (
+            self.starts,
+            self.progress,
+            self.rollouts,
+            self.train_steps,
+            self.snapshots,
+            self.restores,
+            self.dones,
+        )
+        return [event.t for events in groups for event in events]
+
+
+@dataclass(frozen=True, slots=True)
+class SupervisorEvent:
+    """``crash`` or ``restart`` (or anything else the supervisor records), with its time."""
+
+    type: str
+    t: float
+    detail: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class VerifierEntry:
+    verifier: str
+    rollout_id: str
+    attempt: int
+    reward: float
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.rollout_id, self.attempt)
+
+
+class _Fields:
+    """Typed reads of one JSON object; every error names the event and the field."""
+
+    def __init__(self, raw: Mapping[str, Any], what: str) -> None:
+        self._raw = raw
+        self._what = what
+
+    def _get(self, key: str) -> Any:
+        if key not in self._raw:
+            raise EventLogError(f"{self._what} has no {key!r}")
+        return self._raw[key]
+
+    def _wrong(self, key: str, wanted: str) -> EventLogError:
+        return EventLogError(f"{self._what}: {key!r} must be {wanted}, got {self._raw[key]!r}")
+
+    def group(self, key: str) -> int:
+        index = _group_index(self._get(key))
+        if index is None:
+            raise self._wrong(key, "a prompt group index (an integer, or an id ending in one)")
+        return index
+
+    def integer(self, key: str) -> int:
+        value = self._get(key)
+        # bool is an int to Python but never a count or an index here.
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self._wrong(key, "an integer")
+        return value
+
+    def number(self, key: str) -> float:
+        value = self._get(key)
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise self._wrong(key, "a number")
+        return float(value)
+
+    def optional_number(self, key: str) -> float | None:
+        if self._raw.get(key) is None:
+            return None
+        return self.number(key)
+
+    def text(self, key: str) -> str:
+        value = self._get(key)
+        if not isinstance(value, str):
+            raise self._wrong(key, "a string")
+        return value
+
+    def optional_text(self, key: str) -> str | None:
+        if self._raw.get(key) is None:
+            return None
+        return self.text(key)
+
+    def flag(self, key: str) -> bool:
+        value = self._get(key)
+        if not isinstance(value, bool):
+            raise self._wrong(key, "true or false")
+        return value
+
+    def items(self, key: str) -> list[Any]:
+        value = self._get(key)
+        if not isinstance(value, list):
+            raise self._wrong(key, "a list")
+        return value
+
+    def mapping(self, key: str) -> Mapping[str, Any]:
+        value = self._raw.get(key)
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise self._wrong(key, "an object")
+        return value
+
+
+_TRAILING_DIGITS = re.compile(r"(\d+)$")
+
+
+def _group_index(value: object) -> int | None:
+    """A prompt group's index: an integer, or the number a string id such as g00012 ends in."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value if value >= 0 else None
+    if isinstance(value, str) and (match := _TRAILING_DIGITS.search(value)):
+        return int(match[1])
+    return None
+
+
+def parse_event(raw: Mapping[str, Any], where: str = "event") -> Event | None:
+    """One trainer event, or None for a type this module does not read."""
+    kind = raw.get("type")
+    fields = _Fields(raw, f"{where} ({kind})" if isinstance(kind, str) else where)
+    kind = fields.text("type")
+    incarnation = fields.integer("incarnation")
+    t = fields.number("t")
+    if kind == "start":
+        return Start(incarnation, t, fields.optional_text("restored_from"), fields.integer("step"))
+    if kind == "progress":
+        return Progress(
+            incarnation,
+            t,
+            fields.integer("step"),
+            fields.integer("in_flight"),
+            fields.integer("published"),
+            fields.flag("admission_closed"),
+            fields.integer("queue"),
+        )
+    if kind == "rollout":
+        return RolloutResult(
+            incarnation,
+            t,
+            fields.text("rollout_id"),
+            fields.integer("attempt"),
+            fields.group("group"),
+            fields.integer("sibling"),
+            fields.text("environment"),
+            fields.number("reward"),
+            fields.flag("resumed"),
+            fields.integer("turns"),
+        )
+    if kind == "train_step":
+        groups = []
+        for index, group in enumerate(fields.items("groups")):
+            group_index = _group_index(group)
+            if group_index is None:
+                raise EventLogError(
+                    f"{where} (train_step): groups[{index}] must be a prompt group index "
+                    f"(an integer, or an id ending in one), got {group!r}"
+                )
+            groups.append(group_index)
+        rollouts = []
+        for index, item in enumerate(fields.items("rollouts")):
+            if not isinstance(item, dict):
+                raise EventLogError(f"{where} (train_step): rollouts[{index}] must be an object")
+            sample = _Fields(item, f"{where} (train_step) rollouts[{index}]")
+            rollouts.append(
+                TrainedRollout(
+                    sample.text("rollout_id"), sample.integer("attempt"), sample.number("reward")
+                )
+            )
+        return TrainStep(
+            incarnation,
+            t,
+            fields.integer("step"),
+            tuple(groups),
+            tuple(rollouts),
+            fields.number("mean_reward"),
+        )
+    if kind == "snapshot":
+        outcome = fields.text("outcome")
+        if outcome not in ("published", "failed", "skipped"):
+            raise EventLogError(
+                f"{where} (snapshot): outcome must be published, failed or skipped, got {outcome!r}"
+            )
+        phases = {}
+        for name, seconds in fields.mapping("phases").items():
+            if isinstance(seconds, bool) or not isinstance(seconds, int | float):
+                raise EventLogError(f"{where} (snapshot): phase {name!r} must be seconds")
+            phases[str(name)] = float(seconds)
+        return Snapshot(
+            incarnation,
+            t,
+            fields.text("checkpoint_id"),
+            outcome,
+            fields.optional_text("reason"),
+            fields.number("t_start"),
+            fields.number("t_end"),
+            fields.optional_number("admission_closed_s"),
+            phases,
+        )
+    if kind == "restore":
+        return Restore(
+            incarnation,
+            t,
+            fields.text("checkpoint_id"),
+            fields.integer("resumed_from_turn"),
+            fields.integer("rerun_from_prompt"),
+            fields.integer("groups_retried_whole"),
+            fields.number("seconds"),
+        )
+    if kind == "done":
+        return Done(incarnation, t, fields.integer("step"))
+    return None
+
+
+def parse_events(raw_events: Iterable[Mapping[str, Any]]) -> EventLog:
+    """The trainer's events sorted by type; raises :class:`EventLogError` naming the line."""
+    buckets: dict[type[Event], list[Any]] = defaultdict(list)
+    for number, raw in enumerate(raw_events, start=1):
+        event = parse_event(raw, f"events.jsonl line {number}")
+        if event is not None:
+            buckets[type(event)].append(event)
+    return EventLog(
+        starts=tuple(buckets[Start]),
+        progress=tuple(buckets[Progress]),
+        rollouts=tuple(buckets[RolloutResult]),
+        train_steps=tuple(buckets[TrainStep]),
+        snapshots=tuple(buckets[Snapshot]),
+        restores=tuple(buckets[Restore]),
+        dones=tuple(buckets[Done]),
+    )
+
+
+def parse_supervisor_events(raw_events: Iterable[Mapping[str, Any]]) -> list[SupervisorEvent]:
+    events = []
+    for number, raw in enumerate(raw_events, start=1):
+        fields = _Fields(raw, f"supervisor.jsonl line {number}")
+        detail = {k: v for k, v in raw.items() if k not in ("type", "t")}
+        events.append(SupervisorEvent(fields.text("type"), fields.number("t"), detail))
+    return events
+
+
+def parse_verifier_entries(
+    raw_entries: Iterable[Mapping[str, Any]], source: str = "verifier log"
+) -> list[VerifierEntry]:
+    entries = []
+    for number, raw in enumerate(raw_entries, start=1):
+        fields = _Fields(raw, f"{source} line {number}")
+        entries.append(
+            VerifierEntry(
+                fields.text("verifier"),
+                fields.text("rollout_id"),
+                fields.integer("attempt"),
+                fields.number("reward"),
+            )
+        )
+    return entries
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Every line of a JSON-lines file as an object; a missing file is empty. Blocking."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return []
+    objects = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            value = json.loads(line)
+        except json.JSONDecodeError as error:
+            raise EventLogError(f"{path.name} line {number} is not JSON: {error.msg}") from None
+        if not isinstance(value, dict):
+            raise EventLogError(f"{path.name} line {number} is not a JSON object")
+        objects.append(value)
+    return objects
+
+
+@dataclass(frozen=True, slots=True)
+class RunLogs:
+    events: EventLog
+    supervisor: tuple[SupervisorEvent, ...]
+    verifier: tuple[VerifierEntry, ...]
+
+
+def load_run(out: Path) -> RunLogs:
+    """The three logs of a demo run under ``out``. Blocking: call through a thread."""
+    events = parse_events(read_jsonl(out / "events.jsonl"))
+    supervisor = parse_supervisor_events(read_jsonl(out / "supervisor.jsonl"))
+    verifier: list[VerifierEntry] = []
+    for path in sorted(out.glob("verifier-*.jsonl")):
+        verifier.extend(parse_verifier_entries(read_jsonl(path), path.name))
+    return RunLogs(events, tuple(supervisor), tuple(verifier))
+
+
+# ---------------------------------------------------------------------- the audit
+
+
+@dataclass(frozen=True, slots=True)
+class Lineage:
+    """The train steps that count (in step order) and those a restore rolled back."""
+
+    steps: tuple[TrainStep, ...]
+    rolled_back: tuple[TrainStep, ...]
+
+
+def effective_lineage(log: EventLog) -> Lineage:
+    """Replay the incarnations in order: each one's start step cuts its predecessors'.
+
+    Raises :class:`LineageError` when the history cannot be one run: an incarnation
+    without a start, one that restores a step nobody trained, or a step out of order.
+    """
+    starts: dict[int, Start] = {}
+    for start in log.starts:
+        if start.incarnation in starts:
+            raise LineageError(f"incarnation {start.incarnation} started twice")
+        starts[start.incarnation] = start
+    steps_of: dict[int, list[TrainStep]] = defaultdict(list)
+    for step in log.train_steps:
+        steps_of[step.incarnation].append(step)
+    for incarnation in steps_of:
+        if incarnation not in starts:
+            raise LineageError(f"incarnation {incarnation} trained without a start event")
+    effective: list[TrainStep] = []
+    rolled_back: list[TrainStep] = []
+    for incarnation in sorted(starts):
+        start = starts[incarnation]
+        if start.step > len(effective):
+            origin = f"restored from {start.restored_from}" if start.restored_from else "fresh"
+            raise LineageError(
+                f"incarnation {incarnation} starts at step {start.step} ({origin}) but only "
+                f"{len(effective)} steps were trained before it"
+            )
+        rolled_back.extend(effective[start.step :])
+        del effective[start.step :]
+        for step in steps_of[incarnation]:
+            if step.step != len(effective) + 1:
+                raise LineageError(
+                    f"incarnation {incarnation} logged train step {step.step} after step "
+                    f"{len(effective)}"
+                )
+            effective.append(step)
+    return Lineage(tuple(effective), tuple(rolled_back))
+
+
+@dataclass(frozen=True, slots=True)
+class AuditResult:
+    passed: bool
+    reason: str | None = None
+    steps: int = 0
+    groups: int = 0
+    rollouts: int = 0
+    rolled_back_steps: int = 0
+
+    @property
+    def line(self) -> str:
+        return "audit: passed" if self.passed else f"audit: FAILED: {self.reason}"
+
+
+class _AuditFailure(Exception):
+    pass
+
+
+def audit(
+    log: EventLog,
+    verifier: Sequence[VerifierEntry],
+    *,
+    group_size: int,
+    expected_steps: int | None = None,
+    groups_per_step: int | None = None,
+) -> AuditResult:
+    """The exactly-once audit of a finished run (see the module docstring).
+
+    ``expected_steps`` and ``groups_per_step``, when given, are checked too: a run that
+    stops early or trains short steps is not the run that was asked for.
+    """
+    try:
+        lineage = effective_lineage(log)
+    except LineageError as error:
+        return AuditResult(False, str(error))
+    try:
+        _check_finished(log, lineage, expected_steps)
+        groups = _check_groups(lineage, groups_per_step)
+        rollouts = _check_rollouts(log, lineage, group_size)
+        _check_rewards(lineage, verifier)
+    except _AuditFailure as failure:
+        return AuditResult(False, str(failure), rolled_back_steps=len(lineage.rolled_back))
+    return AuditResult(
+        True,
+        None,
+        steps=len(lineage.steps),
+        groups=groups,
+        rollouts=rollouts,
+        rolled_back_steps=len(lineage.rolled_back),
+    )
+
+
+def _check_finished(log: EventLog, lineage: Lineage, expected_steps: int | None) -> None:
+    if not log.starts:
+        raise _AuditFailure("the trainer logged no start event")
+    last = max(start.incarnation for start in log.starts)
+    done = [d for d in log.dones if d.incarnation == last]
+    if not done:
+        raise _AuditFailure(f"the run did not finish: incarnation {last} logged no done event")
+    if done[-1].step != len(lineage.steps):
+        raise _AuditFailure(
+            f"the done event says step {done[-1].step} but the effective lineage has "
+            f"{len(lineage.steps)} steps"
+        )
+    if expected_steps is not None and len(lineage.steps) != expected_steps:
+        raise _AuditFailure(
+            f"the run trained {len(lineage.steps)} effective steps, not the {expected_steps} asked for"
+        )
+
+
+def _check_groups(lineage: Lineage, groups_per_step: int | None) -> int:
+    trained_in: dict[int, int] = {}
+    for step in lineage.steps:
+        if groups_per_step is not None and len(step.groups) != groups_per_step:
+            raise _AuditFailure(
+                f"step {step.step} trained {len(step.groups)} prompt groups, not the "
+                f"{groups_per_step} per step asked for"
+            )
+        for group in step.groups:
+            if group in trained_in:
+                where = (
+                    f"step {step.step}"
+                    if trained_in[group] == step.step
+                    else f"steps {trained_in[group]} and {step.step}"
+                )
+                raise _AuditFailure(f"prompt group {group} was trained twice ({where})")
+            trained_in[group] = step.step
+    missing = sorted(set(range(len(trained_in))) - set(trained_in))
+    if missing:
+        which = f"group {missing[0]} was" if len(missing) == 1 else f"groups {_few(missing)} were"
+        raise _AuditFailure(
+            f"prompt {which} never trained, though groups up to {max(trained_in)} were"
+        )
+    return len(trained_in)
+
+
+def _index_rollouts(log: EventLog) -> dict[tuple[str, int], list[RolloutResult]]:
+    recorded: dict[tuple[str, int], list[RolloutResult]] = defaultdict(list)
+    for result in log.rollouts:
+        recorded[result.key].append(result)
+    return recorded
+
+
+def _recording_seen_by(
+    recordings: Sequence[RolloutResult], step: TrainStep
+) -> RolloutResult | None:
+    """The latest recording of an attempt that the step could have trained on.
+
+    The same attempt may be recorded by two incarnations: once in a stretch a restore
+    rolled back, and again after it (an attempt that had not started when the snapshot
+    was cut starts under the same number). The step trained on the one its own
+    incarnation recorded before it, else on one an earlier incarnation handed over.
+    """
+    visible = [
+        r
+        for r in recordings
+        if r.incarnation < step.incarnation or (r.incarnation == step.incarnation and r.t <= step.t)
+    ]
+    return max(visible, key=lambda r: (r.incarnation, r.t), default=None)
+
+
+def _check_rollouts(log: EventLog, lineage: Lineage, group_size: int) -> int:
+    recorded = _index_rollouts(log)
+    step_of_key: dict[tuple[str, int], int] = {}
+    trained_attempt: dict[str, tuple[int, int]] = {}
+    siblings: dict[int, dict[int, str]] = defaultdict(dict)
+    for step in lineage.steps:
+        groups = set(step.groups)
+        for sample in step.rollouts:
+            name = f"rollout {sample.rollout_id} attempt {sample.attempt}"
+            if sample.key in step_of_key:
+                raise _AuditFailure(
+                    f"{name} was counted twice (steps {step_of_key[sample.key]} and {step.step})"
+                )
+            if sample.rollout_id in trained_attempt:
+                attempt, first = trained_attempt[sample.rollout_id]
+                raise _AuditFailure(
+                    f"rollout {sample.rollout_id} was trained twice: attempt {attempt} in "
+                    f"step {first} and attempt {sample.attempt} in step {step.step}"
+                )
+            step_of_key[sample.key] = step.step
+            trained_attempt[sample.rollout_id] = (sample.attempt, step.step)
+            result = _recording_seen_by(recorded.get(sample.key, ()), step)
+            if result is None:
+                raise _AuditFailure(
+                    f"{name} was trained in step {step.step} but the trainer never recorded it"
+                )
+            if result.group not in groups:
+                raise _AuditFailure(
+                    f"{name} belongs to prompt group {result.group}, which step {step.step} "
+                    "does not list"
+                )
+            if abs(result.reward - sample.reward) > REWARD_TOLERANCE:
+                raise _AuditFailure(
+                    f"{name} was recorded with reward {result.reward!r} but trained with "
+                    f"{sample.reward!r} in step {step.step}"
+                )
+            if result.sibling in siblings[result.group]:
+                other = siblings[result.group][result.sibling]
+                raise _AuditFailure(
+                    f"prompt group {result.group} sibling {result.sibling} was counted twice "
+                    f"({other} and {name})"
+                )
+            siblings[result.group][result.sibling] = name
+        for group in step.groups:
+            have = set(siblings[group])
+            expected = set(range(group_size))
+            if have != expected:
+                lost = sorted(expected - have)
+                extra = sorted(have - expected)
+                detail = f"lost siblings {_few(lost)}" if lost else ""
+                if extra:
+                    detail += ("; " if detail else "") + f"unexpected siblings {_few(extra)}"
+                raise _AuditFailure(
+                    f"prompt group {group} was trained in step {step.step} with "
+                    f"{len(have)} of {group_size} siblings ({detail})"
+                )
+        if step.rollouts:
+            mean = sum(s.reward for s in step.rollouts) / len(step.rollouts)
+            if abs(mean - step.mean_reward) > _MEAN_TOLERANCE:
+                raise _AuditFailure(
+                    f"step {step.step} logs mean reward {step.mean_reward!r} but its rollouts "
+                    f"average {mean!r}"
+                )
+    return len(step_of_key)
+
+
+def _check_rewards(lineage: Lineage, verifier: Sequence[VerifierEntry]) -> None:
+    returned: dict[tuple[str, int], list[float]] = defaultdict(list)
+    for entry in verifier:
+        returned[entry.key].append(entry.reward)
+    for step in lineage.steps:
+        for sample in step.rollouts:
+            name = f"rollout {sample.rollout_id} attempt {sample.attempt}"
+            rewards = returned.get(sample.key)
+            if not rewards:
+                raise _AuditFailure(
+                    f"{name} was trained in step {step.step} but no verifier returned a "
+                    "reward for it"
+                )
+            if not any(abs(r - sample.reward) <= REWARD_TOLERANCE for r in rewards):
+                raise _AuditFailure(
+                    f"{name} was trained with reward {sample.reward!r} but the verifier "
+                    f"returned {_few(rewards)}"
+                )
+
+
+def _few(items: Sequence[Any], limit: int = 5) -> str:
+    shown = ", ".join(repr(i) if isinstance(i, float) else str(i) for i in items[:limit])
+    return f"{shown}, ... ({len(items)} in all)" if len(items) > limit else shown
+
+
+# ---------------------------------------------------------------------- the report
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The ``q``-th percentile (0..100), linear between closest ranks; None when empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100
+    low = math.floor(position)
+    high = math.ceil(position)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotSummary:
+    attempted: int
+    published: int
+    failed: int
+    skipped: int
+    failure_reasons: tuple[tuple[str, int], ...]
+    admission_closed_p50_s: float | None
+    admission_closed_p99_s: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class RecoverySummary:
+    crashes: int
+    restarts: int
+    restored_from: tuple[str, ...]
+    resumed_from_turn: int
+    rerun_from_prompt: int
+    groups_retried_whole: int
+    restore_seconds: tuple[float, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RewardSummary:
+    window: int
+    first_mean: float | None
+    last_mean: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class DemoReport:
+    snapshots: SnapshotSummary
+    recovery: RecoverySummary
+    rewards: RewardSummary
+    rollouts_recorded: int
+    effective_steps: int
+    rolled_back_steps: int
+    audit: AuditResult
+
+    @property
+    def exit_status(self) -> int:
+        return 0 if self.audit.passed else 1
+
+
+def _snapshot_summary(snapshots: Sequence[Snapshot]) -> SnapshotSummary:
+    attempted = [s for s in snapshots if s.attempted]
+    failed = [s for s in attempted if s.outcome == "failed"]
+    reasons = Counter(s.reason or "unknown" for s in failed)
+    closed = [s.admission_closed_s for s in attempted if s.admission_closed_s is not None]
+    return SnapshotSummary(
+        attempted=len(attempted),
+        published=sum(1 for s in attempted if s.outcome == "published"),
+        failed=len(failed),
+        skipped=sum(1 for s in snapshots if s.outcome == "skipped"),
+        failure_reasons=tuple(sorted(reasons.items())),
+        admission_closed_p50_s=percentile(closed, 50),
+        admission_closed_p99_s=percentile(closed, 99),
+    )
+
+
+def _reward_summary(steps: Sequence[TrainStep]) -> RewardSummary:
+    if not steps:
+        return RewardSummary(0, None, None)
+    # A fifth of the run at each end: enough steps to smooth the noise of one batch.
+    window = max(1, len(steps) // 5)
+    first = [s.mean_reward for s in steps[:window]]
+    last = [s.mean_reward for s in steps[-window:]]
+    return RewardSummary(window, sum(first) / len(first), sum(last) / len(last))
+
+
+def build_report(
+    logs: RunLogs,
+    *,
+    group_size: int,
+    expected_steps: int | None = None,
+    groups_per_step: int | None = None,
+) -> DemoReport:
+    events = logs.events
+    result = audit(
+        events,
+        logs.verifier,
+        group_size=group_size,
+        expected_steps=expected_steps,
+        groups_per_step=groups_per_step,
+    )
+    try:
+        lineage = effective_lineage(events)
+    except LineageError:
+        lineage = Lineage((), ())
+    recovery = RecoverySummary(
+        crashes=sum(1 for e in logs.supervisor if e.type == "crash"),
+        restarts=sum(1 for e in logs.supervisor if e.type == "restart"),
+        restored_from=tuple(r.checkpoint_id for r in events.restores),
+        resumed_from_turn=sum(r.resumed_from_turn for r in events.restores),
+        rerun_from_prompt=sum(r.rerun_from_prompt for r in events.restores),
+        groups_retried_whole=sum(r.groups_retried_whole for r in events.restores),
+        restore_seconds=tuple(r.seconds for r in events.restores),
+    )
+    return DemoReport(
+        snapshots=_snapshot_summary(events.snapshots),
+        recovery=recovery,
+        rewards=_reward_summary(lineage.steps),
+        rollouts_recorded=len({r.key for r in events.rollouts}),
+        effective_steps=len(lineage.steps),
+        rolled_back_steps=len(lineage.rolled_back),
+        audit=result,
+    )
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f} s"
+
+
+def _reward(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def render_report(
+    report: DemoReport,
+    console: Console,
+    *,
+    timeline: Path | None = None,
+    warnings: Sequence[str] = (),
+) -> None:
+    """Print the report; its last line is ``audit: passed`` or ``audit: FAILED: ...``."""
+    table = Table(title="turnpoint demo", show_header=False, title_justify="left")
+    table.add_column("what", style="bold")
+    table.add_column("value")
+    snaps = report.snapshots
+    table.add_row(
+        "training steps", f"{report.effective_steps} ({report.rolled_back_steps} rolled back)"
+    )
+    table.add_row("rollouts recorded", str(report.rollouts_recorded))
+    table.add_row(
+        "snapshots",
+        f"{snaps.attempted} attempted, {snaps.published} published, {snaps.failed} failed, "
+        f"{snaps.skipped} skipped",
+    )
+    if snaps.failure_reasons:
+        table.add_row(
+            "snapshot failures",
+            ", ".join(f"{reason} x{count}" for reason, count in snaps.failure_reasons),
+        )
+    table.add_row(
+        "admission closed",
+        f"p50 {_seconds(snaps.admission_closed_p50_s)}, p99 {_seconds(snaps.admission_closed_p99_s)}",
+    )
+    recovery = report.recovery
+    table.add_row("crashes / restarts", f"{recovery.crashes} / {recovery.restarts}")
+    if recovery.restored_from:
+        table.add_row(
+            "restored from",
+            ", ".join(
+                f"{cid} ({seconds:.2f} s)"
+                for cid, seconds in zip(
+                    recovery.restored_from, recovery.restore_seconds, strict=True
+                )
+            ),
+        )
+    table.add_row(
+        "rollouts after restore",
+        f"{recovery.resumed_from_turn} resumed from a saved turn, "
+        f"{recovery.rerun_from_prompt} rerun from the prompt",
+    )
+    table.add_row("groups retried whole", str(recovery.groups_retried_whole))
+    rewards = report.rewards
+    table.add_row(
+        "mean reward",
+        f"{_reward(rewards.first_mean)} (first {rewards.window} steps) -> "
+        f"{_reward(rewards.last_mean)} (last {rewards.window} steps)",
+    )
+    if report.audit.passed:
+        table.add_row(
+            "exactly once",
+            f"{report.audit.groups} prompt groups, {report.audit.rollouts} rollouts, "
+            "each trained once with the verifier's reward",
+        )
+    console.print(table)
+    for warning in warnings:
+        console.print(Text(f"warning: {warning}", style="yellow"), soft_wrap=True)
+    if timeline is not None:
+        console.print(Text(f"timeline: {timeline}"), soft_wrap=True)
+    style = "bold green" if report.audit.passed else "bold red"
+    console.print(Text(report.audit.line, style=style), soft_wrap=True)

@@ -1,0 +1,1096 @@
+"""``turnpoint demo``: a real training run across separate server processes, through a crash.
+
+What runs. Every participant is its own ``turnpoint serve`` process on 127.0.0.1 with an
+OS-picked port (or, with ``--ray``, a Ray actor hosting its own gRPC server, see
+:mod:`turnpoint.server.demo._ray`): the policy model server ``policy``, the resources
+servers ``tools`` (environment ``guess``, a per-sibling verifier) and ``group-tools``
+(``guess-group``, group-scored), and agents ``agent-0`` .. ``agent-{N-1}`` that serve both
+environments. They share one bearer token (a fresh one per run, in ``<out>/token``, mode
+0600; the children get it as ``$TURNPOINT_TOKEN``) and one snapshot root
+``<out>/snapshots``; each verifier appends the rewards it returns to
+``<out>/verifier-<instance>.jsonl``. The supervisor writes ``<out>/topology.json``::
+
+    {"token_file": "<out>/token", "snapshot_root": "<out>/snapshots",
+     "participants": [{"instance": "policy", "kind": "model", "address": "127.0.0.1:PORT",
+                       "environment": null}, ...]}
+
+(``environment`` is set for resources servers, null for the policy and the agents, which
+serve every environment), then starts the trainer (:func:`trainer_command`)::
+
+    python -m turnpoint.trainer._demo_trainer --topology <out>/topology.json --out <out>
+        --steps N --group-size N --groups-per-step N --snapshot-interval S
+        --target-level LEVEL --seed N [--resume]
+
+The trainer appends its events to ``<out>/events.jsonl`` (the contract is in
+:mod:`turnpoint.server.demo._report`); it numbers its incarnation itself (one more than
+the ``start`` events already in the log). Its stdout and stderr go to
+``<out>/logs/trainer.<incarnation>.{stdout,stderr}``.
+
+The crash. Once the event log shows a published snapshot of the first trainer with
+rollouts in flight, 40-60% through the steps, the supervisor SIGKILLs the trainer and one
+agent, and records ``crash`` in ``<out>/supervisor.jsonl``. The recovery is a *job
+restart*: every participant is started again, fresh. The survivors get SIGTERM (a
+graceful drain) and a new set comes up under the same instance names on new ports;
+``topology.json`` is rewritten and the trainer starts again with ``--resume``, restores
+``LATEST`` and finishes the run (``restart`` is recorded). Why not keep the survivors: a
+participant accepts a restore only while fresh (it must not mix restored episodes with
+ones it ran for a dead coordinator), which is what a cluster manager gives you anyway:
+Ray, for one, kills the actors a driver owns when that driver dies, so a restarted
+driver always meets new actors.
+
+At the end every participant gets SIGTERM and must exit 0; then the report
+(:mod:`turnpoint.server.demo._report`) prints the statistics and the exactly-once
+audit, and :mod:`turnpoint.server.demo._timeline` draws ``<out>/timeline.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import difflib
+import importlib.util
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import sys
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Protocol
+
+from rich.console import Console
+from rich.text import Text
+
+from turnpoint.server._auth import TOKEN_ENV, TOKEN_FILE_ENV
+from turnpoint.server.demo._progress import (
+    EventTail,
+    ProgressDisplay,
+    ProgressState,
+    open_display,
+)
+from turnpoint.server.demo._report import (
+    DemoError,
+    EventLogError,
+    build_report,
+    load_run,
+    render_report,
+)
+
+__all__ = [
+    "DEFAULT_SERVE_COMMAND",
+    "DEFAULT_TRAINER_COMMAND",
+    "LEVELS",
+    "TRAINER_MODULE",
+    "DemoOptions",
+    "DemoPaths",
+    "Launcher",
+    "Participant",
+    "ParticipantSpec",
+    "ProcessLauncher",
+    "ProcessParticipant",
+    "add_demo_parser",
+    "agent_specs",
+    "demo_command",
+    "prepare_out_dir",
+    "run_demo",
+    "server_specs",
+    "start_participants",
+    "stop_participants",
+    "trainer_command",
+    "write_topology",
+]
+
+LEVELS = ("turn", "sibling", "prompt_group")
+TRAINER_MODULE = "turnpoint.trainer._demo_trainer"
+DEFAULT_SERVE_COMMAND = (sys.executable, "-m", "turnpoint._cli", "serve")
+DEFAULT_TRAINER_COMMAND = (sys.executable, "-m", TRAINER_MODULE)
+
+# Calibrated so that the whole run, crash and restart included, takes one to two minutes
+# on a 2-core machine: each start of the five participants takes about 15 s (torch
+# imports), and the trainer does about three steps of 16 rollouts a second.
+DEFAULT_STEPS = 100
+DEFAULT_AGENTS = 2
+DEFAULT_GROUP_SIZE = 4
+DEFAULT_GROUPS_PER_STEP = 4
+DEFAULT_SNAPSHOT_INTERVAL_S = 3.0
+DEFAULT_OUT = "turnpoint-demo-out"
+
+START_TIMEOUT_S = 120.0
+"""Per participant; the first start imports torch, slow while five processes share 2 cores."""
+STOP_TIMEOUT_S = 30.0
+"""A SIGTERM'd participant drains within its 10 s grace; past this it is killed."""
+STALL_TIMEOUT_S = 180.0
+"""A trainer that logs nothing for this long is stuck (progress is logged twice a second)."""
+POLL_INTERVAL_S = 0.25
+
+GUESS = "guess"
+GUESS_GROUP = "guess-group"
+OUT_MARKER = ".turnpoint-demo"
+_SERVING = re.compile(r"^turnpoint: serving (?P<kind>\S+) (?P<instance>\S+) on (?P<address>\S+)$")
+_STDERR_TAIL_LINES = 15
+_STDERR_TAIL_BYTES = 8192
+
+
+# ---------------------------------------------------------------------- options
+
+
+@dataclass(frozen=True, kw_only=True)
+class DemoOptions:
+    """The ``turnpoint demo`` flags; :meth:`problems` checks them before anything starts."""
+
+    steps: int = DEFAULT_STEPS
+    agents: int = DEFAULT_AGENTS
+    group_size: int = DEFAULT_GROUP_SIZE
+    groups_per_step: int = DEFAULT_GROUPS_PER_STEP
+    snapshot_interval_s: float = DEFAULT_SNAPSHOT_INTERVAL_S
+    crash: bool = True
+    target_level: str = "turn"
+    out: Path = Path(DEFAULT_OUT)
+    ray: bool = False
+    ray_address: str | None = None
+    seed: int = 0
+    progress: bool = True
+    start_timeout_s: float = START_TIMEOUT_S
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> DemoOptions:
+        return cls(
+            steps=args.steps,
+            agents=args.agents,
+            group_size=args.group_size,
+            groups_per_step=args.groups_per_step,
+            snapshot_interval_s=args.snapshot_interval,
+            crash=args.crash,
+            target_level=args.target_level,
+            out=Path(args.out),
+            # An address only makes sense for a Ray run: asking for one is asking for Ray.
+            ray=args.ray or args.ray_address is not None,
+            ray_address=args.ray_address,
+            seed=args.seed,
+            progress=args.progress,
+            start_timeout_s=args.start_timeout,
+        )
+
+    def problems(self) -> list[str]:
+        """Everything wrong with the flags, each saying what to change."""
+        problems = []
+        if self.steps < 1:
+            problems.append(f"--steps must be at least 1, got {self.steps}")
+        elif self.crash and self.steps < 2:
+            problems.append(
+                "--crash needs --steps 2 or more (the crash lands 40-60% into the run, "
+                "after a published snapshot): raise --steps or pass --no-crash"
+            )
+        if self.agents < 1:
+            problems.append(f"--agents must be at least 1, got {self.agents}")
+        if self.group_size < 2:
+            problems.append(
+                f"--group-size must be at least 2, got {self.group_size}: rewards are "
+                "relative to the prompt group, so a group of one teaches nothing"
+            )
+        if self.groups_per_step < 1:
+            problems.append(f"--groups-per-step must be at least 1, got {self.groups_per_step}")
+        if not self.snapshot_interval_s > 0:
+            problems.append(
+                f"--snapshot-interval must be a positive number of seconds, got "
+                f"{self.snapshot_interval_s:g}"
+            )
+        if not self.start_timeout_s > 0:
+            problems.append(f"--start-timeout must be positive, got {self.start_timeout_s:g}")
+        if self.target_level not in LEVELS:
+            # Every level is possible with the demo's environments (each gets the finest
+            # level at or below the target it supports), so only the name can be wrong.
+            close = difflib.get_close_matches(self.target_level, LEVELS, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            problems.append(
+                f"unknown --target-level {self.target_level!r}{hint}: choose one of "
+                f"{', '.join(LEVELS)}"
+            )
+        problems.extend(_out_dir_problems(self.out))
+        return problems
+
+
+def _out_dir_problems(out: Path) -> list[str]:
+    if not out.exists():
+        return []
+    if not out.is_dir():
+        return [f"--out {out} is a file: choose a directory"]
+    if (out / OUT_MARKER).exists() or not any(out.iterdir()):
+        return []
+    # The directory is wiped at start; never wipe one the demo did not make.
+    return [
+        f"--out {out} is not empty and was not made by turnpoint demo: choose another "
+        "--out or remove it"
+    ]
+
+
+@dataclass(frozen=True)
+class DemoPaths:
+    """Where a run keeps its files; ``out`` is absolute (participants may run elsewhere)."""
+
+    out: Path
+
+    @property
+    def token_file(self) -> Path:
+        return self.out / "token"
+
+    @property
+    def snapshots(self) -> Path:
+        return self.out / "snapshots"
+
+    @property
+    def topology(self) -> Path:
+        return self.out / "topology.json"
+
+    @property
+    def events(self) -> Path:
+        return self.out / "events.jsonl"
+
+    @property
+    def supervisor_log(self) -> Path:
+        return self.out / "supervisor.jsonl"
+
+    @property
+    def logs(self) -> Path:
+        return self.out / "logs"
+
+    @property
+    def timeline(self) -> Path:
+        return self.out / "timeline.png"
+
+    def verifier_log(self, instance: str) -> Path:
+        return self.out / f"verifier-{instance}.jsonl"
+
+
+def prepare_out_dir(out: Path) -> tuple[DemoPaths, str]:
+    """Wipe and recreate ``out``; write a fresh token (0600). Returns the paths and token.
+
+    Refuses a non-empty directory the demo did not make (:meth:`DemoOptions.problems`
+    says so up front; this re-checks, as the directory may have changed since).
+    """
+    problems = _out_dir_problems(out)
+    if problems:
+        raise DemoError(problems[0])
+    paths = DemoPaths(out.resolve())
+    if paths.out.exists():
+        shutil.rmtree(paths.out)
+    paths.out.mkdir(parents=True)
+    (paths.out / OUT_MARKER).write_text("made by turnpoint demo; wiped by the next run\n")
+    paths.logs.mkdir()
+    paths.snapshots.mkdir()
+    token = secrets.token_urlsafe(32)
+    descriptor = os.open(paths.token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "w", encoding="ascii") as handle:
+        handle.write(token + "\n")
+    return paths, token
+
+
+# ---------------------------------------------------------------------- participants
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParticipantSpec:
+    """One participant to start: what ``turnpoint serve`` (or a Ray actor) is told."""
+
+    instance: str
+    kind: str
+    example: str
+    environment: str | None = None
+    group_size: int | None = None
+    verifier_log: Path | None = None
+    seed: int | None = None
+    policy_address: str | None = None
+    resources: Mapping[str, str] = field(default_factory=dict)
+
+    def serve_arguments(self, snapshot_root: Path) -> list[str]:
+        arguments = [
+            "--kind",
+            self.kind,
+            "--example",
+            self.example,
+            "--instance",
+            self.instance,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--root",
+            str(snapshot_root),
+        ]
+        if self.group_size is not None:
+            arguments += ["--group-size", str(self.group_size)]
+        if self.verifier_log is not None:
+            arguments += ["--verifier-log", str(self.verifier_log)]
+        if self.seed is not None:
+            arguments += ["--seed", str(self.seed)]
+        if self.policy_address is not None:
+            arguments += ["--policy", self.policy_address]
+        for environment, address in sorted(self.resources.items()):
+            arguments += ["--resources", f"{environment}={address}"]
+        return arguments
+
+
+def server_specs(options: DemoOptions, paths: DemoPaths) -> list[ParticipantSpec]:
+    """The participants agents depend on: the policy and the two resources servers."""
+    return [
+        ParticipantSpec(instance="policy", kind="model", example="tiny-policy", seed=options.seed),
+        ParticipantSpec(
+            instance="tools",
+            kind="resources",
+            example=GUESS,
+            environment=GUESS,
+            verifier_log=paths.verifier_log("tools"),
+        ),
+        ParticipantSpec(
+            instance="group-tools",
+            kind="resources",
+            example=GUESS_GROUP,
+            environment=GUESS_GROUP,
+            group_size=options.group_size,
+            verifier_log=paths.verifier_log("group-tools"),
+        ),
+    ]
+
+
+def agent_specs(options: DemoOptions, servers: Mapping[str, Participant]) -> list[ParticipantSpec]:
+    """The agents, wired to the started policy and resources servers."""
+    resources = {
+        p.spec.environment: p.address
+        for p in servers.values()
+        if p.spec.kind == "resources" and p.spec.environment is not None
+    }
+    return [
+        ParticipantSpec(
+            instance=f"agent-{index}",
+            kind="agent",
+            example=GUESS,
+            policy_address=servers["policy"].address,
+            resources=resources,
+        )
+        for index in range(options.agents)
+    ]
+
+
+class Participant(Protocol):
+    """A started participant, whichever way it runs."""
+
+    @property
+    def spec(self) -> ParticipantSpec: ...
+
+    @property
+    def address(self) -> str: ...
+
+    def exit_status(self) -> int | None:
+        """None while it runs; its exit status once it ended (negative: killed by a signal)."""
+        ...
+
+    async def kill(self) -> None:
+        """End it at once, as a crash would (SIGKILL, ``ray.kill``)."""
+        ...
+
+    async def stop(self, timeout_s: float) -> None:
+        """Graceful drain; :class:`DemoError` unless it ends cleanly within ``timeout_s``."""
+        ...
+
+    async def stderr_tail(self) -> str: ...
+
+
+class Launcher(Protocol):
+    """Starts participants; ``generation`` counts job (re)starts, for log names."""
+
+    description: str
+
+    async def start(self, spec: ParticipantSpec, generation: int) -> Participant: ...
+
+
+async def _tail_of(path: Path) -> str:
+    def read() -> str:
+        try:
+            with path.open("rb") as handle:
+                handle.seek(0, os.SEEK_END)
+                size = handle.tell()
+                handle.seek(max(0, size - _STDERR_TAIL_BYTES))
+                data = handle.read()
+        except FileNotFoundError:
+            return ""
+        lines = data.decode("utf-8", "replace").strip().splitlines()
+        return "\n".join(lines[-_STDERR_TAIL_LINES:])
+
+    return await asyncio.to_thread(read)
+
+
+def _quote_tail(tail: str) -> str:
+    if not tail:
+        return "(nothing)"
+    return "\n" + "\n".join(f"    {line}" for line in tail.splitlines())
+
+
+class ProcessParticipant:
+    """A ``turnpoint serve`` child process that printed its serving line."""
+
+    def __init__(
+        self,
+        spec: ParticipantSpec,
+        process: asyncio.subprocess.Process,
+        address: str,
+        stderr_path: Path,
+    ) -> None:
+        self._spec = spec
+        self._process = process
+        self._address = address
+        self._stderr_path = stderr_path
+        # Keep reading stdout so that a chatty child never blocks on a full pipe.
+        self._drain = asyncio.get_running_loop().create_task(self._drain_stdout())
+
+    @property
+    def spec(self) -> ParticipantSpec:
+        return self._spec
+
+    @property
+    def address(self) -> str:
+        return self._address
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    def exit_status(self) -> int | None:
+        return self._process.returncode
+
+    async def _drain_stdout(self) -> None:
+        stdout = self._process.stdout
+        if stdout is None:
+            return
+        while await stdout.readline():
+            pass
+
+    async def kill(self) -> None:
+        if self._process.returncode is None:
+            self._process.kill()
+        await self._process.wait()
+        await self._drain
+
+    async def stop(self, timeout_s: float) -> None:
+        if self._process.returncode is None:
+            self._process.send_signal(signal.SIGTERM)
+        try:
+            status = await asyncio.wait_for(self._process.wait(), timeout_s)
+        except TimeoutError:
+            await self.kill()
+            raise DemoError(
+                f"participant {self._spec.instance} did not exit within {timeout_s:g}s of "
+                f"SIGTERM and was killed; its stderr says:{_quote_tail(await self.stderr_tail())}"
+            ) from None
+        await self._drain
+        if status != 0:
+            raise DemoError(
+                f"participant {self._spec.instance} exited with status {status} after "
+                f"SIGTERM; its stderr says:{_quote_tail(await self.stderr_tail())}"
+            )
+
+    async def stderr_tail(self) -> str:
+        return await _tail_of(self._stderr_path)
+
+
+class ProcessLauncher:
+    """Starts each participant as ``turnpoint serve`` in its own process."""
+
+    description = "processes"
+
+    def __init__(
+        self,
+        paths: DemoPaths,
+        token: str,
+        *,
+        start_timeout_s: float = START_TIMEOUT_S,
+        serve_command: Sequence[str] = DEFAULT_SERVE_COMMAND,
+    ) -> None:
+        self._paths = paths
+        self._start_timeout_s = start_timeout_s
+        self._serve_command = tuple(serve_command)
+        self._env = _child_env(token)
+
+    async def start(self, spec: ParticipantSpec, generation: int) -> ProcessParticipant:
+        stderr_path = self._paths.logs / f"{spec.instance}.{generation}.stderr"
+        stderr = await asyncio.to_thread(stderr_path.open, "wb")
+        try:
+            process = await asyncio.create_subprocess_exec(
+                *self._serve_command,
+                *spec.serve_arguments(self._paths.snapshots),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=stderr,
+                env=self._env,
+            )
+        finally:
+            stderr.close()
+        try:
+            address = await asyncio.wait_for(_serving_address(process, spec), self._start_timeout_s)
+            why = "" if address else f"it exited with status {await process.wait()}"
+        except TimeoutError:
+            address, why = None, "it never printed its serving line"
+        except BaseException:
+            await _kill(process)
+            raise
+        if address is None:
+            await _kill(process)
+            tail = await _tail_of(stderr_path)
+            raise DemoError(
+                f"participant {spec.instance} did not start within {self._start_timeout_s:g}s "
+                f"({why}); its stderr says:{_quote_tail(tail)}"
+            )
+        return ProcessParticipant(spec, process, address, stderr_path)
+
+
+def _child_env(token: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env[TOKEN_ENV] = token
+    env.pop(TOKEN_FILE_ENV, None)
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+async def _serving_address(
+    process: asyncio.subprocess.Process, spec: ParticipantSpec
+) -> str | None:
+    """The address from the child's serving line; None if stdout ended without one."""
+    assert process.stdout is not None
+    while line := await process.stdout.readline():
+        match = _SERVING.match(line.decode("utf-8", "replace").strip())
+        if match and match["instance"] == spec.instance:
+            return match["address"]
+    return None
+
+
+async def _kill(process: asyncio.subprocess.Process) -> None:
+    if process.returncode is None:
+        process.kill()
+    await process.wait()
+
+
+async def start_participants(
+    launcher: Launcher, options: DemoOptions, paths: DemoPaths, generation: int
+) -> dict[str, Participant]:
+    """Start the servers, then the agents wired to them; all or nothing."""
+    started: dict[str, Participant] = {}
+
+    async def start_all(specs: Sequence[ParticipantSpec]) -> None:
+        results = await asyncio.gather(
+            *(launcher.start(spec, generation) for spec in specs), return_exceptions=True
+        )
+        for result in results:
+            if not isinstance(result, BaseException):
+                started[result.spec.instance] = result
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+
+    try:
+        await start_all(server_specs(options, paths))
+        await start_all(agent_specs(options, started))
+    except BaseException:
+        await stop_participants(started.values(), check=False)
+        raise
+    return started
+
+
+async def stop_participants(participants: Iterable[Participant], *, check: bool = True) -> None:
+    """SIGTERM the agents first (clients of the others), then the policy and resources.
+
+    With ``check``, raises one :class:`DemoError` naming every participant that did not
+    exit cleanly; without it (cleanup after a failure) errors are swallowed.
+    """
+    group = list(participants)
+    failures: list[str] = []
+    for wave in (
+        [p for p in group if p.spec.kind == "agent"],
+        [p for p in group if p.spec.kind != "agent"],
+    ):
+        results = await asyncio.gather(
+            *(p.stop(STOP_TIMEOUT_S) for p in wave), return_exceptions=True
+        )
+        for result in results:
+            if isinstance(result, DemoError):
+                failures.append(str(result))
+            elif isinstance(result, BaseException) and not isinstance(result, Exception):
+                raise result
+            elif isinstance(result, Exception):
+                failures.append(repr(result))
+    if failures and check:
+        raise DemoError("\n".join(failures))
+
+
+def write_topology(paths: DemoPaths, participants: Mapping[str, Participant]) -> None:
+    """``topology.json`` for the trainer, replaced atomically. Blocking."""
+    topology = {
+        "token_file": str(paths.token_file),
+        "snapshot_root": str(paths.snapshots),
+        "participants": [
+            {
+                "instance": p.spec.instance,
+                "kind": p.spec.kind,
+                "address": p.address,
+                "environment": p.spec.environment,
+            }
+            for p in participants.values()
+        ],
+    }
+    temporary = paths.topology.with_suffix(".json.tmp")
+    temporary.write_text(json.dumps(topology, indent=2) + "\n", encoding="utf-8")
+    os.replace(temporary, paths.topology)
+
+
+# ---------------------------------------------------------------------- the trainer
+
+
+def trainer_command(
+    options: DemoOptions,
+    paths: DemoPaths,
+    *,
+    resume: bool,
+    program: Sequence[str] = DEFAULT_TRAINER_COMMAND,
+) -> list[str]:
+    """The trainer's command line; ``program`` is what runs it (tests substitute a fake)."""
+    command = [
+        *program,
+        "--topology",
+        str(paths.topology),
+        "--out",
+        str(paths.out),
+        "--steps",
+        str(options.steps),
+        "--group-size",
+        str(options.group_size),
+        "--groups-per-step",
+        str(options.groups_per_step),
+        "--snapshot-interval",
+        f"{options.snapshot_interval_s:g}",
+        "--target-level",
+        options.target_level,
+        "--seed",
+        str(options.seed),
+    ]
+    if resume:
+        command.append("--resume")
+    return command
+
+
+class _Trainer:
+    """One trainer process (one incarnation); stdout and stderr go to files."""
+
+    def __init__(self, process: asyncio.subprocess.Process, incarnation: int, stderr: Path) -> None:
+        self.process = process
+        self.incarnation = incarnation
+        self.stderr = stderr
+        self._exit = asyncio.get_running_loop().create_task(process.wait())
+
+    @classmethod
+    async def start(
+        cls,
+        options: DemoOptions,
+        paths: DemoPaths,
+        token: str,
+        *,
+        incarnation: int,
+        resume: bool,
+        program: Sequence[str],
+    ) -> _Trainer:
+        stdout_path = paths.logs / f"trainer.{incarnation}.stdout"
+        stderr_path = paths.logs / f"trainer.{incarnation}.stderr"
+
+        def open_logs() -> tuple[IO[bytes], IO[bytes]]:
+            return stdout_path.open("wb"), stderr_path.open("wb")
+
+        stdout, stderr = await asyncio.to_thread(open_logs)
+        try:
+            process = await asyncio.create_subprocess_exec(
+                *trainer_command(options, paths, resume=resume, program=program),
+                stdin=asyncio.subprocess.DEVNULL,
+                stdout=stdout,
+                stderr=stderr,
+                env=_child_env(token),
+            )
+        finally:
+            stdout.close()
+            stderr.close()
+        return cls(process, incarnation, stderr_path)
+
+    async def wait(self, timeout_s: float) -> int | None:
+        """The exit status, or None if still running after ``timeout_s``."""
+        done, _ = await asyncio.wait({self._exit}, timeout=timeout_s)
+        return self._exit.result() if done else None
+
+    async def kill(self) -> None:
+        if self.process.returncode is None:
+            self.process.kill()
+        await self._exit
+
+    async def failure(self, status: int) -> DemoError:
+        tail = await _tail_of(self.stderr)
+        return DemoError(
+            f"the trainer (incarnation {self.incarnation}) exited with status {status}; "
+            f"its stderr ends with:{_quote_tail(tail)}\n(full log: {self.stderr})"
+        )
+
+
+# ---------------------------------------------------------------------- the run
+
+
+class _Supervisor:
+    def __init__(
+        self,
+        options: DemoOptions,
+        paths: DemoPaths,
+        token: str,
+        launcher: Launcher,
+        display: ProgressDisplay,
+        trainer_program: Sequence[str],
+    ) -> None:
+        self.options = options
+        self.trainer_program = tuple(trainer_program)
+        self.paths = paths
+        self.token = token
+        self.launcher = launcher
+        self.display = display
+        self.state = ProgressState(total_steps=options.steps, crash_planned=options.crash)
+        self.tail = EventTail(paths.events)
+        self.participants: dict[str, Participant] = {}
+        self.killed: set[str] = set()
+        self.trainer: _Trainer | None = None
+        self.generation = 0
+        self.last_event_at = time.monotonic()
+
+    async def record(self, event_type: str, **detail: object) -> None:
+        line = json.dumps({"type": event_type, "t": time.time(), **detail}) + "\n"
+
+        def append() -> None:
+            with self.paths.supervisor_log.open("a", encoding="utf-8") as handle:
+                handle.write(line)
+
+        await asyncio.to_thread(append)
+
+    def show(self) -> None:
+        self.display.update(self.state, time.monotonic())
+
+    async def launch(self) -> None:
+        self.generation += 1
+        self.state.phase = f"starting participants ({self.launcher.description})"
+        self.show()
+        self.participants = await start_participants(
+            self.launcher, self.options, self.paths, self.generation
+        )
+        self.killed.clear()
+        await asyncio.to_thread(write_topology, self.paths, self.participants)
+
+    async def start_trainer(self, *, resume: bool) -> None:
+        incarnation = self.trainer.incarnation + 1 if self.trainer else 1
+        self.state.phase = "starting the trainer"
+        self.show()
+        self.trainer = await _Trainer.start(
+            self.options,
+            self.paths,
+            self.token,
+            incarnation=incarnation,
+            resume=resume,
+            program=self.trainer_program,
+        )
+        self.last_event_at = time.monotonic()
+
+    async def run(self) -> None:
+        await self.launch()
+        await self.start_trainer(resume=False)
+        await self.supervise()
+        self.state.phase = "stopping participants"
+        self.show()
+        participants, self.participants = self.participants, {}
+        await stop_participants(list(participants.values()))
+
+    async def supervise(self) -> None:
+        while True:
+            assert self.trainer is not None
+            status = await self.trainer.wait(POLL_INTERVAL_S)
+            await self.read_events()
+            self.show()
+            if status is not None:
+                if status == 0:
+                    return
+                raise await self.trainer.failure(status)
+            await self.check_participants()
+            if time.monotonic() - self.last_event_at > STALL_TIMEOUT_S:
+                raise DemoError(
+                    f"the trainer (incarnation {self.trainer.incarnation}) logged nothing for "
+                    f"{STALL_TIMEOUT_S:g}s; its stderr ends with:"
+                    f"{_quote_tail(await _tail_of(self.trainer.stderr))}"
+                )
+            if self.state.crash_due():
+                await self.crash_and_restart()
+
+    async def read_events(self) -> None:
+        events = await asyncio.to_thread(self.tail.read_new)
+        if events:
+            self.last_event_at = time.monotonic()
+        for event in events:
+            self.state.apply(event)
+
+    async def check_participants(self) -> None:
+        for participant in self.participants.values():
+            status = participant.exit_status()
+            if status is not None and participant.spec.instance not in self.killed:
+                raise DemoError(
+                    f"participant {participant.spec.instance} exited unexpectedly with status "
+                    f"{status}; its stderr says:{_quote_tail(await participant.stderr_tail())}"
+                )
+
+    def crash_victim(self) -> Participant:
+        agents = sorted(
+            (p for p in self.participants.values() if p.spec.kind == "agent"),
+            key=lambda p: p.spec.instance,
+        )
+        return agents[self.options.seed % len(agents)]
+
+    async def crash_and_restart(self) -> None:
+        assert self.trainer is not None
+        victim = self.crash_victim()
+        self.killed.add(victim.spec.instance)
+        await asyncio.gather(self.trainer.kill(), victim.kill())
+        await self.record(
+            "crash",
+            incarnation=self.trainer.incarnation,
+            step=self.state.step,
+            killed=["trainer", victim.spec.instance],
+        )
+        await self.read_events()
+        self.state.note_crash()
+        self.show()
+        # SIGKILL can tear the last event line; the next incarnation appends after it.
+        await asyncio.to_thread(_drop_torn_line, self.paths.events)
+        survivors = [p for p in self.participants.values() if p is not victim]
+        self.participants = {}
+        await stop_participants(survivors)
+        await self.launch()
+        await self.record("restart", incarnation=self.trainer.incarnation + 1)
+        self.state.note_restart()
+        await self.start_trainer(resume=True)
+
+    async def abort(self) -> None:
+        """Cleanup after a failure: no checks, nothing left running."""
+        if self.trainer is not None:
+            await self.trainer.kill()
+        participants, self.participants = self.participants, {}
+        await stop_participants(list(participants.values()), check=False)
+
+
+def _drop_torn_line(path: Path) -> None:
+    """Cut a partial last line (one without its newline) off the file."""
+    try:
+        with path.open("rb+") as handle:
+            data = handle.read()
+            if not data or data.endswith(b"\n"):
+                return
+            handle.truncate(data.rfind(b"\n") + 1)
+    except FileNotFoundError:
+        return
+
+
+async def run_demo(
+    options: DemoOptions,
+    paths: DemoPaths,
+    token: str,
+    launcher: Launcher,
+    console: Console,
+    *,
+    trainer_program: Sequence[str] = DEFAULT_TRAINER_COMMAND,
+) -> int:
+    """Run the demo in a prepared out directory; returns the exit status (0: audit passed).
+
+    Raises :class:`DemoError` when the run cannot finish (a participant that does not
+    start or dies, a trainer that fails or stalls); nothing it started is left running.
+    """
+    display = open_display(console, live=options.progress)
+    supervisor = _Supervisor(options, paths, token, launcher, display, trainer_program)
+    try:
+        await supervisor.run()
+    except BaseException as error:
+        await asyncio.shield(supervisor.abort())
+        display.close(supervisor.state)
+        if isinstance(error, DemoError):
+            await _draw_what_happened(paths, console)
+        raise
+    display.close(supervisor.state)
+    try:
+        logs = await asyncio.to_thread(load_run, paths.out)
+    except EventLogError as error:
+        # A log that breaks its contract cannot be audited: that is the audit's verdict.
+        console.print(Text(f"audit: FAILED: {error}", style="bold red"), soft_wrap=True)
+        return 1
+    report = build_report(
+        logs,
+        group_size=options.group_size,
+        expected_steps=options.steps,
+        groups_per_step=options.groups_per_step,
+    )
+    warnings = []
+    if options.crash and report.recovery.crashes == 0:
+        warnings.append(
+            "the crash was not injected: no snapshot was published while rollouts were in "
+            "flight before the last step; lower --snapshot-interval or raise --steps"
+        )
+    from turnpoint.server.demo._timeline import render_timeline
+
+    timeline = await asyncio.to_thread(
+        render_timeline, logs.events, logs.supervisor, paths.timeline
+    )
+    render_report(report, console, timeline=timeline, warnings=warnings)
+    return report.exit_status
+
+
+async def _draw_what_happened(paths: DemoPaths, console: Console) -> None:
+    """After a failed run, the timeline of what the logs hold, to help find out why."""
+    from turnpoint.server.demo._timeline import render_timeline
+
+    try:
+        logs = await asyncio.to_thread(load_run, paths.out)
+    except EventLogError:
+        return
+    timeline = await asyncio.to_thread(
+        render_timeline, logs.events, logs.supervisor, paths.timeline
+    )
+    console.print(Text(f"timeline (of the failed run): {timeline}"), soft_wrap=True)
+
+
+# ---------------------------------------------------------------------- the command
+
+
+def add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = sub.add_parser(
+        "demo",
+        help="run the main job: a real training run through an injected crash, then an audit",
+        description=(
+            "Start the example participants (policy, tools, group-tools, agents) as separate "
+            "servers, train through a crash of the trainer and one agent, restore from the "
+            "latest snapshot and audit that every prompt group was trained exactly once "
+            "with the rewards the verifiers returned. Exits 1 if the audit fails."
+        ),
+    )
+    parser.add_argument(
+        "--steps", type=int, default=DEFAULT_STEPS, help="training steps (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--agents", type=int, default=DEFAULT_AGENTS, help="agent servers (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--group-size",
+        type=int,
+        default=DEFAULT_GROUP_SIZE,
+        help="sibling rollouts per prompt (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--groups-per-step",
+        type=int,
+        default=DEFAULT_GROUPS_PER_STEP,
+        help="prompt groups per training step (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--snapshot-interval",
+        type=float,
+        default=DEFAULT_SNAPSHOT_INTERVAL_S,
+        metavar="SECONDS",
+        help="period of the snapshot pump (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--crash",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="kill the trainer and one agent mid-run, then restart the job",
+    )
+    parser.add_argument(
+        "--target-level",
+        default="turn",
+        metavar="LEVEL",
+        help=f"finest recovery level wanted: {', '.join(LEVELS)} (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--out", default=DEFAULT_OUT, help="output directory (wiped at start; default: %(default)s)"
+    )
+    parser.add_argument("--ray", action="store_true", help="run every participant as a Ray actor")
+    parser.add_argument(
+        "--ray-address", metavar="ADDRESS", help="join this Ray cluster (implies --ray)"
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seeds the policy and the data (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--no-progress",
+        dest="progress",
+        action="store_false",
+        help="plain progress lines instead of the live display",
+    )
+    parser.add_argument(
+        "--start-timeout",
+        type=float,
+        default=START_TIMEOUT_S,
+        metavar="SECONDS",
+        help=argparse.SUPPRESS,
+    )
+    parser.set_defaults(handler=demo_command)
+
+
+def demo_command(args: argparse.Namespace) -> int:
+    options = DemoOptions.from_args(args)
+    problems = options.problems()
+    if problems:
+        for problem in problems:
+            print(f"turnpoint demo: {problem}", file=sys.stderr)
+        return 2
+    if importlib.util.find_spec(TRAINER_MODULE) is None:
+        print(
+            f"turnpoint demo: the trainer module {TRAINER_MODULE} is not installed",
+            file=sys.stderr,
+        )
+        return 1
+    console = Console()
+    try:
+        paths, token = prepare_out_dir(options.out)
+    except (DemoError, OSError) as error:
+        print(f"turnpoint demo: {error}", file=sys.stderr)
+        return 2
+    ray_launcher = None
+    if options.ray:
+        from turnpoint.server.demo._ray import RayLauncher
+
+        # ray.init installs handlers and starts processes: do it before the event loop.
+        try:
+            ray_launcher = RayLauncher(
+                paths, address=options.ray_address, start_timeout_s=options.start_timeout_s
+            )
+        except (ConnectionError, RuntimeError, ValueError, TimeoutError) as error:
+            where = (
+                f"join the Ray cluster at {options.ray_address}"
+                if options.ray_address
+                else "start Ray"
+            )
+            print(f"turnpoint demo: cannot {where}: {error}", file=sys.stderr)
+            return 1
+        launcher: Launcher = ray_launcher
+    else:
+        launcher = ProcessLauncher(paths, token, start_timeout_s=options.start_timeout_s)
+    try:
+        return asyncio.run(run_demo(options, paths, token, launcher, console))
+    except DemoError as error:
+        console.print(
+            f"turnpoint demo: FAILED: {error}", markup=False, highlight=False, soft_wrap=True
+        )
+        console.print(f"logs: {paths.logs}", markup=False, highlight=False, soft_wrap=True)
+        return 1
+    except KeyboardInterrupt:
+        console.print("turnpoint demo: interrupted", markup=False, highlight=False, soft_wrap=True)
+        return 130
+    finally:
+        if ray_launcher is not None:
+            with contextlib.suppress(Exception):
+                ray_launcher.shutdown()

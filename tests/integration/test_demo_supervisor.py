@@ -1,0 +1,476 @@
+"""The demo's supervisor: participants as processes, the crash, the job restart, the flags.
+
+Two kinds of children. The real ``turnpoint serve`` participants are started once, to
+prove the wiring (instance names, token, snapshot root, verifier logs) and the clean
+SIGTERM shutdown. The crash-and-restart flow runs against stand-ins: a fake ``serve``
+that binds a port and prints the serving line, and a fake trainer that follows the
+trainer's contract (command line, topology, events) and waits to be killed once the
+crash is due. The whole flow then takes a second instead of two real runs.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import stat
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from rich.console import Console
+
+from turnpoint._cli import main
+from turnpoint.server._auth import auth_metadata
+from turnpoint.server.demo import (
+    DemoError,
+    DemoOptions,
+    DemoPaths,
+    ParticipantSpec,
+    ProcessLauncher,
+    prepare_out_dir,
+    run_demo,
+    trainer_command,
+)
+from turnpoint.server.demo._supervisor import (
+    Participant,
+    start_participants,
+    stop_participants,
+    write_topology,
+)
+from turnpoint.v1 import checkpoint_control_service_pb2 as pb
+from turnpoint.v1 import checkpoint_control_service_pb2_grpc as pb_grpc
+
+TIMEOUT_S = 60.0
+
+# Binds a real port, prints the serving line `turnpoint serve` prints, exits 0 on SIGTERM.
+_FAKE_SERVE = """
+import signal, socket, sys
+args = sys.argv[1:]
+kind = args[args.index("--kind") + 1]
+instance = args[args.index("--instance") + 1]
+signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGTERM])
+listener = socket.socket()
+listener.bind(("127.0.0.1", 0))
+listener.listen()
+print(f"turnpoint: serving {kind} {instance} on 127.0.0.1:{listener.getsockname()[1]}", flush=True)
+signal.sigwait([signal.SIGTERM])
+sys.exit(0)
+"""
+
+# Follows the trainer's contract with made-up rollouts. The first incarnation trains
+# until the crash is due, then leaves a torn line and waits to be killed; a resumed one
+# restores the step its "snapshot" recorded and finishes. FAKE_TRAINER=fail fails.
+_FAKE_TRAINER = r"""
+import argparse, json, os, signal, sys, time
+parser = argparse.ArgumentParser()
+for flag in ("--topology", "--out", "--target-level"):
+    parser.add_argument(flag, required=True)
+for flag in ("--steps", "--group-size", "--groups-per-step", "--seed"):
+    parser.add_argument(flag, type=int, required=True)
+parser.add_argument("--snapshot-interval", type=float, required=True)
+parser.add_argument("--resume", action="store_true")
+args = parser.parse_args()
+if os.environ.get("FAKE_TRAINER") == "fail":
+    print("boom: the fake trainer failed", file=sys.stderr)
+    sys.exit(3)
+out = args.out
+log = os.path.join(out, "events.jsonl")
+starts = open(log).read().count('"type": "start"') if os.path.exists(log) else 0
+args.incarnation = starts + 1
+topology = json.load(open(args.topology))
+token = open(topology["token_file"]).read().strip()
+assert os.environ["TURNPOINT_TOKEN"] == token
+with open(os.path.join(out, "seen-topology.jsonl"), "a") as seen:
+    seen.write(json.dumps({"incarnation": args.incarnation, "resume": args.resume,
+                           "argv": sys.argv[1:], "topology": topology}) + "\n")
+events = open(os.path.join(out, "events.jsonl"), "a")
+verifier = open(os.path.join(out, "verifier-fake.jsonl"), "a")
+latest = os.path.join(topology["snapshot_root"], "FAKE_LATEST")
+
+def emit(kind, **fields):
+    events.write(json.dumps({"t": time.time(), "type": kind,
+                             "incarnation": args.incarnation, **fields}) + "\n")
+    events.flush()
+
+def train(step, attempt):
+    groups = [args.groups_per_step * (step - 1) + i for i in range(args.groups_per_step)]
+    samples = []
+    for group in groups:
+        for sibling in range(args.group_size):
+            rid, reward = f"g{group}-s{sibling}", (sibling + group) / 100
+            verifier.write(json.dumps({"verifier": "fake", "rollout_id": rid,
+                                       "attempt": attempt, "reward": reward}) + "\n")
+            verifier.flush()
+            emit("rollout", rollout_id=rid, attempt=attempt, group=group, sibling=sibling,
+                 environment="guess", reward=reward, resumed=False, turns=2)
+            samples.append({"rollout_id": rid, "attempt": attempt, "reward": reward})
+    emit("train_step", step=step, groups=groups, rollouts=samples,
+         mean_reward=sum(s["reward"] for s in samples) / len(samples))
+    emit("progress", step=step, in_flight=3, published=0, admission_closed=False, queue=0)
+
+restored = 0
+if args.resume:
+    step = restored = int(open(latest).read())
+    emit("start", restored_from=f"ckpt-{step}", step=step)
+    emit("restore", checkpoint_id=f"ckpt-{step}", resumed_from_turn=2, rerun_from_prompt=1,
+         groups_retried_whole=0, seconds=0.1)
+else:
+    emit("start", restored_from=None, step=0)
+    step = 0
+while step < args.steps:
+    step += 1
+    # The step the crash cut runs again as the next attempt; later steps are new.
+    train(step, 1 if args.resume and step == restored + 1 else 0)
+    if step == 1 and not args.resume:
+        open(latest, "w").write("1")
+        emit("snapshot", checkpoint_id="ckpt-1", outcome="published", reason=None,
+             t_start=time.time() - 0.2, t_end=time.time(), admission_closed_s=0.2,
+             phases={"prepare": 0.1, "commit": 0.1})
+    if not args.resume and step >= 2:
+        events.write('{"t": 1, "type": "progr')  # torn by the coming SIGKILL
+        events.flush()
+        signal.pause()
+emit("done", step=step)
+"""
+
+
+def _fake_serve(tmp_path: Path) -> list[str]:
+    script = tmp_path / "fake_serve.py"
+    script.write_text(_FAKE_SERVE)
+    return [sys.executable, str(script)]
+
+
+def _fake_trainer(tmp_path: Path) -> list[str]:
+    script = tmp_path / "fake_trainer.py"
+    script.write_text(_FAKE_TRAINER)
+    return [sys.executable, str(script)]
+
+
+def _options(out: Path, **overrides: Any) -> DemoOptions:
+    defaults: dict[str, Any] = {
+        "steps": 4,
+        "agents": 2,
+        "group_size": 2,
+        "groups_per_step": 2,
+        "out": out,
+        "progress": False,
+        "start_timeout_s": TIMEOUT_S,
+    }
+    return DemoOptions(**{**defaults, **overrides})
+
+
+class _RecordingLauncher(ProcessLauncher):
+    """Keeps every participant it started, to check that none is left running."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.started: list[Participant] = []
+
+    async def start(self, spec: ParticipantSpec, generation: int) -> Any:
+        participant = await super().start(spec, generation)
+        self.started.append(participant)
+        return participant
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# ---------------------------------------------------------------------- real participants
+
+
+async def test_real_participants_serve_with_the_run_token_and_stop_cleanly(tmp_path: Path) -> None:
+    options = _options(tmp_path / "out", agents=1)
+    paths, token = prepare_out_dir(options.out)
+    launcher = ProcessLauncher(paths, token, start_timeout_s=TIMEOUT_S)
+
+    participants = await start_participants(launcher, options, paths, generation=1)
+    try:
+        assert sorted(participants) == ["agent-0", "group-tools", "policy", "tools"]
+        write_topology(paths, participants)
+        topology = json.loads(paths.topology.read_text())
+        assert topology["token_file"] == str(paths.token_file)
+        assert topology["snapshot_root"] == str(paths.snapshots)
+        assert {p["instance"]: (p["kind"], p["environment"]) for p in topology["participants"]} == {
+            "policy": ("model", None),
+            "tools": ("resources", "guess"),
+            "group-tools": ("resources", "guess-group"),
+            "agent-0": ("agent", None),
+        }
+        for entry in topology["participants"]:
+            async with grpc.aio.insecure_channel(entry["address"]) as channel:
+                health = await health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service=""), timeout=TIMEOUT_S
+                )
+                assert health.status == health_pb2.HealthCheckResponse.SERVING
+                described = await pb_grpc.CheckpointControlServiceStub(channel).Describe(
+                    pb.DescribeRequest(), metadata=auth_metadata(token), timeout=TIMEOUT_S
+                )
+                assert described.instance_name == entry["instance"]
+    finally:
+        await stop_participants(participants.values())
+
+    assert all(p.exit_status() == 0 for p in participants.values())
+    assert stat.S_IMODE(paths.token_file.stat().st_mode) == 0o600
+    assert sorted(p.name for p in paths.logs.iterdir()) == [
+        "agent-0.1.stderr",
+        "group-tools.1.stderr",
+        "policy.1.stderr",
+        "tools.1.stderr",
+    ]
+
+
+async def test_a_participant_that_exits_before_serving_fails_fast_with_its_stderr(
+    tmp_path: Path,
+) -> None:
+    paths, token = prepare_out_dir(tmp_path / "out")
+    launcher = ProcessLauncher(paths, token, start_timeout_s=TIMEOUT_S)
+    bogus = ParticipantSpec(instance="tools", kind="resources", example="bogus")
+
+    with pytest.raises(DemoError) as caught:
+        await launcher.start(bogus, generation=1)
+
+    assert str(caught.value) == (
+        f"participant tools did not start within {TIMEOUT_S:g}s (it exited with status 2); "
+        "its stderr says:\n"
+        "    turnpoint serve: no example 'bogus' for kind 'resources'; choose one of: "
+        "guess, guess-group"
+    )
+
+
+async def test_a_participant_that_never_serves_is_killed_at_the_timeout(tmp_path: Path) -> None:
+    paths, token = prepare_out_dir(tmp_path / "out")
+    silent = [sys.executable, "-c", "import signal; signal.pause()"]
+    launcher = ProcessLauncher(paths, token, start_timeout_s=0.5, serve_command=silent)
+
+    with pytest.raises(DemoError) as caught:
+        await launcher.start(ParticipantSpec(instance="policy", kind="model", example="x"), 1)
+
+    assert str(caught.value).startswith(
+        "participant policy did not start within 0.5s (it never printed its serving line); "
+        "its stderr says:"
+    )
+
+
+async def test_when_one_participant_fails_the_others_are_stopped(tmp_path: Path) -> None:
+    options = _options(tmp_path / "out")
+    paths, token = prepare_out_dir(options.out)
+    fake = _fake_serve(tmp_path)
+    # Every server starts except group-tools, whose command exits at once.
+    failing = [
+        sys.executable,
+        "-c",
+        "import sys; sys.exit(7) if 'group-tools' in sys.argv else exec(open(sys.argv[1]).read())",
+        fake[1],
+    ]
+    launcher = _RecordingLauncher(paths, token, start_timeout_s=TIMEOUT_S, serve_command=failing)
+
+    with pytest.raises(DemoError, match=r"participant group-tools did not start .*status 7"):
+        await start_participants(launcher, options, paths, generation=1)
+
+    assert sorted(p.spec.instance for p in launcher.started) == ["policy", "tools"]
+    assert all(p.exit_status() == 0 for p in launcher.started)
+
+
+# ---------------------------------------------------------------------- the run, with stand-ins
+
+
+async def test_the_crash_restarts_the_job_and_the_resumed_trainer_finishes(tmp_path: Path) -> None:
+    options = _options(tmp_path / "out", steps=4, seed=1)
+    paths, token = prepare_out_dir(options.out)
+    launcher = _RecordingLauncher(
+        paths, token, start_timeout_s=TIMEOUT_S, serve_command=_fake_serve(tmp_path)
+    )
+    output = io.StringIO()
+
+    status = await run_demo(
+        options,
+        paths,
+        token,
+        launcher,
+        Console(file=output, width=200),
+        trainer_program=_fake_trainer(tmp_path),
+    )
+
+    text = output.getvalue()
+    assert status == 0, text
+    assert text.rstrip().splitlines()[-2:] == [f"timeline: {paths.timeline}", "audit: passed"]
+    assert paths.timeline.read_bytes().startswith(b"\x89PNG")
+
+    supervisor = _read_jsonl(paths.supervisor_log)
+    assert [e["type"] for e in supervisor] == ["crash", "restart"]
+    # --seed 1 picks the second agent.
+    assert supervisor[0]["killed"] == ["trainer", "agent-1"]
+    assert supervisor[0]["incarnation"] == 1 and supervisor[1]["incarnation"] == 2
+
+    # A job restart: every participant twice, all of generation 2 stopped cleanly.
+    instances = ["agent-0", "agent-1", "group-tools", "policy", "tools"]
+    assert sorted(p.spec.instance for p in launcher.started) == sorted(instances * 2)
+    statuses = {(p.spec.instance, i // 5): p.exit_status() for i, p in enumerate(launcher.started)}
+    assert statuses[("agent-1", 0)] == -9
+    assert all(s == 0 for key, s in statuses.items() if key != ("agent-1", 0))
+
+    seen = _read_jsonl(paths.out / "seen-topology.jsonl")
+    assert [(s["incarnation"], s["resume"]) for s in seen] == [(1, False), (2, True)]
+    first, second = (
+        {p["instance"]: p["address"] for p in s["topology"]["participants"]} for s in seen
+    )
+    assert sorted(first) == sorted(second) == instances
+    assert all(first[name] != second[name] for name in instances)
+    assert seen[1]["argv"] == trainer_command(options, paths, resume=True, program=())
+
+    # The torn line the killed trainer left was cut before the next trainer appended.
+    events = _read_jsonl(paths.events)
+    assert [e["type"] for e in events if e["type"] in ("start", "done")] == [
+        "start",
+        "start",
+        "done",
+    ]
+
+
+async def test_a_failing_trainer_fails_the_demo_with_its_stderr_and_stops_everything(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAKE_TRAINER", "fail")
+    options = _options(tmp_path / "out")
+    paths, token = prepare_out_dir(options.out)
+    launcher = _RecordingLauncher(
+        paths, token, start_timeout_s=TIMEOUT_S, serve_command=_fake_serve(tmp_path)
+    )
+
+    with pytest.raises(DemoError) as caught:
+        await run_demo(
+            options,
+            paths,
+            token,
+            launcher,
+            Console(file=io.StringIO()),
+            trainer_program=_fake_trainer(tmp_path),
+        )
+
+    assert str(caught.value) == (
+        "the trainer (incarnation 1) exited with status 3; its stderr ends with:\n"
+        "    boom: the fake trainer failed\n"
+        f"(full log: {paths.logs / 'trainer.1.stderr'})"
+    )
+    assert len(launcher.started) == 5
+    assert all(p.exit_status() is not None for p in launcher.started)
+
+
+# ---------------------------------------------------------------------- flags and the out dir
+
+
+def _demo(argv: Sequence[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    status = main(["demo", *argv])
+    return status, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--target-level", "turns"],
+            "turnpoint demo: unknown --target-level 'turns' (did you mean turn?): choose one "
+            "of turn, sibling, prompt_group",
+        ),
+        (["--steps", "0"], "turnpoint demo: --steps must be at least 1, got 0"),
+        (
+            ["--steps", "1"],
+            "turnpoint demo: --crash needs --steps 2 or more (the crash lands 40-60% into the "
+            "run, after a published snapshot): raise --steps or pass --no-crash",
+        ),
+        (
+            ["--group-size", "1"],
+            "turnpoint demo: --group-size must be at least 2, got 1: rewards are relative to "
+            "the prompt group, so a group of one teaches nothing",
+        ),
+        (["--agents", "0"], "turnpoint demo: --agents must be at least 1, got 0"),
+        (
+            ["--snapshot-interval", "0"],
+            "turnpoint demo: --snapshot-interval must be a positive number of seconds, got 0",
+        ),
+    ],
+)
+def test_bad_flags_say_what_to_change(
+    argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    status, err = _demo([*argv, "--out", str(tmp_path / "out")], capsys)
+
+    assert status == 2
+    assert err.splitlines() == [message]
+    assert not (tmp_path / "out").exists()
+
+
+def test_one_step_without_a_crash_is_valid(tmp_path: Path) -> None:
+    assert _options(tmp_path, steps=1, crash=False).problems() == []
+
+
+def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
+    problems = _options(tmp_path / "out", steps=0, agents=0, target_level="x").problems()
+    assert len(problems) == 3
+
+
+def test_a_foreign_out_dir_is_never_wiped(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    foreign = tmp_path / "home"
+    foreign.mkdir()
+    (foreign / "thesis.tex").write_text("precious")
+
+    status, err = _demo(["--out", str(foreign)], capsys)
+
+    assert status == 2
+    assert err.strip() == (
+        f"turnpoint demo: --out {foreign} is not empty and was not made by turnpoint demo: "
+        "choose another --out or remove it"
+    )
+    assert (foreign / "thesis.tex").read_text() == "precious"
+
+
+def test_a_previous_demo_out_dir_is_wiped(tmp_path: Path) -> None:
+    first, _ = prepare_out_dir(tmp_path / "out")
+    (first.out / "events.jsonl").write_text("old\n")
+
+    second, token = prepare_out_dir(tmp_path / "out")
+
+    assert not (second.out / "events.jsonl").exists()
+    assert second.token_file.read_text().strip() == token
+    assert second.snapshots.is_dir() and second.logs.is_dir()
+
+
+def test_the_trainer_command_carries_every_setting(tmp_path: Path) -> None:
+    options = _options(
+        tmp_path,
+        steps=7,
+        group_size=3,
+        groups_per_step=5,
+        seed=9,
+        snapshot_interval_s=2.5,
+        target_level="sibling",
+    )
+    paths = DemoPaths(tmp_path)
+
+    command = trainer_command(options, paths, resume=True)
+
+    assert command == [
+        sys.executable, "-m", "turnpoint.trainer._demo_trainer",
+        "--topology", str(tmp_path / "topology.json"),
+        "--out", str(tmp_path),
+        "--steps", "7", "--group-size", "3", "--groups-per-step", "5",
+        "--snapshot-interval", "2.5", "--target-level", "sibling", "--seed", "9",
+        "--resume",
+    ]  # fmt: skip
+
+
+def test_ray_address_implies_ray() -> None:
+    parser_args = ["demo", "--ray-address", "10.0.0.1:6379"]
+    from turnpoint._cli import build_parser
+
+    options = DemoOptions.from_args(build_parser().parse_args(parser_args))
+    assert options.ray and options.ray_address == "10.0.0.1:6379"
+    assert os.fspath(options.out) == "turnpoint-demo-out"

@@ -1,0 +1,795 @@
+"""The demo's report: the exactly-once audit, the statistics and the timeline, on synthetic logs.
+
+``_Run`` writes the logs a correct demo run produces: a first trainer that publishes
+snapshots and trains past the last one, a crash, and a second trainer that restores the
+snapshot and finishes. Each test then breaks one thing the way a real bug would (a group
+trained twice, a sibling lost, a reward the verifier never returned, ...) and checks that
+the audit names it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rich.console import Console
+
+from turnpoint.server.demo import (
+    EventLogError,
+    EventTail,
+    ProgressState,
+    audit,
+    build_report,
+    effective_lineage,
+    load_run,
+    parse_events,
+    render_report,
+    render_timeline,
+)
+from turnpoint.server.demo._report import (
+    SupervisorEvent,
+    VerifierEntry,
+    parse_verifier_entries,
+    percentile,
+)
+from turnpoint.server.demo._timeline import rollouts_per_second
+
+GROUP_SIZE = 4
+GROUPS_PER_STEP = 2
+
+
+class _Run:
+    """A synthetic demo run: event dicts, verifier entries and supervisor events."""
+
+    def __init__(self) -> None:
+        self.t = 1000.0
+        self.events: list[dict[str, Any]] = []
+        self.verifier: list[dict[str, Any]] = []
+        self.supervisor: list[dict[str, Any]] = []
+        self.incarnation = 0
+
+    def tick(self, seconds: float = 0.1) -> float:
+        self.t += seconds
+        return self.t
+
+    def emit(self, kind: str, **fields: Any) -> dict[str, Any]:
+        event = {"t": self.tick(), "type": kind, "incarnation": self.incarnation, **fields}
+        self.events.append(event)
+        return event
+
+    def start(self, step: int = 0, restored_from: str | None = None) -> None:
+        self.incarnation += 1
+        self.emit("start", restored_from=restored_from, step=step)
+
+    def rollouts(
+        self, group: int, *, attempt: int = 0, resumed: bool = False
+    ) -> list[dict[str, Any]]:
+        samples = []
+        for sibling in range(GROUP_SIZE):
+            rollout_id = f"g{group}-s{sibling}"
+            # Rewards vary with the attempt, as a rerun after a restore would.
+            reward = round(0.1 * sibling + 0.01 * group + 0.003 * attempt, 6)
+            self.verifier.append(
+                {
+                    "verifier": "tools",
+                    "rollout_id": rollout_id,
+                    "attempt": attempt,
+                    "reward": reward,
+                }
+            )
+            self.emit(
+                "rollout",
+                rollout_id=rollout_id,
+                attempt=attempt,
+                group=group,
+                sibling=sibling,
+                environment="guess" if group % 2 == 0 else "guess-group",
+                reward=reward,
+                resumed=resumed,
+                turns=3,
+            )
+            samples.append({"rollout_id": rollout_id, "attempt": attempt, "reward": reward})
+        self.tick(0.3)
+        return samples
+
+    def train(self, step: int, *, attempt: int = 0) -> None:
+        groups = [GROUPS_PER_STEP * (step - 1) + i for i in range(GROUPS_PER_STEP)]
+        samples = [s for g in groups for s in self.rollouts(g, attempt=attempt)]
+        self.emit(
+            "progress", step=step - 1, in_flight=5, published=0, admission_closed=False, queue=2
+        )
+        self.emit(
+            "train_step",
+            step=step,
+            groups=groups,
+            rollouts=samples,
+            mean_reward=sum(s["reward"] for s in samples) / len(samples),
+        )
+
+    def snapshot(
+        self, checkpoint_id: str, outcome: str = "published", reason: str | None = None
+    ) -> None:
+        t_start = self.tick()
+        t_end = self.tick(0.4)
+        self.emit(
+            "snapshot",
+            checkpoint_id=checkpoint_id,
+            outcome=outcome,
+            reason=reason,
+            t_start=t_start,
+            t_end=t_end,
+            admission_closed_s=round(t_end - t_start, 6),
+            phases={"anchor": 0.1, "prepare": 0.2, "commit": 0.1},
+        )
+
+    def crash(self) -> None:
+        self.supervisor.append({"type": "crash", "t": self.tick(0.5)})
+        self.supervisor.append({"type": "restart", "t": self.tick(3.0)})
+
+    def restore(self, checkpoint_id: str) -> None:
+        self.emit(
+            "restore",
+            checkpoint_id=checkpoint_id,
+            resumed_from_turn=5,
+            rerun_from_prompt=3,
+            groups_retried_whole=1,
+            seconds=0.8,
+        )
+
+    def done(self, step: int) -> None:
+        self.emit("done", step=step)
+
+    def write(self, out: Path) -> Path:
+        out.mkdir(parents=True, exist_ok=True)
+        for name, lines in (
+            ("events.jsonl", self.events),
+            ("supervisor.jsonl", self.supervisor),
+            ("verifier-tools.jsonl", self.verifier),
+        ):
+            (out / name).write_text("".join(json.dumps(line) + "\n" for line in lines))
+        return out
+
+
+STEPS = 10
+RESTORED_STEP = 4
+CRASHED_AFTER = 6
+
+
+def _good_run() -> _Run:
+    """Ten steps; snapshot after step 4; crash after step 6; restore to step 4; finish."""
+    run = _Run()
+    run.start()
+    for step in range(1, CRASHED_AFTER + 1):
+        run.train(step)
+        if step in (2, 4):
+            run.snapshot(f"ckpt-{step:04d}")
+    run.snapshot("ckpt-0005", outcome="failed", reason="PREPARE_TIMEOUT")
+    run.rollouts(2 * CRASHED_AFTER)  # in flight at the crash, never trained
+    run.crash()
+    run.start(step=RESTORED_STEP, restored_from="ckpt-0004")
+    run.restore("ckpt-0004")
+    for step in range(RESTORED_STEP + 1, STEPS + 1):
+        # Groups cut by the crash come back as the next attempt.
+        run.train(step, attempt=1 if step <= CRASHED_AFTER + 1 else 0)
+    run.done(STEPS)
+    return run
+
+
+def _audit(run: _Run, **kwargs: Any) -> Any:
+    return audit(
+        parse_events(run.events),
+        parse_verifier_entries(run.verifier),
+        group_size=GROUP_SIZE,
+        **kwargs,
+    )
+
+
+def _train_step(run: _Run, step: int, incarnation: int) -> dict[str, Any]:
+    return next(
+        e
+        for e in run.events
+        if e["type"] == "train_step" and e["step"] == step and e["incarnation"] == incarnation
+    )
+
+
+# ---------------------------------------------------------------------- lineage
+
+
+def test_the_restored_incarnation_replaces_the_steps_after_its_snapshot() -> None:
+    lineage = effective_lineage(parse_events(_good_run().events))
+
+    assert [s.step for s in lineage.steps] == list(range(1, STEPS + 1))
+    assert [s.incarnation for s in lineage.steps] == [1] * RESTORED_STEP + [2] * (
+        STEPS - RESTORED_STEP
+    )
+    assert [(s.incarnation, s.step) for s in lineage.rolled_back] == [(1, 5), (1, 6)]
+
+
+def test_a_good_run_passes_the_audit() -> None:
+    result = _audit(_good_run(), expected_steps=STEPS)
+
+    assert result.passed, result.reason
+    assert result.line == "audit: passed"
+    assert (result.steps, result.groups, result.rollouts) == (
+        STEPS,
+        STEPS * GROUPS_PER_STEP,
+        STEPS * GROUPS_PER_STEP * GROUP_SIZE,
+    )
+    assert result.rolled_back_steps == 2
+
+
+def test_a_run_without_a_crash_passes_too() -> None:
+    run = _Run()
+    run.start()
+    for step in range(1, 4):
+        run.train(step)
+    run.done(3)
+
+    assert _audit(run, expected_steps=3).passed
+
+
+def test_a_restore_ahead_of_what_was_trained_fails() -> None:
+    run = _Run()
+    run.start()
+    run.train(1)
+    run.start(step=3, restored_from="ckpt-0003")
+
+    result = _audit(run)
+
+    assert not result.passed
+    assert result.reason == (
+        "incarnation 2 starts at step 3 (restored from ckpt-0003) but only 1 steps were "
+        "trained before it"
+    )
+
+
+def test_a_step_logged_out_of_order_fails() -> None:
+    run = _Run()
+    run.start()
+    run.train(1)
+    run.train(3)
+
+    result = _audit(run)
+
+    assert not result.passed
+    assert result.reason == "incarnation 1 logged train step 3 after step 1"
+
+
+# ---------------------------------------------------------------------- exactly once
+
+
+def test_a_group_trained_twice_fails() -> None:
+    run = _good_run()
+    # The restored trainer forgets the restored data-loader position and trains group 0 again.
+    step = _train_step(run, 5, incarnation=2)
+    step["groups"] = [0, *step["groups"][1:]]
+
+    result = _audit(run)
+
+    assert not result.passed
+    assert result.reason == "prompt group 0 was trained twice (steps 1 and 5)"
+
+
+def test_a_skipped_group_fails() -> None:
+    run = _good_run()
+    last = _train_step(run, STEPS, incarnation=2)
+    last["groups"] = [last["groups"][0]]
+    last["rollouts"] = last["rollouts"][:GROUP_SIZE]
+    last["mean_reward"] = sum(r["reward"] for r in last["rollouts"]) / GROUP_SIZE
+    # Skip a group in the middle: the last group is now the only one not trained.
+    step = _train_step(run, 2, incarnation=1)
+    step["groups"] = [2]
+    step["rollouts"] = step["rollouts"][:GROUP_SIZE]
+    step["mean_reward"] = sum(r["reward"] for r in step["rollouts"]) / GROUP_SIZE
+
+    result = _audit(run)
+
+    assert not result.passed
+    assert result.reason == "prompt group 3 was never trained, though groups up to 18 were"
+
+
+def test_a_lost_sibling_fails() -> None:
+    run = _good_run()
+    step = _train_step(run, 7, incarnation=2)
+    step["rollouts"] = [r for r in step["rollouts"] if r["rollout_id"] != "g12-s2"]
+    step["mean_reward"] = sum(r["reward"] for r in step["rollouts"]) / len(step["rollouts"])
+
+    result = _audit(run)
+
+    assert not result.passed
+    assert result.reason == (
+        "prompt group 12 was trained in step 7 with 3 of 4 siblings (lost siblings 2)"
+    )
+
+
+def test_a_rollout_counted_twice_in_one_step_fails() -> None:
+    run = _good_run()
+    step = _train_step(run, 3, incarnation=1)
+    step["rollouts"] = [*step["rollouts"], step["rollouts"][0]]
+
+    result = _audit(run)
+
+    assert not result.passed
+    assert result.reason == "rollout g4-s0 attempt 0 was counted twice (steps 3 and 3)"
+
+
+def test_two_attempts_of_one_rollout_both_trained_fails() -> None:
+    run = _good_run()
+    # Step 8 sneaks in attempt 1 of a rollout step 2 already trained as attempt 0.
+    run.verifier.append({"verifier": "tools", "rollout_id": "g2-s0", "attempt": 1, "reward": 0.5})
+    stray = dict(
+        next(e for e in run.events if e["type"] == "rollout" and e["rollout_id"] == "g2-s0"),
+        attempt=1,
+        reward=0.5,
+        incarnation=2,
+    )
+    step = _train_step(run, 8, incarnation=2)
+    run.events.insert(run.events.index(step), stray)
+    step["rollouts"] = [*step["rollouts"], {"rollout_id": "g2-s0", "attempt": 1, "reward": 0.5}]
+
+    result = _audit(run)
+
+    assert not result.passed
+    assert result.reason == (
+        "rollout g2-s0 was trained twice: attempt 0 in step 2 and attempt 1 in step 8"
+    )
+
+
+def test_a_trained_rollout_the_trainer_never_recorded_fails() -> None:
+    run = _good_run()
+    run.events = [
+        e for e in run.events if not (e["type"] == "rollout" and e["rollout_id"] == "g9-s1")
+    ]
+
+    result = _audit(run)
+
+    assert not result.passed
+    assert result.reason == (
+        "rollout g9-s1 attempt 1 was trained in step 5 but the trainer never recorded it"
+    )
+
+
+def test_a_reward_the_verifier_never_returned_fails() -> None:
+    run = _good_run()
+    for entry in run.verifier:
+        if (entry["rollout_id"], entry["attempt"]) == ("g15-s3", 0):
+            entry["reward"] += 1e-6
+
+    result = _audit(run)
+
+    assert not result.passed
+    assert result.reason is not None
+    assert result.reason.startswith(
+        "rollout g15-s3 attempt 0 was trained with reward 0.45 but the verifier returned "
+    )
+
+
+def test_rewards_within_the_float_tolerance_pass() -> None:
+    run = _good_run()
+    for entry in run.verifier:
+        entry["reward"] += 1e-12
+
+    assert _audit(run).passed
+
+
+def test_a_rollout_without_any_verifier_entry_fails() -> None:
+    run = _good_run()
+    run.verifier = [v for v in run.verifier if v["rollout_id"] != "g0-s0"]
+
+    result = _audit(run)
+
+    assert not result.passed
+    assert result.reason == (
+        "rollout g0-s0 attempt 0 was trained in step 1 but no verifier returned a reward for it"
+    )
+
+
+def test_a_trained_reward_other_than_the_recorded_one_fails() -> None:
+    run = _good_run()
+    step = _train_step(run, 1, incarnation=1)
+    step["rollouts"][1] = {**step["rollouts"][1], "reward": 0.9}
+    step["mean_reward"] = sum(r["reward"] for r in step["rollouts"]) / len(step["rollouts"])
+
+    result = _audit(run)
+
+    assert not result.passed
+    assert result.reason == (
+        "rollout g0-s1 attempt 0 was recorded with reward 0.1 but trained with 0.9 in step 1"
+    )
+
+
+def test_an_attempt_recorded_again_after_a_rollback_is_matched_to_its_own_incarnation() -> None:
+    run = _good_run()
+    # The first trainer had recorded attempt 0 of group 14 (step 8's) before the crash:
+    # the rolled-back recording has another reward, and must not be confused with the
+    # second trainer's.
+    crash_index = next(i for i, e in enumerate(run.events) if e["incarnation"] == 2)
+    early = dict(
+        next(e for e in run.events if e["type"] == "rollout" and e["rollout_id"] == "g14-s0"),
+        incarnation=1,
+        reward=0.77,
+        t=run.events[crash_index - 1]["t"],
+    )
+    run.events.insert(crash_index, early)
+    run.verifier.append({"verifier": "tools", "rollout_id": "g14-s0", "attempt": 0, "reward": 0.77})
+
+    assert _audit(run).passed
+
+
+def test_an_unfinished_run_fails() -> None:
+    run = _good_run()
+    run.events = [e for e in run.events if e["type"] != "done"]
+
+    result = _audit(run)
+
+    assert not result.passed
+    assert result.reason == "the run did not finish: incarnation 2 logged no done event"
+
+
+def test_a_short_step_fails_when_groups_per_step_is_given() -> None:
+    run = _good_run()
+    last = _train_step(run, STEPS, incarnation=2)
+    last["groups"] = last["groups"][:1]
+    last["rollouts"] = last["rollouts"][:GROUP_SIZE]
+    last["mean_reward"] = sum(r["reward"] for r in last["rollouts"]) / GROUP_SIZE
+
+    assert _audit(run).passed  # every group it lists is whole
+    result = _audit(run, groups_per_step=GROUPS_PER_STEP)
+
+    assert not result.passed
+    assert result.reason == "step 10 trained 1 prompt groups, not the 2 per step asked for"
+
+
+def test_fewer_steps_than_asked_fails() -> None:
+    result = _audit(_good_run(), expected_steps=12)
+
+    assert not result.passed
+    assert result.reason == "the run trained 10 effective steps, not the 12 asked for"
+
+
+def test_a_mean_reward_that_is_not_the_mean_of_the_step_fails() -> None:
+    run = _good_run()
+    _train_step(run, 9, incarnation=2)["mean_reward"] = 0.0
+
+    result = _audit(run)
+
+    assert not result.passed
+    assert result.reason is not None
+    assert result.reason.startswith("step 9 logs mean reward 0.0 but its rollouts average")
+
+
+# ---------------------------------------------------------------------- parsing
+
+
+def test_a_malformed_known_event_names_its_line_and_field() -> None:
+    run = _good_run()
+    run.events[3]["sibling"] = "1"
+
+    with pytest.raises(EventLogError) as caught:
+        parse_events(run.events)
+
+    assert str(caught.value) == (
+        "events.jsonl line 4 (rollout): 'sibling' must be an integer, got '1'"
+    )
+
+
+def test_group_ids_may_be_strings_that_end_in_the_index() -> None:
+    run = _good_run()
+    for event in run.events:
+        if event["type"] == "rollout":
+            event["group"] = f"g{event['group']:05d}"
+        elif event["type"] == "train_step":
+            event["groups"] = [f"g{g:05d}" for g in event["groups"]]
+
+    assert _audit(run, expected_steps=STEPS).passed
+    assert parse_events(run.events).rollouts[0].group == 0
+
+
+def test_a_group_id_without_an_index_is_an_error() -> None:
+    run = _good_run()
+    _train_step(run, 1, incarnation=1)["groups"] = ["first", 1]
+
+    with pytest.raises(EventLogError, match=r"groups\[0\] must be a prompt group index"):
+        parse_events(run.events)
+
+
+def test_unknown_event_types_are_ignored() -> None:
+    run = _good_run()
+    run.events.insert(2, {"t": 1.0, "type": "weights_sync", "incarnation": 1, "version": 3})
+
+    assert _audit(run).passed
+
+
+def test_load_run_reads_the_three_logs(tmp_path: Path) -> None:
+    out = _good_run().write(tmp_path / "out")
+    (out / "verifier-group-tools.jsonl").write_text("")
+
+    logs = load_run(out)
+
+    assert len(logs.events.train_steps) == STEPS + (CRASHED_AFTER - RESTORED_STEP)
+    assert [e.type for e in logs.supervisor] == ["crash", "restart"]
+    assert len(logs.verifier) == len(_good_run().verifier)
+
+
+def test_a_line_that_is_not_json_is_an_error(tmp_path: Path) -> None:
+    out = _good_run().write(tmp_path / "out")
+    with (out / "events.jsonl").open("a") as handle:
+        handle.write('{"t": 1, "type": "progr\n')
+
+    with pytest.raises(EventLogError, match=r"events.jsonl line \d+ is not JSON"):
+        load_run(out)
+
+
+# ---------------------------------------------------------------------- statistics
+
+
+def test_percentile_interpolates_between_ranks() -> None:
+    assert percentile([], 50) is None
+    assert percentile([3.0], 99) == 3.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile([0.0, 10.0], 99) == pytest.approx(9.9)
+
+
+def test_the_report_counts_snapshots_restores_and_rewards() -> None:
+    run = _good_run()
+    logs = load_run_from(run)
+
+    report = build_report(logs, group_size=GROUP_SIZE, expected_steps=STEPS)
+
+    snaps = report.snapshots
+    assert (snaps.attempted, snaps.published, snaps.failed, snaps.skipped) == (3, 2, 1, 0)
+    assert snaps.failure_reasons == (("PREPARE_TIMEOUT", 1),)
+    assert snaps.admission_closed_p50_s == pytest.approx(0.4)
+    recovery = report.recovery
+    assert (recovery.crashes, recovery.restarts, recovery.restored_from) == (1, 1, ("ckpt-0004",))
+    assert (recovery.resumed_from_turn, recovery.rerun_from_prompt) == (5, 3)
+    assert recovery.groups_retried_whole == 1
+    assert report.rewards.window == 2
+    assert report.rewards.first_mean is not None and report.rewards.last_mean is not None
+    assert report.rewards.last_mean > report.rewards.first_mean
+    assert (report.effective_steps, report.rolled_back_steps) == (STEPS, 2)
+    assert report.exit_status == 0
+
+
+def load_run_from(run: _Run) -> Any:
+    from turnpoint.server.demo._report import RunLogs, parse_supervisor_events
+
+    return RunLogs(
+        parse_events(run.events),
+        tuple(parse_supervisor_events(run.supervisor)),
+        tuple(parse_verifier_entries(run.verifier)),
+    )
+
+
+def _rendered(run: _Run, timeline: Path | None = None) -> tuple[str, int]:
+    report = build_report(load_run_from(run), group_size=GROUP_SIZE, expected_steps=STEPS)
+    buffer = io.StringIO()
+    render_report(report, Console(file=buffer, width=120), timeline=timeline)
+    return buffer.getvalue(), report.exit_status
+
+
+def test_the_printed_report_ends_with_the_audit_line() -> None:
+    text, status = _rendered(_good_run(), timeline=Path("/out/timeline.png"))
+
+    lines = text.rstrip().splitlines()
+    assert status == 0
+    assert lines[-2:] == ["timeline: /out/timeline.png", "audit: passed"]
+    assert "2 published, 1 failed" in text
+    assert "PREPARE_TIMEOUT x1" in text
+    assert "5 resumed from a saved turn, 3 rerun from the prompt" in text
+
+
+def test_a_failed_audit_is_the_last_line_and_exit_status_1() -> None:
+    run = _good_run()
+    run.verifier = [v for v in run.verifier if v["rollout_id"] != "g0-s0"]
+
+    text, status = _rendered(run)
+
+    assert status == 1
+    assert text.rstrip().splitlines()[-1] == (
+        "audit: FAILED: rollout g0-s0 attempt 0 was trained in step 1 but no verifier "
+        "returned a reward for it"
+    )
+
+
+# ---------------------------------------------------------------------- timeline
+
+
+def test_rollouts_per_second_bins_from_the_origin() -> None:
+    assert rollouts_per_second([10.0, 10.5, 11.2, 13.9], 10.0, 14.0) == [2, 1, 0, 1, 0]
+    assert rollouts_per_second([], 5.0, 5.0) == [0]
+
+
+def test_moving_average_is_trailing() -> None:
+    from turnpoint.server.demo._timeline import moving_average
+
+    assert moving_average([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+    assert moving_average([], 3) == []
+
+
+def test_the_timeline_is_a_png(tmp_path: Path) -> None:
+    run = _good_run()
+    logs = load_run_from(run)
+
+    path = render_timeline(logs.events, logs.supervisor, tmp_path / "timeline.png")
+
+    data = path.read_bytes()
+    assert data.startswith(b"\x89PNG\r\n\x1a\n")
+    assert len(data) > 10_000
+
+
+def test_the_timeline_draws_a_broken_history_instead_of_failing(tmp_path: Path) -> None:
+    run = _Run()
+    run.start()
+    run.train(1)
+    run.train(3)
+    logs = load_run_from(run)
+
+    path = render_timeline(logs.events, (), tmp_path / "broken.png")
+
+    assert path.read_bytes().startswith(b"\x89PNG")
+
+
+def test_the_timeline_of_an_empty_log_is_still_drawn(tmp_path: Path) -> None:
+    path = render_timeline(parse_events([]), [SupervisorEvent("crash", 5.0)], tmp_path / "e.png")
+
+    assert path.read_bytes().startswith(b"\x89PNG")
+
+
+# ---------------------------------------------------------------------- live progress
+
+
+def test_the_tail_reads_only_complete_lines(tmp_path: Path) -> None:
+    path = tmp_path / "events.jsonl"
+    tail = EventTail(path)
+    assert tail.read_new() == []
+    path.write_text('{"a": 1}\n{"b": 2}\n{"c"')
+
+    assert tail.read_new() == [{"a": 1}, {"b": 2}]
+    with path.open("a") as handle:
+        handle.write(": 3}\n")
+    assert tail.read_new() == [{"c": 3}]
+    assert tail.read_new() == []
+
+
+def test_the_crash_is_due_after_a_published_snapshot_with_rollouts_in_flight() -> None:
+    state = ProgressState(total_steps=10)
+    events = _good_run().events
+    due_at = None
+    for event in events:
+        state.apply(event)
+        if state.crash_due():
+            due_at = event
+            break
+
+    assert due_at is not None
+    assert state.published_this_incarnation >= 1
+    assert state.in_flight > 0
+    assert 4 <= state.step < 10
+
+
+def test_the_crash_is_never_due_without_a_published_snapshot() -> None:
+    state = ProgressState(total_steps=10)
+    for event in _good_run().events:
+        if event["type"] == "snapshot" and event["outcome"] == "published":
+            continue
+        state.apply(event)
+        assert not state.crash_due()
+
+
+def test_the_crash_is_due_once_and_never_in_a_later_incarnation() -> None:
+    state = ProgressState(total_steps=10)
+    fired = 0
+    for event in _good_run().events:
+        if event["incarnation"] == 2 and state.crashed_at_step is None:
+            state.note_crash()
+            state.note_restart()
+        state.apply(event)
+        if state.crash_due():
+            fired += 1
+            state.note_crash()
+    assert fired == 1
+
+
+def test_no_crash_is_due_with_no_crash() -> None:
+    state = ProgressState(total_steps=10, crash_planned=False)
+    for event in _good_run().events:
+        state.apply(event)
+        assert not state.crash_due()
+    assert state.crash_status == "off (--no-crash)"
+
+
+def test_a_malformed_event_does_not_stop_the_live_view() -> None:
+    state = ProgressState(total_steps=10)
+    state.apply({"type": "progress", "t": 1.0, "incarnation": 1, "step": "x"})
+    assert state.unreadable == 1
+    assert "step 0/10" in state.line()
+
+
+@pytest.mark.parametrize("restore_first", [False, True])
+def test_the_phase_is_training_once_a_restored_trainer_runs(restore_first: bool) -> None:
+    run = _Run()
+    run.incarnation = 1
+    restore = {"checkpoint_id": "ck-1", "resumed_from_turn": 1, "rerun_from_prompt": 0,
+               "groups_retried_whole": 0, "seconds": 0.1}  # fmt: skip
+    if restore_first:
+        run.emit("restore", **restore)
+        run.emit("start", restored_from="ck-1", step=1)
+    else:
+        run.emit("start", restored_from="ck-1", step=1)
+        state = ProgressState(total_steps=3)
+        state.apply(run.events[0])
+        assert state.phase == "restoring"
+        run.emit("restore", **restore)
+    state = ProgressState(total_steps=3)
+    for event in run.events:
+        state.apply(event)
+
+    assert state.phase == "training"
+    assert state.restored_from == "ck-1"
+
+
+def test_rollouts_logged_again_after_a_restore_are_counted_once() -> None:
+    run = _good_run()
+    again = [dict(e, incarnation=2) for e in run.events if e["type"] == "rollout"][:3]
+    state = ProgressState(total_steps=STEPS)
+    for event in [*run.events, *again]:
+        state.apply(event)
+
+    assert state.rollouts == len(
+        {(e["rollout_id"], e["attempt"]) for e in run.events if e["type"] == "rollout"}
+    )
+
+
+def test_progress_state_reflects_the_run() -> None:
+    state = ProgressState(total_steps=STEPS)
+    for event in _good_run().events:
+        state.apply(event)
+
+    assert (state.step, state.done, state.published, state.failed) == (STEPS, True, 2, 1)
+    assert state.incarnation == 2
+    assert state.restored_from == "ckpt-0004"
+    assert state.phase == "done"
+
+
+def test_verifier_entries_are_typed() -> None:
+    entries = parse_verifier_entries(
+        [{"verifier": "tools", "rollout_id": "r", "attempt": 2, "reward": 1}]
+    )
+    assert entries == [VerifierEntry("tools", "r", 2, 1.0)]
+    assert dataclasses.astuple(entries[0]) == ("tools", "r", 2, 1.0)
+
+
+def test_the_plain_display_prints_on_an_interval_and_on_every_phase_change() -> None:
+    from turnpoint.server.demo._progress import PlainDisplay
+
+    buffer = io.StringIO()
+    display = PlainDisplay(Console(file=buffer, width=300), interval_s=5.0)
+    state = ProgressState(total_steps=10)
+    display.update(state, now=0.0)
+    display.update(state, now=1.0)  # too soon, same phase: nothing
+    state.note_crash()
+    display.update(state, now=2.0)  # the phase changed: printed at once
+    display.update(state, now=7.5)  # the interval passed
+
+    lines = buffer.getvalue().splitlines()
+    assert len(lines) == 3
+    assert lines[0].startswith("demo: starting participants; step 0/10")
+    assert lines[1].startswith("demo: crashed: restarting participants;")
+
+
+def test_the_live_table_shows_the_state() -> None:
+    state = ProgressState(total_steps=STEPS)
+    for event in _good_run().events:
+        state.apply(event)
+    buffer = io.StringIO()
+
+    Console(file=buffer, width=120).print(state.table())
+
+    text = buffer.getvalue()
+    assert f"{STEPS} / {STEPS} (trainer incarnation 2)" in text
+    assert "2 published, 1 failed" in text
