@@ -351,6 +351,16 @@ class ControlServicer(pb_grpc.CheckpointControlServiceServicer):
             response.error.CopyFrom(error_to_control_error(error))
         except InvalidIdError as error:
             response.error.CopyFrom(error_to_control_error(bad_argument(error)))
+        except Exception as error:
+            # A failure below the protocol (a user hook raised): the unary door answers it
+            # UNKNOWN, so the session does too, instead of leaving the caller waiting.
+            logger.exception("%s on the control session failed", operation)
+            response.error.CopyFrom(
+                types_pb2.ControlError(
+                    code=grpc.StatusCode.UNKNOWN.value[0],
+                    message=f"{type(error).__name__}: {error}",
+                )
+            )
         return response
 
     # ------------------------------------------------------------------ watch

@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     from turnpoint.server._serve import add_serve_parser
 
     add_serve_parser(sub)
+    from turnpoint.server._bench import add_bench_parser
+
+    add_bench_parser(sub)
     from turnpoint.server.demo import add_demo_parser
 
     add_demo_parser(sub)

@@ -52,6 +52,17 @@ def request_id(prefix: str = "rq") -> str:
     return f"{prefix}-{next(_ids)}"
 
 
+class UntypedControlError(Exception):
+    """A ControlSession answer that failed without a protocol reason (a crashed hook)."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = next(
+            (c for c in grpc.StatusCode if c.value[0] == code), grpc.StatusCode.UNKNOWN
+        )
+        self.message = message
+
+
 class ControlDoor:
     """Control requests through the unary calls or the ControlSession stream."""
 
@@ -64,6 +75,7 @@ class ControlDoor:
         self._session: Any = None
         self._pending: dict[str, asyncio.Future[pb.ControlSessionResponse]] = {}
         self._reader: asyncio.Task[None] | None = None
+        self._broken: grpc.aio.AioRpcError | None = None
 
     async def call(self, request: Any, timeout_s: float = 10.0) -> Any:
         operation, method = _OPERATION_OF[type(request)]
@@ -81,8 +93,11 @@ class ControlDoor:
 
     async def _session_call(self, operation: str, request: Any, timeout_s: float) -> Any:
         if self._session is None:
-            self._session = self._stub.ControlSession(metadata=self._metadata)
+            self._session = self._stub.ControlSession(None, metadata=self._metadata)
             self._reader = asyncio.create_task(self._read())
+        if self._broken is not None:
+            carried = error_from_rpc(self._broken)
+            raise carried if carried is not None else self._broken
         rid = getattr(request, "request_id", "") or request_id("s")
         future: asyncio.Future[pb.ControlSessionResponse] = (
             asyncio.get_running_loop().create_future()
@@ -90,13 +105,24 @@ class ControlDoor:
         self._pending[rid] = future
         message = pb.ControlSessionRequest(request_id=rid, timeout=duration_from_seconds(timeout_s))
         getattr(message, operation).CopyFrom(request)
-        await self._session.write(message)
-        response = await asyncio.wait_for(future, timeout_s + 5)
+        try:
+            await self._session.write(message)
+            response = await asyncio.wait_for(future, timeout_s + 5)
+        except grpc.aio.AioRpcError as error:
+            # The participant refused the session itself (a bad token): its verdict.
+            carried = error_from_rpc(error)
+            if carried is not None:
+                raise carried from None
+            raise
+        finally:
+            self._pending.pop(rid, None)
         kind = response.WhichOneof("result")
         if kind == "error":
-            error = control_error_to_error(response.error)
-            assert error is not None
-            raise error
+            carried = control_error_to_error(response.error)
+            if carried is None:
+                raise UntypedControlError(response.error.code, response.error.message)
+            raise carried
+        assert kind is not None
         return getattr(response, kind)
 
     async def _read(self) -> None:
@@ -106,6 +132,7 @@ class ControlDoor:
                 if future is not None and not future.done():
                     future.set_result(response)
         except grpc.aio.AioRpcError as error:
+            self._broken = error
             for future in self._pending.values():
                 if not future.done():
                     future.set_exception(error)

@@ -18,10 +18,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import grpc
 
+from tests.support.participants import METADATA, TOKEN, ControlDoor
 from turnpoint._convert import (
     duration_from_seconds,
     episode_to_proto,
@@ -57,7 +58,8 @@ from turnpoint.v1 import rollout_service_pb2 as ro_pb
 from turnpoint.v1 import rollout_service_pb2_grpc as ro_grpc
 from turnpoint.v1 import types_pb2
 
-from tests.support.participants import METADATA, TOKEN, ControlDoor
+if TYPE_CHECKING:
+    from turnpoint.v1.resources_service_pb2_grpc import ResourcesServiceAsyncStub
 
 T = TypeVar("T")
 
@@ -90,7 +92,7 @@ async def bounded(awaitable: Awaitable[T], seconds: float = BOUND_S) -> T:
 async def poll(predicate: Callable[[], bool], seconds: float = BOUND_S) -> None:
     """Poll a condition nothing notifies about (a file, a counter), bounded."""
     async with asyncio.timeout(seconds):
-        while not predicate():
+        while not predicate():  # noqa: ASYNC110 - nothing to wait on: files, counters
             await asyncio.sleep(0.005)
 
 
@@ -341,9 +343,7 @@ class RunCall:
         if budget_s is not None:
             request.budget.CopyFrom(duration_from_seconds(budget_s))
         self.episode = episode
-        self.call = ro_grpc.RolloutServiceStub(channel).Run(
-            request, metadata=METADATA, timeout=60
-        )
+        self.call = ro_grpc.RolloutServiceStub(channel).Run(request, metadata=METADATA, timeout=60)
         self.boundaries: list[int] = []
         self.result: ro_pb.RunResult | None = None
         self.error: BaseException | None = None
@@ -551,7 +551,7 @@ class Wire:
         )
         return response.acknowledged
 
-    def resources(self) -> rs_grpc.ResourcesServiceStub:
+    def resources(self) -> ResourcesServiceAsyncStub:
         return rs_grpc.ResourcesServiceStub(self.channel)
 
     async def seed(self, episode: EpisodeId, task: Mapping[str, Any] | None = None) -> bool:

@@ -1,0 +1,84 @@
+"""``turnpoint serve`` as a real process: health turns NOT_SERVING on SIGTERM, exit 0."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import signal
+import sys
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from turnpoint.server import CONTROL_SERVICE
+from turnpoint.v1 import checkpoint_control_service_pb2 as pb
+from turnpoint.v1 import checkpoint_control_service_pb2_grpc as pb_grpc
+from turnpoint.v1 import types_pb2
+
+# A safety bound on the child's start (it imports torch) and exit; never a sync device.
+BOUND_S = 60.0
+_SERVING = re.compile(rb"turnpoint: serving (\S+) (\S+) on (\S+):(\d+)")
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+async def test_turnpoint_serve_goes_not_serving_on_sigterm_and_exits_0(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TURNPOINT_TOKEN")}
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "turnpoint._cli",
+        "serve",
+        "--kind",
+        "model",
+        "--insecure-no-auth",
+        "--root",
+        str(tmp_path / "snapshots"),
+        # Far longer than the bound: an exit proves the drain ended with the last call.
+        "--grace",
+        "600",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=env,
+    )
+    try:
+        assert process.stdout is not None and process.stderr is not None
+        line = await asyncio.wait_for(process.stdout.readline(), BOUND_S)
+        match = _SERVING.search(line)
+        if match is None:
+            stderr = await asyncio.wait_for(process.stderr.read(), BOUND_S)
+            raise AssertionError(f"no serving line: {line!r}\n{stderr.decode()}")
+        kind, instance, host, port = (part.decode() for part in match.groups())
+        assert kind == "model"
+        channel = grpc.aio.insecure_channel(f"{host}:{port}")
+        try:
+            described = await pb_grpc.CheckpointControlServiceStub(channel).Describe(
+                pb.DescribeRequest(), timeout=BOUND_S
+            )
+            assert described.instance_name == instance
+            assert described.kind == types_pb2.PARTICIPANT_KIND_MODEL
+            health = health_pb2_grpc.HealthStub(channel)
+            overall = health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=BOUND_S)
+            control = health.Watch(
+                health_pb2.HealthCheckRequest(service=CONTROL_SERVICE), timeout=BOUND_S
+            )
+            assert (await overall.read()).status == SERVING
+            assert (await control.read()).status == SERVING
+
+            process.send_signal(signal.SIGTERM)
+
+            assert (await overall.read()).status == NOT_SERVING
+            assert (await control.read()).status == NOT_SERVING
+            # The watches are the last calls in flight: letting go of them ends the drain.
+            overall.cancel()
+            control.cancel()
+        finally:
+            await channel.close(None)
+        _, stderr = await asyncio.wait_for(process.communicate(), BOUND_S)
+        assert process.returncode == 0, stderr.decode()
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
