@@ -201,7 +201,17 @@ class NotReadyError(Exception):
 
 
 class _SessionUnsupported(Exception):
-    """The participant does not serve ControlSession; the request never reached it."""
+    """The session ended before it answered anything; send the request unary instead.
+
+    ``permanent``: the participant said UNIMPLEMENTED, so it never serves sessions.
+    Otherwise the session ended INTERNAL before any answer, which is how grpc.aio can
+    report an UNIMPLEMENTED that raced the session's first write; one unary try settles
+    it without giving sessions up (re-sending is safe: requests carry their ids).
+    """
+
+    def __init__(self, detail: str, *, permanent: bool) -> None:
+        super().__init__(detail)
+        self.permanent = permanent
 
 
 # ------------------------------------------------------------------- classification
@@ -404,7 +414,10 @@ class _Session:
         if self.broken:
             return
         self.broken = True
-        unsupported = code is grpc.StatusCode.UNIMPLEMENTED and not self.answered
+        unsupported = not self.answered and code in (
+            grpc.StatusCode.UNIMPLEMENTED,
+            grpc.StatusCode.INTERNAL,
+        )
         pending = list(self._pending.values())
         self._pending.clear()
         for future in pending:
@@ -412,7 +425,9 @@ class _Session:
                 continue
             error: Exception
             if unsupported:
-                error = _SessionUnsupported(detail)
+                error = _SessionUnsupported(
+                    detail, permanent=code is grpc.StatusCode.UNIMPLEMENTED
+                )
             elif carried is not None:
                 # The participant refused the session itself (a bad token, say): that
                 # is its verdict on every call, not a broken connection.
@@ -558,8 +573,9 @@ class ParticipantControlClient:
         if self._session_supported is not False:
             try:
                 response = await self._call_on_session(operation, request_id, request, timeout_s)
-            except _SessionUnsupported:
-                self._fall_back_to_unary()
+            except _SessionUnsupported as unsupported:
+                if unsupported.permanent:
+                    self._fall_back_to_unary()
             else:
                 self._session_supported = True
                 self._check_reply(operation, request, response)
@@ -579,10 +595,7 @@ class ParticipantControlClient:
         return response
 
     def _fall_back_to_unary(self) -> None:
-        # Only a session that never answered and ended UNIMPLEMENTED gets here. grpc.aio
-        # can report that answer as INTERNAL when it races the session's first write
-        # (the write fails and the status is replaced); that call then fails as a
-        # broken session, transient, and the caller's retry lands here.
+        # Only a session that never answered and ended UNIMPLEMENTED gets here.
         if self._session_supported is not False:
             _LOG.info("%s does not serve ControlSession; using unary calls", self._participant_name)
         self._session_supported = False
