@@ -425,9 +425,7 @@ class _Session:
                 continue
             error: Exception
             if unsupported:
-                error = _SessionUnsupported(
-                    detail, permanent=code is grpc.StatusCode.UNIMPLEMENTED
-                )
+                error = _SessionUnsupported(detail, permanent=code is grpc.StatusCode.UNIMPLEMENTED)
             elif carried is not None:
                 # The participant refused the session itself (a bad token, say): that
                 # is its verdict on every call, not a broken connection.
