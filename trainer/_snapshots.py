@@ -649,7 +649,10 @@ class SnapshotDriver:
             raise
         watch.lap(SnapshotPhase.PREPARE)
         # Everything is parked now: the trainer's books and the participants' state are
-        # the same cut, read here together without yielding.
+        # the same cut, read here together without yielding. The in-flight list read
+        # before prepare was only a hint: a rollout whose result arrived while prepare
+        # waited is in the queue now and must not also be continued or restarted.
+        in_flight = tuple(rollouts.in_flight())
         state = rollouts.rollout_state()
         attempt.cut_version = rollouts.version
         step_lock.release()

@@ -13,7 +13,7 @@ import asyncio
 import hashlib
 import json
 import logging
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -274,6 +274,7 @@ class FakeCoordinator:
     retires: list[dict[str, tuple[EpisodeId, ...]]] = field(default_factory=list)
     prepares: list[str] = field(default_factory=list)
     scopes: list[dict[str, frozenset[EpisodeId]]] = field(default_factory=list)
+    during_prepare: Callable[[], None] | None = None
 
     async def prepare(
         self,
@@ -285,6 +286,8 @@ class FakeCoordinator:
         self.events.append(f"prepare:{checkpoint_id}")
         self.prepares.append(checkpoint_id)
         self.clock.advance(self.prepare_s)
+        if self.during_prepare is not None:
+            self.during_prepare()
         failures = self.prepare_script.pop(0) if self.prepare_script else None
         if failures:
             raise PrepareFailed(checkpoint_id, failures, self.retire_straggler)
@@ -451,6 +454,31 @@ async def test_a_snapshot_runs_the_steps_in_order_and_publishes(tmp_path: Path) 
     assert report.admission_closed_s == pytest.approx(0.5 + 3.0 + 1.0 + 0.25)
     # Three participants held from prepare to the end of the resume.
     assert report.participant_seconds == pytest.approx(3 * (3.0 + 1.0 + 0.25))
+
+
+async def test_a_result_that_arrives_during_prepare_is_queued_not_continued(
+    tmp_path: Path,
+) -> None:
+    world = make_world(tmp_path)
+    world.rollouts.rollouts = [rollout(EP1), rollout(EP2, sibling=1)]
+
+    def finish_ep2() -> None:
+        # EP2's result arrives (and is acknowledged) while prepare waits for parking.
+        world.rollouts.rollouts = [rollout(EP1)]
+        world.rollouts.queue = [{"rollout_id": EP2.rollout_id, "attempt": EP2.attempt}]
+
+    world.coordinator.during_prepare = finish_ep2
+
+    report = await world.driver.take()
+
+    assert report.outcome is SnapshotOutcome.PUBLISHED, report.detail
+    (scope,) = world.coordinator.scopes
+    assert scope[AGENT] == {EP1}
+    manifest = world.layout.load(report.checkpoint_id)
+    # One cut: EP2 is in the queue only, never also continued or restarted.
+    assert manifest.continued == (PlacedEpisode(EP1, AGENT),)
+    assert manifest.restarts == ()
+    assert [item["rollout_id"] for item in manifest.rollout_state.queue] == [EP2.rollout_id]
 
 
 async def test_restarts_are_left_out_of_every_scope_and_recorded(tmp_path: Path) -> None:
