@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     from turnpoint.server._bench import add_bench_parser
 
     add_bench_parser(sub)
+    from turnpoint.server.bench._cli import add_bench_parser as add_system_bench_parser
+
+    add_system_bench_parser(sub)
     from turnpoint.server.demo import add_demo_parser
 
     add_demo_parser(sub)

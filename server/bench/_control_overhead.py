@@ -1,0 +1,362 @@
+"""The control overhead of one snapshot against its two transport baselines.
+
+For each number N of participants, rounds of three paths are timed:
+
+- **turnpoint**: the real coordinator
+  (:class:`~turnpoint.trainer._coordinator.Coordinator`, ControlSession streams) drives
+  one snapshot of N real participants: prepare (with what the coordinator does around
+  it: a WatchBoundaries stream per participant and the lease renewer), commit (nothing
+  to export, yet each participant writes and fsyncs its empty record file and its
+  manifest), publish of the manifest (:class:`~turnpoint.trainer._manifest.SnapshotLayout`,
+  fsyncs included) and resume. Every round uses a fresh checkpoint id. The trainer
+  anchor is the trainer's own write, not control traffic: an empty anchor directory is
+  made before the clock starts. The coordinator runs with its default configuration
+  (``fanout_concurrency`` included), timeouts aside.
+- **lower bound**: the same four phases as one echo round trip on each of N open bidi
+  gRPC streams.
+- **HTTP+JSON**: the same four phases as one JSON POST to each of N aiohttp servers
+  over keep-alive connections.
+
+The N servers of every path are spread over the same worker processes the same way
+(server ``j`` lives in worker ``j mod W``). Within a round the three paths run one after
+the other, the one that goes first rotating from round to round, with a short pause
+after each so that the background work one leaves behind (stream teardown, the kernel
+flushing a commit's files) is not billed to the next. After ``warmup`` rounds, the
+median of ``rounds`` rounds is reported.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import itertools
+import statistics
+import time
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType, TracebackType
+from typing import Final, Protocol, Self
+
+from turnpoint.ids import checkpoint_sequence, make_checkpoint_id
+from turnpoint.server.bench._baselines import BidiEchoFanout, HttpJsonFanout
+from turnpoint.server.bench._workers import HOST, WorkerProcess, fleet_job
+from turnpoint.trainer._config import CoordinatorConfig
+from turnpoint.trainer._coordinator import Coordinator, bump_epoch
+from turnpoint.trainer._manifest import (
+    AnchorRef,
+    SnapshotLayout,
+    SnapshotManifest,
+    tree_digest,
+)
+
+__all__ = ["PHASES", "Fleet", "OverheadRow", "measure_control_overhead"]
+
+PHASES: Final = ("prepare", "commit", "publish", "resume")
+_ROUND_TIMEOUT_S: Final = 120.0
+_WORKER_START_TIMEOUT_S: Final = 120.0
+_COORDINATOR_ID: Final = "bench"
+_KEEP_SNAPSHOTS: Final = 2
+SETTLE_S: Final = 0.05
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True, slots=True)
+class OverheadRow:
+    """Medians for one N, in milliseconds; ``phases_ms`` splits the turnpoint median's
+    round into its phases (each the median of that phase, so they need not add up)."""
+
+    participants: int
+    overhead_ms: float
+    lower_bound_ms: float
+    http_json_ms: float
+    rounds: int
+    phases_ms: Mapping[str, float] = field(default_factory=dict)
+
+    @property
+    def ratio(self) -> float:
+        return self.overhead_ms / self.lower_bound_ms
+
+    @property
+    def ratio_vs_http_json(self) -> float:
+        return self.overhead_ms / self.http_json_ms
+
+    def to_json(self) -> dict[str, float | int]:
+        return {
+            "participants": self.participants,
+            "overhead_ms": round(self.overhead_ms, 3),
+            "lower_bound_ms": round(self.lower_bound_ms, 3),
+            "ratio": round(self.ratio, 3),
+            "http_json_ms": round(self.http_json_ms, 3),
+            "ratio_vs_http_json": round(self.ratio_vs_http_json, 3),
+        }
+
+
+# -------------------------------------------------------------------------- fleet
+
+
+def participant_name(index: int) -> str:
+    return f"p{index:04d}"
+
+
+class Fleet:
+    """``size`` servers of each path spread over ``workers`` worker processes.
+
+    ``async with`` starts every worker and always stops (or kills) them on exit.
+    """
+
+    def __init__(self, root: Path, size: int, workers: int, token: str) -> None:
+        if size < 1 or workers < 1:
+            raise ValueError("a fleet needs at least one server and one worker")
+        self.root = root
+        self.size = size
+        self.token = token
+        self._workers = [
+            WorkerProcess(
+                f"fleet-{w}",
+                fleet_job(
+                    root,
+                    [participant_name(j) for j in range(w, size, workers)],
+                    len(range(w, size, workers)),
+                ),
+                token,
+            )
+            for w in range(min(workers, size))
+        ]
+        self.participants: dict[str, str] = {}
+        self.echo: list[str] = []
+        self.http: list[str] = []
+
+    async def __aenter__(self) -> Self:
+        try:
+            reports = await asyncio.gather(
+                *(worker.start(_WORKER_START_TIMEOUT_S) for worker in self._workers)
+            )
+        except BaseException:
+            await self.aclose()
+            raise
+        count = len(self._workers)
+        echo: dict[int, str] = {}
+        http: dict[int, str] = {}
+        for w, report in enumerate(reports):
+            for name, port in report["participants"].items():
+                self.participants[name] = f"{HOST}:{port}"
+            for k, (echo_port, http_port) in enumerate(
+                zip(report["echo"], report["http"], strict=True)
+            ):
+                echo[w + k * count] = f"{HOST}:{echo_port}"
+                http[w + k * count] = f"{HOST}:{http_port}"
+        self.echo = [echo[j] for j in range(self.size)]
+        self.http = [http[j] for j in range(self.size)]
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await asyncio.gather(*(worker.stop() for worker in self._workers))
+
+    def endpoints(self, n: int) -> dict[str, str]:
+        names = [participant_name(j) for j in range(n)]
+        return {name: self.participants[name] for name in names}
+
+
+# ------------------------------------------------------------------------ rounds
+
+
+class _Fanout(Protocol):
+    async def phase(self, phase: str, request_id: str) -> None: ...
+
+
+async def _baseline_round(fanout: _Fanout, round_id: str) -> dict[str, float]:
+    laps = [time.perf_counter()]
+    for phase in PHASES:
+        await fanout.phase(phase, f"{round_id}-{phase}")
+        laps.append(time.perf_counter())
+    return _laps(laps)
+
+
+def _laps(laps: Sequence[float]) -> dict[str, float]:
+    durations = {phase: laps[i + 1] - laps[i] for i, phase in enumerate(PHASES)}
+    return durations | {"total": laps[-1] - laps[0]}
+
+
+class _SnapshotRounds:
+    """One snapshot's control path per call, through the real coordinator."""
+
+    def __init__(
+        self, coordinator: Coordinator, layout: SnapshotLayout, ids: Iterator[str]
+    ) -> None:
+        self._coordinator = coordinator
+        self._layout = layout
+        self._ids = ids
+        self._anchor: AnchorRef | None = None
+
+    def _begin(self, checkpoint_id: str) -> Path:
+        snapshot = self._layout.begin(checkpoint_id)
+        anchor_dir = self._layout.anchor_dir(checkpoint_id)
+        anchor_dir.mkdir(parents=True, exist_ok=True)
+        if self._anchor is None:
+            self._anchor = AnchorRef(tree_digest(anchor_dir))
+        return snapshot
+
+    def _tidy(self) -> None:
+        self._layout.retain(_KEEP_SNAPSHOTS)
+        self._layout.clean_partial()
+
+    async def round(self) -> dict[str, float]:
+        checkpoint_id = next(self._ids)
+        coordinator = self._coordinator
+        snapshot = await asyncio.to_thread(self._begin, checkpoint_id)
+        anchor = self._anchor
+        assert anchor is not None
+        laps = [time.perf_counter()]
+        resumed = False
+        try:
+            await coordinator.prepare(checkpoint_id)
+            laps.append(time.perf_counter())
+            entries = await coordinator.commit(checkpoint_id, checkpoint_id, {})
+            laps.append(time.perf_counter())
+            manifest = SnapshotManifest(
+                checkpoint_id=checkpoint_id,
+                step=0,
+                created_at=time.time(),
+                anchor=anchor,
+                participants=tuple(entries.values()),
+            )
+            await asyncio.to_thread(self._layout.publish, snapshot, manifest)
+            laps.append(time.perf_counter())
+            report = await coordinator.resume(checkpoint_id)
+            resumed = True
+            laps.append(time.perf_counter())
+            report.raise_if_failed()
+        finally:
+            if not resumed:
+                # Abort: never leave a fleet closed for the next round.
+                await coordinator.resume(checkpoint_id)
+        await asyncio.to_thread(self._tidy)
+        return _laps(laps)
+
+
+def _checkpoint_ids(layout: SnapshotLayout) -> Iterator[str]:
+    # One sequence for the whole run, above anything a reused root holds: every
+    # participant only ever sees newer ids.
+    published = layout.list_published()
+    first = checkpoint_sequence(published[0]) + 1 if published else 1
+    return (make_checkpoint_id("bench", n) for n in itertools.count(first))
+
+
+async def measure_size(
+    fleet: Fleet,
+    n: int,
+    *,
+    rounds: int,
+    warmup: int,
+    layout: SnapshotLayout,
+    ids: Iterator[str],
+    progress: Progress,
+    settle_s: float = SETTLE_S,
+) -> OverheadRow:
+    """The medians for ``n`` participants (the first ``n`` servers of the fleet)."""
+    identity = await asyncio.to_thread(bump_epoch, fleet.root, coordinator_id=_COORDINATOR_ID)
+    config = CoordinatorConfig(snapshot_root=fleet.root, control_timeout_s=30.0)
+    coordinator = Coordinator(
+        fleet.endpoints(n),
+        token=fleet.token,
+        coordinator_id=identity.coordinator_id,
+        epoch=identity.epoch,
+        config=config,
+    )
+    bidi = BidiEchoFanout(fleet.echo[:n])
+    http = HttpJsonFanout(fleet.http[:n])
+    totals: dict[str, list[float]] = {"turnpoint": [], "bidi": [], "http": []}
+    phases: dict[str, list[float]] = {phase: [] for phase in PHASES}
+    try:
+        async with asyncio.timeout(_ROUND_TIMEOUT_S):
+            # Describe opens every ControlSession; the baselines open their connections.
+            await coordinator.discover()
+            await bidi.open()
+            await http.open()
+        snapshots = _SnapshotRounds(coordinator, layout, ids)
+        for index in range(warmup + rounds):
+            round_id = f"n{n}-r{index}"
+            paths: list[tuple[str, Callable[[], Awaitable[dict[str, float]]]]] = [
+                ("turnpoint", snapshots.round),
+                ("bidi", functools.partial(_baseline_round, bidi, round_id)),
+                ("http", functools.partial(_baseline_round, http, round_id)),
+            ]
+            # Each path goes first in turn, so that none always follows the heaviest.
+            shift = index % len(paths)
+            for name, run in paths[shift:] + paths[:shift]:
+                async with asyncio.timeout(_ROUND_TIMEOUT_S):
+                    laps = await run()
+                if index >= warmup:
+                    totals[name].append(laps["total"])
+                    if name == "turnpoint":
+                        for phase in PHASES:
+                            phases[phase].append(laps[phase])
+                # Background work a round leaves behind (stream teardown, deferred
+                # writes in the workers) must not be billed to the next path.
+                await asyncio.sleep(settle_s)
+        progress(
+            f"  N={n}: turnpoint {_ms(totals['turnpoint'])} ms, bidi {_ms(totals['bidi'])} ms, "
+            f"HTTP+JSON {_ms(totals['http'])} ms (median of {rounds})"
+        )
+    finally:
+        await bidi.aclose()
+        await http.aclose()
+        await coordinator.close()
+    return OverheadRow(
+        participants=n,
+        overhead_ms=statistics.median(totals["turnpoint"]) * 1000,
+        lower_bound_ms=statistics.median(totals["bidi"]) * 1000,
+        http_json_ms=statistics.median(totals["http"]) * 1000,
+        rounds=rounds,
+        phases_ms=MappingProxyType(
+            {phase: statistics.median(values) * 1000 for phase, values in phases.items()}
+        ),
+    )
+
+
+def _ms(values: Sequence[float]) -> str:
+    return f"{statistics.median(values) * 1000:.1f}"
+
+
+async def measure_control_overhead(
+    root: Path,
+    sizes: Sequence[int],
+    *,
+    workers: int,
+    rounds: Callable[[int], int],
+    warmup: int,
+    token: str,
+    progress: Progress,
+) -> list[OverheadRow]:
+    """Start one fleet big enough for the largest size and measure every size on it."""
+    fleet_root = root / "control"
+    fleet_root.mkdir(parents=True, exist_ok=True)
+    largest = max(sizes)
+    progress(f"control overhead: starting {largest} servers of each kind in {workers} worker(s)")
+    layout = SnapshotLayout(fleet_root)
+    ids = await asyncio.to_thread(_checkpoint_ids, layout)
+    rows = []
+    async with Fleet(fleet_root, largest, workers, token) as fleet:
+        for n in sizes:
+            rows.append(
+                await measure_size(
+                    fleet,
+                    n,
+                    rounds=rounds(n),
+                    warmup=warmup,
+                    layout=layout,
+                    ids=ids,
+                    progress=progress,
+                )
+            )
+    return rows

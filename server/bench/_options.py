@@ -1,0 +1,79 @@
+"""The options of ``turnpoint bench``: plain values, cheap to import (the command line
+builds them before anything heavy is loaded)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Final
+
+__all__ = [
+    "FULL_SIZES",
+    "QUICK_SIZES",
+    "BenchOptions",
+    "WorkloadOptions",
+    "default_rounds",
+]
+
+FULL_SIZES: Final = (1, 8, 64, 256)
+QUICK_SIZES: Final = (1, 8, 64)
+# Rounds per size when --rounds is not given: fewer where one round takes seconds.
+_ROUNDS_SMALL: Final = 15
+_ROUNDS_LARGE: Final = 7
+_LARGE: Final = 64
+
+
+def default_rounds(participants: int) -> int:
+    return _ROUNDS_SMALL if participants <= _LARGE else _ROUNDS_LARGE
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadOptions:
+    """The demo trainer's run: ``steps`` training steps of ``groups_per_step`` prompt
+    groups of ``group_size`` siblings, on ``agents`` agent servers, with a snapshot every
+    ``snapshot_interval_s`` when snapshots are on; ``repeats`` runs each way.
+    ``run_timeout_s`` bounds each run."""
+
+    agents: int = 2
+    steps: int = 20
+    group_size: int = 4
+    groups_per_step: int = 4
+    snapshot_interval_s: float = 2.0
+    repeats: int = 1
+    seed: int = 0
+    run_timeout_s: float = 600.0
+
+
+@dataclass(frozen=True, slots=True)
+class BenchOptions:
+    """What to measure and how hard. ``rounds`` None: :func:`default_rounds` per size.
+
+    ``root`` holds every snapshot the run writes (the participants' stores and the
+    published manifests); None: a fresh temporary directory, removed afterwards.
+    """
+
+    sizes: tuple[int, ...] = FULL_SIZES
+    workers: int = 2
+    rounds: int | None = None
+    warmup: int = 3
+    workload: WorkloadOptions = field(default_factory=WorkloadOptions)
+    root: Path | None = None
+
+    def __post_init__(self) -> None:
+        if not self.sizes or any(n < 1 for n in self.sizes):
+            raise ValueError("sizes must be participant counts >= 1")
+        if self.workers < 1:
+            raise ValueError("workers must be >= 1")
+        if self.rounds is not None and self.rounds < 1:
+            raise ValueError("rounds must be >= 1")
+        if self.warmup < 0:
+            raise ValueError("warmup must be >= 0")
+        workload = self.workload
+        for name in ("agents", "steps", "group_size", "groups_per_step", "repeats"):
+            if getattr(workload, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if not workload.snapshot_interval_s > 0 or not workload.run_timeout_s > 0:
+            raise ValueError("the snapshot interval and the run timeout must be > 0")
+
+    def rounds_for(self, participants: int) -> int:
+        return self.rounds if self.rounds is not None else default_rounds(participants)

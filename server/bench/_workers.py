@@ -1,0 +1,314 @@
+"""Worker processes of ``turnpoint bench``: many servers per process, ports over stdout.
+
+256 participants cannot be 256 processes on a 2-core machine, so each worker hosts its
+share of the servers in its own asyncio loop, on ``127.0.0.1:0``:
+
+- ``fleet``: real participants (a :class:`ParticipantRuntime` of the RESOURCES kind
+  with no sessions, its own :class:`SnapshotStore` under the shared root, served by
+  :func:`~turnpoint.server.host_participant` with token auth), plus the same number of
+  no-op bidi echo servers and no-op aiohttp JSON servers (the baselines);
+- ``topology``: the example Gym servers of the demo workload (policy, per-sibling tools,
+  group-scored tools and the agents), as ``turnpoint serve`` would host them; it
+  reports them in the shape of the demo's ``topology.json`` participant entries.
+
+The driver passes the job as one JSON argument and the bearer token in
+``$TURNPOINT_TOKEN`` (never on the command line). A worker prints one JSON line with
+its ports once every server is serving, then runs until its stdin closes (the driver
+stops it, or died) or it gets SIGTERM/SIGINT. :class:`WorkerProcess` is the driver's
+handle: it bounds every wait and kills a worker that does not stop in time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Final
+
+from turnpoint.ids import EpisodeId
+from turnpoint.participant_sdk import ParticipantRuntime, ResourcesServer, SnapshotStore, Verdict
+from turnpoint.server._auth import TOKEN_ENV, load_token
+from turnpoint.server._hosting import ServerOptions
+from turnpoint.server._serve import ExampleSpec, HostedParticipant, build_example, host_participant
+from turnpoint.server.bench._baselines import start_echo_server, start_http_server
+
+__all__ = ["NoopResources", "WorkerError", "WorkerProcess", "fleet_job", "topology_job"]
+
+_LOG = logging.getLogger(__name__)
+
+HOST: Final = "127.0.0.1"
+_STOP_TIMEOUT_S: Final = 15.0
+_MODULE: Final = "turnpoint.server.bench._workers"
+
+
+class NoopResources(ResourcesServer):
+    """A resources server with nothing to hold: every checkpoint finds it ready at once
+    and its commit writes an empty record set. Data calls are never made by the bench."""
+
+    async def seed(self, episode: EpisodeId, task: Mapping[str, Any]) -> None:
+        return None
+
+    async def call(
+        self, episode: EpisodeId, tool: str, arguments: Mapping[str, Any]
+    ) -> Mapping[str, Any]:
+        return {}
+
+    async def verify(self, episode: EpisodeId, answer: Mapping[str, Any]) -> Verdict:
+        return Verdict(0.0)
+
+    async def close(self, episode: EpisodeId) -> None:
+        return None
+
+
+def fleet_job(root: Path, participants: Sequence[str], baselines: int) -> dict[str, Any]:
+    """The job of a fleet worker: these participant instances and ``baselines`` servers
+    of each baseline kind."""
+    return {
+        "mode": "fleet",
+        "root": str(root),
+        "participants": list(participants),
+        "baselines": baselines,
+    }
+
+
+def topology_job(root: Path, agents: int, group_size: int, seed: int = 0) -> dict[str, Any]:
+    """The job of a topology worker: the example Gym servers of the demo workload."""
+    return {
+        "mode": "topology",
+        "root": str(root),
+        "agents": agents,
+        "group_size": group_size,
+        "seed": seed,
+    }
+
+
+# ----------------------------------------------------------------- worker process
+
+
+Closer = Callable[[], Awaitable[None]]
+
+
+async def _host_fleet(job: Mapping[str, Any], token: str) -> tuple[dict[str, Any], list[Closer]]:
+    root = Path(job["root"])
+    closers: list[Closer] = []
+    participants: dict[str, int] = {}
+
+    async def participant(instance: str) -> HostedParticipant:
+        runtime = ParticipantRuntime(instance, SnapshotStore(root), resources=NoopResources())
+        return await host_participant(
+            runtime, ServerOptions(host=HOST, port=0, token=token)
+        ).start()
+
+    hosted = await asyncio.gather(*(participant(name) for name in job["participants"]))
+    for item in hosted:
+        participants[item.runtime.instance_name] = item.port
+        closers.append(functools.partial(item.stop, 0))
+    echo_ports: list[int] = []
+    http_ports: list[int] = []
+    for _ in range(int(job["baselines"])):
+        echo, echo_port = await start_echo_server(HOST)
+        closers.append(functools.partial(echo.stop, 0))
+        echo_ports.append(echo_port)
+        runner, http_port = await start_http_server(HOST)
+        closers.append(runner.cleanup)
+        http_ports.append(http_port)
+    report = {"participants": participants, "echo": echo_ports, "http": http_ports}
+    return report, closers
+
+
+async def _host_topology(job: Mapping[str, Any], token: str) -> tuple[dict[str, Any], list[Closer]]:
+    root = Path(job["root"])
+    closers: list[Closer] = []
+    participants: list[dict[str, Any]] = []
+
+    async def host(kind: str, example: str, spec: ExampleSpec) -> HostedParticipant:
+        runtime, extra = build_example(kind, example, spec)
+        hosted = host_participant(runtime, ServerOptions(host=HOST, port=0, token=token))
+        hosted.on_close.extend(extra)
+        await hosted.start()
+        closers.append(functools.partial(hosted.stop, 0))
+        # The shape of the demo's topology.json entries (server/demo/_supervisor.py).
+        participants.append(
+            {
+                "instance": spec.instance,
+                "kind": kind,
+                "address": hosted.address,
+                "environment": example if kind == "resources" else None,
+            }
+        )
+        return hosted
+
+    def spec(instance: str, **extra: Any) -> ExampleSpec:
+        return ExampleSpec(
+            instance=instance,
+            root=root,
+            token=token,
+            group_size=int(job["group_size"]),
+            seed=int(job["seed"]),
+            **extra,
+        )
+
+    policy = await host("model", "tiny-policy", spec("policy"))
+    tools = await host("resources", "guess", spec("tools"))
+    group_tools = await host("resources", "guess-group", spec("group-tools"))
+    for index in range(int(job["agents"])):
+        await host(
+            "agent",
+            "guess",
+            spec(
+                f"agent-{index}",
+                policy_address=policy.address,
+                resources={"guess": tools.address, "guess-group": group_tools.address},
+            ),
+        )
+    return {"participants": participants}, closers
+
+
+def _watch_stdin(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
+    """Set ``stop`` when stdin closes: the driver stopped us, or it is gone."""
+
+    def read() -> None:
+        with contextlib.suppress(OSError, ValueError):
+            while sys.stdin.buffer.read(4096):
+                pass
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(stop.set)
+
+    # A daemon thread: a blocked read must never hold up the interpreter's exit.
+    threading.Thread(target=read, name="bench-stdin", daemon=True).start()
+
+
+async def _serve(job: Mapping[str, Any]) -> int:
+    token = load_token()
+    if token is None:
+        print(f"bench worker: no token in ${TOKEN_ENV}", file=sys.stderr)
+        return 2
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    _watch_stdin(loop, stop)
+    if job["mode"] == "fleet":
+        # Each participant would own a process and its thread pool in production; here
+        # dozens share one loop, so give the loop a thread per participant, or their
+        # commits' fsyncs would queue behind each other in the default pool of a few.
+        threads = len(job["participants"]) + 4
+        loop.set_default_executor(ThreadPoolExecutor(threads, thread_name_prefix="bench"))
+    hosting = _host_fleet if job["mode"] == "fleet" else _host_topology
+    closers: list[Closer] = []
+    try:
+        report, closers = await hosting(job, token)
+        report["pid"] = os.getpid()
+        sys.stdout.write(json.dumps(report) + "\n")
+        sys.stdout.flush()
+        await stop.wait()
+    finally:
+        for close in reversed(closers):
+            # Best effort: a server that fails to stop must not keep the others up, and
+            # the process exits right after anyway.
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(close(), _STOP_TIMEOUT_S)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 1:
+        print("usage: python -m turnpoint.server.bench._workers JOB_JSON", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    job = json.loads(args[0])
+    if job.get("mode") not in ("fleet", "topology"):
+        print(f"bench worker: unknown mode {job.get('mode')!r}", file=sys.stderr)
+        return 2
+    return asyncio.run(_serve(job))
+
+
+# ----------------------------------------------------------------- driver's handle
+
+
+class WorkerError(RuntimeError):
+    """A worker failed to start or report its ports in time."""
+
+
+class WorkerProcess:
+    """A running worker: :meth:`start` returns its report; :meth:`stop` or :meth:`kill`
+    always ends it (a worker that ignores the stop is killed after a bounded wait)."""
+
+    def __init__(self, name: str, job: Mapping[str, Any], token: str) -> None:
+        self.name = name
+        self._job = dict(job)
+        self._token = token
+        self._process: asyncio.subprocess.Process | None = None
+        self.report: dict[str, Any] = {}
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid if self._process is not None else None
+
+    async def start(self, timeout_s: float) -> dict[str, Any]:
+        # gRPC core logs every GOAWAY of a server that stops at INFO: noise on stderr.
+        env = {"GRPC_VERBOSITY": "ERROR", **os.environ, TOKEN_ENV: self._token}
+        self._process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            _MODULE,
+            json.dumps(self._job),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            env=env,
+        )
+        assert self._process.stdout is not None
+        try:
+            async with asyncio.timeout(timeout_s):
+                line = await self._process.stdout.readline()
+        except TimeoutError:
+            self.kill()
+            raise WorkerError(
+                f"worker {self.name} did not report its ports in {timeout_s:g} s"
+            ) from None
+        if not line:
+            code = await self._process.wait()
+            raise WorkerError(f"worker {self.name} exited with code {code} before reporting")
+        self.report = json.loads(line)
+        return self.report
+
+    async def stop(self, timeout_s: float = _STOP_TIMEOUT_S) -> None:
+        """Close its stdin (it drains its servers and exits); kill it if it lingers."""
+        process = self._process
+        if process is None or process.returncode is not None:
+            return
+        if process.stdin is not None:
+            with contextlib.suppress(OSError):
+                process.stdin.close()
+        try:
+            await asyncio.wait_for(process.wait(), timeout_s)
+        except TimeoutError:
+            _LOG.warning("worker %s did not stop in %g s; killing it", self.name, timeout_s)
+            self.kill()
+            await process.wait()
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash would (the servers get no chance to drain)."""
+        process = self._process
+        if process is not None and process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+
+    async def wait_killed(self) -> None:
+        self.kill()
+        if self._process is not None:
+            await self._process.wait()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

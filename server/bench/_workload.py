@@ -1,0 +1,637 @@
+"""The demo workload: rollout throughput with and without snapshots, and a cold restore.
+
+The workload is the demo's own trainer process (``python -m
+turnpoint.trainer._demo_trainer``: policy-gradient training, a weight sync after every
+step, a window of prompt groups in flight across the agents, the snapshot pump beside
+the training loop) against the example Gym servers, which a topology worker hosts in one
+process (as ``turnpoint serve`` would host each). The bench writes the
+``topology.json`` the trainer reads and reads back the ``events.jsonl`` it writes.
+
+- **Throughput**: runs of the same number of training steps, each on fresh
+  participants, alternately without snapshots (an interval longer than any run) and with
+  a snapshot every ``snapshot_interval_s`` (off/on, then on/off, ...). Rollouts per
+  second is the number of rollouts trained on over the trainer's wall time from its
+  ``start`` event to its ``done`` event, pooled over the runs of each side; the figure
+  is on / off.
+- **Restore**: a third run is crashed (SIGKILL of the trainer and of every participant)
+  as soon as a published snapshot holds episodes in flight and the restore planner
+  accepts it (a snapshot it would refuse is reported, with the planner's reason, and
+  the run goes on to the next one). The clock starts when new
+  participant processes are started on the same snapshot root and stops at the first
+  sign of life of a redispatched rollout (a new boundary, or its result), through a new
+  coordinator (the next epoch), the :class:`~turnpoint.trainer._restore.Restorer`
+  (discover, verify every digest, load the anchor, restore and resume every
+  participant) and a fresh rollout client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, Final
+
+from turnpoint.ids import EpisodeId
+from turnpoint.server.bench._options import WorkloadOptions
+from turnpoint.server.bench._workers import WorkerProcess, topology_job
+from turnpoint.trainer._config import CoordinatorConfig
+from turnpoint.trainer._coordinator import (
+    COORDINATOR_FILE,
+    Coordinator,
+    CoordinatorIdentity,
+    Topology,
+    bump_epoch,
+)
+from turnpoint.trainer._manifest import ManifestError, SnapshotLayout
+from turnpoint.trainer._recovery import Level
+from turnpoint.trainer._restore import Restorer, apply_plan, plan_restore, torch_anchor_loader
+from turnpoint.trainer._rollouts import AgentEndpoint, RolloutClient, RolloutClientSettings
+
+__all__ = [
+    "RestoreResult",
+    "ThroughputResult",
+    "WorkloadError",
+    "run_workload",
+]
+
+_TRAINER_MODULE: Final = "turnpoint.trainer._demo_trainer"
+# "No snapshots": an interval no run of the bench lasts.
+_NO_SNAPSHOTS_S: Final = 1e9
+_WORKER_START_TIMEOUT_S: Final = 120.0
+_RESTORE_TIMEOUT_S: Final = 120.0
+_FIRST_PROGRESS_TIMEOUT_S: Final = 120.0
+_CLOSE_TIMEOUT_S: Final = 30.0
+# How often the crash run looks for a snapshot with episodes in flight.
+_WATCH_PERIOD_S: Final = 0.05
+_STDERR_TAIL_CHARS: Final = 2000
+# The demo trainer's default, and the coordinator's.
+_TARGET_LEVEL: Final = "turn"
+
+Progress = Callable[[str], None]
+
+
+class WorkloadError(RuntimeError):
+    """The demo workload could not be run (a trainer failed, a run timed out)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RunFigures:
+    """What one trainer run's event log says."""
+
+    rollouts: int
+    seconds: float
+    snapshots_published: int = 0
+    snapshots_failed: int = 0
+    snapshot_seconds: tuple[float, ...] = ()
+    admission_closed_seconds: tuple[float, ...] = ()
+
+    @property
+    def per_second(self) -> float:
+        return self.rollouts / self.seconds if self.seconds > 0 else 0.0
+
+
+def _pooled_rate(runs: Sequence[RunFigures]) -> float:
+    seconds = sum(run.seconds for run in runs)
+    return sum(run.rollouts for run in runs) / seconds if seconds > 0 else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class ThroughputResult:
+    """Runs of ``steps`` training steps each, snapshots off and on, in equal numbers.
+
+    A side's rate pools its runs: all their rollouts over all their seconds.
+    """
+
+    steps: int
+    snapshot_interval_s: float
+    off: tuple[RunFigures, ...]
+    on: tuple[RunFigures, ...]
+
+    @property
+    def per_second_off(self) -> float:
+        return _pooled_rate(self.off)
+
+    @property
+    def per_second_on(self) -> float:
+        return _pooled_rate(self.on)
+
+    @property
+    def ratio(self) -> float | None:
+        off = self.per_second_off
+        return self.per_second_on / off if off > 0 else None
+
+    @property
+    def snapshots_published(self) -> int:
+        return sum(run.snapshots_published for run in self.on)
+
+    @property
+    def snapshots_failed(self) -> int:
+        return sum(run.snapshots_failed for run in self.on)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "steps": self.steps,
+            "runs_per_side": len(self.on),
+            "rollouts_per_run": [run.rollouts for run in self.on],
+            "rollouts_per_s_off": round(self.per_second_off, 3),
+            "rollouts_per_s_on": round(self.per_second_on, 3),
+            "seconds_off": [round(run.seconds, 3) for run in self.off],
+            "seconds_on": [round(run.seconds, 3) for run in self.on],
+            "snapshot_interval_s": self.snapshot_interval_s,
+            "snapshots_published": self.snapshots_published,
+            "snapshots_failed": self.snapshots_failed,
+            "snapshot_median_s": _median(
+                [seconds for run in self.on for seconds in run.snapshot_seconds]
+            ),
+            "admission_closed_median_s": _median(
+                [seconds for run in self.on for seconds in run.admission_closed_seconds]
+            ),
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class RestoreResult:
+    """``seconds`` is None when no restore could be measured; ``note`` says why.
+
+    ``rejected_snapshots``: snapshots of the crash run, with episodes in flight, that the
+    restore planner would have refused (id and reason); the run was crashed after the
+    first one it accepts, so these are reported, never measured.
+    """
+
+    seconds: float | None
+    note: str = ""
+    checkpoint_id: str | None = None
+    resumable_in_snapshot: int = 0
+    start_participants_s: float | None = None
+    restore_s: float | None = None
+    first_progress_s: float | None = None
+    resumed: int = 0
+    rerun: int = 0
+    rejected_snapshots: tuple[tuple[str, str], ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "seconds": _round(self.seconds),
+            "note": self.note,
+            "checkpoint_id": self.checkpoint_id,
+            "resumable_in_snapshot": self.resumable_in_snapshot,
+            "start_participants_s": _round(self.start_participants_s),
+            "restore_s": _round(self.restore_s),
+            "first_progress_s": _round(self.first_progress_s),
+            "resumed": self.resumed,
+            "rerun": self.rerun,
+            "rejected_snapshots": [
+                {"checkpoint_id": checkpoint_id, "problem": problem}
+                for checkpoint_id, problem in self.rejected_snapshots
+            ],
+        }
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
+def _median(values: Sequence[float]) -> float | None:
+    return round(statistics.median(values), 3) if values else None
+
+
+# ----------------------------------------------------------------------- event log
+
+
+def read_events(path: Path) -> list[dict[str, Any]]:
+    """The trainer's events; a line cut short by a kill is skipped."""
+    events = []
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return []
+    for line in text.splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            event = json.loads(line)
+            if isinstance(event, dict):
+                events.append(event)
+    return events
+
+
+def run_figures(events: Sequence[Mapping[str, Any]]) -> RunFigures:
+    """Rollouts trained on and seconds from ``start`` to ``done`` of one finished run."""
+    starts = [float(e["t"]) for e in events if e.get("type") == "start"]
+    dones = [float(e["t"]) for e in events if e.get("type") == "done"]
+    if not starts or not dones:
+        raise WorkloadError("the trainer's event log has no start and done events")
+    rollouts = sum(len(e.get("rollouts", ())) for e in events if e.get("type") == "train_step")
+    snapshots = [e for e in events if e.get("type") == "snapshot"]
+    published = [e for e in snapshots if e.get("outcome") == "published"]
+    return RunFigures(
+        rollouts=rollouts,
+        seconds=dones[-1] - starts[0],
+        snapshots_published=len(published),
+        snapshots_failed=sum(e.get("outcome") == "failed" for e in snapshots),
+        snapshot_seconds=tuple(float(e["t_end"]) - float(e["t_start"]) for e in published),
+        admission_closed_seconds=tuple(float(e["admission_closed_s"]) for e in published),
+    )
+
+
+# ------------------------------------------------------------------------- one run
+
+
+@dataclass
+class _Run:
+    """One run's directory: token, topology, snapshots, the trainer's log and events."""
+
+    out: Path
+    token: str
+    participants: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def snapshots(self) -> Path:
+        return self.out / "snapshots"
+
+    @property
+    def events(self) -> Path:
+        return self.out / "events.jsonl"
+
+    @property
+    def topology(self) -> Path:
+        return self.out / "topology.json"
+
+    @property
+    def token_file(self) -> Path:
+        return self.out / "token"
+
+    def write_files(self) -> None:
+        self.snapshots.mkdir(parents=True, exist_ok=True)
+        if not self.token_file.exists():
+            descriptor = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
+                handle.write(self.token + "\n")
+        topology = {
+            "token_file": str(self.token_file),
+            "snapshot_root": str(self.snapshots),
+            "participants": self.participants,
+        }
+        staged = self.topology.with_suffix(".json.tmp")
+        staged.write_text(json.dumps(topology, indent=2) + "\n", encoding="utf-8")
+        os.replace(staged, self.topology)
+
+
+def _trainer_argv(run: _Run, options: WorkloadOptions, interval_s: float, steps: int) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        _TRAINER_MODULE,
+        "--topology",
+        str(run.topology),
+        "--out",
+        str(run.out),
+        "--steps",
+        str(steps),
+        "--group-size",
+        str(options.group_size),
+        "--groups-per-step",
+        str(options.groups_per_step),
+        "--snapshot-interval",
+        repr(interval_s),
+        "--seed",
+        str(options.seed),
+    ]
+
+
+class _Trainer:
+    """The demo trainer as a child process; killed on exit whatever happened."""
+
+    def __init__(self, run: _Run, argv: Sequence[str]) -> None:
+        self._run = run
+        self._argv = list(argv)
+        self._process: asyncio.subprocess.Process | None = None
+        self._logs: list[IO[bytes]] = []
+        self._stderr = run.out / "trainer.stderr"
+
+    async def __aenter__(self) -> _Trainer:
+        stdout = (self._run.out / "trainer.stdout").open("ab")
+        stderr = self._stderr.open("ab")
+        self._logs = [stdout, stderr]
+        self._process = await asyncio.create_subprocess_exec(
+            *self._argv,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=stdout,
+            stderr=stderr,
+            env={"GRPC_VERBOSITY": "ERROR", **os.environ},
+        )
+        return self
+
+    async def __aexit__(self, *_exc: object) -> None:
+        await self.kill()
+        for handle in self._logs:
+            handle.close()
+
+    @property
+    def exited(self) -> bool:
+        return self._process is not None and self._process.returncode is not None
+
+    async def kill(self) -> None:
+        process = self._process
+        if process is not None and process.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+            await process.wait()
+
+    async def wait(self, timeout_s: float) -> None:
+        """Wait for a clean exit; raise :class:`WorkloadError` on any other end."""
+        process = self._process
+        assert process is not None
+        try:
+            code = await asyncio.wait_for(process.wait(), timeout_s)
+        except TimeoutError:
+            raise WorkloadError(f"the demo trainer did not finish in {timeout_s:g} s") from None
+        if code != 0:
+            raise WorkloadError(f"the demo trainer exited with code {code}: {self.stderr_tail()}")
+
+    def stderr_tail(self) -> str:
+        try:
+            text = self._stderr.read_text(encoding="utf-8", errors="replace")
+        except OSError:
+            return ""
+        return text[-_STDERR_TAIL_CHARS:].strip()
+
+
+async def _start_participants(run: _Run, options: WorkloadOptions) -> WorkerProcess:
+    worker = WorkerProcess(
+        f"topology-{run.out.name}",
+        topology_job(run.snapshots, options.agents, options.group_size, options.seed),
+        run.token,
+    )
+    report = await worker.start(_WORKER_START_TIMEOUT_S)
+    run.participants = list(report["participants"])
+    await asyncio.to_thread(run.write_files)
+    return worker
+
+
+async def _finished_run(
+    run: _Run, options: WorkloadOptions, interval_s: float, progress: Progress
+) -> RunFigures:
+    """A whole run of ``options.steps`` steps on fresh participants."""
+    await asyncio.to_thread(run.snapshots.mkdir, parents=True, exist_ok=True)
+    worker = await _start_participants(run, options)
+    try:
+        argv = _trainer_argv(run, options, interval_s, options.steps)
+        async with _Trainer(run, argv) as trainer:
+            await trainer.wait(options.run_timeout_s)
+    finally:
+        await worker.stop()
+    figures = run_figures(await asyncio.to_thread(read_events, run.events))
+    progress(
+        f"    {figures.rollouts} rollouts in {figures.seconds:.1f} s: "
+        f"{figures.per_second:.1f} rollouts/s ({figures.snapshots_published} snapshots)"
+    )
+    return figures
+
+
+# ------------------------------------------------------------------------ restore
+
+
+@dataclass(frozen=True, slots=True)
+class _Crash:
+    """The snapshot a crashed run left as ``LATEST``, and the ones a restore could not
+    have used (``rejected``: id and the planner's reason)."""
+
+    checkpoint_id: str
+    resumable: int
+    problem: str | None = None
+    rejected: tuple[tuple[str, str], ...] = ()
+
+
+def _restore_problem(
+    layout: SnapshotLayout, checkpoint_id: str, topology: Topology
+) -> tuple[int, str | None]:
+    """How many episodes a restore of ``checkpoint_id`` would redispatch, or why it
+    would fail. Blocking: reads the manifest."""
+    try:
+        manifest = layout.load(checkpoint_id)
+        if not manifest.continued:
+            return 0, None
+        plan = plan_restore(
+            manifest, topology, Level.parse(_TARGET_LEVEL), restore_id="bench-check"
+        )
+    except ManifestError as error:
+        return 0, str(error)
+    return len(plan.redispatch), None
+
+
+def _identity_of(run: _Run) -> CoordinatorIdentity:
+    raw = json.loads((run.snapshots / COORDINATOR_FILE).read_text(encoding="utf-8"))
+    return CoordinatorIdentity(raw["coordinator_id"], raw["epoch"])
+
+
+async def _describe(run: _Run) -> Topology:
+    """The crash run's topology, described under the trainer's own fence (the same
+    epoch: a higher one would fence the trainer out)."""
+    identity = await asyncio.to_thread(_identity_of, run)
+    endpoints = {p["instance"]: p["address"] for p in run.participants}
+    config = CoordinatorConfig(snapshot_root=run.snapshots, control_timeout_s=10.0)
+    async with Coordinator(
+        endpoints,
+        token=run.token,
+        coordinator_id=identity.coordinator_id,
+        epoch=identity.epoch,
+        config=config,
+    ) as describer:
+        return await describer.discover()
+
+
+async def _crash_with_episodes_in_flight(
+    run: _Run, options: WorkloadOptions, progress: Progress
+) -> _Crash:
+    """Run the trainer until it publishes a snapshot that holds episodes in flight and
+    that a restore can use, then kill the trainer and every participant at once."""
+    await asyncio.to_thread(run.snapshots.mkdir, parents=True, exist_ok=True)
+    worker = await _start_participants(run, options)
+    layout = SnapshotLayout(run.snapshots)
+    topology: Topology | None = None
+    checked: dict[str, tuple[int, str | None]] = {}
+    rejected: list[tuple[str, str]] = []
+    try:
+        # More steps than it needs: it is killed long before the end.
+        argv = _trainer_argv(run, options, options.snapshot_interval_s, options.steps * 20)
+        async with _Trainer(run, argv) as trainer:
+            async with asyncio.timeout(options.run_timeout_s):
+                while True:
+                    if trainer.exited:
+                        raise WorkloadError(
+                            "the demo trainer ended before a usable snapshot held episodes "
+                            f"in flight: {trainer.stderr_tail()}"
+                        )
+                    # A monitor, not a synchronisation: the trainer publishes on its own.
+                    await asyncio.sleep(_WATCH_PERIOD_S)
+                    latest = await asyncio.to_thread(layout.latest)
+                    if latest is None or latest in checked:
+                        continue
+                    if topology is None:
+                        topology = await _describe(run)
+                    found = await asyncio.to_thread(_restore_problem, layout, latest, topology)
+                    checked[latest] = found
+                    resumable, problem = found
+                    if problem is not None:
+                        rejected.append((latest, problem))
+                        progress(
+                            f"  {latest} could not be restored, waiting for the next: {problem}"
+                        )
+                    elif resumable:
+                        break
+                # The crash: no drain, no resume, no goodbye.
+                await trainer.kill()
+            await worker.wait_killed()
+    finally:
+        await worker.stop()
+    # A snapshot published between the check and the kill is what a restore gets.
+    final = await asyncio.to_thread(layout.latest)
+    assert final is not None and topology is not None
+    if final not in checked:
+        checked[final] = await asyncio.to_thread(_restore_problem, layout, final, topology)
+    resumable, problem = checked[final]
+    progress(f"  crashed after {final} ({resumable} episodes in flight to resume)")
+    return _Crash(final, resumable, problem, tuple(rejected))
+
+
+def _progressed(client: RolloutClient, redispatched: Mapping[EpisodeId, int]) -> bool:
+    if any(result.episode in redispatched for result in client.results()):
+        return True
+    return any(
+        rollout.episode in redispatched and rollout.boundaries_seen > redispatched[rollout.episode]
+        for rollout in client.in_flight()
+    )
+
+
+async def _cold_restore(
+    run: _Run, options: WorkloadOptions, crash: _Crash, progress: Progress
+) -> RestoreResult:
+    import torch
+
+    from turnpoint.server.examples._participants import new_policy
+    from turnpoint.trainer._demo_trainer import LEARNING_RATE
+
+    measured = RestoreResult(
+        None,
+        checkpoint_id=crash.checkpoint_id,
+        resumable_in_snapshot=crash.resumable,
+        rejected_snapshots=crash.rejected,
+    )
+    started = time.perf_counter()
+    worker = await _start_participants(run, options)
+    coordinator: Coordinator | None = None
+    client: RolloutClient | None = None
+    try:
+        serving = time.perf_counter()
+        identity = await asyncio.to_thread(bump_epoch, run.snapshots)
+        config = CoordinatorConfig(snapshot_root=run.snapshots, control_timeout_s=10.0)
+        endpoints = {p["instance"]: p["address"] for p in run.participants}
+        coordinator = Coordinator(
+            endpoints,
+            token=run.token,
+            coordinator_id=identity.coordinator_id,
+            epoch=identity.epoch,
+            config=config,
+        )
+        model = new_policy(options.seed)
+        optimizer = torch.optim.Adam(model.parameters(), lr=LEARNING_RATE)
+        restorer = Restorer(
+            coordinator,
+            SnapshotLayout(run.snapshots),
+            config,
+            load_anchor=torch_anchor_loader(model, optimizer),
+        )
+        async with asyncio.timeout(_RESTORE_TIMEOUT_S):
+            plan = await restorer.restore()
+        restored = time.perf_counter()
+        measured = dataclasses.replace(
+            measured, start_participants_s=serving - started, restore_s=restored - serving
+        )
+        if plan is None:
+            return dataclasses.replace(measured, note="the restore found no published snapshot")
+        if not plan.redispatch:
+            note = (
+                f"snapshot {plan.checkpoint_id} continued no episode at this recovery level "
+                f"({plan.rerun_count} rerun from their prompts): nothing was redispatched"
+            )
+            return dataclasses.replace(measured, note=note, rerun=plan.rerun_count)
+        agents = sorted(p["instance"] for p in run.participants if p["kind"] == "agent")
+        client = RolloutClient(
+            {name: AgentEndpoint(endpoints[name], run.token) for name in agents},
+            settings=RolloutClientSettings(max_concurrency=256),
+        )
+        await client.start()
+        apply_plan(plan, client)
+        redispatched = {a.episode: a.rollout.boundaries_seen for a in plan.redispatch}
+        watched = client
+        await client.wait_for(lambda: _progressed(watched, redispatched), _FIRST_PROGRESS_TIMEOUT_S)
+        first = time.perf_counter()
+        result = dataclasses.replace(
+            measured,
+            seconds=first - started,
+            first_progress_s=first - restored,
+            resumed=plan.resumed,
+            rerun=plan.rerun_count,
+        )
+        progress(
+            f"  restored {plan.checkpoint_id}: {first - started:.2f} s from the cold start to the "
+            f"first redispatched rollout ({plan.resumed} resumed, {plan.rerun_count} rerun)"
+        )
+        return result
+    finally:
+        if client is not None:
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(_CLOSE_TIMEOUT_S):
+                    await client.aclose()
+        if coordinator is not None:
+            await coordinator.close()
+        await worker.stop()
+
+
+# ---------------------------------------------------------------------------- all
+
+
+async def run_workload(
+    root: Path, options: WorkloadOptions, *, token: str, progress: Progress
+) -> tuple[ThroughputResult, RestoreResult]:
+    """Throughput with snapshots off and on, then a crash and a cold restore."""
+    work = root / "workload"
+    progress(
+        f"throughput: demo trainer, {options.steps} steps of {options.groups_per_step} groups "
+        f"x {options.group_size}, {options.agents} agents; {options.repeats} run(s) without "
+        f"snapshots and as many with one every {options.snapshot_interval_s:g} s"
+    )
+    runs: dict[str, list[RunFigures]] = {"off": [], "on": []}
+    for repeat in range(options.repeats):
+        # Off, on, then on, off: a machine that speeds up or slows down during the runs
+        # favours neither side.
+        order = ("off", "on") if repeat % 2 == 0 else ("on", "off")
+        for side in order:
+            interval = options.snapshot_interval_s if side == "on" else _NO_SNAPSHOTS_S
+            run = _Run(work / f"{side}-{repeat}", token)
+            progress(f"  run {repeat + 1}, snapshots {side}")
+            runs[side].append(await _finished_run(run, options, interval, progress))
+    throughput = ThroughputResult(
+        options.steps, options.snapshot_interval_s, tuple(runs["off"]), tuple(runs["on"])
+    )
+    progress("restore: a run crashed with episodes in flight, then a cold start")
+    crashed = _Run(work / "crash", token)
+    crash = await _crash_with_episodes_in_flight(crashed, options, progress)
+    if crash.problem is not None:
+        restore = RestoreResult(
+            None,
+            note=f"the restore of {crash.checkpoint_id} would fail: {crash.problem}",
+            checkpoint_id=crash.checkpoint_id,
+            resumable_in_snapshot=crash.resumable,
+            rejected_snapshots=crash.rejected,
+        )
+    else:
+        restore = await _cold_restore(crashed, options, crash, progress)
+    return throughput, restore

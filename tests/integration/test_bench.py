@@ -1,0 +1,201 @@
+"""``turnpoint bench`` end to end with tiny sizes: the JSON it prints, the table, cleanup.
+
+The bench runs once for the module (it starts worker processes, three demo trainer runs
+and a crash) with two and three participants, two measured rounds and three-step demo
+runs. Nothing here looks at how fast anything was: only that every figure is there, is a
+positive number, and that the ratios are the ratios of the figures next to them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from turnpoint._cli import main
+from turnpoint.server.bench import (
+    BenchReport,
+    OverheadRow,
+    RestoreResult,
+    ThroughputResult,
+    render_table,
+)
+from turnpoint.server.bench._workload import RunFigures
+
+SIZES = (2, 3)
+ROW_KEYS = {
+    "participants",
+    "overhead_ms",
+    "lower_bound_ms",
+    "ratio",
+    "http_json_ms",
+    "ratio_vs_http_json",
+}
+
+
+def _children() -> list[int]:
+    """Processes whose parent is this one, zombies included (Linux /proc)."""
+    me = os.getpid()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path("/proc", entry, "stat").read_text()
+        except OSError:
+            continue
+        # The command name may hold spaces; the fields after its closing paren do not.
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[1]) == me:
+            found.append(int(entry))
+    return found
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], list[int]]:
+    """The bench's JSON output, and the child processes left once it returned."""
+    root = tmp_path_factory.mktemp("bench")
+    argv = [
+        "bench",
+        "--json",
+        "--sizes",
+        ",".join(map(str, SIZES)),
+        "--workers",
+        "2",
+        "--rounds",
+        "2",
+        "--warmup",
+        "1",
+        "--steps",
+        "3",
+        "--groups-per-step",
+        "2",
+        "--group-size",
+        "2",
+        "--snapshot-interval",
+        "0.3",
+        "--repeats",
+        "1",
+        "--root",
+        str(root),
+    ]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(argv)
+    assert code == 0, out.getvalue()
+    return json.loads(out.getvalue()), _children()
+
+
+def _positive(value: Any) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value) and value > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_json_has_every_figure_as_a_positive_number(
+    bench: tuple[dict[str, Any], list[int]],
+) -> None:
+    figures, _ = bench
+    assert set(figures) == {
+        "control_overhead",
+        "throughput_ratio_on_vs_off",
+        "restore_seconds",
+        "details",
+    }
+    rows = figures["control_overhead"]
+    assert [row["participants"] for row in rows] == list(SIZES)
+    for row in rows:
+        assert set(row) == ROW_KEYS
+        for key in ROW_KEYS:
+            assert _positive(row[key]), (key, row)
+        assert row["ratio"] == pytest.approx(row["overhead_ms"] / row["lower_bound_ms"], rel=0.01)
+        assert row["ratio_vs_http_json"] == pytest.approx(
+            row["overhead_ms"] / row["http_json_ms"], rel=0.01
+        )
+    assert _positive(figures["throughput_ratio_on_vs_off"])
+    assert _positive(figures["restore_seconds"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_details_say_what_was_measured(bench: tuple[dict[str, Any], list[int]]) -> None:
+    details = bench[0]["details"]
+    assert details["rounds"] == {str(n): 2 for n in SIZES}
+    for n in SIZES:
+        phases = details["phases_ms"][str(n)]
+        assert set(phases) == {"prepare", "commit", "publish", "resume"}
+        assert all(_positive(value) for value in phases.values())
+    throughput = details["throughput"]
+    # Three steps of two groups of two: every run trains on the same twelve rollouts.
+    assert throughput["runs_per_side"] == 1
+    assert throughput["rollouts_per_run"] == [12]
+    assert _positive(throughput["rollouts_per_s_off"])
+    assert _positive(throughput["rollouts_per_s_on"])
+    restore = details["restore"]
+    assert restore["seconds"] == bench[0]["restore_seconds"]
+    assert restore["resumable_in_snapshot"] >= 1
+    assert restore["resumed"] >= 1
+    for part in ("start_participants_s", "restore_s", "first_progress_s"):
+        assert _positive(restore[part]), part
+    assert restore["seconds"] >= restore["start_participants_s"] + restore["restore_s"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_no_worker_or_trainer_process_outlives_the_bench(
+    bench: tuple[dict[str, Any], list[int]],
+) -> None:
+    assert bench[1] == []
+
+
+def test_the_table_shows_the_figures_and_why_a_restore_was_not_measured() -> None:
+    report = BenchReport(
+        control_overhead=(
+            OverheadRow(
+                participants=64,
+                overhead_ms=120.0,
+                lower_bound_ms=30.0,
+                http_json_ms=60.0,
+                rounds=15,
+                phases_ms={"prepare": 30.0, "commit": 50.0, "publish": 20.0, "resume": 20.0},
+            ),
+        ),
+        throughput=ThroughputResult(
+            steps=30,
+            snapshot_interval_s=2.0,
+            off=(RunFigures(rollouts=480, seconds=20.0), RunFigures(rollouts=480, seconds=20.0)),
+            on=(
+                RunFigures(rollouts=480, seconds=22.0, snapshots_published=5),
+                RunFigures(rollouts=480, seconds=26.0, snapshots_published=6),
+            ),
+        ),
+        restore=RestoreResult(None, note="the restore of ck-1 would fail: a reason"),
+        workers=2,
+        warmup=3,
+        snapshot_root="/nowhere",
+    )
+    out = io.StringIO()
+    render_table(report, out)
+    text = out.getvalue()
+    for shown in ("120.0", "30.0", "4.00x", "2.00x", "24.0", "20.0", "0.833", "11 / 0"):
+        assert shown in text, (shown, text)
+    assert "the restore of ck-1 would fail: a reason" in text
+    assert report.to_json()["restore_seconds"] is None
+    assert report.to_json()["throughput_ratio_on_vs_off"] == pytest.approx(0.833, abs=0.001)
+
+
+def test_bad_options_are_refused_before_anything_starts(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["bench", "--warmup", "-1"]) == 2
+    assert "warmup must be >= 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--sizes", "0,8"])
+    assert exit_info.value.code == 2
+    assert _children() == []
