@@ -40,6 +40,13 @@ from turnpoint.server.examples._participants import GUESS, GUESS_GROUP, new_poli
 from turnpoint.server.examples._task import make_prompt
 from turnpoint.trainer._config import CoordinatorConfig
 from turnpoint.trainer._coordinator import Coordinator, bump_epoch
+from turnpoint.trainer._kill_switch import (
+    Fired,
+    KillSwitch,
+    StatusProbe,
+    append_event,
+    parse_kill_at,
+)
 from turnpoint.trainer._manifest import SnapshotLayout
 from turnpoint.trainer._metrics import CoordinatorMetrics
 from turnpoint.trainer._policy_gradient import Sample, policy_gradient_step
@@ -280,6 +287,8 @@ class DemoTrainer:
             t_end=end,
             admission_closed_s=report.admission_closed_s,
             phases={phase.value: seconds for phase, seconds in report.phases.items()},
+            continued=report.continued,
+            restarts=report.restarts,
         )
 
     async def _pump(self, pump: SnapshotPump, interval: float, stop: asyncio.Event) -> None:
@@ -291,6 +300,11 @@ class DemoTrainer:
                 pass
             self._on_snapshot(await pump.tick())
 
+    def _record_kill(self, fired: Fired) -> None:
+        # Also called from the publishing thread: one O_APPEND write, not self.events.
+        event = {"t": time.time(), "type": "kill", "incarnation": self.events.incarnation}
+        append_event(self.out / "events.jsonl", event | fired.event())
+
     # ------------------------------------------------------------------ the run
 
     async def run(self) -> int:
@@ -299,7 +313,17 @@ class DemoTrainer:
         endpoints = {p["instance"]: p["address"] for p in self.participants}
         metrics = CoordinatorMetrics(_registry())
         agents = sorted(self._addresses("agent"))
-        layout = SnapshotLayout(self.snapshot_root)
+        kill = None
+        if self.args.kill_at is not None:
+            # Test-only fault injection (turnpoint demo --crash-at).
+            kill = KillSwitch(
+                self.args.kill_at,
+                probe=StatusProbe(endpoints, token=self.token),
+                on_fire=self._record_kill,
+            )
+        layout = SnapshotLayout(
+            self.snapshot_root, after_step=kill.after_publish_step if kill else None
+        )
         async with Coordinator(
             endpoints,
             token=self.token,
@@ -327,15 +351,16 @@ class DemoTrainer:
                     coordinator_epoch=identity.epoch,
                 )
                 await self._push_weights(rollouts)
+                anchor = TorchAnchorSource(
+                    self.model,
+                    self.optimizer,
+                    step=lambda: self.step,
+                    data_loader=lambda: {"next_group": self.next_group},
+                )
                 driver = SnapshotDriver(
-                    coordinator=coordinator,
+                    coordinator=kill.participants(coordinator) if kill else coordinator,
                     rollouts=rollouts,
-                    anchor=TorchAnchorSource(
-                        self.model,
-                        self.optimizer,
-                        step=lambda: self.step,
-                        data_loader=lambda: {"next_group": self.next_group},
-                    ),
+                    anchor=kill.anchor(anchor) if kill else anchor,
                     layout=layout,
                     config=config,
                     epoch=identity.epoch,
@@ -354,6 +379,8 @@ class DemoTrainer:
                 finally:
                     stop.set()
                     results = await asyncio.gather(*background, return_exceptions=True)
+                    if kill is not None:
+                        await kill.aclose()
                 for result in results:
                     if isinstance(result, BaseException):
                         raise result
@@ -457,6 +484,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rollout-budget", type=float, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument(
+        "--kill-at",
+        type=parse_kill_at,
+        metavar="POINT[:N]",
+        help="test-only fault injection: SIGKILL this process at POINT of the N-th snapshot",
+    )
     return parser
 
 

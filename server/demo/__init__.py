@@ -25,6 +25,7 @@ from turnpoint.server.demo._report import (
     render_report,
 )
 from turnpoint.server.demo._supervisor import (
+    CRASH_POINTS,
     LEVELS,
     DemoOptions,
     DemoPaths,
@@ -41,6 +42,7 @@ from turnpoint.server.demo._supervisor import (
 from turnpoint.server.demo._timeline import render_timeline
 
 __all__ = [
+    "CRASH_POINTS",
     "LEVELS",
     "AuditResult",
     "DemoError",

@@ -90,6 +90,8 @@ class ProgressState:
 
     total_steps: int
     crash_planned: bool = True
+    crash_point: str | None = None
+    """``--crash-at``: the trainer kills itself there; the timed crash stays off."""
     incarnation: int = 0
     step: int = 0
     in_flight: int = 0
@@ -178,9 +180,12 @@ class ProgressState:
         Only once: when a snapshot of this incarnation is published (so there is one to
         restore), rollouts are in flight (so some are cut mid-episode), and 40-60% of the
         steps are done. A run whose window passes without both conditions still crashes
-        at the first moment they hold, up to the last step.
+        at the first moment they hold, up to the last step. Never with ``crash_point``:
+        the trainer kills itself there.
         """
-        if not self.crash_planned or self.crashed_at_step is not None or self.done:
+        if not self.crash_planned or self.crash_point is not None:
+            return False
+        if self.crashed_at_step is not None or self.done:
             return False
         if self.incarnation != 1 or not self._seen_progress:
             return False
@@ -196,6 +201,8 @@ class ProgressState:
         if not self.crash_planned:
             return "off (--no-crash)"
         if self.crashed_at_step is None:
+            if self.crash_point is not None:
+                return f"armed (the trainer dies at {self.crash_point})"
             return "armed (after a published snapshot, 40-60% through)"
         status = f"crashed at step {self.crashed_at_step}"
         if self.restarted:

@@ -60,6 +60,7 @@ class ParticipantActor:
             group_size=spec.group_size if spec.group_size is not None else 4,
             verifier_log=spec.verifier_log,
             seed=spec.seed if spec.seed is not None else 0,
+            turn_delay_s=spec.turn_delay_s or 0.0,
         )
         runtime, closers = build_example(spec.kind, spec.example, example)
         hosted = host_participant(runtime, ServerOptions(host="127.0.0.1", port=0, token=token))

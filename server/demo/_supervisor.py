@@ -19,7 +19,11 @@ serve every environment), then starts the trainer (:func:`trainer_command`)::
 
     python -m turnpoint.trainer._demo_trainer --topology <out>/topology.json --out <out>
         --steps N --group-size N --groups-per-step N --snapshot-interval S
-        --target-level LEVEL --seed N [--resume]
+        --target-level LEVEL --seed N [--resume] [--kill-at POINT[:N]]
+
+With ``--turn-delay SECONDS`` every agent turn waits that long inside its model call,
+parked at its boundary, as a real model's latency would make it: episodes then last long
+enough that every snapshot cuts some of them mid-way (the end-to-end tests rely on it).
 
 The trainer appends its events to ``<out>/events.jsonl`` (the contract is in
 :mod:`turnpoint.server.demo._report`); it numbers its incarnation itself (one more than
@@ -38,6 +42,15 @@ ones it ran for a dead coordinator), which is what a cluster manager gives you a
 Ray, for one, kills the actors a driver owns when that driver dies, so a restarted
 driver always meets new actors.
 
+A crash at a named point. ``--crash-at POINT[:N]`` replaces the timed crash with a
+deterministic one: the first trainer gets ``--kill-at POINT[:N]`` and SIGKILLs itself at
+that point of a snapshot (:mod:`turnpoint.trainer._kill_switch`, test-only fault
+injection; it first appends a ``kill`` event naming the point and the checkpoint to
+``events.jsonl``). The supervisor takes that trainer's SIGKILL exit as the injected
+crash: it SIGKILLs one agent at that moment, records ``crash`` with the point, and
+restarts the job exactly as above. A trainer that dies of SIGKILL without its ``kill``
+event fails the demo like any other trainer failure.
+
 At the end every participant gets SIGTERM and must exit 0; then the report
 (:mod:`turnpoint.server.demo._report`) prints the statistics and the exactly-once
 audit, and :mod:`turnpoint.server.demo._timeline` draws ``<out>/timeline.png``.
@@ -49,6 +62,7 @@ import argparse
 import asyncio
 import contextlib
 import difflib
+import importlib.machinery
 import importlib.util
 import json
 import os
@@ -61,7 +75,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Protocol
+from typing import IO, Any, Protocol
 
 from rich.console import Console
 from rich.text import Text
@@ -82,6 +96,7 @@ from turnpoint.server.demo._report import (
 )
 
 __all__ = [
+    "CRASH_POINTS",
     "DEFAULT_SERVE_COMMAND",
     "DEFAULT_TRAINER_COMMAND",
     "LEVELS",
@@ -106,6 +121,25 @@ __all__ = [
 ]
 
 LEVELS = ("turn", "sibling", "prompt_group")
+CRASH_POINTS = (
+    "anchor-written",
+    "dispatch-closed",
+    "prepare-sent",
+    "prepared",
+    "commit-sent",
+    "committed",
+    "verified",
+    "tree-synced",
+    "manifest-staged",
+    "manifest-linked",
+    "snapshot-synced",
+    "latest-staged",
+    "latest-moved",
+    "published",
+    "resumed",
+)
+"""The trainer's ``KillPoint`` values, in snapshot order. Spelled out, not imported: the
+trainer package imports torch, which would cost every ``turnpoint demo`` seconds."""
 TRAINER_MODULE = "turnpoint.trainer._demo_trainer"
 DEFAULT_SERVE_COMMAND = (sys.executable, "-m", "turnpoint._cli", "serve")
 DEFAULT_TRAINER_COMMAND = (sys.executable, "-m", TRAINER_MODULE)
@@ -148,7 +182,9 @@ class DemoOptions:
     group_size: int = DEFAULT_GROUP_SIZE
     groups_per_step: int = DEFAULT_GROUPS_PER_STEP
     snapshot_interval_s: float = DEFAULT_SNAPSHOT_INTERVAL_S
+    turn_delay_s: float = 0.0
     crash: bool = True
+    crash_at: str | None = None
     target_level: str = "turn"
     out: Path = Path(DEFAULT_OUT)
     ray: bool = False
@@ -165,7 +201,9 @@ class DemoOptions:
             group_size=args.group_size,
             groups_per_step=args.groups_per_step,
             snapshot_interval_s=args.snapshot_interval,
+            turn_delay_s=args.turn_delay,
             crash=args.crash,
+            crash_at=args.crash_at,
             target_level=args.target_level,
             out=Path(args.out),
             # An address only makes sense for a Ray run: asking for one is asking for Ray.
@@ -200,6 +238,11 @@ class DemoOptions:
                 f"--snapshot-interval must be a positive number of seconds, got "
                 f"{self.snapshot_interval_s:g}"
             )
+        if not self.turn_delay_s >= 0:
+            problems.append(
+                f"--turn-delay must be zero or a positive number of seconds, got "
+                f"{self.turn_delay_s:g}"
+            )
         if not self.start_timeout_s > 0:
             problems.append(f"--start-timeout must be positive, got {self.start_timeout_s:g}")
         if self.target_level not in LEVELS:
@@ -211,8 +254,26 @@ class DemoOptions:
                 f"unknown --target-level {self.target_level!r}{hint}: choose one of "
                 f"{', '.join(LEVELS)}"
             )
+        if self.crash_at is not None:
+            problems.extend(_crash_at_problems(self.crash_at, crash=self.crash))
         problems.extend(_out_dir_problems(self.out))
         return problems
+
+
+def _crash_at_problems(text: str, *, crash: bool) -> list[str]:
+    if not crash:
+        return ["--crash-at injects the crash, --no-crash turns it off: drop one of them"]
+    name, sep, number = text.partition(":")
+    if name not in CRASH_POINTS:
+        close = difflib.get_close_matches(name, CRASH_POINTS, n=1)
+        hint = f" (did you mean {close[0]}?)" if close else ""
+        return [f"unknown --crash-at point {name!r}{hint}: choose one of {', '.join(CRASH_POINTS)}"]
+    if sep and (re.fullmatch(r"[0-9]+", number) is None or int(number) < 1):
+        return [
+            f"--crash-at {text}: N in POINT:N counts snapshots and must be a whole number "
+            f">= 1, got {number!r}"
+        ]
+    return []
 
 
 def _out_dir_problems(out: Path) -> list[str]:
@@ -306,6 +367,7 @@ class ParticipantSpec:
     seed: int | None = None
     policy_address: str | None = None
     resources: Mapping[str, str] = field(default_factory=dict)
+    turn_delay_s: float | None = None
 
     def serve_arguments(self, snapshot_root: Path) -> list[str]:
         arguments = [
@@ -332,6 +394,8 @@ class ParticipantSpec:
             arguments += ["--policy", self.policy_address]
         for environment, address in sorted(self.resources.items()):
             arguments += ["--resources", f"{environment}={address}"]
+        if self.turn_delay_s:
+            arguments += ["--turn-delay", f"{self.turn_delay_s:g}"]
         return arguments
 
 
@@ -371,6 +435,7 @@ def agent_specs(options: DemoOptions, servers: Mapping[str, Participant]) -> lis
             example=GUESS,
             policy_address=servers["policy"].address,
             resources=resources,
+            turn_delay_s=options.turn_delay_s,
         )
         for index in range(options.agents)
     ]
@@ -654,8 +719,12 @@ def trainer_command(
     *,
     resume: bool,
     program: Sequence[str] = DEFAULT_TRAINER_COMMAND,
+    kill_at: str | None = None,
 ) -> list[str]:
-    """The trainer's command line; ``program`` is what runs it (tests substitute a fake)."""
+    """The trainer's command line; ``program`` is what runs it (tests substitute a fake).
+
+    ``kill_at`` (``--crash-at``) goes to the first incarnation only.
+    """
     command = [
         *program,
         "--topology",
@@ -677,6 +746,8 @@ def trainer_command(
     ]
     if resume:
         command.append("--resume")
+    if kill_at is not None:
+        command += ["--kill-at", kill_at]
     return command
 
 
@@ -699,6 +770,7 @@ class _Trainer:
         incarnation: int,
         resume: bool,
         program: Sequence[str],
+        kill_at: str | None = None,
     ) -> _Trainer:
         stdout_path = paths.logs / f"trainer.{incarnation}.stdout"
         stderr_path = paths.logs / f"trainer.{incarnation}.stderr"
@@ -709,7 +781,7 @@ class _Trainer:
         stdout, stderr = await asyncio.to_thread(open_logs)
         try:
             process = await asyncio.create_subprocess_exec(
-                *trainer_command(options, paths, resume=resume, program=program),
+                *trainer_command(options, paths, resume=resume, program=program, kill_at=kill_at),
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=stdout,
                 stderr=stderr,
@@ -757,7 +829,10 @@ class _Supervisor:
         self.token = token
         self.launcher = launcher
         self.display = display
-        self.state = ProgressState(total_steps=options.steps, crash_planned=options.crash)
+        self.state = ProgressState(
+            total_steps=options.steps, crash_planned=options.crash, crash_point=options.crash_at
+        )
+        self.kill_event: dict[str, Any] | None = None
         self.tail = EventTail(paths.events)
         self.participants: dict[str, Participant] = {}
         self.killed: set[str] = set()
@@ -798,6 +873,7 @@ class _Supervisor:
             incarnation=incarnation,
             resume=resume,
             program=self.trainer_program,
+            kill_at=self.options.crash_at if incarnation == 1 else None,
         )
         self.last_event_at = time.monotonic()
 
@@ -819,6 +895,9 @@ class _Supervisor:
             if status is not None:
                 if status == 0:
                     return
+                if self.killed_itself(status):
+                    await self.crash_and_restart()
+                    continue
                 raise await self.trainer.failure(status)
             await self.check_participants()
             if time.monotonic() - self.last_event_at > STALL_TIMEOUT_S:
@@ -835,7 +914,21 @@ class _Supervisor:
         if events:
             self.last_event_at = time.monotonic()
         for event in events:
+            if event.get("type") == "kill":
+                self.kill_event = event
             self.state.apply(event)
+
+    def killed_itself(self, status: int) -> bool:
+        """Whether the trainer's exit is the ``--crash-at`` kill: SIGKILL, after it
+        logged its ``kill`` event (read with the last events, before this is asked)."""
+        assert self.trainer is not None
+        return (
+            self.options.crash_at is not None
+            and self.trainer.incarnation == 1
+            and status == -signal.SIGKILL
+            and self.kill_event is not None
+            and self.state.crashed_at_step is None
+        )
 
     async def check_participants(self) -> None:
         for participant in self.participants.values():
@@ -858,11 +951,19 @@ class _Supervisor:
         victim = self.crash_victim()
         self.killed.add(victim.spec.instance)
         await asyncio.gather(self.trainer.kill(), victim.kill())
+        point: dict[str, Any] = {}
+        if self.kill_event is not None:
+            point = {
+                "point": self.kill_event.get("point"),
+                "nth": self.kill_event.get("nth"),
+                "checkpoint_id": self.kill_event.get("checkpoint_id"),
+            }
         await self.record(
             "crash",
             incarnation=self.trainer.incarnation,
             step=self.state.step,
             killed=["trainer", victim.spec.instance],
+            **point,
         )
         await self.read_events()
         self.state.note_crash()
@@ -935,7 +1036,12 @@ async def run_demo(
         groups_per_step=options.groups_per_step,
     )
     warnings = []
-    if options.crash and report.recovery.crashes == 0:
+    if options.crash_at is not None and report.recovery.crashes == 0:
+        warnings.append(
+            f"the crash was not injected: the trainer finished before a snapshot reached "
+            f"--crash-at {options.crash_at}; raise --steps or lower --snapshot-interval"
+        )
+    elif options.crash and report.recovery.crashes == 0:
         warnings.append(
             "the crash was not injected: no snapshot was published while rollouts were in "
             "flight before the last step; lower --snapshot-interval or raise --steps"
@@ -1003,10 +1109,29 @@ def add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="period of the snapshot pump (default: %(default)s)",
     )
     parser.add_argument(
+        "--turn-delay",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help=(
+            "simulated latency of every agent turn, as a real model call has; longer "
+            "episodes mean more of them are cut mid-way by each snapshot (default: 0)"
+        ),
+    )
+    parser.add_argument(
         "--crash",
         action=argparse.BooleanOptionalAction,
         default=True,
         help="kill the trainer and one agent mid-run, then restart the job",
+    )
+    parser.add_argument(
+        "--crash-at",
+        metavar="POINT[:N]",
+        help=(
+            "crash at a named point of a snapshot instead of mid-run: the trainer kills "
+            "itself at POINT of its N-th snapshot, counting only snapshots that cut rollouts "
+            f"in flight (N defaults to 1); POINT is one of {', '.join(CRASH_POINTS)}"
+        ),
     )
     parser.add_argument(
         "--target-level",
@@ -1040,6 +1165,17 @@ def add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.set_defaults(handler=demo_command)
 
 
+def _trainer_installed() -> bool:
+    # find_spec(TRAINER_MODULE) would import the trainer package, and with it torch:
+    # seconds for every run. Looking the module up on the package's path imports nothing.
+    package = TRAINER_MODULE.rpartition(".")[0]
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.submodule_search_locations is None:
+        return False
+    locations = list(spec.submodule_search_locations)
+    return importlib.machinery.PathFinder.find_spec(TRAINER_MODULE, locations) is not None
+
+
 def demo_command(args: argparse.Namespace) -> int:
     options = DemoOptions.from_args(args)
     problems = options.problems()
@@ -1047,7 +1183,7 @@ def demo_command(args: argparse.Namespace) -> int:
         for problem in problems:
             print(f"turnpoint demo: {problem}", file=sys.stderr)
         return 2
-    if importlib.util.find_spec(TRAINER_MODULE) is None:
+    if not _trainer_installed():
         print(
             f"turnpoint demo: the trainer module {TRAINER_MODULE} is not installed",
             file=sys.stderr,

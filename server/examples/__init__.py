@@ -9,7 +9,8 @@ wrapping them stay thin and the learning loop can be tested in one process:
   two verifiers (per sibling and group-scored).
 """
 
-from turnpoint.server.examples._policy_model import SampledToken, TinyPolicy
+from typing import TYPE_CHECKING, Any
+
 from turnpoint.server.examples._task import (
     GROUP_WEIGHT,
     MAX_NEW_TOKENS_PER_TURN,
@@ -53,3 +54,18 @@ __all__ = [
     "per_sibling_reward",
     "tool_call",
 ]
+
+if TYPE_CHECKING:
+    from turnpoint.server.examples._policy_model import SampledToken, TinyPolicy
+
+_TORCH_NAMES = frozenset({"SampledToken", "TinyPolicy"})
+
+
+def __getattr__(name: str) -> Any:
+    # Imported on first use: agents and resources servers load this package and need no
+    # torch, whose import costs each of their processes seconds at start-up.
+    if name in _TORCH_NAMES:
+        from turnpoint.server.examples import _policy_model
+
+        return getattr(_policy_model, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -27,8 +27,6 @@ from collections.abc import AsyncGenerator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-import torch
-
 from turnpoint._convert import episode_to_proto, struct_from_mapping, struct_to_dict
 from turnpoint._keepalive import data_channel
 from turnpoint.ids import EpisodeId
@@ -44,7 +42,6 @@ from turnpoint.participant_sdk import (
     VerifyMode,
 )
 from turnpoint.server._auth import auth_metadata
-from turnpoint.server.examples._policy_model import TinyPolicy
 from turnpoint.server.examples._task import (
     MAX_NEW_TOKENS_PER_TURN,
     VOCAB_SIZE,
@@ -68,6 +65,7 @@ from turnpoint.v1 import (
 )
 
 if TYPE_CHECKING:
+    from turnpoint.server.examples._policy_model import TinyPolicy
     from turnpoint.v1.policy_service_pb2_grpc import PolicyServiceAsyncStub
     from turnpoint.v1.resources_service_pb2_grpc import ResourcesServiceAsyncStub
 
@@ -86,6 +84,9 @@ GUESS_GROUP = "guess-group"
 
 def new_policy(seed: int = 0) -> TinyPolicy:
     """The demo's policy, identical in the policy server and the trainer for one seed."""
+    # torch is imported by the policy only: agents and resources servers start without it.
+    from turnpoint.server.examples._policy_model import TinyPolicy
+
     return TinyPolicy(VOCAB_SIZE, eos_token=int(Token.EOS), seed=seed)
 
 
@@ -102,6 +103,8 @@ class TinyPolicyServer(PolicyModel):
     async def generate(
         self, episode: EpisodeId, request: GenerateRequest
     ) -> AsyncGenerator[GenerateChunk, None]:
+        import torch  # loaded with the policy already
+
         async with self._changed:
             await self._changed.wait_for(lambda: not self._swapping)
             self._streaming += 1
@@ -317,7 +320,10 @@ class GuessAgent(Agent):
         token: str | None,
         *,
         temperature: float = 1.0,
+        turn_delay_s: float = 0.0,
     ) -> None:
+        if not turn_delay_s >= 0:
+            raise ValueError(f"turn_delay_s must be >= 0, got {turn_delay_s}")
         self._metadata = auth_metadata(token) if token else ()
         self._policy_channel = data_channel(policy_address)
         self._policy: PolicyServiceAsyncStub = policy_service_pb2_grpc.PolicyServiceStub(
@@ -329,6 +335,7 @@ class GuessAgent(Agent):
             for env, address in resources_addresses.items()
         }
         self._temperature = temperature
+        self._turn_delay_s = turn_delay_s
 
     def _open(self, address: str) -> Any:
         channel = data_channel(address)
@@ -397,6 +404,11 @@ class GuessAgent(Agent):
         turns: Sequence[Turn],
     ) -> tuple[list[int], Reply, int]:
         turn = len(turns)
+        if self._turn_delay_s:
+            # The latency of a real model or tool: the episode waits here parked at its
+            # boundary (this runs inside ctx.model_call), so every snapshot cuts
+            # episodes mid-way instead of between them.
+            await asyncio.sleep(self._turn_delay_s)
         completion: list[int] = []
         version = 0
         call = self._policy.Generate(

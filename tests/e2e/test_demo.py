@@ -1,0 +1,264 @@
+"""The main job end to end: ``turnpoint demo`` as a user runs it, crashes and all.
+
+Every test runs the real command in a subprocess (``python -m turnpoint._cli demo``):
+real ``turnpoint serve`` participants (or Ray actors), the real trainer with torch, a
+real crash (SIGKILL of the trainer and one agent), a job restart and a restore. Each
+asserts what a user relies on: exit status 0, ``audit: passed`` (every prompt group
+trained exactly once, with the rewards the verifiers returned) and a timeline PNG.
+
+The kill points (``--crash-at POINT:2``) go further, from the logs: the restore picks the
+newest *published* snapshot (the one being taken only once its manifest is linked,
+never a half-written one), and the rollouts it cut continue as attempt N+1 from their
+saved turns. ``:2`` counts snapshots that cut rollouts in flight (see
+:mod:`turnpoint.trainer._kill_switch`), so there is always an earlier one to fall back
+to and always saved turns to continue.
+
+Runs are short on purpose (eight steps, a fifth of a second between snapshots, two
+agents): most of each run is the participants' and the trainer's start-up, twice.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from turnpoint.ids import checkpoint_sequence
+from turnpoint.server.demo import CRASH_POINTS
+from turnpoint.trainer._kill_switch import KillPoint
+from turnpoint.trainer._snapshots import EPOCH_STRIDE
+
+pytestmark = pytest.mark.slow
+
+DEMO = (sys.executable, "-m", "turnpoint._cli", "demo")
+SHORT = (
+    "--steps",
+    "8",
+    "--groups-per-step",
+    "2",
+    "--group-size",
+    "2",
+    "--agents",
+    "2",
+    "--snapshot-interval",
+    "0.2",
+    # Episodes of a few tenths of a second instead of milliseconds: every snapshot then
+    # cuts rollouts mid-episode, whatever the machine's speed.
+    "--turn-delay",
+    "0.1",
+    "--no-progress",
+)
+RUN_TIMEOUT_S = 240.0
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@dataclass(frozen=True)
+class Run:
+    out: Path
+    stdout: str
+    events: list[dict[str, Any]]
+    supervisor: list[dict[str, Any]]
+
+    def of(self, kind: str, incarnation: int | None = None) -> list[dict[str, Any]]:
+        return [
+            event
+            for event in self.events
+            if event["type"] == kind and incarnation in (None, event["incarnation"])
+        ]
+
+    def only(self, kind: str, incarnation: int | None = None) -> dict[str, Any]:
+        found = self.of(kind, incarnation)
+        assert len(found) == 1, f"expected one {kind} event, got {found}"
+        return found[0]
+
+
+def _jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _demo(
+    out: Path, *flags: str, timeout_s: float = RUN_TIMEOUT_S
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [*DEMO, *flags, "--out", str(out)],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
+
+
+def _trainer_logs(out: Path) -> str:
+    logs = sorted((out / "logs").glob("trainer.*.stderr")) if (out / "logs").is_dir() else []
+    return "\n".join(f"--- {path.name}\n{path.read_text()[-3000:]}" for path in logs)
+
+
+def run_demo(out: Path, *flags: str, timeout_s: float = RUN_TIMEOUT_S) -> Run:
+    """Run the demo; assert exit 0, the audit line and the timeline PNG."""
+    result = _demo(out, *SHORT, *flags, timeout_s=timeout_s)
+    context = f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}\n{_trainer_logs(out)}"
+    assert result.returncode == 0, context
+    assert "audit: passed" in result.stdout.splitlines(), context
+    assert (out / "timeline.png").read_bytes()[: len(PNG_SIGNATURE)] == PNG_SIGNATURE
+    return Run(out, result.stdout, _jsonl(out / "events.jsonl"), _jsonl(out / "supervisor.jsonl"))
+
+
+def published(run: Run, incarnation: int) -> list[str]:
+    return [
+        event["checkpoint_id"]
+        for event in run.of("snapshot", incarnation)
+        if event["outcome"] == "published"
+    ]
+
+
+def assert_restored_the_newest_published(run: Run) -> None:
+    """After the timed crash: the crash lands once a snapshot of the first trainer was
+    published; the next one may have linked its manifest before the kill landed, and is
+    then the newest published one."""
+    restored = run.only("restore", 2)["checkpoint_id"]
+    last = published(run, 1)[-1]
+    assert checkpoint_sequence(restored) >= checkpoint_sequence(last)
+    assert checkpoint_sequence(restored) < 2 * EPOCH_STRIDE, "not a snapshot of the first trainer"
+
+
+def assert_restored_and_continued(run: Run, checkpoint_id: str) -> dict[str, Any]:
+    """Incarnation 2 restored ``checkpoint_id`` and continued its cut rollouts as N+1."""
+    restore = run.only("restore", 2)
+    assert restore["checkpoint_id"] == checkpoint_id
+    assert run.only("start", 2)["restored_from"] == checkpoint_id
+    assert restore["resumed_from_turn"] > 0, restore
+    continued = [event for event in run.of("rollout", 2) if event["resumed"]]
+    assert continued, "no restored rollout finished in incarnation 2"
+    # Attempt N was cut by the crash; only N+1 may finish (and be trained on) after it.
+    assert all(event["attempt"] >= 1 for event in continued), continued
+    return restore
+
+
+# ---------------------------------------------------------------------- the timed crash
+
+
+def test_the_short_demo_crashes_restores_and_passes_the_audit(tmp_path: Path) -> None:
+    run = run_demo(tmp_path / "out")
+
+    crash = next(event for event in run.supervisor if event["type"] == "crash")
+    assert crash["incarnation"] == 1 and crash["killed"][0] == "trainer"
+    assert [event["type"] for event in run.supervisor] == ["crash", "restart"]
+    assert_restored_the_newest_published(run)
+    assert run.only("done", 2)["step"] == 8
+
+
+@pytest.mark.timeout(420)
+def test_the_demo_on_a_local_ray_cluster(tmp_path: Path) -> None:
+    run = run_demo(tmp_path / "out", "--ray", timeout_s=400.0)
+
+    assert "starting participants (Ray actors)" in run.stdout
+    assert [event["type"] for event in run.supervisor] == ["crash", "restart"]
+    assert_restored_the_newest_published(run)
+
+
+# ---------------------------------------------------------------------- kill points
+
+
+def test_the_supervisor_knows_every_kill_point_of_the_trainer() -> None:
+    assert tuple(point.value for point in KillPoint) == CRASH_POINTS
+    assert len(CRASH_POINTS) >= 10
+
+
+@pytest.mark.parametrize("point", list(KillPoint), ids=lambda point: point.value)
+def test_a_kill_at_each_point_restores_the_last_published_snapshot(
+    point: KillPoint, tmp_path: Path
+) -> None:
+    run = run_demo(tmp_path / "out", "--crash-at", f"{point.value}:2")
+
+    kill = run.only("kill")
+    assert kill["incarnation"] == 1 and kill["point"] == point.value and kill["nth"] == 2
+    killed = kill["checkpoint_id"]
+    crash = next(event for event in run.supervisor if event["type"] == "crash")
+    assert (crash["point"], crash["checkpoint_id"]) == (point.value, killed)
+    assert [event["type"] for event in run.supervisor] == ["crash", "restart"]
+    before = published(run, 1)
+    # The trainer died inside the killed attempt: it never reported it.
+    assert before and killed not in before, before
+    if point.restores_this_snapshot:
+        # Its manifest was linked: published, complete and the newest.
+        expected = killed
+    else:
+        # Half-written at most: the restore falls back to the last published one, which
+        # cut rollouts in flight.
+        expected = before[-1]
+        last = next(e for e in run.of("snapshot", 1) if e["checkpoint_id"] == expected)
+        assert last["continued"] > 0, last
+        if published(run, 2):
+            # The partial is cleaned up after the next publication.
+            assert not (run.out / "snapshots" / killed).exists()
+    assert kill["newest_published"] == expected
+    assert_restored_and_continued(run, expected)
+
+
+# ---------------------------------------------------------------------- bad configurations
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        pytest.param(
+            ("--target-level", "turns"),
+            "turnpoint demo: unknown --target-level 'turns' (did you mean turn?): choose one "
+            "of turn, sibling, prompt_group",
+            id="unknown-target-level",
+        ),
+        pytest.param(
+            ("--steps", "0"), "turnpoint demo: --steps must be at least 1, got 0", id="no-steps"
+        ),
+        pytest.param(
+            ("--crash-at", "comitted"),
+            "turnpoint demo: unknown --crash-at point 'comitted' (did you mean committed?): "
+            f"choose one of {', '.join(CRASH_POINTS)}",
+            id="unknown-crash-point",
+        ),
+    ],
+)
+def test_a_bad_flag_fails_at_once_saying_what_to_change(
+    flags: tuple[str, ...], message: str, tmp_path: Path
+) -> None:
+    result = _demo(tmp_path / "out", *flags, timeout_s=60.0)
+
+    assert result.returncode == 2
+    assert result.stderr.splitlines() == [message]
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_participant_that_never_comes_up_fails_the_demo_and_leaves_nothing_running(
+    tmp_path: Path,
+) -> None:
+    out = tmp_path / "out"
+    result = _demo(out, *SHORT, "--start-timeout", "0.01", timeout_s=120.0)
+
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "turnpoint demo: FAILED: participant policy did not start within 0.01s" in result.stdout
+    assert "its stderr says" in result.stdout
+    assert f"logs: {out.resolve() / 'logs'}" in result.stdout
+    # The trainer never started, and no participant outlived the demo.
+    assert not list((out / "logs").glob("trainer.*"))
+    assert _processes_mentioning(str(out.resolve())) == []
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if text in command:
+            found.append(command)
+    return found
