@@ -140,6 +140,7 @@ class ExampleSpec:
     faults: str = ""
     lease_s: float = 60.0
     temperature: float = 1.0
+    turn_delay_s: float = 0.0
 
 
 EXAMPLES: dict[str, tuple[str, ...]] = {
@@ -187,7 +188,11 @@ def build_example(
                 "(one per environment it serves)"
             )
         agent = GuessAgent(
-            spec.policy_address, spec.resources, spec.token, temperature=spec.temperature
+            spec.policy_address,
+            spec.resources,
+            spec.token,
+            temperature=spec.temperature,
+            turn_delay_s=spec.turn_delay_s,
         )
         closers.append(agent.aclose)
         return ParticipantRuntime(spec.instance, store, agent=agent, config=config), closers
@@ -233,6 +238,13 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     parser.add_argument("--lease", type=float, default=60.0, help="default lease seconds")
     parser.add_argument("--faults", default="", help="store faults, e.g. records_write:1:ENOSPC")
     parser.add_argument("--grace", type=float, default=10.0, help="drain grace seconds")
+    parser.add_argument(
+        "--turn-delay",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="agent: simulated latency of every turn's model call (default: 0)",
+    )
     parser.set_defaults(handler=_serve_command)
 
 
@@ -293,6 +305,7 @@ async def _serve(
         seed=args.seed,
         faults=args.faults,
         lease_s=args.lease,
+        turn_delay_s=args.turn_delay,
     )
     try:
         runtime, closers = build_example(args.kind, example, spec)
