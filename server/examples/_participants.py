@@ -112,16 +112,18 @@ class TinyPolicyServer(PolicyModel):
             self.generations += 1
             version = self.policy.weights_version
             generator = torch.Generator().manual_seed(request.seed)
-            with torch.no_grad():
-                tokens = self.policy.iter_generate(
-                    request.prompt_token_ids,
-                    request.max_new_tokens,
-                    request.temperature,
-                    generator,
-                )
-                for sampled in tokens:
-                    yield GenerateChunk((sampled.token,), (sampled.logprob,), False, version)
-                    await asyncio.sleep(0)  # let other generations interleave
+            # No torch.no_grad() around the loop: a grad mode held across a yield
+            # leaks into whatever else runs on this thread; iter_generate turns
+            # gradients off inside each step itself.
+            tokens = self.policy.iter_generate(
+                request.prompt_token_ids,
+                request.max_new_tokens,
+                request.temperature,
+                generator,
+            )
+            for sampled in tokens:
+                yield GenerateChunk((sampled.token,), (sampled.logprob,), False, version)
+                await asyncio.sleep(0)  # let other generations interleave
             yield GenerateChunk((), (), True, version)
         finally:
             async with self._changed:
