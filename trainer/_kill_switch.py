@@ -18,8 +18,9 @@ unless asked for). The switch is pure wiring around three seams the driver alrea
   ``latest-moved``.
 
 ``prepare-sent`` and ``commit-sent`` land while the call is under way: once some
-participant reports (``GetStatus``, read-only) that it holds the checkpoint (prepare) or
-has written its part (commit), and at the latest when the call returns.
+participant reports (``GetStatus``, read-only, polled on connections opened before the
+call) that it holds the checkpoint (prepare) or has written its part (commit), and at the
+latest when the call returns (``call_under_way`` in :class:`Fired` says which it was).
 
 Which snapshot. The kill must always leave something worth restoring, or a crash test
 proves nothing: a snapshot that cut no rollout in flight has no saved turn to continue.
@@ -79,7 +80,7 @@ __all__ = [
 
 T = TypeVar("T")
 
-_PROBE_INTERVAL_S = 0.005
+_PROBE_INTERVAL_S = 0.001
 _PROBE_TIMEOUT_S = 2.0
 
 
@@ -244,13 +245,23 @@ class StatusProbe:
         await asyncio.gather(*(self._status(name) for name in self._endpoints))
 
     async def any_in(self, checkpoint_id: str, phases: Collection[int]) -> bool:
-        answers = await asyncio.gather(*(self._status(name) for name in self._endpoints))
-        return any(
-            answer is not None
-            and answer.active_checkpoint_id == checkpoint_id
-            and answer.phase in phases
-            for answer in answers
-        )
+        # The first yes decides: a prepare is over within milliseconds, and waiting for
+        # the slowest participant's answer would miss it.
+        asking = [asyncio.ensure_future(self._status(name)) for name in self._endpoints]
+        try:
+            for answered in asyncio.as_completed(asking):
+                answer = await answered
+                if (
+                    answer is not None
+                    and answer.active_checkpoint_id == checkpoint_id
+                    and answer.phase in phases
+                ):
+                    return True
+            return False
+        finally:
+            for task in asking:
+                task.cancel()
+            await asyncio.gather(*asking, return_exceptions=True)
 
     async def aclose(self) -> None:
         for client in self._clients.values():
