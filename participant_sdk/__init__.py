@@ -6,6 +6,19 @@ the runtime's methods one to one. Everything here speaks plain dataclasses; erro
 ``turnpoint.errors.TurnpointError`` carrying a :class:`turnpoint.errors.Reason`.
 """
 
+from turnpoint.protocol import (
+    Blocker,
+    CompletionReceipt,
+    EpisodeState,
+    Fence,
+    ParticipantKind,
+    Phase,
+    ReadinessReport,
+    RecoveryLevel,
+    RecoveryMode,
+    VerifyMode,
+)
+
 from ._agent import (
     Agent,
     BoundaryReport,
@@ -37,24 +50,13 @@ from ._shared import RuntimeConfig
 from ._store import (
     ArtifactRef,
     CorruptSnapshotError,
+    FaultHook,
+    FaultPoint,
     Record,
     SnapshotConflictError,
     SnapshotEntry,
     SnapshotStore,
     StoreError,
-    StoreFaults,
-)
-from ._types import (
-    Blocker,
-    CompletionReceipt,
-    EpisodeState,
-    Fence,
-    ParticipantKind,
-    Phase,
-    ReadinessReport,
-    RecoveryLevel,
-    RecoveryMode,
-    VerifyMode,
 )
 
 __all__ = [
@@ -71,6 +73,8 @@ __all__ = [
     "Description",
     "EpisodeContext",
     "EpisodeState",
+    "FaultHook",
+    "FaultPoint",
     "Fence",
     "ForgetResult",
     "GenerateChunk",
@@ -100,7 +104,6 @@ __all__ = [
     "SnapshotStore",
     "StatusResult",
     "StoreError",
-    "StoreFaults",
     "Verdict",
     "VerifyMode",
     "WatchEvent",

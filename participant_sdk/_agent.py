@@ -32,16 +32,16 @@ from typing import Any, ClassVar, TypeVar
 
 from turnpoint.errors import Reason, TurnpointError
 from turnpoint.ids import EpisodeId
-
-from ._core import ActiveClock, ParticipantCore, WorkKey
-from ._shared import Shared, invalid_record
-from ._store import Record
-from ._types import (
+from turnpoint.protocol import (
     CompletionReceipt,
     EpisodeState,
     ParticipantKind,
     RecoveryMode,
 )
+
+from ._core import ActiveClock, ParticipantCore, WorkKey
+from ._shared import Shared, invalid_record
+from ._store import Record
 
 __all__ = [
     "Agent",

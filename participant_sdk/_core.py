@@ -36,8 +36,7 @@ from types import MappingProxyType
 
 from turnpoint.errors import Reason, TurnpointError
 from turnpoint.ids import EpisodeId, InvalidIdError, validate_id
-
-from ._types import (
+from turnpoint.protocol import (
     BLOCKING_STATES,
     Blocker,
     CompletionReceipt,

@@ -20,11 +20,11 @@ from typing import ClassVar
 
 from turnpoint.errors import Reason, TurnpointError
 from turnpoint.ids import EpisodeId
+from turnpoint.protocol import EpisodeState, ParticipantKind, RecoveryMode
 
 from ._core import WorkKey
 from ._shared import Shared, invalid_record
 from ._store import Record
-from ._types import EpisodeState, ParticipantKind, RecoveryMode
 
 __all__ = ["GenerateChunk", "GenerateRequest", "ModelHost", "PolicyModel"]
 

@@ -27,11 +27,11 @@ from typing import Any, ClassVar, TypeVar
 
 from turnpoint.errors import Reason, TurnpointError
 from turnpoint.ids import EpisodeId
+from turnpoint.protocol import EpisodeState, ParticipantKind, RecoveryMode, VerifyMode
 
 from ._core import ParticipantCore, WorkKey
 from ._shared import Shared, invalid_record
 from ._store import Record
-from ._types import EpisodeState, ParticipantKind, RecoveryMode, VerifyMode
 
 __all__ = [
     "ConfigurationError",

@@ -28,9 +28,20 @@ from contextlib import suppress
 from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
-from turnpoint import PROTOCOL_VERSION
 from turnpoint.errors import Reason, TurnpointError
 from turnpoint.ids import EpisodeId, InvalidIdError
+from turnpoint.protocol import (
+    PROTOCOL_VERSION,
+    CompletionReceipt,
+    EpisodeState,
+    Fence,
+    ParticipantKind,
+    Phase,
+    ReadinessReport,
+    RecoveryLevel,
+    RecoveryMode,
+    VerifyMode,
+)
 
 from ._agent import Agent, AgentHost, BoundaryReport, RunResult
 from ._core import (
@@ -56,17 +67,6 @@ from ._store import (
     WriteCancelled,
     WriteState,
     WriteTicket,
-)
-from ._types import (
-    CompletionReceipt,
-    EpisodeState,
-    Fence,
-    ParticipantKind,
-    Phase,
-    ReadinessReport,
-    RecoveryLevel,
-    RecoveryMode,
-    VerifyMode,
 )
 
 __all__ = [

@@ -18,10 +18,10 @@ from typing import Protocol
 
 from turnpoint.errors import Reason, TurnpointError
 from turnpoint.ids import EpisodeId
+from turnpoint.protocol import ParticipantKind, RecoveryMode
 
 from ._core import CoreEvent, ParticipantCore, WorkKey
 from ._store import Record
-from ._types import ParticipantKind, RecoveryMode
 
 __all__ = [
     "Deadline",

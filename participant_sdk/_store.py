@@ -36,14 +36,14 @@ import secrets
 import shutil
 import stat
 import threading
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final, NoReturn
+from typing import Any, Final, NoReturn, Protocol
 
-from turnpoint.ids import EpisodeId, InvalidIdError, validate_id
+from turnpoint.ids import EpisodeId, validate_id
+from turnpoint.protocol import ArtifactRef
 
 __all__ = [
     "MANIFEST_NAME",
@@ -52,6 +52,7 @@ __all__ = [
     "ArtifactRef",
     "CorruptSnapshotError",
     "Corruption",
+    "FaultHook",
     "FaultPoint",
     "LoadedSnapshot",
     "Record",
@@ -59,7 +60,6 @@ __all__ = [
     "SnapshotEntry",
     "SnapshotStore",
     "StoreError",
-    "StoreFaults",
     "UnserialisableRecordError",
     "WriteCancelled",
     "WriteState",
@@ -182,33 +182,6 @@ class Record:
         if not isinstance(self.episode, EpisodeId):
             raise TypeError(f"episode must be an EpisodeId, not {type(self.episode).__name__}")
         validate_id(self.key, "record key")
-
-
-@dataclass(frozen=True, slots=True)
-class ArtifactRef:
-    """One durable file of a snapshot, as commit replies and restore requests name it.
-
-    ``path`` is relative to ``<root>/<snapshot>``: ``"<instance>/<file name>"``, both
-    components valid ids, so it can never be absolute or contain ``..``.
-    """
-
-    path: str
-    sha256: str
-    size_bytes: int
-    record_count: int
-
-    def __post_init__(self) -> None:
-        parts = self.path.split("/") if isinstance(self.path, str) else []
-        if len(parts) != 2:
-            raise InvalidIdError("artifact path", self.path, "must be '<instance>/<file name>'")
-        validate_id(parts[0], "artifact path instance")
-        validate_id(parts[1], "artifact path file name")
-        if not isinstance(self.sha256, str) or not _SHA256_HEX.fullmatch(self.sha256):
-            raise InvalidIdError("sha256", self.sha256, "must be 64 lowercase hex characters")
-        for name in ("size_bytes", "record_count"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise InvalidIdError(name, value, "must be an integer >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -350,7 +323,7 @@ class WriteTicket:
 
 
 class FaultPoint(enum.Enum):
-    """Named places in the write path where :class:`StoreFaults` can strike."""
+    """Named places in the write path where a :class:`FaultHook` can strike."""
 
     # Before each chunk of the temporary records file is written.
     RECORDS_WRITE = "records_write"
@@ -360,95 +333,14 @@ class FaultPoint(enum.Enum):
     MANIFEST_WRITE = "manifest_write"
 
 
-@dataclass(frozen=True, slots=True)
-class _Block:
-    release: threading.Event
-    reached: threading.Event
+class FaultHook(Protocol):
+    """Called at each :class:`FaultPoint` a write passes; may block or raise ``OSError``.
 
-
-class StoreFaults:
-    """Deterministic, named fault injection for the store's write path.
-
-    Failures raise a real ``OSError`` (``ENOSPC`` by default) from inside the write, so
-    callers see exactly what a full disk gives them. Blocks hold a write at a point
-    until the test sets an event, so a test can keep a write "in progress" without
-    sleeping. Thread-safe; each armed fault fires once per hit, in arming order.
+    Production stores have none; :class:`turnpoint.participant_sdk.testing.StoreFaults`
+    is the deterministic, named implementation tests and ``--faults`` use.
     """
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._failures: dict[FaultPoint, deque[int]] = {point: deque() for point in FaultPoint}
-        self._blocks: dict[FaultPoint, deque[_Block]] = {point: deque() for point in FaultPoint}
-        self._hits: dict[FaultPoint, int] = dict.fromkeys(FaultPoint, 0)
-
-    def fail_at(self, point: FaultPoint, count: int = 1, error: int = errno.ENOSPC) -> None:
-        """Make the next ``count`` passes through ``point`` raise ``OSError(error)``."""
-        if count < 0:
-            raise ValueError("count must be >= 0")
-        with self._lock:
-            self._failures[point].extend([error] * count)
-
-    def fail_writes(self, count: int = 1, error: int = errno.ENOSPC) -> None:
-        """Make the next ``count`` records writes fail as a full disk would."""
-        self.fail_at(FaultPoint.RECORDS_WRITE, count, error)
-
-    def block_at(self, point: FaultPoint, release: threading.Event) -> threading.Event:
-        """Hold the next pass through ``point`` until ``release`` is set.
-
-        Returns an event that is set once a write is being held there.
-        """
-        reached = threading.Event()
-        with self._lock:
-            self._blocks[point].append(_Block(release, reached))
-        return reached
-
-    def slow_write(self, release: threading.Event) -> threading.Event:
-        """Hold the next records write until ``release`` is set (see :meth:`block_at`)."""
-        return self.block_at(FaultPoint.RECORDS_WRITE, release)
-
-    def hits(self, point: FaultPoint) -> int:
-        """How many times a write has passed ``point``."""
-        with self._lock:
-            return self._hits[point]
-
-    @classmethod
-    def from_spec(cls, spec: str) -> StoreFaults:
-        """Build failures from ``"point:count[:ERRNO],..."``, e.g. ``"records_write:2:ENOSPC"``.
-
-        For servers started as subprocesses, which cannot be handed an object.
-        """
-        faults = cls()
-        for item in filter(None, (part.strip() for part in spec.split(","))):
-            fields = item.split(":")
-            if len(fields) not in (2, 3):
-                raise ValueError(f"fault {item!r}: expected 'point:count[:ERRNO]'")
-            try:
-                point = FaultPoint(fields[0])
-            except ValueError:
-                names = ", ".join(p.value for p in FaultPoint)
-                raise ValueError(f"fault {item!r}: unknown point (one of {names})") from None
-            if not fields[1].isdigit():
-                raise ValueError(f"fault {item!r}: count must be a non-negative integer")
-            code = errno.ENOSPC
-            if len(fields) == 3:
-                found = getattr(errno, fields[2], None)
-                if not fields[2].startswith("E") or not isinstance(found, int):
-                    raise ValueError(f"fault {item!r}: unknown errno name {fields[2]!r}")
-                code = found
-            faults.fail_at(point, int(fields[1]), code)
-        return faults
-
-    def _hit(self, point: FaultPoint, path: Path) -> None:
-        with self._lock:
-            self._hits[point] += 1
-            block = self._blocks[point].popleft() if self._blocks[point] else None
-        if block is not None:
-            block.reached.set()
-            block.release.wait()
-        with self._lock:
-            code = self._failures[point].popleft() if self._failures[point] else None
-        if code is not None:
-            raise OSError(code, os.strerror(code), str(path))
+    def hit(self, point: FaultPoint, path: Path) -> None: ...
 
 
 # --------------------------------------------------------------------------- the store
@@ -457,13 +349,17 @@ class StoreFaults:
 class SnapshotStore:
     """Writes and reads participant snapshots under one configured root directory."""
 
-    def __init__(self, root: str | os.PathLike[str], *, faults: StoreFaults | None = None) -> None:
+    def __init__(self, root: str | os.PathLike[str], *, faults: FaultHook | None = None) -> None:
         self._root = Path(root)
-        self._faults = faults if faults is not None else StoreFaults()
+        self._faults = faults
 
     @property
     def root(self) -> Path:
         return self._root
+
+    def _hit(self, point: FaultPoint, path: Path) -> None:
+        if self._faults is not None:
+            self._faults.hit(point, path)
 
     def instance_dir(self, snapshot: str, instance: str) -> Path:
         """``<root>/<snapshot>/<instance>``; raises ``InvalidIdError`` on a bad id."""
@@ -567,7 +463,7 @@ class SnapshotStore:
         try:
             temp.unlink()
             os.fsync(dir_fd)
-            self._faults._hit(FaultPoint.PUBLISH, final)
+            self._hit(FaultPoint.PUBLISH, final)
             if not ticket._begin_publish():
                 raise WriteCancelled(snapshot, instance, manifest.checkpoint_id)
             manifest_temp = self._write_temp(
@@ -642,7 +538,7 @@ class SnapshotStore:
             try:
                 view = memoryview(data)
                 for offset in range(0, max(len(view), 1), _CHUNK_BYTES):
-                    self._faults._hit(point, path)
+                    self._hit(point, path)
                     if ticket is not None and not ticket._still_writing():
                         raise WriteCancelled(directory.parent.name, directory.name, checkpoint_id)
                     _write_all(fd, view[offset : offset + _CHUNK_BYTES])

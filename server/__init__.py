@@ -2,25 +2,31 @@
 
 :func:`host_participant` serves a :class:`~turnpoint.participant_sdk.ParticipantRuntime`
 (the control service and its kind's data plane) on a :class:`ParticipantServer` under
-bearer-token auth and optional mutual TLS; :func:`auth_metadata` is the client half of
-the auth. :func:`build_example` makes the example Gym servers the demo and tests run.
+bearer-token auth and optional mutual TLS; :func:`auth_metadata` (re-exported from
+:mod:`turnpoint.auth`) is the client half of the auth. The example Gym servers live
+with the applications, in ``turnpoint.apps.examples``.
 """
 
-from turnpoint.server._auth import (
+from turnpoint.auth import (
+    ACCEPTED_METADATA,
     TOKEN_ENV,
     TOKEN_FILE_ENV,
-    BearerTokenInterceptor,
     auth_metadata,
     bearer_call_credentials,
     load_token,
     validate_token,
 )
+from turnpoint.server._auth import BearerTokenInterceptor
 from turnpoint.server._control import ControlServicer
 from turnpoint.server._data import (
-    ACCEPTED_METADATA,
     PolicyServicer,
     ResourcesServicer,
     RolloutServicer,
+)
+from turnpoint.server._host import (
+    HostedParticipant,
+    host_participant,
+    register_runtime,
 )
 from turnpoint.server._hosting import (
     CONTROL_SERVICE,
@@ -35,21 +41,12 @@ from turnpoint.server._hosting import (
     ServerState,
     check_list_length,
 )
-from turnpoint.server._serve import (
-    EXAMPLES,
-    ExampleSpec,
-    HostedParticipant,
-    build_example,
-    host_participant,
-    register_runtime,
-)
 
 __all__ = [
     "ACCEPTED_METADATA",
     "CONTROL_SERVICE",
     "DATA_PLANE_SERVICES",
     "DEFAULT_MAX_LIST_LENGTH",
-    "EXAMPLES",
     "HEALTH_SERVICE",
     "REFLECTION_SERVICES",
     "TOKEN_ENV",
@@ -57,7 +54,6 @@ __all__ = [
     "BearerTokenInterceptor",
     "ControlServicer",
     "DrainHook",
-    "ExampleSpec",
     "HostedParticipant",
     "ParticipantServer",
     "PolicyServicer",
@@ -68,7 +64,6 @@ __all__ = [
     "ServerState",
     "auth_metadata",
     "bearer_call_credentials",
-    "build_example",
     "check_list_length",
     "host_participant",
     "load_token",

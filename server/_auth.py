@@ -7,10 +7,8 @@ time; a refused call ends UNAUTHENTICATED with a ``google.rpc.Status`` carrying 
 protected unless named open (deny by default), so a servicer added later is never
 exposed by accident. The token appears in no log line, error, or repr.
 
-The client side is plain metadata passed with each call (:func:`auth_metadata`), which
-works on plaintext and TLS channels alike; :func:`bearer_call_credentials` attaches it
-to every call instead, on TLS channels only (gRPC refuses call credentials on an
-insecure channel).
+The client side (:func:`turnpoint.auth.auth_metadata`) lives in the core, so that a
+coordinator authenticates without importing the server package.
 """
 
 from __future__ import annotations
@@ -18,89 +16,27 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-import os
-from collections.abc import Awaitable, Callable, Collection, Iterable, Mapping
-from pathlib import Path
+from collections.abc import Awaitable, Callable, Collection, Iterable
 from typing import TYPE_CHECKING, Any, Final
 
 import grpc
 
 from turnpoint._status import error_to_grpc_status
+from turnpoint.auth import AUTHORIZATION_KEY, BEARER_SCHEME, validate_token
 from turnpoint.errors import Reason, TurnpointError
 
-__all__ = [
-    "TOKEN_ENV",
-    "TOKEN_FILE_ENV",
-    "BearerTokenInterceptor",
-    "auth_metadata",
-    "bearer_call_credentials",
-    "load_token",
-    "validate_token",
-]
+__all__ = ["BearerTokenInterceptor"]
 
 _log = logging.getLogger(__name__)
 
-TOKEN_ENV: Final = "TURNPOINT_TOKEN"
-TOKEN_FILE_ENV: Final = "TURNPOINT_TOKEN_FILE"
-
-_AUTHORIZATION: Final = "authorization"
-_SCHEME: Final = "bearer"
-_MAX_TOKEN_CHARS: Final = 4096
+_AUTHORIZATION: Final = AUTHORIZATION_KEY
+_SCHEME: Final = BEARER_SCHEME
 
 if TYPE_CHECKING:
     _Handler = grpc.RpcMethodHandler[Any, Any]
     _InterceptorBase = grpc.aio.ServerInterceptor[Any, Any]
 else:
     _InterceptorBase = grpc.aio.ServerInterceptor
-
-
-def validate_token(token: str) -> str:
-    """The token if it can travel in gRPC metadata; the error never quotes it."""
-    if not token:
-        raise ValueError("the bearer token is empty")
-    if len(token) > _MAX_TOKEN_CHARS:
-        raise ValueError(f"the bearer token is longer than {_MAX_TOKEN_CHARS} characters")
-    # Visible ASCII only: metadata values are ASCII, and a space or newline would make
-    # "Bearer <token>" ambiguous to parse.
-    if not all("!" <= char <= "~" for char in token):
-        raise ValueError("the bearer token must be visible ASCII without spaces")
-    return token
-
-
-def load_token(
-    token_file: str | Path | None = None,
-    *,
-    environ: Mapping[str, str] | None = None,
-) -> str | None:
-    """The server's token: ``token_file``, else ``$TURNPOINT_TOKEN``, else the file named
-    by ``$TURNPOINT_TOKEN_FILE``; None when none is configured.
-
-    A file's trailing newline is dropped. Reads a file: call it before the event loop
-    starts or through ``asyncio.to_thread``.
-    """
-    env = os.environ if environ is None else environ
-    if token_file is None:
-        inline = env.get(TOKEN_ENV)
-        if inline:
-            return validate_token(inline)
-        token_file = env.get(TOKEN_FILE_ENV) or None
-        if token_file is None:
-            return None
-    try:
-        text = Path(token_file).read_text(encoding="ascii")
-    except (OSError, UnicodeDecodeError) as err:
-        raise ValueError(f"cannot read the token file {str(token_file)!r}: {err}") from None
-    return validate_token(text.strip())
-
-
-def auth_metadata(token: str) -> tuple[tuple[str, str], ...]:
-    """Call metadata that authenticates one call: ``stub.X(req, metadata=auth_metadata(t))``."""
-    return ((_AUTHORIZATION, f"Bearer {validate_token(token)}"),)
-
-
-def bearer_call_credentials(token: str) -> grpc.CallCredentials:
-    """Per-call credentials for a TLS channel (``grpc.composite_channel_credentials``)."""
-    return grpc.access_token_call_credentials(validate_token(token))
 
 
 def _digest(value: bytes) -> bytes:

@@ -24,6 +24,7 @@ from turnpoint._convert import (
     timestamp_from_seconds,
 )
 from turnpoint._status import abort
+from turnpoint.auth import ACCEPTED_METADATA
 from turnpoint.errors import TurnpointError
 from turnpoint.ids import InvalidIdError
 from turnpoint.participant_sdk import (
@@ -47,11 +48,10 @@ from turnpoint.v1 import (
     rollout_service_pb2_grpc,
 )
 
-__all__ = ["ACCEPTED_METADATA", "PolicyServicer", "ResourcesServicer", "RolloutServicer"]
+__all__ = ["PolicyServicer", "ResourcesServicer", "RolloutServicer"]
 
 # Initial metadata a Run sends the moment the participant owns the attempt, before the
 # first boundary: the trainer counts an attempt as dispatched only from then on.
-ACCEPTED_METADATA = (("turnpoint-accepted", "1"),)
 
 Context = grpc.aio.ServicerContext[Any, Any]
 

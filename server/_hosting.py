@@ -29,8 +29,9 @@ from grpc_reflection.v1alpha import reflection
 
 from turnpoint._keepalive import DEFAULT_MAX_MESSAGE_BYTES, server_options
 from turnpoint._tls import server_credentials
+from turnpoint.auth import validate_token
 from turnpoint.errors import Reason, TurnpointError
-from turnpoint.server._auth import BearerTokenInterceptor, validate_token
+from turnpoint.server._auth import BearerTokenInterceptor
 from turnpoint.v1 import (
     checkpoint_control_service_pb2,
     policy_service_pb2,

@@ -10,7 +10,9 @@
 - :class:`CoordinatorConfig` is the one typed configuration.
 """
 
-from turnpoint.trainer._anchor import AnchorError, AnchorWriter, load_anchor, save_anchor
+from typing import TYPE_CHECKING, Any
+
+from turnpoint.protocol import RecoveryLevel
 from turnpoint.trainer._config import ConfigError, CoordinatorConfig
 from turnpoint.trainer._coordinator import (
     CommitFailed,
@@ -31,8 +33,7 @@ from turnpoint.trainer._inspect import inspect_root
 from turnpoint.trainer._interfaces import InFlightRollout, RolloutSide
 from turnpoint.trainer._manifest import ManifestError, SnapshotLayout, SnapshotManifest
 from turnpoint.trainer._metrics import CoordinatorMetrics
-from turnpoint.trainer._policy_gradient import Sample, StepStats, policy_gradient_step
-from turnpoint.trainer._recovery import Level, LevelDecision, decide_levels
+from turnpoint.trainer._recovery import LevelDecision, decide_levels
 from turnpoint.trainer._restore import (
     NoUsableSnapshotError,
     Redispatch,
@@ -80,13 +81,13 @@ __all__ = [
     "FailureReason",
     "Hold",
     "InFlightRollout",
-    "Level",
     "LevelDecision",
     "ManifestError",
     "NoUsableSnapshotError",
     "ParticipantInfo",
     "PrepareFailed",
     "PreparedCheckpoint",
+    "RecoveryLevel",
     "Redispatch",
     "Rerun",
     "RestoreFailed",
@@ -99,7 +100,6 @@ __all__ = [
     "RolloutOutcome",
     "RolloutResult",
     "RolloutSide",
-    "Sample",
     "SnapshotDriver",
     "SnapshotFailuresError",
     "SnapshotInvariantError",
@@ -110,7 +110,6 @@ __all__ = [
     "SnapshotPump",
     "SnapshotReport",
     "SnapshotRunError",
-    "StepStats",
     "Topology",
     "TorchAnchorSource",
     "apply_plan",
@@ -119,7 +118,21 @@ __all__ = [
     "inspect_root",
     "load_anchor",
     "plan_restore",
-    "policy_gradient_step",
     "save_anchor",
     "torch_anchor_loader",
 ]
+
+if TYPE_CHECKING:
+    from turnpoint.trainer._anchor import AnchorError, AnchorWriter, load_anchor, save_anchor
+
+# The torch-backed anchor loads on first use, so that importing the coordinator does
+# not import torch (a trainer on another framework supplies its own AnchorSource).
+_LAZY = {"AnchorError", "AnchorWriter", "load_anchor", "save_anchor"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        from turnpoint.trainer import _anchor
+
+        return getattr(_anchor, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -27,20 +27,19 @@ from collections.abc import Callable, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, Self
+from typing import Any, Self
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
+
+from turnpoint.protocol import RecoveryLevel
 
 __all__ = [
     "ConfigError",
     "ConfigProblem",
     "ConfigSection",
     "CoordinatorConfig",
-    "RecoveryLevel",
 ]
-
-RecoveryLevel = Literal["turn", "sibling", "prompt_group"]
 
 _RULE_ERROR_TYPE = "config_rule"
 
@@ -171,7 +170,7 @@ class CoordinatorConfig(ConfigSection):
     keep_snapshots: int = Field(default=2, ge=1)
     """Published snapshots retained; the one ``LATEST`` names is always kept."""
 
-    target_level: RecoveryLevel = "turn"
+    target_level: RecoveryLevel = Field(default=RecoveryLevel.TURN, strict=False)
     """Finest recovery level wanted; each environment gets the finest it supports."""
 
     max_blockers_listed: int = Field(default=32, ge=1)

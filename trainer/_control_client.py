@@ -35,8 +35,8 @@ from google.protobuf import duration_pb2
 
 from turnpoint._keepalive import control_channel
 from turnpoint._status import control_error_to_error, error_from_rpc, grpc_code
+from turnpoint.auth import auth_metadata
 from turnpoint.errors import Reason, TurnpointError, is_transient
-from turnpoint.server import auth_metadata
 from turnpoint.v1 import checkpoint_control_service_pb2 as pb
 from turnpoint.v1 import checkpoint_control_service_pb2_grpc as pb_grpc
 from turnpoint.v1 import types_pb2

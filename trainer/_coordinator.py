@@ -63,7 +63,13 @@ import grpc
 from turnpoint._convert import duration_from_seconds, episode_to_proto
 from turnpoint.errors import Reason, TurnpointError
 from turnpoint.ids import EpisodeId, InvalidIdError, validate_id
-from turnpoint.participant_sdk._types import ParticipantKind, RecoveryMode, VerifyMode
+from turnpoint.protocol import (
+    PROTOCOL_VERSION,
+    ParticipantKind,
+    RecoveryLevel,
+    RecoveryMode,
+    VerifyMode,
+)
 from turnpoint.trainer._config import CoordinatorConfig
 from turnpoint.trainer._control_client import (
     ControlCallError,
@@ -89,7 +95,7 @@ from turnpoint.trainer._manifest import (
     SnapshotManifest,
 )
 from turnpoint.trainer._metrics import CoordinatorMetrics
-from turnpoint.trainer._recovery import EnvironmentMember, Level
+from turnpoint.trainer._recovery import EnvironmentMember
 from turnpoint.v1 import checkpoint_control_service_pb2 as pb
 from turnpoint.v1 import types_pb2
 
@@ -113,7 +119,6 @@ __all__ = [
 
 _LOG = logging.getLogger(__name__)
 
-PROTOCOL_VERSION: Final = "turnpoint.v1"
 COORDINATOR_FILE: Final = "coordinator.json"
 
 # A commit or restore that ran out of time keeps working on the participant; one retry
@@ -242,7 +247,7 @@ class ParticipantInfo:
     verify_mode: VerifyMode | None
     group_scored: bool
     group_size: int
-    supported_levels: frozenset[Level]
+    supported_levels: frozenset[RecoveryLevel]
     environment: str
     data_plane_address: str = ""
 
@@ -268,10 +273,10 @@ class ParticipantInfo:
             types_pb2.RecoveryMode, response.recovery_mode, RecoveryMode, "RECOVERY_MODE_"
         )
         levels = frozenset(
-            Level[name]
+            RecoveryLevel[name]
             for value in response.supported_levels
             if (name := types_pb2.RecoveryLevel.Name(value).removeprefix("RECOVERY_LEVEL_"))
-            in Level.__members__
+            in RecoveryLevel.__members__
         )
         return cls(
             instance=instance,

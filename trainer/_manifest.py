@@ -75,7 +75,7 @@ from turnpoint.ids import (
     validate_attempt,
     validate_id,
 )
-from turnpoint.participant_sdk._types import ParticipantKind
+from turnpoint.protocol import ArtifactRef, ParticipantKind
 
 __all__ = [
     "ANCHOR_DIR",
@@ -214,40 +214,27 @@ def _check_json_object(value: object, where: str) -> dict[str, JSONValue]:
 # -- manifest parts --------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
-class ArtifactRef:
-    """A file a participant wrote: path relative to the snapshot directory."""
+def _artifact_to_dict(artifact: ArtifactRef) -> dict[str, JSONValue]:
+    return {
+        "path": artifact.path,
+        "sha256": artifact.sha256,
+        "size_bytes": artifact.size_bytes,
+        "record_count": artifact.record_count,
+    }
 
-    path: str
-    sha256: str
-    size_bytes: int
-    record_count: int
 
-    def __post_init__(self) -> None:
-        _check_relpath(self.path, "artifact.path")
-        _check_digest(self.sha256, f"artifact {self.path!r} sha256")
-        _check_count(self.size_bytes, f"artifact {self.path!r} size_bytes")
-        _check_count(self.record_count, f"artifact {self.path!r} record_count")
-
-    def to_dict(self) -> dict[str, JSONValue]:
-        return {
-            "path": self.path,
-            "sha256": self.sha256,
-            "size_bytes": self.size_bytes,
-            "record_count": self.record_count,
-        }
-
-    @classmethod
-    def from_dict(cls, raw: object, where: str) -> Self:
-        fields = _Fields(raw, where)
-        result = cls(
-            path=fields.take("path", _check_relpath),
-            sha256=fields.take("sha256", _check_digest),
-            size_bytes=fields.take("size_bytes", _check_count),
-            record_count=fields.take("record_count", _check_count),
-        )
-        fields.done()
-        return result
+def _artifact_from_dict(raw: object, where: str) -> ArtifactRef:
+    """The one :class:`~turnpoint.protocol.ArtifactRef` validation, failing as a manifest error."""
+    fields = _Fields(raw, where)
+    path = fields.take("path", _check_relpath)
+    sha256 = fields.take("sha256", _check_digest)
+    size_bytes = fields.take("size_bytes", _check_count)
+    record_count = fields.take("record_count", _check_count)
+    fields.done()
+    try:
+        return ArtifactRef(path, sha256, size_bytes, record_count)
+    except InvalidIdError as error:
+        raise _fail(f"{where}.{error.field}", error.why) from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -380,8 +367,8 @@ class ParticipantEntry:
             "instance": self.instance,
             "kind": self.kind.value,
             "incarnation": self.incarnation,
-            "artifacts": [artifact.to_dict() for artifact in self.artifacts],
-            "manifest": None if self.manifest is None else self.manifest.to_dict(),
+            "artifacts": [_artifact_to_dict(artifact) for artifact in self.artifacts],
+            "manifest": None if self.manifest is None else _artifact_to_dict(self.manifest),
             "exported": [_episode_to_dict(episode) for episode in self.exported],
         }
 
@@ -400,12 +387,12 @@ class ParticipantEntry:
             kind=kind,
             incarnation=fields.take("incarnation", _check_str),
             artifacts=tuple(
-                ArtifactRef.from_dict(item, f"{where}.artifacts[{index}]")
+                _artifact_from_dict(item, f"{where}.artifacts[{index}]")
                 for index, item in enumerate(fields.take("artifacts", _check_list))
             ),
             manifest=None
             if manifest_raw is None
-            else ArtifactRef.from_dict(manifest_raw, f"{where}.manifest"),
+            else _artifact_from_dict(manifest_raw, f"{where}.manifest"),
             exported=tuple(
                 _episode_from_dict(item, f"{where}.exported[{index}]")
                 for index, item in enumerate(fields.take("exported", _check_list))

@@ -11,36 +11,16 @@ Pure: no grpc, no asyncio, no clock.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
+from turnpoint.protocol import RecoveryLevel
+
 __all__ = [
     "EnvironmentMember",
-    "Level",
     "LevelDecision",
     "decide_levels",
 ]
-
-
-class Level(enum.IntEnum):
-    """Recovery levels, ordered finest (lowest) to coarsest (highest)."""
-
-    TURN = 1
-    SIBLING = 2
-    PROMPT_GROUP = 3
-
-    @classmethod
-    def parse(cls, text: str) -> Level:
-        try:
-            return cls[text.upper()]
-        except KeyError:
-            valid = ", ".join(level.name.lower() for level in cls)
-            raise ValueError(f"unknown recovery level {text!r}; choose one of {valid}") from None
-
-    @property
-    def label(self) -> str:
-        return self.name.lower()
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,7 +30,7 @@ class EnvironmentMember:
     instance: str
     kind: str  # "agent", "resources", "model", "environment"
     recovery_mode: str  # "stateless", "exported", "restart_only"
-    supported_levels: frozenset[Level]
+    supported_levels: frozenset[RecoveryLevel]
     group_scored: bool = False
     group_size: int = 0
 
@@ -60,8 +40,8 @@ class LevelDecision:
     """The effective level of one environment and why it differs from the target."""
 
     environment: str
-    target: Level
-    effective: Level
+    target: RecoveryLevel
+    effective: RecoveryLevel
     reasons: tuple[str, ...]
     group_scored: bool
 
@@ -77,18 +57,18 @@ class LevelDecision:
         )
 
 
-def _coarsest_needed(member: EnvironmentMember) -> tuple[Level, str | None]:
+def _coarsest_needed(member: EnvironmentMember) -> tuple[RecoveryLevel, str | None]:
     if member.recovery_mode == "restart_only":
         # Its sessions start over, so a saved turn that depends on them cannot continue.
-        return Level.SIBLING, f"{member.instance} is restart-only"
-    if member.supported_levels and Level.TURN not in member.supported_levels:
+        return RecoveryLevel.SIBLING, f"{member.instance} is restart-only"
+    if member.supported_levels and RecoveryLevel.TURN not in member.supported_levels:
         finest = min(member.supported_levels)
         return finest, f"{member.instance} supports {finest.label} at the finest"
-    return Level.TURN, None
+    return RecoveryLevel.TURN, None
 
 
 def decide_levels(
-    target: Level, environments: Mapping[str, Iterable[EnvironmentMember]]
+    target: RecoveryLevel, environments: Mapping[str, Iterable[EnvironmentMember]]
 ) -> dict[str, LevelDecision]:
     """Each environment's effective level: the finest at or below ``target`` it supports."""
     decisions: dict[str, LevelDecision] = {}

@@ -50,7 +50,7 @@ from turnpoint.ids import (
     validate_attempt,
     validate_id,
 )
-from turnpoint.participant_sdk._types import ParticipantKind
+from turnpoint.protocol import ParticipantKind, RecoveryLevel
 from turnpoint.trainer._config import CoordinatorConfig
 from turnpoint.trainer._coordinator import Coordinator, RestoreFailed, Topology
 from turnpoint.trainer._interfaces import InFlightRollout
@@ -64,7 +64,7 @@ from turnpoint.trainer._manifest import (
     TrainerRolloutState,
 )
 from turnpoint.trainer._metrics import CoordinatorMetrics
-from turnpoint.trainer._recovery import Level, LevelDecision, decide_levels
+from turnpoint.trainer._recovery import LevelDecision, decide_levels
 
 if TYPE_CHECKING:
     import torch
@@ -263,7 +263,7 @@ def _descriptor(raw: Mapping[str, JSONValue], where: str, checkpoint_id: str) ->
 def plan_restore(
     manifest: SnapshotManifest,
     topology: Topology,
-    target: Level,
+    target: RecoveryLevel,
     *,
     restore_id: str,
     step: int | None = None,
@@ -341,11 +341,11 @@ def plan_restore(
         burned = retired_ids.get(rollout.episode.rollout_id)
         return number if burned is None else max(number, burned + 1)
 
-    def resumable(rollout_id: str, level: Level) -> bool:
+    def resumable(rollout_id: str, level: RecoveryLevel) -> bool:
         return (
             rollout_id in continued
             and accepted[rollout_id]
-            and level is Level.TURN
+            and level is RecoveryLevel.TURN
             and not restore_failed
         )
 
@@ -369,7 +369,7 @@ def plan_restore(
         can_resume = {
             r.episode.rollout_id: resumable(r.episode.rollout_id, level) for r in siblings
         }
-        whole = level is Level.PROMPT_GROUP or (
+        whole = level is RecoveryLevel.PROMPT_GROUP or (
             decision.group_scored and not all(can_resume.values())
         )
         for rollout in siblings:
@@ -595,7 +595,7 @@ class Restorer:
         selected = await self.select(topology)
         if selected is None:
             return None
-        target = Level.parse(self._config.target_level)
+        target = RecoveryLevel.parse(self._config.target_level)
         plan = plan_restore(
             selected.manifest, topology, target, restore_id=restore_id, step=selected.step
         )

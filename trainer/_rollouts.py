@@ -77,9 +77,9 @@ from turnpoint._convert import (
 )
 from turnpoint._keepalive import data_channel
 from turnpoint._status import error_from_rpc
+from turnpoint.auth import ACCEPTED_METADATA, auth_metadata
 from turnpoint.errors import Reason, TurnpointError
 from turnpoint.ids import EpisodeId, InvalidIdError, validate_attempt, validate_id
-from turnpoint.server import ACCEPTED_METADATA, auth_metadata
 from turnpoint.trainer._deadlines import DeadlineRegistry, Hold
 from turnpoint.trainer._interfaces import InFlightRollout, UnackedDecision
 from turnpoint.trainer._manifest import JSONValue, ManifestError, TrainerRolloutState

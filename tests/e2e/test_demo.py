@@ -1,6 +1,6 @@
 """The main job end to end: ``turnpoint demo`` as a user runs it, crashes and all.
 
-Every test runs the real command in a subprocess (``python -m turnpoint._cli demo``):
+Every test runs the real command in a subprocess (``python -m turnpoint.apps._cli demo``):
 real ``turnpoint serve`` participants (or Ray actors), the real trainer with torch, a
 real crash (SIGKILL of the trainer and one agent), a job restart and a restore. Each
 asserts what a user relies on: exit status 0, ``audit: passed`` (every prompt group
@@ -10,7 +10,7 @@ The kill points (``--crash-at POINT:2``) go further, from the logs: the restore 
 newest *published* snapshot (the one being taken only once its manifest is linked,
 never a half-written one), and the rollouts it cut continue as attempt N+1 from their
 saved turns. ``:2`` counts snapshots that cut rollouts in flight (see
-:mod:`turnpoint.trainer._kill_switch`), so there is always an earlier one to fall back
+:mod:`turnpoint.apps.demo._kill_switch`), so there is always an earlier one to fall back
 to and always saved turns to continue.
 
 Runs are short on purpose (eight steps, a fifth of a second between snapshots, two
@@ -29,14 +29,14 @@ from typing import Any
 
 import pytest
 
+from turnpoint.apps.demo import CRASH_POINTS
+from turnpoint.apps.demo._kill_switch import KillPoint
 from turnpoint.ids import checkpoint_sequence
-from turnpoint.server.demo import CRASH_POINTS
-from turnpoint.trainer._kill_switch import KillPoint
 from turnpoint.trainer._snapshots import EPOCH_STRIDE
 
 pytestmark = pytest.mark.slow
 
-DEMO = (sys.executable, "-m", "turnpoint._cli", "demo")
+DEMO = (sys.executable, "-m", "turnpoint.apps._cli", "demo")
 SHORT = (
     "--steps",
     "8",

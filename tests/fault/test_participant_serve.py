@@ -29,7 +29,7 @@ async def test_turnpoint_serve_goes_not_serving_on_sigterm_and_exits_0(tmp_path:
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "turnpoint._cli",
+        "turnpoint.apps._cli",
         "serve",
         "--kind",
         "model",

@@ -18,15 +18,15 @@ from typing import Any
 
 import pytest
 
-from turnpoint._cli import main
-from turnpoint.server.bench import (
+from turnpoint.apps._cli import main
+from turnpoint.apps.bench import (
     BenchReport,
     OverheadRow,
     RestoreResult,
     ThroughputResult,
     render_table,
 )
-from turnpoint.server.bench._workload import RunFigures
+from turnpoint.apps.bench._workload import RunFigures
 
 SIZES = (2, 3)
 ROW_KEYS = {

@@ -29,11 +29,11 @@ from tests.support.participants import TOKEN as REAL_TOKEN
 from tests.support.participants import Topology as RealTopology
 from tests.support.participants import start_topology
 from turnpoint._status import error_to_control_error, error_to_grpc_status
+from turnpoint.apps.examples._task import make_prompt
 from turnpoint.errors import Reason, TurnpointError
 from turnpoint.ids import EpisodeId
-from turnpoint.participant_sdk._types import ParticipantKind, Phase
+from turnpoint.protocol import ParticipantKind, Phase, RecoveryLevel
 from turnpoint.server import BearerTokenInterceptor
-from turnpoint.server.examples._task import make_prompt
 from turnpoint.trainer._config import CoordinatorConfig
 from turnpoint.trainer._control_client import ControlResponse, FailureKind
 from turnpoint.trainer._coordinator import (
@@ -54,7 +54,6 @@ from turnpoint.trainer._manifest import (
     tree_digest,
 )
 from turnpoint.trainer._metrics import CoordinatorMetrics
-from turnpoint.trainer._recovery import Level
 from turnpoint.trainer._restore import RerunReason, Restorer, apply_plan
 from turnpoint.trainer._rollouts import AgentEndpoint, Rollout, RolloutClient, RolloutOutcome
 from turnpoint.trainer._snapshots import (
@@ -584,7 +583,7 @@ async def test_discover_reports_each_participant_and_fences_every_request(fleet:
     assert topology.agents == ("agent-0",)
     assert topology.of_kind(ParticipantKind.MODEL) == ("model-0",)
     assert [m.instance for m in topology.environments()["math"]] == ["agent-0", "res-0"]
-    assert topology.participants["res-0"].supported_levels == {Level.TURN}
+    assert topology.participants["res-0"].supported_levels == {RecoveryLevel.TURN}
     (describe,) = agent.calls("describe")
     assert (describe.fence.coordinator_id, describe.fence.epoch) == ("coord-test", 7)
 

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from turnpoint.server.demo import DemoError, DemoOptions, ProcessLauncher, prepare_out_dir, run_demo
+from turnpoint.apps.demo import DemoError, DemoOptions, ProcessLauncher, prepare_out_dir, run_demo
 
 TIMEOUT_S = 60.0
 

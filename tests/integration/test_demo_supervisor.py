@@ -24,9 +24,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rich.console import Console
 
-from turnpoint._cli import main
-from turnpoint.server._auth import auth_metadata
-from turnpoint.server.demo import (
+from turnpoint.apps._cli import main
+from turnpoint.apps.demo import (
     DemoError,
     DemoOptions,
     DemoPaths,
@@ -36,12 +35,13 @@ from turnpoint.server.demo import (
     run_demo,
     trainer_command,
 )
-from turnpoint.server.demo._supervisor import (
+from turnpoint.apps.demo._supervisor import (
     Participant,
     start_participants,
     stop_participants,
     write_topology,
 )
+from turnpoint.auth import auth_metadata
 from turnpoint.v1 import checkpoint_control_service_pb2 as pb
 from turnpoint.v1 import checkpoint_control_service_pb2_grpc as pb_grpc
 
@@ -458,7 +458,7 @@ def test_the_trainer_command_carries_every_setting(tmp_path: Path) -> None:
     command = trainer_command(options, paths, resume=True)
 
     assert command == [
-        sys.executable, "-m", "turnpoint.trainer._demo_trainer",
+        sys.executable, "-m", "turnpoint.apps.demo._trainer",
         "--topology", str(tmp_path / "topology.json"),
         "--out", str(tmp_path),
         "--steps", "7", "--group-size", "3", "--groups-per-step", "5",
@@ -469,7 +469,7 @@ def test_the_trainer_command_carries_every_setting(tmp_path: Path) -> None:
 
 def test_ray_address_implies_ray() -> None:
     parser_args = ["demo", "--ray-address", "10.0.0.1:6379"]
-    from turnpoint._cli import build_parser
+    from turnpoint.apps._cli import build_parser
 
     options = DemoOptions.from_args(build_parser().parse_args(parser_args))
     assert options.ray and options.ray_address == "10.0.0.1:6379"

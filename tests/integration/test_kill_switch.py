@@ -9,10 +9,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from tests.support.participants import TOKEN, start_topology
+from turnpoint.apps.demo._kill_switch import StatusProbe
 from turnpoint.ids import EpisodeId
 from turnpoint.trainer._config import CoordinatorConfig
 from turnpoint.trainer._coordinator import Coordinator
-from turnpoint.trainer._kill_switch import StatusProbe
 from turnpoint.v1 import types_pb2
 
 HOLDING = {types_pb2.PHASE_PREPARING, types_pb2.PHASE_PREPARED}

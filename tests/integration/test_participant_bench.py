@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from turnpoint._cli import main
+from turnpoint.apps._cli import main
 
 _NUMBER = r"[0-9][0-9,]*(?:\.[0-9]+)?"
 

@@ -61,10 +61,9 @@ from turnpoint.participant_sdk import (
     Phase,
     RuntimeConfig,
     SnapshotStore,
-    StoreFaults,
 )
-from turnpoint.server import ServerOptions
-from turnpoint.server._serve import HostedParticipant, host_participant
+from turnpoint.participant_sdk.testing import StoreFaults
+from turnpoint.server import HostedParticipant, ServerOptions, host_participant
 from turnpoint.v1 import checkpoint_control_service_pb2 as pb
 from turnpoint.v1 import rollout_service_pb2 as ro_pb
 from turnpoint.v1 import types_pb2

@@ -45,8 +45,9 @@ from tests.support.scripted import (
 from turnpoint._convert import episode_to_proto
 from turnpoint.errors import Reason
 from turnpoint.ids import EpisodeId
-from turnpoint.participant_sdk import ArtifactRef, EpisodeState, SnapshotStore, StoreFaults
+from turnpoint.participant_sdk import ArtifactRef, EpisodeState, SnapshotStore
 from turnpoint.participant_sdk._store import MANIFEST_NAME, FaultPoint
+from turnpoint.participant_sdk.testing import StoreFaults
 from turnpoint.server._convert import enum_from_proto
 from turnpoint.v1 import checkpoint_control_service_pb2 as pb
 from turnpoint.v1 import rollout_service_pb2 as ro_pb

@@ -31,14 +31,14 @@ from tests.support.scripted import (
     bounded,
     host_scripted,
 )
+from turnpoint.apps.examples._task import make_prompt
 from turnpoint.ids import EpisodeId
 from turnpoint.participant_sdk import EpisodeState
-from turnpoint.server._serve import HostedParticipant
-from turnpoint.server.examples._task import make_prompt
+from turnpoint.protocol import RecoveryLevel
+from turnpoint.server import HostedParticipant
 from turnpoint.trainer._config import CoordinatorConfig
 from turnpoint.trainer._coordinator import Coordinator, PreparedCheckpoint
 from turnpoint.trainer._manifest import AnchorRef, SnapshotLayout, tree_digest
-from turnpoint.trainer._recovery import Level
 from turnpoint.trainer._restore import RerunReason, Restorer, apply_plan
 from turnpoint.trainer._rollouts import (
     AgentEndpoint,
@@ -652,8 +652,8 @@ async def test_a_restart_only_server_lowers_its_environment_once_and_discards_on
             assert len(lowered) == 1, [r.getMessage() for r in lowered]
             assert "'risky'" in lowered[0].getMessage()
             assert plan is not None
-            assert plan.levels["risky"].effective is Level.SIBLING
-            assert plan.levels[_ENVIRONMENT].effective is Level.TURN
+            assert plan.levels["risky"].effective is RecoveryLevel.SIBLING
+            assert plan.levels[_ENVIRONMENT].effective is RecoveryLevel.TURN
             # Only the risky turn is discarded; the safe one continues where it was.
             assert [r.episode for r in plan.redispatch] == [safe.next_attempt()]
             assert [(r.episode, r.reason) for r in plan.rerun] == [

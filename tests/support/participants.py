@@ -22,10 +22,10 @@ import grpc
 
 from turnpoint._convert import duration_from_seconds
 from turnpoint._status import control_error_to_error, error_from_rpc
+from turnpoint.apps.examples._build import ExampleSpec, build_example
+from turnpoint.auth import auth_metadata
 from turnpoint.participant_sdk import ParticipantRuntime
-from turnpoint.server import ServerOptions
-from turnpoint.server._auth import auth_metadata
-from turnpoint.server._serve import ExampleSpec, HostedParticipant, build_example, host_participant
+from turnpoint.server import HostedParticipant, ServerOptions, host_participant
 from turnpoint.v1 import checkpoint_control_service_pb2 as pb
 from turnpoint.v1 import checkpoint_control_service_pb2_grpc as pb_grpc
 from turnpoint.v1 import types_pb2

@@ -42,15 +42,14 @@ from turnpoint.participant_sdk import (
     RuntimeConfig,
     SavedTurn,
     SnapshotStore,
-    StoreFaults,
     Verdict,
     VerifyMode,
 )
 from turnpoint.participant_sdk._core import ParticipantCore, WorkKey
-from turnpoint.participant_sdk._types import RecoveryMode
-from turnpoint.server import ServerOptions
+from turnpoint.participant_sdk.testing import StoreFaults
+from turnpoint.protocol import RecoveryMode
+from turnpoint.server import HostedParticipant, ServerOptions, host_participant
 from turnpoint.server._convert import artifact_to_proto
-from turnpoint.server._serve import HostedParticipant, host_participant
 from turnpoint.v1 import checkpoint_control_service_pb2 as pb
 from turnpoint.v1 import resources_service_pb2 as rs_pb
 from turnpoint.v1 import resources_service_pb2_grpc as rs_grpc

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from turnpoint.server.demo import (
+from turnpoint.apps.demo import (
     EventLogError,
     EventTail,
     ProgressState,
@@ -30,13 +30,13 @@ from turnpoint.server.demo import (
     render_report,
     render_timeline,
 )
-from turnpoint.server.demo._report import (
+from turnpoint.apps.demo._report import (
     SupervisorEvent,
     VerifierEntry,
     parse_verifier_entries,
     percentile,
 )
-from turnpoint.server.demo._timeline import rollouts_per_second
+from turnpoint.apps.demo._timeline import rollouts_per_second
 
 GROUP_SIZE = 4
 GROUPS_PER_STEP = 2
@@ -556,7 +556,7 @@ def test_the_report_counts_snapshots_restores_and_rewards() -> None:
 
 
 def load_run_from(run: _Run) -> Any:
-    from turnpoint.server.demo._report import RunLogs, parse_supervisor_events
+    from turnpoint.apps.demo._report import RunLogs, parse_supervisor_events
 
     return RunLogs(
         parse_events(run.events),
@@ -605,7 +605,7 @@ def test_rollouts_per_second_bins_from_the_origin() -> None:
 
 
 def test_moving_average_is_trailing() -> None:
-    from turnpoint.server.demo._timeline import moving_average
+    from turnpoint.apps.demo._timeline import moving_average
 
     assert moving_average([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
     assert moving_average([], 3) == []
@@ -765,7 +765,7 @@ def test_verifier_entries_are_typed() -> None:
 
 
 def test_the_plain_display_prints_on_an_interval_and_on_every_phase_change() -> None:
-    from turnpoint.server.demo._progress import PlainDisplay
+    from turnpoint.apps.demo._progress import PlainDisplay
 
     buffer = io.StringIO()
     display = PlainDisplay(Console(file=buffer, width=300), interval_s=5.0)

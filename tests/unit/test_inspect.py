@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from turnpoint._cli import main
+from turnpoint.apps._cli import main
 from turnpoint.ids import EpisodeId, make_checkpoint_id
 from turnpoint.participant_sdk._store import ArtifactRef as StoreArtifactRef
 from turnpoint.participant_sdk._store import Record, SnapshotStore

@@ -16,9 +16,8 @@ from pathlib import Path
 import pytest
 
 from tests.unit.test_snapshot_driver import EP1, EP2, NOT_READY, World, make_world, rollout
-from turnpoint.ids import make_checkpoint_id
-from turnpoint.server.demo import CRASH_POINTS
-from turnpoint.trainer._kill_switch import (
+from turnpoint.apps.demo import CRASH_POINTS
+from turnpoint.apps.demo._kill_switch import (
     Fired,
     KillAt,
     KillPoint,
@@ -26,6 +25,7 @@ from turnpoint.trainer._kill_switch import (
     append_event,
     parse_kill_at,
 )
+from turnpoint.ids import make_checkpoint_id
 from turnpoint.trainer._manifest import PublishStep, SnapshotLayout
 from turnpoint.trainer._snapshots import (
     EPOCH_STRIDE,

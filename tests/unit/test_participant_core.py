@@ -26,7 +26,7 @@ from turnpoint.participant_sdk._core import (
     StartKind,
     WorkKey,
 )
-from turnpoint.participant_sdk._types import (
+from turnpoint.protocol import (
     CompletionReceipt,
     EpisodeState,
     Fence,

@@ -49,13 +49,13 @@ from turnpoint.participant_sdk import (
     RuntimeConfig,
     SavedTurn,
     SnapshotStore,
-    StoreFaults,
     Verdict,
     VerifyMode,
     WatchEvent,
 )
 from turnpoint.participant_sdk._core import ParticipantCore, WorkKey
 from turnpoint.participant_sdk._store import FaultPoint
+from turnpoint.participant_sdk.testing import StoreFaults
 
 T = TypeVar("T")
 

@@ -15,7 +15,12 @@ from collections.abc import Iterator, Sequence
 import pytest
 import torch
 
-from turnpoint.server.examples import (
+from turnpoint.apps.demo._learner import (
+    Sample,
+    group_advantages,
+    policy_gradient_step,
+)
+from turnpoint.apps.examples import (
     GROUP_WEIGHT,
     MAX_NEW_TOKENS_PER_TURN,
     VOCAB_SIZE,
@@ -33,11 +38,6 @@ from turnpoint.server.examples import (
     parse_guess,
     per_sibling_reward,
     tool_call,
-)
-from turnpoint.trainer._policy_gradient import (
-    Sample,
-    group_advantages,
-    policy_gradient_step,
 )
 
 

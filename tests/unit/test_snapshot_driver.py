@@ -25,7 +25,7 @@ from prometheus_client import REGISTRY, CollectorRegistry
 
 from turnpoint.errors import Reason, TurnpointError
 from turnpoint.ids import EpisodeId, checkpoint_sequence
-from turnpoint.participant_sdk._types import ParticipantKind, RecoveryMode, VerifyMode
+from turnpoint.protocol import ParticipantKind, RecoveryLevel, RecoveryMode, VerifyMode
 from turnpoint.trainer._config import CoordinatorConfig
 from turnpoint.trainer._control_client import Failure, FailureKind, NotReadyError
 from turnpoint.trainer._coordinator import (
@@ -51,7 +51,6 @@ from turnpoint.trainer._manifest import (
     tree_digest,
 )
 from turnpoint.trainer._metrics import CoordinatorMetrics
-from turnpoint.trainer._recovery import Level
 from turnpoint.trainer._restore import RerunReason, RestorePlanError, plan_restore
 from turnpoint.trainer._snapshots import (
     EPOCH_STRIDE,
@@ -98,7 +97,7 @@ def info(
     *,
     environment: str = "",
     mode: RecoveryMode = RecoveryMode.EXPORTED,
-    levels: frozenset[Level] = frozenset(),
+    levels: frozenset[RecoveryLevel] = frozenset(),
     group_scored: bool = False,
 ) -> ParticipantInfo:
     return ParticipantInfo(
@@ -817,7 +816,7 @@ def test_a_not_ready_error_is_classified_not_ready() -> None:
 
 def group_topology(
     *,
-    agent_levels: frozenset[Level] = frozenset(),
+    agent_levels: frozenset[RecoveryLevel] = frozenset(),
     mode: RecoveryMode = RecoveryMode.EXPORTED,
     group_scored: bool = False,
 ) -> Topology:
@@ -899,7 +898,7 @@ def test_plan_continues_at_turn_level_and_reruns_restarts_and_waiting() -> None:
     a, b, c = rollout(EP1), rollout(EP2, sibling=1), rollout(EpisodeId("r4", 0), group="g2")
     manifest = plan_manifest(continued=[a], restarts=[b], waiting=[c], resources_export=[EP1, EP2])
 
-    plan = plan_restore(manifest, group_topology(), Level.TURN, restore_id="restore-1")
+    plan = plan_restore(manifest, group_topology(), RecoveryLevel.TURN, restore_id="restore-1")
 
     assert [(r.episode, r.instance) for r in plan.redispatch] == [(EpisodeId("r1", 1), AGENT)]
     assert {(r.episode, r.reason) for r in plan.rerun} == {
@@ -917,10 +916,13 @@ def test_plan_at_sibling_level_reruns_saved_siblings_and_keeps_finished_ones() -
     manifest = plan_manifest(continued=[a], queue=[finished("done", "g1", 1)])
 
     plan = plan_restore(
-        manifest, group_topology(mode=RecoveryMode.RESTART_ONLY), Level.TURN, restore_id="restore-1"
+        manifest,
+        group_topology(mode=RecoveryMode.RESTART_ONLY),
+        RecoveryLevel.TURN,
+        restore_id="restore-1",
     )
 
-    assert plan.levels["math"].effective is Level.SIBLING
+    assert plan.levels["math"].effective is RecoveryLevel.SIBLING
     assert [d.environment for d in plan.lowered] == ["math"]
     assert plan.redispatch == ()
     assert [(r.episode, r.reason) for r in plan.rerun] == [(EpisodeId("r1", 1), RerunReason.LEVEL)]
@@ -935,7 +937,9 @@ def test_plan_at_prompt_group_level_reruns_the_whole_group_once() -> None:
         continued=[a], queue=[finished("done", "g1", 1), finished("other", "g9", 0)]
     )
 
-    plan = plan_restore(manifest, group_topology(), Level.PROMPT_GROUP, restore_id="restore-1")
+    plan = plan_restore(
+        manifest, group_topology(), RecoveryLevel.PROMPT_GROUP, restore_id="restore-1"
+    )
 
     assert plan.groups_retried_whole == 1
     assert plan.sealed_siblings_discarded == 1
@@ -954,7 +958,7 @@ def test_plan_group_scored_group_with_a_restart_reruns_whole() -> None:
     manifest = plan_manifest(continued=[a], restarts=[b])
 
     plan = plan_restore(
-        manifest, group_topology(group_scored=True), Level.TURN, restore_id="restore-1"
+        manifest, group_topology(group_scored=True), RecoveryLevel.TURN, restore_id="restore-1"
     )
 
     assert plan.redispatch == ()
@@ -963,7 +967,7 @@ def test_plan_group_scored_group_with_a_restart_reruns_whole() -> None:
 
     both = plan_manifest(continued=[a, b])
     together = plan_restore(
-        both, group_topology(group_scored=True), Level.TURN, restore_id="restore-1"
+        both, group_topology(group_scored=True), RecoveryLevel.TURN, restore_id="restore-1"
     )
     # At turn level siblings of a group-scored environment resume together.
     assert len(together.redispatch) == 2 and together.rerun == ()
@@ -976,7 +980,7 @@ def test_plan_after_a_failed_restore_reruns_above_the_retired_attempt() -> None:
     plan = plan_restore(
         manifest,
         group_topology(),
-        Level.TURN,
+        RecoveryLevel.TURN,
         restore_id="restore-1",
         restore_failed=True,
         retired=[EpisodeId("r1", 1)],
@@ -1005,7 +1009,7 @@ def test_plan_rejects_a_restored_episode_no_unfinished_rollout_claims() -> None:
     )
 
     with pytest.raises(RestorePlanError, match="claimed by no unfinished rollout"):
-        plan_restore(orphaned, group_topology(), Level.TURN, restore_id="restore-1")
+        plan_restore(orphaned, group_topology(), RecoveryLevel.TURN, restore_id="restore-1")
 
 
 def test_plan_rejects_a_rollout_both_finished_and_unfinished() -> None:
@@ -1018,4 +1022,4 @@ def test_plan_rejects_a_rollout_both_finished_and_unfinished() -> None:
     assert broken.rollout_state.in_flight == state.in_flight
 
     with pytest.raises(RestorePlanError, match="both finished"):
-        plan_restore(broken, group_topology(), Level.TURN, restore_id="restore-1")
+        plan_restore(broken, group_topology(), RecoveryLevel.TURN, restore_id="restore-1")

@@ -27,12 +27,12 @@ from turnpoint.participant_sdk._store import (
     SnapshotConflictError,
     SnapshotEntry,
     SnapshotStore,
-    StoreFaults,
     UnserialisableRecordError,
     WriteCancelled,
     WriteState,
     WriteTicket,
 )
+from turnpoint.participant_sdk.testing import StoreFaults
 
 T = TypeVar("T")
 

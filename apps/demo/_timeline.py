@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from turnpoint.server.demo._report import (
+from turnpoint.apps.demo._report import (
     EventLog,
     Lineage,
     LineageError,

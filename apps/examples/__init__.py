@@ -3,15 +3,15 @@
 The pieces here are pure torch and pure Python (no grpc, no asyncio) so that the servers
 wrapping them stay thin and the learning loop can be tested in one process:
 
-- :mod:`turnpoint.server.examples._policy_model`: :class:`TinyPolicy`, the model the
+- :mod:`turnpoint.apps.examples._policy_model`: :class:`TinyPolicy`, the model the
   policy server samples from and the trainer updates.
-- :mod:`turnpoint.server.examples._task`: the multi-turn guessing task, its tool and its
+- :mod:`turnpoint.apps.examples._task`: the multi-turn guessing task, its tool and its
   two verifiers (per sibling and group-scored).
 """
 
 from typing import TYPE_CHECKING, Any
 
-from turnpoint.server.examples._task import (
+from turnpoint.apps.examples._task import (
     GROUP_WEIGHT,
     MAX_NEW_TOKENS_PER_TURN,
     VOCAB_SIZE,
@@ -56,7 +56,7 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from turnpoint.server.examples._policy_model import SampledToken, TinyPolicy
+    from turnpoint.apps.examples._policy_model import SampledToken, TinyPolicy
 
 _TORCH_NAMES = frozenset({"SampledToken", "TinyPolicy"})
 
@@ -65,7 +65,7 @@ def __getattr__(name: str) -> Any:
     # Imported on first use: agents and resources servers load this package and need no
     # torch, whose import costs each of their processes seconds at start-up.
     if name in _TORCH_NAMES:
-        from turnpoint.server.examples import _policy_model
+        from turnpoint.apps.examples import _policy_model
 
         return getattr(_policy_model, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -38,9 +38,9 @@ from pathlib import Path
 from types import MappingProxyType, TracebackType
 from typing import Final, Protocol, Self
 
+from turnpoint.apps.bench._baselines import BidiEchoFanout, HttpJsonFanout
+from turnpoint.apps.bench._workers import HOST, WorkerProcess, fleet_job
 from turnpoint.ids import checkpoint_sequence, make_checkpoint_id
-from turnpoint.server.bench._baselines import BidiEchoFanout, HttpJsonFanout
-from turnpoint.server.bench._workers import HOST, WorkerProcess, fleet_job
 from turnpoint.trainer._config import CoordinatorConfig
 from turnpoint.trainer._coordinator import Coordinator, bump_epoch
 from turnpoint.trainer._manifest import (

@@ -34,12 +34,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Final
 
+from turnpoint.apps.bench._baselines import start_echo_server, start_http_server
+from turnpoint.apps.examples._build import ExampleSpec, build_example
+from turnpoint.auth import TOKEN_ENV, load_token
 from turnpoint.ids import EpisodeId
 from turnpoint.participant_sdk import ParticipantRuntime, ResourcesServer, SnapshotStore, Verdict
-from turnpoint.server._auth import TOKEN_ENV, load_token
-from turnpoint.server._hosting import ServerOptions
-from turnpoint.server._serve import ExampleSpec, HostedParticipant, build_example, host_participant
-from turnpoint.server.bench._baselines import start_echo_server, start_http_server
+from turnpoint.server import HostedParticipant, ServerOptions, host_participant
 
 __all__ = ["NoopResources", "WorkerError", "WorkerProcess", "fleet_job", "topology_job"]
 
@@ -47,7 +47,7 @@ _LOG = logging.getLogger(__name__)
 
 HOST: Final = "127.0.0.1"
 _STOP_TIMEOUT_S: Final = 15.0
-_MODULE: Final = "turnpoint.server.bench._workers"
+_MODULE: Final = "turnpoint.apps.bench._workers"
 
 
 class NoopResources(ResourcesServer):
@@ -223,7 +223,7 @@ async def _serve(job: Mapping[str, Any]) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 1:
-        print("usage: python -m turnpoint.server.bench._workers JOB_JSON", file=sys.stderr)
+        print("usage: python -m turnpoint.apps.bench._workers JOB_JSON", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     job = json.loads(args[0])

@@ -29,20 +29,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from turnpoint._convert import episode_to_proto, struct_from_mapping, struct_to_dict
 from turnpoint._keepalive import data_channel
-from turnpoint.ids import EpisodeId
-from turnpoint.participant_sdk import (
-    Agent,
-    EpisodeContext,
-    GenerateChunk,
-    GenerateRequest,
-    PolicyModel,
-    RecoveryMode,
-    ResourcesServer,
-    Verdict,
-    VerifyMode,
-)
-from turnpoint.server._auth import auth_metadata
-from turnpoint.server.examples._task import (
+from turnpoint.apps.examples._task import (
     MAX_NEW_TOKENS_PER_TURN,
     VOCAB_SIZE,
     Reply,
@@ -57,6 +44,19 @@ from turnpoint.server.examples._task import (
     per_sibling_reward,
     tool_call,
 )
+from turnpoint.auth import auth_metadata
+from turnpoint.ids import EpisodeId
+from turnpoint.participant_sdk import (
+    Agent,
+    EpisodeContext,
+    GenerateChunk,
+    GenerateRequest,
+    PolicyModel,
+    RecoveryMode,
+    ResourcesServer,
+    Verdict,
+    VerifyMode,
+)
 from turnpoint.v1 import (
     policy_service_pb2,
     policy_service_pb2_grpc,
@@ -65,7 +65,7 @@ from turnpoint.v1 import (
 )
 
 if TYPE_CHECKING:
-    from turnpoint.server.examples._policy_model import TinyPolicy
+    from turnpoint.apps.examples._policy_model import TinyPolicy
     from turnpoint.v1.policy_service_pb2_grpc import PolicyServiceAsyncStub
     from turnpoint.v1.resources_service_pb2_grpc import ResourcesServiceAsyncStub
 
@@ -85,7 +85,7 @@ GUESS_GROUP = "guess-group"
 def new_policy(seed: int = 0) -> TinyPolicy:
     """The demo's policy, identical in the policy server and the trainer for one seed."""
     # torch is imported by the policy only: agents and resources servers start without it.
-    from turnpoint.server.examples._policy_model import TinyPolicy
+    from turnpoint.apps.examples._policy_model import TinyPolicy
 
     return TinyPolicy(VOCAB_SIZE, eos_token=int(Token.EOS), seed=seed)
 

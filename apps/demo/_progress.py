@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from turnpoint.server.demo._report import (
+from turnpoint.apps.demo._report import (
     Done,
     EventLogError,
     Progress,

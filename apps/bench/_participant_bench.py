@@ -31,6 +31,7 @@ from typing import Any
 import grpc
 
 from turnpoint._convert import duration_from_seconds, episode_to_proto
+from turnpoint.auth import auth_metadata
 from turnpoint.ids import EpisodeId, make_checkpoint_id
 from turnpoint.participant_sdk import (
     Agent,
@@ -41,9 +42,7 @@ from turnpoint.participant_sdk import (
     RunResult,
     SnapshotStore,
 )
-from turnpoint.server._auth import auth_metadata
-from turnpoint.server._hosting import ServerOptions
-from turnpoint.server._serve import host_participant
+from turnpoint.server import ServerOptions, host_participant
 from turnpoint.v1 import checkpoint_control_service_pb2 as pb
 from turnpoint.v1 import checkpoint_control_service_pb2_grpc as pb_grpc
 from turnpoint.v1 import types_pb2

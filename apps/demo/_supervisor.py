@@ -2,7 +2,7 @@
 
 What runs. Every participant is its own ``turnpoint serve`` process on 127.0.0.1 with an
 OS-picked port (or, with ``--ray``, a Ray actor hosting its own gRPC server, see
-:mod:`turnpoint.server.demo._ray`): the policy model server ``policy``, the resources
+:mod:`turnpoint.apps.demo._ray`): the policy model server ``policy``, the resources
 servers ``tools`` (environment ``guess``, a per-sibling verifier) and ``group-tools``
 (``guess-group``, group-scored), and agents ``agent-0`` .. ``agent-{N-1}`` that serve both
 environments. They share one bearer token (a fresh one per run, in ``<out>/token``, mode
@@ -17,7 +17,7 @@ environments. They share one bearer token (a fresh one per run, in ``<out>/token
 (``environment`` is set for resources servers, null for the policy and the agents, which
 serve every environment), then starts the trainer (:func:`trainer_command`)::
 
-    python -m turnpoint.trainer._demo_trainer --topology <out>/topology.json --out <out>
+    python -m turnpoint.apps.demo._trainer --topology <out>/topology.json --out <out>
         --steps N --group-size N --groups-per-step N --snapshot-interval S
         --target-level LEVEL --seed N [--resume] [--kill-at POINT[:N]]
 
@@ -26,7 +26,7 @@ parked at its boundary, as a real model's latency would make it: episodes then l
 enough that every snapshot cuts some of them mid-way (the end-to-end tests rely on it).
 
 The trainer appends its events to ``<out>/events.jsonl`` (the contract is in
-:mod:`turnpoint.server.demo._report`); it numbers its incarnation itself (one more than
+:mod:`turnpoint.apps.demo._report`); it numbers its incarnation itself (one more than
 the ``start`` events already in the log). Its stdout and stderr go to
 ``<out>/logs/trainer.<incarnation>.{stdout,stderr}``.
 
@@ -44,7 +44,7 @@ driver always meets new actors.
 
 A crash at a named point. ``--crash-at POINT[:N]`` replaces the timed crash with a
 deterministic one: the first trainer gets ``--kill-at POINT[:N]`` and SIGKILLs itself at
-that point of a snapshot (:mod:`turnpoint.trainer._kill_switch`, test-only fault
+that point of a snapshot (:mod:`turnpoint.apps.demo._kill_switch`, test-only fault
 injection; it first appends a ``kill`` event naming the point and the checkpoint to
 ``events.jsonl``). The supervisor takes that trainer's SIGKILL exit as the injected
 crash: it SIGKILLs one agent at that moment, records ``crash`` with the point, and
@@ -52,8 +52,8 @@ restarts the job exactly as above. A trainer that dies of SIGKILL without its ``
 event fails the demo like any other trainer failure.
 
 At the end every participant gets SIGTERM and must exit 0; then the report
-(:mod:`turnpoint.server.demo._report`) prints the statistics and the exactly-once
-audit, and :mod:`turnpoint.server.demo._timeline` draws ``<out>/timeline.png``.
+(:mod:`turnpoint.apps.demo._report`) prints the statistics and the exactly-once
+audit, and :mod:`turnpoint.apps.demo._timeline` draws ``<out>/timeline.png``.
 """
 
 from __future__ import annotations
@@ -80,20 +80,20 @@ from typing import IO, Any, Protocol
 from rich.console import Console
 from rich.text import Text
 
-from turnpoint.server._auth import TOKEN_ENV, TOKEN_FILE_ENV
-from turnpoint.server.demo._progress import (
+from turnpoint.apps.demo._progress import (
     EventTail,
     ProgressDisplay,
     ProgressState,
     open_display,
 )
-from turnpoint.server.demo._report import (
+from turnpoint.apps.demo._report import (
     DemoError,
     EventLogError,
     build_report,
     load_run,
     render_report,
 )
+from turnpoint.auth import TOKEN_ENV, TOKEN_FILE_ENV
 
 __all__ = [
     "CRASH_POINTS",
@@ -140,8 +140,8 @@ CRASH_POINTS = (
 )
 """The trainer's ``KillPoint`` values, in snapshot order. Spelled out, not imported: the
 trainer package imports torch, which would cost every ``turnpoint demo`` seconds."""
-TRAINER_MODULE = "turnpoint.trainer._demo_trainer"
-DEFAULT_SERVE_COMMAND = (sys.executable, "-m", "turnpoint._cli", "serve")
+TRAINER_MODULE = "turnpoint.apps.demo._trainer"
+DEFAULT_SERVE_COMMAND = (sys.executable, "-m", "turnpoint.apps._cli", "serve")
 DEFAULT_TRAINER_COMMAND = (sys.executable, "-m", TRAINER_MODULE)
 
 # Calibrated so that the whole run, crash and restart included, takes one to two minutes
@@ -1046,7 +1046,7 @@ async def run_demo(
             "the crash was not injected: no snapshot was published while rollouts were in "
             "flight before the last step; lower --snapshot-interval or raise --steps"
         )
-    from turnpoint.server.demo._timeline import render_timeline
+    from turnpoint.apps.demo._timeline import render_timeline
 
     timeline = await asyncio.to_thread(
         render_timeline, logs.events, logs.supervisor, paths.timeline
@@ -1057,7 +1057,7 @@ async def run_demo(
 
 async def _draw_what_happened(paths: DemoPaths, console: Console) -> None:
     """After a failed run, the timeline of what the logs hold, to help find out why."""
-    from turnpoint.server.demo._timeline import render_timeline
+    from turnpoint.apps.demo._timeline import render_timeline
 
     try:
         logs = await asyncio.to_thread(load_run, paths.out)
@@ -1197,7 +1197,7 @@ def demo_command(args: argparse.Namespace) -> int:
         return 2
     ray_launcher = None
     if options.ray:
-        from turnpoint.server.demo._ray import RayLauncher
+        from turnpoint.apps.demo._ray import RayLauncher
 
         # ray.init installs handlers and starts processes: do it before the event loop.
         try:

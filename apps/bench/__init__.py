@@ -22,16 +22,16 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from turnpoint.server.bench._bench import BenchReport, run_bench
-    from turnpoint.server.bench._cli import add_bench_parser, render_table
-    from turnpoint.server.bench._control_overhead import OverheadRow
-    from turnpoint.server.bench._options import (
+    from turnpoint.apps.bench._bench import BenchReport, run_bench
+    from turnpoint.apps.bench._cli import add_bench_parser, render_table
+    from turnpoint.apps.bench._control_overhead import OverheadRow
+    from turnpoint.apps.bench._options import (
         FULL_SIZES,
         QUICK_SIZES,
         BenchOptions,
         WorkloadOptions,
     )
-    from turnpoint.server.bench._workload import RestoreResult, ThroughputResult
+    from turnpoint.apps.bench._workload import RestoreResult, ThroughputResult
 
 __all__ = [
     "FULL_SIZES",

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, TextIO
 from rich.console import Console
 from rich.table import Table
 
-from turnpoint.server.bench._options import (
+from turnpoint.apps.bench._options import (
     FULL_SIZES,
     QUICK_SIZES,
     BenchOptions,
@@ -25,7 +25,7 @@ from turnpoint.server.bench._options import (
 )
 
 if TYPE_CHECKING:
-    from turnpoint.server.bench._bench import BenchReport
+    from turnpoint.apps.bench._bench import BenchReport
 
 __all__ = ["add_bench_parser", "bench_command", "render_table"]
 
@@ -164,11 +164,11 @@ def bench_command(args: argparse.Namespace) -> int:
         return 2
     import asyncio
 
+    from turnpoint.apps.bench._baselines import BaselineError
+    from turnpoint.apps.bench._bench import run_bench
+    from turnpoint.apps.bench._workers import WorkerError
+    from turnpoint.apps.bench._workload import WorkloadError
     from turnpoint.errors import TurnpointError
-    from turnpoint.server.bench._baselines import BaselineError
-    from turnpoint.server.bench._bench import run_bench
-    from turnpoint.server.bench._workers import WorkerError
-    from turnpoint.server.bench._workload import WorkloadError
     from turnpoint.trainer._coordinator import CoordinatorError
 
     failures = (
@@ -220,7 +220,7 @@ def _s(value: float | None) -> str:
 
 def render_table(report: BenchReport, out: TextIO) -> None:
     """The figures as rich tables (plain text when ``out`` is not a terminal)."""
-    from turnpoint.server.bench._control_overhead import PHASES
+    from turnpoint.apps.bench._control_overhead import PHASES
 
     # A file or a pipe gets room for every column instead of rich's default 80.
     width = None if out.isatty() else _FILE_WIDTH

@@ -24,15 +24,15 @@ import os
 from pathlib import Path
 from typing import Any
 
-from turnpoint.server._auth import load_token
-from turnpoint.server._hosting import ServerOptions
-from turnpoint.server._serve import ExampleSpec, HostedParticipant, build_example, host_participant
-from turnpoint.server.demo._report import DemoError
-from turnpoint.server.demo._supervisor import (
+from turnpoint.apps.demo._report import DemoError
+from turnpoint.apps.demo._supervisor import (
     START_TIMEOUT_S,
     DemoPaths,
     ParticipantSpec,
 )
+from turnpoint.apps.examples._build import ExampleSpec, build_example
+from turnpoint.auth import load_token
+from turnpoint.server import HostedParticipant, ServerOptions, host_participant
 
 __all__ = ["ParticipantActor", "RayLauncher", "RayParticipant"]
 
@@ -50,7 +50,7 @@ class ParticipantActor:
         """Build and serve the participant; returns its ``host:port``."""
         token = await asyncio.to_thread(load_token, token_file)
         # The examples import torch: seconds of import that must not stall the loop.
-        await asyncio.to_thread(importlib.import_module, "turnpoint.server.examples._participants")
+        await asyncio.to_thread(importlib.import_module, "turnpoint.apps.examples._participants")
         example = ExampleSpec(
             instance=spec.instance,
             root=Path(snapshot_root),

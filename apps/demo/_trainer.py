@@ -1,9 +1,9 @@
 """The trainer process of ``turnpoint demo``: real RL training that snapshots and restores.
 
-Run by the demo supervisor as ``python -m turnpoint.trainer._demo_trainer --topology F
+Run by the demo supervisor as ``python -m turnpoint.apps.demo._trainer --topology F
 --out DIR ...``. It embeds the coordinator the way a real trainer would:
 
-- the policy (:func:`~turnpoint.server.examples._participants.new_policy`) is trained with
+- the policy (:func:`~turnpoint.apps.examples._participants.new_policy`) is trained with
   a group-baseline policy-gradient step on the rewards the verifiers return, and every
   step's weights are pushed to the policy server (a weight sync that holds rollout
   deadlines, like a snapshot does);
@@ -35,21 +35,21 @@ from typing import Any
 
 import torch
 
-from turnpoint.server._auth import auth_metadata
-from turnpoint.server.examples._participants import GUESS, GUESS_GROUP, new_policy
-from turnpoint.server.examples._task import make_prompt
-from turnpoint.trainer._config import CoordinatorConfig
-from turnpoint.trainer._coordinator import Coordinator, bump_epoch
-from turnpoint.trainer._kill_switch import (
+from turnpoint.apps.demo._kill_switch import (
     Fired,
     KillSwitch,
     StatusProbe,
     append_event,
     parse_kill_at,
 )
+from turnpoint.apps.demo._learner import Sample, policy_gradient_step
+from turnpoint.apps.examples._participants import GUESS, GUESS_GROUP, new_policy
+from turnpoint.apps.examples._task import make_prompt
+from turnpoint.auth import auth_metadata
+from turnpoint.trainer._config import CoordinatorConfig
+from turnpoint.trainer._coordinator import Coordinator, bump_epoch
 from turnpoint.trainer._manifest import SnapshotLayout
 from turnpoint.trainer._metrics import CoordinatorMetrics
-from turnpoint.trainer._policy_gradient import Sample, policy_gradient_step
 from turnpoint.trainer._restore import RestorePlan, Restorer, apply_plan, torch_anchor_loader
 from turnpoint.trainer._rollouts import (
     AgentEndpoint,
@@ -471,7 +471,7 @@ def _registry() -> Any:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m turnpoint.trainer._demo_trainer")
+    parser = argparse.ArgumentParser(prog="python -m turnpoint.apps.demo._trainer")
     parser.add_argument("--topology", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=30)

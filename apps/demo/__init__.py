@@ -7,8 +7,8 @@ holds the event-log contract, the statistics and the exactly-once audit;
 participants as Ray actors.
 """
 
-from turnpoint.server.demo._progress import EventTail, ProgressState
-from turnpoint.server.demo._report import (
+from turnpoint.apps.demo._progress import EventTail, ProgressState
+from turnpoint.apps.demo._report import (
     AuditResult,
     DemoError,
     DemoReport,
@@ -24,7 +24,7 @@ from turnpoint.server.demo._report import (
     parse_events,
     render_report,
 )
-from turnpoint.server.demo._supervisor import (
+from turnpoint.apps.demo._supervisor import (
     CRASH_POINTS,
     LEVELS,
     DemoOptions,
@@ -39,7 +39,7 @@ from turnpoint.server.demo._supervisor import (
     run_demo,
     trainer_command,
 )
-from turnpoint.server.demo._timeline import render_timeline
+from turnpoint.apps.demo._timeline import render_timeline
 
 __all__ = [
     "CRASH_POINTS",

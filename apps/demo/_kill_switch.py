@@ -54,7 +54,7 @@ from typing import Any, Protocol, TypeVar
 
 from turnpoint.errors import TurnpointError
 from turnpoint.ids import EpisodeId
-from turnpoint.participant_sdk._types import ParticipantKind
+from turnpoint.protocol import ParticipantKind
 from turnpoint.trainer._control_client import ControlCallError, ParticipantControlClient
 from turnpoint.trainer._coordinator import (
     ControlReport,

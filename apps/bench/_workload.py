@@ -1,7 +1,7 @@
 """The demo workload: rollout throughput with and without snapshots, and a cold restore.
 
 The workload is the demo's own trainer process (``python -m
-turnpoint.trainer._demo_trainer``: policy-gradient training, a weight sync after every
+turnpoint.apps.demo._trainer``: policy-gradient training, a weight sync after every
 step, a window of prompt groups in flight across the agents, the snapshot pump beside
 the training loop) against the example Gym servers, which a topology worker hosts in one
 process (as ``turnpoint serve`` would host each). The bench writes the
@@ -39,9 +39,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Final
 
+from turnpoint.apps.bench._options import WorkloadOptions
+from turnpoint.apps.bench._workers import WorkerProcess, topology_job
 from turnpoint.ids import EpisodeId
-from turnpoint.server.bench._options import WorkloadOptions
-from turnpoint.server.bench._workers import WorkerProcess, topology_job
+from turnpoint.protocol import RecoveryLevel
 from turnpoint.trainer._config import CoordinatorConfig
 from turnpoint.trainer._coordinator import (
     COORDINATOR_FILE,
@@ -51,7 +52,6 @@ from turnpoint.trainer._coordinator import (
     bump_epoch,
 )
 from turnpoint.trainer._manifest import ManifestError, SnapshotLayout
-from turnpoint.trainer._recovery import Level
 from turnpoint.trainer._restore import Restorer, apply_plan, plan_restore, torch_anchor_loader
 from turnpoint.trainer._rollouts import AgentEndpoint, RolloutClient, RolloutClientSettings
 
@@ -62,7 +62,7 @@ __all__ = [
     "run_workload",
 ]
 
-_TRAINER_MODULE: Final = "turnpoint.trainer._demo_trainer"
+_TRAINER_MODULE: Final = "turnpoint.apps.demo._trainer"
 # "No snapshots": an interval no run of the bench lasts.
 _NO_SNAPSHOTS_S: Final = 1e9
 _WORKER_START_TIMEOUT_S: Final = 120.0
@@ -419,7 +419,7 @@ def _restore_problem(
         if not manifest.continued:
             return 0, None
         plan = plan_restore(
-            manifest, topology, Level.parse(_TARGET_LEVEL), restore_id="bench-check"
+            manifest, topology, RecoveryLevel.parse(_TARGET_LEVEL), restore_id="bench-check"
         )
     except ManifestError as error:
         return 0, str(error)
@@ -515,8 +515,8 @@ async def _cold_restore(
 ) -> RestoreResult:
     import torch
 
-    from turnpoint.server.examples._participants import new_policy
-    from turnpoint.trainer._demo_trainer import LEARNING_RATE
+    from turnpoint.apps.demo._trainer import LEARNING_RATE
+    from turnpoint.apps.examples._participants import new_policy
 
     measured = RestoreResult(
         None,

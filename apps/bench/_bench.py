@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from turnpoint.server.bench._control_overhead import OverheadRow, measure_control_overhead
-from turnpoint.server.bench._options import BenchOptions
-from turnpoint.server.bench._workload import RestoreResult, ThroughputResult, run_workload
+from turnpoint.apps.bench._control_overhead import OverheadRow, measure_control_overhead
+from turnpoint.apps.bench._options import BenchOptions
+from turnpoint.apps.bench._workload import RestoreResult, ThroughputResult, run_workload
 
 __all__ = ["BenchReport", "run_bench"]
 

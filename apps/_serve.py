@@ -1,0 +1,143 @@
+"""The ``turnpoint serve`` command: run one example participant as a gRPC server."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import secrets
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from turnpoint.apps.examples._build import EXAMPLES, ExampleSpec, build_example
+from turnpoint.auth import load_token
+from turnpoint.ids import InvalidIdError, validate_id
+from turnpoint.server import ServerOptions, host_participant
+
+__all__ = ["add_serve_parser"]
+
+
+def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = sub.add_parser(
+        "serve",
+        help="run one participant (an example Gym server) as a gRPC server",
+        description=(
+            "Run one example participant. The bearer token comes from $TURNPOINT_TOKEN or "
+            "--token-file; without one the server refuses to start unless "
+            "--insecure-no-auth is given."
+        ),
+    )
+    parser.add_argument("--kind", required=True, choices=sorted(EXAMPLES))
+    parser.add_argument("--example", help="which example (default: the kind's first)")
+    parser.add_argument("--instance", help="instance name (default: <kind>-<port>)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    parser.add_argument("--root", default="snapshots", help="snapshot root directory")
+    parser.add_argument("--token-file", help="file holding the bearer token")
+    parser.add_argument("--insecure-no-auth", action="store_true")
+    parser.add_argument("--tls-cert", help="server certificate (PEM)")
+    parser.add_argument("--tls-key", help="server private key (PEM)")
+    parser.add_argument("--tls-client-ca", help="require client certificates signed by this CA")
+    parser.add_argument("--policy", help="agent: address of the policy server")
+    parser.add_argument(
+        "--resources",
+        action="append",
+        default=[],
+        metavar="ENV=ADDRESS",
+        help="agent: the resources server of one environment (repeatable)",
+    )
+    parser.add_argument("--group-size", type=int, default=4, help="guess-group: siblings")
+    parser.add_argument("--verifier-log", help="resources: append every reward to this file")
+    parser.add_argument("--seed", type=int, default=0, help="model: initial weights seed")
+    parser.add_argument("--lease", type=float, default=60.0, help="default lease seconds")
+    parser.add_argument("--faults", default="", help="store faults, e.g. records_write:1:ENOSPC")
+    parser.add_argument("--grace", type=float, default=10.0, help="drain grace seconds")
+    parser.add_argument(
+        "--turn-delay",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="agent: simulated latency of every turn's model call (default: 0)",
+    )
+    parser.set_defaults(handler=_serve_command)
+
+
+def _parse_resources(values: Sequence[str]) -> dict[str, str]:
+    resources: dict[str, str] = {}
+    for value in values:
+        env, sep, address = value.partition("=")
+        if not sep or not env or not address:
+            raise ValueError(f"--resources takes ENV=ADDRESS, got {value!r}")
+        resources[env] = address
+    return resources
+
+
+def _serve_command(args: argparse.Namespace) -> int:
+    try:
+        token = load_token(args.token_file)
+        example = args.example or EXAMPLES[args.kind][0]
+        if args.instance is not None:
+            validate_id(args.instance, "instance")
+        options = ServerOptions(
+            host=args.host,
+            port=args.port,
+            token=token,
+            allow_insecure_no_auth=args.insecure_no_auth,
+            tls_cert_file=args.tls_cert,
+            tls_key_file=args.tls_key,
+            tls_client_ca_file=args.tls_client_ca,
+            grace_seconds=args.grace,
+        )
+        if token is None and not args.insecure_no_auth:
+            raise ValueError(
+                "no token: set TURNPOINT_TOKEN or pass --token-file "
+                "(or --insecure-no-auth for a local experiment)"
+            )
+        resources = _parse_resources(args.resources)
+    except (ValueError, InvalidIdError, OSError) as error:
+        print(f"turnpoint serve: {error}", file=sys.stderr)
+        return 2
+    return asyncio.run(_serve(args, example, options, token, resources))
+
+
+async def _serve(
+    args: argparse.Namespace,
+    example: str,
+    options: ServerOptions,
+    token: str | None,
+    resources: dict[str, str],
+) -> int:
+    instance = args.instance or f"{args.kind}-{secrets.token_hex(3)}"
+    spec = ExampleSpec(
+        instance=instance,
+        root=Path(args.root),
+        token=token,
+        policy_address=args.policy,
+        resources=resources,
+        group_size=args.group_size,
+        verifier_log=Path(args.verifier_log) if args.verifier_log else None,
+        seed=args.seed,
+        faults=args.faults,
+        lease_s=args.lease,
+        turn_delay_s=args.turn_delay,
+    )
+    try:
+        runtime, closers = build_example(args.kind, example, spec)
+    except (ValueError, OSError) as error:
+        print(f"turnpoint serve: {error}", file=sys.stderr)
+        return 2
+    hosted = host_participant(runtime, options)
+    hosted.on_close.extend(closers)
+    await hosted.start()
+    hosted.server.install_signal_handlers()
+    print(
+        f"turnpoint: serving {args.kind} {spec.instance} on {options.host}:{hosted.port}",
+        flush=True,
+    )
+    try:
+        await hosted.server.wait_for_termination()
+    finally:
+        await hosted.runtime.aclose()
+        for close in closers:
+            await close()
+    return 0

@@ -1,0 +1,87 @@
+"""Build the example Gym servers as participant runtimes (what ``turnpoint serve`` runs)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from turnpoint.participant_sdk import ParticipantRuntime, RuntimeConfig, SnapshotStore
+from turnpoint.participant_sdk.testing import StoreFaults
+
+__all__ = ["EXAMPLES", "ExampleSpec", "build_example"]
+
+
+@dataclass(frozen=True)
+class ExampleSpec:
+    """What an example participant needs beyond its kind: peers and files."""
+
+    instance: str
+    root: Path
+    token: str | None = None
+    policy_address: str | None = None
+    resources: dict[str, str] = field(default_factory=dict)
+    group_size: int = 4
+    verifier_log: Path | None = None
+    seed: int = 0
+    faults: str = ""
+    lease_s: float = 60.0
+    temperature: float = 1.0
+    turn_delay_s: float = 0.0
+
+
+EXAMPLES: dict[str, tuple[str, ...]] = {
+    "model": ("tiny-policy",),
+    "resources": ("guess", "guess-group"),
+    "agent": ("guess",),
+}
+
+
+def build_example(
+    kind: str, example: str, spec: ExampleSpec
+) -> tuple[ParticipantRuntime, list[Callable[[], Awaitable[None]]]]:
+    """One of the example participants as a runtime, plus what to close after it."""
+    # Imported here: the examples pull in torch, which `turnpoint serve --help` should not.
+    from turnpoint.apps.examples._participants import (
+        GroupGuessTools,
+        GuessAgent,
+        GuessTools,
+        TinyPolicyServer,
+        VerifierLog,
+        new_policy,
+    )
+
+    store = SnapshotStore(
+        spec.root, faults=StoreFaults.from_spec(spec.faults) if spec.faults else None
+    )
+    config = RuntimeConfig(default_lease_s=spec.lease_s)
+    closers: list[Callable[[], Awaitable[None]]] = []
+    if kind == "model" and example == "tiny-policy":
+        model = TinyPolicyServer(new_policy(spec.seed))
+        return ParticipantRuntime(spec.instance, store, model=model, config=config), closers
+    if kind == "resources" and example in ("guess", "guess-group"):
+        log = VerifierLog(spec.verifier_log)
+        resources = (
+            GuessTools(spec.instance, log)
+            if example == "guess"
+            else GroupGuessTools(spec.instance, log, group_size=spec.group_size)
+        )
+        runtime = ParticipantRuntime(spec.instance, store, resources=resources, config=config)
+        return runtime, closers
+    if kind == "agent" and example == "guess":
+        if not spec.policy_address or not spec.resources:
+            raise ValueError(
+                "the guess agent needs --policy ADDRESS and --resources ENV=ADDRESS "
+                "(one per environment it serves)"
+            )
+        agent = GuessAgent(
+            spec.policy_address,
+            spec.resources,
+            spec.token,
+            temperature=spec.temperature,
+            turn_delay_s=spec.turn_delay_s,
+        )
+        closers.append(agent.aclose)
+        return ParticipantRuntime(spec.instance, store, agent=agent, config=config), closers
+    known = ", ".join(EXAMPLES.get(kind, ()))
+    raise ValueError(f"no example {example!r} for kind {kind!r}; choose one of: {known}")

@@ -1,0 +1,115 @@
+"""Host a participant runtime as a gRPC server: its control service and its kind's data plane."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from turnpoint.participant_sdk import (
+    ParticipantRuntime,
+)
+from turnpoint.server._control import ControlServicer
+from turnpoint.server._data import PolicyServicer, ResourcesServicer, RolloutServicer
+from turnpoint.server._hosting import (
+    CONTROL_SERVICE,
+    DEFAULT_MAX_LIST_LENGTH,
+    ParticipantServer,
+    RegisterServicers,
+    ServerOptions,
+)
+from turnpoint.v1 import (
+    checkpoint_control_service_pb2_grpc,
+    policy_service_pb2_grpc,
+    resources_service_pb2_grpc,
+    rollout_service_pb2_grpc,
+)
+
+__all__ = [
+    "POLICY_SERVICE",
+    "RESOURCES_SERVICE",
+    "ROLLOUT_SERVICE",
+    "HostedParticipant",
+    "host_participant",
+    "register_runtime",
+]
+
+logger = logging.getLogger(__name__)
+
+ROLLOUT_SERVICE = "turnpoint.v1.RolloutService"
+POLICY_SERVICE = "turnpoint.v1.PolicyService"
+RESOURCES_SERVICE = "turnpoint.v1.ResourcesService"
+
+
+def register_runtime(
+    runtime: ParticipantRuntime, *, max_list_length: int = DEFAULT_MAX_LIST_LENGTH
+) -> RegisterServicers:
+    """The servicers of ``runtime``: the control service and its kind's data plane."""
+
+    def register(server: grpc.aio.Server) -> Sequence[str]:
+        services = [CONTROL_SERVICE]
+        checkpoint_control_service_pb2_grpc.add_CheckpointControlServiceServicer_to_server(
+            ControlServicer(runtime, max_list_length=max_list_length), server
+        )
+        if runtime.agent is not None:
+            rollout_service_pb2_grpc.add_RolloutServiceServicer_to_server(
+                RolloutServicer(runtime, max_list_length=max_list_length), server
+            )
+            services.append(ROLLOUT_SERVICE)
+        if runtime.resources is not None:
+            resources_service_pb2_grpc.add_ResourcesServiceServicer_to_server(
+                ResourcesServicer(runtime), server
+            )
+            services.append(RESOURCES_SERVICE)
+        if runtime.model is not None:
+            policy_service_pb2_grpc.add_PolicyServiceServicer_to_server(
+                PolicyServicer(runtime), server
+            )
+            services.append(POLICY_SERVICE)
+        return services
+
+    return register
+
+
+@dataclass
+class HostedParticipant:
+    """A runtime served on a port; ``async with`` starts and drains both."""
+
+    runtime: ParticipantRuntime
+    server: ParticipantServer
+    on_close: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    async def start(self) -> HostedParticipant:
+        await self.runtime.start()
+        await self.server.start()
+        return self
+
+    async def stop(self, grace: float | None = None) -> None:
+        await self.server.drain_and_stop(grace)
+        await self.runtime.aclose()
+        for close in self.on_close:
+            await close()
+
+    async def __aenter__(self) -> HostedParticipant:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop(0)
+
+
+def host_participant(runtime: ParticipantRuntime, options: ServerOptions) -> HostedParticipant:
+    """Wire ``runtime`` to a :class:`ParticipantServer` (not started yet)."""
+    server = ParticipantServer(
+        options, register_runtime(runtime, max_list_length=options.max_list_length)
+    )
+    return HostedParticipant(runtime, server)

@@ -1,0 +1,191 @@
+"""The house's layers, enforced by parsing every import in the tree.
+
+    turnpoint (core: ids, errors, protocol, auth, conversions, v1)
+      <- turnpoint.participant_sdk  <- turnpoint.server
+      <- turnpoint.trainer
+    turnpoint.apps (CLI, demo, bench, examples) on top; no library imports it.
+
+Every import counts: module level, inside functions (lazy), under ``TYPE_CHECKING``,
+and module names written as strings (``python -m turnpoint.x``, ``import_module``), so
+that a layer cannot be crossed by hiding the import.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+# Where each layer's source lives in the repository, and its import name.
+LAYER_DIRS = {
+    "core": REPO / "turnpoint",
+    "participant_sdk": REPO / "participant_sdk",
+    "server": REPO / "server",
+    "trainer": REPO / "trainer",
+    "apps": REPO / "apps",
+}
+PACKAGE_OF = {
+    "participant_sdk": "turnpoint.participant_sdk",
+    "server": "turnpoint.server",
+    "trainer": "turnpoint.trainer",
+    "apps": "turnpoint.apps",
+}
+# Which layers each layer may import (itself always allowed).
+ALLOWED = {
+    "core": {"core"},
+    "participant_sdk": {"core"},
+    "server": {"core", "participant_sdk"},
+    "trainer": {"core"},
+    "apps": {"core", "participant_sdk", "server", "trainer"},
+}
+_MODULE_NAME = r"turnpoint(?:\.[A-Za-z_][A-Za-z0-9_]*)+"
+# A string that is a module name, or a command line running one (prose in docstrings
+# that merely mentions a package is not an import).
+_MODULE_STRING = re.compile(rf"^({_MODULE_NAME})$|-m\s+({_MODULE_NAME})")
+
+
+def layer_of(module: str) -> str | None:
+    """The layer a ``turnpoint...`` module name belongs to; None outside the project."""
+    if module != "turnpoint" and not module.startswith("turnpoint."):
+        return None
+    parts = module.split(".")
+    if len(parts) > 1:
+        for layer, package in PACKAGE_OF.items():
+            if parts[1] == package.split(".")[1]:
+                return layer
+    return "core"
+
+
+@dataclass(frozen=True)
+class Edge:
+    source: str  # repository-relative file
+    line: int
+    target: str  # imported module name
+    how: str  # "import", "string"
+
+
+def _module_name(path: Path, layer: str) -> str:
+    relative = path.relative_to(LAYER_DIRS[layer]).with_suffix("")
+    parts = [p for p in relative.parts if p != "__init__"]
+    base = "turnpoint" if layer == "core" else PACKAGE_OF[layer]
+    return ".".join([base, *parts])
+
+
+def _resolve(module: str, is_package: bool, node: ast.ImportFrom) -> str:
+    if not node.level:
+        return node.module or ""
+    parts = module.split(".")
+    keep = len(parts) - node.level + (1 if is_package else 0)
+    return ".".join(parts[:keep] + ([node.module] if node.module else []))
+
+
+def source_files(layer: str) -> Iterator[Path]:
+    root = LAYER_DIRS[layer]
+    for path in sorted(root.rglob("*.py")):
+        relative = path.relative_to(root)
+        if layer == "core" and (relative.parts[0] in {"v1", *PACKAGE_OF} or path.is_symlink()):
+            continue  # generated code, and the links to the other layers' folders
+        yield path
+
+
+def edges(layer: str, sources: dict[Path, str] | None = None) -> Iterator[Edge]:
+    """Every import edge of ``layer``; ``sources`` (path -> text) stands in for its files."""
+    if sources is None:
+        sources = {path: path.read_text(encoding="utf-8") for path in source_files(layer)}
+    for path, text in sources.items():
+        module = _module_name(path, layer)
+        tree = ast.parse(text, filename=str(path))
+        where = str(path.relative_to(REPO))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                for alias in node.names:
+                    yield Edge(where, node.lineno, alias.name, "import")
+            elif isinstance(node, ast.ImportFrom):
+                target = _resolve(module, path.name == "__init__.py", node)
+                yield Edge(where, node.lineno, target, "import")
+                for alias in node.names:  # `from turnpoint import server` imports a package
+                    yield Edge(where, node.lineno, f"{target}.{alias.name}", "import-name")
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                for match in _MODULE_STRING.finditer(node.value.strip()):
+                    yield Edge(where, node.lineno, match.group(1) or match.group(2), "string")
+
+
+def violations(layer: str, sources: dict[Path, str] | None = None) -> list[str]:
+    found = []
+    for edge in edges(layer, sources):
+        target_layer = layer_of(edge.target)
+        if target_layer is None or target_layer == layer:
+            continue
+        if edge.how == "import-name" and target_layer == "core":
+            continue
+        if edge.how == "string" and edge.target.split(".")[1:2] == ["v1"]:
+            continue  # service names such as "turnpoint.v1.RolloutService"
+        if target_layer not in ALLOWED[layer]:
+            found.append(f"{edge.source}:{edge.line}: {layer} imports {edge.target} ({edge.how})")
+    return found
+
+
+@pytest.mark.parametrize("layer", sorted(LAYER_DIRS))
+def test_no_import_crosses_a_layer(layer: str) -> None:
+    assert violations(layer) == []
+
+
+def test_the_checker_sees_lazy_type_checking_and_string_imports() -> None:
+    """Guard the guard: each way of hiding an import is still an edge."""
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "if TYPE_CHECKING:\n    from turnpoint.server import ParticipantServer\n"
+        "def f():\n    import turnpoint.apps.demo\n"
+        "CMD = ('python', '-m', 'turnpoint.apps._cli', 'serve')\n"
+        "from ..server import _host\n"
+    )
+    found = violations("trainer", {LAYER_DIRS["trainer"] / "_layers_probe.py": source})
+    assert any("turnpoint.server" in v and "(import)" in v for v in found)
+    assert any("turnpoint.apps.demo" in v for v in found)
+    assert any("turnpoint.apps._cli" in v and "(string)" in v for v in found)
+    assert any(v.startswith("trainer/_layers_probe.py:7") for v in found)
+
+
+def test_every_layer_folder_is_linked_under_the_import_name() -> None:
+    for layer, package in PACKAGE_OF.items():
+        link = REPO / "turnpoint" / package.split(".")[1]
+        assert link.is_symlink() and link.resolve() == LAYER_DIRS[layer].resolve(), link
+
+
+# What importing a library's public face may load: a trainer that embeds the coordinator
+# must not install or import a demo, a GPU stack or another library.
+HEAVY = ("torch", "ray", "matplotlib", "rich", "aiohttp")
+FORBIDDEN_AT_IMPORT = {
+    "turnpoint": (*HEAVY, "grpc", "turnpoint.participant_sdk", "turnpoint.trainer"),
+    "turnpoint.participant_sdk": (*HEAVY, "grpc", "turnpoint.trainer", "turnpoint.server"),
+    "turnpoint.server": (*HEAVY, "turnpoint.trainer", "turnpoint.apps"),
+    "turnpoint.trainer": (
+        *HEAVY,
+        "turnpoint.server",
+        "turnpoint.participant_sdk",
+        "turnpoint.apps",
+        # grpcio itself imports the bare grpc_health / grpc_reflection packages when they
+        # are installed (its "extension shims"); the servicers are what must stay out.
+        "grpc_health.v1",
+        "grpc_reflection.v1alpha",
+    ),
+}
+
+
+@pytest.mark.parametrize("face", sorted(FORBIDDEN_AT_IMPORT))
+def test_importing_a_library_face_loads_nothing_it_should_not(face: str) -> None:
+    probe = f"import sys, {face}; print(' '.join(sorted(sys.modules)))"
+    loaded = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
+    ).stdout.split()
+    banned = FORBIDDEN_AT_IMPORT[face]
+    hits = sorted({b for m in loaded for b in banned if m == b or m.startswith(b + ".")})
+    assert hits == [], f"import {face} loads {hits}"
