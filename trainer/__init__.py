@@ -18,8 +18,8 @@ from turnpoint.trainer._coordinator import (
     CommitFailed,
     ControlReport,
     Coordinator,
-    CoordinatorError,
     CoordinatorIdentity,
+    OperationFailed,
     ParticipantInfo,
     PreparedCheckpoint,
     PrepareFailed,
@@ -29,6 +29,7 @@ from turnpoint.trainer._coordinator import (
     bump_epoch,
 )
 from turnpoint.trainer._deadlines import DeadlineRegistry, Hold
+from turnpoint.trainer._errors import CoordinatorError
 from turnpoint.trainer._inspect import inspect_root
 from turnpoint.trainer._interfaces import InFlightRollout, RolloutSide
 from turnpoint.trainer._manifest import ManifestError, SnapshotLayout, SnapshotManifest
@@ -84,6 +85,7 @@ __all__ = [
     "LevelDecision",
     "ManifestError",
     "NoUsableSnapshotError",
+    "OperationFailed",
     "ParticipantInfo",
     "PrepareFailed",
     "PreparedCheckpoint",

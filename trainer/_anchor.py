@@ -41,7 +41,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 
-from turnpoint.errors import Reason, TurnpointError
+from turnpoint.errors import Reason
+from turnpoint.trainer._errors import CoordinatorError
 from turnpoint.trainer._manifest import (
     ANCHOR_DIR,
     AnchorRef,
@@ -63,7 +64,7 @@ __all__ = [
 ANCHOR_FORMAT = 1
 
 
-class AnchorError(TurnpointError):
+class AnchorError(CoordinatorError):
     """An anchor could not be written, or is missing, corrupt or does not fit the model.
 
     ``INVALID_CHECKPOINT_STATE``: a restore picks an older snapshot.

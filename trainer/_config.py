@@ -32,7 +32,9 @@ from typing import Any, Self
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
+from turnpoint.errors import Reason
 from turnpoint.protocol import RecoveryLevel
+from turnpoint.trainer._errors import CoordinatorError
 
 __all__ = [
     "ConfigError",
@@ -64,7 +66,7 @@ class ConfigProblem:
         return self.message
 
 
-class ConfigError(Exception):
+class ConfigError(CoordinatorError):
     """A configuration was rejected; ``problems`` says what to change, one item each.
 
     Deliberately not a ``ValueError``: pydantic would swallow a ``ValueError`` raised
@@ -80,7 +82,9 @@ class ConfigError(Exception):
         else:
             lines = "\n".join(f"  - {problem}" for problem in self.problems)
             text = f"{where}{len(self.problems)} configuration problems:\n{lines}"
-        super().__init__(text)
+        super().__init__(
+            Reason.INVALID_ARGUMENT, text, {"keys": ",".join(p.path for p in self.problems)}
+        )
 
     @property
     def keys(self) -> tuple[str, ...]:

@@ -37,6 +37,7 @@ from turnpoint._keepalive import control_channel
 from turnpoint._status import control_error_to_error, error_from_rpc, grpc_code
 from turnpoint.auth import auth_metadata
 from turnpoint.errors import Reason, TurnpointError, is_transient
+from turnpoint.trainer._errors import CoordinatorError
 from turnpoint.v1 import checkpoint_control_service_pb2 as pb
 from turnpoint.v1 import checkpoint_control_service_pb2_grpc as pb_grpc
 from turnpoint.v1 import types_pb2
@@ -133,11 +134,13 @@ def _operation_of(request: ControlRequest) -> _Operation:
 # --------------------------------------------------------------------------- errors
 
 
-class ControlCallError(Exception):
+class ControlCallError(CoordinatorError):
     """A control call that ended without a verdict of the participant's protocol core.
 
     ``code`` is the gRPC status the transport reported, when there was one.
     """
+
+    _reason = Reason.UNAVAILABLE
 
     def __init__(
         self,
@@ -146,7 +149,11 @@ class ControlCallError(Exception):
         detail: str,
         code: grpc.StatusCode | None = None,
     ) -> None:
-        super().__init__(f"{operation} on {participant}: {detail}")
+        super().__init__(
+            self._reason,
+            f"{operation} on {participant}: {detail}",
+            {"participant": participant, "operation": operation},
+        )
         self.participant = participant
         self.operation = operation
         self.detail = detail
@@ -166,6 +173,8 @@ class SessionBrokenError(ControlCallError):
 class CallTimeoutError(ControlCallError):
     """No reply within the call's timeout (plus the reply grace on a session)."""
 
+    _reason = Reason.DEADLINE_EXCEEDED
+
 
 class TransportError(ControlCallError):
     """A unary call failed below the protocol: no ``ErrorInfo``, only a gRPC code."""
@@ -175,8 +184,10 @@ class MalformedReplyError(ControlCallError):
     """A reply that breaks the contract: wrong type, missing header, another
     participant's header, or another checkpoint id than the one asked for."""
 
+    _reason = Reason.PROTOCOL_VIOLATION
 
-class NotReadyError(Exception):
+
+class NotReadyError(CoordinatorError):
     """A participant answered prepare but could not park everything in time.
 
     Raised by the coordinator, not by the client: a not-ready prepare is an answer on
@@ -191,7 +202,11 @@ class NotReadyError(Exception):
         readiness: types_pb2.ReadinessReport | None = None,
     ) -> None:
         blockers = readiness.blocker_count if readiness is not None else "?"
-        super().__init__(f"{participant} not ready for {checkpoint_id}: {blockers} blocker(s)")
+        super().__init__(
+            Reason.NOT_READY,
+            f"{participant} not ready for {checkpoint_id}: {blockers} blocker(s)",
+            {"participant": participant, "checkpoint_id": checkpoint_id},
+        )
         self.participant = participant
         self.checkpoint_id = checkpoint_id
         self.readiness = readiness
@@ -268,9 +283,8 @@ def classify(error: BaseException) -> Failure:
     Everything else, protocol refusals (STALE_CHECKPOINT, CHECKPOINT_CONFLICT, FENCED,
     INVALID_CHECKPOINT_STATE...) and malformed replies included, is an invariant break.
     """
-    if isinstance(error, TurnpointError):
-        kind = FailureKind.TRANSIENT if is_transient(error.reason) else FailureKind.INVARIANT
-        return Failure(kind, error.reason, grpc_code(error.reason), str(error), error)
+    # The coordinator's own errors first: they are TurnpointErrors too, but what they
+    # say is about the call, not a verdict the participant sent.
     if isinstance(error, NotReadyError):
         return Failure(FailureKind.NOT_READY, None, None, str(error), error)
     if isinstance(error, SessionBrokenError | CallTimeoutError):
@@ -279,6 +293,9 @@ def classify(error: BaseException) -> Failure:
         return Failure(FailureKind.INVARIANT, None, error.code, str(error), error)
     if isinstance(error, TransportError):
         return Failure(_kind_of_code(error.code), None, error.code, str(error), error)
+    if isinstance(error, TurnpointError):
+        kind = FailureKind.TRANSIENT if is_transient(error.reason) else FailureKind.INVARIANT
+        return Failure(kind, error.reason, grpc_code(error.reason), str(error), error)
     if isinstance(error, grpc.RpcError):
         carried = error_from_rpc(error)
         if carried is not None:

@@ -85,6 +85,7 @@ from turnpoint.trainer._control_client import (
     classify,
     new_request_id,
 )
+from turnpoint.trainer._errors import CoordinatorError
 from turnpoint.trainer._fanout import ControlCaller, FanoutError, FanoutResult, fan_out
 from turnpoint.trainer._fanout import retry_same_request as _retry_same_request
 from turnpoint.trainer._interfaces import UnackedDecision
@@ -107,6 +108,7 @@ __all__ = [
     "Coordinator",
     "CoordinatorError",
     "CoordinatorIdentity",
+    "OperationFailed",
     "ParticipantInfo",
     "PrepareFailed",
     "PreparedCheckpoint",
@@ -361,7 +363,7 @@ class Topology:
 # ------------------------------------------------------------------------- errors
 
 
-class CoordinatorError(FanoutError):
+class OperationFailed(FanoutError):
     """One coordinated operation failed on one or more participants.
 
     ``key`` is the checkpoint or restore id (or the content key of a retire). The
@@ -382,7 +384,7 @@ class CoordinatorError(FanoutError):
         return frozenset(f.reason for f in self.failures.values() if f.reason is not None)
 
 
-class PrepareFailed(CoordinatorError):
+class PrepareFailed(OperationFailed):
     """Not every participant was prepared in time (or one refused).
 
     ``retire``: attempts the rollout side said must go (unacknowledged completions it no
@@ -412,7 +414,7 @@ class PrepareFailed(CoordinatorError):
         )
 
 
-class CommitFailed(CoordinatorError):
+class CommitFailed(OperationFailed):
     def __init__(self, checkpoint_id: str, failures: Mapping[str, Failure]) -> None:
         super().__init__("commit", checkpoint_id, failures)
         self.checkpoint_id = checkpoint_id
@@ -421,7 +423,7 @@ class CommitFailed(CoordinatorError):
         return (type(self), (self.checkpoint_id, self.failures))
 
 
-class RestoreFailed(CoordinatorError):
+class RestoreFailed(OperationFailed):
     """A restore failed on at least one participant: its outcome is uncertain everywhere.
 
     By the time :meth:`Coordinator.restored` raises it, the replacement attempts
@@ -467,7 +469,7 @@ class ControlReport:
 
     def raise_if_failed(self) -> None:
         if self.failures:
-            raise CoordinatorError(self.operation, self.key, self.failures)
+            raise OperationFailed(self.operation, self.key, self.failures)
 
     @staticmethod
     def merge(operation: str, key: str, reports: Iterable[ControlReport]) -> ControlReport:
@@ -957,7 +959,7 @@ class Coordinator:
     async def discover(self) -> Topology:
         """``Describe`` every participant; the result is kept as :attr:`topology`.
 
-        Raises :class:`CoordinatorError` if any participant cannot be described or its
+        Raises :class:`OperationFailed` if any participant cannot be described or its
         answer breaks the contract (unknown kind, another protocol version).
         """
         result = await fan_out(
@@ -976,7 +978,7 @@ class Coordinator:
                 failures[name] = classify(error)
         self._record("describe", FanoutResult(result.responses, failures, result.durations_s))
         if failures:
-            raise CoordinatorError("describe", "topology", failures)
+            raise OperationFailed("describe", "topology", failures)
         self._topology = Topology(participants)
         return self._topology
 
@@ -1153,7 +1155,7 @@ class Coordinator:
                 _LOG.warning(
                     "aborting %s: %s",
                     checkpoint_id,
-                    CoordinatorError("resume", checkpoint_id, report.failures),
+                    OperationFailed("resume", checkpoint_id, report.failures),
                 )
             raise
         async with self.held(checkpoint):
@@ -1182,7 +1184,7 @@ class Coordinator:
             _LOG.warning(
                 "releasing %s failed; the pump retries it and each lease reopens its participant: %s",
                 checkpoint_id,
-                CoordinatorError("resume", checkpoint_id, checkpoint.release.failures),
+                OperationFailed("resume", checkpoint_id, checkpoint.release.failures),
             )
 
     # -- renew -------------------------------------------------------------------------
@@ -1491,7 +1493,7 @@ class Coordinator:
                 "cleaning up restore %s left %d participant(s) to their leases: %s",
                 restore_id,
                 len(failures),
-                CoordinatorError("cleanup", restore_id, failures),
+                OperationFailed("cleanup", restore_id, failures),
             )
         return failures
 

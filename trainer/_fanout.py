@@ -15,13 +15,14 @@ participant replays or joins instead of starting the operation again.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Generic, Protocol, TypeVar, overload
 
 import grpc
 
+from turnpoint.errors import Reason
 from turnpoint.trainer._control_client import (
     ControlRequest,
     ControlResponse,
@@ -29,6 +30,7 @@ from turnpoint.trainer._control_client import (
     FailureKind,
     classify,
 )
+from turnpoint.trainer._errors import CoordinatorError
 from turnpoint.v1 import checkpoint_control_service_pb2 as pb
 
 __all__ = [
@@ -67,8 +69,14 @@ class FanoutResult(Generic[R]):
         return not self.failures
 
 
-class FanoutError(RuntimeError):
-    """One operation failed on one or more participants."""
+class FanoutError(CoordinatorError):
+    """One operation failed on one or more participants.
+
+    Its reason summarises theirs (:func:`summary_reason`): NOT_READY when every failure
+    is a not-ready prepare, the failures' shared transient reason (or UNAVAILABLE) when
+    every one may pass on a retry, else the first invariant failure's reason (or
+    PROTOCOL_VIOLATION).
+    """
 
     def __init__(self, operation: str, failures: Mapping[str, Failure]) -> None:
         self.operation = operation
@@ -76,7 +84,11 @@ class FanoutError(RuntimeError):
         listed = "; ".join(
             f"{name}: {_describe(failure)}" for name, failure in sorted(self.failures.items())
         )
-        super().__init__(f"{operation} failed on {len(self.failures)} participant(s): {listed}")
+        super().__init__(
+            summary_reason(self.failures.values()),
+            f"{operation} failed on {len(self.failures)} participant(s): {listed}",
+            {"operation": operation, "participants": ",".join(sorted(self.failures))},
+        )
 
     @property
     def transient(self) -> bool:
@@ -89,6 +101,24 @@ class FanoutError(RuntimeError):
 
     def __reduce__(self) -> tuple[object, ...]:
         return (type(self), (self.operation, self.failures))
+
+
+def summary_reason(failures: Iterable[Failure]) -> Reason:
+    """One reason for several participants' failures (see :class:`FanoutError`)."""
+    items = list(failures)
+    if items and all(f.kind is FailureKind.NOT_READY for f in items):
+        return Reason.NOT_READY
+    invariant = [f for f in items if not f.retryable]
+    if invariant:
+        return next((f.reason for f in invariant if f.reason is not None), None) or (
+            Reason.PROTOCOL_VIOLATION
+        )
+    reasons = {f.reason for f in items if f.kind is not FailureKind.NOT_READY}
+    if len(reasons) == 1 and (only := reasons.pop()) is not None:
+        return only
+    if items and all(f.code is grpc.StatusCode.DEADLINE_EXCEEDED for f in items):
+        return Reason.DEADLINE_EXCEEDED
+    return Reason.UNAVAILABLE
 
 
 def _describe(failure: Failure) -> str:

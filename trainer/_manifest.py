@@ -67,7 +67,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any, Self, TypeAlias, TypeVar
 
-from turnpoint.errors import Reason, TurnpointError
+from turnpoint.errors import Reason
 from turnpoint.ids import (
     EpisodeId,
     InvalidIdError,
@@ -76,6 +76,7 @@ from turnpoint.ids import (
     validate_id,
 )
 from turnpoint.protocol import ArtifactRef, ParticipantKind
+from turnpoint.trainer._errors import CoordinatorError
 
 __all__ = [
     "ANCHOR_DIR",
@@ -114,7 +115,7 @@ _T = TypeVar("_T")
 JSONValue: TypeAlias = "bool | int | float | str | list[JSONValue] | dict[str, JSONValue] | None"
 
 
-class ManifestError(TurnpointError):
+class ManifestError(CoordinatorError):
     """A manifest or snapshot directory is malformed, inconsistent or incomplete.
 
     ``INVALID_CHECKPOINT_STATE``: the caller picks an older snapshot (when loading) or

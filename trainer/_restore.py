@@ -53,6 +53,7 @@ from turnpoint.ids import (
 from turnpoint.protocol import ParticipantKind, RecoveryLevel
 from turnpoint.trainer._config import CoordinatorConfig
 from turnpoint.trainer._coordinator import Coordinator, RestoreFailed, Topology
+from turnpoint.trainer._errors import CoordinatorError
 from turnpoint.trainer._interfaces import InFlightRollout
 from turnpoint.trainer._manifest import (
     AnchorRef,
@@ -119,7 +120,7 @@ class RestorePlanError(ManifestError):
     no unfinished rollout claims, a rollout both finished and unfinished...)."""
 
 
-class NoUsableSnapshotError(TurnpointError):
+class NoUsableSnapshotError(CoordinatorError):
     """Snapshots were published but none passed its checks; ``rejected`` says why each
     was set aside. Starting over silently would lose the run, so this stops it."""
 

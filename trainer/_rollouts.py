@@ -81,6 +81,7 @@ from turnpoint.auth import ACCEPTED_METADATA, auth_metadata
 from turnpoint.errors import Reason, TurnpointError
 from turnpoint.ids import EpisodeId, InvalidIdError, validate_attempt, validate_id
 from turnpoint.trainer._deadlines import DeadlineRegistry, Hold
+from turnpoint.trainer._errors import CoordinatorError
 from turnpoint.trainer._interfaces import InFlightRollout, UnackedDecision
 from turnpoint.trainer._manifest import JSONValue, ManifestError, TrainerRolloutState
 from turnpoint.v1 import rollout_service_pb2 as pb
@@ -504,13 +505,15 @@ class RolloutStats:
     ack_failures: int = 0
 
 
-class AcknowledgementError(ConnectionError):
+class AcknowledgementError(CoordinatorError):
     """Receipts that could not be acknowledged (the participant refused or was unreachable)."""
 
     def __init__(self, receipt_ids: Iterable[str], detail: str) -> None:
         self.receipt_ids = tuple(sorted(receipt_ids))
         self.detail = detail
-        super().__init__(f"{len(self.receipt_ids)} receipt(s) not acknowledged: {detail}")
+        super().__init__(
+            Reason.UNAVAILABLE, f"{len(self.receipt_ids)} receipt(s) not acknowledged: {detail}"
+        )
 
     def __reduce__(self) -> tuple[object, ...]:
         return (type(self), (self.receipt_ids, self.detail))

@@ -75,6 +75,7 @@ from turnpoint.trainer._coordinator import (
     Topology,
     UnackedResolver,
 )
+from turnpoint.trainer._errors import CoordinatorError
 from turnpoint.trainer._interfaces import InFlightRollout, RolloutSide
 from turnpoint.trainer._manifest import (
     AnchorRef,
@@ -917,12 +918,17 @@ class SnapshotDriver:
 # ---------------------------------------------------------------------------- pump
 
 
-class SnapshotRunError(RuntimeError):
+class SnapshotRunError(CoordinatorError):
     """The snapshot pump ends the run; ``reports`` are the attempts that led to it."""
 
+    _reason = Reason.UNAVAILABLE
+
     def __init__(self, message: str, reports: Sequence[SnapshotReport]) -> None:
-        super().__init__(message)
+        super().__init__(self._reason, message, {"attempts": str(len(reports))})
         self.reports = tuple(reports)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.message, self.reports))
 
 
 class SnapshotFailuresError(SnapshotRunError):
@@ -931,6 +937,8 @@ class SnapshotFailuresError(SnapshotRunError):
 
 class SnapshotInvariantError(SnapshotRunError):
     """A failure no retry can fix (a malformed reply, a digest or topology mismatch)."""
+
+    _reason = Reason.PROTOCOL_VIOLATION
 
 
 class SnapshotPump:

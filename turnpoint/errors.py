@@ -42,6 +42,9 @@ class Reason(enum.Enum):
     DEADLINE_EXCEEDED = "DEADLINE_EXCEEDED"
     STORAGE_UNAVAILABLE = "STORAGE_UNAVAILABLE"
     NOT_FOUND = "NOT_FOUND"
+    UNAVAILABLE = "UNAVAILABLE"
+    NOT_READY = "NOT_READY"
+    PROTOCOL_VIOLATION = "PROTOCOL_VIOLATION"
 
 
 # The one table of PROTOCOL.md section 9: reason -> gRPC status code name. Names, not
@@ -64,6 +67,9 @@ REASON_CODES: Mapping[Reason, str] = MappingProxyType(
         # coordinator retries the same checkpoint id (PROTOCOL.md section 7, failures).
         Reason.STORAGE_UNAVAILABLE: "UNAVAILABLE",
         Reason.NOT_FOUND: "NOT_FOUND",
+        Reason.UNAVAILABLE: "UNAVAILABLE",
+        Reason.NOT_READY: "UNAVAILABLE",
+        Reason.PROTOCOL_VIOLATION: "INTERNAL",
     }
 )
 
@@ -73,6 +79,8 @@ _TRANSIENT = frozenset(
         Reason.ADMISSION_CLOSED,
         Reason.DEADLINE_EXCEEDED,
         Reason.STORAGE_UNAVAILABLE,
+        Reason.UNAVAILABLE,
+        Reason.NOT_READY,
     }
 )
 

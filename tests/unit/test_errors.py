@@ -86,3 +86,69 @@ def test_errors_pickle_with_their_data() -> None:
     err = TurnpointError(Reason.FENCED, "old epoch", {"epoch": "3"})
     back = pickle.loads(pickle.dumps(err))
     assert (back.reason, back.message, back.metadata) == (err.reason, err.message, err.metadata)
+
+
+def _public_exceptions(package: str) -> list[type[BaseException]]:
+    import importlib
+    import inspect
+    import pkgutil
+
+    root = importlib.import_module(package)
+    found: set[type[BaseException]] = set()
+    for info in pkgutil.iter_modules(root.__path__, prefix=f"{package}."):
+        if info.name.endswith("._anchor"):
+            continue  # imports torch; its AnchorError is checked below
+        module = importlib.import_module(info.name)
+        for _, value in inspect.getmembers(module, inspect.isclass):
+            if (
+                issubclass(value, BaseException)
+                and value.__module__.startswith(package)
+                and not value.__name__.startswith("_")
+            ):
+                found.add(value)
+    return sorted(found, key=lambda cls: cls.__qualname__)
+
+
+def test_every_coordinator_error_is_one_coordinator_error_with_a_reason() -> None:
+    """``except CoordinatorError`` catches every failure the coordinator library raises."""
+    from turnpoint.trainer import CoordinatorError
+    from turnpoint.trainer._anchor import AnchorError
+
+    exceptions = [*_public_exceptions("turnpoint.trainer"), AnchorError]
+    assert len(exceptions) >= 10
+    strays = [cls.__qualname__ for cls in exceptions if not issubclass(cls, CoordinatorError)]
+    assert strays == []
+    assert issubclass(CoordinatorError, TurnpointError)
+
+
+def test_the_coordinators_errors_carry_the_reason_a_caller_branches_on() -> None:
+    from turnpoint.trainer._config import ConfigError, ConfigProblem
+    from turnpoint.trainer._control_client import (
+        CallTimeoutError,
+        MalformedReplyError,
+        NotReadyError,
+        SessionBrokenError,
+        classify,
+    )
+    from turnpoint.trainer._fanout import FanoutError
+
+    assert SessionBrokenError("p", "prepare", "gone").reason is Reason.UNAVAILABLE
+    assert CallTimeoutError("p", "prepare", "slow").reason is Reason.DEADLINE_EXCEEDED
+    assert MalformedReplyError("p", "commit", "bad").reason is Reason.PROTOCOL_VIOLATION
+    assert NotReadyError("p", "ck-1").reason is Reason.NOT_READY
+    assert ConfigError([ConfigProblem("lease_s", "bad")]).reason is Reason.INVALID_ARGUMENT
+    not_ready = {"a": classify(NotReadyError("a", "ck-1"))}
+    assert FanoutError("prepare", not_ready).reason is Reason.NOT_READY
+    mixed = {**not_ready, "b": classify(MalformedReplyError("b", "prepare", "bad"))}
+    assert FanoutError("prepare", mixed).reason is Reason.PROTOCOL_VIOLATION
+    fenced = {"c": classify(TurnpointError(Reason.FENCED, "old epoch"))}
+    assert FanoutError("commit", fenced).reason is Reason.FENCED
+    assert not FanoutError("commit", fenced).transient
+
+
+def test_a_participant_component_error_is_a_typed_error_not_a_verdict_misread() -> None:
+    """The coordinator's own errors classify by what they are, not as wire refusals."""
+    from turnpoint.trainer._control_client import FailureKind, SessionBrokenError, classify
+
+    failure = classify(SessionBrokenError("p", "prepare", "stream ended"))
+    assert failure.kind is FailureKind.TRANSIENT and failure.reason is None

@@ -278,6 +278,18 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     """
     ERROR_REASON_NOT_FOUND: _ErrorReason.ValueType  # 14
     """NOT_FOUND. The named episode, session or receipt is unknown here."""
+    ERROR_REASON_UNAVAILABLE: _ErrorReason.ValueType  # 15
+    """UNAVAILABLE. The peer or something it depends on (a tool backend, a connection) is
+    unreachable for now. Transient: retry the same call.
+    """
+    ERROR_REASON_NOT_READY: _ErrorReason.ValueType  # 16
+    """UNAVAILABLE. A prepare could not park everything before its deadline. Transient: the
+    coordinator aborts the checkpoint and tries again later.
+    """
+    ERROR_REASON_PROTOCOL_VIOLATION: _ErrorReason.ValueType  # 17
+    """INTERNAL. A reply or a stored state broke the protocol's contract (a malformed or
+    misattributed reply, a bookkeeping contradiction). Not transient: stop and report.
+    """
 
 class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
     """ErrorReason is the reason of the single google.rpc.ErrorInfo (domain "turnpoint")
@@ -318,6 +330,18 @@ retry the same checkpoint id; the write is redone with the same records.
 """
 ERROR_REASON_NOT_FOUND: ErrorReason.ValueType  # 14
 """NOT_FOUND. The named episode, session or receipt is unknown here."""
+ERROR_REASON_UNAVAILABLE: ErrorReason.ValueType  # 15
+"""UNAVAILABLE. The peer or something it depends on (a tool backend, a connection) is
+unreachable for now. Transient: retry the same call.
+"""
+ERROR_REASON_NOT_READY: ErrorReason.ValueType  # 16
+"""UNAVAILABLE. A prepare could not park everything before its deadline. Transient: the
+coordinator aborts the checkpoint and tries again later.
+"""
+ERROR_REASON_PROTOCOL_VIOLATION: ErrorReason.ValueType  # 17
+"""INTERNAL. A reply or a stored state broke the protocol's contract (a malformed or
+misattributed reply, a bookkeeping contradiction). Not transient: stop and report.
+"""
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015
 
 @_typing.final
