@@ -164,6 +164,38 @@ def test_buf_breaking_catches_a_renumbered_field(tmp_path: Path) -> None:
     assert "attempt" in broken.stdout + broken.stderr
 
 
+RELEASED = ROOT / "proto" / "released" / "turnpoint.v1.json"
+
+
+def test_the_contract_is_compatible_with_the_released_baseline() -> None:
+    """The committed image of the released contract, not only the previous commit, is
+    what buf breaking guards: a break spread over two commits still fails."""
+    check = subprocess.run(
+        [_buf(), "breaking", str(ROOT), "--against", str(RELEASED)],
+        capture_output=True,
+        text=True,
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+
+
+def test_the_released_baseline_catches_a_break_made_in_steps(tmp_path: Path) -> None:
+    """A field renumbered, however many commits it took (remove it in one, add it back
+    under another number in the next), fails against the released image."""
+    work = tmp_path / "work"
+    shutil.copytree(ROOT / "proto", work / "proto")
+    shutil.copy(ROOT / "buf.yaml", work / "buf.yaml")
+    types = work / "proto" / "turnpoint" / "v1" / "types.proto"
+    text = types.read_text()
+    types.write_text(text.replace("int32 attempt = 2;", "int32 attempt = 3;"))
+    broken = subprocess.run(
+        [_buf(), "breaking", str(work), "--against", str(RELEASED)],
+        capture_output=True,
+        text=True,
+    )
+    assert broken.returncode != 0
+    assert "attempt" in broken.stdout + broken.stderr
+
+
 def test_generated_code_is_up_to_date() -> None:
     check = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "gen_proto.py"), "--check"],
