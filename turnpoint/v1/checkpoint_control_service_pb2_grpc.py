@@ -26,7 +26,7 @@ if _version_not_supported:
 
 
 class CheckpointControlServiceStub:
-    """CheckpointControlService is served by every participant (PROTOCOL.md sections 3, 4).
+    """CheckpointControlService is served by every participant (docs/spec.md sections 3, 4).
 
     The coordinator drives snapshots with Prepare, Renew, Commit and Resume, and
     restores with Restore and Resume. Every mutating request carries a fence and a
@@ -36,7 +36,8 @@ class CheckpointControlServiceStub:
     answered before its gRPC deadline; work that needs longer keeps running in the
     background and a retry joins it (DEADLINE_EXCEEDED with ERROR_REASON_DEADLINE_EXCEEDED).
 
-    All calls require a bearer token in the "authorization" metadata (section 10).
+    All calls require a bearer token in the "authorization" metadata (docs/spec.md
+    section 10.1).
     """
 
     def __init__(self, channel):
@@ -103,7 +104,7 @@ class CheckpointControlServiceStub:
 
 
 class CheckpointControlServiceServicer:
-    """CheckpointControlService is served by every participant (PROTOCOL.md sections 3, 4).
+    """CheckpointControlService is served by every participant (docs/spec.md sections 3, 4).
 
     The coordinator drives snapshots with Prepare, Renew, Commit and Resume, and
     restores with Restore and Resume. Every mutating request carries a fence and a
@@ -113,7 +114,8 @@ class CheckpointControlServiceServicer:
     answered before its gRPC deadline; work that needs longer keeps running in the
     background and a retry joins it (DEADLINE_EXCEEDED with ERROR_REASON_DEADLINE_EXCEEDED).
 
-    All calls require a bearer token in the "authorization" metadata (section 10).
+    All calls require a bearer token in the "authorization" metadata (docs/spec.md
+    section 10.1).
     """
 
     def Describe(self, request, context):
@@ -272,7 +274,7 @@ def add_CheckpointControlServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class CheckpointControlService:
-    """CheckpointControlService is served by every participant (PROTOCOL.md sections 3, 4).
+    """CheckpointControlService is served by every participant (docs/spec.md sections 3, 4).
 
     The coordinator drives snapshots with Prepare, Renew, Commit and Resume, and
     restores with Restore and Resume. Every mutating request carries a fence and a
@@ -282,7 +284,8 @@ class CheckpointControlService:
     answered before its gRPC deadline; work that needs longer keeps running in the
     background and a retry joins it (DEADLINE_EXCEEDED with ERROR_REASON_DEADLINE_EXCEEDED).
 
-    All calls require a bearer token in the "authorization" metadata (section 10).
+    All calls require a bearer token in the "authorization" metadata (docs/spec.md
+    section 10.1).
     """
 
     @staticmethod

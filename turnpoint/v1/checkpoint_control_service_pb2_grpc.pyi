@@ -27,7 +27,7 @@ GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
 
 class CheckpointControlServiceStub:
-    """CheckpointControlService is served by every participant (PROTOCOL.md sections 3, 4).
+    """CheckpointControlService is served by every participant (docs/spec.md sections 3, 4).
 
     The coordinator drives snapshots with Prepare, Renew, Commit and Resume, and
     restores with Restore and Resume. Every mutating request carries a fence and a
@@ -37,7 +37,8 @@ class CheckpointControlServiceStub:
     answered before its gRPC deadline; work that needs longer keeps running in the
     background and a retry joins it (DEADLINE_EXCEEDED with ERROR_REASON_DEADLINE_EXCEEDED).
 
-    All calls require a bearer token in the "authorization" metadata (section 10).
+    All calls require a bearer token in the "authorization" metadata (docs/spec.md
+    section 10.1).
     """
 
     @_typing.overload
@@ -88,7 +89,7 @@ class CheckpointControlServiceStub:
 
 @_typing.type_check_only
 class CheckpointControlServiceAsyncStub(CheckpointControlServiceStub):
-    """CheckpointControlService is served by every participant (PROTOCOL.md sections 3, 4).
+    """CheckpointControlService is served by every participant (docs/spec.md sections 3, 4).
 
     The coordinator drives snapshots with Prepare, Renew, Commit and Resume, and
     restores with Restore and Resume. Every mutating request carries a fence and a
@@ -98,7 +99,8 @@ class CheckpointControlServiceAsyncStub(CheckpointControlServiceStub):
     answered before its gRPC deadline; work that needs longer keeps running in the
     background and a retry joins it (DEADLINE_EXCEEDED with ERROR_REASON_DEADLINE_EXCEEDED).
 
-    All calls require a bearer token in the "authorization" metadata (section 10).
+    All calls require a bearer token in the "authorization" metadata (docs/spec.md
+    section 10.1).
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
@@ -145,7 +147,7 @@ class CheckpointControlServiceAsyncStub(CheckpointControlServiceStub):
     """
 
 class CheckpointControlServiceServicer(metaclass=_abc_1.ABCMeta):
-    """CheckpointControlService is served by every participant (PROTOCOL.md sections 3, 4).
+    """CheckpointControlService is served by every participant (docs/spec.md sections 3, 4).
 
     The coordinator drives snapshots with Prepare, Renew, Commit and Resume, and
     restores with Restore and Resume. Every mutating request carries a fence and a
@@ -155,7 +157,8 @@ class CheckpointControlServiceServicer(metaclass=_abc_1.ABCMeta):
     answered before its gRPC deadline; work that needs longer keeps running in the
     background and a retry joins it (DEADLINE_EXCEEDED with ERROR_REASON_DEADLINE_EXCEEDED).
 
-    All calls require a bearer token in the "authorization" metadata (section 10).
+    All calls require a bearer token in the "authorization" metadata (docs/spec.md
+    section 10.1).
     """
 
     @_abc_1.abstractmethod

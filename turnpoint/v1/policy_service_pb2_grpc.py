@@ -26,7 +26,7 @@ if _version_not_supported:
 
 
 class PolicyServiceStub:
-    """PolicyService is the data plane of policy model servers (PROTOCOL.md section 5).
+    """PolicyService is the data plane of policy model servers (docs/spec.md section 5).
 
     Admission control: while a checkpoint holds admission, new generations wait (held,
     not counted as in flight) until resume; generations already streaming finish; the
@@ -53,7 +53,7 @@ class PolicyServiceStub:
 
 
 class PolicyServiceServicer:
-    """PolicyService is the data plane of policy model servers (PROTOCOL.md section 5).
+    """PolicyService is the data plane of policy model servers (docs/spec.md section 5).
 
     Admission control: while a checkpoint holds admission, new generations wait (held,
     not counted as in flight) until resume; generations already streaming finish; the
@@ -97,7 +97,7 @@ def add_PolicyServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class PolicyService:
-    """PolicyService is the data plane of policy model servers (PROTOCOL.md section 5).
+    """PolicyService is the data plane of policy model servers (docs/spec.md section 5).
 
     Admission control: while a checkpoint holds admission, new generations wait (held,
     not counted as in flight) until resume; generations already streaming finish; the

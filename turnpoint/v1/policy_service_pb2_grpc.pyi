@@ -27,7 +27,7 @@ GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
 
 class PolicyServiceStub:
-    """PolicyService is the data plane of policy model servers (PROTOCOL.md section 5).
+    """PolicyService is the data plane of policy model servers (docs/spec.md section 5).
 
     Admission control: while a checkpoint holds admission, new generations wait (held,
     not counted as in flight) until resume; generations already streaming finish; the
@@ -46,7 +46,7 @@ class PolicyServiceStub:
 
 @_typing.type_check_only
 class PolicyServiceAsyncStub(PolicyServiceStub):
-    """PolicyService is the data plane of policy model servers (PROTOCOL.md section 5).
+    """PolicyService is the data plane of policy model servers (docs/spec.md section 5).
 
     Admission control: while a checkpoint holds admission, new generations wait (held,
     not counted as in flight) until resume; generations already streaming finish; the
@@ -61,7 +61,7 @@ class PolicyServiceAsyncStub(PolicyServiceStub):
     """UpdateWeights installs new policy weights (the trainer's weight sync)."""
 
 class PolicyServiceServicer(metaclass=_abc_1.ABCMeta):
-    """PolicyService is the data plane of policy model servers (PROTOCOL.md section 5).
+    """PolicyService is the data plane of policy model servers (docs/spec.md section 5).
 
     Admission control: while a checkpoint holds admission, new generations wait (held,
     not counted as in flight) until resume; generations already streaming finish; the

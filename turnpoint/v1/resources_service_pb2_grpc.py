@@ -27,7 +27,7 @@ if _version_not_supported:
 
 class ResourcesServiceStub:
     """ResourcesService is the data plane of resources servers: tools, sandboxes, verifiers
-    and reward models (PROTOCOL.md section 5). Real Gym servers map their own routes onto
+    and reward models (docs/spec.md section 5). Real Gym servers map their own routes onto
     the SDK; this service is enough for the example environments.
 
     Sessions are bound to episodes. Data requests wait out an open checkpoint instead of
@@ -65,7 +65,7 @@ class ResourcesServiceStub:
 
 class ResourcesServiceServicer:
     """ResourcesService is the data plane of resources servers: tools, sandboxes, verifiers
-    and reward models (PROTOCOL.md section 5). Real Gym servers map their own routes onto
+    and reward models (docs/spec.md section 5). Real Gym servers map their own routes onto
     the SDK; this service is enough for the example environments.
 
     Sessions are bound to episodes. Data requests wait out an open checkpoint instead of
@@ -135,7 +135,7 @@ def add_ResourcesServiceServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class ResourcesService:
     """ResourcesService is the data plane of resources servers: tools, sandboxes, verifiers
-    and reward models (PROTOCOL.md section 5). Real Gym servers map their own routes onto
+    and reward models (docs/spec.md section 5). Real Gym servers map their own routes onto
     the SDK; this service is enough for the example environments.
 
     Sessions are bound to episodes. Data requests wait out an open checkpoint instead of

@@ -28,7 +28,7 @@ GRPC_VERSION: str
 
 class ResourcesServiceStub:
     """ResourcesService is the data plane of resources servers: tools, sandboxes, verifiers
-    and reward models (PROTOCOL.md section 5). Real Gym servers map their own routes onto
+    and reward models (docs/spec.md section 5). Real Gym servers map their own routes onto
     the SDK; this service is enough for the example environments.
 
     Sessions are bound to episodes. Data requests wait out an open checkpoint instead of
@@ -54,7 +54,7 @@ class ResourcesServiceStub:
 @_typing.type_check_only
 class ResourcesServiceAsyncStub(ResourcesServiceStub):
     """ResourcesService is the data plane of resources servers: tools, sandboxes, verifiers
-    and reward models (PROTOCOL.md section 5). Real Gym servers map their own routes onto
+    and reward models (docs/spec.md section 5). Real Gym servers map their own routes onto
     the SDK; this service is enough for the example environments.
 
     Sessions are bound to episodes. Data requests wait out an open checkpoint instead of
@@ -76,7 +76,7 @@ class ResourcesServiceAsyncStub(ResourcesServiceStub):
 
 class ResourcesServiceServicer(metaclass=_abc_1.ABCMeta):
     """ResourcesService is the data plane of resources servers: tools, sandboxes, verifiers
-    and reward models (PROTOCOL.md section 5). Real Gym servers map their own routes onto
+    and reward models (docs/spec.md section 5). Real Gym servers map their own routes onto
     the SDK; this service is enough for the example environments.
 
     Sessions are bound to episodes. Data requests wait out an open checkpoint instead of

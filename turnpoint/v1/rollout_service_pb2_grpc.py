@@ -26,7 +26,7 @@ if _version_not_supported:
 
 
 class RolloutServiceStub:
-    """RolloutService is the data plane of agent servers (PROTOCOL.md sections 5, 6).
+    """RolloutService is the data plane of agent servers (docs/spec.md sections 5, 6).
     """
 
     def __init__(self, channel):
@@ -48,7 +48,7 @@ class RolloutServiceStub:
 
 
 class RolloutServiceServicer:
-    """RolloutService is the data plane of agent servers (PROTOCOL.md sections 5, 6).
+    """RolloutService is the data plane of agent servers (docs/spec.md sections 5, 6).
     """
 
     def Run(self, request, context):
@@ -97,7 +97,7 @@ def add_RolloutServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class RolloutService:
-    """RolloutService is the data plane of agent servers (PROTOCOL.md sections 5, 6).
+    """RolloutService is the data plane of agent servers (docs/spec.md sections 5, 6).
     """
 
     @staticmethod

@@ -27,7 +27,7 @@ GRPC_GENERATED_VERSION: str
 GRPC_VERSION: str
 
 class RolloutServiceStub:
-    """RolloutService is the data plane of agent servers (PROTOCOL.md sections 5, 6)."""
+    """RolloutService is the data plane of agent servers (docs/spec.md sections 5, 6)."""
 
     @_typing.overload
     def __new__(cls, channel: _grpc.Channel) -> _Self: ...
@@ -52,7 +52,7 @@ class RolloutServiceStub:
 
 @_typing.type_check_only
 class RolloutServiceAsyncStub(RolloutServiceStub):
-    """RolloutService is the data plane of agent servers (PROTOCOL.md sections 5, 6)."""
+    """RolloutService is the data plane of agent servers (docs/spec.md sections 5, 6)."""
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     Run: _aio.UnaryStreamMultiCallable[_rollout_service_pb2.RunRequest, _rollout_service_pb2.RunResponse]  # type: ignore[assignment]
@@ -73,7 +73,7 @@ class RolloutServiceAsyncStub(RolloutServiceStub):
     """
 
 class RolloutServiceServicer(metaclass=_abc_1.ABCMeta):
-    """RolloutService is the data plane of agent servers (PROTOCOL.md sections 5, 6)."""
+    """RolloutService is the data plane of agent servers (docs/spec.md sections 5, 6)."""
 
     @_abc_1.abstractmethod
     def Run(

@@ -39,7 +39,7 @@ class _ParticipantKindEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Parti
     """An environment that combines agent and resources roles."""
 
 class ParticipantKind(_ParticipantKind, metaclass=_ParticipantKindEnumTypeWrapper):
-    """ParticipantKind is what a participant serves (section 2)."""
+    """ParticipantKind is what a participant serves (section 2.3)."""
 
 PARTICIPANT_KIND_UNSPECIFIED: ParticipantKind.ValueType  # 0
 """Not set; a request carrying it is INVALID_ARGUMENT where the field is required."""
@@ -110,7 +110,7 @@ class _RecoveryModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Recovery
     """
 
 class RecoveryMode(_RecoveryMode, metaclass=_RecoveryModeEnumTypeWrapper):
-    """RecoveryMode says what a participant can capture (section 4, Describe)."""
+    """RecoveryMode says what a participant can capture (section 4.5)."""
 
 RECOVERY_MODE_UNSPECIFIED: RecoveryMode.ValueType  # 0
 """Not set; a request carrying it is INVALID_ARGUMENT where the field is required."""
@@ -140,7 +140,7 @@ class _VerifyModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_VerifyMode
     """
 
 class VerifyMode(_VerifyMode, metaclass=_VerifyModeEnumTypeWrapper):
-    """VerifyMode says whether a verify may be run again (section 5, resources)."""
+    """VerifyMode says whether a verify may be run again (section 5.3)."""
 
 VERIFY_MODE_UNSPECIFIED: VerifyMode.ValueType  # 0
 """Not set; a request carrying it is INVALID_ARGUMENT where the field is required."""
@@ -168,7 +168,7 @@ class _RecoveryLevelEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Recover
     """Rerun the whole prompt group; saved turns are discarded."""
 
 class RecoveryLevel(_RecoveryLevel, metaclass=_RecoveryLevelEnumTypeWrapper):
-    """RecoveryLevel is how finely an unfinished rollout can be continued (section 7),
+    """RecoveryLevel is how finely an unfinished rollout can be continued (section 7.8),
     from finest to coarsest.
     """
 
@@ -198,7 +198,7 @@ class _EpisodeStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_EpisodeS
     """Waiting on a model call made right after a boundary: counts as parked there."""
     EPISODE_STATE_COMPLETED_UNACKED: _EpisodeState.ValueType  # 4
     """Finished, result not yet acknowledged: a blocker carrying its receipt until the
-    coordinator acknowledges it or retires the attempt (section 6, parked deadline).
+    coordinator acknowledges it or retires the attempt (section 6.7).
     """
     EPISODE_STATE_RESTART: _EpisodeState.ValueType  # 5
     """Cannot be captured by this participant; starts over after a restore. Never blocks."""
@@ -224,7 +224,7 @@ EPISODE_STATE_AWAITING_MODEL: EpisodeState.ValueType  # 3
 """Waiting on a model call made right after a boundary: counts as parked there."""
 EPISODE_STATE_COMPLETED_UNACKED: EpisodeState.ValueType  # 4
 """Finished, result not yet acknowledged: a blocker carrying its receipt until the
-coordinator acknowledges it or retires the attempt (section 6, parked deadline).
+coordinator acknowledges it or retires the attempt (section 6.7).
 """
 EPISODE_STATE_RESTART: EpisodeState.ValueType  # 5
 """Cannot be captured by this participant; starts over after a restore. Never blocks."""
@@ -348,10 +348,10 @@ Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015
 class EpisodeId(_message.Message):
     """Messages and enums shared by every turnpoint.v1 service.
 
-    Read PROTOCOL.md (docs/protocol.md in this repository) for the rules these messages
-    serve; each comment below names the rule it carries.
+    Read docs/spec.md in this repository for the rules these messages serve; each
+    comment below names the spec section that carries its rule.
 
-    EpisodeId names one attempt of one rollout (PROTOCOL.md section 2).
+    EpisodeId names one attempt of one rollout (docs/spec.md section 2.5).
 
     Restoring a snapshot continues attempt N as attempt N+1; attempt N is then dead
     everywhere, and a late data-plane call for it is refused with STALE_ATTEMPT.
@@ -383,7 +383,7 @@ Global___EpisodeId: _TypeAlias = EpisodeId  # noqa: Y015
 
 @_typing.final
 class Fence(_message.Message):
-    """Fence identifies the coordinator that sends a control request (section 2).
+    """Fence identifies the coordinator that sends a control request (section 2.2).
 
     A participant remembers the highest epoch it has seen and refuses a lower one with
     FENCED, except that a retried request whose request_id it already answered gets the
@@ -414,7 +414,7 @@ Global___Fence: _TypeAlias = Fence  # noqa: Y015
 
 @_typing.final
 class ResponseHeader(_message.Message):
-    """ResponseHeader is carried by every response of every service (section 3)."""
+    """ResponseHeader is carried by every response of every service (section 3.6)."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
@@ -446,7 +446,7 @@ Global___ResponseHeader: _TypeAlias = ResponseHeader  # noqa: Y015
 
 @_typing.final
 class CompletionReceipt(_message.Message):
-    """CompletionReceipt identifies one completed result of one attempt (section 6).
+    """CompletionReceipt identifies one completed result of one attempt (section 6.3).
     The trainer acknowledges receipts as soon as it has recorded the result.
     """
 
@@ -588,7 +588,7 @@ Global___ReadinessReport: _TypeAlias = ReadinessReport  # noqa: Y015
 
 @_typing.final
 class ArtifactRef(_message.Message):
-    """ArtifactRef names one durable file written by a commit (section 8)."""
+    """ArtifactRef names one durable file written by a commit (section 8.3)."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
