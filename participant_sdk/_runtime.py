@@ -15,56 +15,58 @@ The clock is injectable (``clock``, monotonic seconds): it drives leases and epi
 budgets, so a test can expire a lease by moving a fake clock and calling
 :meth:`ParticipantRuntime.check_lease`. Call deadlines use the event loop's clock
 because they bound real waits.
+
+This module holds the fenced control operations (docs/spec.md sections 4.6-4.12).
+The reads (Describe, GetStatus, WatchBoundaries) are in :mod:`._reads`, the data plane
+in :mod:`._dataplane`, the commit and restore jobs in :mod:`._jobs`, and the reply types
+in :mod:`._results`; the names are re-exported here.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
 import secrets
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from contextlib import suppress
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any, TypeVar
 
 from turnpoint.errors import Reason, TurnpointError
 from turnpoint.ids import EpisodeId, InvalidIdError
-from turnpoint.protocol import (
-    PROTOCOL_VERSION,
-    CompletionReceipt,
-    EpisodeState,
-    Fence,
-    ParticipantKind,
-    Phase,
-    ReadinessReport,
-    RecoveryLevel,
-    RecoveryMode,
-    VerifyMode,
-)
+from turnpoint.protocol import Fence, Phase
 
-from ._agent import Agent, AgentHost, BoundaryReport, RunResult
-from ._core import (
-    CoreEvent,
-    ParticipantCore,
-    StartKind,
-    WorkKey,
-    checked_id,
-    supersedes,
+from ._agent import Agent, AgentHost
+from ._core import ParticipantCore, StartKind, WorkKey, checked_id, supersedes
+from ._dataplane import DataPlane
+from ._jobs import CommitJob, RestoreJob, Stage, retrieve, slot_of, storage_error
+from ._model import ModelHost, PolicyModel
+from ._reads import ControlReads
+from ._resources import ResourcesHost, ResourcesServer
+from ._results import (
+    AcknowledgeResult,
+    BoundaryEvent,
+    CommitResult,
+    Description,
+    ForgetResult,
+    Header,
+    PrepareResult,
+    ReadinessUpdate,
+    RenewResult,
+    RestoreResult,
+    ResumeResult,
+    RetireResult,
+    StatusResult,
+    WatchEvent,
 )
-from ._model import GenerateChunk, GenerateRequest, ModelHost, PolicyModel
-from ._resources import ResourcesHost, ResourcesServer, Verdict
 from ._shared import Deadline, KindHost, RuntimeConfig, Shared, invalid_record, logger
 from ._store import (
     ArtifactRef,
     CorruptSnapshotError,
     Record,
-    SnapshotConflictError,
     SnapshotEntry,
     SnapshotStore,
     StoreError,
-    UnserialisableRecordError,
-    WriteCancelled,
     WriteState,
     WriteTicket,
 )
@@ -90,210 +92,7 @@ __all__ = [
 T = TypeVar("T")
 
 
-# ---------------------------------------------------------------------- results
-
-
-@dataclass(frozen=True, slots=True)
-class Header:
-    """What every response carries: who answered and the epoch it holds."""
-
-    participant_id: str
-    incarnation: str
-    epoch: int
-
-
-@dataclass(frozen=True, slots=True)
-class Description:
-    kind: ParticipantKind
-    instance_name: str
-    incarnation: str
-    protocol_version: str
-    recovery_mode: RecoveryMode
-    verify_mode: VerifyMode
-    group_scored: bool
-    group_size: int
-    supported_levels: tuple[RecoveryLevel, ...]
-    environment: str
-    phase: Phase
-
-
-@dataclass(frozen=True, slots=True)
-class PrepareResult:
-    """PREPARED with a ready report, or PREPARING with blockers (an answer, not an error).
-
-    Times (``lease_expires_at``) are seconds since the epoch, for a protobuf Timestamp.
-    """
-
-    checkpoint_id: str
-    phase: Phase
-    readiness: ReadinessReport
-    lease_expires_at: float | None
-
-
-@dataclass(frozen=True, slots=True)
-class RenewResult:
-    checkpoint_id: str
-    phase: Phase
-    lease_expires_at: float | None
-
-
-@dataclass(frozen=True, slots=True)
-class CommitResult:
-    checkpoint_id: str
-    manifest: ArtifactRef
-    artifacts: tuple[ArtifactRef, ...]
-    exported: tuple[EpisodeId, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class ResumeResult:
-    checkpoint_id: str
-    phase: Phase
-    ended_active: bool
-
-
-@dataclass(frozen=True, slots=True)
-class RestoreResult:
-    restore_id: str
-    installed: tuple[EpisodeId, ...]
-    phase: Phase
-
-
-@dataclass(frozen=True, slots=True)
-class RetireResult:
-    stopped: tuple[EpisodeId, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class ForgetResult:
-    forgotten: int
-
-
-@dataclass(frozen=True, slots=True)
-class AcknowledgeResult:
-    acknowledged: int
-    unknown: tuple[CompletionReceipt, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class StatusResult:
-    phase: Phase
-    active_checkpoint_id: str | None
-    lease_expires_at: float | None
-    readiness: ReadinessReport
-    admission_open: bool
-    lease_expiries: int
-    refused_rollouts: int
-
-
-@dataclass(frozen=True, slots=True)
-class ReadinessUpdate:
-    """WatchBoundaries: readiness after a change (always sent first)."""
-
-    phase: Phase
-    readiness: ReadinessReport
-
-
-@dataclass(frozen=True, slots=True)
-class BoundaryEvent:
-    """WatchBoundaries: one episode sealed a boundary or changed state.
-
-    An entry leaving the table (acknowledged, retired, closed) is reported once more
-    with state IDLE. ``slot`` says which kind's work it is (``run``, ``session``,
-    ``generate/<n>``). ``at`` is seconds since the epoch.
-    """
-
-    episode: EpisodeId
-    state: EpisodeState
-    boundary_index: int
-    turn_index: int
-    at: float
-    phase: Phase
-    slot: str = "run"
-
-
-WatchEvent = ReadinessUpdate | BoundaryEvent
-
-
-# ---------------------------------------------------------------------- background jobs
-
-
-class _Stage(enum.Enum):
-    EXPORTING = "exporting"
-    WRITING = "writing"
-    DONE = "done"
-
-
-@dataclass(eq=False)
-class _CommitJob:
-    checkpoint_id: str
-    fingerprint: tuple[str, frozenset[EpisodeId]]
-    snapshot: str
-    export_keys: tuple[WorkKey, ...]
-    discard_keys: tuple[WorkKey, ...]
-    stage: _Stage = _Stage.EXPORTING
-    records: tuple[Record, ...] | None = None
-    discarded: bool = False
-    task: asyncio.Task[CommitResult] | None = None
-    ticket: WriteTicket | None = None
-    write: asyncio.Future[SnapshotEntry] | None = None
-
-
-@dataclass(eq=False)
-class _RestoreJob:
-    restore_id: str
-    task: asyncio.Task[RestoreResult]
-    background: set[asyncio.Task[Any]] = field(default_factory=set)
-
-
-def _retrieve(task: asyncio.Future[Any]) -> None:
-    # A background job whose caller stopped waiting still has its outcome read here,
-    # so asyncio never logs "exception was never retrieved" for an answered failure.
-    if not task.cancelled():
-        task.exception()
-
-
-def _storage_error(error: BaseException, what: str) -> TurnpointError:
-    """Map the store's failures to protocol reasons (never by message text)."""
-    if isinstance(error, TurnpointError):
-        return error
-    if isinstance(error, WriteCancelled):
-        return TurnpointError(
-            Reason.STALE_CHECKPOINT,
-            f"{what} was stopped by a resume before it published",
-            {"checkpoint_id": error.checkpoint_id},
-        )
-    if isinstance(error, SnapshotConflictError):
-        return TurnpointError(
-            Reason.CHECKPOINT_CONFLICT,
-            str(error),
-            {"snapshot": error.snapshot, "published_checkpoint_id": error.published_checkpoint_id},
-        )
-    if isinstance(error, UnserialisableRecordError):
-        return TurnpointError(
-            Reason.INVALID_CHECKPOINT_STATE,
-            str(error),
-            {"episode": str(error.episode), "key": error.key, "location": error.location},
-        )
-    if isinstance(error, CorruptSnapshotError):
-        return TurnpointError(
-            Reason.INVALID_CHECKPOINT_STATE,
-            str(error),
-            {"snapshot": error.snapshot, "corruption": error.kind.value},
-        )
-    if isinstance(error, InvalidIdError):
-        return TurnpointError(Reason.INVALID_ARGUMENT, str(error), {"field": error.field})
-    if isinstance(error, OSError):
-        # The participant's own disk (full, failing): transient, the same id is retried.
-        return TurnpointError(
-            Reason.STORAGE_UNAVAILABLE,
-            f"{what} failed on storage: {error.strerror or error}",
-            {"errno": str(error.errno)},
-        )
-    raise error
-
-
-class ParticipantRuntime:
+class ParticipantRuntime(ControlReads, DataPlane):
     """One participant: the control plane, the hosted kinds and their data plane.
 
     Pass the user's objects: ``agent`` (an :class:`Agent`), ``resources`` (a
@@ -344,8 +143,8 @@ class ParticipantRuntime:
             ),
             "",
         )
-        self._commit_jobs: dict[str, _CommitJob] = {}
-        self._restore_job: _RestoreJob | None = None
+        self._commit_jobs: dict[str, CommitJob] = {}
+        self._restore_job: RestoreJob | None = None
         self._stops: dict[WorkKey, asyncio.Task[None]] = {}
         self._background: set[asyncio.Future[Any]] = set()
         self._lease_task: asyncio.Task[None] | None = None
@@ -368,7 +167,7 @@ class ParticipantRuntime:
             await host.aclose()
         pending = [job.write for job in self._commit_jobs.values() if job.write is not None]
         for job in self._commit_jobs.values():
-            if job.task is not None and job.stage is _Stage.EXPORTING:
+            if job.task is not None and job.stage is Stage.EXPORTING:
                 job.task.cancel()
         pending.extend(self._background)
         if pending:
@@ -380,154 +179,6 @@ class ParticipantRuntime:
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
-
-    # ------------------------------------------------------------------ plain reads
-
-    @property
-    def instance_name(self) -> str:
-        return self._instance
-
-    @property
-    def kind(self) -> ParticipantKind:
-        kinds = {host.kind for host in self._hosts.values()}
-        if kinds == {ParticipantKind.AGENT, ParticipantKind.RESOURCES}:
-            return ParticipantKind.ENVIRONMENT
-        return kinds.pop()
-
-    @property
-    def recovery_mode(self) -> RecoveryMode:
-        modes = {host.recovery_mode for host in self._hosts.values()}
-        # The weakest mode hosted decides what the participant as a whole can promise.
-        for mode in (RecoveryMode.RESTART_ONLY, RecoveryMode.EXPORTED, RecoveryMode.STATELESS):
-            if mode in modes:
-                return mode
-        return RecoveryMode.RESTART_ONLY
-
-    @property
-    def phase(self) -> Phase:
-        return self._shared.core.phase
-
-    @property
-    def core(self) -> ParticipantCore:
-        """The pure core, for inspection (tests, metrics). Never change it directly."""
-        return self._shared.core
-
-    async def wait_until(
-        self, predicate: Callable[[ParticipantCore], bool], timeout_s: float | None = None
-    ) -> bool:
-        """Wait until ``predicate(core)`` holds (re-checked at every state change).
-
-        For tests and tools; returns False if ``timeout_s`` passed first.
-        """
-        shared = self._shared
-        async with shared.cond:
-            return await shared.wait_until(lambda: predicate(shared.core), timeout_s)
-
-    def header(self) -> Header:
-        return Header(self._instance, self._incarnation, self._shared.core.epoch)
-
-    async def describe(self, fence: Fence | None = None) -> Description:
-        async with self._shared.changing() as core:
-            core.observe_fence(fence)
-            phase = core.phase
-        extra: dict[str, object] = {}
-        for host in self._hosts.values():
-            extra.update(host.describe())
-        mode = self.recovery_mode
-        levels = (
-            (RecoveryLevel.SIBLING, RecoveryLevel.PROMPT_GROUP)
-            if mode is RecoveryMode.RESTART_ONLY
-            else (RecoveryLevel.TURN, RecoveryLevel.SIBLING, RecoveryLevel.PROMPT_GROUP)
-        )
-        verify_mode = extra.get("verify_mode", VerifyMode.WAIT)
-        group_size = extra.get("group_size", 0)
-        return Description(
-            kind=self.kind,
-            instance_name=self._instance,
-            incarnation=self._incarnation,
-            protocol_version=PROTOCOL_VERSION,
-            recovery_mode=mode,
-            verify_mode=verify_mode if isinstance(verify_mode, VerifyMode) else VerifyMode.WAIT,
-            group_scored=bool(extra.get("group_scored", False)),
-            group_size=group_size if isinstance(group_size, int) else 0,
-            supported_levels=levels,
-            environment=self._environment,
-            phase=phase,
-        )
-
-    async def status(self, max_blockers: int = 0) -> StatusResult:
-        """GetStatus: read-only."""
-        cap = self._cap(max_blockers)
-        async with self._shared.cond:
-            core = self._shared.core
-            return StatusResult(
-                phase=core.phase,
-                active_checkpoint_id=core.active_checkpoint_id,
-                lease_expires_at=self._shared.to_wall(core.lease_expires_at),
-                readiness=core.readiness(cap),
-                admission_open=core.admission_open,
-                lease_expiries=core.lease_expiries,
-                refused_rollouts=core.refused_rollouts,
-            )
-
-    async def watch(
-        self, max_blockers: int = 0, fence: Fence | None = None
-    ) -> AsyncGenerator[WatchEvent, None]:
-        """WatchBoundaries: a readiness report first, then boundary events and new reports.
-
-        Boundary events are pushed as they happen; a new readiness report follows each
-        batch of changes that moved readiness (ready, counts, restarts) or the phase.
-        """
-        cap = self._cap(max_blockers)
-        shared = self._shared
-        watcher = shared.add_watcher()
-        try:
-            async with shared.changing() as core:
-                core.observe_fence(fence)
-                report = core.readiness(cap)
-                phase = core.phase
-            last = _signature(phase, report)
-            yield ReadinessUpdate(phase, report)
-            while True:
-                await watcher.wake.wait()
-                watcher.wake.clear()
-                events = list(watcher.events)
-                watcher.events.clear()
-                core = shared.core
-                for event in events:
-                    yield self._boundary_event(event, core.phase)
-                report = core.readiness(cap)
-                signature = _signature(core.phase, report)
-                if signature != last or watcher.lagged:
-                    watcher.lagged = False
-                    last = signature
-                    yield ReadinessUpdate(core.phase, report)
-        finally:
-            shared.remove_watcher(watcher)
-
-    def _boundary_event(self, event: CoreEvent, phase: Phase) -> BoundaryEvent:
-        at = self._shared.to_wall(event.at)
-        assert at is not None
-        return BoundaryEvent(
-            event.episode,
-            event.state,
-            event.boundary_index,
-            event.turn_index,
-            at,
-            phase,
-            event.slot,
-        )
-
-    def _cap(self, max_blockers: int) -> int:
-        if max_blockers < 0:
-            raise TurnpointError(
-                Reason.INVALID_ARGUMENT, "max_blockers must be >= 0", {"field": "max_blockers"}
-            )
-        cap = max_blockers or self._config.default_max_blockers
-        return min(cap, self._config.max_blockers_limit)
-
-    def _lease_wall(self) -> float | None:
-        return self._shared.to_wall(self._shared.core.lease_expires_at)
 
     # ------------------------------------------------------------------ fencing wrapper
 
@@ -700,7 +351,7 @@ class ParticipantRuntime:
                 assert isinstance(start.answer, CommitResult)
                 return start.answer
             if start.kind is StartKind.NEW:
-                self._commit_jobs[checkpoint_id] = _CommitJob(
+                self._commit_jobs[checkpoint_id] = CommitJob(
                     checkpoint_id, fingerprint, snapshot, start.export, start.discard
                 )
             job = self._commit_jobs[checkpoint_id]
@@ -708,7 +359,7 @@ class ParticipantRuntime:
                 job.task.done() and (job.task.cancelled() or job.task.exception() is not None)
             ):
                 job.task = asyncio.create_task(self._drive_commit(job))
-                job.task.add_done_callback(_retrieve)
+                job.task.add_done_callback(retrieve)
             task = job.task
         return await self._await_job(task, deadline, f"commit of {checkpoint_id!r}")
 
@@ -719,17 +370,17 @@ class ParticipantRuntime:
         except TimeoutError:
             raise deadline.exceeded(what) from None
 
-    async def _drive_commit(self, job: _CommitJob) -> CommitResult:
+    async def _drive_commit(self, job: CommitJob) -> CommitResult:
         """Export once, drop restored state the scope leaves out, write; retried as a whole."""
         what = f"commit of {job.checkpoint_id!r}"
         if job.records is None:
-            job.stage = _Stage.EXPORTING
+            job.stage = Stage.EXPORTING
             job.records = await self._export(job.export_keys)
         if not job.discarded:
             for key in job.discard_keys:
                 await self._stop_and_drop(key)
             job.discarded = True
-        job.stage = _Stage.WRITING
+        job.stage = Stage.WRITING
         ticket = job.ticket = WriteTicket()
         write = asyncio.ensure_future(
             asyncio.to_thread(
@@ -742,22 +393,22 @@ class ParticipantRuntime:
             )
         )
         job.write = write
-        write.add_done_callback(_retrieve)
+        write.add_done_callback(retrieve)
         try:
             entry = await asyncio.shield(write)
         except (OSError, StoreError, InvalidIdError) as error:
-            raise _storage_error(error, what) from error
+            raise storage_error(error, what) from error
         result = CommitResult(job.checkpoint_id, entry.manifest, entry.artifacts, entry.episodes)
         async with self._shared.changing() as core:
             core.finish_commit(job.checkpoint_id, job.fingerprint, result)
-        job.stage = _Stage.DONE
+        job.stage = Stage.DONE
         return result
 
     async def _export(self, keys: Sequence[WorkKey]) -> tuple[Record, ...]:
         records: list[Record] = []
         wanted = {key.episode for key in keys}
         for slot, host in self._hosts.items():
-            mine = [key for key in keys if _slot_of(key) == slot]
+            mine = [key for key in keys if slot_of(key) == slot]
             if not mine:
                 continue
             exported = await host.export(mine)
@@ -781,7 +432,7 @@ class ParticipantRuntime:
         job = self._commit_jobs.get(checkpoint_id)
         if job is None:
             return []
-        if job.task is not None and not job.task.done() and job.stage is _Stage.EXPORTING:
+        if job.task is not None and not job.task.done() and job.stage is Stage.EXPORTING:
             job.task.cancel()
         if job.ticket is not None and job.write is not None and not job.write.done():
             state = job.ticket.cancel()
@@ -938,8 +589,8 @@ class ParticipantRuntime:
                 task = asyncio.create_task(
                     self._drive_restore(restore_id, snapshot, manifest, artifacts, scope)
                 )
-                task.add_done_callback(_retrieve)
-                self._restore_job = _RestoreJob(restore_id, task)
+                task.add_done_callback(retrieve)
+                self._restore_job = RestoreJob(restore_id, task)
             task = self._restore_job.task
         return await self._await_job(task, deadline, f"restore {restore_id!r}")
 
@@ -963,7 +614,7 @@ class ParticipantRuntime:
                     artifacts=artifacts or None,
                 )
             except (OSError, CorruptSnapshotError, InvalidIdError) as error:
-                raise _storage_error(error, f"restore {restore_id!r}") from error
+                raise storage_error(error, f"restore {restore_id!r}") from error
             plan = self._validate_records(loaded.records)
             for record, host in plan:
                 key = await host.install(record, record.episode.next_attempt())
@@ -978,7 +629,7 @@ class ParticipantRuntime:
                 if self._restore_job is not None and self._restore_job.restore_id == restore_id:
                     self._restore_job = None
             for key in undone:
-                owner = self._hosts.get(_slot_of(key))
+                owner = self._hosts.get(slot_of(key))
                 if owner is not None:
                     try:
                         await owner.stop(key)
@@ -1059,12 +710,12 @@ class ParticipantRuntime:
         task = self._stops.get(key)
         if task is None or task.done():
             task = asyncio.create_task(self._stop_and_drop(key))
-            task.add_done_callback(_retrieve)
+            task.add_done_callback(retrieve)
             self._stops[key] = task
         return task
 
     async def _stop_and_drop(self, key: WorkKey) -> None:
-        host = self._hosts.get(_slot_of(key))
+        host = self._hosts.get(slot_of(key))
         try:
             if host is not None:
                 await host.stop(key)
@@ -1092,90 +743,3 @@ class ParticipantRuntime:
                 return ForgetResult(core.forget(targets))
 
         return await self._control("forget", fence, request_id, ForgetResult, work)
-
-    # ------------------------------------------------------------------ data plane
-
-    def _agent(self) -> AgentHost:
-        if self.agent is None:
-            raise TurnpointError(Reason.NOT_FOUND, "this participant hosts no agent")
-        return self.agent
-
-    def _resources(self) -> ResourcesHost:
-        if self.resources is None:
-            raise TurnpointError(Reason.NOT_FOUND, "this participant hosts no resources")
-        return self.resources
-
-    def _model(self) -> ModelHost:
-        if self.model is None:
-            raise TurnpointError(Reason.NOT_FOUND, "this participant hosts no policy model")
-        return self.model
-
-    def run_episode(
-        self,
-        episode: EpisodeId,
-        task: Mapping[str, Any],
-        *,
-        boundaries_seen: int = 0,
-        budget_s: float | None = None,
-    ) -> AsyncGenerator[BoundaryReport | RunResult, None]:
-        """RolloutService.Run; see :meth:`AgentHost.run_episode` (close it when done)."""
-        return self._agent().run_episode(
-            episode, task, boundaries_seen=boundaries_seen, budget_s=budget_s
-        )
-
-    async def accept_run(
-        self,
-        episode: EpisodeId,
-        task: Mapping[str, Any],
-        *,
-        boundaries_seen: int = 0,
-        budget_s: float | None = None,
-    ) -> AsyncGenerator[BoundaryReport | RunResult, None]:
-        """Accept a Run now (errors raise here), then follow it; see :meth:`AgentHost.accept_run`."""
-        return await self._agent().accept_run(
-            episode, task, boundaries_seen=boundaries_seen, budget_s=budget_s
-        )
-
-    async def acknowledge(self, receipts: Iterable[CompletionReceipt]) -> AcknowledgeResult:
-        """RolloutService.Acknowledge: drop retained results."""
-        acknowledged, unknown = await self._agent().acknowledge(receipts)
-        return AcknowledgeResult(acknowledged, unknown)
-
-    async def seed_session(self, episode: EpisodeId, task: Mapping[str, Any]) -> bool:
-        """ResourcesService.SeedSession; True when the session already existed."""
-        return await self._resources().seed(episode, task)
-
-    async def call_tool(
-        self, episode: EpisodeId, tool: str, arguments: Mapping[str, Any]
-    ) -> Mapping[str, Any]:
-        return await self._resources().call(episode, tool, arguments)
-
-    async def verify(self, episode: EpisodeId, answer: Mapping[str, Any]) -> Verdict:
-        return await self._resources().verify(episode, answer)
-
-    async def close_session(self, episode: EpisodeId) -> bool:
-        return await self._resources().close(episode)
-
-    def generate(
-        self, episode: EpisodeId, request: GenerateRequest
-    ) -> AsyncGenerator[GenerateChunk, None]:
-        """PolicyService.Generate, under admission control (close it when done)."""
-        return self._model().generate(episode, request)
-
-    async def update_weights(self, weights_version: int, state: bytes) -> int:
-        """PolicyService.UpdateWeights: the trainer's weight sync."""
-        return await self._model().update_weights(weights_version, state)
-
-
-def _slot_of(key: WorkKey) -> str:
-    return key.slot.partition("/")[0]
-
-
-def _signature(phase: Phase, report: ReadinessReport) -> tuple[object, ...]:
-    return (
-        phase,
-        report.ready,
-        report.blocker_count,
-        tuple(sorted((s.value, c) for s, c in report.counts.items())),
-        report.restarts,
-    )

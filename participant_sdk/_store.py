@@ -1,4 +1,6 @@
-"""The participant's snapshot store: records files and manifests on disk (PROTOCOL.md 8).
+"""The participant's snapshot store: records files and manifests on disk.
+
+docs/spec.md sections 8.1-8.5.
 
 Layout under the configured root, every component a validated id::
 
@@ -17,8 +19,10 @@ loser can never delete a records file that the winner's manifest names.
 A read verifies the manifest, then the size, digest and record count of the whole
 records file before it returns any record.
 
-Everything here is blocking file I/O and plain threading: the asyncio runtime calls it
-through ``asyncio.to_thread``. It imports neither grpc nor asyncio.
+The bytes themselves (encoding, strict decoding) are :mod:`._records`; the durable
+write steps are the core's :mod:`turnpoint._files`. Everything here is blocking file
+I/O and plain threading: the asyncio runtime calls it through ``asyncio.to_thread``.
+It imports neither grpc nor asyncio.
 """
 
 from __future__ import annotations
@@ -27,23 +31,37 @@ import enum
 import errno
 import fcntl
 import hashlib
-import itertools
-import json
-import math
 import os
-import re
-import secrets
 import shutil
 import stat
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final, NoReturn, Protocol
+from typing import Final, NoReturn, Protocol
 
+from turnpoint._files import create_file, fsync_dir, write_temp
 from turnpoint.ids import EpisodeId, validate_id
 from turnpoint.protocol import ArtifactRef
+
+from ._records import (
+    MANIFEST_NAME,
+    MAX_PAYLOAD_DEPTH,
+    RECORDS_NAME,
+    SCHEMA_VERSION,
+    Corruption,
+    CorruptSnapshotError,
+    LoadedSnapshot,
+    Manifest,
+    Record,
+    SnapshotEntry,
+    StoreError,
+    UnserialisableRecordError,
+    decode_records,
+    encode_records,
+    entry_of,
+    parse_manifest,
+)
 
 __all__ = [
     "MANIFEST_NAME",
@@ -66,57 +84,14 @@ __all__ = [
     "WriteTicket",
 ]
 
-SCHEMA_VERSION: Final = 1
-MANIFEST_NAME: Final = "MANIFEST.json"
-# Deep enough for any real turn state, shallow enough that neither our encoder nor the
-# stdlib decoder can hit the interpreter's recursion limit on a hostile file.
-MAX_PAYLOAD_DEPTH: Final = 100
 # A manifest lists one file and the exported episodes (~60 bytes each); this bounds
 # what a tampered manifest can make a reader allocate.
 _MAX_MANIFEST_BYTES: Final = 64 * 1024 * 1024
-_CHUNK_BYTES: Final = 1024 * 1024
-_RECORDS_NAME = re.compile(r"records-(?P<sha256>[0-9a-f]{64})\.jsonl")
-_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
-_MANIFEST_FIELDS: Final = frozenset(
-    {"schema_version", "checkpoint_id", "instance", "artifacts", "episodes"}
-)
-_ARTIFACT_FIELDS: Final = frozenset({"path", "sha256", "size_bytes", "record_count"})
-_EPISODE_FIELDS: Final = frozenset({"rollout_id", "attempt"})
-_RECORD_FIELDS: Final = frozenset({"episode", "key", "payload"})
+# Owner read-write, everyone read: the coordinator verifies these files in place.
+_FILE_MODE: Final = 0o644
 
 
 # --------------------------------------------------------------------------- errors
-
-
-class StoreError(Exception):
-    """Root of the store's own errors. ``OSError`` from the disk is never wrapped."""
-
-
-class Corruption(enum.Enum):
-    """Why a snapshot directory cannot be used (all map to ``INVALID_CHECKPOINT_STATE``)."""
-
-    MISSING = "missing"
-    MANIFEST_INVALID = "manifest_invalid"
-    PATH_ESCAPE = "path_escape"
-    UNEXPECTED_CONTENT = "unexpected_content"
-    SIZE_MISMATCH = "size_mismatch"
-    DIGEST_MISMATCH = "digest_mismatch"
-    RECORD_COUNT_MISMATCH = "record_count_mismatch"
-    RECORD_INVALID = "record_invalid"
-    EPISODES_MISMATCH = "episodes_mismatch"
-
-
-class CorruptSnapshotError(StoreError):
-    """A snapshot directory is missing, damaged or not what the caller expected."""
-
-    def __init__(self, snapshot: str, instance: str, kind: Corruption, detail: str) -> None:
-        self.snapshot = snapshot
-        self.instance = instance
-        self.kind = kind
-        self.detail = detail
-        super().__init__(
-            f"snapshot {snapshot!r} of instance {instance!r} is unusable ({kind.value}): {detail}"
-        )
 
 
 class SnapshotConflictError(StoreError):
@@ -148,89 +123,6 @@ class WriteCancelled(StoreError):
             f"write of checkpoint {checkpoint_id!r} into snapshot {snapshot!r} "
             f"of instance {instance!r} was cancelled before publication"
         )
-
-
-class UnserialisableRecordError(StoreError):
-    """A record's payload is not plain JSON; raised before anything is written."""
-
-    def __init__(self, episode: EpisodeId, key: str, location: str, why: str) -> None:
-        self.episode = episode
-        self.key = key
-        self.location = location
-        self.why = why
-        super().__init__(f"record {key!r} of episode {episode} cannot be saved: {location}: {why}")
-
-
-# --------------------------------------------------------------------------- data
-
-
-@dataclass(frozen=True, slots=True)
-class Record:
-    """One piece of exported state: ``key`` names what it holds (``"session"``, ``"turn-3"``).
-
-    ``payload`` must be plain JSON (mappings with string keys, lists, tuples, strings,
-    finite numbers, booleans, None); its key order is kept on disk and on read. A
-    restored payload is a ``dict`` and tuples come back as lists. The payload is left
-    out of the hash so that records with dict payloads stay hashable.
-    """
-
-    episode: EpisodeId
-    key: str
-    payload: Mapping[str, Any] = field(hash=False)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.episode, EpisodeId):
-            raise TypeError(f"episode must be an EpisodeId, not {type(self.episode).__name__}")
-        validate_id(self.key, "record key")
-
-
-@dataclass(frozen=True, slots=True)
-class SnapshotEntry:
-    """A published instance directory: what a commit replies and a restore is given.
-
-    ``manifest`` names ``MANIFEST.json`` itself (its ``record_count`` is 0: a manifest
-    holds no records); ``artifacts`` are the files it lists; ``episodes`` are the
-    exported episodes, sorted and unique.
-    """
-
-    checkpoint_id: str
-    manifest: ArtifactRef
-    artifacts: tuple[ArtifactRef, ...]
-    episodes: tuple[EpisodeId, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class LoadedSnapshot:
-    """The verified entry and the selected records, in file order."""
-
-    entry: SnapshotEntry
-    records: tuple[Record, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class _Manifest:
-    checkpoint_id: str
-    instance: str
-    artifacts: tuple[ArtifactRef, ...]
-    episodes: tuple[EpisodeId, ...]
-
-    def to_bytes(self) -> bytes:
-        document = {
-            "schema_version": SCHEMA_VERSION,
-            "checkpoint_id": self.checkpoint_id,
-            "instance": self.instance,
-            "artifacts": [
-                {
-                    "path": ref.path,
-                    "sha256": ref.sha256,
-                    "size_bytes": ref.size_bytes,
-                    "record_count": ref.record_count,
-                }
-                for ref in self.artifacts
-            ],
-            "episodes": [_episode_json(episode) for episode in self.episodes],
-        }
-        return (json.dumps(document, indent=2, ensure_ascii=True) + "\n").encode("ascii")
 
 
 # --------------------------------------------------------------------------- tickets
@@ -413,8 +305,8 @@ class SnapshotStore:
         records: Iterable[Record],
         ticket: WriteTicket,
     ) -> SnapshotEntry:
-        data, ref, episodes = _encode_records(instance, records)
-        manifest = _Manifest(checkpoint_id, instance, (ref,), episodes)
+        data, ref, episodes = encode_records(instance, records)
+        manifest = Manifest(checkpoint_id, instance, (ref,), episodes)
         manifest_bytes = manifest.to_bytes()
         directory = self._make_dir(snapshot, instance)
 
@@ -424,9 +316,13 @@ class SnapshotStore:
         if not ticket._still_writing():
             raise WriteCancelled(snapshot, instance, checkpoint_id)
 
-        temp = self._write_temp(
-            directory, ".records-", data, FaultPoint.RECORDS_WRITE, ticket, checkpoint_id
-        )
+        def before_chunk(path: Path) -> None:
+            self._hit(FaultPoint.RECORDS_WRITE, path)
+            if not ticket._still_writing():
+                raise WriteCancelled(snapshot, instance, checkpoint_id)
+
+        # A leading dot can never collide with a valid id or a published file name.
+        temp = write_temp(directory, ".records-", data, mode=_FILE_MODE, before_chunk=before_chunk)
         try:
             with _locked_dir(directory) as dir_fd:
                 if (directory / MANIFEST_NAME).exists():
@@ -446,7 +342,7 @@ class SnapshotStore:
         dir_fd: int,
         temp: Path,
         ref: ArtifactRef,
-        manifest: _Manifest,
+        manifest: Manifest,
         manifest_bytes: bytes,
         ticket: WriteTicket,
     ) -> SnapshotEntry:
@@ -455,28 +351,33 @@ class SnapshotStore:
         # Under the lock and without a manifest, a digest-named file can only be the
         # remains of a writer that died mid-publish: nothing names it, so it goes.
         for name in os.listdir(directory):
-            if _RECORDS_NAME.fullmatch(name):
+            if RECORDS_NAME.fullmatch(name):
                 (directory / name).unlink()
         final = directory / _file_name(ref.path)
         os.link(temp, final)
         keep_records = False
+
+        def linked() -> None:
+            # From the instant the manifest exists it names the records file: keep it,
+            # whatever fails after.
+            nonlocal keep_records
+            keep_records = True
+
         try:
             temp.unlink()
             os.fsync(dir_fd)
             self._hit(FaultPoint.PUBLISH, final)
             if not ticket._begin_publish():
                 raise WriteCancelled(snapshot, instance, manifest.checkpoint_id)
-            manifest_temp = self._write_temp(
-                directory,
-                ".manifest-",
-                manifest_bytes,
-                FaultPoint.MANIFEST_WRITE,
-                None,
-                manifest.checkpoint_id,
-            )
             try:
-                os.link(manifest_temp, directory / MANIFEST_NAME)
-                keep_records = True
+                create_file(
+                    directory / MANIFEST_NAME,
+                    manifest_bytes,
+                    temp_prefix=".manifest-",
+                    mode=_FILE_MODE,
+                    before_chunk=lambda path: self._hit(FaultPoint.MANIFEST_WRITE, path),
+                    linked=linked,
+                )
             except FileExistsError:
                 # Only a writer that ignores the lock gets here; its manifest stands.
                 published = self._load_manifest(snapshot, instance, directory)[0]
@@ -484,22 +385,19 @@ class SnapshotStore:
                 return self._settle_against_published(
                     snapshot, instance, directory, manifest, ticket
                 )
-            finally:
-                manifest_temp.unlink(missing_ok=True)
-            os.fsync(dir_fd)
         finally:
             if not keep_records:
                 final.unlink(missing_ok=True)
                 with suppress(OSError):
                     os.fsync(dir_fd)
-        return _entry(manifest, manifest_bytes)
+        return entry_of(manifest, manifest_bytes)
 
     def _settle_against_published(
         self,
         snapshot: str,
         instance: str,
         directory: Path,
-        ours: _Manifest,
+        ours: Manifest,
         ticket: WriteTicket,
     ) -> SnapshotEntry:
         published, published_bytes = self._load_manifest(snapshot, instance, directory)
@@ -519,36 +417,8 @@ class SnapshotStore:
         if not ticket._begin_publish():
             raise WriteCancelled(snapshot, instance, ours.checkpoint_id)
         # The earlier writer may have failed between linking and fsyncing the directory.
-        _fsync_dir(directory)
-        return _entry(published, published_bytes)
-
-    def _write_temp(
-        self,
-        directory: Path,
-        prefix: str,
-        data: bytes,
-        point: FaultPoint,
-        ticket: WriteTicket | None,
-        checkpoint_id: str,
-    ) -> Path:
-        # A leading dot can never collide with a valid id or a published file name.
-        path = directory / f"{prefix}{secrets.token_hex(8)}.tmp"
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-        try:
-            try:
-                view = memoryview(data)
-                for offset in range(0, max(len(view), 1), _CHUNK_BYTES):
-                    self._hit(point, path)
-                    if ticket is not None and not ticket._still_writing():
-                        raise WriteCancelled(directory.parent.name, directory.name, checkpoint_id)
-                    _write_all(fd, view[offset : offset + _CHUNK_BYTES])
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-        except BaseException:
-            path.unlink(missing_ok=True)
-            raise
-        return path
+        fsync_dir(directory)
+        return entry_of(published, published_bytes)
 
     def _make_dir(self, snapshot: str, instance: str) -> Path:
         directory = self._checked_dir(snapshot, instance)
@@ -559,7 +429,7 @@ class SnapshotStore:
             except FileExistsError:
                 continue
             # A new directory entry is only durable once its parent is fsynced.
-            _fsync_dir(path.parent)
+            fsync_dir(path.parent)
         # Re-check now that the components exist: one could be a symlink planted meanwhile.
         return self._checked_dir(snapshot, instance)
 
@@ -569,7 +439,7 @@ class SnapshotStore:
         """Parse and check the published manifest (not the records file it names)."""
         directory = self._checked_dir(snapshot, instance)
         manifest, manifest_bytes = self._load_manifest(snapshot, instance, directory)
-        return _entry(manifest, manifest_bytes)
+        return entry_of(manifest, manifest_bytes)
 
     def read(
         self,
@@ -592,7 +462,7 @@ class SnapshotStore:
         """
         directory = self._checked_dir(snapshot, instance)
         manifest, manifest_bytes = self._load_manifest(snapshot, instance, directory)
-        entry = _entry(manifest, manifest_bytes)
+        entry = entry_of(manifest, manifest_bytes)
 
         def unexpected(what: str) -> NoReturn:
             raise CorruptSnapshotError(snapshot, instance, Corruption.UNEXPECTED_CONTENT, what)
@@ -613,7 +483,7 @@ class SnapshotStore:
         loaded: list[Record] = []
         for ref in manifest.artifacts:
             data = self._read_verified(snapshot, instance, directory, ref)
-            loaded.extend(_decode_records(snapshot, instance, ref, data))
+            loaded.extend(decode_records(snapshot, instance, ref, data))
         found = tuple(sorted({record.episode for record in loaded}))
         if found != manifest.episodes:
             raise CorruptSnapshotError(
@@ -630,13 +500,13 @@ class SnapshotStore:
 
     def _load_manifest(
         self, snapshot: str, instance: str, directory: Path
-    ) -> tuple[_Manifest, bytes]:
+    ) -> tuple[Manifest, bytes]:
         data = _read_file(snapshot, instance, directory / MANIFEST_NAME, _MAX_MANIFEST_BYTES)
         if len(data) > _MAX_MANIFEST_BYTES:
             raise CorruptSnapshotError(
                 snapshot, instance, Corruption.MANIFEST_INVALID, "manifest is too large"
             )
-        return _parse_manifest(snapshot, instance, directory, data), data
+        return parse_manifest(snapshot, instance, directory, data), data
 
     def _read_verified(
         self, snapshot: str, instance: str, directory: Path, ref: ArtifactRef
@@ -676,7 +546,7 @@ class SnapshotStore:
             shutil.rmtree(path)
         except FileNotFoundError:
             return False
-        _fsync_dir(self._root)
+        fsync_dir(self._root)
         return True
 
     # ---------------------------------------------------------------- paths
@@ -697,262 +567,11 @@ class SnapshotStore:
             )
 
 
-# --------------------------------------------------------------------------- encoding
-
-
-class _BadValue(Exception):
-    def __init__(self, why: str) -> None:
-        super().__init__(why)
-        self.why = why
-        self.location: list[str] = []
-
-
-def _plain(value: Any, depth: int) -> Any:
-    """Copy ``value`` as plain JSON data, refusing anything that would not round-trip."""
-    kind = type(value)
-    # Exact types first: this runs for every value of every record.
-    if kind is str or kind is int or kind is bool or value is None:
-        return value
-    if kind is float or isinstance(value, float):
-        if not math.isfinite(value):
-            raise _BadValue(f"{value!r} is not a JSON number")
-        return float(value)
-    if isinstance(value, str):
-        return str(value)
-    if isinstance(value, int):
-        # bool is final, so this is an int subclass such as an IntEnum.
-        return int(value)
-    if depth >= MAX_PAYLOAD_DEPTH:
-        raise _BadValue(f"nested deeper than {MAX_PAYLOAD_DEPTH} levels")
-    if kind is dict or isinstance(value, Mapping):
-        copy: dict[str, Any] = {}
-        for key, item in value.items():
-            # json.dumps would turn 1 into "1" silently, and {1: a, "1": b} into a
-            # duplicate key: the restored payload would not be the saved one.
-            if not isinstance(key, str):
-                raise _BadValue(f"key {key!r} is not a string")
-            try:
-                copy[key] = _plain(item, depth + 1)
-            except _BadValue as error:
-                error.location.append(f"[{key!r}]")
-                raise
-        return copy
-    if kind is list or isinstance(value, (list, tuple)):
-        items: list[Any] = []
-        for index, item in enumerate(value):
-            try:
-                items.append(_plain(item, depth + 1))
-            except _BadValue as error:
-                error.location.append(f"[{index}]")
-                raise
-        return items
-    raise _BadValue(f"{kind.__name__} is not JSON-serialisable")
-
-
-def _episode_json(episode: EpisodeId) -> dict[str, Any]:
-    return {"rollout_id": episode.rollout_id, "attempt": episode.attempt}
-
-
-def _encode_records(
-    instance: str, records: Iterable[Record]
-) -> tuple[bytes, ArtifactRef, tuple[EpisodeId, ...]]:
-    """Serialise every record (so nothing is written if one fails) and describe the file."""
-    lines: list[bytes] = []
-    episodes: set[EpisodeId] = set()
-    encoder = json.JSONEncoder(
-        ensure_ascii=True, allow_nan=False, check_circular=False, separators=(",", ":")
-    )
-    for record in records:
-        if not isinstance(record, Record):
-            raise TypeError(f"records must be Record instances, not {type(record).__name__}")
-        if not isinstance(record.payload, Mapping):
-            raise UnserialisableRecordError(
-                record.episode,
-                record.key,
-                "payload",
-                f"must be a mapping, not {type(record.payload).__name__}",
-            )
-        try:
-            payload = _plain(record.payload, 1)
-        except _BadValue as error:
-            where = "payload" + "".join(reversed(error.location))
-            raise UnserialisableRecordError(record.episode, record.key, where, error.why) from None
-        line = {"episode": _episode_json(record.episode), "key": record.key, "payload": payload}
-        # ASCII-only output: the bytes cannot depend on a locale or hold a lone surrogate.
-        lines.append(encoder.encode(line).encode("ascii") + b"\n")
-        episodes.add(record.episode)
-    data = b"".join(lines)
-    sha256 = hashlib.sha256(data).hexdigest()
-    ref = ArtifactRef(f"{instance}/records-{sha256}.jsonl", sha256, len(data), len(lines))
-    return data, ref, tuple(sorted(episodes))
-
-
-def _entry(manifest: _Manifest, manifest_bytes: bytes) -> SnapshotEntry:
-    ref = ArtifactRef(
-        f"{manifest.instance}/{MANIFEST_NAME}",
-        hashlib.sha256(manifest_bytes).hexdigest(),
-        len(manifest_bytes),
-        0,
-    )
-    return SnapshotEntry(manifest.checkpoint_id, ref, manifest.artifacts, manifest.episodes)
-
-
-# --------------------------------------------------------------------------- decoding
-
-
-def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    result = dict(pairs)
-    if len(result) != len(pairs):
-        keys = [key for key, _ in pairs]
-        duplicate = next(key for key in keys if keys.count(key) > 1)
-        raise ValueError(f"duplicate key {duplicate!r}")
-    return result
-
-
-def _no_constants(name: str) -> NoReturn:
-    raise ValueError(f"{name} is not valid JSON")
-
-
-# One decoder for every line: json.loads with hooks would build a new one each call.
-_STRICT_DECODER: Final = json.JSONDecoder(
-    object_pairs_hook=_unique_pairs, parse_constant=_no_constants
-)
-
-
-def _strict_json(text: str) -> Any:
-    """Parse JSON refusing duplicate keys and NaN/Infinity (ValueError on any problem)."""
-    try:
-        return _STRICT_DECODER.decode(text)
-    except RecursionError:
-        raise ValueError("nested too deeply") from None
-
-
-def _object(value: Any, fields: frozenset[str], what: str) -> dict[str, Any]:
-    if not isinstance(value, dict):
-        raise ValueError(f"{what} must be an object")
-    if value.keys() != fields:
-        unknown = sorted(value.keys() - fields)
-        missing = sorted(fields - value.keys())
-        raise ValueError(f"{what}: unknown fields {unknown}, missing fields {missing}")
-    return value
-
-
-def _count(value: Any, what: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{what} must be an integer >= 0")
-    return value
-
-
-def _parse_episode(value: Any, seen: dict[tuple[str, int], EpisodeId] | None = None) -> EpisodeId:
-    fields = _object(value, _EPISODE_FIELDS, "episode")
-    rollout_id, attempt = fields["rollout_id"], fields["attempt"]
-    if not isinstance(rollout_id, str):
-        raise ValueError("episode rollout_id must be a string")
-    if isinstance(attempt, bool) or not isinstance(attempt, int):
-        raise ValueError("episode attempt must be an integer")
-    if seen is None:
-        return EpisodeId(rollout_id, attempt)  # InvalidIdError is a ValueError
-    # Records of one episode share one validated EpisodeId instead of re-validating.
-    episode = seen.get((rollout_id, attempt))
-    if episode is None:
-        episode = seen[rollout_id, attempt] = EpisodeId(rollout_id, attempt)
-    return episode
-
-
-def _parse_manifest(snapshot: str, instance: str, directory: Path, data: bytes) -> _Manifest:
-    def invalid(detail: str, kind: Corruption = Corruption.MANIFEST_INVALID) -> NoReturn:
-        raise CorruptSnapshotError(snapshot, instance, kind, f"{MANIFEST_NAME}: {detail}")
-
-    try:
-        document = _object(_strict_json(data.decode("utf-8")), _MANIFEST_FIELDS, "manifest")
-        version = document["schema_version"]
-        if isinstance(version, bool) or version != SCHEMA_VERSION:
-            raise ValueError(f"schema_version {version!r} is not {SCHEMA_VERSION}")
-        checkpoint_id = validate_id(document["checkpoint_id"], "checkpoint_id")
-        if document["instance"] != instance:
-            raise ValueError(f"names instance {document['instance']!r}")
-        raw_artifacts = document["artifacts"]
-        if not isinstance(raw_artifacts, list) or len(raw_artifacts) != 1:
-            raise ValueError(f"schema {SCHEMA_VERSION} lists exactly one records file")
-        raw_episodes = document["episodes"]
-        if not isinstance(raw_episodes, list):
-            raise ValueError("episodes must be a list")
-        episodes = tuple(_parse_episode(item) for item in raw_episodes)
-        if any(a >= b for a, b in itertools.pairwise(episodes)):
-            raise ValueError("episodes must be sorted and unique")
-        artifacts: list[ArtifactRef] = []
-        for item in raw_artifacts:
-            fields = _object(item, _ARTIFACT_FIELDS, "artifact")
-            path, sha256 = fields["path"], fields["sha256"]
-            if not isinstance(sha256, str) or not _SHA256_HEX.fullmatch(sha256):
-                raise ValueError(f"sha256 {sha256!r} is not 64 lowercase hex characters")
-            if not isinstance(path, str):
-                raise ValueError("artifact path must be a string")
-            target = (directory.parent / path).resolve()
-            if target.parent != directory.resolve():
-                invalid(
-                    f"artifact path {path!r} leaves the instance directory", Corruption.PATH_ESCAPE
-                )
-            if path != f"{instance}/records-{sha256}.jsonl":
-                raise ValueError(f"artifact path {path!r} does not match its digest")
-            artifacts.append(
-                ArtifactRef(
-                    path,
-                    sha256,
-                    _count(fields["size_bytes"], "size_bytes"),
-                    _count(fields["record_count"], "record_count"),
-                )
-            )
-    except ValueError as error:
-        invalid(str(error))
-    return _Manifest(checkpoint_id, instance, tuple(artifacts), episodes)
-
-
-def _decode_records(
-    snapshot: str, instance: str, ref: ArtifactRef, data: bytes
-) -> Iterator[Record]:
-    """Yield the records of a verified file; the caller consumes all before using any."""
-
-    def invalid(kind: Corruption, detail: str) -> NoReturn:
-        raise CorruptSnapshotError(snapshot, instance, kind, f"{ref.path}: {detail}")
-
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as error:
-        invalid(Corruption.RECORD_INVALID, str(error))
-    # Every record ends with a newline, so the split leaves exactly one empty tail.
-    lines = text.split("\n")
-    if lines.pop() != "":
-        invalid(Corruption.RECORD_INVALID, "ends mid-record")
-    if len(lines) != ref.record_count:
-        invalid(
-            Corruption.RECORD_COUNT_MISMATCH,
-            f"holds {len(lines)} records, the manifest says {ref.record_count}",
-        )
-    seen: dict[tuple[str, int], EpisodeId] = {}
-    for number, line in enumerate(lines, start=1):
-        try:
-            fields = _object(_strict_json(line), _RECORD_FIELDS, "record")
-            payload = fields["payload"]
-            if not isinstance(payload, dict):
-                raise ValueError("payload must be an object")
-            record = Record(_parse_episode(fields["episode"], seen), fields["key"], payload)
-        except (ValueError, TypeError) as error:
-            invalid(Corruption.RECORD_INVALID, f"line {number}: {error}")
-        yield record
-
-
 # --------------------------------------------------------------------------- file helpers
 
 
 def _file_name(path: str) -> str:
     return path.rpartition("/")[2]
-
-
-def _write_all(fd: int, data: memoryview) -> None:
-    while data:
-        written = os.write(fd, data)
-        data = data[written:]
 
 
 def _read_file(snapshot: str, instance: str, path: Path, limit: int) -> bytes:
@@ -976,14 +595,6 @@ def _read_file(snapshot: str, instance: str, path: Path, limit: int) -> bytes:
                 snapshot, instance, Corruption.RECORD_INVALID, f"{path.name} is not a regular file"
             )
         return file.read(limit + 1)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @contextmanager

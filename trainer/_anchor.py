@@ -1,8 +1,9 @@
 """The trainer anchor: model, optimizer, step and data-loader position, on disk.
 
-PROTOCOL.md section 7, step 1: a snapshot starts from a durable trainer anchor, written
-with torch distributed checkpoint (DCP) into ``<snapshot>/trainer/anchor/``. A single
-process needs no process group: ``no_dist=True`` runs DCP's planner locally.
+docs/spec.md section 7.4, step 1 (and section 8.8): a snapshot starts from a durable
+trainer anchor, written with torch distributed checkpoint (DCP) into
+``<snapshot>/trainer/anchor/``. A single process needs no process group:
+``no_dist=True`` runs DCP's planner locally.
 
 :class:`AnchorWriter` starts an asynchronous save with ``dcp.async_save``, which copies
 the state into CPU memory before it returns (so training may go on mutating the model)
@@ -41,16 +42,12 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 
+from turnpoint._files import fsync_tree
+from turnpoint._json import StrictJSONError, loads_strict
 from turnpoint.errors import Reason
 from turnpoint.trainer._errors import CoordinatorError
-from turnpoint.trainer._manifest import (
-    ANCHOR_DIR,
-    AnchorRef,
-    JSONValue,
-    ManifestError,
-    fsync_tree,
-    tree_digest,
-)
+from turnpoint.trainer._layout import tree_digest
+from turnpoint.trainer._manifest import ANCHOR_DIR, AnchorRef, JSONValue, ManifestError
 
 __all__ = [
     "ANCHOR_FORMAT",
@@ -260,8 +257,8 @@ def load_anchor(
     if isinstance(step, bool) or not isinstance(step, int) or not isinstance(loader_text, str):
         raise AnchorError(f"trainer anchor in {directory} has a malformed trainer entry", directory)
     try:
-        data_loader: JSONValue = json.loads(loader_text)
-    except json.JSONDecodeError as error:
+        data_loader: JSONValue = loads_strict(loader_text)
+    except StrictJSONError as error:
         raise AnchorError(
             f"trainer anchor in {directory}: bad data_loader: {error}", directory
         ) from None

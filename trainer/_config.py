@@ -1,6 +1,6 @@
 """The coordinator's configuration: a typed model that says what to fix.
 
-PROTOCOL.md section 7: configuration is a typed model that rejects unknown keys with an
+docs/spec.md section 7.9: configuration is a typed model that rejects unknown keys with an
 error naming the key and the nearest valid one, and cross-field rules are checked at
 startup with messages that say what to change.
 
@@ -10,7 +10,7 @@ Every problem surfaces as one :class:`ConfigError` (never a raw pydantic
 :meth:`CoordinatorConfig.from_file`. The error lists every problem found, each with the
 dotted path of the key, so that a user fixes a file in one round.
 
-Defaults follow PROTOCOL.md section 7 (the reference system's): a 60 s control timeout,
+Defaults follow docs/spec.md section 7.9 (the reference system's): a 60 s control timeout,
 a reply grace of ``min(timeout, 5 s)``, lease renewal every ``min(timeout / 3, 10 s)``.
 Defaults that derive from another setting are derived from the value the user gave, so
 ``control_timeout_s = 6`` alone gives a 2 s renewal interval, not the 10 s default.
@@ -19,7 +19,6 @@ Defaults that derive from another setting are derived from the value the user ga
 from __future__ import annotations
 
 import difflib
-import json
 import tomllib
 import types
 import typing
@@ -32,6 +31,7 @@ from typing import Any, Self
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
 
+from turnpoint._json import JSONProblem, StrictJSONError, loads_strict
 from turnpoint.errors import Reason
 from turnpoint.protocol import RecoveryLevel
 from turnpoint.trainer._errors import CoordinatorError
@@ -145,7 +145,7 @@ class ConfigSection(BaseModel):
 
 
 class CoordinatorConfig(ConfigSection):
-    """Settings of the trainer-side coordinator (PROTOCOL.md section 7)."""
+    """Settings of the trainer-side coordinator (docs/spec.md section 7.9)."""
 
     control_timeout_s: float = Field(default=60.0, gt=0)
     """Deadline of one control operation on one participant."""
@@ -274,30 +274,17 @@ def _parse_text(path: Path, text: str, source: str) -> object:
             raise ConfigError([ConfigProblem("", f"invalid TOML: {error}")], source) from None
     if suffix == ".json":
         try:
-            return json.loads(text, object_pairs_hook=_reject_duplicate_keys)
-        except json.JSONDecodeError as error:
-            raise ConfigError([ConfigProblem("", f"invalid JSON: {error}")], source) from None
-        except _DuplicateKeyError as error:
-            raise ConfigError([ConfigProblem(error.key, str(error))], source) from None
+            return loads_strict(text)
+        except StrictJSONError as error:
+            if error.problem is JSONProblem.DUPLICATE_KEY:
+                problem = ConfigProblem(error.key, f"key {error.key!r} appears twice")
+            else:
+                problem = ConfigProblem("", f"invalid JSON: {error}")
+            raise ConfigError([problem], source) from None
     raise ConfigError(
         [ConfigProblem("", f"unsupported file type {path.suffix!r}: use .json or .toml")],
         source,
     )
-
-
-class _DuplicateKeyError(Exception):
-    def __init__(self, key: str) -> None:
-        super().__init__(f"key {key!r} appears twice")
-        self.key = key
-
-
-def _reject_duplicate_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    result: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in result:
-            raise _DuplicateKeyError(key)
-        result[key] = value
-    return result
 
 
 # -- turning pydantic errors into problems ---------------------------------------------

@@ -24,14 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, TextIO
 
+from turnpoint.trainer._layout import SnapshotLayout, tree_digest
 from turnpoint.trainer._manifest import (
     MANIFEST_NAME,
     ArtifactRef,
     JSONValue,
     ManifestError,
-    SnapshotLayout,
     SnapshotManifest,
-    tree_digest,
 )
 
 __all__ = [

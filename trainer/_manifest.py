@@ -1,12 +1,9 @@
-"""The snapshot manifest the trainer publishes, and the directory layout that publishes it.
+"""The snapshot manifest the trainer publishes: its content, validation and bytes.
 
-PROTOCOL.md section 7, step 7: the manifest names the trainer anchor, every participant
-and its artifacts with digests, the continued episodes, the restarts and the trainer's
-rollout state; it is validated, then published atomically, and a snapshot is published
-only when every byte it names is durable.
+docs/spec.md section 7.4, step 7: the manifest names the trainer anchor, every
+participant and its artifacts with digests, the continued episodes, the restarts and the
+trainer's rollout state; section 8.6 fixes its format.
 
-Manifest
---------
 :class:`SnapshotManifest` and its parts are frozen dataclasses that validate themselves
 on construction, so an inconsistent manifest cannot exist in memory, let alone on disk.
 Parsing (:meth:`SnapshotManifest.from_json`) is strict: unknown or missing fields,
@@ -15,58 +12,22 @@ characters, a bad id or a schema version this build does not read are all
 :class:`ManifestError`. Serialisation is canonical (sorted keys, normalised order of
 every set-like list), so equal manifests have equal bytes.
 
-Layout on disk
---------------
-::
-
-    <root>/
-      LATEST                        id of the newest published snapshot
-      <checkpoint_id>/
-        <instance>/...              each participant's own store (PROTOCOL.md section 8)
-        trainer/anchor/...          the trainer anchor (model, optimizer, step, loader)
-        MANIFEST.json               written last: its presence is what "published" means
-
-Two designs were possible. One stages a whole snapshot in a hidden directory and renames
-it into place. The other, used here, writes every part in its final place and makes the
-top-level ``MANIFEST.json`` the commit record, as a database does with its commit log
-entry. Staging-and-rename does not fit this protocol: participants build their paths from
-the validated checkpoint id (``<root>/<checkpoint_id>/<instance>``; nothing in a request
-may name another path, and a hidden ``.staging-*`` name is not a valid id), so their
-files would have to be moved under them, and a retry of their commit would write into a
-directory that no longer exists.
-
-Publication therefore goes: every file and directory of the snapshot is fsynced; the
-manifest is written to a temporary file in ``<root>`` and fsynced; it is hard-linked to
-``<checkpoint_id>/MANIFEST.json``, which is atomic and never replaces an existing
-manifest (exclusive create without the risk of a half-written file under the final
-name); the directory and the root are fsynced; then ``LATEST`` is replaced atomically
-(temporary file, fsync, ``os.replace``, fsync of the root). A crash at any point leaves
-``LATEST`` naming a complete snapshot (the previous one, or the new one once its manifest
-is linked) or nothing. A snapshot directory without a manifest is a partial that
-:meth:`SnapshotLayout.clean_partial` removes, unless it is the one being written now.
-Retention unlinks a snapshot's manifest before deleting its files, so a crash during a
-deletion leaves a partial, never a published snapshot with missing bytes.
-
-Everything here blocks (fsync, hashing): the async side calls it through
-``asyncio.to_thread``.
+Where the manifest goes on disk, and how it is published, listed, loaded and retired,
+is :mod:`turnpoint.trainer._layout`; :class:`~turnpoint.trainer._layout.SnapshotLayout`,
+:class:`~turnpoint.trainer._layout.PublishStep` and
+:func:`~turnpoint.trainer._layout.tree_digest` stay importable from here.
 """
 
 from __future__ import annotations
 
-import enum
-import hashlib
 import json
 import math
-import os
-import secrets
-import shutil
-import stat
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Self, TypeAlias, TypeVar
+from typing import TYPE_CHECKING, Any, Self, TypeAlias, TypeVar
 
+from turnpoint._json import JSONProblem, StrictJSONError, loads_strict
 from turnpoint.errors import Reason
 from turnpoint.ids import (
     EpisodeId,
@@ -77,6 +38,9 @@ from turnpoint.ids import (
 )
 from turnpoint.protocol import ArtifactRef, ParticipantKind
 from turnpoint.trainer._errors import CoordinatorError
+
+if TYPE_CHECKING:
+    from turnpoint.trainer._layout import PublishStep, SnapshotLayout, tree_digest
 
 __all__ = [
     "ANCHOR_DIR",
@@ -95,7 +59,6 @@ __all__ = [
     "SnapshotLayout",
     "SnapshotManifest",
     "TrainerRolloutState",
-    "fsync_tree",
     "tree_digest",
 ]
 
@@ -106,13 +69,25 @@ TRAINER_DIR = "trainer"
 ANCHOR_DIR = f"{TRAINER_DIR}/anchor"
 
 _HEX = frozenset("0123456789abcdef")
-_TMP_PREFIXES = (".MANIFEST-", ".LATEST-")
-_TMP_SUFFIX = ".tmp"
-_CHUNK = 1 << 20
+_MOVED_TO_LAYOUT = frozenset({"PublishStep", "SnapshotLayout", "tree_digest"})
 
 _T = TypeVar("_T")
 
 JSONValue: TypeAlias = "bool | int | float | str | list[JSONValue] | dict[str, JSONValue] | None"
+
+
+# PublishStep, SnapshotLayout and tree_digest moved to _layout, which imports this
+# module: they are served on first use, so the old import path works without an import
+# cycle. mypy takes them from the TYPE_CHECKING import instead, and so still reports a
+# misspelled name rather than typing it as whatever __getattr__ returns.
+if not TYPE_CHECKING:
+
+    def __getattr__(name: str) -> object:
+        if name in _MOVED_TO_LAYOUT:
+            from turnpoint.trainer import _layout
+
+            return getattr(_layout, name)
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class ManifestError(CoordinatorError):
@@ -163,7 +138,8 @@ def _check_count(value: object, where: str) -> int:
     return value
 
 
-def _check_id(value: object, where: str) -> str:
+def check_id(value: object, where: str) -> str:
+    """``value`` if it is a valid id, else a :class:`ManifestError` naming ``where``."""
     try:
         return validate_id(value, where)
     except InvalidIdError as error:
@@ -273,7 +249,7 @@ class PlacedEpisode:
     def __post_init__(self) -> None:
         if not isinstance(self.episode, EpisodeId):
             raise _fail("episode", f"must be an EpisodeId, got {self.episode!r}")
-        _check_id(self.instance, "instance")
+        check_id(self.instance, "instance")
 
     def to_dict(self) -> dict[str, JSONValue]:
         return {
@@ -286,9 +262,9 @@ class PlacedEpisode:
     def from_dict(cls, raw: object, where: str) -> Self:
         fields = _Fields(raw, where)
         episode = EpisodeId(
-            fields.take("rollout_id", _check_id), fields.take("attempt", _check_attempt)
+            fields.take("rollout_id", check_id), fields.take("attempt", _check_attempt)
         )
-        result = cls(episode=episode, instance=fields.take("instance", _check_id))
+        result = cls(episode=episode, instance=fields.take("instance", check_id))
         fields.done()
         return result
 
@@ -306,9 +282,7 @@ def _episode_to_dict(episode: EpisodeId) -> dict[str, JSONValue]:
 
 def _episode_from_dict(raw: object, where: str) -> EpisodeId:
     fields = _Fields(raw, where)
-    episode = EpisodeId(
-        fields.take("rollout_id", _check_id), fields.take("attempt", _check_attempt)
-    )
+    episode = EpisodeId(fields.take("rollout_id", check_id), fields.take("attempt", _check_attempt))
     fields.done()
     return episode
 
@@ -333,7 +307,7 @@ class ParticipantEntry:
 
     def __post_init__(self) -> None:
         where = f"participant {self.instance!r}"
-        _check_id(self.instance, "participant.instance")
+        check_id(self.instance, "participant.instance")
         if not isinstance(self.kind, ParticipantKind):
             raise _fail(f"{where} kind", f"must be a ParticipantKind, got {self.kind!r}")
         if not isinstance(self.incarnation, str) or len(self.incarnation) > 256:
@@ -384,7 +358,7 @@ class ParticipantEntry:
             raise _fail(f"{where}.kind", f"unknown kind {kind_name!r} (known: {known})") from None
         manifest_raw = fields.take("manifest", _any)
         result = cls(
-            instance=fields.take("instance", _check_id),
+            instance=fields.take("instance", check_id),
             kind=kind,
             incarnation=fields.take("incarnation", _check_str),
             artifacts=tuple(
@@ -431,7 +405,7 @@ class TrainerRolloutState:
         if not isinstance(self.attempts, Mapping):
             raise _fail("rollout_state.attempts", "must be a mapping of rollout id to attempt")
         attempts = {
-            _check_id(key, "rollout_state.attempts key"): _check_attempt(
+            check_id(key, "rollout_state.attempts key"): _check_attempt(
                 value, f"rollout_state.attempts[{key!r}]"
             )
             for key, value in sorted(self.attempts.items())
@@ -481,7 +455,7 @@ def _check_in_flight(
         descriptor = _check_json_object(item, where)
         if "rollout_id" not in descriptor or "attempt" not in descriptor:
             raise _fail(where, "must name its rollout_id and attempt")
-        rollout_id = _check_id(descriptor["rollout_id"], f"{where}.rollout_id")
+        rollout_id = check_id(descriptor["rollout_id"], f"{where}.rollout_id")
         attempt = _check_attempt(descriptor["attempt"], f"{where}.attempt")
         if rollout_id in checked:
             raise _fail(where, f"duplicate rollout {rollout_id!r}")
@@ -524,7 +498,7 @@ class SnapshotManifest:
 
     def _validate(self) -> None:
         _check_schema_version(self.schema_version)
-        _check_id(self.checkpoint_id, "checkpoint_id")
+        check_id(self.checkpoint_id, "checkpoint_id")
         try:
             checkpoint_sequence(self.checkpoint_id)
         except InvalidIdError as error:
@@ -676,7 +650,7 @@ class SnapshotManifest:
         fields = _Fields(raw, "manifest")
         # The version first: a newer schema fails on its version, not on its new fields.
         _check_schema_version(fields.take("schema_version", _any))
-        checkpoint_id = fields.take("checkpoint_id", _check_id)
+        checkpoint_id = fields.take("checkpoint_id", check_id)
         try:
             result = cls(
                 schema_version=SCHEMA_VERSION,
@@ -716,11 +690,13 @@ class SnapshotManifest:
     def from_json(cls, data: bytes | str) -> Self:
         try:
             text = data.decode("utf-8") if isinstance(data, bytes) else data
-            raw = json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_reject_constant)
+            raw = loads_strict(text)
         except UnicodeDecodeError as error:
             raise ManifestError(f"manifest is not UTF-8: {error}") from None
-        except json.JSONDecodeError as error:
-            raise ManifestError(f"manifest is not valid JSON: {error}") from None
+        except StrictJSONError as error:
+            if error.problem is JSONProblem.SYNTAX:
+                raise ManifestError(f"manifest is not valid JSON: {error}") from None
+            raise ManifestError(f"manifest: {error}") from None
         return cls.from_dict(raw)
 
 
@@ -797,465 +773,3 @@ class _Fields:
         if self._raw:
             names = ", ".join(sorted(self._raw))
             raise _fail(self._where, f"unknown field(s): {names}")
-
-
-def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    result: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in result:
-            raise ManifestError(f"manifest: JSON key {key!r} appears twice in one object")
-        result[key] = value
-    return result
-
-
-def _reject_constant(name: str) -> float:
-    raise ManifestError(f"manifest: {name} is not a JSON number")
-
-
-# -- digests and durability ------------------------------------------------------------
-
-
-def _file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        while chunk := handle.read(_CHUNK):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def _walk_files(directory: Path) -> Iterator[tuple[str, Path]]:
-    """(relative POSIX path, path) of every regular file below ``directory``, sorted."""
-    found: list[tuple[str, Path]] = []
-    for current, dirnames, filenames in os.walk(directory):
-        dirnames.sort()
-        for name in filenames:
-            path = Path(current, name)
-            mode = path.lstat().st_mode
-            if not stat.S_ISREG(mode):
-                raise ManifestError(f"{path}: not a regular file (symlinks are not followed)")
-            found.append((path.relative_to(directory).as_posix(), path))
-        for name in dirnames:
-            path = Path(current, name)
-            if path.is_symlink():
-                raise ManifestError(f"{path}: symlinked directory (symlinks are not followed)")
-    found.sort()
-    return iter(found)
-
-
-def tree_digest(directory: Path) -> str:
-    """sha256 over the listing of every file below ``directory``: digest, size, path.
-
-    Any change of a byte, a name, or a file added or removed changes the digest.
-    """
-    if not directory.is_dir() or directory.is_symlink():
-        raise ManifestError(f"{directory}: no such directory")
-    listing = hashlib.sha256()
-    for relative, path in _walk_files(directory):
-        size = path.stat().st_size
-        listing.update(f"{_file_sha256(path)}  {size}  {relative}\n".encode())
-    return listing.hexdigest()
-
-
-def _fsync_path(path: Path, *, directory: bool = False) -> None:
-    flags = os.O_RDONLY | (os.O_DIRECTORY if directory else 0)
-    fd = os.open(path, flags)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_tree(directory: Path) -> None:
-    """fsync every regular file and directory below ``directory`` (itself included)."""
-    # Children before parents, so a directory is synced after the entries it lists.
-    for current, _dirnames, filenames in os.walk(directory, topdown=False):
-        for name in filenames:
-            path = Path(current, name)
-            if stat.S_ISREG(path.lstat().st_mode):
-                _fsync_path(path)
-        _fsync_path(Path(current), directory=True)
-
-
-def _write_durable(path: Path, data: bytes) -> None:
-    with path.open("xb") as handle:
-        handle.write(data)
-        handle.flush()
-        os.fsync(handle.fileno())
-
-
-# -- the layout ------------------------------------------------------------------------
-
-
-class PublishStep(enum.Enum):
-    """Points in :meth:`SnapshotLayout.publish` after which a crash can be injected."""
-
-    VERIFIED = "verified"
-    TREE_SYNCED = "tree_synced"
-    MANIFEST_STAGED = "manifest_staged"
-    MANIFEST_LINKED = "manifest_linked"
-    SNAPSHOT_SYNCED = "snapshot_synced"
-    LATEST_STAGED = "latest_staged"
-    LATEST_MOVED = "latest_moved"
-
-
-class SnapshotLayout:
-    """Publishes, lists, loads and retires snapshots under one root directory.
-
-    ``after_step`` is called after each :class:`PublishStep`; tests raise from it to
-    simulate a crash at that point (a named, deterministic fault).
-    """
-
-    def __init__(
-        self, root: str | Path, *, after_step: Callable[[PublishStep], None] | None = None
-    ) -> None:
-        self.root = Path(root)
-        self._after_step = after_step
-        self._in_progress: str | None = None
-
-    # -- paths -------------------------------------------------------------------------
-
-    def path(self, checkpoint_id: str) -> Path:
-        """``<root>/<checkpoint_id>``; the id is validated, so it is one safe component."""
-        return self.root / _check_id(checkpoint_id, "checkpoint_id")
-
-    def trainer_dir(self, checkpoint_id: str) -> Path:
-        return self.path(checkpoint_id) / TRAINER_DIR
-
-    def anchor_dir(self, checkpoint_id: str) -> Path:
-        return self.path(checkpoint_id) / ANCHOR_DIR
-
-    def is_published(self, checkpoint_id: str) -> bool:
-        manifest = self.path(checkpoint_id) / MANIFEST_NAME
-        try:
-            return stat.S_ISREG(manifest.lstat().st_mode)
-        except FileNotFoundError:
-            return False
-
-    @property
-    def in_progress(self) -> str | None:
-        """The snapshot begun and not yet published or discarded, if any."""
-        return self._in_progress
-
-    # -- writing -----------------------------------------------------------------------
-
-    def begin(self, checkpoint_id: str) -> Path:
-        """Prepare ``<root>/<checkpoint_id>`` for a new snapshot and return it.
-
-        Call before any participant commits to this id. A leftover of an earlier,
-        unpublished attempt at the same id is removed first: it was never published, and
-        mixing two cuts in one directory would break the snapshot. An id that is already
-        published, or not newer than the newest published one, is refused.
-        """
-        sequence = self._sequence_of(checkpoint_id)
-        snapshot = self.path(checkpoint_id)
-        if self.is_published(checkpoint_id):
-            raise ManifestError(
-                f"snapshot {checkpoint_id!r} is already published",
-                checkpoint_id=checkpoint_id,
-            )
-        newest = self.list_published()
-        if newest and sequence <= checkpoint_sequence(newest[0]):
-            raise ManifestError(
-                f"checkpoint id {checkpoint_id!r} is not newer than the published "
-                f"{newest[0]!r}: checkpoint sequences must increase",
-                checkpoint_id=checkpoint_id,
-            )
-        if snapshot.exists():
-            shutil.rmtree(snapshot)
-        (snapshot / TRAINER_DIR).mkdir(parents=True)
-        self._in_progress = checkpoint_id
-        return snapshot
-
-    def discard(self, checkpoint_id: str) -> bool:
-        """Delete an unpublished snapshot (an aborted round). Published ones are refused."""
-        if self.is_published(checkpoint_id):
-            raise ManifestError(
-                f"snapshot {checkpoint_id!r} is published; use retain() to delete snapshots",
-                checkpoint_id=checkpoint_id,
-            )
-        if self._in_progress == checkpoint_id:
-            self._in_progress = None
-        snapshot = self.path(checkpoint_id)
-        if not snapshot.exists():
-            return False
-        shutil.rmtree(snapshot)
-        return True
-
-    def publish(
-        self, snapshot: Path, manifest: SnapshotManifest, *, verify_artifacts: bool = False
-    ) -> Path:
-        """Make ``snapshot`` durable and published, then point ``LATEST`` at it.
-
-        Checks first that every file the manifest names is there with its recorded size
-        (and, with ``verify_artifacts``, its digest) and that the anchor digest matches
-        the files on disk; a manifest naming bytes that are not there is never written.
-        """
-        checkpoint_id = manifest.checkpoint_id
-        expected = self.path(checkpoint_id)
-        if Path(snapshot).resolve() != expected.resolve():
-            raise ManifestError(
-                f"manifest for {checkpoint_id!r} cannot be published in {snapshot}; "
-                f"its directory is {expected}",
-                checkpoint_id=checkpoint_id,
-            )
-        if not expected.is_dir():
-            raise ManifestError(
-                f"snapshot directory {expected} does not exist; call begin() first",
-                checkpoint_id=checkpoint_id,
-            )
-        if self.is_published(checkpoint_id):
-            raise ManifestError(
-                f"snapshot {checkpoint_id!r} is already published", checkpoint_id=checkpoint_id
-            )
-        self._verify_contents(expected, manifest, verify_artifacts=verify_artifacts)
-        self._step(PublishStep.VERIFIED)
-
-        fsync_tree(expected)
-        self._step(PublishStep.TREE_SYNCED)
-
-        # Temporary files are removed on ordinary errors only; after a crash they are
-        # left for clean_partial(), which is what a crash test must see too.
-        staged = self._temp_path(f".MANIFEST-{checkpoint_id}-")
-        try:
-            _write_durable(staged, manifest.to_json())
-        except OSError:
-            staged.unlink(missing_ok=True)
-            raise
-        self._step(PublishStep.MANIFEST_STAGED)
-        try:
-            # A hard link is atomic and never replaces: exclusive create of a file that
-            # is complete from its first instant.
-            os.link(staged, expected / MANIFEST_NAME)
-        except FileExistsError:
-            staged.unlink(missing_ok=True)
-            raise ManifestError(
-                f"snapshot {checkpoint_id!r} was published concurrently",
-                checkpoint_id=checkpoint_id,
-            ) from None
-        except OSError:
-            staged.unlink(missing_ok=True)
-            raise
-        self._step(PublishStep.MANIFEST_LINKED)
-        staged.unlink()
-        _fsync_path(expected, directory=True)
-        _fsync_path(self.root, directory=True)
-        if self._in_progress == checkpoint_id:
-            self._in_progress = None
-        self._step(PublishStep.SNAPSHOT_SYNCED)
-
-        current = self._read_latest_leniently()
-        if current is None or checkpoint_sequence(current) < manifest.sequence:
-            self._move_latest(checkpoint_id)
-        return expected
-
-    def _move_latest(self, checkpoint_id: str) -> None:
-        staged = self._temp_path(".LATEST-")
-        try:
-            _write_durable(staged, f"{checkpoint_id}\n".encode("ascii"))
-        except OSError:
-            staged.unlink(missing_ok=True)
-            raise
-        self._step(PublishStep.LATEST_STAGED)
-        try:
-            os.replace(staged, self.root / LATEST_NAME)
-        except OSError:
-            staged.unlink(missing_ok=True)
-            raise
-        _fsync_path(self.root, directory=True)
-        self._step(PublishStep.LATEST_MOVED)
-
-    def _verify_contents(
-        self, snapshot: Path, manifest: SnapshotManifest, *, verify_artifacts: bool
-    ) -> None:
-        checkpoint_id = manifest.checkpoint_id
-        anchor_digest = tree_digest(snapshot / manifest.anchor.path)
-        if anchor_digest != manifest.anchor.sha256:
-            raise ManifestError(
-                f"snapshot {checkpoint_id!r}: trainer anchor digest is {anchor_digest}, "
-                f"manifest says {manifest.anchor.sha256}",
-                checkpoint_id=checkpoint_id,
-                field="anchor.sha256",
-            )
-        for entry in manifest.participants:
-            named = list(entry.artifacts)
-            if entry.manifest is not None:
-                named.append(entry.manifest)
-            for artifact in named:
-                path = snapshot / artifact.path
-                try:
-                    info = path.lstat()
-                except FileNotFoundError:
-                    raise ManifestError(
-                        f"snapshot {checkpoint_id!r}: {artifact.path} is missing",
-                        checkpoint_id=checkpoint_id,
-                        field="participants",
-                    ) from None
-                if not stat.S_ISREG(info.st_mode) or info.st_size != artifact.size_bytes:
-                    raise ManifestError(
-                        f"snapshot {checkpoint_id!r}: {artifact.path} has {info.st_size} "
-                        f"bytes, manifest says {artifact.size_bytes}",
-                        checkpoint_id=checkpoint_id,
-                        field="participants",
-                    )
-                if verify_artifacts and _file_sha256(path) != artifact.sha256:
-                    raise ManifestError(
-                        f"snapshot {checkpoint_id!r}: {artifact.path} does not match its sha256",
-                        checkpoint_id=checkpoint_id,
-                        field="participants",
-                    )
-
-    def _step(self, step: PublishStep) -> None:
-        if self._after_step is not None:
-            self._after_step(step)
-
-    def _temp_path(self, prefix: str) -> Path:
-        self.root.mkdir(parents=True, exist_ok=True)
-        return self.root / f"{prefix}{secrets.token_hex(8)}{_TMP_SUFFIX}"
-
-    # -- reading -----------------------------------------------------------------------
-
-    def latest(self) -> str | None:
-        """The id ``LATEST`` names, or ``None`` when nothing was published yet.
-
-        A ``LATEST`` that is garbled or names a snapshot that is not published is
-        reported, not hidden: publication never leaves it so, someone else did.
-        """
-        path = self.root / LATEST_NAME
-        try:
-            text = path.read_text(encoding="ascii")
-        except FileNotFoundError:
-            return None
-        except (OSError, UnicodeDecodeError) as error:
-            raise ManifestError(f"{path}: unreadable: {error}") from None
-        checkpoint_id = text.strip()
-        try:
-            self._sequence_of(checkpoint_id)
-        except ManifestError:
-            raise ManifestError(f"{path}: does not hold a checkpoint id: {text!r}") from None
-        if not self.is_published(checkpoint_id):
-            raise ManifestError(
-                f"{path} names {checkpoint_id!r}, which is not a published snapshot",
-                checkpoint_id=checkpoint_id,
-            )
-        return checkpoint_id
-
-    def _read_latest_leniently(self) -> str | None:
-        try:
-            return self.latest()
-        except ManifestError:
-            return None
-
-    def list_published(self) -> list[str]:
-        """Published snapshot ids, newest (highest checkpoint sequence) first."""
-        try:
-            entries = list(os.scandir(self.root))
-        except FileNotFoundError:
-            return []
-        found: list[tuple[int, str]] = []
-        for entry in entries:
-            sequence = _sequence_or_none(entry.name)
-            if sequence is None or not entry.is_dir(follow_symlinks=False):
-                continue
-            if self.is_published(entry.name):
-                found.append((sequence, entry.name))
-        found.sort(reverse=True)
-        return [name for _, name in found]
-
-    def load(self, checkpoint_id: str) -> SnapshotManifest:
-        """Parse a published manifest strictly and verify the trainer anchor digest."""
-        snapshot = self.path(checkpoint_id)
-        path = snapshot / MANIFEST_NAME
-        try:
-            data = path.read_bytes()
-        except FileNotFoundError:
-            raise ManifestError(
-                f"snapshot {checkpoint_id!r} is not published (no {MANIFEST_NAME})",
-                checkpoint_id=checkpoint_id,
-            ) from None
-        manifest = SnapshotManifest.from_json(data)
-        if manifest.checkpoint_id != checkpoint_id:
-            raise ManifestError(
-                f"{path} describes {manifest.checkpoint_id!r}, not {checkpoint_id!r}",
-                checkpoint_id=checkpoint_id,
-                field="checkpoint_id",
-            )
-        digest = tree_digest(snapshot / manifest.anchor.path)
-        if digest != manifest.anchor.sha256:
-            raise ManifestError(
-                f"snapshot {checkpoint_id!r}: trainer anchor does not match its digest "
-                f"(found {digest}, manifest says {manifest.anchor.sha256})",
-                checkpoint_id=checkpoint_id,
-                field="anchor.sha256",
-            )
-        return manifest
-
-    # -- housekeeping ------------------------------------------------------------------
-
-    def retain(self, keep: int) -> list[str]:
-        """Delete published snapshots beyond the newest ``keep``; returns what went.
-
-        The snapshot ``LATEST`` names is always kept. Each deletion unpublishes first
-        (manifest unlinked and synced), so a crash midway leaves a partial that
-        :meth:`clean_partial` removes, never a published snapshot with missing files.
-        """
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-            raise ValueError(f"keep must be an integer >= 1, got {keep!r}")
-        published = self.list_published()
-        protected = set(published[:keep])
-        latest = self._read_latest_leniently()
-        if latest is not None:
-            protected.add(latest)
-        doomed = [checkpoint_id for checkpoint_id in published if checkpoint_id not in protected]
-        for checkpoint_id in reversed(doomed):  # oldest first
-            snapshot = self.path(checkpoint_id)
-            (snapshot / MANIFEST_NAME).unlink()
-            _fsync_path(snapshot, directory=True)
-            shutil.rmtree(snapshot)
-        if doomed:
-            _fsync_path(self.root, directory=True)
-        return doomed
-
-    def clean_partial(self) -> list[str]:
-        """Remove unpublished snapshot directories and stale temporary files.
-
-        The snapshot begun by this layout and not yet published is left alone; every
-        other snapshot directory without a manifest is a crash leftover or an aborted
-        round. Names this module did not create are never touched.
-        """
-        try:
-            entries = list(os.scandir(self.root))
-        except FileNotFoundError:
-            return []
-        removed: list[str] = []
-        for entry in sorted(entries, key=lambda item: item.name):
-            name = entry.name
-            if name.startswith(_TMP_PREFIXES) and name.endswith(_TMP_SUFFIX):
-                if entry.is_file(follow_symlinks=False):
-                    Path(entry.path).unlink(missing_ok=True)
-                    removed.append(name)
-                continue
-            if _sequence_or_none(name) is None or not entry.is_dir(follow_symlinks=False):
-                continue
-            if name == self._in_progress or self.is_published(name):
-                continue
-            shutil.rmtree(entry.path)
-            removed.append(name)
-        if removed:
-            _fsync_path(self.root, directory=True)
-        return removed
-
-    def _sequence_of(self, checkpoint_id: str) -> int:
-        _check_id(checkpoint_id, "checkpoint_id")
-        try:
-            return checkpoint_sequence(checkpoint_id)
-        except InvalidIdError as error:
-            raise ManifestError(
-                f"checkpoint id {checkpoint_id!r}: {error.why}", checkpoint_id=checkpoint_id
-            ) from None
-
-
-def _sequence_or_none(name: str) -> int | None:
-    try:
-        return checkpoint_sequence(name)
-    except InvalidIdError:
-        return None

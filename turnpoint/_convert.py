@@ -2,34 +2,64 @@
 
 Everything that comes off the wire passes through here before the pure cores see it,
 so that a bad id or a negative duration becomes ``INVALID_ARGUMENT`` and changes no
-state (PROTOCOL.md section 10: bad input gets a clear error and changes nothing).
+state (docs/spec.md section 10.5: bad input gets a clear error and changes nothing).
+
+The protocol vocabulary (:mod:`turnpoint.protocol`: enums, fence, readiness, receipts,
+artifact references) converts here in both directions, so that the participant's
+servers and the trainer's coordinator state it once and neither imports the other.
+Enum members map by name (``Phase.PREPARED`` <-> ``PHASE_PREPARED``).
 """
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from types import MappingProxyType
+from typing import Any, TypeVar
 
 from google.protobuf import duration_pb2, struct_pb2, timestamp_pb2
 from google.protobuf.json_format import MessageToDict
 
 from turnpoint.errors import Reason, TurnpointError
 from turnpoint.ids import EpisodeId, InvalidIdError, validate_id
+from turnpoint.protocol import (
+    ArtifactRef,
+    Blocker,
+    CompletionReceipt,
+    EpisodeState,
+    Fence,
+    ReadinessReport,
+)
 from turnpoint.v1 import types_pb2
 
 __all__ = [
+    "artifact_from_proto",
+    "artifact_to_proto",
+    "artifacts_from_proto",
     "bad_argument",
+    "blocker_from_proto",
+    "blocker_to_proto",
     "check_list_length",
     "duration_from_seconds",
+    "enum_from_proto",
+    "enum_to_proto",
     "episode_from_proto",
     "episode_to_proto",
     "episodes_from_proto",
+    "fence_from_proto",
+    "fence_to_proto",
     "id_from_proto",
+    "readiness_from_proto",
+    "readiness_to_proto",
+    "receipt_from_proto",
+    "receipt_to_proto",
     "seconds_from_duration",
     "struct_from_mapping",
     "struct_to_dict",
     "timestamp_from_seconds",
 ]
+
+E = TypeVar("E", bound=enum.Enum)
 
 
 def bad_argument(error: InvalidIdError | str, **metadata: str) -> TurnpointError:
@@ -93,6 +123,134 @@ def timestamp_from_seconds(epoch_seconds: float) -> timestamp_pb2.Timestamp:
     message = timestamp_pb2.Timestamp()
     message.FromNanoseconds(round(epoch_seconds * 1e9))
     return message
+
+
+# ----------------------------------------------------------------------- vocabulary
+
+
+def _prefix(proto_enum: Any) -> str:
+    # Every turnpoint.v1 enum's values are prefixed by the enum's name in UPPER_SNAKE.
+    name: str = proto_enum.DESCRIPTOR.name
+    snake = "".join(f"_{c}" if c.isupper() and i else c for i, c in enumerate(name))
+    return snake.upper() + "_"
+
+
+def enum_to_proto(proto_enum: Any, value: enum.Enum) -> Any:
+    return proto_enum.Value(_prefix(proto_enum) + value.name)
+
+
+def enum_from_proto(proto_enum: Any, sdk_enum: type[E], number: int, field: str) -> E | None:
+    """The SDK member for a proto value; None for UNSPECIFIED, INVALID_ARGUMENT if unknown."""
+    try:
+        name = proto_enum.Name(number).removeprefix(_prefix(proto_enum))
+    except ValueError:
+        raise bad_argument(f"{field}: unknown enum value {number}") from None
+    if name == "UNSPECIFIED":
+        return None
+    try:
+        return sdk_enum[name]
+    except KeyError:
+        raise bad_argument(f"{field}: {name} is not supported here") from None
+
+
+def fence_to_proto(fence: Fence) -> types_pb2.Fence:
+    return types_pb2.Fence(coordinator_id=fence.coordinator_id, epoch=fence.epoch)
+
+
+def fence_from_proto(message: types_pb2.Fence, present: bool) -> Fence:
+    if not present:
+        # Tools (buf curl) may omit the fence: they act as epoch 0, which any real
+        # coordinator's epoch fences out.
+        return Fence("", 0)
+    return Fence(message.coordinator_id, message.epoch)
+
+
+def receipt_to_proto(receipt: CompletionReceipt) -> types_pb2.CompletionReceipt:
+    return types_pb2.CompletionReceipt(
+        episode=episode_to_proto(receipt.episode), receipt_id=receipt.receipt_id
+    )
+
+
+def receipt_from_proto(message: types_pb2.CompletionReceipt) -> CompletionReceipt:
+    return CompletionReceipt(
+        episode_from_proto(message.episode, "receipt.episode"),
+        id_from_proto(message.receipt_id, "receipt_id"),
+    )
+
+
+def blocker_to_proto(blocker: Blocker) -> types_pb2.Blocker:
+    message = types_pb2.Blocker(
+        episode=episode_to_proto(blocker.episode),
+        state=enum_to_proto(types_pb2.EpisodeState, blocker.state),
+        detail=blocker.detail,
+    )
+    if blocker.receipt is not None:
+        message.receipt.CopyFrom(receipt_to_proto(blocker.receipt))
+    return message
+
+
+def blocker_from_proto(message: types_pb2.Blocker) -> Blocker:
+    state = _episode_state(message.state, "blocker.state")
+    receipt = receipt_from_proto(message.receipt) if message.HasField("receipt") else None
+    return Blocker(
+        episode_from_proto(message.episode, "blocker.episode"), state, receipt, message.detail
+    )
+
+
+def readiness_to_proto(report: ReadinessReport) -> types_pb2.ReadinessReport:
+    return types_pb2.ReadinessReport(
+        ready=report.ready,
+        blocker_count=report.blocker_count,
+        blockers=[blocker_to_proto(b) for b in report.blockers],
+        counts=[
+            types_pb2.StateCount(state=enum_to_proto(types_pb2.EpisodeState, state), count=count)
+            for state, count in sorted(report.counts.items(), key=lambda item: item[0].name)
+        ],
+        restarts=[episode_to_proto(e) for e in report.restarts],
+    )
+
+
+def readiness_from_proto(message: types_pb2.ReadinessReport) -> ReadinessReport:
+    counts: dict[EpisodeState, int] = {}
+    for item in message.counts:
+        counts[_episode_state(item.state, "readiness.counts.state")] = item.count
+    return ReadinessReport(
+        ready=message.ready,
+        blocker_count=message.blocker_count,
+        blockers=tuple(blocker_from_proto(b) for b in message.blockers),
+        counts=MappingProxyType(counts),
+        restarts=tuple(episode_from_proto(e, "readiness.restarts") for e in message.restarts),
+    )
+
+
+def _episode_state(number: int, field: str) -> EpisodeState:
+    state = enum_from_proto(types_pb2.EpisodeState, EpisodeState, number, field)
+    if state is None:
+        raise bad_argument(f"{field} is unset")
+    return state
+
+
+def artifact_to_proto(ref: ArtifactRef) -> types_pb2.ArtifactRef:
+    return types_pb2.ArtifactRef(
+        path=ref.path,
+        sha256=ref.sha256,
+        size_bytes=ref.size_bytes,
+        record_count=ref.record_count,
+    )
+
+
+def artifact_from_proto(message: types_pb2.ArtifactRef) -> ArtifactRef:
+    try:
+        return ArtifactRef(message.path, message.sha256, message.size_bytes, message.record_count)
+    except InvalidIdError as error:
+        raise bad_argument(error) from None
+
+
+def artifacts_from_proto(messages: Iterable[types_pb2.ArtifactRef]) -> list[ArtifactRef]:
+    return [artifact_from_proto(m) for m in messages]
+
+
+# ----------------------------------------------------------------------- structs
 
 
 def struct_from_mapping(value: Mapping[str, Any] | None) -> struct_pb2.Struct:

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Final
 
+from turnpoint._files import create_file, replace_file
 from turnpoint.apps.bench._options import WorkloadOptions
 from turnpoint.apps.bench._workers import WorkerProcess, topology_job
 from turnpoint.ids import EpisodeId
@@ -270,17 +271,22 @@ class _Run:
     def write_files(self) -> None:
         self.snapshots.mkdir(parents=True, exist_ok=True)
         if not self.token_file.exists():
-            descriptor = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
-                handle.write(self.token + "\n")
+            create_file(
+                self.token_file,
+                (self.token + "\n").encode("utf-8"),
+                temp_prefix=".token-",
+                mode=0o600,
+            )
         topology = {
             "token_file": str(self.token_file),
             "snapshot_root": str(self.snapshots),
             "participants": self.participants,
         }
-        staged = self.topology.with_suffix(".json.tmp")
-        staged.write_text(json.dumps(topology, indent=2) + "\n", encoding="utf-8")
-        os.replace(staged, self.topology)
+        replace_file(
+            self.topology,
+            (json.dumps(topology, indent=2) + "\n").encode("utf-8"),
+            temp_prefix=".topology-",
+        )
 
 
 def _trainer_argv(run: _Run, options: WorkloadOptions, interval_s: float, steps: int) -> list[str]:

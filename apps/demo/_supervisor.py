@@ -80,6 +80,7 @@ from typing import IO, Any, Protocol
 from rich.console import Console
 from rich.text import Text
 
+from turnpoint._files import create_file, replace_file
 from turnpoint.apps.demo._progress import (
     EventTail,
     ProgressDisplay,
@@ -345,9 +346,8 @@ def prepare_out_dir(out: Path) -> tuple[DemoPaths, str]:
     paths.logs.mkdir()
     paths.snapshots.mkdir()
     token = secrets.token_urlsafe(32)
-    descriptor = os.open(paths.token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(descriptor, "w", encoding="ascii") as handle:
-        handle.write(token + "\n")
+    # Owner-only, whole from its first instant, never replacing an existing file.
+    create_file(paths.token_file, (token + "\n").encode("ascii"), temp_prefix=".token-", mode=0o600)
     return paths, token
 
 
@@ -705,9 +705,11 @@ def write_topology(paths: DemoPaths, participants: Mapping[str, Participant]) ->
             for p in participants.values()
         ],
     }
-    temporary = paths.topology.with_suffix(".json.tmp")
-    temporary.write_text(json.dumps(topology, indent=2) + "\n", encoding="utf-8")
-    os.replace(temporary, paths.topology)
+    replace_file(
+        paths.topology,
+        (json.dumps(topology, indent=2) + "\n").encode("utf-8"),
+        temp_prefix=".topology-",
+    )
 
 
 # ---------------------------------------------------------------------- the trainer

@@ -1,0 +1,101 @@
+"""The data plane: rollout, resources and policy RPCs, delegated to the hosted kinds.
+
+A mixin of :class:`~._runtime.ParticipantRuntime`. Each call goes to the host of the
+kind it names (docs/spec.md sections 5 and 6); a participant that does not host that
+kind answers ``NOT_FOUND``. Admission control and parking live in the hosts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Iterable, Mapping
+from typing import Any
+
+from turnpoint.errors import Reason, TurnpointError
+from turnpoint.ids import EpisodeId
+from turnpoint.protocol import CompletionReceipt
+
+from ._agent import AgentHost, BoundaryReport, RunResult
+from ._model import GenerateChunk, GenerateRequest, ModelHost
+from ._resources import ResourcesHost, Verdict
+from ._results import AcknowledgeResult
+
+__all__ = ["DataPlane"]
+
+
+class DataPlane:
+    """RolloutService, ResourcesService and PolicyService calls of one participant."""
+
+    agent: AgentHost | None
+    resources: ResourcesHost | None
+    model: ModelHost | None
+
+    def _agent(self) -> AgentHost:
+        if self.agent is None:
+            raise TurnpointError(Reason.NOT_FOUND, "this participant hosts no agent")
+        return self.agent
+
+    def _resources(self) -> ResourcesHost:
+        if self.resources is None:
+            raise TurnpointError(Reason.NOT_FOUND, "this participant hosts no resources")
+        return self.resources
+
+    def _model(self) -> ModelHost:
+        if self.model is None:
+            raise TurnpointError(Reason.NOT_FOUND, "this participant hosts no policy model")
+        return self.model
+
+    def run_episode(
+        self,
+        episode: EpisodeId,
+        task: Mapping[str, Any],
+        *,
+        boundaries_seen: int = 0,
+        budget_s: float | None = None,
+    ) -> AsyncGenerator[BoundaryReport | RunResult, None]:
+        """RolloutService.Run; see :meth:`AgentHost.run_episode` (close it when done)."""
+        return self._agent().run_episode(
+            episode, task, boundaries_seen=boundaries_seen, budget_s=budget_s
+        )
+
+    async def accept_run(
+        self,
+        episode: EpisodeId,
+        task: Mapping[str, Any],
+        *,
+        boundaries_seen: int = 0,
+        budget_s: float | None = None,
+    ) -> AsyncGenerator[BoundaryReport | RunResult, None]:
+        """Accept a Run now (errors raise here), then follow it; see :meth:`AgentHost.accept_run`."""
+        return await self._agent().accept_run(
+            episode, task, boundaries_seen=boundaries_seen, budget_s=budget_s
+        )
+
+    async def acknowledge(self, receipts: Iterable[CompletionReceipt]) -> AcknowledgeResult:
+        """RolloutService.Acknowledge: drop retained results."""
+        acknowledged, unknown = await self._agent().acknowledge(receipts)
+        return AcknowledgeResult(acknowledged, unknown)
+
+    async def seed_session(self, episode: EpisodeId, task: Mapping[str, Any]) -> bool:
+        """ResourcesService.SeedSession; True when the session already existed."""
+        return await self._resources().seed(episode, task)
+
+    async def call_tool(
+        self, episode: EpisodeId, tool: str, arguments: Mapping[str, Any]
+    ) -> Mapping[str, Any]:
+        return await self._resources().call(episode, tool, arguments)
+
+    async def verify(self, episode: EpisodeId, answer: Mapping[str, Any]) -> Verdict:
+        return await self._resources().verify(episode, answer)
+
+    async def close_session(self, episode: EpisodeId) -> bool:
+        return await self._resources().close(episode)
+
+    def generate(
+        self, episode: EpisodeId, request: GenerateRequest
+    ) -> AsyncGenerator[GenerateChunk, None]:
+        """PolicyService.Generate, under admission control (close it when done)."""
+        return self._model().generate(episode, request)
+
+    async def update_weights(self, weights_version: int, state: bytes) -> int:
+        """PolicyService.UpdateWeights: the trainer's weight sync."""
+        return await self._model().update_weights(weights_version, state)

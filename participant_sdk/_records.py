@@ -1,0 +1,411 @@
+"""The snapshot store's on-disk format: records files and participant manifests.
+
+docs/spec.md sections 8.2 and 8.3 define the bytes; section 8.5 what a reader checks.
+Encoding serialises every record before anything is written, so a payload that is not
+plain JSON fails the write naming the episode, key and location. Decoding is strict
+(duplicate keys, NaN/Infinity, unknown or missing fields are all refused) and raises
+:class:`CorruptSnapshotError` with the :class:`Corruption` kind that says why.
+
+Pure functions over bytes: no file I/O here; :mod:`._store` reads and writes the files.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import itertools
+import json
+import math
+import re
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final, NoReturn
+
+from turnpoint._json import JSONProblem, StrictJSONError, loads_strict
+from turnpoint.ids import EpisodeId, validate_id
+from turnpoint.protocol import ArtifactRef
+
+__all__ = [
+    "MANIFEST_NAME",
+    "MAX_PAYLOAD_DEPTH",
+    "RECORDS_NAME",
+    "SCHEMA_VERSION",
+    "CorruptSnapshotError",
+    "Corruption",
+    "LoadedSnapshot",
+    "Manifest",
+    "Record",
+    "SnapshotEntry",
+    "StoreError",
+    "UnserialisableRecordError",
+    "decode_records",
+    "encode_records",
+    "entry_of",
+    "parse_manifest",
+]
+
+SCHEMA_VERSION: Final = 1
+MANIFEST_NAME: Final = "MANIFEST.json"
+# Deep enough for any real turn state, shallow enough that neither our encoder nor the
+# stdlib decoder can hit the interpreter's recursion limit on a hostile file.
+MAX_PAYLOAD_DEPTH: Final = 100
+RECORDS_NAME: Final = re.compile(r"records-(?P<sha256>[0-9a-f]{64})\.jsonl")
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+_MANIFEST_FIELDS: Final = frozenset(
+    {"schema_version", "checkpoint_id", "instance", "artifacts", "episodes"}
+)
+_ARTIFACT_FIELDS: Final = frozenset({"path", "sha256", "size_bytes", "record_count"})
+_EPISODE_FIELDS: Final = frozenset({"rollout_id", "attempt"})
+_RECORD_FIELDS: Final = frozenset({"episode", "key", "payload"})
+
+
+# --------------------------------------------------------------------------- errors
+
+
+class StoreError(Exception):
+    """Root of the store's own errors. ``OSError`` from the disk is never wrapped."""
+
+
+class Corruption(enum.Enum):
+    """Why a snapshot directory cannot be used (all map to ``INVALID_CHECKPOINT_STATE``)."""
+
+    MISSING = "missing"
+    MANIFEST_INVALID = "manifest_invalid"
+    PATH_ESCAPE = "path_escape"
+    UNEXPECTED_CONTENT = "unexpected_content"
+    SIZE_MISMATCH = "size_mismatch"
+    DIGEST_MISMATCH = "digest_mismatch"
+    RECORD_COUNT_MISMATCH = "record_count_mismatch"
+    RECORD_INVALID = "record_invalid"
+    EPISODES_MISMATCH = "episodes_mismatch"
+
+
+class CorruptSnapshotError(StoreError):
+    """A snapshot directory is missing, damaged or not what the caller expected."""
+
+    def __init__(self, snapshot: str, instance: str, kind: Corruption, detail: str) -> None:
+        self.snapshot = snapshot
+        self.instance = instance
+        self.kind = kind
+        self.detail = detail
+        super().__init__(
+            f"snapshot {snapshot!r} of instance {instance!r} is unusable ({kind.value}): {detail}"
+        )
+
+
+class UnserialisableRecordError(StoreError):
+    """A record's payload is not plain JSON; raised before anything is written."""
+
+    def __init__(self, episode: EpisodeId, key: str, location: str, why: str) -> None:
+        self.episode = episode
+        self.key = key
+        self.location = location
+        self.why = why
+        super().__init__(f"record {key!r} of episode {episode} cannot be saved: {location}: {why}")
+
+
+# --------------------------------------------------------------------------- data
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One piece of exported state: ``key`` names what it holds (``"session"``, ``"turn-3"``).
+
+    ``payload`` must be plain JSON (mappings with string keys, lists, tuples, strings,
+    finite numbers, booleans, None); its key order is kept on disk and on read. A
+    restored payload is a ``dict`` and tuples come back as lists. The payload is left
+    out of the hash so that records with dict payloads stay hashable.
+    """
+
+    episode: EpisodeId
+    key: str
+    payload: Mapping[str, Any] = field(hash=False)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.episode, EpisodeId):
+            raise TypeError(f"episode must be an EpisodeId, not {type(self.episode).__name__}")
+        validate_id(self.key, "record key")
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotEntry:
+    """A published instance directory: what a commit replies and a restore is given.
+
+    ``manifest`` names ``MANIFEST.json`` itself (its ``record_count`` is 0: a manifest
+    holds no records); ``artifacts`` are the files it lists; ``episodes`` are the
+    exported episodes, sorted and unique.
+    """
+
+    checkpoint_id: str
+    manifest: ArtifactRef
+    artifacts: tuple[ArtifactRef, ...]
+    episodes: tuple[EpisodeId, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class LoadedSnapshot:
+    """The verified entry and the selected records, in file order."""
+
+    entry: SnapshotEntry
+    records: tuple[Record, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    """A participant manifest's content (docs/spec.md section 8.3)."""
+
+    checkpoint_id: str
+    instance: str
+    artifacts: tuple[ArtifactRef, ...]
+    episodes: tuple[EpisodeId, ...]
+
+    def to_bytes(self) -> bytes:
+        document = {
+            "schema_version": SCHEMA_VERSION,
+            "checkpoint_id": self.checkpoint_id,
+            "instance": self.instance,
+            "artifacts": [
+                {
+                    "path": ref.path,
+                    "sha256": ref.sha256,
+                    "size_bytes": ref.size_bytes,
+                    "record_count": ref.record_count,
+                }
+                for ref in self.artifacts
+            ],
+            "episodes": [_episode_json(episode) for episode in self.episodes],
+        }
+        return (json.dumps(document, indent=2, ensure_ascii=True) + "\n").encode("ascii")
+
+
+# --------------------------------------------------------------------------- encoding
+
+
+class _BadValue(Exception):
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.why = why
+        self.location: list[str] = []
+
+
+def _plain(value: Any, depth: int) -> Any:
+    """Copy ``value`` as plain JSON data, refusing anything that would not round-trip."""
+    kind = type(value)
+    # Exact types first: this runs for every value of every record.
+    if kind is str or kind is int or kind is bool or value is None:
+        return value
+    if kind is float or isinstance(value, float):
+        if not math.isfinite(value):
+            raise _BadValue(f"{value!r} is not a JSON number")
+        return float(value)
+    if isinstance(value, str):
+        return str(value)
+    if isinstance(value, int):
+        # bool is final, so this is an int subclass such as an IntEnum.
+        return int(value)
+    if depth >= MAX_PAYLOAD_DEPTH:
+        raise _BadValue(f"nested deeper than {MAX_PAYLOAD_DEPTH} levels")
+    if kind is dict or isinstance(value, Mapping):
+        copy: dict[str, Any] = {}
+        for key, item in value.items():
+            # json.dumps would turn 1 into "1" silently, and {1: a, "1": b} into a
+            # duplicate key: the restored payload would not be the saved one.
+            if not isinstance(key, str):
+                raise _BadValue(f"key {key!r} is not a string")
+            try:
+                copy[key] = _plain(item, depth + 1)
+            except _BadValue as error:
+                error.location.append(f"[{key!r}]")
+                raise
+        return copy
+    if kind is list or isinstance(value, (list, tuple)):
+        items: list[Any] = []
+        for index, item in enumerate(value):
+            try:
+                items.append(_plain(item, depth + 1))
+            except _BadValue as error:
+                error.location.append(f"[{index}]")
+                raise
+        return items
+    raise _BadValue(f"{kind.__name__} is not JSON-serialisable")
+
+
+def _episode_json(episode: EpisodeId) -> dict[str, Any]:
+    return {"rollout_id": episode.rollout_id, "attempt": episode.attempt}
+
+
+def encode_records(
+    instance: str, records: Iterable[Record]
+) -> tuple[bytes, ArtifactRef, tuple[EpisodeId, ...]]:
+    """Serialise every record (so nothing is written if one fails) and describe the file."""
+    lines: list[bytes] = []
+    episodes: set[EpisodeId] = set()
+    encoder = json.JSONEncoder(
+        ensure_ascii=True, allow_nan=False, check_circular=False, separators=(",", ":")
+    )
+    for record in records:
+        if not isinstance(record, Record):
+            raise TypeError(f"records must be Record instances, not {type(record).__name__}")
+        if not isinstance(record.payload, Mapping):
+            raise UnserialisableRecordError(
+                record.episode,
+                record.key,
+                "payload",
+                f"must be a mapping, not {type(record.payload).__name__}",
+            )
+        try:
+            payload = _plain(record.payload, 1)
+        except _BadValue as error:
+            where = "payload" + "".join(reversed(error.location))
+            raise UnserialisableRecordError(record.episode, record.key, where, error.why) from None
+        line = {"episode": _episode_json(record.episode), "key": record.key, "payload": payload}
+        # ASCII-only output: the bytes cannot depend on a locale or hold a lone surrogate.
+        lines.append(encoder.encode(line).encode("ascii") + b"\n")
+        episodes.add(record.episode)
+    data = b"".join(lines)
+    sha256 = hashlib.sha256(data).hexdigest()
+    ref = ArtifactRef(f"{instance}/records-{sha256}.jsonl", sha256, len(data), len(lines))
+    return data, ref, tuple(sorted(episodes))
+
+
+def entry_of(manifest: Manifest, manifest_bytes: bytes) -> SnapshotEntry:
+    """What a commit replies for ``manifest``: its own reference, artifacts and episodes."""
+    ref = ArtifactRef(
+        f"{manifest.instance}/{MANIFEST_NAME}",
+        hashlib.sha256(manifest_bytes).hexdigest(),
+        len(manifest_bytes),
+        0,
+    )
+    return SnapshotEntry(manifest.checkpoint_id, ref, manifest.artifacts, manifest.episodes)
+
+
+# --------------------------------------------------------------------------- decoding
+
+
+def _strict_json(text: str) -> Any:
+    """Parse JSON refusing duplicate keys and NaN/Infinity (ValueError on any problem)."""
+    try:
+        return loads_strict(text)
+    except StrictJSONError as error:
+        # The store's own wording, kept from before the parser was shared.
+        if error.problem is JSONProblem.DUPLICATE_KEY:
+            raise ValueError(f"duplicate key {error.key!r}") from None
+        if error.problem is JSONProblem.CONSTANT:
+            raise ValueError(f"{error.constant} is not valid JSON") from None
+        raise ValueError(error.detail) from None
+
+
+def _object(value: Any, fields: frozenset[str], what: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ValueError(f"{what} must be an object")
+    if value.keys() != fields:
+        unknown = sorted(value.keys() - fields)
+        missing = sorted(fields - value.keys())
+        raise ValueError(f"{what}: unknown fields {unknown}, missing fields {missing}")
+    return value
+
+
+def _count(value: Any, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{what} must be an integer >= 0")
+    return value
+
+
+def _parse_episode(value: Any, seen: dict[tuple[str, int], EpisodeId] | None = None) -> EpisodeId:
+    fields = _object(value, _EPISODE_FIELDS, "episode")
+    rollout_id, attempt = fields["rollout_id"], fields["attempt"]
+    if not isinstance(rollout_id, str):
+        raise ValueError("episode rollout_id must be a string")
+    if isinstance(attempt, bool) or not isinstance(attempt, int):
+        raise ValueError("episode attempt must be an integer")
+    if seen is None:
+        return EpisodeId(rollout_id, attempt)  # InvalidIdError is a ValueError
+    # Records of one episode share one validated EpisodeId instead of re-validating.
+    episode = seen.get((rollout_id, attempt))
+    if episode is None:
+        episode = seen[rollout_id, attempt] = EpisodeId(rollout_id, attempt)
+    return episode
+
+
+def parse_manifest(snapshot: str, instance: str, directory: Path, data: bytes) -> Manifest:
+    """Parse and check a participant manifest read from ``directory`` (section 8.5 item 2)."""
+
+    def invalid(detail: str, kind: Corruption = Corruption.MANIFEST_INVALID) -> NoReturn:
+        raise CorruptSnapshotError(snapshot, instance, kind, f"{MANIFEST_NAME}: {detail}")
+
+    try:
+        document = _object(_strict_json(data.decode("utf-8")), _MANIFEST_FIELDS, "manifest")
+        version = document["schema_version"]
+        if isinstance(version, bool) or version != SCHEMA_VERSION:
+            raise ValueError(f"schema_version {version!r} is not {SCHEMA_VERSION}")
+        checkpoint_id = validate_id(document["checkpoint_id"], "checkpoint_id")
+        if document["instance"] != instance:
+            raise ValueError(f"names instance {document['instance']!r}")
+        raw_artifacts = document["artifacts"]
+        if not isinstance(raw_artifacts, list) or len(raw_artifacts) != 1:
+            raise ValueError(f"schema {SCHEMA_VERSION} lists exactly one records file")
+        raw_episodes = document["episodes"]
+        if not isinstance(raw_episodes, list):
+            raise ValueError("episodes must be a list")
+        episodes = tuple(_parse_episode(item) for item in raw_episodes)
+        if any(a >= b for a, b in itertools.pairwise(episodes)):
+            raise ValueError("episodes must be sorted and unique")
+        artifacts: list[ArtifactRef] = []
+        for item in raw_artifacts:
+            fields = _object(item, _ARTIFACT_FIELDS, "artifact")
+            path, sha256 = fields["path"], fields["sha256"]
+            if not isinstance(sha256, str) or not _SHA256_HEX.fullmatch(sha256):
+                raise ValueError(f"sha256 {sha256!r} is not 64 lowercase hex characters")
+            if not isinstance(path, str):
+                raise ValueError("artifact path must be a string")
+            target = (directory.parent / path).resolve()
+            if target.parent != directory.resolve():
+                invalid(
+                    f"artifact path {path!r} leaves the instance directory", Corruption.PATH_ESCAPE
+                )
+            if path != f"{instance}/records-{sha256}.jsonl":
+                raise ValueError(f"artifact path {path!r} does not match its digest")
+            artifacts.append(
+                ArtifactRef(
+                    path,
+                    sha256,
+                    _count(fields["size_bytes"], "size_bytes"),
+                    _count(fields["record_count"], "record_count"),
+                )
+            )
+    except ValueError as error:
+        invalid(str(error))
+    return Manifest(checkpoint_id, instance, tuple(artifacts), episodes)
+
+
+def decode_records(snapshot: str, instance: str, ref: ArtifactRef, data: bytes) -> Iterator[Record]:
+    """Yield the records of a verified file; the caller consumes all before using any."""
+
+    def invalid(kind: Corruption, detail: str) -> NoReturn:
+        raise CorruptSnapshotError(snapshot, instance, kind, f"{ref.path}: {detail}")
+
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        invalid(Corruption.RECORD_INVALID, str(error))
+    # Every record ends with a newline, so the split leaves exactly one empty tail.
+    lines = text.split("\n")
+    if lines.pop() != "":
+        invalid(Corruption.RECORD_INVALID, "ends mid-record")
+    if len(lines) != ref.record_count:
+        invalid(
+            Corruption.RECORD_COUNT_MISMATCH,
+            f"holds {len(lines)} records, the manifest says {ref.record_count}",
+        )
+    seen: dict[tuple[str, int], EpisodeId] = {}
+    for number, line in enumerate(lines, start=1):
+        try:
+            fields = _object(_strict_json(line), _RECORD_FIELDS, "record")
+            payload = fields["payload"]
+            if not isinstance(payload, dict):
+                raise ValueError("payload must be an object")
+            record = Record(_parse_episode(fields["episode"], seen), fields["key"], payload)
+        except (ValueError, TypeError) as error:
+            invalid(Corruption.RECORD_INVALID, f"line {number}: {error}")
+        yield record

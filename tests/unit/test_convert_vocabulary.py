@@ -1,0 +1,90 @@
+"""The protocol vocabulary converts in the core, both ways, for servers and trainer alike."""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+
+import pytest
+
+from turnpoint import _convert
+from turnpoint.errors import Reason, TurnpointError
+from turnpoint.ids import EpisodeId
+from turnpoint.protocol import (
+    ArtifactRef,
+    Blocker,
+    CompletionReceipt,
+    EpisodeState,
+    Fence,
+    Phase,
+    ReadinessReport,
+    RecoveryLevel,
+)
+from turnpoint.server import _convert as server_convert
+from turnpoint.v1 import types_pb2
+
+EPISODE = EpisodeId("r1", 2)
+RECEIPT = CompletionReceipt(EPISODE, "rcpt-1")
+ARTIFACT = ArtifactRef("agent-0/records-" + "ab" * 32 + ".jsonl", "ab" * 32, 10, 2)
+
+
+def test_enums_map_by_name_both_ways() -> None:
+    number = _convert.enum_to_proto(types_pb2.Phase, Phase.PREPARED)
+    assert number == types_pb2.PHASE_PREPARED
+    assert _convert.enum_from_proto(types_pb2.Phase, Phase, number, "phase") is Phase.PREPARED
+    assert _convert.enum_from_proto(types_pb2.RecoveryLevel, RecoveryLevel, 0, "level") is None
+
+
+def test_an_unknown_enum_value_is_invalid_argument() -> None:
+    with pytest.raises(TurnpointError) as caught:
+        _convert.enum_from_proto(types_pb2.Phase, Phase, 999, "phase")
+    assert caught.value.reason is Reason.INVALID_ARGUMENT
+
+
+def test_fence_round_trip_and_an_absent_fence() -> None:
+    fence = Fence("coord-1", 7)
+    message = _convert.fence_to_proto(fence)
+    assert _convert.fence_from_proto(message, present=True) == fence
+    assert _convert.fence_from_proto(types_pb2.Fence(), present=False) == Fence("", 0)
+
+
+def test_receipt_and_artifact_round_trip() -> None:
+    assert _convert.receipt_from_proto(_convert.receipt_to_proto(RECEIPT)) == RECEIPT
+    assert _convert.artifact_from_proto(_convert.artifact_to_proto(ARTIFACT)) == ARTIFACT
+    assert _convert.artifacts_from_proto([_convert.artifact_to_proto(ARTIFACT)]) == [ARTIFACT]
+
+
+def test_a_bad_artifact_is_invalid_argument() -> None:
+    message = _convert.artifact_to_proto(ARTIFACT)
+    message.path = "../escape"
+    with pytest.raises(TurnpointError) as caught:
+        _convert.artifact_from_proto(message)
+    assert caught.value.reason is Reason.INVALID_ARGUMENT
+
+
+def test_readiness_round_trip() -> None:
+    report = ReadinessReport(
+        ready=False,
+        blocker_count=3,
+        blockers=(
+            Blocker(EPISODE, EpisodeState.COMPLETED_UNACKED, RECEIPT, "waiting for ack"),
+            Blocker(EpisodeId("r2", 0), EpisodeState.RUNNING),
+        ),
+        counts=MappingProxyType({EpisodeState.RUNNING: 1, EpisodeState.COMPLETED_UNACKED: 1}),
+        restarts=(EpisodeId("r3", 1),),
+    )
+    assert _convert.readiness_from_proto(_convert.readiness_to_proto(report)) == report
+
+
+def test_the_server_module_re_exports_the_core_conversions() -> None:
+    for name in (
+        "artifact_from_proto",
+        "artifact_to_proto",
+        "artifacts_from_proto",
+        "enum_from_proto",
+        "enum_to_proto",
+        "fence_from_proto",
+        "readiness_to_proto",
+        "receipt_from_proto",
+        "receipt_to_proto",
+    ):
+        assert getattr(server_convert, name) is getattr(_convert, name)

@@ -1,0 +1,228 @@
+"""The core's durable writes (turnpoint._files) and strict JSON reader (turnpoint._json).
+
+Every writer and reader of the project goes through these, so what they promise is
+checked here once: a failed write leaves no temporary file and the old content, an
+exclusive create never replaces, and strict JSON refuses what the stdlib would guess at.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from turnpoint._files import (
+    CHUNK_BYTES,
+    create_file,
+    fsync_tree,
+    replace_file,
+    write_new,
+    write_temp,
+)
+from turnpoint._json import JSONProblem, StrictJSONError, loads_strict
+
+
+class _Crash(Exception):
+    """Stands in for the process dying at a named point."""
+
+
+def _names(directory: Path) -> list[str]:
+    return sorted(path.name for path in directory.iterdir())
+
+
+def _umasked(mode: int) -> int:
+    umask = os.umask(0)
+    os.umask(umask)
+    return mode & ~umask
+
+
+def _disk_full(path: Path) -> None:
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+
+# ---------------------------------------------------------------------- writing
+
+
+def test_write_temp_is_hidden_complete_and_has_the_mode(tmp_path: Path) -> None:
+    path = write_temp(tmp_path, ".records-", b"abc", mode=0o600)
+    assert path.parent == tmp_path
+    assert path.name.startswith(".records-") and path.name.endswith(".tmp")
+    assert len(path.name) == len(".records-") + 16 + len(".tmp")
+    assert path.read_bytes() == b"abc"
+    assert stat.S_IMODE(path.stat().st_mode) == _umasked(0o600)
+
+
+def test_a_failed_write_leaves_no_temporary_file(tmp_path: Path) -> None:
+    with pytest.raises(OSError) as caught:
+        write_temp(tmp_path, ".records-", b"x" * 10, before_chunk=_disk_full)
+    assert caught.value.errno == errno.ENOSPC
+    assert _names(tmp_path) == []
+
+
+def test_before_chunk_runs_per_chunk_and_once_for_empty_data(tmp_path: Path) -> None:
+    seen: list[Path] = []
+    path = write_temp(tmp_path, ".t-", b"x" * (2 * CHUNK_BYTES + 1), before_chunk=seen.append)
+    assert seen == [path] * 3
+    seen.clear()
+    path = write_temp(tmp_path, ".t-", b"", before_chunk=seen.append)
+    assert seen == [path] and path.read_bytes() == b""
+
+
+def test_a_failure_after_some_chunks_leaves_nothing(tmp_path: Path) -> None:
+    calls = 0
+
+    def fail_second(path: Path) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 2:
+            raise _Crash("cancelled mid-write")
+
+    with pytest.raises(_Crash):
+        write_temp(tmp_path, ".t-", b"x" * (CHUNK_BYTES + 1), before_chunk=fail_second)
+    assert _names(tmp_path) == []
+
+
+def test_write_new_refuses_an_existing_name_and_leaves_it_alone(tmp_path: Path) -> None:
+    theirs = tmp_path / "theirs"
+    theirs.write_bytes(b"theirs")
+    with pytest.raises(FileExistsError):
+        write_new(theirs, b"ours")
+    assert theirs.read_bytes() == b"theirs"
+
+
+def test_replace_file_replaces_atomically(tmp_path: Path) -> None:
+    target = tmp_path / "LATEST"
+    replace_file(target, b"one\n", temp_prefix=".LATEST-")
+    replace_file(target, b"two\n", temp_prefix=".LATEST-")
+    assert target.read_bytes() == b"two\n"
+    assert _names(tmp_path) == ["LATEST"]
+
+
+def test_a_failed_replace_keeps_the_old_content_and_no_temporary_file(tmp_path: Path) -> None:
+    # A non-empty directory under the name makes the rename itself fail.
+    target = tmp_path / "pointer"
+    target.mkdir()
+    (target / "keep").write_text("x")
+    with pytest.raises(OSError):
+        replace_file(target, b"new", temp_prefix=".pointer-")
+    assert _names(tmp_path) == ["pointer"]
+    assert _names(target) == ["keep"]
+
+
+def test_a_crash_between_staging_and_rename_leaves_only_the_temporary_file(
+    tmp_path: Path,
+) -> None:
+    target = tmp_path / "LATEST"
+    target.write_bytes(b"old\n")
+
+    def crash() -> None:
+        raise _Crash("staged")
+
+    with pytest.raises(_Crash):
+        replace_file(target, b"new\n", temp_prefix=".LATEST-", staged=crash)
+    assert target.read_bytes() == b"old\n"
+    leftovers = [name for name in _names(tmp_path) if name != "LATEST"]
+    assert len(leftovers) == 1 and leftovers[0].startswith(".LATEST-")
+
+
+def test_create_file_creates_whole_and_cleans_up(tmp_path: Path) -> None:
+    target = tmp_path / "MANIFEST.json"
+    steps: list[str] = []
+    create_file(
+        target,
+        b"{}\n",
+        temp_prefix=".manifest-",
+        mode=0o644,
+        staged=lambda: steps.append("staged"),
+        linked=lambda: steps.append("linked" if target.exists() else "not linked"),
+    )
+    assert steps == ["staged", "linked"]
+    assert target.read_bytes() == b"{}\n"
+    assert stat.S_IMODE(target.stat().st_mode) == _umasked(0o644)
+    assert _names(tmp_path) == ["MANIFEST.json"]
+
+
+def test_create_file_refuses_an_existing_name(tmp_path: Path) -> None:
+    target = tmp_path / "MANIFEST.json"
+    target.write_bytes(b"winner")
+    with pytest.raises(FileExistsError):
+        create_file(target, b"loser", temp_prefix=".manifest-")
+    assert target.read_bytes() == b"winner"
+    assert _names(tmp_path) == ["MANIFEST.json"]
+
+
+def test_create_file_stages_in_another_directory(tmp_path: Path) -> None:
+    snapshot = tmp_path / "ckpt-1"
+    snapshot.mkdir()
+    create_file(snapshot / "MANIFEST.json", b"m", temp_prefix=".MANIFEST-", temp_dir=tmp_path)
+    assert (snapshot / "MANIFEST.json").read_bytes() == b"m"
+    assert _names(tmp_path) == ["ckpt-1"]
+    assert _names(snapshot) == ["MANIFEST.json"]
+
+
+def test_a_failed_create_leaves_nothing(tmp_path: Path) -> None:
+    target = tmp_path / "MANIFEST.json"
+    with pytest.raises(OSError):
+        create_file(target, b"m", temp_prefix=".manifest-", before_chunk=_disk_full)
+    assert _names(tmp_path) == []
+
+
+def test_fsync_tree_syncs_files_and_skips_symlinks(tmp_path: Path) -> None:
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "a" / "b" / "f").write_bytes(b"1")
+    (tmp_path / "link").symlink_to("/nonexistent")
+    fsync_tree(tmp_path)  # a followed dangling symlink would raise
+
+
+# ---------------------------------------------------------------------- strict JSON
+
+
+def test_strict_json_parses_plain_json_and_keeps_key_order() -> None:
+    value = loads_strict('{"b": 1, "a": [1.5, "x", null, true, {"c": {}}]}')
+    assert value == {"b": 1, "a": [1.5, "x", None, True, {"c": {}}]}
+    assert list(value) == ["b", "a"]
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        ('{"a": 1, "a": 2}', "a"),
+        ('{"x": {"k": 1, "j": 2, "k": 3}}', "k"),
+        ('[{"ok": 1}, {"d": 1, "d": 1}]', "d"),
+    ],
+)
+def test_strict_json_rejects_duplicate_keys(text: str, key: str) -> None:
+    with pytest.raises(StrictJSONError) as caught:
+        loads_strict(text)
+    assert caught.value.problem is JSONProblem.DUPLICATE_KEY
+    assert caught.value.key == key
+    assert str(caught.value) == f"JSON key {key!r} appears twice in one object"
+    assert json.loads(text)  # the stdlib would have kept the last value silently
+
+
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
+def test_strict_json_rejects_non_finite_numbers(constant: str) -> None:
+    with pytest.raises(StrictJSONError) as caught:
+        loads_strict(f'{{"x": [1, {constant}]}}')
+    assert caught.value.problem is JSONProblem.CONSTANT
+    assert caught.value.constant == constant
+    assert str(caught.value) == f"{constant} is not a JSON number"
+
+
+def test_strict_json_reports_syntax_with_its_position() -> None:
+    with pytest.raises(StrictJSONError) as caught:
+        loads_strict('{"a": }')
+    assert caught.value.problem is JSONProblem.SYNTAX
+    assert "line 1 column 7" in str(caught.value)
+    assert isinstance(caught.value, ValueError)
+
+
+def test_strict_json_refuses_nesting_that_would_exhaust_the_stack() -> None:
+    with pytest.raises(StrictJSONError) as caught:
+        loads_strict("[" * 100_000 + "]" * 100_000)
+    assert caught.value.problem is JSONProblem.TOO_DEEP
+    assert str(caught.value) == "nested too deeply"
