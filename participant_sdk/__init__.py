@@ -27,6 +27,7 @@ from ._agent import (
     RunResult,
     SavedTurn,
 )
+from ._failures import ParticipantError, TransientError, hook_failure
 from ._model import GenerateChunk, GenerateRequest, PolicyModel
 from ._resources import ConfigurationError, ResourcesServer, Verdict
 from ._runtime import (
@@ -80,6 +81,7 @@ __all__ = [
     "GenerateChunk",
     "GenerateRequest",
     "Header",
+    "ParticipantError",
     "ParticipantKind",
     "ParticipantRuntime",
     "Phase",
@@ -104,7 +106,9 @@ __all__ = [
     "SnapshotStore",
     "StatusResult",
     "StoreError",
+    "TransientError",
     "Verdict",
     "VerifyMode",
     "WatchEvent",
+    "hook_failure",
 ]

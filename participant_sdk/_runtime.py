@@ -365,9 +365,11 @@ class ParticipantRuntime(ControlReads, DataPlane):
 
     async def _await_job(self, task: asyncio.Future[T], deadline: Deadline, what: str) -> T:
         try:
-            async with asyncio.timeout(deadline.remaining()):
+            async with asyncio.timeout(deadline.remaining()) as scope:
                 return await asyncio.shield(task)
         except TimeoutError:
+            if not scope.expired():
+                raise  # the job's own TimeoutError (a hook's), not this call's deadline
             raise deadline.exceeded(what) from None
 
     async def _drive_commit(self, job: CommitJob) -> CommitResult:

@@ -29,7 +29,7 @@ from turnpoint._convert import (
 from turnpoint._status import abort, error_to_control_error
 from turnpoint.errors import TurnpointError
 from turnpoint.ids import InvalidIdError
-from turnpoint.participant_sdk import ParticipantRuntime
+from turnpoint.participant_sdk import ParticipantRuntime, hook_failure
 from turnpoint.participant_sdk._runtime import BoundaryEvent, ReadinessUpdate
 from turnpoint.server._convert import (
     artifact_from_proto,
@@ -260,6 +260,8 @@ class ControlServicer(pb_grpc.CheckpointControlServiceServicer):
             await abort(context, error)
         except InvalidIdError as error:
             await abort(context, bad_argument(error))
+        except Exception as error:  # noqa: BLE001 - a hook's failure is data (see below)
+            await abort(context, _hook_failed(operation, error))
 
     async def Describe(self, request: Any, context: Any) -> Any:
         return await self._unary("describe", request, context)
@@ -351,15 +353,9 @@ class ControlServicer(pb_grpc.CheckpointControlServiceServicer):
             response.error.CopyFrom(error_to_control_error(error))
         except InvalidIdError as error:
             response.error.CopyFrom(error_to_control_error(bad_argument(error)))
-        except Exception as error:
-            # A failure below the protocol (a user hook raised): the unary door answers it
-            # UNKNOWN, so the session does too, instead of leaving the caller waiting.
-            logger.exception("%s on the control session failed", operation)
+        except Exception as error:  # noqa: BLE001 - a hook's failure is data (see below)
             response.error.CopyFrom(
-                types_pb2.ControlError(
-                    code=grpc.StatusCode.UNKNOWN.value[0],
-                    message=f"{type(error).__name__}: {error}",
-                )
+                error_to_control_error(_hook_failed(operation or "unknown", error))
             )
         return response
 
@@ -395,6 +391,25 @@ class ControlServicer(pb_grpc.CheckpointControlServiceServicer):
                 yield response
         finally:
             await events.aclose()
+
+
+def _hook_failed(operation: str, error: Exception) -> TurnpointError:
+    """A failure below the protocol (a participant's hook raised), as a typed error.
+
+    Neither door answers it UNKNOWN: the coordinator gets a reason it can act on
+    (participant_sdk/_failures.py has the table) and the exception's text stays here, in
+    the log, never on the wire (docs/spec.md section 9.1).
+    """
+    mapped = hook_failure(error, operation)
+    if mapped is not error:
+        logger.warning(
+            "%s failed in a participant hook (%s); the coordinator sees %s",
+            operation,
+            type(error).__name__,
+            mapped.reason.name,
+            exc_info=error,
+        )
+    return mapped
 
 
 def _request_id(value: str) -> str:

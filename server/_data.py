@@ -7,6 +7,7 @@ call, convert back, and map :class:`TurnpointError` to a rich status in one plac
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -32,6 +33,7 @@ from turnpoint.participant_sdk import (
     GenerateRequest,
     ParticipantRuntime,
     RunResult,
+    hook_failure,
 )
 from turnpoint.server._convert import (
     enum_to_proto,
@@ -54,16 +56,27 @@ __all__ = ["PolicyServicer", "ResourcesServicer", "RolloutServicer"]
 # first boundary: the trainer counts an attempt as dispatched only from then on.
 
 Context = grpc.aio.ServicerContext[Any, Any]
+_log = logging.getLogger(__name__)
 
 
 @contextlib.asynccontextmanager
-async def _errors(context: Context) -> AsyncIterator[None]:
+async def _errors(context: Context, operation: str) -> AsyncIterator[None]:
     try:
         yield
     except TurnpointError as error:
         await abort(context, error)
     except InvalidIdError as error:
         await abort(context, bad_argument(error))
+    except Exception as error:  # noqa: BLE001 - a hook's failure is data, never UNKNOWN
+        mapped = hook_failure(error, operation)
+        _log.warning(
+            "%s failed in a participant hook (%s); the caller sees %s",
+            operation,
+            type(error).__name__,
+            mapped.reason.name,
+            exc_info=error,
+        )
+        await abort(context, mapped)
 
 
 class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
@@ -98,7 +111,7 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
     async def Run(
         self, request: rollout_service_pb2.RunRequest, context: Context
     ) -> AsyncIterator[rollout_service_pb2.RunResponse]:
-        async with _errors(context):
+        async with _errors(context, "Run"):
             episode = episode_from_proto(request.episode)
             task = struct_to_dict(request.task)
             budget_s = seconds_from_duration(request.budget, "budget")
@@ -115,7 +128,7 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
     async def Acknowledge(
         self, request: rollout_service_pb2.AcknowledgeRequest, context: Context
     ) -> rollout_service_pb2.AcknowledgeResponse:
-        async with _errors(context):
+        async with _errors(context, "Acknowledge"):
             check_list_length("receipts", request.receipts, self._max_list)
             receipts = [receipt_from_proto(r) for r in request.receipts]
             result = await self._runtime.acknowledge(receipts)
@@ -135,7 +148,7 @@ class PolicyServicer(policy_service_pb2_grpc.PolicyServiceServicer):
     async def Generate(
         self, request: policy_service_pb2.GenerateRequest, context: Context
     ) -> AsyncIterator[policy_service_pb2.GenerateResponse]:
-        async with _errors(context):
+        async with _errors(context, "Generate"):
             episode = episode_from_proto(request.episode)
             check_list_length("prompt_token_ids", request.prompt_token_ids, self._max_prompt)
             stream = self._runtime.generate(
@@ -160,7 +173,7 @@ class PolicyServicer(policy_service_pb2_grpc.PolicyServiceServicer):
     async def UpdateWeights(
         self, request: policy_service_pb2.UpdateWeightsRequest, context: Context
     ) -> policy_service_pb2.UpdateWeightsResponse:
-        async with _errors(context):
+        async with _errors(context, "UpdateWeights"):
             version = await self._runtime.update_weights(request.weights_version, request.state)
             return policy_service_pb2.UpdateWeightsResponse(
                 header=header_to_proto(self._runtime.header()), weights_version=version
@@ -178,7 +191,7 @@ class ResourcesServicer(resources_service_pb2_grpc.ResourcesServiceServicer):
     async def SeedSession(
         self, request: resources_service_pb2.SeedSessionRequest, context: Context
     ) -> resources_service_pb2.SeedSessionResponse:
-        async with _errors(context):
+        async with _errors(context, "SeedSession"):
             task = struct_to_dict(request.task)
             task.setdefault("prompt_group_id", request.prompt_group_id)
             task.setdefault("sibling_index", request.sibling_index)
@@ -190,7 +203,7 @@ class ResourcesServicer(resources_service_pb2_grpc.ResourcesServiceServicer):
     async def Call(
         self, request: resources_service_pb2.CallRequest, context: Context
     ) -> resources_service_pb2.CallResponse:
-        async with _errors(context):
+        async with _errors(context, "Call"):
             if not request.tool:
                 raise bad_argument("tool is required")
             output = await self._runtime.call_tool(
@@ -204,7 +217,7 @@ class ResourcesServicer(resources_service_pb2_grpc.ResourcesServiceServicer):
     async def Verify(
         self, request: resources_service_pb2.VerifyRequest, context: Context
     ) -> resources_service_pb2.VerifyResponse:
-        async with _errors(context):
+        async with _errors(context, "Verify"):
             verdict = await self._runtime.verify(
                 episode_from_proto(request.episode), struct_to_dict(request.answer)
             )
@@ -218,7 +231,7 @@ class ResourcesServicer(resources_service_pb2_grpc.ResourcesServiceServicer):
     async def CloseSession(
         self, request: resources_service_pb2.CloseSessionRequest, context: Context
     ) -> resources_service_pb2.CloseSessionResponse:
-        async with _errors(context):
+        async with _errors(context, "CloseSession"):
             closed = await self._runtime.close_session(episode_from_proto(request.episode))
             return resources_service_pb2.CloseSessionResponse(header=self._header(), closed=closed)
         raise AssertionError("unreachable")

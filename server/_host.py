@@ -5,8 +5,10 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
+from google.protobuf.descriptor import ServiceDescriptor
 
 from turnpoint.participant_sdk import (
     ParticipantRuntime,
@@ -20,11 +22,12 @@ from turnpoint.server._hosting import (
     RegisterServicers,
     ServerOptions,
 )
+from turnpoint.server._typed import add_servicer
 from turnpoint.v1 import (
-    checkpoint_control_service_pb2_grpc,
-    policy_service_pb2_grpc,
-    resources_service_pb2_grpc,
-    rollout_service_pb2_grpc,
+    checkpoint_control_service_pb2,
+    policy_service_pb2,
+    resources_service_pb2,
+    rollout_service_pb2,
 )
 
 __all__ = [
@@ -43,29 +46,42 @@ POLICY_SERVICE = "turnpoint.v1.PolicyService"
 RESOURCES_SERVICE = "turnpoint.v1.ResourcesService"
 
 
+def _service(module: Any, name: str) -> ServiceDescriptor:
+    service: ServiceDescriptor = module.DESCRIPTOR.services_by_name[name]
+    return service
+
+
 def register_runtime(
     runtime: ParticipantRuntime, *, max_list_length: int = DEFAULT_MAX_LIST_LENGTH
 ) -> RegisterServicers:
     """The servicers of ``runtime``: the control service and its kind's data plane."""
 
     def register(server: grpc.aio.Server) -> Sequence[str]:
+        # Each servicer parses its own request bytes (server/_typed.py), so a malformed
+        # message is INVALID_ARGUMENT with an ErrorInfo instead of grpc's UNKNOWN.
         services = [CONTROL_SERVICE]
-        checkpoint_control_service_pb2_grpc.add_CheckpointControlServiceServicer_to_server(
-            ControlServicer(runtime, max_list_length=max_list_length), server
+        add_servicer(
+            server,
+            _service(checkpoint_control_service_pb2, "CheckpointControlService"),
+            ControlServicer(runtime, max_list_length=max_list_length),
         )
         if runtime.agent is not None:
-            rollout_service_pb2_grpc.add_RolloutServiceServicer_to_server(
-                RolloutServicer(runtime, max_list_length=max_list_length), server
+            add_servicer(
+                server,
+                _service(rollout_service_pb2, "RolloutService"),
+                RolloutServicer(runtime, max_list_length=max_list_length),
             )
             services.append(ROLLOUT_SERVICE)
         if runtime.resources is not None:
-            resources_service_pb2_grpc.add_ResourcesServiceServicer_to_server(
-                ResourcesServicer(runtime), server
+            add_servicer(
+                server,
+                _service(resources_service_pb2, "ResourcesService"),
+                ResourcesServicer(runtime),
             )
             services.append(RESOURCES_SERVICE)
         if runtime.model is not None:
-            policy_service_pb2_grpc.add_PolicyServiceServicer_to_server(
-                PolicyServicer(runtime), server
+            add_servicer(
+                server, _service(policy_service_pb2, "PolicyService"), PolicyServicer(runtime)
             )
             services.append(POLICY_SERVICE)
         return services

@@ -45,6 +45,7 @@ class Reason(enum.Enum):
     UNAVAILABLE = "UNAVAILABLE"
     NOT_READY = "NOT_READY"
     PROTOCOL_VIOLATION = "PROTOCOL_VIOLATION"
+    HOOK_FAILED = "HOOK_FAILED"
 
 
 # The one table of PROTOCOL.md section 9: reason -> gRPC status code name. Names, not
@@ -70,6 +71,7 @@ REASON_CODES: Mapping[Reason, str] = MappingProxyType(
         Reason.UNAVAILABLE: "UNAVAILABLE",
         Reason.NOT_READY: "UNAVAILABLE",
         Reason.PROTOCOL_VIOLATION: "INTERNAL",
+        Reason.HOOK_FAILED: "INTERNAL",
     }
 )
 
@@ -81,6 +83,9 @@ _TRANSIENT = frozenset(
         Reason.STORAGE_UNAVAILABLE,
         Reason.UNAVAILABLE,
         Reason.NOT_READY,
+        # Someone else's code failed once: that snapshot fails and is retried; only
+        # max_consecutive_failures in a row end the run (docs/spec.md section 7.5).
+        Reason.HOOK_FAILED,
     }
 )
 

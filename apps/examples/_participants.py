@@ -45,12 +45,14 @@ from turnpoint.apps.examples._task import (
     tool_call,
 )
 from turnpoint.auth import auth_metadata
+from turnpoint.errors import Reason
 from turnpoint.ids import EpisodeId
 from turnpoint.participant_sdk import (
     Agent,
     EpisodeContext,
     GenerateChunk,
     GenerateRequest,
+    ParticipantError,
     PolicyModel,
     RecoveryMode,
     ResourcesServer,
@@ -135,7 +137,16 @@ class TinyPolicyServer(PolicyModel):
             self._swapping = True
             try:
                 await self._changed.wait_for(lambda: self._streaming == 0)
-                self.policy.load_state_bytes(state)
+                try:
+                    self.policy.load_state_bytes(state)
+                except (ValueError, RuntimeError, EOFError, KeyError, TypeError) as error:
+                    # Bad input from the caller, not a broken server: say so, typed,
+                    # without quoting what torch made of the bytes.
+                    raise ParticipantError(
+                        Reason.INVALID_ARGUMENT,
+                        "state is not a TinyPolicy weight payload",
+                        {"field": "state", "exception": type(error).__name__},
+                    ) from None
                 self.policy.weights_version = weights_version
             finally:
                 self._swapping = False

@@ -17,10 +17,9 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 
-from tests.support.participants import ControlDoor, UntypedControlError
+from tests.support.participants import ControlDoor
 from tests.support.scripted import (
     FENCE,
     FakeClock,
@@ -43,9 +42,9 @@ from tests.support.scripted import (
     wire_to,
 )
 from turnpoint._convert import episode_to_proto
-from turnpoint.errors import Reason
+from turnpoint.errors import Reason, TurnpointError
 from turnpoint.ids import EpisodeId
-from turnpoint.participant_sdk import ArtifactRef, EpisodeState, SnapshotStore
+from turnpoint.participant_sdk import ArtifactRef, EpisodeState, SnapshotStore, TransientError
 from turnpoint.participant_sdk._store import MANIFEST_NAME, FaultPoint
 from turnpoint.participant_sdk.testing import StoreFaults
 from turnpoint.server._convert import enum_from_proto
@@ -191,14 +190,13 @@ async def test_a_prepare_whose_admission_close_fails_part_way_reopens_admission(
     agent, tools = ScriptedAgent(), ScriptedTools()
     tools.close_fails = True  # the agent closes first, then the tools' hook fails
     async with serve(root, door, instance="env-0", agent=agent, resources=tools) as wire:
-        with pytest.raises((grpc.aio.AioRpcError, UntypedControlError)) as failure:
+        # The hook's failure is data on both doors: HOOK_FAILED with the exception's
+        # type, never UNKNOWN, and none of its text on the wire.
+        with pytest.raises(TurnpointError) as failure:
             await wire.prepare(ckpt(1))
-        error = failure.value
-        if isinstance(error, grpc.aio.AioRpcError):
-            assert error.code() is grpc.StatusCode.UNKNOWN
-        else:
-            assert isinstance(error, UntypedControlError)
-            assert error.code is grpc.StatusCode.UNKNOWN
+        assert failure.value.reason is Reason.HOOK_FAILED
+        assert failure.value.metadata["exception"] == "RuntimeError"
+        assert "broken" not in failure.value.message
         status = await wire.status()
         assert status.phase == IDLE and status.admission_open
         assert status.active_checkpoint_id == ""
@@ -319,6 +317,35 @@ async def test_a_commit_retried_after_a_failed_write_stores_the_same_records(
         loaded = SnapshotStore(root).read("snap-1", wire.instance, manifest_ref(committed))
         assert [r.payload["state"] for r in loaded.records] == [agent.exports[0][EP_A]]
         assert [r.payload["state"] for r in loaded.records] == [{"history": [0]}]
+
+
+@pytest.mark.parametrize(
+    ("raised", "reason", "shown"),
+    [
+        (ConnectionError("db at 10.1.2.3:5432 refused"), Reason.UNAVAILABLE, "ConnectionError"),
+        (TimeoutError("sandbox /secret/path slow"), Reason.UNAVAILABLE, "TimeoutError"),
+        (TransientError("tool backend overloaded"), Reason.UNAVAILABLE, "overloaded"),
+        (KeyError("/home/user/.token"), Reason.HOOK_FAILED, "KeyError"),
+    ],
+    ids=["connection", "timeout", "transient", "unexpected"],
+)
+async def test_a_failing_export_is_a_typed_transient_error_and_the_retry_commits(
+    root: Path, door: str, raised: Exception, reason: Reason, shown: str
+) -> None:
+    """A hook's failure is data: a reason the coordinator retries on, the exception's
+    type named, its text (hosts, paths) never on the wire; the retry exports again."""
+    agent = ScriptedAgent()
+    async with serve(root, door, agent=agent) as wire:
+        await wire.start(EP_A, TASK)
+        await park(wire, agent, ckpt(1), EP_A)
+        agent.export_error = raised
+        error = await expect(reason, wire.commit(ckpt(1), "snap-1", [EP_A]))
+        assert error.transient
+        assert shown in error.message
+        for secret in ("10.1.2.3", "/secret", ".token"):
+            assert secret not in error.message and secret not in str(error.metadata)
+        committed = await wire.commit(ckpt(1), "snap-1", [EP_A])
+        assert episodes(committed.exported) == [EP_A]
 
 
 async def test_the_same_commit_id_with_other_arguments_conflicts(root: Path, door: str) -> None:

@@ -149,6 +149,8 @@ class ScriptedAgent(Agent):
         self.cancel_gate: asyncio.Event | None = None
         self.cancelling = asyncio.Event()
         self.restart_before_boundary: set[EpisodeId] = set()
+        # Raised by the next export (then cleared): a Gym server's export failing.
+        self.export_error: Exception | None = None
 
     def release(self, episode: EpisodeId, steps: int = 1) -> None:
         for _ in range(steps):
@@ -198,6 +200,9 @@ class ScriptedAgent(Agent):
     async def export_states(
         self, states: Mapping[EpisodeId, SavedTurn]
     ) -> Mapping[EpisodeId, Mapping[str, Any]]:
+        if self.export_error is not None:
+            error, self.export_error = self.export_error, None
+            raise error
         exported = {episode: saved.state for episode, saved in states.items()}
         self.exports.append(dict(exported))
         return exported

@@ -290,6 +290,12 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     """INTERNAL. A reply or a stored state broke the protocol's contract (a malformed or
     misattributed reply, a bookkeeping contradiction). Not transient: stop and report.
     """
+    ERROR_REASON_HOOK_FAILED: _ErrorReason.ValueType  # 18
+    """INTERNAL. A participant's own hook (an export, a tool call, a verify) raised an
+    exception the SDK did not expect. Its type is in the metadata ("exception"), its text
+    stays in the participant's log. Transient: the coordinator fails that snapshot and
+    tries again; only max_consecutive_failures in a row end the run.
+    """
 
 class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
     """ErrorReason is the reason of the single google.rpc.ErrorInfo (domain "turnpoint")
@@ -341,6 +347,12 @@ coordinator aborts the checkpoint and tries again later.
 ERROR_REASON_PROTOCOL_VIOLATION: ErrorReason.ValueType  # 17
 """INTERNAL. A reply or a stored state broke the protocol's contract (a malformed or
 misattributed reply, a bookkeeping contradiction). Not transient: stop and report.
+"""
+ERROR_REASON_HOOK_FAILED: ErrorReason.ValueType  # 18
+"""INTERNAL. A participant's own hook (an export, a tool call, a verify) raised an
+exception the SDK did not expect. Its type is in the metadata ("exception"), its text
+stays in the participant's log. Transient: the coordinator fails that snapshot and
+tries again; only max_consecutive_failures in a row end the run.
 """
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015
 
