@@ -74,8 +74,6 @@ def retrieve(task: asyncio.Future[Any]) -> None:
 
 def storage_error(error: BaseException, what: str) -> TurnpointError:
     """Map the store's failures to protocol reasons (never by message text)."""
-    if isinstance(error, TurnpointError):
-        return error
     if isinstance(error, WriteCancelled):
         return TurnpointError(
             Reason.STALE_CHECKPOINT,
@@ -100,6 +98,8 @@ def storage_error(error: BaseException, what: str) -> TurnpointError:
             str(error),
             {"snapshot": error.snapshot, "corruption": error.kind.value},
         )
+    if isinstance(error, TurnpointError):
+        return error
     if isinstance(error, InvalidIdError):
         return TurnpointError(Reason.INVALID_ARGUMENT, str(error), {"field": error.field})
     if isinstance(error, OSError):

@@ -23,8 +23,11 @@ from pathlib import Path
 from typing import Any, Final, NoReturn
 
 from turnpoint._json import JSONProblem, StrictJSONError, loads_strict
+from turnpoint.errors import Reason
 from turnpoint.ids import EpisodeId, validate_id
 from turnpoint.protocol import ArtifactRef
+
+from ._failures import ParticipantError
 
 __all__ = [
     "MANIFEST_NAME",
@@ -63,8 +66,29 @@ _RECORD_FIELDS: Final = frozenset({"episode", "key", "payload"})
 # --------------------------------------------------------------------------- errors
 
 
-class StoreError(Exception):
-    """Root of the store's own errors. ``OSError`` from the disk is never wrapped."""
+class StoreError(ParticipantError):
+    """Root of the store's own errors. ``OSError`` from the disk is never wrapped.
+
+    Each carries the reason a commit or restore reports for it (docs/spec.md section 9.3).
+    """
+
+    _reason = Reason.INVALID_CHECKPOINT_STATE
+
+    def __init__(self, message: str, metadata: Mapping[str, str] | None = None) -> None:
+        super().__init__(self._reason, message, metadata)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # The subclasses' own arguments, so a copy or pickle rebuilds the same error.
+        return (_rebuild, (type(self), self.__dict__.copy(), self.args))
+
+
+def _rebuild(
+    cls: type[StoreError], state: dict[str, object], args: tuple[object, ...]
+) -> StoreError:
+    error = cls.__new__(cls)
+    error.__dict__.update(state)
+    error.args = args
+    return error
 
 
 class Corruption(enum.Enum):
@@ -90,7 +114,8 @@ class CorruptSnapshotError(StoreError):
         self.kind = kind
         self.detail = detail
         super().__init__(
-            f"snapshot {snapshot!r} of instance {instance!r} is unusable ({kind.value}): {detail}"
+            f"snapshot {snapshot!r} of instance {instance!r} is unusable ({kind.value}): {detail}",
+            {"snapshot": snapshot, "corruption": kind.value},
         )
 
 
@@ -102,7 +127,10 @@ class UnserialisableRecordError(StoreError):
         self.key = key
         self.location = location
         self.why = why
-        super().__init__(f"record {key!r} of episode {episode} cannot be saved: {location}: {why}")
+        super().__init__(
+            f"record {key!r} of episode {episode} cannot be saved: {location}: {why}",
+            {"episode": str(episode), "key": key, "location": location},
+        )
 
 
 # --------------------------------------------------------------------------- data

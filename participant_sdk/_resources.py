@@ -30,6 +30,7 @@ from turnpoint.ids import EpisodeId
 from turnpoint.protocol import EpisodeState, ParticipantKind, RecoveryMode, VerifyMode
 
 from ._core import ParticipantCore, WorkKey
+from ._failures import ParticipantError
 from ._shared import Shared, invalid_record
 from ._store import Record
 
@@ -45,8 +46,14 @@ T = TypeVar("T")
 SLOT = "session"
 
 
-class ConfigurationError(ValueError):
+class ConfigurationError(ParticipantError, ValueError):
     """A kind declares something it cannot honour; raised when the participant starts."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(Reason.INVALID_ARGUMENT, message)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.message,))
 
 
 @dataclass(frozen=True, slots=True)

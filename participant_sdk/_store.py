@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Final, NoReturn, Protocol
 
 from turnpoint._files import create_file, fsync_dir, write_temp
+from turnpoint.errors import Reason
 from turnpoint.ids import EpisodeId, validate_id
 from turnpoint.protocol import ArtifactRef
 
@@ -97,6 +98,8 @@ _FILE_MODE: Final = 0o644
 class SnapshotConflictError(StoreError):
     """The directory already holds a published snapshot other than the one being written."""
 
+    _reason = Reason.CHECKPOINT_CONFLICT
+
     def __init__(
         self, snapshot: str, instance: str, published_checkpoint_id: str, checkpoint_id: str
     ) -> None:
@@ -108,12 +111,15 @@ class SnapshotConflictError(StoreError):
         super().__init__(
             f"snapshot {snapshot!r} of instance {instance!r} is already published for "
             f"checkpoint {published_checkpoint_id!r}"
-            + (" with other content" if same else f", not {checkpoint_id!r}")
+            + (" with other content" if same else f", not {checkpoint_id!r}"),
+            {"snapshot": snapshot, "published_checkpoint_id": published_checkpoint_id},
         )
 
 
 class WriteCancelled(StoreError):
     """The write's ticket was cancelled before publication; nothing of it is left on disk."""
+
+    _reason = Reason.STALE_CHECKPOINT
 
     def __init__(self, snapshot: str, instance: str, checkpoint_id: str) -> None:
         self.snapshot = snapshot
@@ -121,7 +127,8 @@ class WriteCancelled(StoreError):
         self.checkpoint_id = checkpoint_id
         super().__init__(
             f"write of checkpoint {checkpoint_id!r} into snapshot {snapshot!r} "
-            f"of instance {instance!r} was cancelled before publication"
+            f"of instance {instance!r} was cancelled before publication",
+            {"checkpoint_id": checkpoint_id},
         )
 
 

@@ -152,3 +152,27 @@ def test_a_participant_component_error_is_a_typed_error_not_a_verdict_misread() 
 
     failure = classify(SessionBrokenError("p", "prepare", "stream ended"))
     assert failure.kind is FailureKind.TRANSIENT and failure.reason is None
+
+
+def test_every_participant_sdk_error_is_one_participant_error_with_a_reason() -> None:
+    """``except ParticipantError`` catches every failure the SDK raises."""
+    import copy
+    import pickle
+
+    from turnpoint.participant_sdk import ParticipantError
+    from turnpoint.participant_sdk._records import Corruption, CorruptSnapshotError
+    from turnpoint.participant_sdk._store import SnapshotConflictError, WriteCancelled
+
+    exceptions = _public_exceptions("turnpoint.participant_sdk")
+    assert len(exceptions) >= 7
+    strays = [cls.__qualname__ for cls in exceptions if not issubclass(cls, ParticipantError)]
+    assert strays == []
+    corrupt = CorruptSnapshotError("snap-1", "agent-0", Corruption.DIGEST_MISMATCH, "bad")
+    assert corrupt.reason is Reason.INVALID_CHECKPOINT_STATE
+    assert corrupt.metadata["corruption"] == "digest_mismatch"
+    assert SnapshotConflictError("s", "i", "ck-1", "ck-2").reason is Reason.CHECKPOINT_CONFLICT
+    assert WriteCancelled("s", "i", "ck-1").reason is Reason.STALE_CHECKPOINT
+    for error in (corrupt, WriteCancelled("s", "i", "ck-1")):
+        for twin in (copy.copy(error), pickle.loads(pickle.dumps(error))):
+            assert type(twin) is type(error) and str(twin) == str(error)
+            assert twin.reason is error.reason and twin.metadata == error.metadata
