@@ -35,16 +35,15 @@ from turnpoint.participant_sdk import (
 from turnpoint.server import ServerOptions, host_participant
 from turnpoint.trainer._interfaces import InFlightRollout
 from turnpoint.trainer._manifest import ManifestError, TrainerRolloutState
-from turnpoint.trainer._rollouts import (
-    ACCEPTED_METADATA_KEY,
-    AgentEndpoint,
+from turnpoint.trainer._rollout_values import (
     Rollout,
-    RolloutClient,
     RolloutClientSettings,
     RolloutOutcome,
     RolloutResult,
     SavedRollout,
 )
+from turnpoint.trainer._rollouts import AgentEndpoint, RolloutClient
+from turnpoint.trainer._run_stream import ACCEPTED_METADATA_KEY
 from turnpoint.v1 import rollout_service_pb2 as pb
 from turnpoint.v1 import rollout_service_pb2_grpc as pb_grpc
 from turnpoint.v1 import types_pb2
