@@ -364,8 +364,8 @@ class ControlServicer(pb_grpc.CheckpointControlServiceServicer):
     async def WatchBoundaries(
         self, request: pb.WatchBoundariesRequest, context: grpc.aio.ServicerContext[Any, Any]
     ) -> AsyncIterator[pb.WatchBoundariesResponse]:
-        fence = fence_from_proto(request.fence, request.HasField("fence"))
         try:
+            fence = fence_from_proto(request.fence, request.HasField("fence"))
             events = self._runtime.watch(
                 request.max_blockers, fence if request.HasField("fence") else None
             )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -50,7 +51,7 @@ from turnpoint.v1 import (
     rollout_service_pb2_grpc,
 )
 
-__all__ = ["PolicyServicer", "ResourcesServicer", "RolloutServicer"]
+__all__ = ["DEFAULT_MAX_NEW_TOKENS", "PolicyServicer", "ResourcesServicer", "RolloutServicer"]
 
 # Initial metadata a Run sends the moment the participant owns the attempt, before the
 # first boundary: the trainer counts an attempt as dispatched only from then on.
@@ -113,7 +114,7 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
     ) -> AsyncIterator[rollout_service_pb2.RunResponse]:
         async with _errors(context, "Run"):
             episode = episode_from_proto(request.episode)
-            task = struct_to_dict(request.task)
+            task = struct_to_dict(request.task, "task")
             budget_s = seconds_from_duration(request.budget, "budget")
             stream = await self._runtime.accept_run(
                 episode, task, boundaries_seen=request.boundaries_seen, budget_s=budget_s
@@ -140,17 +141,42 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
         raise AssertionError("unreachable")
 
 
+# A bound on one generation's length: one request must not be able to stream for long
+# enough to make every snapshot wait on it (docs/spec.md section 10.5).
+DEFAULT_MAX_NEW_TOKENS = 8192
+
+
 class PolicyServicer(policy_service_pb2_grpc.PolicyServiceServicer):
-    def __init__(self, runtime: ParticipantRuntime, *, max_prompt_tokens: int = 65_536) -> None:
+    def __init__(
+        self,
+        runtime: ParticipantRuntime,
+        *,
+        max_prompt_tokens: int = 65_536,
+        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    ) -> None:
         self._runtime = runtime
         self._max_prompt = max_prompt_tokens
+        self._max_new_tokens = max_new_tokens
+
+    def _check_generate(self, request: policy_service_pb2.GenerateRequest) -> None:
+        check_list_length("prompt_token_ids", request.prompt_token_ids, self._max_prompt)
+        if not 0 < request.max_new_tokens <= self._max_new_tokens:
+            raise bad_argument(
+                f"max_new_tokens must be in 1..{self._max_new_tokens}",
+                field="max_new_tokens",
+                limit=str(self._max_new_tokens),
+            )
+        if not math.isfinite(request.temperature) or request.temperature < 0:
+            raise bad_argument("temperature must be a finite number >= 0", field="temperature")
+        if any(token < 0 for token in request.prompt_token_ids):
+            raise bad_argument("prompt_token_ids must be >= 0", field="prompt_token_ids")
 
     async def Generate(
         self, request: policy_service_pb2.GenerateRequest, context: Context
     ) -> AsyncIterator[policy_service_pb2.GenerateResponse]:
         async with _errors(context, "Generate"):
             episode = episode_from_proto(request.episode)
-            check_list_length("prompt_token_ids", request.prompt_token_ids, self._max_prompt)
+            self._check_generate(request)
             stream = self._runtime.generate(
                 episode,
                 GenerateRequest(
@@ -192,7 +218,7 @@ class ResourcesServicer(resources_service_pb2_grpc.ResourcesServiceServicer):
         self, request: resources_service_pb2.SeedSessionRequest, context: Context
     ) -> resources_service_pb2.SeedSessionResponse:
         async with _errors(context, "SeedSession"):
-            task = struct_to_dict(request.task)
+            task = struct_to_dict(request.task, "task")
             task.setdefault("prompt_group_id", request.prompt_group_id)
             task.setdefault("sibling_index", request.sibling_index)
             task.setdefault("group_size", request.group_size)
@@ -207,7 +233,9 @@ class ResourcesServicer(resources_service_pb2_grpc.ResourcesServiceServicer):
             if not request.tool:
                 raise bad_argument("tool is required")
             output = await self._runtime.call_tool(
-                episode_from_proto(request.episode), request.tool, struct_to_dict(request.arguments)
+                episode_from_proto(request.episode),
+                request.tool,
+                struct_to_dict(request.arguments, "arguments"),
             )
             return resources_service_pb2.CallResponse(
                 header=self._header(), output=struct_from_mapping(output)
@@ -219,7 +247,7 @@ class ResourcesServicer(resources_service_pb2_grpc.ResourcesServiceServicer):
     ) -> resources_service_pb2.VerifyResponse:
         async with _errors(context, "Verify"):
             verdict = await self._runtime.verify(
-                episode_from_proto(request.episode), struct_to_dict(request.answer)
+                episode_from_proto(request.episode), struct_to_dict(request.answer, "answer")
             )
             return resources_service_pb2.VerifyResponse(
                 header=self._header(),

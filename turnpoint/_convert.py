@@ -162,7 +162,9 @@ def fence_from_proto(message: types_pb2.Fence, present: bool) -> Fence:
         # Tools (buf curl) may omit the fence: they act as epoch 0, which any real
         # coordinator's epoch fences out.
         return Fence("", 0)
-    return Fence(message.coordinator_id, message.epoch)
+    # A coordinator id follows the id rules (at most 128 characters): a participant
+    # remembers it and quotes it in FENCED errors, so it must be bounded.
+    return Fence(id_from_proto(message.coordinator_id, "fence.coordinator_id"), message.epoch)
 
 
 def receipt_to_proto(receipt: CompletionReceipt) -> types_pb2.CompletionReceipt:
@@ -260,7 +262,7 @@ def struct_from_mapping(value: Mapping[str, Any] | None) -> struct_pb2.Struct:
     return message
 
 
-def struct_to_dict(message: struct_pb2.Struct) -> dict[str, Any]:
+def struct_to_dict(message: struct_pb2.Struct, field: str = "struct") -> dict[str, Any]:
     """A Struct as plain JSON values, with integral numbers as ints.
 
     ``google.protobuf.Struct`` stores every number as a double, so a task's ``3`` comes
@@ -268,7 +270,15 @@ def struct_to_dict(message: struct_pb2.Struct) -> dict[str, Any]:
     as ints lets hooks keep strict integer checks (token ids, turn counts, seeds). Ints
     beyond 2**53 do not survive a double and must travel as strings.
     """
-    result: dict[str, Any] = _integral(MessageToDict(message, preserving_proto_field_name=True))
+    try:
+        converted = MessageToDict(message, preserving_proto_field_name=True)
+    except (ValueError, RecursionError):
+        # NaN and Infinity have no JSON form (json_format refuses them): bad input, said
+        # as such instead of surfacing as a server failure (docs/spec.md section 3.7).
+        raise bad_argument(
+            f"{field} holds a number JSON cannot carry (NaN or Infinity)", field=field
+        ) from None
+    result: dict[str, Any] = _integral(converted)
     return result
 
 

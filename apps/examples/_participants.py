@@ -21,9 +21,11 @@ is answered from the session as it was before that turn, and a verify may replay
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
-from collections.abc import AsyncGenerator, Mapping, Sequence
+import pickle
+from collections.abc import AsyncGenerator, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -107,6 +109,12 @@ class TinyPolicyServer(PolicyModel):
     ) -> AsyncGenerator[GenerateChunk, None]:
         import torch  # loaded with the policy already
 
+        if any(token >= VOCAB_SIZE for token in request.prompt_token_ids):
+            raise ParticipantError(
+                Reason.INVALID_ARGUMENT,
+                f"prompt_token_ids must be below the vocabulary size {VOCAB_SIZE}",
+                {"field": "prompt_token_ids", "limit": str(VOCAB_SIZE)},
+            )
         async with self._changed:
             await self._changed.wait_for(lambda: not self._swapping)
             self._streaming += 1
@@ -139,7 +147,14 @@ class TinyPolicyServer(PolicyModel):
                 await self._changed.wait_for(lambda: self._streaming == 0)
                 try:
                     self.policy.load_state_bytes(state)
-                except (ValueError, RuntimeError, EOFError, KeyError, TypeError) as error:
+                except (
+                    ValueError,
+                    RuntimeError,
+                    EOFError,
+                    KeyError,
+                    TypeError,
+                    pickle.UnpicklingError,
+                ) as error:
                     # Bad input from the caller, not a broken server: say so, typed,
                     # without quoting what torch made of the bytes.
                     raise ParticipantError(
@@ -152,6 +167,19 @@ class TinyPolicyServer(PolicyModel):
                 self._swapping = False
                 self._changed.notify_all()
         return self.policy.weights_version
+
+
+@contextlib.contextmanager
+def _bad_input(field: str) -> Iterator[None]:
+    """The caller's data did not fit the environment: INVALID_ARGUMENT, not a crash."""
+    try:
+        yield
+    except (ValueError, TypeError, KeyError, OverflowError) as error:
+        raise ParticipantError(
+            Reason.INVALID_ARGUMENT,
+            f"{field} does not fit the guess environment ({type(error).__name__})",
+            {"field": field},
+        ) from None
 
 
 class VerifierLog:
@@ -184,6 +212,15 @@ class GuessTools(ResourcesServer):
         self.sessions: dict[EpisodeId, dict[str, Any]] = {}
 
     async def seed(self, episode: EpisodeId, task: Mapping[str, Any]) -> None:
+        if not isinstance(task.get("task"), Mapping):
+            raise ParticipantError(
+                Reason.INVALID_ARGUMENT,
+                "a guess session is seeded with its task",
+                {"field": "task"},
+            )
+        with _bad_input("task"):
+            Task.from_dict(task["task"])
+            int(task.get("sibling_index", 0))
         if episode not in self.sessions:
             self.sessions[episode] = {
                 "task": dict(task["task"]),
@@ -195,7 +232,9 @@ class GuessTools(ResourcesServer):
     def _session(self, episode: EpisodeId) -> dict[str, Any]:
         session = self.sessions.get(episode)
         if session is None:
-            raise KeyError(f"no session for {episode}")
+            raise ParticipantError(
+                Reason.NOT_FOUND, f"no session for {episode}", {"episode": str(episode)}
+            )
         return session
 
     async def call(
@@ -205,17 +244,22 @@ class GuessTools(ResourcesServer):
             return {"error": f"unknown tool {tool!r}"}
         session = self._session(episode)
         task = Task.from_dict(session["task"])
-        turn = int(arguments.get("turn", len(session["history"]) - 1))
+        with _bad_input("arguments"):
+            turn = int(arguments.get("turn", len(session["history"]) - 1))
+            if not 0 <= turn < len(session["history"]):
+                raise ValueError(f"turn {turn} is not a turn of this session")
+            guess = arguments.get("guess")
+            guess = int(guess) if guess is not None else None
         history: list[dict[str, Any]] = session["history"][: turn + 1]
         before = ToolSession.from_dict(history[-1])
-        guess = arguments.get("guess")
-        result = tool_call(task, before, {"guess": int(guess) if guess is not None else None})
+        result = tool_call(task, before, {"guess": guess})
         session["history"] = [*history, result.session.to_dict()]
         return {"reply": result.reply.value}
 
     async def verify(self, episode: EpisodeId, answer: Mapping[str, Any]) -> Verdict:
         session = self._session(episode)
-        guesses = _guesses(answer)
+        with _bad_input("answer"):
+            guesses = _guesses(answer)
         reward = per_sibling_reward(Task.from_dict(session["task"]), guesses)
         self.log.write(
             verifier=self.name,

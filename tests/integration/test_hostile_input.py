@@ -51,6 +51,8 @@ SERVICES = [
 ]
 METHODS: list[MethodDescriptor] = [m for service in SERVICES for m in service.methods]
 CALL_TIMEOUT_S = 5.0
+# A stream that parses as a valid watch never ends by itself; a short deadline ends it.
+STREAM_TIMEOUT_S = 1.0
 # Codes grpc itself may answer for a call that never reached our handler (no ErrorInfo
 # possible) or that the client cut: never UNKNOWN or INTERNAL.
 TRANSPORT_CODES = {
@@ -170,7 +172,7 @@ async def _call(
             await call.done_writing()
         return [item async for item in call]
     if method.server_streaming:
-        stream = channel.unary_stream(path)(raw, metadata=metadata, timeout=CALL_TIMEOUT_S)
+        stream = channel.unary_stream(path)(raw, metadata=metadata, timeout=STREAM_TIMEOUT_S)
         return [item async for item in stream]
     return await channel.unary_unary(path)(raw, metadata=metadata, timeout=CALL_TIMEOUT_S)
 
@@ -237,3 +239,131 @@ def test_every_server_is_still_serving_after_the_hostile_input(fleet: Fleet) -> 
 
     for name, address in fleet.addresses.items():
         assert fleet.run(status(address)) == health_pb2.HealthCheckResponse.SERVING, name
+
+
+def _nan_struct() -> Any:
+    from google.protobuf import struct_pb2
+
+    value = struct_pb2.Struct()
+    value["x"] = float("nan")
+    return value
+
+
+def _bad_requests() -> list[tuple[str, str, Any, grpc.StatusCode]]:
+    from google.protobuf import struct_pb2
+
+    from turnpoint.v1 import types_pb2
+
+    episode = types_pb2.EpisodeId(rollout_id="r-hostile", attempt=0)
+    task = struct_pb2.Struct()
+    task.update({"task": {"bad": True}})
+    bad = grpc.StatusCode.INVALID_ARGUMENT
+    generate = "/turnpoint.v1.PolicyService/Generate"
+    return [
+        (
+            "policy",
+            generate,
+            policy_service_pb2.GenerateRequest(
+                episode=episode, prompt_token_ids=[1], max_new_tokens=20_000
+            ),
+            bad,
+        ),
+        (
+            "policy",
+            generate,
+            policy_service_pb2.GenerateRequest(
+                episode=episode, prompt_token_ids=[1], max_new_tokens=4, temperature=float("nan")
+            ),
+            bad,
+        ),
+        (
+            "policy",
+            generate,
+            policy_service_pb2.GenerateRequest(
+                episode=episode, prompt_token_ids=[1], max_new_tokens=4, temperature=-1.0
+            ),
+            bad,
+        ),
+        (
+            "policy",
+            generate,
+            policy_service_pb2.GenerateRequest(
+                episode=episode, prompt_token_ids=[10_000_000], max_new_tokens=4
+            ),
+            bad,
+        ),
+        (
+            "policy",
+            "/turnpoint.v1.PolicyService/UpdateWeights",
+            policy_service_pb2.UpdateWeightsRequest(weights_version=9, state=b"garbage"),
+            bad,
+        ),
+        (
+            "tools",
+            "/turnpoint.v1.ResourcesService/SeedSession",
+            resources_service_pb2.SeedSessionRequest(episode=episode),
+            bad,
+        ),
+        (
+            "tools",
+            "/turnpoint.v1.ResourcesService/SeedSession",
+            resources_service_pb2.SeedSessionRequest(episode=episode, task=task),
+            bad,
+        ),
+        (
+            "tools",
+            "/turnpoint.v1.ResourcesService/SeedSession",
+            resources_service_pb2.SeedSessionRequest(episode=episode, task=_nan_struct()),
+            bad,
+        ),
+        (
+            "tools",
+            "/turnpoint.v1.ResourcesService/Call",
+            resources_service_pb2.CallRequest(episode=episode, tool="check"),
+            grpc.StatusCode.NOT_FOUND,
+        ),
+        (
+            "tools",
+            "/turnpoint.v1.ResourcesService/Verify",
+            resources_service_pb2.VerifyRequest(episode=episode, answer=_nan_struct()),
+            bad,
+        ),
+        (
+            "tools",
+            "/turnpoint.v1.CheckpointControlService/Prepare",
+            checkpoint_control_service_pb2.PrepareRequest(
+                request_id="rq-long",
+                checkpoint_id="ck-000000000009",
+                fence=types_pb2.Fence(coordinator_id="c" * 20_000, epoch=7),
+            ),
+            bad,
+        ),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("participant", "path", "request_message", "code"),
+    _bad_requests(),
+    ids=lambda value: value if isinstance(value, str) and not value.startswith("/") else "",
+)
+def test_bad_values_in_well_formed_requests_are_typed_and_quote_nothing_unbounded(
+    fleet: Fleet, participant: str, path: str, request_message: Any, code: grpc.StatusCode
+) -> None:
+    method = next(
+        m for m in METHODS if path.endswith(f"/{m.name}") and m.containing_service.full_name in path
+    )
+
+    async def call() -> grpc.aio.AioRpcError:
+        try:
+            await _call(
+                fleet.channels[participant], path, method, request_message.SerializeToString(), True
+            )
+        except grpc.aio.AioRpcError as error:
+            return error
+        raise AssertionError(f"{path} accepted {request_message}")
+
+    error = fleet.run(call())
+    assert error.code() is code, error.details()
+    carried = error_from_rpc(error)
+    assert carried is not None
+    assert len(error.details() or "") < 300  # no unbounded input echoed back
