@@ -128,7 +128,14 @@ async def _serve(
         return 2
     hosted = host_participant(runtime, options)
     hosted.on_close.extend(closers)
-    await hosted.start()
+    try:
+        await hosted.start()
+    except OSError as error:  # the port is taken, the host is not ours, a TLS file is gone
+        print(f"turnpoint serve: {error}", file=sys.stderr)
+        await hosted.runtime.aclose()
+        for close in closers:
+            await close()
+        return 2
     hosted.server.install_signal_handlers()
     print(
         f"turnpoint: serving {args.kind} {spec.instance} on {options.host}:{hosted.port}",

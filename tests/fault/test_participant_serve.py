@@ -82,3 +82,36 @@ async def test_turnpoint_serve_goes_not_serving_on_sigterm_and_exits_0(tmp_path:
         if process.returncode is None:
             process.kill()
             await process.wait()
+
+
+async def test_turnpoint_serve_on_a_busy_port_says_so_without_a_traceback_and_exits_2(
+    tmp_path: Path,
+) -> None:
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "turnpoint.apps._cli",
+            "serve",
+            "--kind",
+            "resources",
+            "--insecure-no-auth",
+            "--port",
+            str(port),
+            "--root",
+            str(tmp_path / "snapshots"),
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        _, stderr = await asyncio.wait_for(process.communicate(), BOUND_S)
+    assert process.returncode == 2
+    text = stderr.decode()
+    assert "Traceback" not in text
+    # grpc's C core logs its own line first; ours says what happened and where.
+    last = text.strip().splitlines()[-1]
+    assert last.startswith("turnpoint serve: cannot bind") and str(port) in last
