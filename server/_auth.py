@@ -16,7 +16,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import logging
-from collections.abc import Awaitable, Callable, Collection, Iterable
+import time
+from collections.abc import Awaitable, Callable, Collection, Hashable, Iterable
 from typing import TYPE_CHECKING, Any, Final
 
 import grpc
@@ -51,6 +52,7 @@ class BearerTokenInterceptor(_InterceptorBase):
         # length mismatch, so timing reveals neither the token's bytes nor its length.
         self._expected_digest = _digest(validate_token(token).encode("ascii"))
         self._open_services = frozenset(open_services)
+        self._refusal_log = RateLimitedLog()
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(open_services={sorted(self._open_services)!r})"
@@ -92,10 +94,37 @@ class BearerTokenInterceptor(_InterceptorBase):
             # An unknown method stays UNIMPLEMENTED: its shape is unknown, and reflection
             # already tells anyone which methods exist.
             return handler
-        return _rejecting_handler(handler, method, refusal)
+        return _rejecting_handler(handler, method, refusal, self._refusal_log)
 
 
-def _rejecting_handler(handler: _Handler, method: str, refusal: str) -> _Handler:
+class RateLimitedLog:
+    """At most one line per key per ``interval_s``; counts what it held back.
+
+    A client hammering a server with a bad token must not fill its log: the first
+    refusal of each (method, cause) is logged, then one line per interval that says how
+    many were not.
+    """
+
+    def __init__(self, interval_s: float = 10.0, max_keys: int = 1024) -> None:
+        self._interval_s = interval_s
+        self._max_keys = max_keys
+        self._last: dict[Hashable, tuple[float, int]] = {}
+
+    def admit(self, key: Hashable, now: float) -> int | None:
+        """None to stay quiet; else the number of lines held back since the last one."""
+        last = self._last.get(key)
+        if last is not None and now - last[0] < self._interval_s:
+            self._last[key] = (last[0], last[1] + 1)
+            return None
+        if last is None and len(self._last) >= self._max_keys:
+            self._last.clear()  # bounded memory under a flood of distinct keys
+        self._last[key] = (now, 0)
+        return 0 if last is None else last[1]
+
+
+def _rejecting_handler(
+    handler: _Handler, method: str, refusal: str, refusal_log: RateLimitedLog
+) -> _Handler:
     """A handler of the refused method's streaming shape that only aborts.
 
     No request deserializer: an unauthenticated caller's bytes are never parsed.
@@ -106,7 +135,10 @@ def _rejecting_handler(handler: _Handler, method: str, refusal: str) -> _Handler
     status = error_to_grpc_status(error)
 
     async def reject(_request: object, context: grpc.aio.ServicerContext[Any, Any]) -> None:
-        _log.warning("refused %s from %s: %s", method, context.peer(), refusal)
+        suppressed = refusal_log.admit((method, refusal), time.monotonic())
+        if suppressed is not None:
+            more = f" ({suppressed} more like it not logged)" if suppressed else ""
+            _log.warning("refused %s from %s: %s%s", method, context.peer(), refusal, more)
         # grpc-stubs lacks abort_with_status on the aio context; grpcio has it since 1.38.
         await context.abort_with_status(status)  # type: ignore[attr-defined]
 

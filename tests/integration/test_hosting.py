@@ -698,3 +698,15 @@ async def test_an_on_drain_failure_still_stops_the_server_and_surfaces() -> None
     assert server.state == "stopped"
     with pytest.raises(TurnpointError):
         await server.wait_for_termination()
+
+
+def test_refusals_are_logged_at_most_once_per_cause_and_interval() -> None:
+    from turnpoint.server._auth import RateLimitedLog
+
+    log = RateLimitedLog(interval_s=10.0, max_keys=2)
+    key = ("/turnpoint.v1.CheckpointControlService/Prepare", "missing bearer token")
+    assert log.admit(key, 0.0) == 0  # the first is logged
+    assert [log.admit(key, t) for t in (1.0, 2.0, 9.9)] == [None, None, None]
+    assert log.admit(key, 10.5) == 3  # then one line saying how many were held back
+    assert log.admit(("other", "cause"), 10.6) == 0  # another cause is logged on its own
+    assert log.admit(("third", "cause"), 10.7) == 0  # memory stays bounded
