@@ -83,6 +83,8 @@ class ControlServicer(pb_grpc.CheckpointControlServiceServicer):
             "get_status": self._handle_get_status,
         }
         self._sessions: set[asyncio.Task[Any]] = set()
+        # Session operations a caller cancelled (or that a closing session cut short).
+        self.cancelled_by_caller = 0
 
     def _header(self) -> types_pb2.ResponseHeader:
         return header_to_proto(self._runtime.header())
@@ -306,20 +308,34 @@ class ControlServicer(pb_grpc.CheckpointControlServiceServicer):
         answers: asyncio.Queue[pb.ControlSessionResponse | None] = asyncio.Queue()
         slots = asyncio.Semaphore(MAX_SESSION_INFLIGHT)
         running: set[asyncio.Task[None]] = set()
+        by_request: dict[str, asyncio.Task[None]] = {}
 
         async def serve_one(message: pb.ControlSessionRequest) -> None:
             try:
                 answers.put_nowait(await self._session_answer(message))
+            except asyncio.CancelledError:
+                # The caller abandoned it (a cancel message): no answer, as for a
+                # cancelled unary call. A session that ends cancels too.
+                self.cancelled_by_caller += 1
+                raise
             finally:
                 slots.release()
+                if by_request.get(message.request_id) is asyncio.current_task():
+                    del by_request[message.request_id]
 
         async def read() -> None:
             try:
                 async for message in request_iterator:
+                    if message.WhichOneof("operation") == "cancel":
+                        abandoned = by_request.get(message.request_id)
+                        if abandoned is not None:
+                            abandoned.cancel()
+                        continue
                     await slots.acquire()
                     task = asyncio.create_task(serve_one(message))
                     running.add(task)
                     task.add_done_callback(running.discard)
+                    by_request[message.request_id] = task
             finally:
                 if running:
                     await asyncio.wait(set(running))

@@ -341,8 +341,9 @@ class _Session:
         self._call = call
         self._participant = participant
         self._pending: dict[str, asyncio.Future[pb.ControlSessionResponse]] = {}
+        # A None future: a message nobody awaits a reply to (a cancel).
         self._outbox: asyncio.Queue[
-            tuple[pb.ControlSessionRequest, asyncio.Future[pb.ControlSessionResponse]]
+            tuple[pb.ControlSessionRequest, asyncio.Future[pb.ControlSessionResponse] | None]
         ] = asyncio.Queue()
         # Once the participant answered anything it serves sessions: an UNIMPLEMENTED
         # after that is a broken stream, not a reason to give up on sessions.
@@ -370,10 +371,22 @@ class _Session:
         return future
 
     def forget(self, request_id: str, future: asyncio.Future[pb.ControlSessionResponse]) -> None:
-        """Stop waiting for one reply; a late reply for it is then dropped."""
-        if self._pending.get(request_id) is future:
+        """Stop waiting for one reply; a late reply for it is then dropped.
+
+        A call abandoned before its reply (its deadline and grace passed, or its caller
+        was cancelled) is cancelled on the participant too, with a cancel message on the
+        session, as gRPC would cancel an abandoned unary call (docs/spec.md section 3.2).
+        """
+        # Still pending means no reply came (the reader pops a future as it answers it).
+        abandoned = self._pending.get(request_id) is future
+        if abandoned:
             del self._pending[request_id]
         future.cancel()
+        if abandoned and not self.broken:
+            cancel = pb.ControlSessionRequest(
+                request_id=request_id, cancel=pb.ControlSessionCancel()
+            )
+            self._outbox.put_nowait((cancel, None))
 
     async def _read_loop(self) -> None:
         try:
@@ -403,7 +416,7 @@ class _Session:
     async def _write_loop(self) -> None:
         while True:
             envelope, future = await self._outbox.get()
-            if future.done():
+            if future is not None and future.done():
                 # Its caller gave up before it was sent: nobody would read the reply.
                 continue
             try:

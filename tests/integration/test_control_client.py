@@ -271,14 +271,23 @@ class SessionParticipant(UnaryParticipant):
             async with write_lock:
                 await context.write(reply)
 
+        by_request: dict[str, asyncio.Task[None]] = {}
+
         async def read_requests() -> None:
             while True:
                 envelope = await context.read()
                 if not isinstance(envelope, pb.ControlSessionRequest):
                     return
+                if envelope.WhichOneof("operation") == "cancel":
+                    # The caller abandoned that call: cancel it, answer nothing.
+                    abandoned = by_request.get(envelope.request_id)
+                    if abandoned is not None:
+                        abandoned.cancel()
+                    continue
                 task = asyncio.create_task(serve(envelope))
                 serving.add(task)
                 task.add_done_callback(serving.discard)
+                by_request[envelope.request_id] = task
 
         reader = asyncio.create_task(read_requests())
         breaker = asyncio.create_task(broken.wait())
@@ -531,7 +540,11 @@ async def test_a_session_call_gives_up_after_its_timeout_and_grace(harness: Harn
     assert participant.sessions_opened == 1
 
 
-async def test_a_cancelled_session_call_leaves_nothing_pending(harness: Harness) -> None:
+async def test_a_cancelled_session_call_is_cancelled_at_the_participant(
+    harness: Harness,
+) -> None:
+    """As gRPC cancels an abandoned unary call, the client cancels an abandoned session
+    call with a cancel message; nothing stays pending and the session carries on."""
     participant = await harness.start("agent-0")
     release = asyncio.Event()
 
@@ -551,11 +564,25 @@ async def test_a_cancelled_session_call_leaves_nothing_pending(harness: Harness)
     with pytest.raises(asyncio.CancelledError):
         await renewing
     assert client.pending_calls == 0
-    # The late reply finds nobody waiting and is dropped; the session carries on.
+    await participant.until(lambda: participant.cancelled == ["r-1"])
     release.set()
-    await participant.until(lambda: participant.executions["r-1"] == 1)
+    assert participant.executions["r-1"] == 0
     assert (await client.call(pb.GetStatusRequest(), 5)).admission_open
     assert participant.sessions_opened == 1
+
+
+async def test_a_session_call_that_runs_out_of_time_is_cancelled_at_the_participant(
+    harness: Harness,
+) -> None:
+    participant = await harness.start("agent-0")
+    participant.script["renew"] = hang
+    client = harness.client(participant, reply_grace_s=0.0)
+
+    with pytest.raises(CallTimeoutError):
+        await client.call(pb.RenewRequest(fence=FENCE, request_id="r-2", checkpoint_id="ck"), 0.05)
+
+    await participant.until(lambda: participant.cancelled == ["r-2"])
+    assert participant.in_flight["renew"] == 0
 
 
 async def test_a_cancelled_unary_call_is_cancelled_at_the_participant(harness: Harness) -> None:

@@ -22,6 +22,7 @@ import pytest
 from tests.support.participants import ControlDoor
 from tests.support.scripted import (
     FENCE,
+    TOKEN,
     FakeClock,
     GroupTools,
     ModelFailed,
@@ -722,3 +723,33 @@ async def test_ids_with_path_characters_are_invalid_argument_and_change_nothing(
         # Nothing changed: the checkpoint commits as it would have.
         committed = await wire.commit(ckpt(1), "snap-1", [EP_A])
         assert episodes(committed.exported) == [EP_A]
+
+
+async def test_an_abandoned_session_call_is_cancelled_in_the_participant(root: Path) -> None:
+    """The coordinator's client cancels a call it stopped waiting for; on the session
+    door that is a cancel message, and the participant's handler sees the cancellation
+    as it would on the unary door (docs/spec.md section 3.2)."""
+    from turnpoint.trainer._control_client import ParticipantControlClient
+
+    agent = ScriptedAgent()
+    agent.close_gate = asyncio.Event()
+    async with host_scripted(root, agent=agent) as hosted:
+        client = ParticipantControlClient(hosted.address, token=TOKEN, participant_name="agent-0")
+        try:
+            await client.call(pb.GetStatusRequest(), 5)  # the session is open
+            preparing = asyncio.create_task(
+                client.call(
+                    pb.PrepareRequest(
+                        fence=FENCE, request_id="p-1", checkpoint_id=ckpt(1), max_blockers=4
+                    ),
+                    30,
+                )
+            )
+            await bounded(agent.close_gate_reached.wait())
+            preparing.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await preparing
+            await bounded(agent.close_cancelled.wait())
+        finally:
+            agent.close_gate.set()
+            await client.close()

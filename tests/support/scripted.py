@@ -151,6 +151,10 @@ class ScriptedAgent(Agent):
         self.restart_before_boundary: set[EpisodeId] = set()
         # Raised by the next export (then cleared): a Gym server's export failing.
         self.export_error: Exception | None = None
+        # Set: admission_closed waits for it (a slow hook); a cancellation is recorded.
+        self.close_gate: asyncio.Event | None = None
+        self.close_gate_reached = asyncio.Event()
+        self.close_cancelled = asyncio.Event()
 
     def release(self, episode: EpisodeId, steps: int = 1) -> None:
         for _ in range(steps):
@@ -210,6 +214,13 @@ class ScriptedAgent(Agent):
     async def admission_closed(self) -> None:
         if self.close_fails:
             raise RuntimeError("the agent's admission gate is broken")
+        if self.close_gate is not None:
+            self.close_gate_reached.set()
+            try:
+                await self.close_gate.wait()
+            except asyncio.CancelledError:
+                self.close_cancelled.set()
+                raise
 
     async def admission_opened(self) -> None:
         self.opened += 1

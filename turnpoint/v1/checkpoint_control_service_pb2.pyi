@@ -901,6 +901,7 @@ class ControlSessionRequest(_message.Message):
     RETIRE_FIELD_NUMBER: _builtins.int
     FORGET_FIELD_NUMBER: _builtins.int
     GET_STATUS_FIELD_NUMBER: _builtins.int
+    CANCEL_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Correlates the response; equals the inner request's request_id where it has one."""
     @_builtins.property
@@ -945,6 +946,14 @@ class ControlSessionRequest(_message.Message):
     def get_status(self) -> Global___GetStatusRequest:
         """See CheckpointControlService.GetStatus."""
 
+    @_builtins.property
+    def cancel(self) -> Global___ControlSessionCancel:
+        """Stop serving the operation sent earlier under this request_id: the caller
+        abandoned it (its deadline and reply grace passed, or it was cancelled). The
+        participant cancels it as it would a cancelled unary call and sends no answer for
+        either message. A request_id with nothing in flight is ignored.
+        """
+
     def __init__(
         self,
         *,
@@ -959,16 +968,37 @@ class ControlSessionRequest(_message.Message):
         retire: Global___RetireRequest | None = ...,
         forget: Global___ForgetRequest | None = ...,
         get_status: Global___GetStatusRequest | None = ...,
+        cancel: Global___ControlSessionCancel | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "describe", b"describe", "forget", b"forget", "get_status", b"get_status", "operation", b"operation", "prepare", b"prepare", "renew", b"renew", "restore", b"restore", "resume", b"resume", "retire", b"retire", "timeout", b"timeout"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "commit", b"commit", "describe", b"describe", "forget", b"forget", "get_status", b"get_status", "operation", b"operation", "prepare", b"prepare", "renew", b"renew", "restore", b"restore", "resume", b"resume", "retire", b"retire", "timeout", b"timeout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "describe", b"describe", "forget", b"forget", "get_status", b"get_status", "operation", b"operation", "prepare", b"prepare", "renew", b"renew", "request_id", b"request_id", "restore", b"restore", "resume", b"resume", "retire", b"retire", "timeout", b"timeout"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "commit", b"commit", "describe", b"describe", "forget", b"forget", "get_status", b"get_status", "operation", b"operation", "prepare", b"prepare", "renew", b"renew", "request_id", b"request_id", "restore", b"restore", "resume", b"resume", "retire", b"retire", "timeout", b"timeout"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_operation: _TypeAlias = _typing.Literal["describe", "prepare", "renew", "commit", "resume", "restore", "retire", "forget", "get_status"]  # noqa: Y015
+    _WhichOneofReturnType_operation: _TypeAlias = _typing.Literal["describe", "prepare", "renew", "commit", "resume", "restore", "retire", "forget", "get_status", "cancel"]  # noqa: Y015
     _WhichOneofArgType_operation: _TypeAlias = _typing.Literal["operation", b"operation"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_operation) -> _WhichOneofReturnType_operation | None: ...
 
 Global___ControlSessionRequest: _TypeAlias = ControlSessionRequest  # noqa: Y015
+
+@_typing.final
+class ControlSessionCancel(_message.Message):
+    """ControlSessionCancel carries a caller's cancellation over the session, where a stream
+    message cannot cancel one call the way a unary call's cancellation does. The request_id
+    of the enclosing ControlSessionRequest names the operation to cancel.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ControlSessionCancel: _TypeAlias = ControlSessionCancel  # noqa: Y015
 
 @_typing.final
 class ControlSessionResponse(_message.Message):
