@@ -13,23 +13,21 @@
 from typing import TYPE_CHECKING, Any
 
 from turnpoint.protocol import RecoveryLevel
+from turnpoint.trainer._anchor_source import TorchAnchorSource
 from turnpoint.trainer._config import ConfigError, CoordinatorConfig
-from turnpoint.trainer._coordinator import (
+from turnpoint.trainer._control_outcomes import (
     CommitFailed,
     ControlReport,
-    Coordinator,
-    CoordinatorIdentity,
     OperationFailed,
-    ParticipantInfo,
     PreparedCheckpoint,
     PrepareFailed,
     RestoredCheckpoint,
     RestoreFailed,
-    Topology,
-    bump_epoch,
 )
+from turnpoint.trainer._coordinator import Coordinator
 from turnpoint.trainer._deadlines import DeadlineRegistry, Hold
 from turnpoint.trainer._errors import CoordinatorError
+from turnpoint.trainer._identity import CoordinatorIdentity, bump_epoch
 from turnpoint.trainer._inspect import inspect_root
 from turnpoint.trainer._interfaces import InFlightRollout, RolloutSide
 from turnpoint.trainer._manifest import ManifestError, SnapshotLayout, SnapshotManifest
@@ -45,26 +43,23 @@ from turnpoint.trainer._restore import (
     plan_restore,
     torch_anchor_loader,
 )
-from turnpoint.trainer._rollouts import (
-    AgentEndpoint,
+from turnpoint.trainer._rollout_values import (
     Rollout,
-    RolloutClient,
     RolloutClientSettings,
     RolloutOutcome,
     RolloutResult,
 )
-from turnpoint.trainer._snapshots import (
-    FailureReason,
-    SnapshotDriver,
+from turnpoint.trainer._rollouts import AgentEndpoint, RolloutClient
+from turnpoint.trainer._snapshot_attempt import SnapshotPhase
+from turnpoint.trainer._snapshot_pump import (
     SnapshotFailuresError,
     SnapshotInvariantError,
-    SnapshotOutcome,
-    SnapshotPhase,
     SnapshotPump,
-    SnapshotReport,
     SnapshotRunError,
-    TorchAnchorSource,
 )
+from turnpoint.trainer._snapshot_report import FailureReason, SnapshotOutcome, SnapshotReport
+from turnpoint.trainer._snapshots import SnapshotDriver
+from turnpoint.trainer._topology import ParticipantInfo, Topology
 
 __all__ = [
     "AgentEndpoint",

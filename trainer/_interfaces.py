@@ -1,6 +1,6 @@
 """The contract between the snapshot driver and the trainer's rollout side.
 
-The snapshot driver (``_snapshots.py``) runs PROTOCOL.md section 7's steps; the rollout
+The snapshot driver (``_snapshots.py``) runs docs/spec.md section 7.4's steps; the rollout
 client (``_rollouts.py``) owns dispatch, deadlines, results and acknowledgements. The
 driver only ever talks to the rollout side through :class:`RolloutSide`, so either can
 be tested against a small fake of the other.
@@ -85,7 +85,7 @@ class RolloutSide(Protocol):
         self, instance: str, episode: EpisodeId, receipt_id: str
     ) -> UnackedDecision:
         """A prepare reported a completion nobody acknowledged (its Run's cancellation was
-        lost, PROTOCOL.md section 6 case 3): acknowledge it if the result is still wanted
+        lost, docs/spec.md section 6.7): acknowledge it if the result is still wanted
         (recording it first), else say it must be retired."""
         ...
 

@@ -1,4 +1,4 @@
-"""Prometheus metrics of the trainer-side coordinator (PROTOCOL.md section 7, "Metrics").
+"""Prometheus metrics of the trainer-side coordinator (docs/spec.md section 7.10).
 
 Every metric lives on a :class:`~prometheus_client.CollectorRegistry` the caller passes
 in, never on the process-global one: tests, and several coordinators in one process
@@ -7,20 +7,29 @@ names or read each other's counts.
 
 Labels stay low-cardinality on purpose: participant *kinds*, not instance names (a run
 can have hundreds of instances), and reasons from closed enums.
+
+Snapshot durations come from the attempts themselves: :meth:`CoordinatorMetrics.on_transition`
+subscribes to every attempt's transitions (``SnapshotDriver(metrics=...)`` does it) and
+observes each phase, the total and the admission-closed time when the attempt ends, so
+the phases add up to the total by construction. Counts by outcome and reason, and
+participant-seconds, come from the attempt's report (:meth:`observe_snapshot`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Final
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from turnpoint.trainer._snapshot_attempt import PhaseTimes, SnapshotState
 
 __all__ = ["CoordinatorMetrics"]
 
 # Control calls take milliseconds on loopback and up to a minute when a prepare waits
 # for slow work; snapshots take seconds to many minutes.
 _CALL_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+# Attempts under way whose times are kept; more only happen if attempts are cancelled.
+_ATTEMPTS_TRACKED: Final = 16
 _SNAPSHOT_BUCKETS: Final = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 
 
@@ -128,6 +137,8 @@ class CoordinatorMetrics:
             namespace=namespace,
             registry=registry,
         )
+        # Attempts under way, by id: their phase times so far.
+        self._attempts: dict[str, PhaseTimes] = {}
 
     # -- recording helpers -------------------------------------------------------------
 
@@ -137,21 +148,30 @@ class CoordinatorMetrics:
     def refused(self, operation: str, reason: str) -> None:
         self.refusals.labels(operation, reason).inc()
 
-    def observe_snapshot(
-        self,
-        *,
-        outcome: str,
-        reason: str,
-        total_s: float,
-        phases: Mapping[str, float],
-        admission_closed_s: float,
-        participant_seconds: float,
+    def on_transition(
+        self, attempt_id: str, old: SnapshotState, new: SnapshotState, now: float
     ) -> None:
+        """A snapshot attempt's transition (a :class:`SnapshotDriver` subscriber)."""
+        if old is SnapshotState.NEW:
+            self._attempts[attempt_id] = PhaseTimes(now)
+            while len(self._attempts) > _ATTEMPTS_TRACKED:
+                # An attempt that never ended (cancelled with its task): forget it.
+                del self._attempts[next(iter(self._attempts))]
+        times = self._attempts.get(attempt_id)
+        if times is None:
+            return  # subscribed mid-attempt: its times are incomplete, leave them out
+        times.record(old, new, now)
+        if not new.final:
+            return
+        del self._attempts[attempt_id]
+        self.snapshot_seconds.labels(new.value).observe(max(times.total_s, 0.0))
+        for phase, seconds in times.phases.items():
+            self.snapshot_phase_seconds.labels(phase.value).observe(max(seconds, 0.0))
+        self.admission_closed_seconds.inc(max(times.admission_closed_s, 0.0))
+
+    def observe_snapshot(self, *, outcome: str, reason: str, participant_seconds: float) -> None:
+        """What only an attempt's report knows: why it failed, and for how many."""
         self.snapshots.labels(outcome, reason).inc()
-        self.snapshot_seconds.labels(outcome).observe(max(total_s, 0.0))
-        for phase, seconds in phases.items():
-            self.snapshot_phase_seconds.labels(phase).observe(max(seconds, 0.0))
-        self.admission_closed_seconds.inc(max(admission_closed_s, 0.0))
         self.participant_seconds.inc(max(participant_seconds, 0.0))
 
     def observe_restore(

@@ -38,6 +38,7 @@ from turnpoint.auth import ACCEPTED_METADATA
 from turnpoint.errors import Reason
 from turnpoint.ids import EpisodeId
 from turnpoint.trainer._attempts import Attempt, FinalResult, GateGeneration, Receipt
+from turnpoint.trainer._errors import CoordinatorError
 from turnpoint.trainer._rollout_values import RolloutOutcome
 from turnpoint.v1 import rollout_service_pb2 as pb
 from turnpoint.v1 import types_pb2
@@ -83,12 +84,24 @@ _FATAL_CODES: Final = frozenset(
 )
 
 
-class MalformedRunError(Exception):
+class MalformedRunError(CoordinatorError):
     """A Run message that breaks the contract; the call is treated as broken."""
 
+    def __init__(self, message: str) -> None:
+        super().__init__(Reason.PROTOCOL_VIOLATION, message)
 
-class RunBrokenError(Exception):
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.message,))
+
+
+class RunBrokenError(CoordinatorError):
     """The call gave no verdict in time, or ended without a result."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(Reason.UNAVAILABLE, message)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.message,))
 
 
 # --------------------------------------------------------------------------- events

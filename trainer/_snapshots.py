@@ -1,7 +1,11 @@
-"""Taking snapshots: PROTOCOL.md section 7, steps 1-8, and the periodic pump.
+"""Taking snapshots: docs/spec.md section 7.4, the release, steps 1-8 and the skip.
 
 :class:`SnapshotDriver` takes one snapshot with the trainer's rollout side
-(:class:`~turnpoint.trainer._interfaces.RolloutSide`) and the coordinator:
+(:class:`~turnpoint.trainer._interfaces.RolloutSide`) and the coordinator. Each attempt is
+one :class:`~turnpoint.trainer._snapshot_attempt.SnapshotAttempt` whose state says where it is; the driver
+moves it in one place (:meth:`SnapshotDriver._set_state`), and watchers
+(:meth:`SnapshotDriver.subscribe`: the metrics, the demo's display and kill switch) are
+told of every transition:
 
 1. ANCHOR   the trainer anchor is written and durable (an asynchronous write still
             under way is finished first), in ``<root>/<checkpoint_id>/trainer/anchor``;
@@ -10,17 +14,19 @@
    RETIRE   abandoned attempts are retired while the participants are still idle (a
             participant refuses a retire once a checkpoint is open);
 4. PREPARE  every participant, under one deadline;
-5. (ABORT)  not ready in time, or any failure before publication: the same id is resumed
+5. ABORT    not ready in time, or any failure before publication: the same id is resumed
             everywhere, stragglers that must go are retired, the previous snapshot stays;
-6. COMMIT   every participant, with the scope the trainer continues (each agent
+6. COMMIT   every participant, with the scope the core decides
+            (:func:`~turnpoint.trainer._coordinator_core.scope_commit`: each agent
             instance's in-flight episodes, minus every restart any participant reported);
 7. PUBLISH  the trainer's rollout state and the manifest are validated and published
             atomically (blocking work in threads), then retention and partial cleanup;
 8. RESUME   resources, then models, then agents; REOPEN: dispatch reopens and the
             deadline hold is released.
 
-The report (:class:`SnapshotReport`) has one duration per phase, measured as laps of one
-clock, so the phases add up to the total exactly (up to float rounding).
+Before step 1 every attempt is in RELEASE (re-sending resumes that failed earlier), and
+ends SKIPPED when nothing changed. The report's phases are the time spent in each state,
+so they add up to the total by construction.
 
 Checkpoint ids
 --------------
@@ -32,9 +38,9 @@ would refuse (STALE_CHECKPOINT) if they came again.
 "Retry the same checkpoint id first", precisely
 -----------------------------------------------
 A participant that resumed an id answers STALE_CHECKPOINT to any later call for it
-(PROTOCOL.md section 4), so an id some participant has seen can never be prepared again.
-After a transient failure the pump hands the failed id back to :meth:`SnapshotDriver.take`,
-which then:
+(docs/spec.md section 4.4), so an id some participant has seen can never be prepared
+again. After a transient failure the pump hands the failed id back to
+:meth:`SnapshotDriver.take`, which then:
 
 - retries the very same id if no participant ever saw it (the failure came before
   prepare: anchor, drain, retire);
@@ -45,52 +51,61 @@ which then:
 Releases that fail after publication are re-sent the same way at the start of every
 :meth:`~SnapshotDriver.take`, skipped snapshots included; until then dispatch to the
 affected agent instances stays closed (their leases reopen them anyway).
+
+The pump, the anchor source and the report live in :mod:`._snapshot_pump`,
+:mod:`._anchor_source` and :mod:`._snapshot_report`; their names are re-exported here.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass, field
-from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Final, Protocol
+from typing import Final, Protocol
 
 import grpc
 
-from turnpoint.errors import Reason, TurnpointError
+from turnpoint.errors import TurnpointError
 from turnpoint.ids import EpisodeId, checkpoint_sequence, make_checkpoint_id
+from turnpoint.trainer._anchor_source import AnchorSource, TorchAnchorSource, WrittenAnchor
 from turnpoint.trainer._config import CoordinatorConfig
-from turnpoint.trainer._control_client import Failure, FailureKind, classify
-from turnpoint.trainer._coordinator import (
+from turnpoint.trainer._control_client import Failure, classify
+from turnpoint.trainer._control_outcomes import (
     CommitFailed,
     ControlReport,
     PreparedCheckpoint,
     PrepareFailed,
-    Topology,
-    UnackedResolver,
 )
-from turnpoint.trainer._errors import CoordinatorError
+from turnpoint.trainer._coordinator_core import attribute_commit, scope_commit
+from turnpoint.trainer._deadlines import Hold
 from turnpoint.trainer._interfaces import InFlightRollout, RolloutSide
 from turnpoint.trainer._manifest import (
-    AnchorRef,
-    JSONValue,
     ManifestError,
     ParticipantEntry,
-    PlacedEpisode,
     SnapshotLayout,
     SnapshotManifest,
     TrainerRolloutState,
 )
 from turnpoint.trainer._metrics import CoordinatorMetrics
-
-if TYPE_CHECKING:
-    import torch
+from turnpoint.trainer._preparing import UnackedResolver
+from turnpoint.trainer._snapshot_attempt import (
+    SnapshotAttempt,
+    SnapshotAttemptView,
+    SnapshotPhase,
+    SnapshotState,
+    TransitionCallback,
+)
+from turnpoint.trainer._snapshot_report import (
+    FailureReason,
+    SnapshotOutcome,
+    SnapshotReport,
+    failure_reason,
+)
+from turnpoint.trainer._topology import Topology
 
 __all__ = [
     "EPOCH_STRIDE",
@@ -118,123 +133,7 @@ EPOCH_STRIDE: Final = 10**9
 # Ids participants saw, remembered so that a retry of one moves on to a new id.
 _EXPOSED_REMEMBERED: Final = 64
 
-
-# --------------------------------------------------------------------------- enums
-
-
-class SnapshotPhase(enum.Enum):
-    """The laps of one snapshot attempt; their durations add up to the total."""
-
-    RELEASE = "release"  # re-sending resumes that failed earlier
-    ANCHOR = "anchor"
-    CLOSE = "close"
-    DRAIN = "drain"
-    RETIRE = "retire"
-    PREPARE = "prepare"
-    COMMIT = "commit"
-    PUBLISH = "publish"
-    RESUME = "resume"
-    ABORT = "abort"  # resume (and cleanup) after a failure
-    REOPEN = "reopen"
-
-
-class SnapshotOutcome(enum.Enum):
-    PUBLISHED = "published"
-    SKIPPED = "skipped"
-    FAILED = "failed"
-
-
-class FailureReason(enum.Enum):
-    """Why a snapshot attempt failed, shaped like Flink's ``CheckpointFailureReason``.
-
-    Every reason but :attr:`INVARIANT` is transient: the pump tries again and only
-    ``max_consecutive_failures`` of them in a row end the run.
-    """
-
-    # Participants answered but could not park everything in time (Flink: declined).
-    NOT_READY = "not_ready"
-    # A participant could not be reached, or its stream broke (Flink: task failure).
-    PARTICIPANT_UNAVAILABLE = "participant_unavailable"
-    # A participant, or the trainer's own acknowledgement drain, did not answer in time
-    # (Flink: checkpoint expired).
-    TIMEOUT = "timeout"
-    # A write failed: a participant's disk (STORAGE_UNAVAILABLE), the trainer anchor or
-    # the publication (Flink: IO exception).
-    STORAGE = "storage"
-    # A participant had already finished this checkpoint (its lease ran out) or saw it
-    # with other arguments: start a new round under a new id (Flink: subsumed).
-    SUPERSEDED = "superseded"
-    # A malformed reply, a digest or topology mismatch, a refusal no retry can fix.
-    INVARIANT = "invariant"
-
-    @property
-    def transient(self) -> bool:
-        return self is not FailureReason.INVARIANT
-
-
-_SUPERSEDING: Final = frozenset({Reason.STALE_CHECKPOINT, Reason.CHECKPOINT_CONFLICT})
-
-
-def failure_reason(failures: Mapping[str, Failure]) -> FailureReason:
-    """The snapshot-level reason for a set of participant failures (worst first)."""
-    values = list(failures.values())
-    if not values:
-        raise ValueError("no failures to explain")
-    broken = [f for f in values if not f.retryable]
-    if broken:
-        if all(f.reason in _SUPERSEDING for f in broken):
-            return FailureReason.SUPERSEDED
-        return FailureReason.INVARIANT
-    if any(f.reason is Reason.STORAGE_UNAVAILABLE for f in values):
-        return FailureReason.STORAGE
-    transient = [f for f in values if f.kind is FailureKind.TRANSIENT]
-    if any(f.code is not grpc.StatusCode.DEADLINE_EXCEEDED for f in transient):
-        return FailureReason.PARTICIPANT_UNAVAILABLE
-    if transient:
-        return FailureReason.TIMEOUT
-    return FailureReason.NOT_READY
-
-
-# -------------------------------------------------------------------------- report
-
-
-@dataclass(frozen=True, slots=True)
-class SnapshotReport:
-    """What one :meth:`SnapshotDriver.take` did.
-
-    ``phases`` holds the seconds of every phase the attempt went through, in order; they
-    add up to ``total_s``. ``admission_closed_s`` is how long the trainer's dispatch was
-    closed; ``participant_seconds`` the participants' closed time summed over all of them
-    (participants times the seconds from prepare to the end of the resume).
-    ``unreleased`` names participants whose resume failed (they stay closed to dispatch
-    until the next attempt releases them, or their lease reopens them). ``retry_of`` is
-    the failed id handed back by the pump when it could not be reused.
-    """
-
-    checkpoint_id: str
-    outcome: SnapshotOutcome
-    reason: FailureReason | None = None
-    detail: str = ""
-    phases: Mapping[SnapshotPhase, float] = field(default_factory=dict)
-    total_s: float = 0.0
-    admission_closed_s: float = 0.0
-    participant_seconds: float = 0.0
-    failures: Mapping[str, Failure] = field(default_factory=dict)
-    unreleased: frozenset[str] = frozenset()
-    exposed: bool = False
-    retry_of: str | None = None
-    continued: int = 0
-    restarts: int = 0
-    error: BaseException | None = field(default=None, compare=False, repr=False)
-
-    @property
-    def transient(self) -> bool:
-        """A failure the pump retries (false for published and skipped attempts)."""
-        return self.reason is not None and self.reason.transient
-
-    @property
-    def ok(self) -> bool:
-        return self.outcome is not SnapshotOutcome.FAILED
+_S = SnapshotState
 
 
 class _Failed(Exception):
@@ -252,100 +151,6 @@ class _Failed(Exception):
         self.detail = detail
         self.failures = dict(failures or {})
         self.error = error
-
-
-class _Stopwatch:
-    """Laps of one clock: each lap is charged to the phase that just ended."""
-
-    def __init__(self, clock: Callable[[], float]) -> None:
-        self._clock = clock
-        self.started = self.last = clock()
-        self.phases: dict[SnapshotPhase, float] = {}
-
-    def now(self) -> float:
-        return self._clock()
-
-    def lap(self, phase: SnapshotPhase) -> float:
-        now = self._clock()
-        self.phases[phase] = self.phases.get(phase, 0.0) + (now - self.last)
-        self.last = now
-        return now
-
-    @property
-    def total(self) -> float:
-        return self.last - self.started
-
-
-# ------------------------------------------------------------------------- anchors
-
-
-@dataclass(frozen=True, slots=True)
-class WrittenAnchor:
-    """A durable trainer anchor and the training step it holds."""
-
-    ref: AnchorRef
-    step: int
-
-
-class AnchorSource(Protocol):
-    """Writes the trainer anchor (model, optimizer, step, loader position)."""
-
-    @property
-    def step(self) -> int:
-        """The training step an anchor written now would hold."""
-        ...
-
-    async def write(self, snapshot: Path) -> WrittenAnchor:
-        """Write the anchor into ``<snapshot>/trainer/anchor`` and return it once durable.
-
-        Blocking work must run in threads. Finish any asynchronous write of an earlier
-        anchor first: nothing may reference an anchor that is not durable.
-        """
-        ...
-
-
-class TorchAnchorSource:
-    """:class:`AnchorSource` over torch distributed checkpoint
-    (:class:`~turnpoint.trainer._anchor.AnchorWriter`).
-
-    ``step`` and ``data_loader`` are read when an anchor is written. torch is imported
-    only when this class is used.
-    """
-
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer | None,
-        *,
-        step: Callable[[], int],
-        data_loader: Callable[[], JSONValue] = lambda: None,
-    ) -> None:
-        from turnpoint.trainer._anchor import AnchorWriter
-
-        self._model = model
-        self._optimizer = optimizer
-        self._step = step
-        self._data_loader = data_loader
-        self.writer = AnchorWriter()
-
-    @property
-    def step(self) -> int:
-        return self._step()
-
-    async def write(self, snapshot: Path) -> WrittenAnchor:
-        if self.writer.pending:
-            # Finish the write already under way before anything can reference it.
-            await self.writer.wait_async()
-        step = self._step()
-        await asyncio.to_thread(
-            self.writer.start,
-            snapshot,
-            self._model,
-            self._optimizer,
-            step=step,
-            data_loader=self._data_loader(),
-        )
-        return WrittenAnchor(await self.writer.wait_async(), step)
 
 
 # --------------------------------------------------------------- coordinator view
@@ -382,26 +187,6 @@ class SnapshotParticipants(Protocol):
     ) -> ControlReport: ...
 
 
-# -------------------------------------------------------------------------- driver
-
-
-@dataclass(eq=False)
-class _Attempt:
-    """Bookkeeping of one attempt, for the report."""
-
-    checkpoint_id: str
-    exposed: bool = False
-    published: bool = False
-    closed_at: float | None = None
-    prepare_started: float | None = None
-    released_at: float | None = None
-    reopened_at: float | None = None
-    continued: int = 0
-    restarts: int = 0
-    cut_version: int | None = None
-    step: int | None = None
-
-
 class _LockHold:
     """The driver's hold of the trainer's step lock: released once, whoever asks first."""
 
@@ -435,8 +220,9 @@ class SnapshotDriver:
     ``epoch`` is the coordinator's epoch (ids continue above every earlier one, see
     "Checkpoint ids"). ``step_lock``, if given, is held from the anchor until the rollout
     state is captured: a training loop that holds it around each optimizer step makes
-    the recorded queue exactly the one the anchor's step left. ``clock`` measures
-    phases; ``wall_clock`` stamps manifests.
+    the recorded queue exactly the one the anchor's step left. ``clock`` times the
+    attempts' transitions; ``wall_clock`` stamps manifests. ``metrics``, if given,
+    watches every attempt's transitions (:meth:`subscribe`) and every report.
     """
 
     def __init__(
@@ -477,6 +263,37 @@ class SnapshotDriver:
         self._last_published: tuple[int, int] | None = None
         self._warned_admission = False
         self._busy = asyncio.Lock()
+        self._subscribers: list[TransitionCallback] = []
+        self._attempt: SnapshotAttempt | None = None
+        if metrics is not None:
+            self.subscribe(metrics.on_transition)
+
+    # -- watching ----------------------------------------------------------------------
+
+    def subscribe(self, callback: TransitionCallback) -> Callable[[], None]:
+        """Call ``callback(attempt id, old state, new state, now)`` on every transition of
+        every attempt that starts from now on, in subscription order; returns a function
+        that unsubscribes (from the next attempt on).
+
+        Callbacks run on the event loop, inside the driver: they must be quick and must
+        not block. One that raises an ``Exception`` is logged and ignored.
+        """
+        self._subscribers.append(callback)
+
+        def unsubscribe() -> None:
+            if callback in self._subscribers:
+                self._subscribers.remove(callback)
+
+        return unsubscribe
+
+    @property
+    def attempt(self) -> SnapshotAttemptView | None:
+        """The attempt under way (or the last one), as watchers may read it."""
+        return self._attempt.view() if self._attempt is not None else None
+
+    def _set_state(self, attempt: SnapshotAttempt, state: SnapshotState) -> None:
+        """The one place an attempt moves (:data:`~turnpoint.trainer._snapshot_attempt.TRANSITIONS`)."""
+        attempt.set_state(state, self._clock())
 
     # -- ids ---------------------------------------------------------------------------
 
@@ -520,25 +337,25 @@ class SnapshotDriver:
             return await self._take(checkpoint_id)
 
     async def _take(self, requested: str | None) -> SnapshotReport:
-        watch = _Stopwatch(self._clock)
         retry_of = None
         if requested is not None and self.seen_by_participants(requested):
             retry_of = requested
             requested = None
         checkpoint_id = requested or await self.next_checkpoint_id()
-        attempt = _Attempt(checkpoint_id)
+        attempt = self._attempt = SnapshotAttempt(checkpoint_id, self._clock(), self._subscribers)
+        self._set_state(attempt, _S.RELEASE)
         await self.release_pending()
-        watch.lap(SnapshotPhase.RELEASE)
         if self._last_published is not None and self._last_published == (
             self._rollouts.version,
             self._anchor.step,
         ):
-            return self._report(watch, attempt, SnapshotOutcome.SKIPPED, retry_of=retry_of)
+            self._set_state(attempt, _S.SKIPPED)
+            return self._report(attempt, SnapshotOutcome.SKIPPED, retry_of=retry_of)
         try:
-            await self._attempt(attempt, watch)
+            await self._run(attempt)
         except _Failed as failed:
+            self._set_state(attempt, _S.FAILED)
             return self._report(
-                watch,
                 attempt,
                 SnapshotOutcome.FAILED,
                 reason=failed.reason,
@@ -549,34 +366,46 @@ class SnapshotDriver:
             )
         assert attempt.cut_version is not None and attempt.step is not None
         self._last_published = (attempt.cut_version, attempt.step)
-        return self._report(watch, attempt, SnapshotOutcome.PUBLISHED, retry_of=retry_of)
+        self._set_state(attempt, _S.PUBLISHED)
+        return self._report(attempt, SnapshotOutcome.PUBLISHED, retry_of=retry_of)
 
-    async def _attempt(self, attempt: _Attempt, watch: _Stopwatch) -> None:
-        checkpoint_id = attempt.checkpoint_id
+    async def _run(self, attempt: SnapshotAttempt) -> None:
+        """Steps 1-8. However it ends, dispatch reopens if it was closed and an attempt
+        that did not publish ends in ABORT, its partial snapshot discarded."""
         step_lock = _LockHold(self._step_lock)
-        await step_lock.acquire()
+        hold: Hold | None = None
         try:
-            written = await self._write_anchor(attempt, watch)
-            rollouts = self._rollouts
-            rollouts.close_dispatch()
-            hold = rollouts.hold_deadlines(f"snapshot {checkpoint_id}")
-            attempt.closed_at = watch.lap(SnapshotPhase.CLOSE)
-            try:
-                await self._cut(attempt, watch, written, step_lock)
-            finally:
-                unreleased = self._unreleased.get(checkpoint_id, set())
-                for instance in self._agents():
-                    if instance in unreleased:
-                        # Released by the next attempt, or by its own lease.
-                        rollouts.close_dispatch_to(instance)
-                rollouts.reopen_dispatch()
-                rollouts.release_deadlines(hold)
-                attempt.reopened_at = watch.lap(SnapshotPhase.REOPEN)
+            self._set_state(attempt, _S.ANCHOR)
+            await step_lock.acquire()
+            written = await self._write_anchor(attempt)
+            self._set_state(attempt, _S.CLOSE)
+            self._rollouts.close_dispatch()
+            hold = self._rollouts.hold_deadlines(f"snapshot {attempt.checkpoint_id}")
+            await self._cut(attempt, written, step_lock)
         finally:
             step_lock.release()
+            if hold is not None:
+                self._reopen(attempt, hold)
             if not attempt.published:
+                self._set_state(attempt, _S.ABORT)
                 await self._discard(attempt)
-                watch.lap(SnapshotPhase.ABORT)
+
+    def _reopen(self, attempt: SnapshotAttempt, hold: Hold) -> None:
+        """Step 8's end: reopen dispatch (not to instances still unreleased) and release
+        the deadline hold."""
+        rollouts = self._rollouts
+        try:
+            self._set_state(attempt, _S.REOPEN)
+        finally:
+            # Even when a watcher raised at the transition (a test's simulated kill):
+            # dispatch must not stay closed in a process that lives on.
+            unreleased = self._unreleased.get(attempt.checkpoint_id, set())
+            for instance in self._agents():
+                if instance in unreleased:
+                    # Released by the next attempt, or by its own lease.
+                    rollouts.close_dispatch_to(instance)
+            rollouts.reopen_dispatch()
+            rollouts.release_deadlines(hold)
 
     def _agents(self) -> tuple[str, ...]:
         try:
@@ -590,7 +419,7 @@ class SnapshotDriver:
         except RuntimeError:
             return 0
 
-    async def _write_anchor(self, attempt: _Attempt, watch: _Stopwatch) -> WrittenAnchor:
+    async def _write_anchor(self, attempt: SnapshotAttempt) -> WrittenAnchor:
         checkpoint_id = attempt.checkpoint_id
         try:
             snapshot = await asyncio.to_thread(self._layout.begin, checkpoint_id)
@@ -600,76 +429,72 @@ class SnapshotDriver:
             raise _Failed(FailureReason.INVARIANT, str(error), error=error) from error
         except (OSError, TurnpointError) as error:
             raise _Failed(FailureReason.STORAGE, f"trainer anchor: {error}", error=error) from error
-        finally:
-            watch.lap(SnapshotPhase.ANCHOR)
         attempt.step = written.step
         return written
 
     async def _cut(
-        self,
-        attempt: _Attempt,
-        watch: _Stopwatch,
-        written: WrittenAnchor,
-        step_lock: _LockHold,
+        self, attempt: SnapshotAttempt, written: WrittenAnchor, step_lock: _LockHold
     ) -> None:
         rollouts = self._rollouts
         checkpoint_id = attempt.checkpoint_id
+        self._set_state(attempt, _S.DRAIN)
         try:
             await rollouts.drain_acknowledgements(self._config.control_timeout_s)
         except (TimeoutError, OSError, TurnpointError, grpc.RpcError) as error:
             raise _Failed(
                 _reason_of_error(error), f"draining acknowledgements: {error}", error=error
             ) from error
-        finally:
-            watch.lap(SnapshotPhase.DRAIN)
-        try:
-            await self._flush_retires()
-        finally:
-            watch.lap(SnapshotPhase.RETIRE)
+        self._set_state(attempt, _S.RETIRE)
+        await self._flush_retires()
 
-        in_flight = tuple(rollouts.in_flight())
         expected: dict[str, list[EpisodeId]] = {}
-        for rollout in in_flight:
+        for rollout in rollouts.in_flight():
             expected.setdefault(rollout.instance, []).append(rollout.episode)
         self._expose(checkpoint_id)
         attempt.exposed = True
-        attempt.prepare_started = watch.now()
         try:
+            self._set_state(attempt, _S.PREPARE)
             prepared = await self._coordinator.prepare(
                 checkpoint_id, expected=expected, resolve=rollouts.resolve_unacknowledged
             )
+            # Everything is parked now: the trainer's books and the participants' state
+            # are the same cut, read here together without yielding. The in-flight list
+            # read before prepare was only a hint: a rollout whose result arrived while
+            # prepare waited is in the queue now and must not also be continued or
+            # restarted.
+            in_flight = tuple(rollouts.in_flight())
+            state = rollouts.rollout_state()
+            attempt.cut_version = rollouts.version
         except PrepareFailed as error:
-            watch.lap(SnapshotPhase.PREPARE)
-            await self._abort(attempt, watch, error.retire)
+            # The core's verdict: resume everyone (the ready ones too), then retire.
+            self._set_state(attempt, _S.ABORT)
+            await self._abort(
+                attempt, error.retire, error.verdict.resume if error.verdict else None
+            )
             raise _Failed(
                 failure_reason(error.failures), str(error), error.failures, error
             ) from error
         except BaseException:
-            watch.lap(SnapshotPhase.PREPARE)
-            await self._abort(attempt, watch, {})
+            self._set_state(attempt, _S.ABORT)
+            await self._abort(attempt, {})
             raise
-        watch.lap(SnapshotPhase.PREPARE)
-        # Everything is parked now: the trainer's books and the participants' state are
-        # the same cut, read here together without yielding. The in-flight list read
-        # before prepare was only a hint: a rollout whose result arrived while prepare
-        # waited is in the queue now and must not also be continued or restarted.
-        in_flight = tuple(rollouts.in_flight())
-        state = rollouts.rollout_state()
-        attempt.cut_version = rollouts.version
         step_lock.release()
         try:
             async with self._coordinator.held(prepared):
-                await self._commit_and_publish(attempt, watch, prepared, in_flight, state, written)
+                try:
+                    self._set_state(attempt, _S.COMMIT)
+                    await self._commit_and_publish(attempt, prepared, in_flight, state, written)
+                except BaseException:
+                    # The held checkpoint's exit resumes the same id everywhere: an abort.
+                    self._set_state(attempt, _S.ABORT)
+                    raise
+                self._set_state(attempt, _S.RESUME)
         finally:
-            attempt.released_at = watch.lap(
-                SnapshotPhase.RESUME if attempt.published else SnapshotPhase.ABORT
-            )
             self._note_release(checkpoint_id, prepared.release)
 
     async def _commit_and_publish(
         self,
-        attempt: _Attempt,
-        watch: _Stopwatch,
+        attempt: SnapshotAttempt,
         prepared: PreparedCheckpoint,
         in_flight: Sequence[InFlightRollout],
         state: TrainerRolloutState,
@@ -677,42 +502,26 @@ class SnapshotDriver:
     ) -> None:
         checkpoint_id = attempt.checkpoint_id
         topology = self._coordinator.topology
-        restarts = prepared.all_restarts
-        agents = set(topology.agents)
-        strangers = sorted({r.instance for r in in_flight} - agents)
-        if strangers:
-            raise _Failed(
-                FailureReason.INVARIANT,
-                f"rollouts run on instance(s) the topology has no agent for: {strangers}",
-            )
-        candidates = [r for r in in_flight if r.episode not in restarts]
-        candidate_ids = frozenset(r.episode for r in candidates)
-        scope: dict[str, frozenset[EpisodeId]] = {}
-        for instance in topology.instances:
-            if instance in agents:
-                scope[instance] = frozenset(r.episode for r in candidates if r.instance == instance)
-            else:
-                # Resources and models export what they hold of the continued episodes.
-                scope[instance] = candidate_ids
+        scope = scope_commit(
+            in_flight,
+            prepared.all_restarts,
+            instances=topology.instances,
+            agents=topology.agents,
+        )
+        if not scope.ok:
+            raise _Failed(FailureReason.INVARIANT, scope.reason)
         try:
-            entries = await self._coordinator.commit(checkpoint_id, checkpoint_id, scope)
+            entries = await self._coordinator.commit(checkpoint_id, checkpoint_id, scope.scopes)
         except CommitFailed as error:
             raise _Failed(
                 failure_reason(error.failures), str(error), error.failures, error
             ) from error
-        finally:
-            watch.lap(SnapshotPhase.COMMIT)
-
-        continued = [
-            PlacedEpisode(r.episode, r.instance)
-            for r in candidates
-            if r.episode in entries[r.instance].exported
-        ]
-        kept = {placed.episode for placed in continued}
-        restarted = [
-            PlacedEpisode(r.episode, r.instance) for r in in_flight if r.episode not in kept
-        ]
-        attempt.continued, attempt.restarts = len(continued), len(restarted)
+        attribution = attribute_commit(
+            scope, in_flight, {name: entry.exported for name, entry in entries.items()}
+        )
+        attempt.continued = len(attribution.continued)
+        attempt.restarts = len(attribution.restarted)
+        self._set_state(attempt, _S.PUBLISH)
         try:
             manifest = SnapshotManifest(
                 checkpoint_id=checkpoint_id,
@@ -720,8 +529,8 @@ class SnapshotDriver:
                 created_at=self._wall_clock(),
                 anchor=written.ref,
                 participants=tuple(entries.values()),
-                continued=tuple(continued),
-                restarts=tuple(restarted),
+                continued=attribution.continued,
+                restarts=attribution.restarted,
                 rollout_state=state,
             )
             await asyncio.to_thread(
@@ -737,8 +546,6 @@ class SnapshotDriver:
             raise _Failed(FailureReason.INVARIANT, str(error), error=error) from error
         except OSError as error:
             raise _Failed(FailureReason.STORAGE, f"publishing: {error}", error=error) from error
-        finally:
-            watch.lap(SnapshotPhase.PUBLISH)
 
     def _housekeeping(self) -> None:
         removed = self._layout.retain(self._config.keep_snapshots)
@@ -750,13 +557,14 @@ class SnapshotDriver:
 
     async def _abort(
         self,
-        attempt: _Attempt,
-        watch: _Stopwatch,
+        attempt: SnapshotAttempt,
         retire: Mapping[str, Sequence[EpisodeId]],
+        resume: Sequence[str] | None = None,
     ) -> None:
-        """Resume the same id everywhere, then retire the stragglers that must go."""
+        """Resume the same id on ``resume`` (everywhere by default), then retire the
+        stragglers that must go."""
         checkpoint_id = attempt.checkpoint_id
-        report = await self._coordinator.resume(checkpoint_id)
+        report = await self._coordinator.resume(checkpoint_id, resume)
         self._note_release(checkpoint_id, report)
         for instance, episodes in retire.items():
             self._stragglers.setdefault(instance, set()).update(episodes)
@@ -765,7 +573,6 @@ class SnapshotDriver:
                 await self._flush_retires()
             except _Failed as failed:
                 _LOG.warning("retiring stragglers of %s failed: %s", checkpoint_id, failed.detail)
-        attempt.released_at = watch.lap(SnapshotPhase.ABORT)
 
     def _note_release(self, checkpoint_id: str, report: ControlReport | None) -> None:
         if report is None:
@@ -822,7 +629,7 @@ class SnapshotDriver:
                 report.failures,
             )
 
-    async def _discard(self, attempt: _Attempt) -> None:
+    async def _discard(self, attempt: SnapshotAttempt) -> None:
         # A participant whose resume failed may still be writing there; the partial
         # cleanup after the next publication removes it instead.
         if attempt.checkpoint_id in self._unreleased:
@@ -836,8 +643,7 @@ class SnapshotDriver:
 
     def _report(
         self,
-        watch: _Stopwatch,
-        attempt: _Attempt,
+        attempt: SnapshotAttempt,
         outcome: SnapshotOutcome,
         *,
         reason: FailureReason | None = None,
@@ -846,22 +652,16 @@ class SnapshotDriver:
         error: BaseException | None = None,
         retry_of: str | None = None,
     ) -> SnapshotReport:
-        closed_s = 0.0
-        if attempt.closed_at is not None and attempt.reopened_at is not None:
-            closed_s = attempt.reopened_at - attempt.closed_at
-        participant_seconds = 0.0
-        if attempt.prepare_started is not None and attempt.released_at is not None:
-            participant_seconds = self._participant_count() * (
-                attempt.released_at - attempt.prepare_started
-            )
+        times = attempt.times
+        participant_seconds = self._participant_count() * times.held_s
         report = SnapshotReport(
             checkpoint_id=attempt.checkpoint_id,
             outcome=outcome,
             reason=reason,
             detail=detail,
-            phases=MappingProxyType(dict(watch.phases)),
-            total_s=watch.total,
-            admission_closed_s=closed_s,
+            phases=times.phases,
+            total_s=times.total_s,
+            admission_closed_s=times.admission_closed_s,
             participant_seconds=participant_seconds,
             failures=MappingProxyType(dict(failures or {})),
             unreleased=frozenset(self._unreleased.get(attempt.checkpoint_id, ())),
@@ -876,9 +676,6 @@ class SnapshotDriver:
             self._metrics.observe_snapshot(
                 outcome=outcome.value,
                 reason=reason.value if reason is not None else "",
-                total_s=report.total_s,
-                phases={phase.value: seconds for phase, seconds in report.phases.items()},
-                admission_closed_s=closed_s,
                 participant_seconds=participant_seconds,
             )
             if report.unreleased and outcome is SnapshotOutcome.PUBLISHED:
@@ -915,113 +712,10 @@ class SnapshotDriver:
             )
 
 
-# ---------------------------------------------------------------------------- pump
-
-
-class SnapshotRunError(CoordinatorError):
-    """The snapshot pump ends the run; ``reports`` are the attempts that led to it."""
-
-    _reason = Reason.UNAVAILABLE
-
-    def __init__(self, message: str, reports: Sequence[SnapshotReport]) -> None:
-        super().__init__(self._reason, message, {"attempts": str(len(reports))})
-        self.reports = tuple(reports)
-
-    def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.message, self.reports))
-
-
-class SnapshotFailuresError(SnapshotRunError):
-    """``max_consecutive_failures`` transient failures in a row."""
-
-
-class SnapshotInvariantError(SnapshotRunError):
-    """A failure no retry can fix (a malformed reply, a digest or topology mismatch)."""
-
-    _reason = Reason.PROTOCOL_VIOLATION
-
-
-class SnapshotPump:
-    """Takes a snapshot every ``snapshot_interval_s``; ends the run when it must.
-
-    After a transient failure the next tick hands the same checkpoint id back to the
-    driver (see the module docstring for what that means once participants saw it).
-    ``clock`` and ``sleep`` are injectable so that tests run hours of ticks instantly.
-    """
-
-    def __init__(
-        self,
-        driver: SnapshotDriver,
-        config: CoordinatorConfig,
-        *,
-        clock: Callable[[], float] = time.monotonic,
-        sleep: Callable[[float], Awaitable[Any]] = asyncio.sleep,
-    ) -> None:
-        self._driver = driver
-        self._config = config
-        self._clock = clock
-        self._sleep = sleep
-        self._retry_id: str | None = None
-        self._failures: list[SnapshotReport] = []
-
-    @property
-    def consecutive_failures(self) -> int:
-        return len(self._failures)
-
-    @property
-    def retry_id(self) -> str | None:
-        """The id the next tick retries, after a transient failure."""
-        return self._retry_id
-
-    async def tick(self) -> SnapshotReport:
-        """One attempt. Raises :class:`SnapshotRunError` when the run must end."""
-        report = await self._driver.take(self._retry_id)
-        if report.outcome is SnapshotOutcome.PUBLISHED:
-            self._failures.clear()
-            self._retry_id = None
-        elif report.outcome is SnapshotOutcome.FAILED:
-            self._failures.append(report)
-            self._retry_id = report.checkpoint_id
-            if not report.transient:
-                raise SnapshotInvariantError(
-                    f"snapshot {report.checkpoint_id} broke an invariant, which a retry "
-                    f"would only hide; stopping the run: {report.detail}",
-                    self._failures,
-                ) from report.error
-            limit = self._config.max_consecutive_failures
-            if len(self._failures) >= limit:
-                reasons = ", ".join(
-                    f"{r.checkpoint_id}: {r.reason.value if r.reason else '?'}"
-                    for r in self._failures
-                )
-                raise SnapshotFailuresError(
-                    f"{len(self._failures)} snapshot attempts failed in a row "
-                    f"(max_consecutive_failures = {limit}; {reasons}); the last: "
-                    f"{report.detail}. The previous published snapshot is intact: fix the "
-                    "cause and restart from it, or raise max_consecutive_failures",
-                    self._failures,
-                ) from report.error
-        return report
-
-    async def run(self, stop: asyncio.Event | None = None) -> None:
-        """Tick every ``snapshot_interval_s`` until ``stop`` is set; raises
-        :class:`SnapshotRunError` to end the run."""
-        interval = self._config.snapshot_interval_s
-        next_at = self._clock() + interval
-        while stop is None or not stop.is_set():
-            delay = max(0.0, next_at - self._clock())
-            if stop is None:
-                await self._sleep(delay)
-            else:
-                sleeping = asyncio.ensure_future(self._sleep(delay))
-                stopping = asyncio.ensure_future(stop.wait())
-                try:
-                    await asyncio.wait({sleeping, stopping}, return_when=asyncio.FIRST_COMPLETED)
-                finally:
-                    sleeping.cancel()
-                    stopping.cancel()
-                if stop.is_set():
-                    return
-            await self.tick()
-            # A slow snapshot does not cause a burst of catch-up ticks.
-            next_at = max(next_at + interval, self._clock())
+# Re-exported for existing imports; the pump only names the driver for type checking.
+from turnpoint.trainer._snapshot_pump import (  # noqa: E402
+    SnapshotFailuresError,
+    SnapshotInvariantError,
+    SnapshotPump,
+    SnapshotRunError,
+)

@@ -49,10 +49,20 @@ from turnpoint.trainer._manifest import (
     SnapshotManifest,
     tree_digest,
 )
+from turnpoint.trainer._snapshot_attempt import SnapshotPhase
 
 __all__ = ["PHASES", "Fleet", "OverheadRow", "measure_control_overhead"]
 
-PHASES: Final = ("prepare", "commit", "publish", "resume")
+PHASES: Final = tuple(
+    phase.value
+    for phase in (
+        SnapshotPhase.PREPARE,
+        SnapshotPhase.COMMIT,
+        SnapshotPhase.PUBLISH,
+        SnapshotPhase.RESUME,
+    )
+)
+"""The snapshot phases one round times (the trainer's own phase names)."""
 _ROUND_TIMEOUT_S: Final = 120.0
 _WORKER_START_TIMEOUT_S: Final = 120.0
 _COORDINATOR_ID: Final = "bench"

@@ -1,40 +1,42 @@
 """Test-only fault injection: the trainer SIGKILLs itself at a named point of a snapshot.
 
 ``turnpoint demo --crash-at POINT[:N]`` hands ``--kill-at POINT[:N]`` to the first demo
-trainer, which wires a :class:`KillSwitch` around its snapshot driver (nothing here runs
-unless asked for). The switch is pure wiring around three seams the driver already has:
+trainer, which attaches a :class:`KillSwitch` to its snapshot driver (nothing here runs
+unless asked for). The points are the trainer's own
+(:class:`~turnpoint.trainer._snapshot_attempt.SnapshotPoint`, here :data:`KillPoint`), and the
+switch only watches, it wraps nothing:
 
-- an :class:`~turnpoint.trainer._snapshots.AnchorSource` proxy (:meth:`KillSwitch.anchor`):
-  ``anchor-written``;
-- a :class:`~turnpoint.trainer._snapshots.SnapshotParticipants` proxy around the
-  coordinator (:meth:`KillSwitch.participants`): ``dispatch-closed`` (the driver closed
-  dispatch, drained acknowledgements and flushed retires, and is about to prepare),
-  ``prepare-sent``, ``prepared``, ``commit-sent``, ``committed``, ``published`` (the body
-  of :meth:`~turnpoint.trainer._coordinator.Coordinator.held` ended: the snapshot is
-  published and housekept, nobody resumed yet) and ``resumed``;
+- it subscribes to the driver's attempt transitions (:meth:`KillSwitch.attach`): each
+  transition passes the points :func:`~turnpoint.trainer._snapshot_attempt.points_of` names, from
+  ``anchor-written`` to ``resumed``;
 - the :class:`~turnpoint.trainer._manifest.SnapshotLayout` ``after_step`` hook
-  (:meth:`KillSwitch.after_publish_step`): one point per
+  (:meth:`KillSwitch.after_publish_step`) gives one point per
   :class:`~turnpoint.trainer._manifest.PublishStep`, from ``verified`` to
   ``latest-moved``.
 
 ``prepare-sent`` and ``commit-sent`` land while the call is under way: once some
-participant reports (``GetStatus``, read-only, polled on connections opened before the
-call) that it holds the checkpoint (prepare) or has written its part (commit), and at the
-latest when the call returns (``call_under_way`` in :class:`Fired` says which it was).
+participant reports (``GetStatus``, read-only, polled on connections opened when the
+attempt began) that it holds the checkpoint (prepare) or has written its part (commit),
+and at the latest when the attempt leaves that state (``call_under_way`` in
+:class:`Fired` says which it was).
 
 Which snapshot. The kill must always leave something worth restoring, or a crash test
 proves nothing: a snapshot that cut no rollout in flight has no saved turn to continue.
-So ``POINT:N`` counts only snapshots that continued rollouts (some agent exported an
-episode): the switch fires at POINT of the first attempt that finds N-1 such snapshots
-published, the newest published snapshot among them. From ``manifest-linked`` on the
-attempt being killed is itself published, and is what a restore picks; there it must
-continue rollouts too, or it is let through (and, published without any, disarms the
-switch until a snapshot with some is published again). ``POINT`` alone is ``POINT:1``:
-the first attempt, with nothing published before it.
+So ``POINT:N`` counts only snapshots that continued rollouts (the attempt's commit
+continued some episode): the switch fires at POINT of the first attempt that finds N-1
+such snapshots published, the newest published snapshot among them. From
+``manifest-linked`` on the attempt being killed is itself published, and is what a
+restore picks; there it must continue rollouts too, or it is let through (and,
+published without any, disarms the switch until a snapshot with some is published
+again). ``POINT`` alone is ``POINT:1``: the first attempt, with nothing published before
+it.
 
 Before the kill, ``on_fire`` gets a :class:`Fired` (the demo trainer appends it to its
 event log as a ``kill`` event); then :func:`os.kill` sends SIGKILL to this process: no
-``finally`` block, no flush, no atexit handler runs, as in a real crash.
+``finally`` block, no flush, no atexit handler runs, as in a real crash. A ``kill`` that
+returns or raises instead (tests raise) ends the attempt at once when the point is a
+transition's, and at the attempt's next transition when it landed while a call was under
+way.
 """
 
 from __future__ import annotations
@@ -42,28 +44,19 @@ from __future__ import annotations
 import argparse
 import asyncio
 import difflib
-import enum
 import json
 import os
 import signal
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Iterable, Mapping
-from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, Final, Protocol
 
 from turnpoint.errors import TurnpointError
-from turnpoint.ids import EpisodeId
-from turnpoint.protocol import ParticipantKind
 from turnpoint.trainer._control_client import ControlCallError, ParticipantControlClient
-from turnpoint.trainer._coordinator import (
-    ControlReport,
-    PreparedCheckpoint,
-    Topology,
-    UnackedResolver,
-)
-from turnpoint.trainer._manifest import ParticipantEntry, PublishStep
-from turnpoint.trainer._snapshots import AnchorSource, SnapshotParticipants, WrittenAnchor
+from turnpoint.trainer._manifest import PublishStep
+from turnpoint.trainer._snapshot_attempt import SnapshotPoint, SnapshotState, points_of
+from turnpoint.trainer._snapshots import SnapshotDriver
 from turnpoint.v1 import checkpoint_control_service_pb2 as pb
 from turnpoint.v1 import types_pb2
 
@@ -78,40 +71,12 @@ __all__ = [
     "parse_kill_at",
 ]
 
-T = TypeVar("T")
-
 _PROBE_INTERVAL_S = 0.001
 _PROBE_TIMEOUT_S = 2.0
 
-
-class KillPoint(enum.Enum):
-    """Where in a snapshot the trainer dies, in the order one attempt reaches them."""
-
-    ANCHOR_WRITTEN = "anchor-written"
-    DISPATCH_CLOSED = "dispatch-closed"
-    PREPARE_SENT = "prepare-sent"
-    PREPARED = "prepared"
-    COMMIT_SENT = "commit-sent"
-    COMMITTED = "committed"
-    VERIFIED = "verified"
-    TREE_SYNCED = "tree-synced"
-    MANIFEST_STAGED = "manifest-staged"
-    MANIFEST_LINKED = "manifest-linked"
-    SNAPSHOT_SYNCED = "snapshot-synced"
-    LATEST_STAGED = "latest-staged"
-    LATEST_MOVED = "latest-moved"
-    PUBLISHED = "published"
-    RESUMED = "resumed"
-
-    @classmethod
-    def after(cls, step: PublishStep) -> KillPoint:
-        return cls(step.value.replace("_", "-"))
-
-    @property
-    def restores_this_snapshot(self) -> bool:
-        """A kill here leaves the snapshot being taken published: a restore picks it."""
-        order = list(KillPoint)
-        return order.index(self) >= order.index(KillPoint.MANIFEST_LINKED)
+KillPoint = SnapshotPoint
+"""Where in a snapshot the trainer dies: the trainer's snapshot points, in the order one
+attempt reaches them (spelled once, in :mod:`turnpoint.trainer._snapshot_attempt`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,6 +240,15 @@ _WROTE = frozenset({types_pb2.PHASE_COMMITTED})
 
 # ---------------------------------------------------------------------- the switch
 
+# What a probe must see, per point that lands while its call is under way.
+_SEEN_DURING: Final[Mapping[SnapshotPoint, frozenset[int]]] = {
+    KillPoint.PREPARE_SENT: _HOLDING,
+    KillPoint.COMMIT_SENT: _WROTE,
+}
+_WATCHED_STATES: Final = frozenset(
+    state for point in _SEEN_DURING if (state := point.during) is not None
+)
+
 
 @dataclass(eq=False)
 class _Attempt:
@@ -301,29 +275,61 @@ class KillSwitch:
         self._probe = probe
         self._on_fire = on_fire
         self._kill = kill
+        self._driver: SnapshotDriver | None = None
         self._attempt: _Attempt | None = None
         self._published_with_rollouts = 0
         self._newest_published: str | None = None
         self._newest_continues = True  # nothing published: nothing to restore wrongly
+        self._connecting: asyncio.Task[None] | None = None
+        self._watching: asyncio.Task[None] | None = None
+        self._landed: set[SnapshotPoint] = set()
+        # A kill that did not end the process while a call was under way: the attempt
+        # ends at its next transition.
+        self._pending: BaseException | None = None
         self.fired: Fired | None = None
 
     # -- the wiring --------------------------------------------------------------------
 
-    def anchor(self, inner: AnchorSource) -> AnchorSource:
-        return _KillingAnchor(inner, self)
-
-    def participants(self, inner: SnapshotParticipants) -> SnapshotParticipants:
-        return _KillingParticipants(inner, self)
+    def attach(self, driver: SnapshotDriver) -> None:
+        """Watch every attempt ``driver`` takes from now on."""
+        self._driver = driver
+        driver.subscribe(self.on_transition)
 
     def after_publish_step(self, step: PublishStep) -> None:
         """The ``SnapshotLayout(after_step=...)`` hook; runs in the publishing thread."""
         self.reached(KillPoint.after(step))
 
     async def aclose(self) -> None:
+        for task in (self._watching, self._connecting):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         if self._probe is not None:
             await self._probe.aclose()
 
-    # -- the decision ------------------------------------------------------------------
+    # -- the transitions ---------------------------------------------------------------
+
+    def on_transition(
+        self, attempt_id: str, old: SnapshotState, new: SnapshotState, now: float
+    ) -> None:
+        """A :meth:`~turnpoint.trainer._snapshots.SnapshotDriver.subscribe` callback."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            raise pending
+        if old is SnapshotState.RELEASE and new is SnapshotState.ANCHOR:
+            self.begin(attempt_id)
+        if old in _WATCHED_STATES:
+            self._stop_watching()
+        if new is SnapshotState.PUBLISH and self._attempt is not None and self._driver is not None:
+            # Committed: whether this snapshot continues any rollout in flight.
+            view = self._driver.attempt
+            self._attempt.continues_rollouts = view is not None and view.continued > 0
+        for point in points_of(old, new):
+            if point not in self._landed:
+                self.reached(point)
+        for point in _SEEN_DURING:
+            if point.during is new and self.armed_for(point) and self._probe is not None:
+                self._watch(point, attempt_id)
 
     def begin(self, checkpoint_id: str) -> None:
         """A new attempt writes its anchor under ``checkpoint_id``."""
@@ -334,12 +340,16 @@ class KillSwitch:
             self._newest_continues = previous.continues_rollouts
             self._published_with_rollouts += previous.continues_rollouts
         self._attempt = _Attempt(checkpoint_id)
-
-    def committed(self, entries: Mapping[str, ParticipantEntry]) -> None:
-        if self._attempt is not None:
-            self._attempt.continues_rollouts = any(
-                entry.exported for entry in entries.values() if entry.kind is ParticipantKind.AGENT
+        self._landed = set()
+        armed = any(self.armed_for(point) for point in _SEEN_DURING)
+        if armed and self._probe is not None and self._connecting is None:
+            # A prepare or commit over open streams takes milliseconds: the probe must
+            # not spend them connecting.
+            self._connecting = asyncio.get_running_loop().create_task(
+                self._probe.connect(), name="kill-switch-probe-connect"
             )
+
+    # -- the decision ------------------------------------------------------------------
 
     def armed_for(self, point: KillPoint) -> bool:
         """Whether reaching ``point`` now would fire."""
@@ -353,6 +363,7 @@ class KillSwitch:
 
     def reached(self, point: KillPoint, *, call_under_way: bool = False) -> None:
         attempt = self._attempt
+        self._landed.add(point)
         if self.armed_for(point):
             self.fired = Fired(
                 self.at,
@@ -367,116 +378,37 @@ class KillSwitch:
         if point is KillPoint.MANIFEST_LINKED and attempt is not None:
             attempt.linked = True
 
-    async def get_ready(self, point: KillPoint) -> None:
-        """Before a call :meth:`during` watches: a prepare or commit over open streams
-        takes milliseconds, and the probe must not spend them connecting."""
-        if self.armed_for(point) and self._probe is not None:
-            await self._probe.connect()
+    # -- while a call is under way -----------------------------------------------------
 
-    async def during(
-        self,
-        point: KillPoint,
-        checkpoint_id: str,
-        call: Awaitable[T],
-        phases: Collection[int],
-    ) -> T:
-        """Run ``call``; reach ``point`` once some participant is in one of ``phases``
-        for ``checkpoint_id``, or at the latest when the call has ended."""
-        task = asyncio.ensure_future(call)
+    def _watch(self, point: KillPoint, checkpoint_id: str) -> None:
+        self._stop_watching()
+        self._watching = asyncio.get_running_loop().create_task(
+            self._watch_call(point, checkpoint_id, _SEEN_DURING[point]),
+            name=f"kill-switch-{point.value}",
+        )
+
+    def _stop_watching(self) -> None:
+        watching, self._watching = self._watching, None
+        if watching is not None:
+            watching.cancel()
+
+    async def _watch_call(
+        self, point: KillPoint, checkpoint_id: str, phases: Collection[int]
+    ) -> None:
+        """Reach ``point`` once some participant is in one of ``phases`` for
+        ``checkpoint_id``; the attempt's next transition stops this watch."""
+        probe = self._probe
+        assert probe is not None
+        if self._connecting is not None:
+            await asyncio.gather(self._connecting, return_exceptions=True)
+        # Polled: the participants' state is only known by asking.
+        while True:
+            if await probe.any_in(checkpoint_id, phases):
+                break
+            await asyncio.sleep(_PROBE_INTERVAL_S)
         try:
-            if self.armed_for(point) and self._probe is not None:
-                while not task.done():
-                    if await self._probe.any_in(checkpoint_id, phases):
-                        break
-                    await asyncio.wait({task}, timeout=_PROBE_INTERVAL_S)
-            else:
-                await asyncio.wait({task})
-            self.reached(point, call_under_way=not task.done())
-            return await task
-        finally:
-            if not task.done():
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-
-
-class _KillingAnchor:
-    def __init__(self, inner: AnchorSource, switch: KillSwitch) -> None:
-        self._inner = inner
-        self._switch = switch
-
-    @property
-    def step(self) -> int:
-        return self._inner.step
-
-    async def write(self, snapshot: Path) -> WrittenAnchor:
-        self._switch.begin(snapshot.name)
-        written = await self._inner.write(snapshot)
-        self._switch.reached(KillPoint.ANCHOR_WRITTEN)
-        return written
-
-
-class _KillingParticipants:
-    def __init__(self, inner: SnapshotParticipants, switch: KillSwitch) -> None:
-        self._inner = inner
-        self._switch = switch
-
-    @property
-    def topology(self) -> Topology:
-        return self._inner.topology
-
-    async def prepare(
-        self,
-        checkpoint_id: str,
-        *,
-        expected: Mapping[str, Iterable[EpisodeId]] | None = None,
-        resolve: UnackedResolver | None = None,
-    ) -> PreparedCheckpoint:
-        switch = self._switch
-        switch.reached(KillPoint.DISPATCH_CLOSED)
-        await switch.get_ready(KillPoint.PREPARE_SENT)
-        prepared = await switch.during(
-            KillPoint.PREPARE_SENT,
-            checkpoint_id,
-            self._inner.prepare(checkpoint_id, expected=expected, resolve=resolve),
-            _HOLDING,
-        )
-        switch.reached(KillPoint.PREPARED)
-        return prepared
-
-    def held(
-        self, checkpoint: PreparedCheckpoint
-    ) -> AbstractAsyncContextManager[PreparedCheckpoint]:
-        return self._held(checkpoint)
-
-    @asynccontextmanager
-    async def _held(self, checkpoint: PreparedCheckpoint) -> AsyncIterator[PreparedCheckpoint]:
-        async with self._inner.held(checkpoint) as held:
-            yield held
-            # Reached only when the body (commit and publish) did not raise.
-            self._switch.reached(KillPoint.PUBLISHED)
-        self._switch.reached(KillPoint.RESUMED)
-
-    async def commit(
-        self, checkpoint_id: str, snapshot: str, scope: Mapping[str, Iterable[EpisodeId]]
-    ) -> dict[str, ParticipantEntry]:
-        switch = self._switch
-        await switch.get_ready(KillPoint.COMMIT_SENT)
-        entries = await switch.during(
-            KillPoint.COMMIT_SENT,
-            checkpoint_id,
-            self._inner.commit(checkpoint_id, snapshot, scope),
-            _WROTE,
-        )
-        switch.committed(entries)
-        switch.reached(KillPoint.COMMITTED)
-        return entries
-
-    async def resume(
-        self, checkpoint_id: str, instances: Iterable[str] | None = None
-    ) -> ControlReport:
-        return await self._inner.resume(checkpoint_id, instances)
-
-    async def retire(
-        self, episodes: Mapping[str, Iterable[EpisodeId]], *, key: str | None = None
-    ) -> ControlReport:
-        return await self._inner.retire(episodes, key=key)
+            self.reached(point, call_under_way=True)
+        except BaseException as error:  # noqa: BLE001
+            # The kill returned control (a test's): it ends the attempt at its next
+            # transition, as a SIGKILL would have ended it here.
+            self._pending = error

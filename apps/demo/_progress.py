@@ -2,7 +2,9 @@
 
 :class:`EventTail` reads the complete lines the trainer appended since the last read;
 :class:`ProgressState` folds them (and the supervisor's crash and restart) into what the
-display shows and what the crash trigger asks. :func:`open_display` picks a rich ``Live``
+display shows and what the crash trigger asks. Where the snapshot under way is comes from
+the attempt's own transitions: the trainer subscribes a :class:`SnapshotStateLog` to its
+snapshot driver, which logs one ``snapshot_state`` event per transition. :func:`open_display` picks a rich ``Live``
 table on a terminal, or one plain line every few seconds otherwise (and with
 ``--no-progress``), so a log file or CI output stays readable.
 """
@@ -11,9 +13,10 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 from rich.console import Console
 from rich.live import Live
@@ -30,6 +33,7 @@ from turnpoint.apps.demo._report import (
     TrainStep,
     parse_event,
 )
+from turnpoint.trainer._snapshot_attempt import SnapshotState
 
 __all__ = [
     "CRASH_WINDOW",
@@ -38,6 +42,7 @@ __all__ = [
     "PlainDisplay",
     "ProgressDisplay",
     "ProgressState",
+    "SnapshotStateLog",
     "open_display",
 ]
 
@@ -45,6 +50,23 @@ CRASH_WINDOW = (0.4, 0.6)
 """The share of training steps done at which the injected crash is aimed."""
 
 PLAIN_INTERVAL_S = 5.0
+
+SNAPSHOT_STATE: Final = "snapshot_state"
+"""The event type :class:`SnapshotStateLog` writes (the report ignores it)."""
+
+
+class SnapshotStateLog:
+    """A snapshot driver subscriber for the trainer: one ``snapshot_state`` event
+    (``checkpoint_id``, ``state``, ``previous``) per transition of an attempt.
+
+    ``write(type, **fields)`` appends the event (the demo trainer's event log).
+    """
+
+    def __init__(self, write: Callable[..., None]) -> None:
+        self._write = write
+
+    def __call__(self, attempt_id: str, old: SnapshotState, new: SnapshotState, now: float) -> None:
+        self._write(SNAPSHOT_STATE, checkpoint_id=attempt_id, state=new.value, previous=old.value)
 
 
 class EventTail:
@@ -108,6 +130,8 @@ class ProgressState:
     done: bool = False
     last_reward: float | None = None
     phase: str = "starting participants"
+    snapshot: str = "none yet"
+    """The snapshot attempt under way and its state, or how the last one ended."""
     unreadable: int = 0
     _seen_progress: bool = field(default=False, repr=False)
     _restored_incarnation: int | None = field(default=None, repr=False)
@@ -115,6 +139,9 @@ class ProgressState:
 
     def apply(self, raw: dict[str, Any]) -> None:
         """Fold one trainer event; a malformed one is counted, never raised."""
+        if raw.get("type") == SNAPSHOT_STATE:
+            self._apply_snapshot_state(raw)
+            return
         try:
             event = parse_event(raw)
         except EventLogError:
@@ -163,6 +190,20 @@ class ProgressState:
             self.done = True
             self.in_flight = 0
             self.phase = "done"
+
+    def _apply_snapshot_state(self, raw: dict[str, Any]) -> None:
+        checkpoint_id, state = raw.get("checkpoint_id"), raw.get("state")
+        try:
+            known = SnapshotState(state)
+        except ValueError:
+            known = None
+        if not isinstance(checkpoint_id, str) or known is None:
+            self.unreadable += 1
+            return
+        if known.final:
+            self.snapshot = f"{checkpoint_id} {known.value}"
+        elif known is not SnapshotState.NEW:
+            self.snapshot = f"{checkpoint_id}: {known.value}"
 
     def note_crash(self) -> None:
         self.crashed_at_step = self.step
@@ -218,7 +259,7 @@ class ProgressState:
             f"{self.in_flight} in flight, {self.rollouts} rollouts recorded, "
             f"{self.published} snapshots published, "
             f"admission {'closed' if self.admission_closed else 'open'}; "
-            f"crash: {self.crash_status}"
+            f"crash: {self.crash_status}; snapshot: {self.snapshot}"
         )
 
     def table(self) -> Table:
@@ -234,6 +275,7 @@ class ProgressState:
             "snapshots",
             f"{self.published} published" + (f", {self.failed} failed" if self.failed else ""),
         )
+        table.add_row("snapshot now", self.snapshot)
         table.add_row(
             "admission closed now",
             "[yellow]yes[/yellow]" if self.admission_closed else "no",

@@ -95,6 +95,7 @@ from turnpoint.apps.demo._report import (
     render_report,
 )
 from turnpoint.auth import TOKEN_ENV, TOKEN_FILE_ENV
+from turnpoint.trainer._snapshot_attempt import SnapshotPoint
 
 __all__ = [
     "CRASH_POINTS",
@@ -122,25 +123,8 @@ __all__ = [
 ]
 
 LEVELS = ("turn", "sibling", "prompt_group")
-CRASH_POINTS = (
-    "anchor-written",
-    "dispatch-closed",
-    "prepare-sent",
-    "prepared",
-    "commit-sent",
-    "committed",
-    "verified",
-    "tree-synced",
-    "manifest-staged",
-    "manifest-linked",
-    "snapshot-synced",
-    "latest-staged",
-    "latest-moved",
-    "published",
-    "resumed",
-)
-"""The trainer's ``KillPoint`` values, in snapshot order. Spelled out, not imported: the
-trainer package imports torch, which would cost every ``turnpoint demo`` seconds."""
+CRASH_POINTS = tuple(point.value for point in SnapshotPoint)
+"""The trainer's snapshot points (``--crash-at`` names), in snapshot order."""
 TRAINER_MODULE = "turnpoint.apps.demo._trainer"
 DEFAULT_SERVE_COMMAND = (sys.executable, "-m", "turnpoint.apps._cli", "serve")
 DEFAULT_TRAINER_COMMAND = (sys.executable, "-m", TRAINER_MODULE)

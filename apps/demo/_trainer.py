@@ -43,6 +43,7 @@ from turnpoint.apps.demo._kill_switch import (
     parse_kill_at,
 )
 from turnpoint.apps.demo._learner import Sample, policy_gradient_step
+from turnpoint.apps.demo._progress import SnapshotStateLog
 from turnpoint.apps.examples._participants import GUESS, GUESS_GROUP, new_policy
 from turnpoint.apps.examples._task import make_prompt
 from turnpoint.auth import auth_metadata
@@ -358,15 +359,18 @@ class DemoTrainer:
                     data_loader=lambda: {"next_group": self.next_group},
                 )
                 driver = SnapshotDriver(
-                    coordinator=kill.participants(coordinator) if kill else coordinator,
+                    coordinator=coordinator,
                     rollouts=rollouts,
-                    anchor=kill.anchor(anchor) if kill else anchor,
+                    anchor=anchor,
                     layout=layout,
                     config=config,
                     epoch=identity.epoch,
                     metrics=metrics,
                     step_lock=self.step_lock,
                 )
+                driver.subscribe(SnapshotStateLog(self.events.write))
+                if kill is not None:
+                    kill.attach(driver)
                 pump = SnapshotPump(driver, config)
                 stop = asyncio.Event()
                 background = [

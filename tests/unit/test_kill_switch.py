@@ -1,7 +1,7 @@
 """The demo trainer's kill switch, wired around a real snapshot driver with fakes.
 
 The driver, its layout and the fakes are those of ``test_snapshot_driver``; the switch
-wraps them exactly as the demo trainer does. "Killing" raises :class:`Killed` (a
+watches the driver exactly as the demo trainer wires it. "Killing" raises :class:`Killed` (a
 ``BaseException``, so nothing on the way catches it), which ends the attempt where a
 SIGKILL would.
 """
@@ -9,12 +9,13 @@ SIGKILL would.
 from __future__ import annotations
 
 import argparse
-import asyncio
 from collections.abc import Collection
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from tests.support.scripted import poll
 from tests.unit.test_snapshot_driver import EP1, EP2, NOT_READY, World, make_world, rollout
 from turnpoint.apps.demo import CRASH_POINTS
 from turnpoint.apps.demo._kill_switch import (
@@ -26,13 +27,15 @@ from turnpoint.apps.demo._kill_switch import (
     parse_kill_at,
 )
 from turnpoint.ids import make_checkpoint_id
-from turnpoint.trainer._manifest import PublishStep, SnapshotLayout
+from turnpoint.trainer._coordinator import PreparedCheckpoint
+from turnpoint.trainer._manifest import ParticipantEntry, PublishStep, SnapshotLayout
 from turnpoint.trainer._snapshots import (
     EPOCH_STRIDE,
     SnapshotDriver,
     SnapshotOutcome,
     SnapshotReport,
 )
+from turnpoint.v1 import types_pb2
 
 
 class Killed(BaseException):
@@ -67,15 +70,16 @@ def wired(tmp_path: Path, switch: KillSwitch) -> tuple[World, SnapshotDriver]:
         tmp_path, layout=SnapshotLayout(tmp_path, after_step=switch.after_publish_step)
     )
     driver = SnapshotDriver(
-        coordinator=switch.participants(world.coordinator),
+        coordinator=world.coordinator,
         rollouts=world.rollouts,
-        anchor=switch.anchor(world.anchor),
+        anchor=world.anchor,
         layout=world.layout,
         config=world.config,
         epoch=3,
         clock=world.clock,
         wall_clock=lambda: 1_700_000_000.0,
     )
+    switch.attach(driver)
     return world, driver
 
 
@@ -247,25 +251,37 @@ class Probe:
         pass
 
 
-async def test_prepare_sent_lands_while_the_prepare_is_under_way() -> None:
+async def test_prepare_sent_lands_while_the_prepare_is_under_way(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     recorder = Recorder()
     probe = Probe(yes_on=2)
     switch = KillSwitch(
         KillAt(KillPoint.PREPARE_SENT), probe=probe, on_fire=recorder.on_fire, kill=recorder.kill
     )
-    switch.begin("ck-1")
-    never = asyncio.Event()
-    call = asyncio.ensure_future(never.wait())
+    world, driver = wired(tmp_path, switch)
+    prepare = world.coordinator.prepare
+
+    async def under_way(checkpoint_id: str, **kwargs: Any) -> PreparedCheckpoint:
+        # Parking takes a while: the prepare is under way until the probe asked twice.
+        await poll(lambda: len(probe.asked) >= 2)
+        return await prepare(checkpoint_id, **kwargs)
+
+    monkeypatch.setattr(world.coordinator, "prepare", under_way)
 
     with pytest.raises(Killed):
-        await switch.during(KillPoint.PREPARE_SENT, "ck-1", call, {2, 3})
+        await take(world, driver, in_flight=True)
 
-    assert [(f.checkpoint_id, f.call_under_way) for f in recorder.fired] == [("ck-1", True)]
-    assert [asked for asked, _ in probe.asked] == ["ck-1", "ck-1"]
-    assert call.cancelled()
+    ck = make_checkpoint_id("ck", 3 * EPOCH_STRIDE + 1)
+    assert [(f.checkpoint_id, f.call_under_way) for f in recorder.fired] == [(ck, True)]
+    holding = frozenset({types_pb2.PHASE_PREPARING, types_pb2.PHASE_PREPARED})
+    assert probe.asked == [(ck, holding), (ck, holding)]
+    # Nothing after the kill went on: the attempt ended when the prepare returned.
+    assert world.coordinator.scopes == []
+    await switch.aclose()
 
 
-async def test_without_an_answer_the_point_lands_when_the_call_returns() -> None:
+async def test_without_an_answer_the_point_lands_when_the_call_returns(tmp_path: Path) -> None:
     recorder = Recorder()
     switch = KillSwitch(
         KillAt(KillPoint.COMMIT_SENT),
@@ -273,15 +289,13 @@ async def test_without_an_answer_the_point_lands_when_the_call_returns() -> None
         on_fire=recorder.on_fire,
         kill=recorder.kill,
     )
-    switch.begin("ck-1")
-
-    async def commit() -> str:
-        await asyncio.sleep(0)
-        return "written"
+    world, driver = wired(tmp_path, switch)
 
     with pytest.raises(Killed):
-        await switch.during(KillPoint.COMMIT_SENT, "ck-1", commit(), {4})
+        await take(world, driver, in_flight=True)
     assert [fired.call_under_way for fired in recorder.fired] == [False]
+    assert len(world.coordinator.scopes) == 1  # the commit was sent, and returned
+    await switch.aclose()
 
 
 async def test_a_switch_that_is_not_armed_never_asks(tmp_path: Path) -> None:
@@ -293,16 +307,28 @@ async def test_a_switch_that_is_not_armed_never_asks(tmp_path: Path) -> None:
     assert probe.asked == [] and probe.connected == 0
 
 
-async def test_an_armed_switch_connects_its_probe_before_the_call(tmp_path: Path) -> None:
+async def test_an_armed_switch_connects_its_probe_before_the_call(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     recorder = Recorder()
     probe = Probe(yes_on=1)
     switch = KillSwitch(
         KillAt(KillPoint.COMMIT_SENT), probe=probe, on_fire=recorder.on_fire, kill=recorder.kill
     )
     world, driver = wired(tmp_path, switch)
+    commit = world.coordinator.commit
+
+    async def under_way(*args: Any) -> dict[str, ParticipantEntry]:
+        # Writing takes a while: the commit is under way until the probe was asked.
+        await poll(lambda: bool(probe.asked))
+        return await commit(*args)
+
+    monkeypatch.setattr(world.coordinator, "commit", under_way)
 
     with pytest.raises(Killed):
         await take(world, driver, in_flight=True)
 
     assert probe.connected == 1
     assert probe.asked == [(recorder.fired[0].checkpoint_id, frozenset({4}))]
+    assert recorder.fired[0].call_under_way
+    await switch.aclose()
