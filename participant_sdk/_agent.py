@@ -296,7 +296,7 @@ class AgentHost:
         """Accept a Run (raising ADMISSION_CLOSED, STALE_ATTEMPT, ... at once), then follow it.
 
         Splitting acceptance from following lets the wire layer tell the caller that the
-        participant now owns the attempt before the first boundary (PROTOCOL.md section
+        participant now owns the attempt before the first boundary (docs/spec.md section
         7: an attempt counts as dispatched only once its Run was accepted). The returned
         stream is the same as :meth:`run_episode`'s and must be closed the same way; a
         stream that is never iterated leaves the execution running, followed by nobody,

@@ -1,4 +1,4 @@
-"""Bearer-token authentication for participant servers (PROTOCOL.md section 10).
+"""Bearer-token authentication for participant servers (docs/spec.md section 10).
 
 The server side is one ``grpc.aio.ServerInterceptor``: every method of a protected
 service needs ``authorization: Bearer <token>`` in its metadata, compared in constant

@@ -1,4 +1,4 @@
-"""Hosting a participant as a real gRPC server (PROTOCOL.md sections 3 and 10).
+"""Hosting a participant as a real gRPC server (docs/spec.md sections 3 and 10).
 
 :class:`ParticipantServer` owns everything around the servicers: keepalive and message
 limits from :mod:`turnpoint._keepalive`, bearer-token authentication, optional

@@ -4,7 +4,7 @@
   ``ControlSession`` stream each), fanned out under one deadline.
 - :class:`RolloutClient` dispatches rollouts, records boundaries and results,
   acknowledges each result as it arrives and gives up only on spent active budgets.
-- :class:`SnapshotDriver` takes one snapshot (PROTOCOL.md section 7, steps 1-8) and
+- :class:`SnapshotDriver` takes one snapshot (docs/spec.md section 7.4, steps 1-8) and
   :class:`SnapshotPump` takes them periodically; :class:`Restorer` picks the newest
   usable snapshot and plans the restore.
 - :class:`CoordinatorConfig` is the one typed configuration.

@@ -1,6 +1,6 @@
 """The coordinator's client for one participant's ``CheckpointControlService``.
 
-PROTOCOL.md section 3: the control path rides on one long-lived ``ControlSession``
+docs/spec.md section 3: the control path rides on one long-lived ``ControlSession``
 bidirectional stream per participant, which costs about half of the same fan-out made
 of unary calls. :class:`ParticipantControlClient` keeps that stream open, correlates
 replies by ``request_id`` (they may arrive in any order) and gives each call its own
@@ -15,7 +15,7 @@ reply lost with the stream is never mistaken for a new operation.
 
 :func:`classify` is the one place that turns any failure of a control call into a
 :class:`Failure` (transient, not ready, or a broken invariant), from the error's reason
-and gRPC code, never from its text (PROTOCOL.md sections 7 and 9).
+and gRPC code, never from its text (docs/spec.md sections 7 and 9).
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ ControlResponse: TypeAlias = (
     | pb.GetStatusResponse
 )
 
-# PROTOCOL.md section 7: a call is abandoned min(timeout, 5 s) after its timeout.
+# docs/spec.md section 7: a call is abandoned min(timeout, 5 s) after its timeout.
 _MAX_REPLY_GRACE_S: Final = 5.0
 
 
@@ -191,7 +191,7 @@ class NotReadyError(CoordinatorError):
     """A participant answered prepare but could not park everything in time.
 
     Raised by the coordinator, not by the client: a not-ready prepare is an answer on
-    the wire (PROTOCOL.md section 4). It exists so that :func:`classify` can tell this
+    the wire (docs/spec.md section 4). It exists so that :func:`classify` can tell this
     retryable outcome from both an infrastructure failure and a broken invariant.
     """
 
@@ -233,7 +233,7 @@ class _SessionUnsupported(Exception):
 
 
 class FailureKind(enum.Enum):
-    """What a failed control call means for the operation (PROTOCOL.md section 7)."""
+    """What a failed control call means for the operation (docs/spec.md section 7.5)."""
 
     # Infrastructure: unreachable, too slow, a broken stream, storage, admission.
     TRANSIENT = "transient"
@@ -696,7 +696,7 @@ class ParticipantControlClient:
         except grpc.aio.AioRpcError as error:
             raise self._from_rpc_error(operation.method, error) from error
         finally:
-            # Propagates a caller's cancellation to the participant (PROTOCOL.md
+            # Propagates a caller's cancellation to the participant (docs/spec.md
             # section 6: cancel control calls the coordinator stopped waiting for).
             if not call.done():
                 call.cancel()

@@ -1,6 +1,6 @@
 """Rollout time budgets that stop while a checkpoint (or anything else) holds the trainer.
 
-PROTOCOL.md section 6, "parked deadline": a snapshot parks every rollout, so a trainer
+docs/spec.md section 6.7: a snapshot parks every rollout, so a trainer
 whose rollout deadline kept running would give up on rollouts that are only waiting for
 it, and nobody would acknowledge their results. This registry makes that impossible on
 the trainer side:

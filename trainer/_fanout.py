@@ -1,6 +1,6 @@
 """One control operation sent to many participants at once, under one deadline.
 
-PROTOCOL.md section 7: the coordinator prepares (and commits, resumes...) every
+docs/spec.md section 7: the coordinator prepares (and commits, resumes...) every
 participant concurrently under one deadline, and never waits past it: a participant
 whose event loop is stuck, or whose reply is lost, would otherwise hold the whole
 snapshot. Calls still running at the deadline are cancelled (which cancels the RPC, so
@@ -94,7 +94,7 @@ class FanoutError(CoordinatorError):
     def transient(self) -> bool:
         """True only when every failure may go away if the operation is tried again.
 
-        REFERENCE.md: retryable when not ready, or when every failing participant failed
+        docs/spec.md section 7.5: retryable when not ready, or when every failing participant failed
         with an infrastructure error; anything else is an invariant break.
         """
         return bool(self.failures) and all(f.retryable for f in self.failures.values())

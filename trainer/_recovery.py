@@ -1,6 +1,6 @@
 """Recovery levels: how finely each environment's unfinished rollouts can continue.
 
-PROTOCOL.md section 7: one setting, ``target_level`` (``turn``, ``sibling`` or
+docs/spec.md section 7: one setting, ``target_level`` (``turn``, ``sibling`` or
 ``prompt_group``, finest to coarsest). Each environment gets the finest level at or
 below the target that everything it depends on supports, derived from ``Describe``.
 The decision is data: it carries the reasons it was lowered, so the coordinator can log

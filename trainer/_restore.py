@@ -1,4 +1,4 @@
-"""Restoring a run from its newest usable snapshot (PROTOCOL.md section 7, "Restore").
+"""Restoring a run from its newest usable snapshot (docs/spec.md section 7.7).
 
 :class:`Restorer` runs the whole restore:
 

@@ -1,6 +1,6 @@
 """Connection settings for both ends of every turnpoint connection, in one place.
 
-STYLE.md asks that keepalive settings come from one module: a client that pings more
+Keepalive settings come from this one module (docs/spec.md section 3.5): a client that pings more
 often than its server tolerates gets a GOAWAY ("too_many_pings") and drops every call on
 the connection, so the two sides must be configured from the same numbers.
 
@@ -46,7 +46,7 @@ KEEPALIVE_TIMEOUT_MS: Final = 10_000
 _MIN_RECV_PING_INTERVAL_MS: Final = KEEPALIVE_TIME_MS // 2
 
 # gRPC's own default (4 MiB) is too small for a Restore that carries a few thousand
-# episode references plus their metadata, and unbounded is not a bound (PROTOCOL.md 10).
+# episode references plus their metadata, and unbounded is not a bound (docs/spec.md section 10).
 DEFAULT_MAX_MESSAGE_BYTES: Final = 16 * 1024 * 1024
 
 # gRPC backs off up to 120 s between reconnects by default; a restarted participant must

@@ -1,6 +1,6 @@
 """Protocol errors: one root exception, one reason enum, one table to gRPC codes.
 
-PROTOCOL.md section 9: every error on the wire carries a ``google.rpc.Status`` with
+docs/spec.md section 9: every error on the wire carries a ``google.rpc.Status`` with
 exactly one ``ErrorInfo`` whose reason comes from ``turnpoint.v1.ErrorReason``. Callers
 branch on :class:`Reason`, never on message text.
 
@@ -48,7 +48,7 @@ class Reason(enum.Enum):
     HOOK_FAILED = "HOOK_FAILED"
 
 
-# The one table of PROTOCOL.md section 9: reason -> gRPC status code name. Names, not
+# The one table of docs/spec.md section 9: reason -> gRPC status code name. Names, not
 # ``grpc.StatusCode`` members, so that this module stays importable without grpc.
 REASON_CODES: Mapping[Reason, str] = MappingProxyType(
     {
@@ -65,7 +65,7 @@ REASON_CODES: Mapping[Reason, str] = MappingProxyType(
         Reason.UNAUTHENTICATED: "UNAUTHENTICATED",
         Reason.DEADLINE_EXCEEDED: "DEADLINE_EXCEEDED",
         # A participant's own storage failing (disk full, I/O error) is transient: the
-        # coordinator retries the same checkpoint id (PROTOCOL.md section 7, failures).
+        # coordinator retries the same checkpoint id (docs/spec.md section 7.5).
         Reason.STORAGE_UNAVAILABLE: "UNAVAILABLE",
         Reason.NOT_FOUND: "NOT_FOUND",
         Reason.UNAVAILABLE: "UNAVAILABLE",

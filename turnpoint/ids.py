@@ -1,4 +1,4 @@
-"""Identifier rules of the protocol (PROTOCOL.md section 2), enforced in one place.
+"""Identifier rules of the protocol (docs/spec.md section 2), enforced in one place.
 
 Rollout ids, checkpoint ids, restore ids and instance names all follow the same rule:
 1-128 characters of ``[A-Za-z0-9._-]``, starting with a letter or digit. Because the
@@ -29,7 +29,7 @@ _CHECKPOINT_PATTERN = re.compile(r"(?P<prefix>[A-Za-z0-9][A-Za-z0-9._-]*?)-(?P<s
 
 
 class InvalidIdError(ValueError):
-    """An identifier broke the rules of PROTOCOL.md section 2.
+    """An identifier broke the rules of docs/spec.md section 2.
 
     ``field`` names what was being validated so that the wire layer can report
     ``INVALID_ARGUMENT`` with the offending field in the error metadata.

@@ -1,6 +1,6 @@
 """``turnpoint bench``: what the control path costs, measured on this machine.
 
-Three figures (PROTOCOL.md section 3 has the reference transport figures):
+Three figures (docs/spec.md section 3 has the reference transport figures):
 
 - the control overhead of one snapshot (prepare, commit, publish, resume) through the
   real coordinator and real participants, against a no-op bidi gRPC round trip (the

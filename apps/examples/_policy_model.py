@@ -87,7 +87,7 @@ class TinyPolicy(nn.Module):
 
         The stream carries the model's hidden state between tokens, so weights must not be
         replaced while one is open: a policy server loads new weights between generations
-        (PROTOCOL.md: a generation is never cut in the middle of its token stream).
+        (docs/spec.md section 5.4: a generation is never cut in the middle of its token stream).
         """
         # Validated here, not in the generator body, so a bad request fails when it is made
         # rather than at the first token a streaming server pulls.

@@ -387,7 +387,7 @@ async def test_admission_closed_is_resent_after_reopen_without_spending_a_retry_
     assert client.waiting() == (episode,)
 
     # The trainer closes its gate, then the checkpoint closes the participant's
-    # admission before the Run's verdict: the race PROTOCOL.md section 5 describes.
+    # admission before the Run's verdict: the race docs/spec.md section 5 describes.
     client.close_dispatch()
     agent.admission_open = False
     agent.verdict_gate = None
@@ -914,7 +914,7 @@ async def test_a_real_agent_through_results_acks_and_a_checkpoint(
         assert first not in participant_states(runtime)
         assert client.results()[0].output == {"turns": 2, "reward": 1.0}
 
-        # Snapshot steps 2-4 (PROTOCOL.md section 7) against the real participant.
+        # Snapshot steps 2-4 (docs/spec.md section 7.4) against the real participant.
         client.close_dispatch()
         hold = client.hold_deadlines("snapshot")
         late = client.dispatch(rollout("r2", group="g1"))

@@ -1,4 +1,4 @@
-"""DeadlineRegistry: rollout budgets count active time only (PROTOCOL.md section 6)."""
+"""DeadlineRegistry: rollout budgets count active time only (docs/spec.md section 6)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The error table of PROTOCOL.md section 9 is total and matches the proto enum."""
+"""The error table of docs/spec.md section 9 is total and matches the proto enum."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ PROTO_REASONS = [
     if name != "ERROR_REASON_UNSPECIFIED"
 ]
 
-# PROTOCOL.md section 9, verbatim as data.
+# docs/spec.md section 9, verbatim as data.
 SPEC_TABLE = {
     "ADMISSION_CLOSED": "UNAVAILABLE",
     "STALE_CHECKPOINT": "ABORTED",

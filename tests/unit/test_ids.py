@@ -1,4 +1,4 @@
-"""Every id rule of PROTOCOL.md section 2 is enforced by one helper."""
+"""Every id rule of docs/spec.md section 2 is enforced by one helper."""
 
 from __future__ import annotations
 

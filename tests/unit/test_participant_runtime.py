@@ -1,7 +1,8 @@
 """The participant runtime in process: real store on tmp_path, test kinds, no network.
 
-One test per behaviour of REFERENCE.md ("Participant control plane" and "Agents,
-resources, models"), named for the behaviour. Protocol time (leases, budgets) runs on a
+One test per participant behaviour of docs/spec.md sections 4, 5 and 6 (the reference
+checklist's "Participant control plane" and "Agents, resources, models"), named for the
+behaviour. Protocol time (leases, budgets) runs on a
 fake clock where it matters; waits use the runtime's own condition (``wait_until``),
 never sleeps. Call deadlines that must pass are short real timeouts on calls that
 cannot finish (a negative outcome, not a timing assertion).

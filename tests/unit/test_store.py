@@ -1,4 +1,4 @@
-"""The participant's snapshot store (PROTOCOL.md section 8), on real temporary directories."""
+"""The participant's snapshot store (docs/spec.md section 8), on real temporary directories."""
 
 from __future__ import annotations
 
