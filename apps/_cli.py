@@ -31,6 +31,7 @@ _APPLICATIONS = (
     ("turnpoint.apps.bench._participant_bench", "add_bench_parser", "demo"),
     ("turnpoint.apps.bench._cli", "add_bench_parser", "demo"),
     ("turnpoint.apps.demo", "add_demo_parser", "demo"),
+    ("turnpoint.apps.conformance", "add_conformance_parser", "demo"),
 )
 # The subcommands each of them adds, for the message when its extra is missing.
 _COMMANDS = {
@@ -38,6 +39,7 @@ _COMMANDS = {
     "turnpoint.apps.bench._participant_bench": ("bench-participant",),
     "turnpoint.apps.bench._cli": ("bench",),
     "turnpoint.apps.demo": ("demo",),
+    "turnpoint.apps.conformance": ("conformance",),
 }
 
 

@@ -1,0 +1,117 @@
+"""The ``turnpoint conformance`` command: progress on stderr, the table (or one JSON
+object) on stdout; exit 1 when a check failed, 2 on a usage error."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+
+from turnpoint.auth import load_token
+
+from ._kit import Workload, WorkloadError
+from ._report import CheckResult, render_line, render_table, report_to_json
+from ._runner import CHECKS, ConformanceOptions, run_conformance
+
+__all__ = ["add_conformance_parser", "conformance_command"]
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected seconds > 0, got {text!r}")
+    return value
+
+
+def _address(text: str) -> str:
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise argparse.ArgumentTypeError(f"expected HOST:PORT, got {text!r}")
+    return text
+
+
+def add_conformance_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    names = ", ".join(check.name for check in CHECKS)
+    parser = sub.add_parser(
+        "conformance",
+        help="check a participant against every participant rule of docs/spec.md",
+        description=(
+            "Act as a trainer's coordinator, over the wire only, and check every "
+            "participant rule of the specification, one named check per rule. Uses a "
+            "fresh random coordinator id and an epoch above the one the target holds; "
+            "the table ends with what the run leaves on the target. Run it against a "
+            f"freshly started participant (the restore check needs one). Checks: {names}."
+        ),
+    )
+    parser.add_argument("--target", required=True, type=_address, metavar="HOST:PORT")
+    parser.add_argument(
+        "--token-file", help="file holding the bearer token (else $TURNPOINT_TOKEN)"
+    )
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument(
+        "--workload",
+        metavar="FILE",
+        help='JSON {"task": {...}, "answer": {...}, "generate": {"prompt_token_ids": [...], '
+        '"max_new_tokens": N}}: what to send on the data plane; without a task the '
+        "checks that need an episode are skipped",
+    )
+    parser.add_argument(
+        "--lease",
+        type=_seconds,
+        default=1.0,
+        metavar="SECONDS",
+        help="the short lease the lease check waits out (default 1)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=_seconds,
+        default=10.0,
+        metavar="SECONDS",
+        help="deadline of each control call (default 10)",
+    )
+    parser.add_argument(
+        "--episode-timeout",
+        type=_seconds,
+        default=30.0,
+        metavar="SECONDS",
+        help="bound on waiting for an episode or a held request (default 30)",
+    )
+    parser.add_argument(
+        "--only",
+        action="append",
+        default=[],
+        metavar="CHECK",
+        help="run only this check (repeatable)",
+    )
+    parser.set_defaults(handler=conformance_command)
+
+
+def conformance_command(args: argparse.Namespace) -> int:
+    try:
+        workload = Workload.from_file(args.workload) if args.workload else Workload()
+        options = ConformanceOptions(
+            args.target,
+            load_token(args.token_file),
+            workload=workload,
+            lease_s=args.lease,
+            call_timeout_s=args.timeout,
+            episode_timeout_s=args.episode_timeout,
+            only=tuple(args.only),
+        )
+        unknown = sorted(set(options.only) - {c.name for c in CHECKS})
+        if unknown:
+            raise ValueError(f"unknown check {unknown[0]!r}")
+    except (ValueError, WorkloadError) as error:
+        print(f"turnpoint conformance: {error}", file=sys.stderr)
+        return 2
+
+    def progress(result: CheckResult) -> None:
+        print(render_line(result), file=sys.stderr, flush=True)
+
+    print(f"turnpoint conformance: checking {args.target}", file=sys.stderr, flush=True)
+    report = asyncio.run(run_conformance(options, progress))
+    print(report_to_json(report) if args.json else render_table(report))
+    return report.exit_code()

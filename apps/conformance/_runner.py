@@ -1,0 +1,189 @@
+"""Run every check against one target, in an order that keeps the target usable.
+
+The order matters: a restore needs a participant that never admitted data-plane work,
+so every control check runs before the first episode; hostile input runs last, so that
+whatever it does to the server cannot disturb another check. After each check the kit
+settles the target (resumes what is open, acknowledges, retires and forgets what was
+left), so one failure does not cascade into the next check.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from turnpoint.v1 import types_pb2
+
+from ._control_checks import (
+    check_control_session,
+    check_describe,
+    check_errors,
+    check_fencing_epoch,
+    check_fencing_replay,
+    check_watch_boundaries,
+)
+from ._data_checks import check_acknowledge, check_admission, check_readiness, check_run_stream
+from ._kit import CheckFailed, CheckSkipped, Kit, Workload
+from ._lifecycle_checks import (
+    check_commit,
+    check_forget,
+    check_lease,
+    check_restore,
+    check_resume,
+    check_retire,
+)
+from ._report import CheckResult, ConformanceReport, Outcome
+from ._transport_checks import check_auth, check_health_reflection, check_hostile_input
+from ._wire import Refused, Target
+
+__all__ = ["CHECKS", "Check", "ConformanceOptions", "run_conformance"]
+
+
+@dataclass(frozen=True, slots=True)
+class Check:
+    """One named rule of the specification and the code that checks it."""
+
+    name: str
+    section: str
+    run: Callable[[Kit], Awaitable[str]]
+
+
+CHECKS: tuple[Check, ...] = (
+    Check("describe", "4.5", check_describe),
+    Check("health-reflection", "3.8", check_health_reflection),
+    Check("auth", "10.1", check_auth),
+    Check("control-session", "3.2", check_control_session),
+    Check("errors", "9", check_errors),
+    Check("fencing-epoch", "2.2", check_fencing_epoch),
+    Check("fencing-replay", "2.2, 4.3", check_fencing_replay),
+    Check("resume", "4.9", check_resume),
+    Check("commit", "4.8", check_commit),
+    Check("restore", "4.10", check_restore),
+    Check("lease", "4.2", check_lease),
+    Check("retire", "4.11", check_retire),
+    Check("forget", "4.12", check_forget),
+    Check("watch-boundaries", "4.14", check_watch_boundaries),
+    Check("admission", "5.1-5.4", check_admission),
+    Check("readiness", "4.1, 4.6", check_readiness),
+    Check("run-stream", "6.1-6.6", check_run_stream),
+    Check("acknowledge", "6.4", check_acknowledge),
+    Check("hostile-input", "10.5", check_hostile_input),
+)
+
+
+@dataclass(frozen=True)
+class ConformanceOptions:
+    """How to reach the target and how the kit behaves."""
+
+    target: str
+    token: str | None = None
+    workload: Workload = field(default_factory=Workload)
+    lease_s: float = 1.0
+    call_timeout_s: float = 10.0
+    episode_timeout_s: float = 30.0
+    only: Sequence[str] = ()
+
+
+Progress = Callable[[CheckResult], None]
+
+
+async def run_conformance(
+    options: ConformanceOptions, progress: Progress | None = None
+) -> ConformanceReport:
+    """Every check (or ``options.only``) against ``options.target``, in order."""
+    unknown = sorted(set(options.only) - {c.name for c in CHECKS})
+    if unknown:
+        raise ValueError(f"unknown checks {unknown}; known: {', '.join(c.name for c in CHECKS)}")
+    target = Target(options.target, options.token, call_timeout_s=options.call_timeout_s)
+    kit = Kit(
+        target,
+        workload=options.workload,
+        lease_s=options.lease_s,
+        episode_bound_s=options.episode_timeout_s,
+    )
+    report = ConformanceReport(target=options.target, coordinator_id=kit.coordinator_id)
+    try:
+        discovery = await _discover(kit)
+        report.instance, report.kind = kit.instance, _kind_name(kit)
+        report.epoch = kit.epoch
+        for check in CHECKS:
+            if options.only and check.name not in options.only:
+                continue
+            started = time.monotonic()
+            if discovery is not None and not report.results:
+                # The first check to run carries the failure, so the run exits 1.
+                outcome, detail = Outcome.FAIL, discovery
+            elif discovery is not None:
+                outcome, detail = Outcome.SKIP, f"cannot run: {discovery}"
+            else:
+                outcome, detail = await _run_one(kit, check)
+            result = CheckResult(
+                check.name, check.section, outcome, detail, time.monotonic() - started
+            )
+            report.results.append(result)
+            if progress is not None:
+                progress(result)
+        report.epoch = kit.epoch
+        if discovery is None:
+            report.left_behind = _left_behind(kit)
+    finally:
+        await target.close()
+    return report
+
+
+async def _discover(kit: Kit) -> str | None:
+    """Describe the target; why nothing can run when that fails."""
+    try:
+        await kit.discover()
+    except Refused as refusal:
+        hint = ""
+        if refusal.error.code is grpc.StatusCode.UNAUTHENTICATED and kit.target.token is None:
+            hint = " (the target needs a token: --token-file or $TURNPOINT_TOKEN)"
+        return f"Describe failed: {refusal.error.summary()}{hint}"
+    return None
+
+
+async def _run_one(kit: Kit, check: Check) -> tuple[Outcome, str]:
+    try:
+        detail = await check.run(kit)
+        outcome = Outcome.PASS
+    except CheckFailed as failure:
+        outcome, detail = Outcome.FAIL, str(failure)
+    except CheckSkipped as skip:
+        outcome, detail = Outcome.SKIP, str(skip)
+    except Refused as refusal:
+        outcome, detail = (
+            Outcome.FAIL,
+            f"unexpected refusal: {refusal.error.summary()} {refusal.error.message[:120]!r}",
+        )
+    except TimeoutError:
+        outcome, detail = Outcome.FAIL, "a wait of the check timed out"
+    try:
+        cleaned = await kit.settle()
+    except (Refused, CheckFailed) as error:
+        cleaned = [f"settling failed: {error}"]
+    if cleaned and outcome is not Outcome.PASS:
+        detail = f"{detail} [then: {'; '.join(cleaned)}]"
+    return outcome, detail
+
+
+def _kind_name(kit: Kit) -> str:
+    try:
+        return types_pb2.ParticipantKind.Name(kit.kind).removeprefix("PARTICIPANT_KIND_")  # type: ignore[arg-type]
+    except ValueError:
+        return f"unknown kind {kit.kind}"
+
+
+def _left_behind(kit: Kit) -> list[str]:
+    return [
+        f"the fence of coordinator {kit.coordinator_id} at epoch {kit.epoch}: a coordinator "
+        "must start above it (or restart the participant)",
+        "finished checkpoint ids with prefix conf*: harmless to other prefixes",
+        "with a workload, the participant is no longer fresh (it admitted the kit's "
+        "episodes): restart it before it takes part in a restore",
+        *sorted(set(kit.notes)),
+        "one more lease expiry in GetStatus.lease_expiries",
+    ]

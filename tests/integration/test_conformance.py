@@ -1,0 +1,162 @@
+"""The conformance kit against real participants: it passes the examples and catches
+exactly what it claims to.
+
+Every example participant (agent, per-sibling and group-scored resources, policy model)
+passes every check that applies to its kind. Each deliberately broken participant of
+``tests/support/mutants.py`` (one defect each) is failed by the check named for the rule
+it breaks, and by no other check. The command itself prints a table or JSON and exits
+0, 1 on a failure, 2 on a usage error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.support.mutants import MUTANTS, Mutant, honest_mid_turn_agent
+from tests.support.participants import TOKEN, start_topology
+from turnpoint.apps.conformance import (
+    CHECKS,
+    ConformanceOptions,
+    ConformanceReport,
+    Outcome,
+    Workload,
+    render_table,
+    run_conformance,
+)
+from turnpoint.apps.examples._task import make_prompt
+
+# What the example environment understands: a Run task (agents) and a session task
+# (resources), the same object the demo's trainer sends.
+WORKLOAD = {"task": {"task": make_prompt(0, 0).to_dict(), "environment": "guess"}}
+# The kit's short lease for the lease check: long enough to renew within, short enough
+# to wait out quickly.
+LEASE_S = 0.5
+# A safety bound on the command as a subprocess; never a synchronisation device.
+BOUND_S = 120.0
+
+# The check named for each mutant's rule: the only check allowed to fail it.
+CAUGHT_BY = {
+    "forgets-answers": "fencing-replay",
+    "ignores-stale-epoch": "fencing-epoch",
+    "ready-mid-turn": "readiness",
+    "unknown-on-garbage": "hostile-input",
+    "lease-never-expires": "lease",
+}
+AGENT_ONLY = {"run-stream", "acknowledge"}
+
+
+async def _check(address: str) -> ConformanceReport:
+    options = ConformanceOptions(
+        address, TOKEN, workload=Workload.from_mapping(WORKLOAD), lease_s=LEASE_S
+    )
+    return await run_conformance(options)
+
+
+def _outcomes(report: ConformanceReport) -> dict[str, Outcome]:
+    return {result.name: result.outcome for result in report.results}
+
+
+def test_every_check_names_a_section_and_every_mutant_a_check() -> None:
+    names = [check.name for check in CHECKS]
+    assert len(names) == len(set(names))
+    assert all(check.section for check in CHECKS)
+    assert set(CAUGHT_BY) == {mutant.name for mutant in MUTANTS}
+    assert set(CAUGHT_BY.values()) <= set(names)
+
+
+@pytest.mark.parametrize("instance", ["agent-0", "tools", "group-tools", "policy"])
+async def test_the_example_participants_pass_every_check(tmp_path: Path, instance: str) -> None:
+    async with start_topology(tmp_path, group_size=2) as topology:
+        report = await _check(topology.participants[instance].address)
+    outcomes = _outcomes(report)
+    assert report.failed() == [], render_table(report)
+    assert len(outcomes) == len(CHECKS)
+    skipped = {name for name, outcome in outcomes.items() if outcome is Outcome.SKIP}
+    # An agent runs every check; the others skip only what belongs to agents.
+    assert skipped == (set() if instance.startswith("agent") else AGENT_ONLY), render_table(report)
+
+
+@pytest.mark.parametrize("mutant", MUTANTS, ids=lambda m: m.name)
+async def test_each_mutant_is_failed_by_its_rule_and_by_nothing_else(
+    tmp_path: Path, mutant: Mutant
+) -> None:
+    async with mutant.serve(tmp_path) as address:
+        report = await _check(address)
+    assert report.failed() == [CAUGHT_BY[mutant.name]], render_table(report)
+    assert report.exit_code() == 1
+
+
+async def test_mid_turn_episodes_under_an_honest_runtime_pass_the_readiness_check(
+    tmp_path: Path,
+) -> None:
+    # The control for ready-mid-turn: the same agent, whose episodes really are RUNNING
+    # between boundaries, passes once its runtime waits for them to park.
+    async with honest_mid_turn_agent(tmp_path) as address:
+        report = await _check(address)
+    assert report.failed() == [], render_table(report)
+    assert report.result("readiness").outcome is Outcome.PASS
+
+
+async def _command(*args: str) -> tuple[int, str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TURNPOINT_TOKEN")}
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "turnpoint.apps._cli",
+        "conformance",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=env,
+    )
+    try:
+        stdout, stderr = await asyncio.wait_for(process.communicate(), BOUND_S)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert process.returncode is not None
+    return process.returncode, stdout.decode(), stderr.decode()
+
+
+async def test_the_command_prints_json_and_exits_by_the_verdict(tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n", encoding="ascii")
+    workload = tmp_path / "workload.json"
+    workload.write_text(json.dumps(WORKLOAD), encoding="utf-8")
+    common = ("--token-file", str(token_file), "--workload", str(workload), "--lease", "0.5")
+    mutant = next(m for m in MUTANTS if m.name == "lease-never-expires")
+    async with start_topology(tmp_path / "examples") as topology:
+        code, out, err = await _command("--target", topology.tools.address, *common, "--json")
+        assert code == 0, err + out
+        document = json.loads(out)
+        assert document["instance"] == "tools"
+        assert document["counts"]["fail"] == 0
+        assert [c["name"] for c in document["checks"]] == [c.name for c in CHECKS]
+        assert all(c["section"] for c in document["checks"])
+        assert "pass" in err  # progress lines go to stderr
+    async with mutant.serve(tmp_path / "mutant") as address:
+        code, out, _ = await _command("--target", address, *common, "--only", "lease")
+    assert code == 1
+    assert "lease" in out and "FAIL" in out and "4.2" in out
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        (),
+        ("--target", "127.0.0.1:1", "--only", "no-such-check"),
+        ("--target", "127.0.0.1:1", "--workload", "/nonexistent/workload.json"),
+        ("--target", "not-an-address"),
+    ],
+    ids=["no-target", "unknown-check", "unreadable-workload", "bad-address"],
+)
+async def test_usage_errors_exit_2(args: tuple[str, ...]) -> None:
+    code, _, err = await _command(*args)
+    assert code == 2, err
