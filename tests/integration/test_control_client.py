@@ -1,8 +1,9 @@
 """The coordinator's control client and fan-out against real grpc.aio participants.
 
-Every participant here is a small scripted ``CheckpointControlServiceServicer`` on
-``127.0.0.1:0``: its ``ControlSession`` dispatches the oneof to the same per-operation
-handlers as the unary calls, records answers by request_id (so that a retry replays
+Every participant here is a scripted ``CheckpointControlService`` participant
+(``tests.support.scripted.ScriptedControl``) on ``127.0.0.1:0``: its ``ControlSession``
+dispatches the oneof to the same per-operation handlers as the unary calls; this file's
+flavour answers statelessly and records answers by request_id (so that a retry replays
 them), and can be told to hang, refuse or break its stream at a named request.
 """
 
@@ -10,16 +11,23 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, cast
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from typing import Any
 
 import grpc
 import pytest
 from google.protobuf import duration_pb2
 
-from turnpoint._status import error_to_control_error, error_to_grpc_status
+from tests.support.scripted import (
+    BOUND_S,
+    SESSION_METHOD,
+    ControlHandler,
+    Observed,
+    ScriptedControl,
+    hang,
+    serve_control,
+)
 from turnpoint.errors import Reason, TurnpointError
-from turnpoint.server import BearerTokenInterceptor
 from turnpoint.trainer._control_client import (
     CallTimeoutError,
     ControlRequest,
@@ -41,58 +49,20 @@ from turnpoint.trainer._fanout import (
     retry_same_request,
 )
 from turnpoint.v1 import checkpoint_control_service_pb2 as pb
-from turnpoint.v1 import checkpoint_control_service_pb2_grpc as pb_grpc
 from turnpoint.v1 import types_pb2
 
 TOKEN = "test-token"
-SESSION_METHOD = "/turnpoint.v1.CheckpointControlService/ControlSession"
 FENCE = types_pb2.Fence(coordinator_id="coordinator", epoch=1)
-# A safety net for waits on events that must happen; never a synchronisation device.
-BOUND_S = 10.0
-
-Handler = Callable[[ControlRequest], Awaitable[ControlResponse]]
 
 
-class Observed:
-    """State a test waits on: every change notifies, ``until`` waits for a predicate."""
-
-    def __init__(self) -> None:
-        self._changed = asyncio.Condition()
-
-    async def notify(self) -> None:
-        async with self._changed:
-            self._changed.notify_all()
-
-    async def until(self, predicate: Callable[[], bool]) -> None:
-        async with asyncio.timeout(BOUND_S), self._changed:
-            await self._changed.wait_for(predicate)
-
-
-class Participant(Observed):
-    """The scripted protocol core behind both servicer flavours."""
+class Participant(ScriptedControl):
+    """Stateless answers, recorded by request_id: a retry gets the same answer again."""
 
     def __init__(self, name: str) -> None:
-        super().__init__()
-        self.name = name
-        self.address = ""
-        self.script: dict[str, Handler] = {}
-        # Answers recorded by request_id: a retry gets the same answer, not a new run.
+        super().__init__(name)
         self.answers: dict[str, ControlResponse] = {}
         self.executions: Counter[str] = Counter()
-        self.received: list[tuple[str, str, ControlRequest]] = []
-        self.in_flight: Counter[str] = Counter()
-        self.cancelled: list[str] = []
-        self.methods: list[str] = []
-        self.sessions_opened = 0
-        # Request ids whose reply is swallowed and whose session then breaks.
-        self.break_after: set[str] = set()
         self.watch_ended = asyncio.Event()
-
-    def request_ids(self) -> list[str]:
-        return [request_id for _, request_id, _ in self.received]
-
-    def header(self) -> types_pb2.ResponseHeader:
-        return types_pb2.ResponseHeader(participant_id=self.name, incarnation="inc-1", epoch=1)
 
     def default(self, op: str, request: Any) -> ControlResponse:
         header = self.header()
@@ -128,98 +98,29 @@ class Participant(Observed):
         assert op == "get_status", op
         return pb.GetStatusResponse(header=header, phase=types_pb2.PHASE_IDLE, admission_open=True)
 
-    async def handle(self, op: str, request_id: str, request: ControlRequest) -> ControlResponse:
-        self.received.append((op, request_id, request))
-        await self.notify()
+    async def unscripted(self, op: str, request: Any, timeout_s: float) -> ControlResponse:
+        return self.default(op, request)
+
+    async def answer(
+        self, op: str, request_id: str, request: Any, timeout_s: float
+    ) -> ControlResponse:
         if request_id and request_id in self.answers:
             return self.answers[request_id]
-        script = self.script.get(op)
-        self.in_flight[op] += 1
-        try:
-            response = await script(request) if script else self.default(op, request)
-        except asyncio.CancelledError:
-            self.cancelled.append(request_id)
-            raise
-        finally:
-            self.in_flight[op] -= 1
-            await self.notify()
+        response: ControlResponse = await super().answer(op, request_id, request, timeout_s)
         self.executions[request_id] += 1
         if request_id:
             self.answers[request_id] = response
         return response
 
-
-class UnaryParticipant(pb_grpc.CheckpointControlServiceServicer):
-    """Serves the unary calls; registered without sessions (see :class:`_MethodLog`)."""
-
-    def __init__(self, participant: Participant) -> None:
-        self.p = participant
-
-    async def _unary(
-        self, op: str, request: ControlRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> Any:
-        try:
-            return await self.p.handle(op, getattr(request, "request_id", ""), request)
-        except TurnpointError as error:
-            await context.abort_with_status(error_to_grpc_status(error))  # type: ignore[attr-defined]
-            raise AssertionError("abort returns only by raising") from error
-
-    async def Describe(
-        self, request: pb.DescribeRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> pb.DescribeResponse:
-        return cast(pb.DescribeResponse, await self._unary("describe", request, context))
-
-    async def Prepare(
-        self, request: pb.PrepareRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> pb.PrepareResponse:
-        return cast(pb.PrepareResponse, await self._unary("prepare", request, context))
-
-    async def Renew(
-        self, request: pb.RenewRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> pb.RenewResponse:
-        return cast(pb.RenewResponse, await self._unary("renew", request, context))
-
-    async def Commit(
-        self, request: pb.CommitRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> pb.CommitResponse:
-        return cast(pb.CommitResponse, await self._unary("commit", request, context))
-
-    async def Resume(
-        self, request: pb.ResumeRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> pb.ResumeResponse:
-        return cast(pb.ResumeResponse, await self._unary("resume", request, context))
-
-    async def Restore(
-        self, request: pb.RestoreRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> pb.RestoreResponse:
-        return cast(pb.RestoreResponse, await self._unary("restore", request, context))
-
-    async def Retire(
-        self, request: pb.RetireRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> pb.RetireResponse:
-        return cast(pb.RetireResponse, await self._unary("retire", request, context))
-
-    async def Forget(
-        self, request: pb.ForgetRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> pb.ForgetResponse:
-        return cast(pb.ForgetResponse, await self._unary("forget", request, context))
-
-    async def GetStatus(
-        self, request: pb.GetStatusRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> pb.GetStatusResponse:
-        return cast(pb.GetStatusResponse, await self._unary("get_status", request, context))
-
-    async def WatchBoundaries(
-        self, request: pb.WatchBoundariesRequest, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> AsyncIterator[pb.WatchBoundariesResponse]:
+    async def watch_boundaries(self) -> AsyncGenerator[pb.WatchBoundariesResponse, None]:
         try:
             yield pb.WatchBoundariesResponse(
-                header=self.p.header(),
+                header=self.header(),
                 readiness=types_pb2.ReadinessReport(ready=False, blocker_count=1),
                 phase=types_pb2.PHASE_PREPARING,
             )
             yield pb.WatchBoundariesResponse(
-                header=self.p.header(),
+                header=self.header(),
                 boundary=pb.BoundaryEvent(
                     episode=types_pb2.EpisodeId(rollout_id="r-1", attempt=0),
                     state=types_pb2.EPISODE_STATE_PARKED,
@@ -231,93 +132,7 @@ class UnaryParticipant(pb_grpc.CheckpointControlServiceServicer):
         finally:
             # The stream never ends by itself: only the client's cancellation gets here,
             # wherever the generator was suspended at the time.
-            self.p.watch_ended.set()
-
-    def ControlSession(
-        self,
-        request_iterator: AsyncIterator[pb.ControlSessionRequest],
-        context: grpc.aio.ServicerContext[Any, Any],
-    ) -> Any:
-        raise AssertionError("hidden from the client by _MethodLog")
-
-
-class SessionParticipant(UnaryParticipant):
-    """Also serves ControlSession, answering each request as soon as it is done."""
-
-    async def ControlSession(  # type: ignore[override]
-        self,
-        request_iterator: AsyncIterator[pb.ControlSessionRequest],
-        context: grpc.aio.ServicerContext[Any, Any],
-    ) -> None:
-        self.p.sessions_opened += 1
-        write_lock = asyncio.Lock()
-        broken = asyncio.Event()
-        serving: set[asyncio.Task[None]] = set()
-
-        async def serve(envelope: pb.ControlSessionRequest) -> None:
-            op = envelope.WhichOneof("operation")
-            assert op is not None
-            reply = pb.ControlSessionResponse(request_id=envelope.request_id)
-            try:
-                answer = await self.p.handle(op, envelope.request_id, getattr(envelope, op))
-                getattr(reply, op).CopyFrom(answer)
-            except TurnpointError as error:
-                reply.error.CopyFrom(error_to_control_error(error))
-            if envelope.request_id in self.p.break_after:
-                # Acted and recorded, but the reply is lost with the stream.
-                self.p.break_after.discard(envelope.request_id)
-                broken.set()
-                return
-            async with write_lock:
-                await context.write(reply)
-
-        by_request: dict[str, asyncio.Task[None]] = {}
-
-        async def read_requests() -> None:
-            while True:
-                envelope = await context.read()
-                if not isinstance(envelope, pb.ControlSessionRequest):
-                    return
-                if envelope.WhichOneof("operation") == "cancel":
-                    # The caller abandoned that call: cancel it, answer nothing.
-                    abandoned = by_request.get(envelope.request_id)
-                    if abandoned is not None:
-                        abandoned.cancel()
-                    continue
-                task = asyncio.create_task(serve(envelope))
-                serving.add(task)
-                task.add_done_callback(serving.discard)
-                by_request[envelope.request_id] = task
-
-        reader = asyncio.create_task(read_requests())
-        breaker = asyncio.create_task(broken.wait())
-        try:
-            done, _ = await asyncio.wait({reader, breaker}, return_when=asyncio.FIRST_COMPLETED)
-            if breaker in done:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted session break")
-            await asyncio.gather(*serving)
-        finally:
-            for task in (reader, breaker, *serving):
-                task.cancel()
-
-
-class _MethodLog(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
-    """Records every method called; hides ControlSession from a unary-only participant,
-    which then answers UNIMPLEMENTED as a server without the method does."""
-
-    def __init__(self, methods: list[str], *, sessions: bool) -> None:
-        self.methods = methods
-        self.sessions = sessions
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> Any:
-        self.methods.append(handler_call_details.method)
-        if handler_call_details.method == SESSION_METHOD and not self.sessions:
-            return None
-        return await continuation(handler_call_details)
+            self.watch_ended.set()
 
 
 class Harness:
@@ -327,18 +142,7 @@ class Harness:
 
     async def start(self, name: str, *, session: bool = True) -> Participant:
         participant = Participant(name)
-        server = grpc.aio.server(
-            interceptors=[
-                _MethodLog(participant.methods, sessions=session),
-                BearerTokenInterceptor(TOKEN, open_services=()),
-            ]
-        )
-        servicer = SessionParticipant(participant) if session else UnaryParticipant(participant)
-        pb_grpc.add_CheckpointControlServiceServicer_to_server(servicer, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        self.servers.append(server)
-        participant.address = f"127.0.0.1:{port}"
+        self.servers.append(await serve_control(participant, TOKEN, session=session))
         return participant
 
     def client(
@@ -388,11 +192,6 @@ def forget(request_id: str, *rollout_ids: str) -> pb.ForgetRequest:
     return pb.ForgetRequest(fence=FENCE, request_id=request_id, rollout_ids=rollout_ids)
 
 
-async def hang(request: ControlRequest) -> ControlResponse:
-    await asyncio.Event().wait()
-    raise AssertionError("unreachable")
-
-
 async def warm_up(client: ParticipantControlClient) -> list[Failure]:
     """Connect and learn whether the participant serves sessions, retrying like a caller.
 
@@ -422,7 +221,7 @@ async def test_session_correlates_replies_that_arrive_out_of_order(harness: Harn
     participant = await harness.start("agent-0")
     release = asyncio.Event()
 
-    async def forget_slowly_if_asked(request: ControlRequest) -> ControlResponse:
+    async def forget_slowly_if_asked(request: ControlRequest, timeout_s: float) -> ControlResponse:
         assert isinstance(request, pb.ForgetRequest)
         if "slow" in request.rollout_ids:
             await release.wait()
@@ -455,7 +254,7 @@ async def test_a_refusal_raises_the_turnpoint_error_it_carries(
 ) -> None:
     participant = await harness.start("agent-0", session=session)
 
-    async def refuse(request: ControlRequest) -> ControlResponse:
+    async def refuse(request: ControlRequest, timeout_s: float) -> ControlResponse:
         raise TurnpointError(Reason.STALE_CHECKPOINT, "ck-1 is finished", {"checkpoint_id": "ck-1"})
 
     participant.script["prepare"] = refuse
@@ -548,7 +347,7 @@ async def test_a_cancelled_session_call_is_cancelled_at_the_participant(
     participant = await harness.start("agent-0")
     release = asyncio.Event()
 
-    async def renew_when_released(request: ControlRequest) -> ControlResponse:
+    async def renew_when_released(request: ControlRequest, timeout_s: float) -> ControlResponse:
         await release.wait()
         return participant.default("renew", request)
 
@@ -564,7 +363,7 @@ async def test_a_cancelled_session_call_is_cancelled_at_the_participant(
     with pytest.raises(asyncio.CancelledError):
         await renewing
     assert client.pending_calls == 0
-    await participant.until(lambda: participant.cancelled == ["r-1"])
+    await participant.until(lambda: participant.cancelled == [("renew", "r-1")])
     release.set()
     assert participant.executions["r-1"] == 0
     assert (await client.call(pb.GetStatusRequest(), 5)).admission_open
@@ -581,7 +380,7 @@ async def test_a_session_call_that_runs_out_of_time_is_cancelled_at_the_particip
     with pytest.raises(CallTimeoutError):
         await client.call(pb.RenewRequest(fence=FENCE, request_id="r-2", checkpoint_id="ck"), 0.05)
 
-    await participant.until(lambda: participant.cancelled == ["r-2"])
+    await participant.until(lambda: participant.cancelled == [("renew", "r-2")])
     assert participant.in_flight["renew"] == 0
 
 
@@ -595,7 +394,7 @@ async def test_a_cancelled_unary_call_is_cancelled_at_the_participant(harness: H
     await participant.until(lambda: participant.in_flight["prepare"] == 1)
     preparing.cancel()
 
-    await participant.until(lambda: participant.cancelled == ["p-1"])
+    await participant.until(lambda: participant.cancelled == [("prepare", "p-1")])
     assert preparing.cancelled()
 
 
@@ -605,7 +404,7 @@ async def test_a_reply_for_another_checkpoint_breaks_an_invariant(
 ) -> None:
     participant = await harness.start("agent-0", session=session)
 
-    async def answer_for_another(request: ControlRequest) -> ControlResponse:
+    async def answer_for_another(request: ControlRequest, timeout_s: float) -> ControlResponse:
         return pb.PrepareResponse(
             header=participant.header(), phase=types_pb2.PHASE_PREPARED, checkpoint_id="ck-9"
         )
@@ -723,7 +522,7 @@ async def test_fan_out_gives_up_on_a_stuck_participant_at_the_deadline(
         # timeout ends it; the client only stops waiting.
         assert stuck.sessions_opened == 1
     else:
-        await stuck.until(lambda: stuck.cancelled == ["prepare-agent-1"])
+        await stuck.until(lambda: stuck.cancelled == [("prepare", "prepare-agent-1")])
     with pytest.raises(FanoutError) as info:
         raise_if_failed(result, "prepare")
     assert info.value.transient
@@ -737,8 +536,10 @@ async def test_fan_out_keeps_at_most_concurrency_calls_in_flight(harness: Harnes
     in_flight = 0
     peak = 0
 
-    def gated(participant: Participant) -> Handler:
-        async def prepare_when_released(request: ControlRequest) -> ControlResponse:
+    def gated(participant: Participant) -> ControlHandler:
+        async def prepare_when_released(
+            request: ControlRequest, timeout_s: float
+        ) -> ControlResponse:
             nonlocal in_flight, peak
             in_flight += 1
             peak = max(peak, in_flight)
@@ -792,7 +593,9 @@ async def test_retry_same_request_resends_the_same_message_to_transient_failures
     steady = await harness.start("agent-1")
     attempts: Counter[str] = Counter()
 
-    async def commit_after_a_full_disk(request: ControlRequest) -> ControlResponse:
+    async def commit_after_a_full_disk(
+        request: ControlRequest, timeout_s: float
+    ) -> ControlResponse:
         assert isinstance(request, pb.CommitRequest)
         attempts[request.request_id] += 1
         if attempts[request.request_id] == 1:
@@ -824,7 +627,7 @@ async def test_retry_same_request_resends_the_same_message_to_transient_failures
 async def test_retry_same_request_stops_at_a_broken_invariant(harness: Harness) -> None:
     fenced = await harness.start("agent-0")
 
-    async def refuse(request: ControlRequest) -> ControlResponse:
+    async def refuse(request: ControlRequest, timeout_s: float) -> ControlResponse:
         raise TurnpointError(Reason.FENCED, "epoch 1 < 2")
 
     fenced.script["resume"] = refuse

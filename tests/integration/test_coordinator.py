@@ -1,13 +1,13 @@
 """The coordinator, the snapshot driver and the restorer against real grpc.aio servers.
 
-Every participant is a scripted ``CheckpointControlServiceServicer`` on ``127.0.0.1:0``
-serving both the unary calls and ``ControlSession``. By default it behaves like a
-well-mannered participant (prepares when its work is parked, writes real files on
-commit, records finished ids); a test replaces one operation's handler to make it hang,
-refuse, break its stream or answer something malformed.
+Every participant is a scripted control participant (``tests.support.scripted``) on
+``127.0.0.1:0`` serving both the unary calls and ``ControlSession``. By default it
+behaves like a well-mannered participant (prepares when its work is parked, writes real
+files on commit, records finished ids); a test replaces one operation's handler to make
+it hang, refuse, break its stream or answer something malformed.
 
-The rollout side and the trainer anchor are small fakes: this file is about the control
-plane, the snapshot steps and what ends up on disk.
+The rollout side and the trainer anchor are the small fakes of ``tests.support.fakes``:
+this file is about the control plane, the snapshot steps and what ends up on disk.
 """
 
 from __future__ import annotations
@@ -15,75 +15,70 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
-from google.protobuf import duration_pb2
 from prometheus_client import CollectorRegistry
 
+from tests.support.fakes import FakeAnchor, FakeRollouts
 from tests.support.participants import TOKEN as REAL_TOKEN
 from tests.support.participants import Topology as RealTopology
 from tests.support.participants import start_topology
-from turnpoint._status import error_to_control_error, error_to_grpc_status
+from tests.support.scripted import (
+    BreakSession,
+    ControlHandler,
+    ScriptedControl,
+    hang,
+    serve_control,
+)
 from turnpoint.apps.examples._task import make_prompt
 from turnpoint.errors import Reason, TurnpointError
 from turnpoint.ids import EpisodeId
 from turnpoint.protocol import ParticipantKind, Phase, RecoveryLevel
-from turnpoint.server import BearerTokenInterceptor
-from turnpoint.trainer._config import CoordinatorConfig
-from turnpoint.trainer._control_client import ControlResponse, FailureKind
-from turnpoint.trainer._coordinator import (
+from turnpoint.trainer import (
+    AgentEndpoint,
     CommitFailed,
     Coordinator,
+    CoordinatorConfig,
     CoordinatorError,
+    CoordinatorMetrics,
+    FailureReason,
+    InFlightRollout,
     PrepareFailed,
     RestoreFailed,
-    bump_epoch,
-)
-from turnpoint.trainer._deadlines import DeadlineRegistry, Hold
-from turnpoint.trainer._interfaces import InFlightRollout, UnackedDecision
-from turnpoint.trainer._manifest import (
-    AnchorRef,
-    SnapshotLayout,
-    SnapshotManifest,
-    TrainerRolloutState,
-    tree_digest,
-)
-from turnpoint.trainer._metrics import CoordinatorMetrics
-from turnpoint.trainer._restore import RerunReason, Restorer, apply_plan
-from turnpoint.trainer._rollouts import AgentEndpoint, Rollout, RolloutClient, RolloutOutcome
-from turnpoint.trainer._snapshots import (
-    FailureReason,
+    Restorer,
+    Rollout,
+    RolloutClient,
+    RolloutOutcome,
     SnapshotDriver,
     SnapshotFailuresError,
+    SnapshotLayout,
+    SnapshotManifest,
     SnapshotOutcome,
     SnapshotPhase,
     SnapshotPump,
-    WrittenAnchor,
+    apply_plan,
+    bump_epoch,
 )
+from turnpoint.trainer._control_client import FailureKind
+from turnpoint.trainer._manifest import AnchorRef, TrainerRolloutState, tree_digest
+from turnpoint.trainer._restore import RerunReason
 from turnpoint.v1 import checkpoint_control_service_pb2 as pb
-from turnpoint.v1 import checkpoint_control_service_pb2_grpc as pb_grpc
 from turnpoint.v1 import types_pb2
 
 TOKEN = "coordinator-test-token"
 # A safety net for waits on events that must happen; never a synchronisation device.
 BOUND_S = 10.0
 
-Handler = Callable[[Any, float], Awaitable[ControlResponse]]
-
 KINDS = {
     "agent": types_pb2.PARTICIPANT_KIND_AGENT,
     "resources": types_pb2.PARTICIPANT_KIND_RESOURCES,
     "model": types_pb2.PARTICIPANT_KIND_MODEL,
 }
-
-
-class BreakSession(Exception):
-    """Raised by a handler: the participant drops the session (UNAVAILABLE)."""
 
 
 def episode_pb(episode: EpisodeId) -> types_pb2.EpisodeId:
@@ -94,17 +89,13 @@ def episodes_of(messages: Iterable[types_pb2.EpisodeId]) -> list[EpisodeId]:
     return [EpisodeId(m.rollout_id, m.attempt) for m in messages]
 
 
-class Scripted:
+class Scripted(ScriptedControl):
     """One scripted participant: protocol-ish defaults, per-operation overrides."""
 
     def __init__(self, name: str, kind: str, root: Path) -> None:
-        self.name = name
+        super().__init__(name)
         self.kind = kind
         self.root = root
-        self.address = ""
-        self.script: dict[str, Handler] = {}
-        self.received: list[tuple[str, str, Any]] = []
-        self.cancelled: list[tuple[str, str]] = []
         self.finished: set[str] = set()
         self.active: str | None = None
         # Prepare is ready while this is set; the blockers are reported otherwise.
@@ -113,28 +104,8 @@ class Scripted:
         self.blockers: list[types_pb2.Blocker] = []
         self.restarts: list[EpisodeId] = []
         self.watch: asyncio.Queue[pb.WatchBoundariesResponse] = asyncio.Queue()
-        self._changed = asyncio.Condition()
-
-    # -- observing ---------------------------------------------------------------------
-
-    def calls(self, op: str) -> list[Any]:
-        return [request for name, _, request in self.received if name == op]
-
-    def request_ids(self, op: str) -> list[str]:
-        return [request_id for name, request_id, _ in self.received if name == op]
-
-    async def until(self, predicate: Callable[[], bool]) -> None:
-        async with asyncio.timeout(BOUND_S), self._changed:
-            await self._changed.wait_for(predicate)
-
-    async def _notify(self) -> None:
-        async with self._changed:
-            self._changed.notify_all()
 
     # -- the core ----------------------------------------------------------------------
-
-    def header(self) -> types_pb2.ResponseHeader:
-        return types_pb2.ResponseHeader(participant_id=self.name, incarnation="inc-1", epoch=1)
 
     def readiness(self) -> types_pb2.ReadinessReport:
         ready = self.ready.is_set()
@@ -152,17 +123,16 @@ class Scripted:
             )
         )
 
-    async def handle(self, op: str, request_id: str, request: Any, timeout_s: float) -> Any:
-        self.received.append((op, request_id, request))
-        await self._notify()
-        handler = self.script.get(op) or getattr(self, f"default_{op}")
-        try:
-            return await handler(request, timeout_s)
-        except asyncio.CancelledError:
-            self.cancelled.append((op, request_id))
-            raise
-        finally:
-            await self._notify()
+    async def unscripted(self, op: str, request: Any, timeout_s: float) -> Any:
+        handler: ControlHandler = getattr(self, f"default_{op}")
+        return await handler(request, timeout_s)
+
+    async def watch_boundaries(self) -> AsyncGenerator[pb.WatchBoundariesResponse, None]:
+        yield pb.WatchBoundariesResponse(
+            header=self.header(), readiness=self.readiness(), phase=types_pb2.PHASE_IDLE
+        )
+        while True:
+            yield await self.watch.get()
 
     async def default_describe(self, request: pb.DescribeRequest, timeout_s: float) -> Any:
         return pb.DescribeResponse(
@@ -256,209 +226,6 @@ class Scripted:
         return pb.GetStatusResponse(header=self.header(), phase=types_pb2.PHASE_IDLE)
 
 
-def _seconds(duration: duration_pb2.Duration) -> float:
-    return duration.seconds + duration.nanos / 1e9
-
-
-class Servicer(pb_grpc.CheckpointControlServiceServicer):
-    def __init__(self, participant: Scripted) -> None:
-        self.p = participant
-
-    async def _unary(
-        self, op: str, request: Any, context: grpc.aio.ServicerContext[Any, Any]
-    ) -> Any:
-        remaining = context.time_remaining()
-        timeout_s = remaining if remaining is not None else 30.0
-        try:
-            return await self.p.handle(op, getattr(request, "request_id", ""), request, timeout_s)
-        except TurnpointError as error:
-            await context.abort_with_status(error_to_grpc_status(error))  # type: ignore[attr-defined]
-        except BreakSession:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted outage")
-        raise AssertionError("abort returns only by raising")
-
-    async def Describe(self, request: Any, context: Any) -> Any:
-        return await self._unary("describe", request, context)
-
-    async def Prepare(self, request: Any, context: Any) -> Any:
-        return await self._unary("prepare", request, context)
-
-    async def Renew(self, request: Any, context: Any) -> Any:
-        return await self._unary("renew", request, context)
-
-    async def Commit(self, request: Any, context: Any) -> Any:
-        return await self._unary("commit", request, context)
-
-    async def Resume(self, request: Any, context: Any) -> Any:
-        return await self._unary("resume", request, context)
-
-    async def Restore(self, request: Any, context: Any) -> Any:
-        return await self._unary("restore", request, context)
-
-    async def Retire(self, request: Any, context: Any) -> Any:
-        return await self._unary("retire", request, context)
-
-    async def Forget(self, request: Any, context: Any) -> Any:
-        return await self._unary("forget", request, context)
-
-    async def GetStatus(self, request: Any, context: Any) -> Any:
-        return await self._unary("get_status", request, context)
-
-    async def WatchBoundaries(self, request: Any, context: Any) -> AsyncIterator[Any]:
-        yield pb.WatchBoundariesResponse(
-            header=self.p.header(), readiness=self.p.readiness(), phase=types_pb2.PHASE_IDLE
-        )
-        while True:
-            yield await self.p.watch.get()
-
-    async def ControlSession(  # type: ignore[override]
-        self,
-        request_iterator: AsyncIterator[pb.ControlSessionRequest],
-        context: grpc.aio.ServicerContext[Any, Any],
-    ) -> None:
-        write_lock = asyncio.Lock()
-        broken = asyncio.Event()
-        serving: set[asyncio.Task[None]] = set()
-
-        async def serve(envelope: pb.ControlSessionRequest) -> None:
-            op = envelope.WhichOneof("operation")
-            assert op is not None
-            reply = pb.ControlSessionResponse(request_id=envelope.request_id)
-            try:
-                answer = await self.p.handle(
-                    op, envelope.request_id, getattr(envelope, op), _seconds(envelope.timeout)
-                )
-                getattr(reply, op).CopyFrom(answer)
-            except TurnpointError as error:
-                reply.error.CopyFrom(error_to_control_error(error))
-            except BreakSession:
-                broken.set()
-                return
-            async with write_lock:
-                await context.write(reply)
-
-        async def read_requests() -> None:
-            while True:
-                envelope = await context.read()
-                if not isinstance(envelope, pb.ControlSessionRequest):
-                    return
-                task = asyncio.create_task(serve(envelope))
-                serving.add(task)
-                task.add_done_callback(serving.discard)
-
-        reader = asyncio.create_task(read_requests())
-        breaker = asyncio.create_task(broken.wait())
-        try:
-            done, _ = await asyncio.wait({reader, breaker}, return_when=asyncio.FIRST_COMPLETED)
-            if breaker in done:
-                await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted session break")
-            await asyncio.gather(*serving)
-        finally:
-            for task in (reader, breaker, *serving):
-                task.cancel()
-
-
-class UnaryOnly(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
-    """Hides ControlSession, so that the coordinator's client falls back to unary calls
-    (whose cancellation reaches the participant)."""
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> Any:
-        if handler_call_details.method.endswith("/ControlSession"):
-            return None
-        return await continuation(handler_call_details)
-
-
-# ------------------------------------------------------------------------- fakes
-
-
-class FakeRollouts:
-    """Just enough of a RolloutSide for the driver."""
-
-    def __init__(self) -> None:
-        self.version = 1
-        self.open = True
-        self.closed_to: set[str] = set()
-        self.deadlines: DeadlineRegistry[EpisodeId] = DeadlineRegistry()
-        self.rollouts: list[InFlightRollout] = []
-        self.decision: UnackedDecision = "acknowledge"
-        self.resolved: list[tuple[str, EpisodeId, str]] = []
-        self.on_resolve: Callable[[], None] | None = None
-        self.retires: dict[str, set[EpisodeId]] = {}
-
-    def close_dispatch(self) -> None:
-        self.open = False
-
-    def reopen_dispatch(self) -> None:
-        self.open = True
-
-    def close_dispatch_to(self, instance: str) -> None:
-        self.closed_to.add(instance)
-
-    def reopen_dispatch_to(self, instance: str) -> None:
-        self.closed_to.discard(instance)
-
-    def hold_deadlines(self, name: str) -> Hold:
-        return self.deadlines.hold(name, 0.0)
-
-    def release_deadlines(self, hold: Hold) -> None:
-        self.deadlines.release(hold, 0.0)
-
-    async def drain_acknowledgements(self, timeout_s: float) -> None:
-        return None
-
-    def in_flight(self) -> Sequence[InFlightRollout]:
-        return tuple(self.rollouts)
-
-    def rollout_state(self) -> TrainerRolloutState:
-        return TrainerRolloutState(
-            attempts={r.episode.rollout_id: r.episode.attempt for r in self.rollouts},
-            in_flight=tuple(
-                {
-                    "rollout_id": r.episode.rollout_id,
-                    "attempt": r.episode.attempt,
-                    "instance": r.instance,
-                    "prompt_group_id": r.prompt_group_id,
-                    "sibling_index": r.sibling_index,
-                    "group_size": r.group_size,
-                    "environment": r.environment,
-                    "boundaries_seen": r.boundaries_seen,
-                    "task": dict(r.task),
-                    "accepted": True,
-                }
-                for r in self.rollouts
-            ),
-        )
-
-    async def resolve_unacknowledged(
-        self, instance: str, episode: EpisodeId, receipt_id: str
-    ) -> UnackedDecision:
-        self.resolved.append((instance, episode, receipt_id))
-        if self.on_resolve is not None:
-            self.on_resolve()
-        return self.decision
-
-    def pending_retires(self) -> Mapping[str, Sequence[EpisodeId]]:
-        return {k: tuple(v) for k, v in self.retires.items() if v}
-
-    def retired(self, instance: str, episodes: Sequence[EpisodeId]) -> None:
-        self.retires.get(instance, set()).difference_update(episodes)
-
-
-class FakeAnchor:
-    def __init__(self) -> None:
-        self.step = 1
-
-    async def write(self, snapshot: Path) -> WrittenAnchor:
-        directory = snapshot / "trainer" / "anchor"
-        directory.mkdir(parents=True, exist_ok=True)
-        (directory / "state.bin").write_bytes(f"step {self.step}".encode())
-        return WrittenAnchor(AnchorRef(sha256=tree_digest(directory)), self.step)
-
-
 # ----------------------------------------------------------------------- harness
 
 
@@ -471,15 +238,7 @@ class Fleet:
 
     async def start(self, name: str, kind: str = "agent", *, session: bool = True) -> Scripted:
         participant = Scripted(name, kind, self.root)
-        interceptors: list[Any] = [BearerTokenInterceptor(TOKEN, open_services=())]
-        if not session:
-            interceptors.insert(0, UnaryOnly())
-        server = grpc.aio.server(interceptors=interceptors)
-        pb_grpc.add_CheckpointControlServiceServicer_to_server(Servicer(participant), server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        self.servers.append(server)
-        participant.address = f"127.0.0.1:{port}"
+        self.servers.append(await serve_control(participant, TOKEN, session=session))
         self.participants[name] = participant
         return participant
 
@@ -524,12 +283,7 @@ async def fleet(tmp_path: Path) -> AsyncIterator[Fleet]:
         await fleet.close()
 
 
-async def hang(request: Any, timeout_s: float) -> Any:
-    await asyncio.Event().wait()
-    raise AssertionError("unreachable")
-
-
-def failing(reason: Reason, times: int, then: Handler) -> Handler:
+def failing(reason: Reason, times: int, then: ControlHandler) -> ControlHandler:
     """Refuse ``times`` calls with ``reason``, then behave like ``then``."""
     left = [times]
 

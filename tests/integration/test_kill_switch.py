@@ -11,8 +11,7 @@ from pathlib import Path
 from tests.support.participants import TOKEN, start_topology
 from turnpoint.apps.demo._kill_switch import StatusProbe
 from turnpoint.ids import EpisodeId
-from turnpoint.trainer._config import CoordinatorConfig
-from turnpoint.trainer._coordinator import Coordinator
+from turnpoint.trainer import Coordinator, CoordinatorConfig
 from turnpoint.v1 import types_pb2
 
 HOLDING = {types_pb2.PHASE_PREPARING, types_pb2.PHASE_PREPARED}

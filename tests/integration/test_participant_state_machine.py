@@ -38,17 +38,15 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from tests.support.fakes import FakeClock, boundary_of, state_of
 from tests.support.participants import TOKEN
 from tests.support.scripted import (
-    FakeClock,
     RunCall,
     ScriptedAgent,
     Wire,
-    boundary_of,
     ckpt,
     host_scripted,
     restore_id,
-    state_of,
     wire_to,
 )
 from turnpoint._convert import struct_to_dict

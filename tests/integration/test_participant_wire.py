@@ -19,34 +19,37 @@ from typing import Any
 
 import pytest
 
+from tests.support.fakes import FakeClock, boundary_of, expect, state_of
 from tests.support.participants import ControlDoor
 from tests.support.scripted import (
     FENCE,
     TOKEN,
-    FakeClock,
     GroupTools,
     ModelFailed,
     RestartTools,
     ScriptedAgent,
     ScriptedTools,
     Wire,
-    boundary_of,
     bounded,
     ckpt,
-    expect,
     expect_deadline,
     host_scripted,
     poll,
     restore_id,
     rid,
-    state_of,
     wire_to,
 )
 from turnpoint._convert import episode_to_proto
 from turnpoint.errors import Reason, TurnpointError
 from turnpoint.ids import EpisodeId
-from turnpoint.participant_sdk import ArtifactRef, EpisodeState, SnapshotStore, TransientError
-from turnpoint.participant_sdk._store import MANIFEST_NAME, FaultPoint
+from turnpoint.participant_sdk import (
+    ArtifactRef,
+    EpisodeState,
+    FaultPoint,
+    SnapshotStore,
+    TransientError,
+)
+from turnpoint.participant_sdk._store import MANIFEST_NAME
 from turnpoint.participant_sdk.testing import StoreFaults
 from turnpoint.server._convert import enum_from_proto
 from turnpoint.v1 import checkpoint_control_service_pb2 as pb

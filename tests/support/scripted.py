@@ -7,21 +7,30 @@ answers its model call), :class:`ScriptedTools` holds any request at a named gat
 ``127.0.0.1:0``. :class:`Wire` is the client side: control requests through one door
 (unary or ControlSession), the data plane through its own stubs, and waits on the
 participant's own condition instead of sleeps.
+
+For the trainer's side there is no SDK underneath: :class:`ScriptedControl` is a
+``CheckpointControlService`` participant written out by hand, whose every operation a
+test can replace, and :func:`serve_control` serves it (unary calls and ControlSession,
+or unary only) on ``127.0.0.1:0``. The control client's tests and the coordinator's
+each subclass it with the answers they need.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
-from collections import defaultdict
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from collections import Counter, defaultdict
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import grpc
+from google.protobuf import duration_pb2
 
+from tests.support.fakes import state_of
 from tests.support.participants import METADATA, TOKEN, ControlDoor
 from turnpoint._convert import (
     duration_from_seconds,
@@ -29,14 +38,13 @@ from turnpoint._convert import (
     struct_from_mapping,
     struct_to_dict,
 )
-from turnpoint._status import error_from_rpc
+from turnpoint._status import error_from_rpc, error_to_control_error, error_to_grpc_status
 from turnpoint.errors import Reason, TurnpointError
 from turnpoint.ids import EpisodeId, make_checkpoint_id
 from turnpoint.participant_sdk import (
     Agent,
     ArtifactRef,
     EpisodeContext,
-    EpisodeState,
     ParticipantRuntime,
     ResourcesServer,
     RuntimeConfig,
@@ -45,12 +53,18 @@ from turnpoint.participant_sdk import (
     Verdict,
     VerifyMode,
 )
-from turnpoint.participant_sdk._core import ParticipantCore, WorkKey
+from turnpoint.participant_sdk._core import ParticipantCore
 from turnpoint.participant_sdk.testing import StoreFaults
 from turnpoint.protocol import RecoveryMode
-from turnpoint.server import HostedParticipant, ServerOptions, host_participant
+from turnpoint.server import (
+    BearerTokenInterceptor,
+    HostedParticipant,
+    ServerOptions,
+    host_participant,
+)
 from turnpoint.server._convert import artifact_to_proto
 from turnpoint.v1 import checkpoint_control_service_pb2 as pb
+from turnpoint.v1 import checkpoint_control_service_pb2_grpc as pb_grpc
 from turnpoint.v1 import resources_service_pb2 as rs_pb
 from turnpoint.v1 import resources_service_pb2_grpc as rs_grpc
 from turnpoint.v1 import rollout_service_pb2 as ro_pb
@@ -93,29 +107,6 @@ async def poll(predicate: Callable[[], bool], seconds: float = BOUND_S) -> None:
     async with asyncio.timeout(seconds):
         while not predicate():  # noqa: ASYNC110 - nothing to wait on: files, counters
             await asyncio.sleep(0.005)
-
-
-class FakeClock:
-    """Protocol time the test moves by hand (leases and budgets)."""
-
-    def __init__(self, start: float = 1000.0) -> None:
-        self.now = start
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
-def state_of(core: ParticipantCore, episode: EpisodeId, slot: str = "run") -> EpisodeState | None:
-    view = core.entry(WorkKey(episode, slot))
-    return None if view is None else view.state
-
-
-def boundary_of(core: ParticipantCore, episode: EpisodeId) -> int:
-    view = core.entry(WorkKey(episode, "run"))
-    return -1 if view is None else view.boundary_index
 
 
 # ---------------------------------------------------------------------- scripted kinds
@@ -614,16 +605,6 @@ async def wire_to(hosted: HostedParticipant, door: str) -> AsyncIterator[Wire]:
         await channel.close(None)
 
 
-async def expect(reason: Reason, awaitable: Awaitable[object]) -> TurnpointError:
-    """The protocol error ``awaitable`` raised, which must carry ``reason``."""
-    try:
-        await awaitable
-    except TurnpointError as error:
-        assert error.reason is reason, error
-        return error
-    raise AssertionError(f"expected {reason.name}")
-
-
 async def expect_deadline(awaitable: Awaitable[object]) -> None:
     """A call answered DEADLINE_EXCEEDED: the participant's own answer, or the deadline's."""
     try:
@@ -635,3 +616,273 @@ async def expect_deadline(awaitable: Awaitable[object]) -> None:
         assert error.code() is grpc.StatusCode.DEADLINE_EXCEEDED, error
         return
     raise AssertionError("expected DEADLINE_EXCEEDED")
+
+
+# ------------------------------------------------ scripted control servicers (no SDK)
+
+ControlHandler = Callable[[Any, float], Awaitable[Any]]
+SESSION_METHOD = "/turnpoint.v1.CheckpointControlService/ControlSession"
+
+
+class BreakSession(Exception):
+    """Raised by a handler: the participant drops the session (a unary call: UNAVAILABLE)."""
+
+
+class Observed:
+    """State a test waits on: every change notifies, ``until`` waits for a predicate."""
+
+    def __init__(self) -> None:
+        self._changed = asyncio.Condition()
+
+    async def notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def until(self, predicate: Callable[[], bool]) -> None:
+        async with asyncio.timeout(BOUND_S), self._changed:
+            await self._changed.wait_for(predicate)
+
+
+async def hang(request: Any, timeout_s: float) -> Any:
+    """A handler that never answers."""
+    await asyncio.Event().wait()
+    raise AssertionError("unreachable")
+
+
+class ScriptedControl(Observed):
+    """The half every scripted ``CheckpointControlService`` participant shares.
+
+    It records what it was asked (``received``), which calls were cancelled and which
+    are in flight, the methods and sessions its server saw; ``script[op]`` replaces one
+    operation's handler, a ``(request, timeout_s)`` coroutine that answers, raises a
+    :class:`TurnpointError` (the refusal), :class:`BreakSession` or hangs. A request id
+    in ``break_after`` is acted on, then its reply is lost with the session.
+    Subclasses say how an unscripted operation is answered (:meth:`unscripted`) and
+    what ``WatchBoundaries`` streams (:meth:`watch_boundaries`).
+    """
+
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name = name
+        self.address = ""
+        self.script: dict[str, ControlHandler] = {}
+        self.received: list[tuple[str, str, Any]] = []
+        self.cancelled: list[tuple[str, str]] = []
+        self.in_flight: Counter[str] = Counter()
+        self.methods: list[str] = []
+        self.sessions_opened = 0
+        self.break_after: set[str] = set()
+
+    def header(self) -> types_pb2.ResponseHeader:
+        return types_pb2.ResponseHeader(participant_id=self.name, incarnation="inc-1", epoch=1)
+
+    def calls(self, op: str) -> list[Any]:
+        return [request for name, _, request in self.received if name == op]
+
+    def request_ids(self, op: str | None = None) -> list[str]:
+        return [rid for name, rid, _ in self.received if op is None or name == op]
+
+    async def handle(self, op: str, request_id: str, request: Any, timeout_s: float) -> Any:
+        self.received.append((op, request_id, request))
+        await self.notify()
+        self.in_flight[op] += 1
+        try:
+            return await self.answer(op, request_id, request, timeout_s)
+        except asyncio.CancelledError:
+            self.cancelled.append((op, request_id))
+            raise
+        finally:
+            self.in_flight[op] -= 1
+            await self.notify()
+
+    async def answer(self, op: str, request_id: str, request: Any, timeout_s: float) -> Any:
+        handler = self.script.get(op)
+        if handler is not None:
+            return await handler(request, timeout_s)
+        return await self.unscripted(op, request, timeout_s)
+
+    async def unscripted(self, op: str, request: Any, timeout_s: float) -> Any:
+        raise NotImplementedError
+
+    def watch_boundaries(self) -> AsyncGenerator[pb.WatchBoundariesResponse, None]:
+        raise NotImplementedError
+
+
+def _seconds(duration: duration_pb2.Duration) -> float:
+    return duration.seconds + duration.nanos / 1e9
+
+
+class ScriptedControlServicer(pb_grpc.CheckpointControlServiceServicer):
+    """Serves a :class:`ScriptedControl` through the unary calls and ``ControlSession``.
+
+    The session dispatches the oneof to the same handlers as the unary calls and answers
+    each request as soon as it is done; a ``cancel`` message cancels the call it names.
+    """
+
+    def __init__(self, participant: ScriptedControl) -> None:
+        self.p = participant
+
+    async def _unary(
+        self, op: str, request: Any, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> Any:
+        remaining = context.time_remaining()
+        timeout_s = remaining if remaining is not None else 30.0
+        try:
+            return await self.p.handle(op, getattr(request, "request_id", ""), request, timeout_s)
+        except TurnpointError as error:
+            await context.abort_with_status(error_to_grpc_status(error))  # type: ignore[attr-defined]
+        except BreakSession:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted outage")
+        raise AssertionError("abort returns only by raising")
+
+    async def Describe(
+        self, request: pb.DescribeRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.DescribeResponse:
+        return cast(pb.DescribeResponse, await self._unary("describe", request, context))
+
+    async def Prepare(
+        self, request: pb.PrepareRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.PrepareResponse:
+        return cast(pb.PrepareResponse, await self._unary("prepare", request, context))
+
+    async def Renew(
+        self, request: pb.RenewRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.RenewResponse:
+        return cast(pb.RenewResponse, await self._unary("renew", request, context))
+
+    async def Commit(
+        self, request: pb.CommitRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.CommitResponse:
+        return cast(pb.CommitResponse, await self._unary("commit", request, context))
+
+    async def Resume(
+        self, request: pb.ResumeRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ResumeResponse:
+        return cast(pb.ResumeResponse, await self._unary("resume", request, context))
+
+    async def Restore(
+        self, request: pb.RestoreRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.RestoreResponse:
+        return cast(pb.RestoreResponse, await self._unary("restore", request, context))
+
+    async def Retire(
+        self, request: pb.RetireRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.RetireResponse:
+        return cast(pb.RetireResponse, await self._unary("retire", request, context))
+
+    async def Forget(
+        self, request: pb.ForgetRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.ForgetResponse:
+        return cast(pb.ForgetResponse, await self._unary("forget", request, context))
+
+    async def GetStatus(
+        self, request: pb.GetStatusRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> pb.GetStatusResponse:
+        return cast(pb.GetStatusResponse, await self._unary("get_status", request, context))
+
+    async def WatchBoundaries(
+        self, request: pb.WatchBoundariesRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> AsyncIterator[pb.WatchBoundariesResponse]:
+        # Closing this stream closes the participant's, wherever either was suspended.
+        async with contextlib.aclosing(self.p.watch_boundaries()) as stream:
+            async for response in stream:
+                yield response
+
+    async def ControlSession(  # type: ignore[override]
+        self,
+        request_iterator: AsyncIterator[pb.ControlSessionRequest],
+        context: grpc.aio.ServicerContext[Any, Any],
+    ) -> None:
+        self.p.sessions_opened += 1
+        write_lock = asyncio.Lock()
+        broken = asyncio.Event()
+        serving: set[asyncio.Task[None]] = set()
+        by_request: dict[str, asyncio.Task[None]] = {}
+
+        async def serve(envelope: pb.ControlSessionRequest) -> None:
+            op = envelope.WhichOneof("operation")
+            assert op is not None
+            reply = pb.ControlSessionResponse(request_id=envelope.request_id)
+            try:
+                answer = await self.p.handle(
+                    op, envelope.request_id, getattr(envelope, op), _seconds(envelope.timeout)
+                )
+                getattr(reply, op).CopyFrom(answer)
+            except TurnpointError as error:
+                reply.error.CopyFrom(error_to_control_error(error))
+            except BreakSession:
+                broken.set()
+                return
+            if envelope.request_id in self.p.break_after:
+                # Acted and recorded, but the reply is lost with the stream.
+                self.p.break_after.discard(envelope.request_id)
+                broken.set()
+                return
+            async with write_lock:
+                await context.write(reply)
+
+        async def read_requests() -> None:
+            while True:
+                envelope = await context.read()
+                if not isinstance(envelope, pb.ControlSessionRequest):
+                    return
+                if envelope.WhichOneof("operation") == "cancel":
+                    # The caller abandoned that call: cancel it, answer nothing.
+                    abandoned = by_request.get(envelope.request_id)
+                    if abandoned is not None:
+                        abandoned.cancel()
+                    continue
+                task = asyncio.create_task(serve(envelope))
+                serving.add(task)
+                task.add_done_callback(serving.discard)
+                by_request[envelope.request_id] = task
+
+        reader = asyncio.create_task(read_requests())
+        breaker = asyncio.create_task(broken.wait())
+        try:
+            done, _ = await asyncio.wait({reader, breaker}, return_when=asyncio.FIRST_COMPLETED)
+            if breaker in done:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted session break")
+            await asyncio.gather(*serving)
+        finally:
+            for task in (reader, breaker, *serving):
+                task.cancel()
+
+
+class MethodLog(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
+    """Records every method called; without ``sessions`` it hides ControlSession, which
+    then answers UNIMPLEMENTED as from a server without the method (so that a client
+    falls back to the unary calls, whose cancellation reaches the participant)."""
+
+    def __init__(self, methods: list[str], *, sessions: bool) -> None:
+        self.methods = methods
+        self.sessions = sessions
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Any]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> Any:
+        self.methods.append(handler_call_details.method)
+        if handler_call_details.method == SESSION_METHOD and not self.sessions:
+            return None
+        return await continuation(handler_call_details)
+
+
+async def serve_control(
+    participant: ScriptedControl, token: str, *, session: bool = True
+) -> grpc.aio.Server:
+    """Serve ``participant`` on ``127.0.0.1:0`` with token auth; sets its address."""
+    server = grpc.aio.server(
+        interceptors=[
+            MethodLog(participant.methods, sessions=session),
+            BearerTokenInterceptor(token, open_services=()),
+        ]
+    )
+    pb_grpc.add_CheckpointControlServiceServicer_to_server(
+        ScriptedControlServicer(participant), server
+    )
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    participant.address = f"127.0.0.1:{port}"
+    return server

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from turnpoint.trainer._anchor import (
+from turnpoint.trainer import (
     AnchorError,
     AnchorWriter,
     load_anchor,

@@ -9,7 +9,8 @@ from pathlib import Path
 import pydantic
 import pytest
 
-from turnpoint.trainer._config import ConfigError, ConfigSection, CoordinatorConfig
+from turnpoint.trainer import ConfigError, CoordinatorConfig
+from turnpoint.trainer._config import ConfigSection
 
 
 def test_defaults_follow_the_protocol(tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from turnpoint.ids import EpisodeId
+from turnpoint.trainer import InFlightRollout
 from turnpoint.trainer._coordinator_core import (
     MIN_ROUND_S,
     NOT_READY_BACKOFF_MAX_S,
@@ -40,7 +41,6 @@ from turnpoint.trainer._coordinator_core import (
     scope_commit,
     watch_after_s,
 )
-from turnpoint.trainer._interfaces import InFlightRollout
 from turnpoint.trainer._manifest import PlacedEpisode, PublishStep
 from turnpoint.trainer._snapshot_attempt import (
     PHASES,

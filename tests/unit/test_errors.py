@@ -111,8 +111,7 @@ def _public_exceptions(package: str) -> list[type[BaseException]]:
 
 def test_every_coordinator_error_is_one_coordinator_error_with_a_reason() -> None:
     """``except CoordinatorError`` catches every failure the coordinator library raises."""
-    from turnpoint.trainer import CoordinatorError
-    from turnpoint.trainer._anchor import AnchorError
+    from turnpoint.trainer import AnchorError, CoordinatorError
 
     exceptions = [*_public_exceptions("turnpoint.trainer"), AnchorError]
     assert len(exceptions) >= 10
@@ -122,7 +121,8 @@ def test_every_coordinator_error_is_one_coordinator_error_with_a_reason() -> Non
 
 
 def test_the_coordinators_errors_carry_the_reason_a_caller_branches_on() -> None:
-    from turnpoint.trainer._config import ConfigError, ConfigProblem
+    from turnpoint.trainer import ConfigError
+    from turnpoint.trainer._config import ConfigProblem
     from turnpoint.trainer._control_client import (
         CallTimeoutError,
         MalformedReplyError,
@@ -159,9 +159,13 @@ def test_every_participant_sdk_error_is_one_participant_error_with_a_reason() ->
     import copy
     import pickle
 
-    from turnpoint.participant_sdk import ParticipantError
-    from turnpoint.participant_sdk._records import Corruption, CorruptSnapshotError
-    from turnpoint.participant_sdk._store import SnapshotConflictError, WriteCancelled
+    from turnpoint.participant_sdk import (
+        CorruptSnapshotError,
+        ParticipantError,
+        SnapshotConflictError,
+    )
+    from turnpoint.participant_sdk._records import Corruption
+    from turnpoint.participant_sdk._store import WriteCancelled
 
     exceptions = _public_exceptions("turnpoint.participant_sdk")
     assert len(exceptions) >= 7

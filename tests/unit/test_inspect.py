@@ -12,9 +12,10 @@ import pytest
 
 from turnpoint.apps._cli import main
 from turnpoint.ids import EpisodeId, make_checkpoint_id
-from turnpoint.participant_sdk._store import ArtifactRef as StoreArtifactRef
-from turnpoint.participant_sdk._store import Record, SnapshotStore
-from turnpoint.trainer._inspect import inspect_command, inspect_root
+from turnpoint.participant_sdk import ArtifactRef as StoreArtifactRef
+from turnpoint.participant_sdk import Record, SnapshotStore
+from turnpoint.trainer import SnapshotLayout, SnapshotManifest, inspect_root
+from turnpoint.trainer._inspect import inspect_command
 from turnpoint.trainer._manifest import (
     LATEST_NAME,
     MANIFEST_NAME,
@@ -23,8 +24,6 @@ from turnpoint.trainer._manifest import (
     ParticipantEntry,
     ParticipantKind,
     PlacedEpisode,
-    SnapshotLayout,
-    SnapshotManifest,
     TrainerRolloutState,
     tree_digest,
 )

@@ -1,7 +1,8 @@
 """The demo trainer's kill switch, wired around a real snapshot driver with fakes.
 
-The driver, its layout and the fakes are those of ``test_snapshot_driver``; the switch
-watches the driver exactly as the demo trainer wires it. "Killing" raises :class:`Killed` (a
+The driver, its layout and the fakes are the snapshot driver's world of
+``tests.support.fakes``, as in ``test_snapshot_driver``; the switch watches the driver
+exactly as the demo trainer wires it. "Killing" raises :class:`Killed` (a
 ``BaseException``, so nothing on the way catches it), which ends the attempt where a
 SIGKILL would.
 """
@@ -15,8 +16,8 @@ from typing import Any
 
 import pytest
 
+from tests.support.fakes import NOT_READY, World, make_world, rollout
 from tests.support.scripted import poll
-from tests.unit.test_snapshot_driver import EP1, EP2, NOT_READY, World, make_world, rollout
 from turnpoint.apps.demo import CRASH_POINTS
 from turnpoint.apps.demo._kill_switch import (
     Fired,
@@ -26,16 +27,19 @@ from turnpoint.apps.demo._kill_switch import (
     append_event,
     parse_kill_at,
 )
-from turnpoint.ids import make_checkpoint_id
-from turnpoint.trainer._coordinator import PreparedCheckpoint
-from turnpoint.trainer._manifest import ParticipantEntry, PublishStep, SnapshotLayout
-from turnpoint.trainer._snapshots import (
-    EPOCH_STRIDE,
+from turnpoint.ids import EpisodeId, make_checkpoint_id
+from turnpoint.trainer import (
+    PreparedCheckpoint,
     SnapshotDriver,
+    SnapshotLayout,
     SnapshotOutcome,
     SnapshotReport,
 )
+from turnpoint.trainer._manifest import ParticipantEntry, PublishStep
+from turnpoint.trainer._snapshots import EPOCH_STRIDE
 from turnpoint.v1 import types_pb2
+
+EP1, EP2 = EpisodeId("r1", 0), EpisodeId("r2", 0)
 
 
 class Killed(BaseException):
@@ -69,18 +73,8 @@ def wired(tmp_path: Path, switch: KillSwitch) -> tuple[World, SnapshotDriver]:
     world = make_world(
         tmp_path, layout=SnapshotLayout(tmp_path, after_step=switch.after_publish_step)
     )
-    driver = SnapshotDriver(
-        coordinator=world.coordinator,
-        rollouts=world.rollouts,
-        anchor=world.anchor,
-        layout=world.layout,
-        config=world.config,
-        epoch=3,
-        clock=world.clock,
-        wall_clock=lambda: 1_700_000_000.0,
-    )
-    switch.attach(driver)
-    return world, driver
+    switch.attach(world.driver)
+    return world, world.driver
 
 
 async def take(world: World, driver: SnapshotDriver, *, in_flight: bool) -> SnapshotReport:

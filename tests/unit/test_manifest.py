@@ -16,19 +16,17 @@ import pytest
 
 from turnpoint.errors import Reason
 from turnpoint.ids import EpisodeId, make_checkpoint_id
+from turnpoint.trainer import ManifestError, SnapshotLayout, SnapshotManifest
 from turnpoint.trainer._manifest import (
     ANCHOR_DIR,
     LATEST_NAME,
     MANIFEST_NAME,
     AnchorRef,
     ArtifactRef,
-    ManifestError,
     ParticipantEntry,
     ParticipantKind,
     PlacedEpisode,
     PublishStep,
-    SnapshotLayout,
-    SnapshotManifest,
     TrainerRolloutState,
     tree_digest,
 )

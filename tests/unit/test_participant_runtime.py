@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 import pytest
 
+from tests.support.fakes import FakeClock, boundary_of, expect, state_of
 from turnpoint.errors import Reason, TurnpointError
 from turnpoint.ids import EpisodeId, make_checkpoint_id, validate_id
 from turnpoint.participant_sdk import (
@@ -33,6 +34,7 @@ from turnpoint.participant_sdk import (
     ConfigurationError,
     EpisodeContext,
     EpisodeState,
+    FaultPoint,
     Fence,
     GenerateChunk,
     GenerateRequest,
@@ -54,8 +56,6 @@ from turnpoint.participant_sdk import (
     VerifyMode,
     WatchEvent,
 )
-from turnpoint.participant_sdk._core import ParticipantCore, WorkKey
-from turnpoint.participant_sdk._store import FaultPoint
 from turnpoint.participant_sdk.testing import StoreFaults
 
 T = TypeVar("T")
@@ -80,38 +80,6 @@ def ckpt(n: int) -> str:
 
 def restore_id(n: int) -> str:
     return make_checkpoint_id("restore", n)
-
-
-class FakeClock:
-    """Protocol time the test moves by hand."""
-
-    def __init__(self, start: float = 1000.0) -> None:
-        self.now = start
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
-def state_of(core: ParticipantCore, episode: EpisodeId, slot: str = "run") -> EpisodeState | None:
-    view = core.entry(WorkKey(episode, slot))
-    return None if view is None else view.state
-
-
-def boundary_of(core: ParticipantCore, episode: EpisodeId) -> int:
-    view = core.entry(WorkKey(episode, "run"))
-    return -1 if view is None else view.boundary_index
-
-
-async def expect(reason: Reason, awaitable: Awaitable[object]) -> TurnpointError:
-    try:
-        await awaitable
-    except TurnpointError as error:
-        assert error.reason is reason, error
-        return error
-    raise AssertionError(f"expected {reason.name}")
 
 
 async def first(iterator: AsyncGenerator[T, None]) -> T:

@@ -27,6 +27,13 @@ from hypothesis.stateful import (
 )
 
 from turnpoint.ids import EpisodeId
+from turnpoint.trainer import (
+    Hold,
+    ManifestError,
+    Rollout,
+    RolloutClientSettings,
+    RolloutOutcome,
+)
 from turnpoint.trainer._attempts import (
     Attempt,
     AttemptPhase,
@@ -35,15 +42,9 @@ from turnpoint.trainer._attempts import (
     Receipt,
     Resolve,
 )
-from turnpoint.trainer._deadlines import Hold
 from turnpoint.trainer._ledger import RolloutLedger
-from turnpoint.trainer._manifest import ManifestError, TrainerRolloutState
-from turnpoint.trainer._rollout_values import (
-    Rollout,
-    RolloutClientSettings,
-    RolloutOutcome,
-    SavedRollout,
-)
+from turnpoint.trainer._manifest import TrainerRolloutState
+from turnpoint.trainer._rollout_values import SavedRollout
 
 AGENTS = ("agent-0", "agent-1")
 SETTINGS = RolloutClientSettings(

@@ -17,16 +17,18 @@ from typing import Any, TypeVar
 import pytest
 
 from turnpoint.ids import EpisodeId, InvalidIdError
-from turnpoint.participant_sdk._store import (
-    MANIFEST_NAME,
+from turnpoint.participant_sdk import (
     ArtifactRef,
-    Corruption,
     CorruptSnapshotError,
     FaultPoint,
     Record,
     SnapshotConflictError,
     SnapshotEntry,
     SnapshotStore,
+)
+from turnpoint.participant_sdk._store import (
+    MANIFEST_NAME,
+    Corruption,
     UnserialisableRecordError,
     WriteCancelled,
     WriteState,
