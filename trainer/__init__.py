@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 from turnpoint.protocol import RecoveryLevel
 from turnpoint.trainer._anchor_source import TorchAnchorSource
 from turnpoint.trainer._config import ConfigError, CoordinatorConfig
+from turnpoint.trainer._control_client import ControlCallError, ParticipantControlClient
 from turnpoint.trainer._control_outcomes import (
     CommitFailed,
     ControlReport,
@@ -27,12 +28,25 @@ from turnpoint.trainer._control_outcomes import (
 from turnpoint.trainer._coordinator import Coordinator
 from turnpoint.trainer._deadlines import DeadlineRegistry, Hold
 from turnpoint.trainer._errors import CoordinatorError
-from turnpoint.trainer._identity import CoordinatorIdentity, bump_epoch
+from turnpoint.trainer._identity import COORDINATOR_FILE, CoordinatorIdentity, bump_epoch
 from turnpoint.trainer._inspect import inspect_root
 from turnpoint.trainer._interfaces import InFlightRollout, RolloutSide
-from turnpoint.trainer._manifest import ManifestError, SnapshotLayout, SnapshotManifest
+from turnpoint.trainer._liveness import (
+    LivenessTracker,
+    ParticipantLostError,
+    watch_liveness,
+)
+from turnpoint.trainer._manifest import (
+    AnchorRef,
+    ManifestError,
+    PublishStep,
+    SnapshotLayout,
+    SnapshotManifest,
+    tree_digest,
+)
 from turnpoint.trainer._metrics import CoordinatorMetrics
 from turnpoint.trainer._recovery import LevelDecision, decide_levels
+from turnpoint.trainer._restarts import RestartBudget, RestartDecision
 from turnpoint.trainer._restore import (
     NoUsableSnapshotError,
     Redispatch,
@@ -50,7 +64,12 @@ from turnpoint.trainer._rollout_values import (
     RolloutResult,
 )
 from turnpoint.trainer._rollouts import AgentEndpoint, RolloutClient
-from turnpoint.trainer._snapshot_attempt import SnapshotPhase
+from turnpoint.trainer._snapshot_attempt import (
+    SnapshotPhase,
+    SnapshotPoint,
+    SnapshotState,
+    points_of,
+)
 from turnpoint.trainer._snapshot_pump import (
     SnapshotFailuresError,
     SnapshotInvariantError,
@@ -62,11 +81,14 @@ from turnpoint.trainer._snapshots import SnapshotDriver
 from turnpoint.trainer._topology import ParticipantInfo, Topology
 
 __all__ = [
+    "COORDINATOR_FILE",
     "AgentEndpoint",
     "AnchorError",
+    "AnchorRef",
     "AnchorWriter",
     "CommitFailed",
     "ConfigError",
+    "ControlCallError",
     "ControlReport",
     "Coordinator",
     "CoordinatorConfig",
@@ -78,15 +100,21 @@ __all__ = [
     "Hold",
     "InFlightRollout",
     "LevelDecision",
+    "LivenessTracker",
     "ManifestError",
     "NoUsableSnapshotError",
     "OperationFailed",
+    "ParticipantControlClient",
     "ParticipantInfo",
+    "ParticipantLostError",
     "PrepareFailed",
     "PreparedCheckpoint",
+    "PublishStep",
     "RecoveryLevel",
     "Redispatch",
     "Rerun",
+    "RestartBudget",
+    "RestartDecision",
     "RestoreFailed",
     "RestorePlan",
     "RestoredCheckpoint",
@@ -104,9 +132,11 @@ __all__ = [
     "SnapshotManifest",
     "SnapshotOutcome",
     "SnapshotPhase",
+    "SnapshotPoint",
     "SnapshotPump",
     "SnapshotReport",
     "SnapshotRunError",
+    "SnapshotState",
     "Topology",
     "TorchAnchorSource",
     "apply_plan",
@@ -115,8 +145,11 @@ __all__ = [
     "inspect_root",
     "load_anchor",
     "plan_restore",
+    "points_of",
     "save_anchor",
     "torch_anchor_loader",
+    "tree_digest",
+    "watch_liveness",
 ]
 
 if TYPE_CHECKING:

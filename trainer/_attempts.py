@@ -179,6 +179,7 @@ class RolloutStats:
     reattaches: int = 0
     abandoned: int = 0
     reruns: int = 0
+    groups_retried_whole: int = 0
     given_up: int = 0
     results: int = 0
     acknowledged: int = 0

@@ -188,6 +188,19 @@ class CoordinatorConfig(ConfigSection):
 
     resume_retry_pause_s: float = Field(default=1.0, ge=0)
 
+    liveness_interval_s: float = Field(default=2.0, gt=0)
+    """How often the liveness watch asks every participant for its status."""
+
+    participant_lost_after_s: float = Field(default=15.0, gt=0)
+    """A participant that answered nothing for this long is lost (its process died, was
+    paused, or its host went away): the job restores onto fresh participants."""
+
+    max_restarts: int = Field(default=3, ge=0)
+    """Job restarts (restore from the last published snapshot onto fresh participants)
+    allowed within ``restart_window_s``; one more ends the run."""
+
+    restart_window_s: float = Field(default=3600.0, gt=0)
+
     rollout_budget_s: float | None = Field(default=None, gt=0)
     """Active-time budget of one rollout on the trainer; ``None``: no budget."""
 
@@ -212,6 +225,12 @@ class CoordinatorConfig(ConfigSection):
                 f"lease_s ({self.lease_s:g}) must exceed 2 * renew_interval_s "
                 f"({2 * self.renew_interval_s:g}) so that one lost renewal does not expire "
                 "the lease: raise lease_s or lower renew_interval_s"
+            )
+        if self.participant_lost_after_s <= self.liveness_interval_s:
+            violations.append(
+                f"participant_lost_after_s ({self.participant_lost_after_s:g}) must exceed "
+                f"liveness_interval_s ({self.liveness_interval_s:g}), or one slow status "
+                "answer would count as a lost participant: raise participant_lost_after_s"
             )
         if self.renew_interval_s > self.control_timeout_s:
             violations.append(

@@ -57,7 +57,14 @@ from turnpoint.trainer._topology import Topology
 from turnpoint.v1 import checkpoint_control_service_pb2 as pb
 from turnpoint.v1 import types_pb2
 
-__all__ = ["JOINING_ATTEMPTS", "ControlOperations", "Renewer", "content_key", "episodes_of"]
+__all__ = [
+    "JOINING_ATTEMPTS",
+    "JOINING_RETRY_PAUSE_S",
+    "ControlOperations",
+    "Renewer",
+    "content_key",
+    "episodes_of",
+]
 
 _LOG = logging.getLogger(__name__)
 
@@ -65,6 +72,9 @@ JOINING_ATTEMPTS: Final = 2
 """A commit, retire or restore that ran out of time keeps working on the participant; one
 retry with the same request joins that work (docs/spec.md section 4.3) instead of giving
 up."""
+JOINING_RETRY_PAUSE_S: Final = 0.25
+"""The pause before that retry (docs/spec.md section 7.3 item 3): a failure that broke the
+connection would otherwise be retried at once on the connection still being torn down."""
 # Resume order (docs/spec.md section 7.4 step 8): what rollouts depend on reopens first.
 _RESUME_ORDER: Final = (
     (ParticipantKind.RESOURCES,),
@@ -285,8 +295,10 @@ class ControlOperations:
         requests: Mapping[str, ControlRequest],
         *,
         attempts: int = 1,
-        pause_s: float = 0.0,
+        pause_s: float = JOINING_RETRY_PAUSE_S,
     ) -> FanoutResult[Any]:
+        """One operation, the same requests re-sent up to ``attempts`` times to the
+        participants whose failure was transient, ``pause_s`` apart."""
         clients = {name: self._clients[name] for name in requests}
         result: FanoutResult[Any] = await _retry_same_request(
             clients,
@@ -455,4 +467,23 @@ class ControlOperations:
         result = await self._fan_out_once("forget", requests, attempts=JOINING_ATTEMPTS)
         return ControlReport(
             "forget", key, frozenset(result.responses), result.failures, result.durations_s
+        )
+
+    # -- liveness ----------------------------------------------------------------------
+
+    async def status_round(self, timeout_s: float) -> FanoutResult[pb.GetStatusResponse]:
+        """Ask every participant for its status once, each call bounded by ``timeout_s``:
+        the liveness watch's probe (docs/spec.md section 7.11). Not recorded as an
+        operation in the metrics: it runs all the time and says nothing of snapshots."""
+        clients = {name: self._clients[name] for name in self.instances}
+
+        def request(_name: str) -> pb.GetStatusRequest:
+            return pb.GetStatusRequest()
+
+        return await fan_out(
+            clients,
+            request,
+            deadline_s=timeout_s,
+            per_call_timeout_s=timeout_s,
+            concurrency=self.config.fanout_concurrency,
         )

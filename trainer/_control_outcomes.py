@@ -67,15 +67,22 @@ class PrepareFailed(OperationFailed):
         failures: Mapping[str, Failure],
         retire: Mapping[str, tuple[EpisodeId, ...]] | None = None,
         verdict: PrepareVerdict | None = None,
+        finished_through: int | None = None,
     ) -> None:
         super().__init__("prepare", checkpoint_id, failures)
         self.checkpoint_id = checkpoint_id
         self.retire: dict[str, tuple[EpisodeId, ...]] = dict(retire or {})
         self.verdict = verdict
         self.release: ControlReport | None = None
+        # The highest sequence of this id's prefix some participant that refused it
+        # STALE_CHECKPOINT has finished (docs/spec.md section 7.2 item 4), if probed.
+        self.finished_through = finished_through
 
     def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.checkpoint_id, self.failures, self.retire, self.verdict))
+        return (
+            type(self),
+            (self.checkpoint_id, self.failures, self.retire, self.verdict, self.finished_through),
+        )
 
     @property
     def not_ready(self) -> frozenset[str]:

@@ -23,15 +23,22 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from types import MappingProxyType
 
 import grpc
 
 from turnpoint._convert import duration_from_seconds, episode_to_proto
-from turnpoint.ids import EpisodeId, validate_id
-from turnpoint.protocol import PROTOCOL_VERSION, ParticipantKind
+from turnpoint.errors import Reason
+from turnpoint.ids import (
+    EpisodeId,
+    InvalidIdError,
+    checkpoint_sequence,
+    make_checkpoint_id,
+    validate_id,
+)
+from turnpoint.protocol import PROTOCOL_VERSION, ParticipantKind, RecoveryLevel
 from turnpoint.trainer._config import CoordinatorConfig
 from turnpoint.trainer._control_client import (
     FailureKind,
@@ -53,6 +60,7 @@ from turnpoint.trainer._control_outcomes import (
     RestoreFailed,
 )
 from turnpoint.trainer._coordinator_core import (
+    FinishedProbe,
     Outcome,
     ParticipantPrepare,
     commit_scope_problem,
@@ -61,7 +69,7 @@ from turnpoint.trainer._coordinator_core import (
     watch_after_s,
 )
 from turnpoint.trainer._errors import CoordinatorError
-from turnpoint.trainer._fanout import ControlCaller, FanoutResult, fan_out
+from turnpoint.trainer._fanout import ControlCaller, FanoutResult, fan_out, retry_same_request
 from turnpoint.trainer._identity import COORDINATOR_FILE, CoordinatorIdentity, bump_epoch
 from turnpoint.trainer._manifest import ArtifactRef, ManifestError, ParticipantEntry
 from turnpoint.trainer._metrics import CoordinatorMetrics
@@ -73,6 +81,7 @@ from turnpoint.trainer._preparing import (
     is_ready,
     watch_readiness,
 )
+from turnpoint.trainer._recovery import LevelDecision, decide_levels
 from turnpoint.trainer._restore_ops import RestoreOperations
 from turnpoint.trainer._topology import ParticipantInfo, Topology
 from turnpoint.v1 import checkpoint_control_service_pb2 as pb
@@ -100,6 +109,10 @@ _LOG = logging.getLogger(__name__)
 
 # Prepare answers the coordinator keeps the reported restarts of, for commit's check.
 _RESTARTS_REMEMBERED = 8
+# Describe at start-up: transient failures (a participant still binding, a blip) are
+# asked again this many times, this far apart, before discovery fails.
+DISCOVER_ATTEMPTS = 5
+DISCOVER_RETRY_PAUSE_S = 0.5
 
 _OUTCOMES = {
     FailureKind.NOT_READY: Outcome.NOT_READY,
@@ -143,6 +156,9 @@ class Coordinator(RestoreOperations):
         # The restarts each recent prepare reported, per instance: commit refuses a
         # scope that names one.
         self._restarts: dict[str, Mapping[str, frozenset[EpisodeId]]] = {}
+        # Each environment's recovery level, decided at discovery (docs/spec.md 7.1).
+        self._levels: Mapping[str, LevelDecision] = MappingProxyType({})
+        self._warned_levels: dict[str, LevelDecision] = {}
 
     def _remember_restarts(
         self, checkpoint_id: str, restarts: Mapping[str, tuple[EpisodeId, ...]]
@@ -159,12 +175,16 @@ class Coordinator(RestoreOperations):
         Raises :class:`OperationFailed` if any participant cannot be described or its
         answer breaks the contract (unknown kind, another protocol version).
         """
-        result = await fan_out(
+        # A participant that just started, or a connection that blipped, is not a reason
+        # to fail the job's start: transient failures are asked again, a few times.
+        result = await retry_same_request(
             self._clients,
-            lambda name: pb.DescribeRequest(fence=self.fence),
-            deadline_s=self._call_deadline(),
+            {name: pb.DescribeRequest(fence=self.fence) for name in self._clients},
+            attempts=DISCOVER_ATTEMPTS,
+            deadline_s=DISCOVER_ATTEMPTS * self._call_deadline(),
             per_call_timeout_s=self.config.control_timeout_s,
             concurrency=self.config.fanout_concurrency,
+            pause_s=DISCOVER_RETRY_PAUSE_S,
         )
         failures = dict(result.failures)
         participants: dict[str, ParticipantInfo] = {}
@@ -177,7 +197,25 @@ class Coordinator(RestoreOperations):
         if failures:
             raise OperationFailed("describe", "topology", failures)
         self._topology = Topology(participants)
+        self._decide_levels(self._topology)
         return self._topology
+
+    def _decide_levels(self, topology: Topology) -> None:
+        """docs/spec.md sections 7.1 item 3 and 7.8: each environment's recovery level,
+        decided once from Describe, with one warning per lowered environment (a later
+        discovery that decides the same warns no more)."""
+        target = RecoveryLevel.parse(self.config.target_level)
+        self._levels = MappingProxyType(decide_levels(target, topology.environments()))
+        for environment, decision in self._levels.items():
+            if decision.lowered and self._warned_levels.get(environment) != decision:
+                self._warned_levels[environment] = decision
+                _LOG.warning(decision.warning())
+
+    @property
+    def levels(self) -> Mapping[str, LevelDecision]:
+        """Each described environment's recovery level, as :meth:`discover` decided it;
+        a restore plans with these (docs/spec.md section 7.7 item 4)."""
+        return self._levels
 
     # -- prepare -----------------------------------------------------------------------
 
@@ -286,7 +324,15 @@ class Coordinator(RestoreOperations):
         verdict = decide_prepare(checkpoint_id, outcomes, unacked.ledger.retire)
         if not verdict.commit:
             _LOG.info("%s", verdict.reason)
-            raise PrepareFailed(checkpoint_id, result.failures, verdict.retire, verdict)
+            stale = sorted(
+                name
+                for name, failure in result.failures.items()
+                if failure.reason is Reason.STALE_CHECKPOINT
+            )
+            finished_through = await self._finished_through(checkpoint_id, stale) if stale else None
+            raise PrepareFailed(
+                checkpoint_id, result.failures, verdict.retire, verdict, finished_through
+            )
         responses: Mapping[str, pb.PrepareResponse] = result.responses
         restarts = {
             name: tuple(sorted(set(episodes_of(r.readiness.restarts, name, "Prepare"))))
@@ -299,6 +345,60 @@ class Coordinator(RestoreOperations):
             restarts=MappingProxyType(restarts),
             durations_s=result.durations_s,
         )
+
+    async def _finished_through(self, checkpoint_id: str, instances: Sequence[str]) -> int | None:
+        """docs/spec.md section 7.2 item 4: the highest sequence of ``checkpoint_id``'s
+        prefix that ``instances`` (which refused it STALE_CHECKPOINT) have finished,
+        found with Renew probes (:class:`FinishedProbe`); None if a probe failed."""
+        try:
+            refused = checkpoint_sequence(checkpoint_id)
+        except InvalidIdError:
+            return None
+        prefix = checkpoint_id[: checkpoint_id.rindex("-")]
+        highest = refused
+        for name in instances:
+            probe = FinishedProbe(refused)
+            while (candidate := probe.next_candidate()) is not None:
+                finished = await self._is_finished(name, make_checkpoint_id(prefix, candidate))
+                if finished is None:
+                    return None
+                probe.observe(candidate, finished)
+            highest = max(highest, probe.finished_through)
+            _LOG.warning(
+                "%s refused %s as finished: it finished %s ids up to sequence %d (%d probes)",
+                name,
+                checkpoint_id,
+                prefix,
+                probe.finished_through,
+                probe.probes,
+            )
+        return highest
+
+    async def _is_finished(self, instance: str, checkpoint_id: str) -> bool | None:
+        """Whether ``instance`` has finished ``checkpoint_id``: a Renew, which changes
+        nothing on an id that is not active, answers STALE_CHECKPOINT for a finished id
+        and INVALID_PHASE for any other (docs/spec.md section 4.7). None: it said neither."""
+        request = pb.RenewRequest(
+            fence=self.fence,
+            request_id=self.request_id("renew", checkpoint_id, instance),
+            checkpoint_id=checkpoint_id,
+            lease=duration_from_seconds(self.config.lease_s),
+        )
+        result = await fan_out(
+            {instance: self._clients[instance]},
+            lambda name: request,
+            deadline_s=self._call_deadline(),
+            per_call_timeout_s=self.config.control_timeout_s,
+            concurrency=1,
+        )
+        failure = result.failures.get(instance)
+        if failure is None:
+            return False  # it is the active id there: not finished
+        if failure.reason is Reason.STALE_CHECKPOINT:
+            return True
+        if failure.reason is Reason.INVALID_PHASE:
+            return False
+        return None
 
     @asynccontextmanager
     async def prepared(

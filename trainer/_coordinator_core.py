@@ -21,7 +21,9 @@ The prepare round:
   :class:`PrepareVerdict`: commit only if every one is ready; otherwise abort, resuming
   every participant (the ready ones included), retiring the stragglers, and retrying
   only if no failure broke an invariant;
-- :class:`RenewalSchedule` says when the leases of an open checkpoint are renewed.
+- :class:`RenewalSchedule` says when the leases of an open checkpoint are renewed;
+- :class:`FinishedProbe` finds how far a participant that refused a fresh id has
+  finished (a Resume of a far-future id), so the next id starts above it.
 
 Commit scoping: :func:`scope_commit` (who commits which episodes; restarts never),
 :func:`commit_scope_problem` (a scope the coordinator must refuse),
@@ -44,6 +46,7 @@ from turnpoint.trainer._interfaces import InFlightRollout, UnackedDecision
 from turnpoint.trainer._manifest import PlacedEpisode
 
 __all__ = [
+    "MAX_SEQUENCE",
     "MIN_ROUND_FRACTION",
     "MIN_ROUND_S",
     "NOT_READY_BACKOFF_MAX_S",
@@ -53,6 +56,7 @@ __all__ = [
     "Answer",
     "Attribution",
     "CommitScope",
+    "FinishedProbe",
     "Outcome",
     "ParticipantPrepare",
     "PrepareDecision",
@@ -372,6 +376,61 @@ def decide_prepare(
     return PrepareVerdict(
         checkpoint_id, False, frozen, tuple(frozen), stragglers, retryable, reason
     )
+
+
+# ------------------------------------------------------------ finished sequences
+
+MAX_SEQUENCE: Final = 10**18 - 1
+"""The highest sequence a checkpoint id can carry (18 digits, docs/spec.md section 2.6)."""
+
+
+class FinishedProbe:
+    """Finds the highest finished sequence of a participant that refused a fresh id.
+
+    docs/spec.md section 7.2 item 4. A participant that answers ``STALE_CHECKPOINT`` to
+    the prepare of an id no participant saw before has finished a higher id of the same
+    prefix (a Resume of a far-future id, say), and supersession makes every id up to it
+    finished. Each probe is a Renew of a candidate id, which changes nothing: a finished
+    id answers ``STALE_CHECKPOINT``, any other ``INVALID_PHASE``. Finished ids form a
+    prefix of the sequences, so the probe gallops up from the refused sequence (steps of
+    1, 2, 4...) to the first fresh one, then bisects: at most about 120 probes.
+
+    The driver asks :meth:`next_candidate` until it returns None and reports each answer
+    with :meth:`observe`; :attr:`finished_through` is then the answer (and
+    :attr:`exhausted` says no 18-digit sequence is fresh).
+    """
+
+    def __init__(self, refused: int, *, ceiling: int = MAX_SEQUENCE) -> None:
+        if not 0 <= refused <= ceiling:
+            raise ValueError(f"refused sequence {refused} is outside [0, {ceiling}]")
+        self.finished_through = refused  # known finished
+        self.first_fresh: int | None = None  # known not finished
+        self.ceiling = ceiling
+        self.probes = 0
+        self._step = 1
+
+    @property
+    def exhausted(self) -> bool:
+        return self.first_fresh is None and self.finished_through >= self.ceiling
+
+    def next_candidate(self) -> int | None:
+        """The next sequence to probe, or None when the answer is known."""
+        low, high = self.finished_through, self.first_fresh
+        if high is None:
+            if low >= self.ceiling:
+                return None
+            return min(low + self._step, self.ceiling)
+        if high - low <= 1:
+            return None
+        return (low + high) // 2
+
+    def observe(self, candidate: int, finished: bool) -> None:
+        self.probes += 1
+        if finished:
+            self.finished_through = max(self.finished_through, candidate)
+            self._step *= 2
+        elif self.first_fresh is None or candidate < self.first_fresh:
+            self.first_fresh = candidate
 
 
 # ------------------------------------------------------------------------- leases

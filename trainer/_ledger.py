@@ -23,7 +23,9 @@ What it keeps:
   position: with the live attempts, what :meth:`~RolloutLedger.rollout_state` cuts.
 - **Receipts** owed (recorded, not yet acknowledged) and recently acknowledged; every
   received result's receipt is in exactly one of the two (section 6.4).
-- **The retire queue** of abandoned attempts (section 7.6 item 2).
+- **The retire queue** of attempts that ended without a completed result (section 7.6
+  item 2), and the **whole-group retry** of group-scored environments (section 6.10 item
+  8): a sibling given up or abandoned live reruns its whole prompt group.
 - **Budgets** of owned attempts, in active time (a
   :class:`~turnpoint.trainer._deadlines.DeadlineRegistry`), and the give-up decision
   when one is spent (section 6.7).
@@ -93,10 +95,12 @@ class RolloutLedger:
         settings: RolloutClientSettings | None = None,
         *,
         on_change: Callable[[], None] = _nothing,
+        group_scored: Iterable[str] = (),
     ) -> None:
         self._instances = frozenset(validate_id(name, "agent instance") for name in instances)
         self._settings = settings or RolloutClientSettings()
         self._on_change = on_change
+        self._group_scored = frozenset(group_scored)
         self._deadlines: DeadlineRegistry[EpisodeId] = DeadlineRegistry()
         self._version = 0
 
@@ -127,6 +131,16 @@ class RolloutLedger:
     @property
     def settings(self) -> RolloutClientSettings:
         return self._settings
+
+    @property
+    def group_scored(self) -> frozenset[str]:
+        """Environments whose prompt groups are scored together (retried whole)."""
+        return self._group_scored
+
+    def set_group_scored(self, environments: Iterable[str]) -> None:
+        """Name the group-scored environments (Describe's ``group_scored``, docs/spec.md
+        section 2.7): a sibling of theirs that fails live reruns its whole group."""
+        self._group_scored = frozenset(environments)
 
     @property
     def instances(self) -> frozenset[str]:
@@ -319,6 +333,10 @@ class RolloutLedger:
         self._require_owned(attempt, "a result")
         receipt = Receipt(attempt.instance, attempt.episode, final.receipt_id)
         self._end(attempt)
+        if final.outcome is not RolloutOutcome.COMPLETED:
+            # Failed or out of its own budget: no verify ended its sessions, so the
+            # resources servers free them at the retire (section 7.6 item 2).
+            self._queue_retire(attempt.instance, attempt.episode)
         self._record(
             attempt,
             final.outcome,
@@ -385,9 +403,9 @@ class RolloutLedger:
     # ------------------------------------------------------------------ endings
 
     def abandon(self, attempt: Attempt, why: str, *, retire: bool = True) -> Attempt | None:
-        """Drop the attempt (queue its Retire unless the participant already retired it)
-        and rerun the rollout from its prompt as the next attempt while attempts remain
-        (section 6.10 item 4). Returns the rerun, if any."""
+        """Drop the attempt (queue its Retire: the agent and every resources server may
+        hold its state) and rerun the rollout from its prompt as the next attempt while
+        attempts remain (section 6.10 item 4). Returns the rerun, if any."""
         if attempt.phase is AttemptPhase.ENDED:
             return None
         self._end(attempt)
@@ -395,6 +413,8 @@ class RolloutLedger:
         if retire:
             self._queue_retire(attempt.instance, attempt.episode)
         _LOG.warning("abandoned %s on %s: %s", attempt.episode, attempt.instance, why)
+        if attempt.spec.environment in self._group_scored:
+            return self._retry_group(attempt, RolloutOutcome.ABANDONED, why, rerun=True)
         if attempt.spent >= self._settings.max_attempts:
             self._record(
                 attempt,
@@ -422,6 +442,11 @@ class RolloutLedger:
         if attempt.accepted_once:
             self._queue_retire(attempt.instance, attempt.episode)
         _LOG.error("rollout %s on %s failed: %s", attempt.episode, attempt.instance, why)
+        if attempt.spec.environment in self._group_scored:
+            # No rerun would fare better, and its siblings' verify would wait for it
+            # forever: the whole group ends.
+            self._retry_group(attempt, RolloutOutcome.ABANDONED, why, rerun=False)
+            return
         self._record(attempt, RolloutOutcome.ABANDONED, error_message=why)
 
     def expire_due(self, now: float) -> list[Attempt]:
@@ -446,20 +471,101 @@ class RolloutLedger:
         # Cancelling the call is what tells the participant (section 6.7 item 2): it
         # finishes the execution as cancelled and owes no acknowledgement.
         self._end(attempt)
-        if attempt.boundaries_seen > 0:
-            # A cancelled execution keeps its sealed boundary committable; nobody will
-            # continue it, so its state is freed by a retire.
-            self._queue_retire(attempt.instance, attempt.episode)
+        # A cancelled execution keeps its sealed boundary committable, and its resources
+        # sessions outlive it: nobody will continue either, so a retire frees them
+        # (section 7.6 item 2), boundary or not.
+        self._queue_retire(attempt.instance, attempt.episode)
         self._stats.given_up += 1
         _LOG.warning(
             "gave up %s on %s after %.1f s of active time", attempt.episode, attempt.instance, spent
         )
+        if attempt.spec.environment in self._group_scored:
+            self._retry_group(
+                attempt,
+                RolloutOutcome.GIVEN_UP,
+                f"active-time budget of {attempt.budget_s} s spent",
+                rerun=True,
+                active_time_s=spent,
+            )
+            return
         self._record(
             attempt,
             RolloutOutcome.GIVEN_UP,
             active_time_s=spent,
             error_message=f"active-time budget of {attempt.budget_s} s spent",
         )
+
+    def _retry_group(
+        self, failed: Attempt, outcome: RolloutOutcome, why: str, *, rerun: bool, **details: Any
+    ) -> Attempt | None:
+        """A sibling of a group-scored environment ended live without a result (section
+        6.10 item 8; ``failed`` has ended, its retire queued): its siblings' verify waits
+        for all of them, so the group is retried whole. Every other live sibling ends and
+        every finished one leaves the queue, all their attempts queued for Retire, and
+        every sibling reruns from its prompt above every attempt it used. The group spends
+        one attempt per retry; with none left (or ``rerun`` false), every sibling still
+        live is recorded abandoned and ``failed`` as ``outcome``. Returns the rerun of
+        ``failed``, if any. The driver stops the Runs of the siblings it ended.
+        """
+        group = failed.spec.prompt_group_id
+        siblings = [
+            attempt
+            for attempt in self._live.values()
+            if attempt.spec.prompt_group_id == group and attempt is not failed
+        ]
+        spent = max([failed.spent, *(attempt.spent for attempt in siblings)])
+        for attempt in siblings:
+            self._end(attempt)
+            if attempt.accepted_once:
+                self._queue_retire(attempt.instance, attempt.episode)
+        if not rerun or spent >= self._settings.max_attempts:
+            self._record(failed, outcome, error_message=why, **details)
+            for attempt in siblings:
+                self._stats.abandoned += 1
+                self._record(
+                    attempt,
+                    RolloutOutcome.ABANDONED,
+                    error_message=f"group-scored sibling {failed.episode} ended: {why}",
+                )
+            return None
+        finished = [result for result in self._queue.values() if result.prompt_group_id == group]
+        again: list[tuple[Rollout, int, float | None]] = [
+            (failed.spec, failed.episode.attempt, failed.budget_s),
+            *((a.spec, a.episode.attempt, a.budget_s) for a in siblings),
+        ]
+        for result in finished:
+            del self._queue[result.rollout_id]
+            self._queue_retire(result.instance, result.episode)
+            budget = self._settings.default_budget_s
+            spec = Rollout(
+                rollout_id=result.rollout_id,
+                prompt_group_id=result.prompt_group_id,
+                sibling_index=result.sibling_index,
+                group_size=result.group_size,
+                environment=result.environment,
+                task=result.task,
+                instance=result.instance,
+                budget_s=budget,
+            )
+            again.append((spec, result.episode.attempt, budget))
+        self._stats.groups_retried_whole += 1
+        self._stats.reruns += len(again)
+        _LOG.warning(
+            "retrying group-scored prompt group %s whole (%d sibling(s)): %s failed: %s",
+            group,
+            len(again),
+            failed.episode,
+            why,
+        )
+        reruns: dict[str, Attempt] = {}
+        for spec, last, budget in sorted(again, key=lambda item: item[0].sibling_index):
+            rollout_id = spec.rollout_id
+            number = max(self._attempts.get(rollout_id, -1), last) + 1
+            reruns[rollout_id] = Attempt(
+                spec, EpisodeId(rollout_id, number), spec.instance, budget, spent=spent + 1
+            )
+            self._add_live(reruns[rollout_id])
+        return reruns[failed.episode.rollout_id]
 
     # ------------------------------------------------------------------ budgets
 

@@ -8,8 +8,8 @@
    size, and its trainer anchor loads (the anchor loader restores model and optimizer
    in place). A participant set that differs from the live one is an error, not a
    reason to fall back: no older snapshot of this run can fit a topology it never had;
-3. decide each environment's effective recovery level from ``Describe``
-   (:func:`~turnpoint.trainer._recovery.decide_levels`), one warning per lowered one;
+3. take each environment's effective recovery level as discovery decided it from
+   ``Describe`` (:attr:`Coordinator.levels`, warned about once, at start-up);
 4. plan (:func:`plan_restore`, pure): which unfinished rollouts continue at turn level
    as attempt N+1 on the instance that saved them, which rerun from their prompts, and
    which prompt groups rerun whole;
@@ -270,12 +270,15 @@ def plan_restore(
     step: int | None = None,
     restore_failed: bool = False,
     retired: Iterable[EpisodeId] = (),
+    levels: Mapping[str, LevelDecision] | None = None,
 ) -> RestorePlan:
     """Decide what every unfinished rollout of ``manifest`` does after the restore.
 
     Pure. ``restore_failed`` turns every continuation into a rerun (the participants'
     restore failed); ``retired`` are replacement attempts that were installed and then
-    retired, whose reruns must use a higher attempt.
+    retired, whose reruns must use a higher attempt. ``levels`` are the recovery levels
+    the coordinator decided at discovery (docs/spec.md section 7.1 item 3); without
+    them they are decided here from ``topology`` alike.
     """
     checkpoint_id = manifest.checkpoint_id
     state = manifest.rollout_state
@@ -332,7 +335,10 @@ def plan_restore(
     }
     for rollout in saved.values():
         environments.setdefault(rollout.environment, [])
-    levels = decide_levels(target, environments)
+    decided = dict(levels or {})
+    levels = decide_levels(
+        target, {name: m for name, m in environments.items() if name not in decided}
+    ) | {name: decided[name] for name in environments if name in decided}
 
     retired_ids = {episode.rollout_id: episode.attempt for episode in retired}
     ledger = state.attempts
@@ -597,11 +603,15 @@ class Restorer:
         if selected is None:
             return None
         target = RecoveryLevel.parse(self._config.target_level)
+        # The levels discovery decided (and warned about once): the plan uses those.
         plan = plan_restore(
-            selected.manifest, topology, target, restore_id=restore_id, step=selected.step
+            selected.manifest,
+            topology,
+            target,
+            restore_id=restore_id,
+            step=selected.step,
+            levels=coordinator.levels,
         )
-        for decision in plan.lowered:
-            _LOG.warning(decision.warning())
         try:
             async with coordinator.restored(
                 restore_id, selected.checkpoint_id, selected.manifest, plan.restore_scope
@@ -622,6 +632,7 @@ class Restorer:
                 step=selected.step,
                 restore_failed=True,
                 retired=error.replacements,
+                levels=coordinator.levels,
             )
         if self._metrics is not None:
             self._metrics.observe_restore(

@@ -202,6 +202,7 @@ class RolloutClient:
         *,
         settings: RolloutClientSettings | None = None,
         clock: Callable[[], float] = time.monotonic,
+        group_scored: Iterable[str] = (),
     ) -> None:
         for name in agents:
             validate_id(name, "agent instance")
@@ -216,7 +217,10 @@ class RolloutClient:
         }
         self._changes = _Changes()
         self._ledger = RolloutLedger(
-            self._endpoints, self._settings, on_change=self._changes.notify
+            self._endpoints,
+            self._settings,
+            on_change=self._changes.notify,
+            group_scored=group_scored,
         )
         self._timer_wake = asyncio.Event()
         self._followers: dict[Attempt, _Follower] = {}
@@ -306,6 +310,12 @@ class RolloutClient:
         """Undo :meth:`close_dispatch_to` once the instance was released. Idempotent."""
         self._ledger.reopen_instance(instance)
 
+    def set_group_scored(self, environments: Iterable[str]) -> None:
+        """Name the group-scored environments (``Coordinator.levels`` says which): a
+        sibling of theirs given up or abandoned reruns its whole prompt group
+        (docs/spec.md section 6.10 item 8)."""
+        self._ledger.set_group_scored(environments)
+
     @property
     def dispatch_open(self) -> bool:
         return self._ledger.gate_open
@@ -364,6 +374,7 @@ class RolloutClient:
         given_up = self._ledger.expire_due(self._clock())
         for attempt in given_up:
             self._stop_following(attempt)
+        self._stop_ended()
         return [attempt.episode for attempt in given_up]
 
     # ------------------------------------------------------------------ results
@@ -449,6 +460,7 @@ class RolloutClient:
         if decision.action is Resolve.RETIRE:
             if decision.attempt is not None:
                 self._stop_following(decision.attempt)
+            self._stop_ended()
             return "retire"
         assert decision.receipt is not None
         if not await self._acknowledge_now(decision.receipt):
@@ -617,6 +629,13 @@ class RolloutClient:
             follower.call.cancel()
         follower.task.cancel()
 
+    def _stop_ended(self) -> None:
+        """Stop following every attempt the ledger ended from elsewhere: the siblings a
+        group-scored group's retry ended (docs/spec.md section 6.10 item 8)."""
+        for attempt in list(self._followers):
+            if attempt.phase is AttemptPhase.ENDED:
+                self._stop_following(attempt)
+
     # ------------------------------------------------------------------ one attempt
 
     async def _follow(self, attempt: Attempt, follower: _Follower) -> None:
@@ -628,6 +647,8 @@ class RolloutClient:
         finally:
             follower.task = None
             self._followers.pop(attempt, None)
+            # Its end may have ended its group-scored siblings (a whole-group retry).
+            self._stop_ended()
             self._changes.notify()
 
     async def _drive(self, attempt: Attempt, follower: _Follower) -> None:
@@ -637,7 +658,9 @@ class RolloutClient:
             if end.verdict is Verdict.ENDED:
                 return
             if end.verdict is Verdict.STALE:
-                ledger.abandon(attempt, end.detail, retire=False)
+                # The agent retired it, but a resources server may still hold its
+                # session: retired everywhere too if the agent ever accepted it.
+                ledger.abandon(attempt, end.detail, retire=attempt.accepted_once)
                 return
             if end.verdict is Verdict.FATAL:
                 ledger.fail(attempt, end.detail)

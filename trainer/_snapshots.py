@@ -11,8 +11,10 @@ told of every transition:
             under way is finished first), in ``<root>/<checkpoint_id>/trainer/anchor``;
 2. CLOSE    the trainer's dispatch closes and rollout deadlines are held;
 3. DRAIN    every result already received is recorded and acknowledged;
-   RETIRE   abandoned attempts are retired while the participants are still idle (a
-            participant refuses a retire once a checkpoint is open);
+   RETIRE   ended attempts are retired, on their agent and every resources server,
+            while the participants are still idle (a participant refuses a retire once
+            a checkpoint is open); then the refusal marks of rollouts nothing of which
+            can arrive any more are forgotten (docs/spec.md section 7.6 item 6);
 4. PREPARE  every participant, under one deadline;
 5. ABORT    not ready in time, or any failure before publication: the same id is resumed
             everywhere, stragglers that must go are retired, the previous snapshot stays;
@@ -22,7 +24,8 @@ told of every transition:
 7. PUBLISH  the trainer's rollout state and the manifest are validated and published
             atomically (blocking work in threads), then retention and partial cleanup;
 8. RESUME   resources, then models, then agents; REOPEN: dispatch reopens and the
-            deadline hold is released.
+            deadline hold is released, or kept while some participant's resume failed
+            (until its release retry succeeds or its lease has surely run out).
 
 Before step 1 every attempt is in RELEASE (re-sending resumes that failed earlier), and
 ends SKIPPED when nothing changed. The report's phases are the time spent in each state,
@@ -48,6 +51,10 @@ again. After a transient failure the pump hands the failed id back to
   the same request ids, to every participant whose resume failed: "released with the same
   id by the next attempt") and takes the new cut under the next id.
 
+A participant that refused a fresh id as finished (someone resumed a far-future id there)
+is probed by the coordinator for how far it finished (``PrepareFailed.finished_through``),
+and the sequence moves past that, so the next attempt's id is fresh everywhere.
+
 Releases that fail after publication are re-sent the same way at the start of every
 :meth:`~SnapshotDriver.take`, skipped snapshots included; until then dispatch to the
 affected agent instances stays closed (their leases reopen them anyway).
@@ -63,7 +70,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from contextlib import AbstractAsyncContextManager
+from contextlib import AbstractAsyncContextManager, suppress
 from types import MappingProxyType
 from typing import Final, Protocol
 
@@ -71,6 +78,7 @@ import grpc
 
 from turnpoint.errors import TurnpointError
 from turnpoint.ids import EpisodeId, checkpoint_sequence, make_checkpoint_id
+from turnpoint.protocol import ParticipantKind
 from turnpoint.trainer._anchor_source import AnchorSource, TorchAnchorSource, WrittenAnchor
 from turnpoint.trainer._config import CoordinatorConfig
 from turnpoint.trainer._control_client import Failure, classify
@@ -92,6 +100,7 @@ from turnpoint.trainer._manifest import (
 )
 from turnpoint.trainer._metrics import CoordinatorMetrics
 from turnpoint.trainer._preparing import UnackedResolver
+from turnpoint.trainer._refusal_marks import RefusalMarks, RetainedNames, rollouts_named
 from turnpoint.trainer._snapshot_attempt import (
     SnapshotAttempt,
     SnapshotAttemptView,
@@ -129,6 +138,10 @@ _LOG = logging.getLogger(__name__)
 
 EPOCH_STRIDE: Final = 10**9
 """Checkpoint sequences of epoch ``e`` start above ``e * EPOCH_STRIDE``."""
+
+# The kept-hold timer fires this much after the lease, so that it never runs a hair before
+# the expiry the driver's own clock computes (loop time and that clock may differ).
+_HOLD_CHECK_MARGIN_S: Final = 0.5
 
 # Ids participants saw, remembered so that a retry of one moves on to a new id.
 _EXPOSED_REMEMBERED: Final = 64
@@ -185,6 +198,8 @@ class SnapshotParticipants(Protocol):
     async def retire(
         self, episodes: Mapping[str, Iterable[EpisodeId]], *, key: str | None = None
     ) -> ControlReport: ...
+
+    async def forget(self, rollout_ids: Mapping[str, Iterable[str]]) -> ControlReport: ...
 
 
 class _LockHold:
@@ -260,6 +275,13 @@ class SnapshotDriver:
         self._unreleased: dict[str, set[str]] = {}
         # Attempts a prepare said must be retired, not yet retired.
         self._stragglers: dict[str, set[EpisodeId]] = {}
+        # Refusal marks this driver raised, and the rollouts the retained snapshots
+        # name (docs/spec.md section 7.6 item 6).
+        self._marks = RefusalMarks()
+        self._named = RetainedNames()
+        # Deadline holds kept past their snapshot while a participant's resume of it
+        # has not succeeded: checkpoint id -> (hold, when its lease has surely run out).
+        self._kept_holds: dict[str, tuple[Hold, float]] = {}
         self._last_published: tuple[int, int] | None = None
         self._warned_admission = False
         self._busy = asyncio.Lock()
@@ -311,6 +333,17 @@ class SnapshotDriver:
     def _expose(self, checkpoint_id: str) -> None:
         self._exposed.append(checkpoint_id)
         self._sequence = max(self._sequence or 0, checkpoint_sequence(checkpoint_id) + 1)
+
+    def _move_past(self, finished_sequence: int) -> None:
+        """docs/spec.md section 7.2 item 4: a participant finished ids up to this sequence
+        (a Resume of a far-future id): the next attempt starts above it."""
+        if finished_sequence >= (self._sequence or 0):
+            _LOG.warning(
+                "a participant finished checkpoint ids up to sequence %d; the next "
+                "attempt continues above it",
+                finished_sequence,
+            )
+            self._sequence = finished_sequence + 1
 
     def seen_by_participants(self, checkpoint_id: str) -> bool:
         return checkpoint_id in self._exposed
@@ -405,13 +438,49 @@ class SnapshotDriver:
                     # Released by the next attempt, or by its own lease.
                     rollouts.close_dispatch_to(instance)
             rollouts.reopen_dispatch()
-            rollouts.release_deadlines(hold)
+            if unreleased:
+                self._keep_hold(attempt.checkpoint_id, hold)
+            else:
+                rollouts.release_deadlines(hold)
+
+    def _keep_hold(self, checkpoint_id: str, hold: Hold) -> None:
+        """docs/spec.md section 7.4 step 8: a participant whose resume failed may still
+        hold episodes parked, so budgets stay held until it is known resumed: its
+        release retry succeeds, or ``lease_s`` passed (its lease reopened it)."""
+        expires_at = self._clock() + self._config.lease_s
+        self._kept_holds[checkpoint_id] = (hold, expires_at)
+        with suppress(RuntimeError):  # no running loop: the next release checks it
+            asyncio.get_running_loop().call_later(
+                self._config.lease_s + _HOLD_CHECK_MARGIN_S, self._release_kept_holds
+            )
+
+    def _release_kept_holds(self) -> None:
+        now = self._clock()
+        for checkpoint_id, (hold, expires_at) in list(self._kept_holds.items()):
+            if checkpoint_id not in self._unreleased or now >= expires_at:
+                del self._kept_holds[checkpoint_id]
+                self._rollouts.release_deadlines(hold)
+
+    @property
+    def holding(self) -> frozenset[str]:
+        """Checkpoints whose deadline hold is kept until every participant resumed."""
+        return frozenset(self._kept_holds)
 
     def _agents(self) -> tuple[str, ...]:
         try:
             return self._coordinator.topology.agents
         except RuntimeError:
             return ()
+
+    def _resources(self) -> tuple[str, ...]:
+        try:
+            return self._coordinator.topology.of_kind(ParticipantKind.RESOURCES)
+        except RuntimeError:
+            return ()
+
+    def _closed_instances(self) -> set[str]:
+        """Participants whose resume of some checkpoint has not succeeded yet."""
+        return set().union(*self._unreleased.values()) if self._unreleased else set()
 
     def _participant_count(self) -> int:
         try:
@@ -446,6 +515,7 @@ class SnapshotDriver:
             ) from error
         self._set_state(attempt, _S.RETIRE)
         await self._flush_retires()
+        await self._forget_settled()
 
         expected: dict[str, list[EpisodeId]] = {}
         for rollout in rollouts.in_flight():
@@ -466,6 +536,8 @@ class SnapshotDriver:
             state = rollouts.rollout_state()
             attempt.cut_version = rollouts.version
         except PrepareFailed as error:
+            if error.finished_through is not None:
+                self._move_past(error.finished_through)
             # The core's verdict: resume everyone (the ready ones too), then retire.
             self._set_state(attempt, _S.ABORT)
             await self._abort(
@@ -537,6 +609,7 @@ class SnapshotDriver:
                 self._layout.publish, self._layout.path(checkpoint_id), manifest
             )
             attempt.published = True
+            self._named.remember(checkpoint_id, state)
             try:
                 await asyncio.to_thread(self._housekeeping)
             except (OSError, ManifestError) as error:
@@ -582,6 +655,7 @@ class SnapshotDriver:
         still.update(report.failures)
         if not still:
             del self._unreleased[checkpoint_id]
+        self._release_kept_holds()
 
     async def release_pending(self) -> ControlReport | None:
         """Re-send the resumes that failed earlier, same ids, to where they failed.
@@ -589,6 +663,7 @@ class SnapshotDriver:
         Dispatch to an agent instance reopens once it is released. Returns the merged
         report (``None`` when nothing was pending).
         """
+        self._release_kept_holds()
         if not self._unreleased:
             return None
         reports = []
@@ -603,19 +678,35 @@ class SnapshotDriver:
         return ControlReport.merge("resume", "pending", reports)
 
     async def _flush_retires(self) -> None:
-        """Retire abandoned attempts on idle participants (still closed ones wait)."""
+        """Retire ended attempts on idle participants (still closed ones wait).
+
+        docs/spec.md section 7.6 item 2: each attempt is retired on the instance that ran
+        it and on every resources server, since any of them may hold its state (a
+        session only a verify would have ended). An attempt leaves the queue once every
+        one of them retired it; a retry re-sends it everywhere (retiring is idempotent).
+        """
         pending: dict[str, set[EpisodeId]] = {
             instance: set(episodes)
             for instance, episodes in self._rollouts.pending_retires().items()
         }
         for instance, episodes in self._stragglers.items():
             pending.setdefault(instance, set()).update(episodes)
-        closed = set().union(*self._unreleased.values()) if self._unreleased else set()
-        chosen = {i: tuple(sorted(e)) for i, e in pending.items() if e and i not in closed}
+        pending = {instance: episodes for instance, episodes in pending.items() if episodes}
+        if not pending:
+            return
+        every = set().union(*pending.values())
+        targets = {instance: set(episodes) for instance, episodes in pending.items()}
+        for instance in self._resources():
+            targets.setdefault(instance, set()).update(every)
+        closed = self._closed_instances()
+        chosen = {i: tuple(sorted(e)) for i, e in targets.items() if i not in closed}
         if not chosen:
             return
         report = await self._coordinator.retire(chosen)
-        for instance in sorted(report.succeeded):
+        self._note_marks(report.succeeded, chosen)
+        # Done where the instance that ran it and every resources server retired it.
+        everywhere = all(i in report.succeeded for i in self._resources())
+        for instance in sorted(set(pending) & report.succeeded if everywhere else ()):
             self._rollouts.retired(instance, chosen[instance])
             straggling = self._stragglers.get(instance)
             if straggling is not None:
@@ -628,6 +719,46 @@ class SnapshotDriver:
                 f"retiring abandoned attempts failed on {sorted(report.failures)}",
                 report.failures,
             )
+
+    def _note_marks(
+        self, succeeded: Iterable[str], retired: Mapping[str, Sequence[EpisodeId]]
+    ) -> None:
+        attempt = self._attempt
+        sequence = checkpoint_sequence(attempt.checkpoint_id) if attempt is not None else 0
+        self._marks.retired(succeeded, retired, sequence)
+
+    async def _forget_settled(self) -> None:
+        """docs/spec.md section 7.6 item 6: drop the refusal marks of rollouts nothing of
+        which can still arrive. Failures are logged; the next attempt tries again."""
+        if not self._marks:
+            return
+        try:
+            retained, oldest = await asyncio.to_thread(self._named.read, self._layout)
+        except (OSError, ManifestError) as error:
+            _LOG.warning("not forgetting retired rollouts this time: %s", error)
+            return
+        if oldest is None:
+            return
+        named = set(retained) | rollouts_named(self._rollouts.rollout_state())
+        for episodes in (*self._rollouts.pending_retires().values(), *self._stragglers.values()):
+            named.update(episode.rollout_id for episode in episodes)
+        # Every retained snapshot was cut after the retire, and none of them (nor the
+        # trainer's books) names the rollout.
+        chosen = self._marks.settled(oldest, named, self._closed_instances())
+        if not chosen:
+            return
+        report = await self._coordinator.forget(chosen)
+        self._marks.forgotten(report.succeeded, chosen)
+        if report.failures:
+            _LOG.warning(
+                "forgetting retired rollouts failed on %s; tried again at the next attempt",
+                sorted(report.failures),
+            )
+
+    @property
+    def refusal_marks(self) -> Mapping[str, frozenset[str]]:
+        """Rollouts this driver retired and has not forgotten yet, per instance."""
+        return self._marks.view()
 
     async def _discard(self, attempt: SnapshotAttempt) -> None:
         # A participant whose resume failed may still be writing there; the partial

@@ -20,6 +20,7 @@ from typing import Any
 import grpc
 import pytest
 
+from tests.support.fakes import FakeClock
 from turnpoint._convert import episode_from_proto, episode_to_proto, struct_from_mapping
 from turnpoint._status import error_to_grpc_status
 from turnpoint.errors import Reason, TurnpointError
@@ -33,16 +34,18 @@ from turnpoint.participant_sdk import (
     SnapshotStore,
 )
 from turnpoint.server import ServerOptions, host_participant
-from turnpoint.trainer._interfaces import InFlightRollout
-from turnpoint.trainer._manifest import ManifestError, TrainerRolloutState
-from turnpoint.trainer._rollout_values import (
+from turnpoint.trainer import (
+    AgentEndpoint,
+    InFlightRollout,
+    ManifestError,
     Rollout,
+    RolloutClient,
     RolloutClientSettings,
     RolloutOutcome,
     RolloutResult,
-    SavedRollout,
 )
-from turnpoint.trainer._rollouts import AgentEndpoint, RolloutClient
+from turnpoint.trainer._manifest import TrainerRolloutState
+from turnpoint.trainer._rollout_values import SavedRollout
 from turnpoint.trainer._run_stream import ACCEPTED_METADATA_KEY
 from turnpoint.v1 import rollout_service_pb2 as pb
 from turnpoint.v1 import rollout_service_pb2_grpc as pb_grpc
@@ -67,17 +70,6 @@ class Signal:
         async with asyncio.timeout(BOUND_S):
             while not predicate():
                 await self._event.wait()
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
 
 
 @dataclass
@@ -161,13 +153,15 @@ class ScriptedAgent(pb_grpc.RolloutServiceServicer):
             if not self.admission_open:
                 await self._abort(context, Reason.ADMISSION_CLOSED, "a checkpoint holds admission")
             execution = self.executions[episode] = Execution(episode)
+        # Read before accepting: a test breaks streams as soon as the client sees the
+        # acceptance, which may be before this handler runs again after sending it.
+        breaks = execution.breaks
         await context.send_initial_metadata(((ACCEPTED_METADATA_KEY, "1"),))
         self.signal.notify()
         if self.break_after_accept:
             self.break_after_accept -= 1
             await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted: connection lost")
         sent = request.boundaries_seen
-        breaks = execution.breaks
 
         def news(sent: int) -> Callable[[], bool]:
             return lambda: (
@@ -980,6 +974,7 @@ async def test_a_real_agent_finishes_a_given_up_run_as_cancelled(
         # The cancellation reached the participant: the execution is gone, nothing owed.
         assert await runtime.wait_until(lambda core: not any(core.entries()), BOUND_S)
         assert client.results()[0].outcome is RolloutOutcome.GIVEN_UP
-        assert client.pending_retires() == {}
+        # Still retired: a resources server may hold its session (spec section 7.6 item 2).
+        assert client.pending_retires() == {"agent-0": (episode,)}
     finally:
         await client.aclose()

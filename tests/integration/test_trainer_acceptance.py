@@ -21,10 +21,10 @@ from typing import Any
 import grpc
 import pytest
 
+from tests.support.fakes import FakeAnchor, FakeClock
 from tests.support.participants import TOKEN, Topology, start_topology
 from tests.support.scripted import (
     BOUND_S,
-    FakeClock,
     RestartTools,
     ScriptedAgent,
     ScriptedTools,
@@ -36,18 +36,22 @@ from turnpoint.ids import EpisodeId
 from turnpoint.participant_sdk import EpisodeState
 from turnpoint.protocol import RecoveryLevel
 from turnpoint.server import HostedParticipant
-from turnpoint.trainer._config import CoordinatorConfig
-from turnpoint.trainer._coordinator import Coordinator, PreparedCheckpoint
-from turnpoint.trainer._manifest import AnchorRef, SnapshotLayout, tree_digest
-from turnpoint.trainer._restore import RerunReason, Restorer, apply_plan
-from turnpoint.trainer._rollouts import (
+from turnpoint.trainer import (
     AgentEndpoint,
+    Coordinator,
+    CoordinatorConfig,
+    PreparedCheckpoint,
+    Restorer,
     Rollout,
     RolloutClient,
     RolloutClientSettings,
     RolloutOutcome,
+    SnapshotDriver,
+    SnapshotLayout,
+    SnapshotOutcome,
+    apply_plan,
 )
-from turnpoint.trainer._snapshots import SnapshotDriver, SnapshotOutcome, WrittenAnchor
+from turnpoint.trainer._restore import RerunReason
 from turnpoint.v1 import checkpoint_control_service_pb2 as pb
 from turnpoint.v1 import rollout_service_pb2 as ro_pb
 
@@ -70,17 +74,6 @@ class RiskyAgent(ScriptedAgent):
 
 class RiskyTools(RestartTools):
     environment = "risky"
-
-
-class FakeAnchor:
-    def __init__(self) -> None:
-        self.step = 1
-
-    async def write(self, snapshot: Path) -> WrittenAnchor:
-        directory = snapshot / "trainer" / "anchor"
-        directory.mkdir(parents=True, exist_ok=True)
-        (directory / "state.bin").write_bytes(f"step {self.step}".encode())
-        return WrittenAnchor(AnchorRef(sha256=tree_digest(directory)), self.step)
 
 
 # ------------------------------------------------------------------------ the proxy
@@ -437,7 +430,7 @@ async def test_giving_up_cancels_the_run_nothing_is_owed_and_the_next_prepare_is
 # ----------------------------------------------------- 3. a cancellation that never arrives
 
 
-async def test_a_lost_cancellation_is_reported_by_prepare_and_resolved_by_a_retire(
+async def test_a_lost_cancellation_is_resolved_by_the_retire_before_prepare(
     tmp_path: Path,
 ) -> None:
     clock = FakeClock()
@@ -451,26 +444,24 @@ async def test_a_lost_cancellation_is_reported_by_prepare_and_resolved_by_a_reti
     ):
         client = trainer.client
         proxy.swallow_cancel = True
-        # Given up before its first boundary: nothing of it is left to retire, as far as
-        # the trainer knows.
+        # Given up before its first boundary: still queued for Retire, since a resources
+        # server may hold its session (docs/spec.md section 7.6 item 2).
         episode = client.dispatch(scripted_rollout("r0", turns=1, budget_s=10.0, model=False))
         await client.wait_for(lambda: [r.episode for r in client.in_flight()] == [episode], BOUND_S)
         clock.advance(11.0)
         assert client.expire_due() == [episode]
-        assert client.pending_retires() == {}
+        assert client.pending_retires() == {"agent-0": (episode,)}
         # The participant never heard: the episode finishes and its completion waits for
         # an acknowledgement that nobody will send.
         agent.release(episode)
         await poll_state(hosted, episode, EpisodeState.COMPLETED_UNACKED)
 
-        failed = await trainer.driver.take()
-        # Prepare reported the completion with its receipt; the trainer had given the
-        # rollout up, so the attempt is retired rather than acknowledged.
-        assert failed.outcome is SnapshotOutcome.FAILED
+        published = await trainer.driver.take()
+        # The retire step, while the participant is still idle, retires the attempt and
+        # with it the completion nobody will acknowledge: prepare never meets it.
+        assert published.outcome is SnapshotOutcome.PUBLISHED, published.detail
         assert held_by(hosted) == {}
         assert client.pending_retires() == {}
-        published = await trainer.driver.take()
-        assert published.outcome is SnapshotOutcome.PUBLISHED, published.detail
         await trainer.prepare_ready()
 
 
@@ -643,6 +634,9 @@ async def test_a_restart_only_server_lowers_its_environment_once_and_discards_on
             # Both saved their turn: the cut did not know about levels.
             assert sorted(p.episode for p in manifest.continued) == [risky, safe]
 
+    # Each coordinator start warns at discovery (docs/spec.md section 7.1 item 3): count
+    # the restarted one's warnings only.
+    caplog.clear()
     async with safe_and_risky(tmp_path) as hosted:
         addresses = {name: h.address for name, h in hosted.items()}
         async with trainer_for(tmp_path, addresses, addresses, epoch=2) as trainer:

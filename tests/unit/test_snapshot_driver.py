@@ -1,8 +1,9 @@
 """The snapshot driver and pump against a fake rollout side and a fake coordinator.
 
-Time is a fake clock that the fakes advance, so phase durations are exact and an hour
-of pump ticks takes no time. The snapshot layout is real (a temporary directory): what
-is published, what ``LATEST`` names and what is cleaned up are checked on disk.
+The world (``make_world``) and its fakes live in ``tests.support.fakes``. Time is a
+fake clock that the fakes advance, so phase durations are exact and an hour of pump
+ticks takes no time. The snapshot layout is real (a temporary directory): what is
+published, what ``LATEST`` names and what is cleaned up are checked on disk.
 
 The last section tests the pure restore plan.
 """
@@ -10,400 +11,59 @@ The last section tests the pure restore plan.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
-from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 from prometheus_client import REGISTRY, CollectorRegistry
 
+from tests.support.fakes import (
+    AGENT,
+    DISK_FULL,
+    DOWN,
+    FENCED,
+    LATE,
+    MODEL,
+    NOT_READY,
+    RESOURCES,
+    STALE,
+    info,
+    make_world,
+    rollout,
+    saved,
+)
 from turnpoint.errors import Reason, TurnpointError
 from turnpoint.ids import EpisodeId, checkpoint_sequence
-from turnpoint.protocol import ParticipantKind, RecoveryLevel, RecoveryMode, VerifyMode
-from turnpoint.trainer._config import CoordinatorConfig
-from turnpoint.trainer._control_client import Failure, FailureKind, NotReadyError
-from turnpoint.trainer._coordinator import (
-    CommitFailed,
-    ControlReport,
-    ParticipantInfo,
-    PreparedCheckpoint,
-    PrepareFailed,
+from turnpoint.protocol import ParticipantKind, RecoveryLevel, RecoveryMode
+from turnpoint.trainer import (
+    CoordinatorMetrics,
+    FailureReason,
+    InFlightRollout,
+    SnapshotFailuresError,
+    SnapshotInvariantError,
+    SnapshotLayout,
+    SnapshotManifest,
+    SnapshotOutcome,
+    SnapshotPhase,
     Topology,
-    UnackedResolver,
+    plan_restore,
 )
-from turnpoint.trainer._deadlines import DeadlineRegistry, Hold
-from turnpoint.trainer._interfaces import InFlightRollout, UnackedDecision
+from turnpoint.trainer._control_client import Failure, FailureKind, NotReadyError
 from turnpoint.trainer._manifest import (
     AnchorRef,
     ArtifactRef,
     ParticipantEntry,
     PlacedEpisode,
     PublishStep,
-    SnapshotLayout,
-    SnapshotManifest,
     TrainerRolloutState,
-    tree_digest,
 )
-from turnpoint.trainer._metrics import CoordinatorMetrics
-from turnpoint.trainer._restore import RerunReason, RestorePlanError, plan_restore
-from turnpoint.trainer._snapshots import (
-    EPOCH_STRIDE,
-    FailureReason,
-    SnapshotDriver,
-    SnapshotFailuresError,
-    SnapshotInvariantError,
-    SnapshotOutcome,
-    SnapshotPhase,
-    SnapshotPump,
-    WrittenAnchor,
-    failure_reason,
-)
+from turnpoint.trainer._restore import RerunReason, RestorePlanError
+from turnpoint.trainer._snapshots import EPOCH_STRIDE, WrittenAnchor, failure_reason
 
-AGENT, RESOURCES, MODEL = "agent-0", "res-0", "model-0"
 EP1, EP2, EP3 = EpisodeId("r1", 0), EpisodeId("r2", 0), EpisodeId("r3", 2)
-
-NOT_READY = Failure(FailureKind.NOT_READY, None, None, "1 blocker")
-LATE = Failure(FailureKind.TRANSIENT, None, grpc.StatusCode.DEADLINE_EXCEEDED, "late")
-DOWN = Failure(FailureKind.TRANSIENT, None, grpc.StatusCode.UNAVAILABLE, "down")
-DISK_FULL = Failure(
-    FailureKind.TRANSIENT, Reason.STORAGE_UNAVAILABLE, grpc.StatusCode.UNAVAILABLE, "disk full"
-)
-FENCED = Failure(
-    FailureKind.INVARIANT, Reason.FENCED, grpc.StatusCode.FAILED_PRECONDITION, "fenced"
-)
-STALE = Failure(FailureKind.INVARIANT, Reason.STALE_CHECKPOINT, grpc.StatusCode.ABORTED, "stale")
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
-def info(
-    instance: str,
-    kind: ParticipantKind,
-    *,
-    environment: str = "",
-    mode: RecoveryMode = RecoveryMode.EXPORTED,
-    levels: frozenset[RecoveryLevel] = frozenset(),
-    group_scored: bool = False,
-) -> ParticipantInfo:
-    return ParticipantInfo(
-        instance=instance,
-        kind=kind,
-        incarnation="inc-1",
-        protocol_version="turnpoint.v1",
-        recovery_mode=mode,
-        verify_mode=VerifyMode.REPLAY,
-        group_scored=group_scored,
-        group_size=2 if group_scored else 0,
-        supported_levels=levels,
-        environment=environment,
-    )
-
-
-TOPOLOGY = Topology(
-    {
-        AGENT: info(AGENT, ParticipantKind.AGENT, environment="math"),
-        RESOURCES: info(RESOURCES, ParticipantKind.RESOURCES, environment="math"),
-        MODEL: info(MODEL, ParticipantKind.MODEL),
-    }
-)
-
-
-def rollout(episode: EpisodeId, *, group: str = "g1", sibling: int = 0) -> InFlightRollout:
-    return InFlightRollout(
-        episode=episode,
-        instance=AGENT,
-        prompt_group_id=group,
-        sibling_index=sibling,
-        group_size=2,
-        environment="math",
-        boundaries_seen=1,
-        task={"prompt": episode.rollout_id},
-    )
-
-
-class FakeRollouts:
-    """A RolloutSide that records what the driver asked, in order."""
-
-    def __init__(self, clock: Clock, events: list[str]) -> None:
-        self.clock = clock
-        self.events = events
-        self.version = 1
-        self.open = True
-        self.closed_to: set[str] = set()
-        self.deadlines: DeadlineRegistry[EpisodeId] = DeadlineRegistry()
-        self.rollouts: list[InFlightRollout] = []
-        self.queue: list[dict[str, Any]] = []
-        self.retires: dict[str, set[EpisodeId]] = {}
-        self.retired_calls: list[tuple[str, tuple[EpisodeId, ...]]] = []
-        self.drain_error: BaseException | None = None
-        self.drain_s = 0.5
-
-    def close_dispatch(self) -> None:
-        self.events.append("close")
-        self.open = False
-
-    def reopen_dispatch(self) -> None:
-        self.events.append("reopen")
-        self.open = True
-
-    def close_dispatch_to(self, instance: str) -> None:
-        self.events.append(f"close_to:{instance}")
-        self.closed_to.add(instance)
-
-    def reopen_dispatch_to(self, instance: str) -> None:
-        self.events.append(f"reopen_to:{instance}")
-        self.closed_to.discard(instance)
-
-    def hold_deadlines(self, name: str) -> Hold:
-        self.events.append("hold")
-        return self.deadlines.hold(name, self.clock())
-
-    def release_deadlines(self, hold: Hold) -> None:
-        self.events.append("release_hold")
-        self.deadlines.release(hold, self.clock())
-
-    async def drain_acknowledgements(self, timeout_s: float) -> None:
-        self.events.append("drain")
-        self.clock.advance(self.drain_s)
-        if self.drain_error is not None:
-            raise self.drain_error
-
-    def in_flight(self) -> Sequence[InFlightRollout]:
-        return tuple(self.rollouts)
-
-    def rollout_state(self) -> TrainerRolloutState:
-        return TrainerRolloutState(
-            queue=tuple(self.queue),
-            data_loader={"index": 7},
-            attempts={r.episode.rollout_id: r.episode.attempt for r in self.rollouts}
-            | {item["rollout_id"]: item["attempt"] for item in self.queue},
-            in_flight=tuple(saved(r) for r in self.rollouts),
-        )
-
-    async def resolve_unacknowledged(
-        self, instance: str, episode: EpisodeId, receipt_id: str
-    ) -> UnackedDecision:
-        return "acknowledge"
-
-    def pending_retires(self) -> Mapping[str, Sequence[EpisodeId]]:
-        return {k: tuple(sorted(v)) for k, v in self.retires.items() if v}
-
-    def retired(self, instance: str, episodes: Sequence[EpisodeId]) -> None:
-        self.events.append(f"retired:{instance}")
-        self.retired_calls.append((instance, tuple(episodes)))
-        self.retires.get(instance, set()).difference_update(episodes)
-
-
-def saved(r: InFlightRollout, *, accepted: bool = True) -> dict[str, Any]:
-    return {
-        "rollout_id": r.episode.rollout_id,
-        "attempt": r.episode.attempt,
-        "instance": r.instance,
-        "prompt_group_id": r.prompt_group_id,
-        "sibling_index": r.sibling_index,
-        "group_size": r.group_size,
-        "environment": r.environment,
-        "boundaries_seen": r.boundaries_seen,
-        "task": dict(r.task),
-        "budget_s": None,
-        "accepted": accepted,
-    }
-
-
-class FakeAnchor:
-    def __init__(self, clock: Clock, events: list[str]) -> None:
-        self.clock = clock
-        self.events = events
-        self.step = 10
-        self.error: BaseException | None = None
-
-    async def write(self, snapshot: Path) -> WrittenAnchor:
-        self.events.append("anchor")
-        self.clock.advance(2.0)
-        if self.error is not None:
-            raise self.error
-        directory = snapshot / "trainer" / "anchor"
-        directory.mkdir(parents=True, exist_ok=True)
-        (directory / "weights.bin").write_bytes(f"step {self.step}".encode())
-        return WrittenAnchor(AnchorRef(sha256=tree_digest(directory)), self.step)
-
-
-def write_artifact(root: Path, snapshot: str, instance: str, name: str, data: bytes) -> ArtifactRef:
-    path = root / snapshot / instance / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(data)
-    return ArtifactRef(
-        path=f"{instance}/{name}",
-        sha256=hashlib.sha256(data).hexdigest(),
-        size_bytes=len(data),
-        record_count=data.count(b"\n"),
-    )
-
-
-@dataclass
-class FakeCoordinator:
-    """A SnapshotParticipants whose operations follow a script, one entry per call."""
-
-    clock: Clock
-    events: list[str]
-    root: Path
-    topology: Topology = TOPOLOGY
-    prepare_script: list[Mapping[str, Failure] | None] = field(default_factory=list)
-    commit_script: list[Mapping[str, Failure] | None] = field(default_factory=list)
-    resume_script: list[Mapping[str, Failure]] = field(default_factory=list)
-    restarts: Mapping[str, tuple[EpisodeId, ...]] = field(default_factory=dict)
-    retire_straggler: Mapping[str, tuple[EpisodeId, ...]] = field(default_factory=dict)
-    prepare_s: float = 3.0
-    resumes: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)
-    retires: list[dict[str, tuple[EpisodeId, ...]]] = field(default_factory=list)
-    prepares: list[str] = field(default_factory=list)
-    scopes: list[dict[str, frozenset[EpisodeId]]] = field(default_factory=list)
-    during_prepare: Callable[[], None] | None = None
-
-    async def prepare(
-        self,
-        checkpoint_id: str,
-        *,
-        expected: Mapping[str, Iterable[EpisodeId]] | None = None,
-        resolve: UnackedResolver | None = None,
-    ) -> PreparedCheckpoint:
-        self.events.append(f"prepare:{checkpoint_id}")
-        self.prepares.append(checkpoint_id)
-        self.clock.advance(self.prepare_s)
-        if self.during_prepare is not None:
-            self.during_prepare()
-        failures = self.prepare_script.pop(0) if self.prepare_script else None
-        if failures:
-            raise PrepareFailed(checkpoint_id, failures, self.retire_straggler)
-        return PreparedCheckpoint(
-            checkpoint_id=checkpoint_id,
-            readiness={},
-            restarts=dict(self.restarts),
-            durations_s={},
-        )
-
-    @asynccontextmanager
-    async def held(self, checkpoint: PreparedCheckpoint) -> AsyncIterator[PreparedCheckpoint]:
-        try:
-            yield checkpoint
-        finally:
-            checkpoint.release = await self.resume(checkpoint.checkpoint_id)
-
-    async def commit(
-        self, checkpoint_id: str, snapshot: str, scope: Mapping[str, Iterable[EpisodeId]]
-    ) -> dict[str, ParticipantEntry]:
-        self.events.append(f"commit:{checkpoint_id}")
-        self.clock.advance(1.0)
-        self.scopes.append({k: frozenset(v) for k, v in scope.items()})
-        failures = self.commit_script.pop(0) if self.commit_script else None
-        if failures:
-            raise CommitFailed(checkpoint_id, failures)
-        entries = {}
-        for name, participant in self.topology.participants.items():
-            exported = tuple(sorted(scope.get(name, ()))) if participant.runs_episodes else ()
-            manifest = artifacts = None
-            if exported:
-                records = "".join(f"{e}\n" for e in exported).encode()
-                artifacts = (write_artifact(self.root, snapshot, name, "records.jsonl", records),)
-                manifest = write_artifact(self.root, snapshot, name, "MANIFEST.json", b"{}\n")
-            entries[name] = ParticipantEntry(
-                instance=name,
-                kind=participant.kind,
-                artifacts=artifacts or (),
-                manifest=manifest,
-                exported=exported,
-            )
-        return entries
-
-    async def resume(
-        self, checkpoint_id: str, instances: Iterable[str] | None = None
-    ) -> ControlReport:
-        chosen = (
-            tuple(sorted(instances))
-            if instances is not None
-            else tuple(sorted(self.topology.instances))
-        )
-        self.events.append(f"resume:{checkpoint_id}")
-        self.resumes.append((checkpoint_id, chosen))
-        self.clock.advance(0.25)
-        failures = self.resume_script.pop(0) if self.resume_script else {}
-        failures = {k: v for k, v in failures.items() if k in chosen}
-        return ControlReport(
-            "resume", checkpoint_id, frozenset(set(chosen) - set(failures)), failures
-        )
-
-    async def retire(
-        self, episodes: Mapping[str, Iterable[EpisodeId]], *, key: str | None = None
-    ) -> ControlReport:
-        chosen = {k: tuple(v) for k, v in episodes.items()}
-        self.events.append("retire")
-        self.retires.append(chosen)
-        return ControlReport("retire", key or "k", frozenset(chosen), {})
-
-
-@dataclass
-class World:
-    clock: Clock
-    events: list[str]
-    rollouts: FakeRollouts
-    anchor: FakeAnchor
-    coordinator: FakeCoordinator
-    layout: SnapshotLayout
-    config: CoordinatorConfig
-    driver: SnapshotDriver
-
-    def pump(self) -> SnapshotPump:
-        async def sleep(seconds: float) -> None:
-            self.clock.advance(seconds)
-
-        return SnapshotPump(self.driver, self.config, clock=self.clock, sleep=sleep)
-
-
-def make_world(
-    tmp_path: Path,
-    *,
-    layout: SnapshotLayout | None = None,
-    step_lock: asyncio.Lock | None = None,
-    metrics: CoordinatorMetrics | None = None,
-    **config: Any,
-) -> World:
-    clock = Clock()
-    events: list[str] = []
-    settings = CoordinatorConfig(
-        snapshot_root=tmp_path, snapshot_interval_s=60.0, keep_snapshots=2, **config
-    )
-    layout = layout or SnapshotLayout(tmp_path)
-    rollouts = FakeRollouts(clock, events)
-    anchor = FakeAnchor(clock, events)
-    coordinator = FakeCoordinator(clock, events, tmp_path)
-    driver = SnapshotDriver(
-        coordinator=coordinator,
-        rollouts=rollouts,
-        anchor=anchor,
-        layout=layout,
-        config=settings,
-        epoch=3,
-        step_lock=step_lock,
-        metrics=metrics,
-        clock=clock,
-        wall_clock=lambda: 1_700_000_000.0,
-    )
-    return World(clock, events, rollouts, anchor, coordinator, layout, settings, driver)
 
 
 def assert_phases_add_up(report: Any) -> None:
@@ -536,7 +196,8 @@ async def test_not_ready_resumes_the_same_id_and_keeps_the_previous_snapshot(
     assert world.coordinator.resumes[-1] == (ck, (AGENT, MODEL, RESOURCES))
     # Aborted first, then the straggler retired while everyone is idle again.
     assert world.events[world.events.index(f"resume:{ck}") + 1] == "retire"
-    assert world.coordinator.retires[-1] == {AGENT: (EP3,)}
+    # On its agent and on every resources server, which may hold its session.
+    assert world.coordinator.retires[-1] == {AGENT: (EP3,), RESOURCES: (EP3,)}
     assert world.layout.latest() == previous.checkpoint_id
     assert not (tmp_path / ck).exists()
     assert world.rollouts.open and not world.rollouts.deadlines.held

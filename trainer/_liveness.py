@@ -1,0 +1,120 @@
+"""Noticing a participant that is gone, so the job restores instead of failing snapshots.
+
+A Gym server dying is the most common failure a training run sees. Without a watch, the
+trainer learns of it only when snapshots start failing, and ends the run after
+``max_consecutive_failures`` of them. The liveness watch asks every participant for its
+status every ``liveness_interval_s``; one that has answered nothing for
+``participant_lost_after_s`` (its process died, was paused, its host went away) is
+*lost*, and :class:`ParticipantLostError` tells the job to restore from the last
+published snapshot onto fresh participants (docs/spec.md section 7.11), within its
+:class:`~turnpoint.trainer.RestartBudget`.
+
+:class:`LivenessTracker` is the pure decision (state and ``now`` in, lost participants
+out); :func:`watch_liveness` is the asyncio driver that probes and raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from turnpoint.errors import Reason
+from turnpoint.trainer._errors import CoordinatorError
+from turnpoint.trainer._fanout import FanoutResult
+
+__all__ = ["LivenessTracker", "ParticipantLostError", "StatusProber", "watch_liveness"]
+
+
+class ParticipantLostError(CoordinatorError):
+    """Participants answered nothing for ``participant_lost_after_s``: restore the job."""
+
+    def __init__(self, lost: Iterable[str], silent_s: float) -> None:
+        self.lost = tuple(sorted(lost))
+        self.silent_s = silent_s
+        super().__init__(
+            Reason.UNAVAILABLE,
+            f"participant(s) {', '.join(self.lost)} answered nothing for {silent_s:g}s: "
+            "lost; restore the job from the last published snapshot onto fresh participants",
+            {"participants": ",".join(self.lost)},
+        )
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.lost, self.silent_s))
+
+
+@dataclass
+class _Seen:
+    last_answer: float
+    failures: int = 0
+
+
+class LivenessTracker:
+    """Who answered when; who is lost. Pure: every call takes ``now``."""
+
+    def __init__(self, participants: Iterable[str], lost_after_s: float, now: float) -> None:
+        if lost_after_s <= 0:
+            raise ValueError("lost_after_s must be > 0")
+        self._lost_after_s = lost_after_s
+        # Every participant starts as just seen: the watch starts after discovery.
+        self._seen = {name: _Seen(now) for name in participants}
+
+    def answered(self, participant: str, now: float) -> None:
+        seen = self._seen[participant]
+        seen.last_answer = max(seen.last_answer, now)
+        seen.failures = 0
+
+    def failed(self, participant: str) -> None:
+        self._seen[participant].failures += 1
+
+    def silent_for(self, participant: str, now: float) -> float:
+        return max(0.0, now - self._seen[participant].last_answer)
+
+    def lost(self, now: float) -> tuple[str, ...]:
+        """Participants silent for at least ``lost_after_s`` and failing since."""
+        return tuple(
+            sorted(
+                name
+                for name, seen in self._seen.items()
+                if seen.failures and now - seen.last_answer >= self._lost_after_s
+            )
+        )
+
+
+class StatusProber(Protocol):
+    """What the watch needs of the coordinator: one status round to every participant
+    (:meth:`~turnpoint.trainer.Coordinator.status_round`)."""
+
+    @property
+    def instances(self) -> tuple[str, ...]: ...
+
+    async def status_round(self, timeout_s: float) -> FanoutResult[Any]: ...
+
+
+async def watch_liveness(
+    prober: StatusProber,
+    *,
+    interval_s: float,
+    lost_after_s: float,
+    clock: Callable[[], float] = time.monotonic,
+    sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
+) -> None:
+    """Probe until a participant is lost, then raise :class:`ParticipantLostError`.
+
+    Runs for the life of the job (cancel it to stop). Each round's calls are bounded by
+    the interval, so a paused participant costs one interval per round, never a hang.
+    """
+    tracker = LivenessTracker(prober.instances, lost_after_s, clock())
+    while True:
+        result = await prober.status_round(interval_s)
+        now = clock()
+        for name in result.responses:
+            tracker.answered(name, now)
+        for name in result.failures:
+            tracker.failed(name)
+        lost = tracker.lost(now)
+        if lost:
+            raise ParticipantLostError(lost, max(tracker.silent_for(n, now) for n in lost))
+        await sleep(interval_s)
