@@ -41,15 +41,16 @@ from typing import Final, Protocol, Self
 from turnpoint.apps.bench._baselines import BidiEchoFanout, HttpJsonFanout
 from turnpoint.apps.bench._workers import HOST, WorkerProcess, fleet_job
 from turnpoint.ids import checkpoint_sequence, make_checkpoint_id
-from turnpoint.trainer._config import CoordinatorConfig
-from turnpoint.trainer._coordinator import Coordinator, bump_epoch
-from turnpoint.trainer._manifest import (
+from turnpoint.trainer import (
     AnchorRef,
+    Coordinator,
+    CoordinatorConfig,
     SnapshotLayout,
     SnapshotManifest,
+    SnapshotPhase,
+    bump_epoch,
     tree_digest,
 )
-from turnpoint.trainer._snapshot_attempt import SnapshotPhase
 
 __all__ = ["PHASES", "Fleet", "OverheadRow", "measure_control_overhead"]
 

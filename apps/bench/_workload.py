@@ -44,17 +44,23 @@ from turnpoint.apps.bench._options import WorkloadOptions
 from turnpoint.apps.bench._workers import WorkerProcess, topology_job
 from turnpoint.ids import EpisodeId
 from turnpoint.protocol import RecoveryLevel
-from turnpoint.trainer._config import CoordinatorConfig
-from turnpoint.trainer._coordinator import (
+from turnpoint.trainer import (
     COORDINATOR_FILE,
+    AgentEndpoint,
     Coordinator,
+    CoordinatorConfig,
     CoordinatorIdentity,
+    ManifestError,
+    Restorer,
+    RolloutClient,
+    RolloutClientSettings,
+    SnapshotLayout,
     Topology,
+    apply_plan,
     bump_epoch,
+    plan_restore,
+    torch_anchor_loader,
 )
-from turnpoint.trainer._manifest import ManifestError, SnapshotLayout
-from turnpoint.trainer._restore import Restorer, apply_plan, plan_restore, torch_anchor_loader
-from turnpoint.trainer._rollouts import AgentEndpoint, RolloutClient, RolloutClientSettings
 
 __all__ = [
     "RestoreResult",

@@ -53,10 +53,15 @@ from pathlib import Path
 from typing import Any, Final, Protocol
 
 from turnpoint.errors import TurnpointError
-from turnpoint.trainer._control_client import ControlCallError, ParticipantControlClient
-from turnpoint.trainer._manifest import PublishStep
-from turnpoint.trainer._snapshot_attempt import SnapshotPoint, SnapshotState, points_of
-from turnpoint.trainer._snapshots import SnapshotDriver
+from turnpoint.trainer import (
+    ControlCallError,
+    ParticipantControlClient,
+    PublishStep,
+    SnapshotDriver,
+    SnapshotPoint,
+    SnapshotState,
+    points_of,
+)
 from turnpoint.v1 import checkpoint_control_service_pb2 as pb
 from turnpoint.v1 import types_pb2
 

@@ -33,7 +33,7 @@ from turnpoint.apps.demo._report import (
     TrainStep,
     parse_event,
 )
-from turnpoint.trainer._snapshot_attempt import SnapshotState
+from turnpoint.trainer import SnapshotState
 
 __all__ = [
     "CRASH_WINDOW",

@@ -66,8 +66,10 @@ import importlib.machinery
 import importlib.util
 import json
 import os
+import random
 import re
 import secrets
+import shlex
 import shutil
 import signal
 import sys
@@ -81,6 +83,7 @@ from rich.console import Console
 from rich.text import Text
 
 from turnpoint._files import create_file, replace_file
+from turnpoint.apps.chaos import FaultProxy, ProxyMode
 from turnpoint.apps.demo._progress import (
     EventTail,
     ProgressDisplay,
@@ -95,7 +98,7 @@ from turnpoint.apps.demo._report import (
     render_report,
 )
 from turnpoint.auth import TOKEN_ENV, TOKEN_FILE_ENV
-from turnpoint.trainer._snapshot_attempt import SnapshotPoint
+from turnpoint.trainer import RestartBudget, SnapshotPoint
 
 __all__ = [
     "CRASH_POINTS",
@@ -143,8 +146,11 @@ START_TIMEOUT_S = 120.0
 """Per participant; the first start imports torch, slow while five processes share 2 cores."""
 STOP_TIMEOUT_S = 30.0
 """A SIGTERM'd participant drains within its 10 s grace; past this it is killed."""
-STALL_TIMEOUT_S = 180.0
-"""A trainer that logs nothing for this long is stuck (progress is logged twice a second)."""
+STALL_TIMEOUT_S = 60.0
+"""A trainer that logs nothing for this long is stuck or paused (progress is logged twice
+a second); the job is restored onto fresh processes."""
+MAX_RESTARTS = 3
+"""Unplanned job restarts (a lost participant, a dead or stuck trainer) allowed per hour."""
 POLL_INTERVAL_S = 0.25
 
 GUESS = "guess"
@@ -177,6 +183,11 @@ class DemoOptions:
     seed: int = 0
     progress: bool = True
     start_timeout_s: float = START_TIMEOUT_S
+    max_restarts: int = MAX_RESTARTS
+    stall_timeout_s: float = STALL_TIMEOUT_S
+    chaos_faults: int = 0
+    participant_commands: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    chaos_steps: tuple[int, int] = (2, 5)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DemoOptions:
@@ -197,6 +208,10 @@ class DemoOptions:
             seed=args.seed,
             progress=args.progress,
             start_timeout_s=args.start_timeout,
+            max_restarts=args.max_restarts,
+            stall_timeout_s=args.stall_timeout,
+            chaos_faults=args.chaos,
+            participant_commands=_participant_commands(args.participant_command),
         )
 
     def problems(self) -> list[str]:
@@ -230,6 +245,27 @@ class DemoOptions:
             )
         if not self.start_timeout_s > 0:
             problems.append(f"--start-timeout must be positive, got {self.start_timeout_s:g}")
+        if self.max_restarts < 0:
+            problems.append(f"--max-restarts must be 0 or more, got {self.max_restarts}")
+        if self.chaos_faults < 0:
+            problems.append(f"--chaos must be 0 or more faults, got {self.chaos_faults}")
+        elif self.chaos_faults and self.ray:
+            problems.append("--chaos signals local processes: drop --ray or --chaos")
+        elif self.chaos_faults > self.max_restarts:
+            problems.append(
+                f"--chaos {self.chaos_faults} can lose up to {self.chaos_faults} job "
+                f"incarnations: raise --max-restarts to at least {self.chaos_faults}"
+            )
+        known = {"policy", "tools", "group-tools", *(f"agent-{i}" for i in range(self.agents))}
+        for instance in sorted(set(self.participant_commands) - known):
+            problems.append(
+                f"--participant-command names {instance!r}, which is not a participant of "
+                f"this run: choose one of {', '.join(sorted(known))}"
+            )
+        if self.participant_commands and self.ray:
+            problems.append("--participant-command starts local processes: drop --ray")
+        if not self.stall_timeout_s > 0:
+            problems.append(f"--stall-timeout must be positive, got {self.stall_timeout_s:g}")
         if self.target_level not in LEVELS:
             # Every level is possible with the demo's environments (each gets the finest
             # level at or below the target it supports), so only the name can be wrong.
@@ -243,6 +279,17 @@ class DemoOptions:
             problems.extend(_crash_at_problems(self.crash_at, crash=self.crash))
         problems.extend(_out_dir_problems(self.out))
         return problems
+
+
+def _participant_commands(values: Sequence[str]) -> dict[str, tuple[str, ...]]:
+    commands: dict[str, tuple[str, ...]] = {}
+    for value in values:
+        instance, sep, command = value.partition("=")
+        words = tuple(shlex.split(command))
+        if not sep or not instance or not words:
+            raise DemoError(f"--participant-command takes INSTANCE=COMMAND, got {value!r}")
+        commands[instance] = words
+    return commands
 
 
 def _crash_at_problems(text: str, *, crash: bool) -> list[str]:
@@ -558,10 +605,14 @@ class ProcessLauncher:
         *,
         start_timeout_s: float = START_TIMEOUT_S,
         serve_command: Sequence[str] = DEFAULT_SERVE_COMMAND,
+        commands: Mapping[str, Sequence[str]] | None = None,
     ) -> None:
         self._paths = paths
         self._start_timeout_s = start_timeout_s
         self._serve_command = tuple(serve_command)
+        # Per instance, another program that takes `turnpoint serve`'s arguments and
+        # prints its serving line: a participant written in another language.
+        self._commands = {name: tuple(command) for name, command in (commands or {}).items()}
         self._env = _child_env(token)
 
     async def start(self, spec: ParticipantSpec, generation: int) -> ProcessParticipant:
@@ -569,7 +620,7 @@ class ProcessLauncher:
         stderr = await asyncio.to_thread(stderr_path.open, "wb")
         try:
             process = await asyncio.create_subprocess_exec(
-                *self._serve_command,
+                *self._commands.get(spec.instance, self._serve_command),
                 *spec.serve_arguments(self._paths.snapshots),
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,
@@ -674,8 +725,16 @@ async def stop_participants(participants: Iterable[Participant], *, check: bool 
         raise DemoError("\n".join(failures))
 
 
-def write_topology(paths: DemoPaths, participants: Mapping[str, Participant]) -> None:
-    """``topology.json`` for the trainer, replaced atomically. Blocking."""
+def write_topology(
+    paths: DemoPaths,
+    participants: Mapping[str, Participant],
+    addresses: Mapping[str, str] | None = None,
+) -> None:
+    """``topology.json`` for the trainer, replaced atomically. Blocking.
+
+    ``addresses`` overrides where the trainer reaches a participant (``--chaos`` puts a
+    fault proxy in between)."""
+    addresses = addresses or {}
     topology = {
         "token_file": str(paths.token_file),
         "snapshot_root": str(paths.snapshots),
@@ -683,7 +742,7 @@ def write_topology(paths: DemoPaths, participants: Mapping[str, Participant]) ->
             {
                 "instance": p.spec.instance,
                 "kind": p.spec.kind,
-                "address": p.address,
+                "address": addresses.get(p.spec.instance, p.address),
                 "environment": p.spec.environment,
             }
             for p in participants.values()
@@ -825,6 +884,16 @@ class _Supervisor:
         self.trainer: _Trainer | None = None
         self.generation = 0
         self.last_event_at = time.monotonic()
+        # Unplanned restarts (the planned --crash is the demo's own and not counted).
+        self.restarts = RestartBudget(options.max_restarts, 3600.0)
+        self.trainer_started_at = time.monotonic()
+        self.trainer_restarted = asyncio.Event()
+        self.faults_injected = 0
+        self.proxies: dict[str, FaultProxy] = {}
+        self.wire_faults = 0
+        # Train steps the current trainer incarnation logged, and a wake-up for each.
+        self.steps_since_start = 0
+        self.trained = asyncio.Event()
 
     async def record(self, event_type: str, **detail: object) -> None:
         line = json.dumps({"type": event_type, "t": time.time(), **detail}) + "\n"
@@ -846,7 +915,21 @@ class _Supervisor:
             self.launcher, self.options, self.paths, self.generation
         )
         self.killed.clear()
-        await asyncio.to_thread(write_topology, self.paths, self.participants)
+        addresses: dict[str, str] = {}
+        if self.options.chaos_faults:
+            # The trainer reaches every participant through a fault proxy, so --chaos can
+            # also lose and delay replies on the wire, not only kill processes.
+            await self.close_proxies()
+            for name, participant in self.participants.items():
+                proxy = await FaultProxy(participant.address).start()
+                self.proxies[name] = proxy
+                addresses[name] = proxy.address
+        await asyncio.to_thread(write_topology, self.paths, self.participants, addresses)
+
+    async def close_proxies(self) -> None:
+        proxies, self.proxies = self.proxies, {}
+        for proxy in proxies.values():
+            await proxy.close()
 
     async def start_trainer(self, *, resume: bool) -> None:
         incarnation = self.trainer.incarnation + 1 if self.trainer else 1
@@ -861,15 +944,35 @@ class _Supervisor:
             program=self.trainer_program,
             kill_at=self.options.crash_at if incarnation == 1 else None,
         )
-        self.last_event_at = time.monotonic()
+        self.last_event_at = self.trainer_started_at = time.monotonic()
+        self.steps_since_start = 0
+        self.trainer_restarted.set()
 
     async def run(self) -> None:
         await self.launch()
         await self.start_trainer(resume=False)
-        await self.supervise()
+        chaos = (
+            [asyncio.create_task(self.inject_faults()), asyncio.create_task(self.wire_chaos())]
+            if self.options.chaos_faults
+            else []
+        )
+        try:
+            await self.supervise()
+        finally:
+            for task in chaos:
+                task.cancel()
+            for task in chaos:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+            await self.close_proxies()
         self.state.phase = "stopping participants"
         self.show()
         participants, self.participants = self.participants, {}
+        for _name, pid in self.fault_victims_of(participants):
+            # A participant paused by --chaos after the trainer's last call must wake
+            # to drain; SIGCONT does nothing to a running one.
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
         await stop_participants(list(participants.values()))
 
     async def supervise(self) -> None:
@@ -884,16 +987,110 @@ class _Supervisor:
                 if self.killed_itself(status):
                     await self.crash_and_restart()
                     continue
-                raise await self.trainer.failure(status)
-            await self.check_participants()
-            if time.monotonic() - self.last_event_at > STALL_TIMEOUT_S:
-                raise DemoError(
-                    f"the trainer (incarnation {self.trainer.incarnation}) logged nothing for "
-                    f"{STALL_TIMEOUT_S:g}s; its stderr ends with:"
-                    f"{_quote_tail(await _tail_of(self.trainer.stderr))}"
+                await self.recover(await self.trainer.failure(status))
+                continue
+            lost = await self.lost_participant()
+            if lost is not None:
+                await self.recover(lost)
+                continue
+            if time.monotonic() - self.last_event_at > self.options.stall_timeout_s:
+                await self.recover(
+                    DemoError(
+                        f"the trainer (incarnation {self.trainer.incarnation}) logged nothing "
+                        f"for {self.options.stall_timeout_s:g}s (stuck or paused); its stderr "
+                        f"ends with:{_quote_tail(await _tail_of(self.trainer.stderr))}"
+                    )
                 )
+                continue
             if self.state.crash_due():
                 await self.crash_and_restart()
+
+    async def inject_faults(self) -> None:
+        """``--chaos N``: N unplanned faults at random times, each a SIGKILL or a SIGSTOP
+        of any process of the job, trainer included, once the current incarnation is
+        training. Recovery is the supervisor's ordinary path (:meth:`recover`); the
+        exactly-once audit at the end says whether anything was lost or done twice."""
+        rng = random.Random(self.options.seed * 7919 + 17)
+        low, high = self.options.chaos_steps
+        plan = [
+            (target, signal_name)
+            for target in ("trainer", "participant")
+            for signal_name in ("SIGKILL", "SIGSTOP")
+        ]
+        rng.shuffle(plan)
+        while self.faults_injected < self.options.chaos_faults:
+            # Paced by training steps, not seconds: each incarnation trains a few steps
+            # before its fault, however fast or slow the machine is.
+            steps = rng.randint(low, high)
+            while self.steps_since_start < steps:
+                self.trained.clear()
+                await self.trained.wait()
+            await asyncio.sleep(rng.uniform(0.0, 1.0))
+            victims = self.fault_victims()
+            if not victims:
+                continue
+            if plan:
+                # The first faults cover every kind: each signal on the trainer and on a
+                # participant, in a random order; then any process, any signal.
+                target, signal_name = plan.pop()
+                chosen = [v for v in victims if (v[0] == "trainer") == (target == "trainer")]
+                name, pid = rng.choice(chosen or victims)
+            else:
+                name, pid = rng.choice(victims)
+                signal_name = rng.choice(("SIGKILL", "SIGKILL", "SIGSTOP"))
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, getattr(signal, signal_name))
+            self.faults_injected += 1
+            await self.record(
+                "fault",
+                n=self.faults_injected,
+                victim=name,
+                signal=signal_name,
+                incarnation=self.trainer.incarnation if self.trainer else 0,
+                step=self.state.step,
+            )
+            # Wait for the recovery this fault causes before the next one.
+            self.trainer_restarted.clear()
+            await self.trainer_restarted.wait()
+
+    async def wire_chaos(self) -> None:
+        """``--chaos``: between process faults, lose or delay the replies of one
+        participant's link for a moment (through its proxy). No restart follows: a lost
+        reply is retried with the same request id and replayed or joined (docs/spec.md
+        section 6.8), a late one only slows the run."""
+        rng = random.Random(self.options.seed * 104729 + 3)
+        while True:
+            await asyncio.sleep(rng.uniform(2.0, 5.0))
+            if not self.proxies:
+                continue
+            name = rng.choice(sorted(self.proxies))
+            proxy = self.proxies[name]
+            mode = rng.choice((ProxyMode.DROP_REPLIES, ProxyMode.DELAY))
+            hold_s = rng.uniform(0.3, 1.5)
+            proxy.set_mode(mode, delay_s=rng.uniform(0.05, 0.5))
+            self.wire_faults += 1
+            await self.record(
+                "wire_fault", n=self.wire_faults, victim=name, mode=mode.value, seconds=hold_s
+            )
+            try:
+                await asyncio.sleep(hold_s)
+            finally:
+                proxy.set_mode(ProxyMode.PASS)
+
+    def fault_victims(self) -> list[tuple[str, int]]:
+        victims: list[tuple[str, int]] = []
+        if self.trainer is not None and self.trainer.process.returncode is None:
+            victims.append(("trainer", self.trainer.process.pid))
+        return victims + self.fault_victims_of(self.participants)
+
+    @staticmethod
+    def fault_victims_of(participants: Mapping[str, Participant]) -> list[tuple[str, int]]:
+        victims = []
+        for name, participant in sorted(participants.items()):
+            pid = getattr(participant, "pid", None)
+            if isinstance(pid, int) and participant.exit_status() is None:
+                victims.append((name, pid))
+        return victims
 
     async def read_events(self) -> None:
         events = await asyncio.to_thread(self.tail.read_new)
@@ -902,6 +1099,10 @@ class _Supervisor:
         for event in events:
             if event.get("type") == "kill":
                 self.kill_event = event
+            current = self.trainer.incarnation if self.trainer is not None else None
+            if event.get("type") == "train_step" and event.get("incarnation") == current:
+                self.steps_since_start += 1
+                self.trained.set()
             self.state.apply(event)
 
     def killed_itself(self, status: int) -> bool:
@@ -916,14 +1117,55 @@ class _Supervisor:
             and self.state.crashed_at_step is None
         )
 
-    async def check_participants(self) -> None:
+    async def lost_participant(self) -> DemoError | None:
+        """A participant that exited without being told to, as the reason to restore."""
         for participant in self.participants.values():
             status = participant.exit_status()
             if status is not None and participant.spec.instance not in self.killed:
-                raise DemoError(
+                return DemoError(
                     f"participant {participant.spec.instance} exited unexpectedly with status "
                     f"{status}; its stderr says:{_quote_tail(await participant.stderr_tail())}"
                 )
+        return None
+
+    async def recover(self, cause: DemoError) -> None:
+        """A lost participant, or a trainer that died or stalled: restore the whole job
+        from the last published snapshot onto fresh processes (docs/spec.md section
+        7.11), within the restart budget; past it, the run ends with the cause."""
+        assert self.trainer is not None
+        decision = self.restarts.decide(time.monotonic(), "job restore")
+        if not decision.allowed:
+            raise DemoError(f"{cause}\n{decision.reason}")
+        await self.record(
+            "crash",
+            incarnation=self.trainer.incarnation,
+            step=self.state.step,
+            killed=["trainer", *sorted(self.participants)],
+            unplanned=True,
+            cause=str(cause).splitlines()[0],
+        )
+        await self.trainer.kill()
+        await self.read_events()
+        self.state.note_crash()
+        self.show()
+        await asyncio.to_thread(_drop_torn_line, self.paths.events)
+        participants, self.participants = self.participants, {}
+        # SIGKILL, not a drain: a paused process never drains, and none of their state
+        # is kept (the restore starts every participant fresh).
+        for participant in participants.values():
+            await participant.kill()
+        await stop_participants(list(participants.values()), check=False)
+        # A verifier killed mid-append leaves a torn last line; its reward was never
+        # returned, so nothing the audit needs is lost by cutting it.
+        for log in self.paths.out.glob("verifier-*.jsonl"):
+            await asyncio.to_thread(_drop_torn_line, log)
+        await asyncio.sleep(decision.pause_s)
+        await self.launch()
+        await self.record(
+            "restart", incarnation=self.trainer.incarnation + 1, reason=decision.reason
+        )
+        self.state.note_restart()
+        await self.start_trainer(resume=True)
 
     def crash_victim(self) -> Participant:
         agents = sorted(
@@ -1148,6 +1390,40 @@ def add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         metavar="SECONDS",
         help=argparse.SUPPRESS,
     )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=MAX_RESTARTS,
+        metavar="N",
+        help="unplanned job restarts allowed per hour: a participant that dies or a trainer "
+        "that dies or stalls restores the job from the last published snapshot onto fresh "
+        f"processes (default: {MAX_RESTARTS})",
+    )
+    parser.add_argument(
+        "--participant-command",
+        action="append",
+        default=[],
+        metavar="INSTANCE=COMMAND",
+        help="run INSTANCE (tools, group-tools, policy, agent-N) with COMMAND instead of "
+        "'turnpoint serve': any program that takes its arguments and prints its serving "
+        "line, e.g. tools='node ts/dist/examples/guess-resources.js' (repeatable)",
+    )
+    parser.add_argument(
+        "--chaos",
+        type=int,
+        default=0,
+        metavar="N",
+        help="inject N unplanned faults at random times (SIGKILL or SIGSTOP of any process, "
+        "trainer included); the run recovers from each and the audit checks nothing was "
+        "lost or trained twice (needs --max-restarts N or more)",
+    )
+    parser.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=STALL_TIMEOUT_S,
+        metavar="SECONDS",
+        help=f"a trainer silent this long is stuck or paused (default: {STALL_TIMEOUT_S:g})",
+    )
     parser.set_defaults(handler=demo_command)
 
 
@@ -1163,7 +1439,11 @@ def _trainer_installed() -> bool:
 
 
 def demo_command(args: argparse.Namespace) -> int:
-    options = DemoOptions.from_args(args)
+    try:
+        options = DemoOptions.from_args(args)
+    except DemoError as error:
+        print(f"turnpoint demo: {error}", file=sys.stderr)
+        return 2
     problems = options.problems()
     if problems:
         for problem in problems:
@@ -1200,7 +1480,12 @@ def demo_command(args: argparse.Namespace) -> int:
             return 1
         launcher: Launcher = ray_launcher
     else:
-        launcher = ProcessLauncher(paths, token, start_timeout_s=options.start_timeout_s)
+        launcher = ProcessLauncher(
+            paths,
+            token,
+            start_timeout_s=options.start_timeout_s,
+            commands=options.participant_commands,
+        )
     try:
         return asyncio.run(run_demo(options, paths, token, launcher, console))
     except DemoError as error:

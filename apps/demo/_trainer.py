@@ -47,28 +47,35 @@ from turnpoint.apps.demo._progress import SnapshotStateLog
 from turnpoint.apps.examples._participants import GUESS, GUESS_GROUP, new_policy
 from turnpoint.apps.examples._task import make_prompt
 from turnpoint.auth import auth_metadata
-from turnpoint.trainer._config import CoordinatorConfig
-from turnpoint.trainer._coordinator import Coordinator, bump_epoch
-from turnpoint.trainer._manifest import SnapshotLayout
-from turnpoint.trainer._metrics import CoordinatorMetrics
-from turnpoint.trainer._restore import RestorePlan, Restorer, apply_plan, torch_anchor_loader
-from turnpoint.trainer._rollouts import (
+from turnpoint.trainer import (
     AgentEndpoint,
+    Coordinator,
+    CoordinatorConfig,
+    CoordinatorMetrics,
+    ParticipantLostError,
+    RestorePlan,
+    Restorer,
     Rollout,
     RolloutClient,
     RolloutClientSettings,
     RolloutOutcome,
     RolloutResult,
-)
-from turnpoint.trainer._snapshots import (
     SnapshotDriver,
+    SnapshotLayout,
     SnapshotPump,
     SnapshotReport,
     SnapshotRunError,
     TorchAnchorSource,
+    apply_plan,
+    bump_epoch,
+    torch_anchor_loader,
+    watch_liveness,
 )
 
-__all__ = ["main"]
+__all__ = ["PARTICIPANT_LOST_STATUS", "main"]
+
+# The exit status that tells the supervisor "a participant is lost: restore the job".
+PARTICIPANT_LOST_STATUS = 4
 
 _LOG = logging.getLogger("turnpoint.demo.trainer")
 LEARNING_RATE = 1e-2
@@ -138,6 +145,9 @@ class DemoTrainer:
                 "keep_snapshots": 2,
                 "target_level": self.args.target_level,
                 "max_consecutive_failures": 3,
+                # Small loopback job: notice a lost participant within seconds.
+                "liveness_interval_s": 1.0,
+                "participant_lost_after_s": 6.0,
             }
         )
 
@@ -301,6 +311,40 @@ class DemoTrainer:
                 pass
             self._on_snapshot(await pump.tick())
 
+    async def _watch_liveness(
+        self, coordinator: Coordinator, config: CoordinatorConfig, stop: asyncio.Event
+    ) -> None:
+        """A participant that is gone ends this incarnation at once, raising
+        ParticipantLostError; the supervisor restores the job onto fresh ones (spec
+        section 7.11). Ends quietly when the run does."""
+        watch = asyncio.create_task(
+            watch_liveness(
+                coordinator,
+                interval_s=config.liveness_interval_s,
+                lost_after_s=config.participant_lost_after_s,
+            )
+        )
+        stopped = asyncio.create_task(stop.wait())
+        try:
+            await asyncio.wait({watch, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopped.cancel()
+            if not watch.done():
+                watch.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watch
+        if watch.done() and not watch.cancelled():
+            try:
+                watch.result()
+            except ParticipantLostError as error:
+                # This incarnation is abandoned: the job restores from the last published
+                # snapshot onto fresh participants, exactly as after a crash. Exit now
+                # rather than wind down calls to a participant that is gone (an abort
+                # would wait out its resume attempts against the lost participant).
+                print(f"trainer: {error}", file=sys.stderr, flush=True)
+                self.events.close()
+                os._exit(PARTICIPANT_LOST_STATUS)
+
     def _record_kill(self, fired: Fired) -> None:
         # Also called from the publishing thread: one O_APPEND write, not self.events.
         event = {"t": time.time(), "type": "kill", "incarnation": self.events.incarnation}
@@ -340,6 +384,13 @@ class DemoTrainer:
                     for name in agents
                 },
                 settings=RolloutClientSettings(max_concurrency=256),
+                # A live failure of a group-scored sibling retries its whole group
+                # (docs/spec.md section 6.10 item 8), as discovery decided per environment.
+                group_scored=[
+                    environment
+                    for environment, decision in coordinator.levels.items()
+                    if decision.group_scored
+                ],
             )
             async with rollouts:
                 plan = None
@@ -377,9 +428,16 @@ class DemoTrainer:
                     asyncio.create_task(self._progress(rollouts, stop)),
                     asyncio.create_task(self._watch_results(rollouts, stop)),
                     asyncio.create_task(self._pump(pump, config.snapshot_interval_s, stop)),
+                    asyncio.create_task(self._watch_liveness(coordinator, config, stop)),
                 ]
                 try:
                     await self._train_loop(rollouts, agents, background)
+                except BaseException:
+                    # Ending on a failure (a lost participant, the pump giving up): do not
+                    # wait for a snapshot in progress against a participant that is gone.
+                    for task in background:
+                        task.cancel()
+                    raise
                 finally:
                     stop.set()
                     results = await asyncio.gather(*background, return_exceptions=True)
@@ -510,6 +568,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SnapshotRunError as error:
         print(f"trainer: the snapshot pump ended the run: {error}", file=sys.stderr)
         return 3
+    except ParticipantLostError as error:
+        print(f"trainer: {error}", file=sys.stderr)
+        return PARTICIPANT_LOST_STATUS
     finally:
         trainer.events.close()
 

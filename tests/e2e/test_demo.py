@@ -262,3 +262,66 @@ def _processes_mentioning(text: str) -> list[str]:
         if text in command:
             found.append(command)
     return found
+
+
+def test_chaos_kill_and_pause_any_process_and_the_audit_still_passes(tmp_path: Path) -> None:
+    """Five unplanned faults (SIGKILL and SIGSTOP of the trainer and of participants, the
+    first four covering each combination): each one restores the job onto fresh
+    processes from the last published snapshot (docs/spec.md section 7.11), and at the
+    end every prompt group was trained exactly once with the verifiers' rewards."""
+    faults = 5
+    run = run_demo(
+        tmp_path / "out",
+        "--no-crash",
+        "--chaos",
+        str(faults),
+        "--max-restarts",
+        str(faults),
+        "--stall-timeout",
+        "15",
+        # Long enough that training goes on after the last fault.
+        "--steps",
+        "60",
+        timeout_s=600.0,
+    )
+    injected = [e for e in run.supervisor if e["type"] == "fault"]
+    assert len(injected) == faults
+    kinds = {(e["victim"] == "trainer", e["signal"]) for e in injected}
+    assert kinds == {(True, "SIGKILL"), (True, "SIGSTOP"), (False, "SIGKILL"), (False, "SIGSTOP")}
+    crashes = [e for e in run.supervisor if e["type"] == "crash"]
+    assert len(crashes) == faults and all(e["unplanned"] for e in crashes)
+    # Every restart restored a published snapshot (or started over when none existed).
+    restarts = [e for e in run.supervisor if e["type"] == "restart"]
+    assert [e["incarnation"] for e in restarts] == list(range(2, faults + 2))
+    assert run.only("done", faults + 1)["step"] == 60
+
+
+TS_RESOURCES = (
+    Path(__file__).resolve().parents[2] / "ts" / "dist" / "examples" / "guess-resources.js"
+)
+
+
+def test_the_demo_with_typescript_resources_servers_trains_through_its_crash(
+    tmp_path: Path,
+) -> None:
+    """Mixed languages: both resources servers (per-sibling and group-scored) are the
+    TypeScript SDK's example, the rest Python; the crash and the restore go through the
+    TypeScript participants' snapshots, and the audit passes (``./dev test`` builds
+    ts/dist first)."""
+    assert TS_RESOURCES.is_file(), (
+        "build the TypeScript side first: cd ts && npm ci && npm run build"
+    )
+    command = f"node {TS_RESOURCES}"
+    run = run_demo(
+        tmp_path / "out",
+        "--participant-command",
+        f"tools={command}",
+        "--participant-command",
+        f"group-tools={command}",
+    )
+    assert_restored_the_newest_published(run)
+    # The restored snapshot holds the TypeScript servers' own records.
+    restored = run.only("restore", 2)["checkpoint_id"]
+    snapshot = tmp_path / "out" / "snapshots" / restored
+    assert (snapshot / "tools" / "MANIFEST.json").is_file()
+    assert (snapshot / "group-tools" / "MANIFEST.json").is_file()

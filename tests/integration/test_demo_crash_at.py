@@ -68,8 +68,9 @@ def _jsonl(path: Path) -> list[Any]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-async def _run(tmp_path: Path, crash_at: str) -> tuple[Path, int]:
+async def _run(tmp_path: Path, crash_at: str, *, max_restarts: int = 3) -> tuple[Path, int]:
     options = DemoOptions(
+        max_restarts=max_restarts,
         steps=4,
         agents=2,
         group_size=2,
@@ -115,12 +116,15 @@ async def test_the_trainers_own_kill_is_the_crash_and_the_job_restarts(tmp_path:
 async def test_a_sigkill_without_the_kill_event_fails_the_demo(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A SIGKILL that the kill switch did not announce is not taken for the planned
+    crash: it is an unplanned failure (restored within the budget; with none, fatal)."""
     monkeypatch.setenv("FAKE_KILL", "silent")
 
     with pytest.raises(DemoError) as caught:
-        await _run(tmp_path, "prepared")
+        await _run(tmp_path, "prepared", max_restarts=0)
 
     assert str(caught.value).startswith("the trainer (incarnation 1) exited with status -9")
+    assert "(max_restarts=0); the run ends" in str(caught.value)
     assert not (tmp_path / "out" / "supervisor.jsonl").exists()
 
 

@@ -337,7 +337,7 @@ async def test_a_failing_trainer_fails_the_demo_with_its_stderr_and_stops_everyt
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("FAKE_TRAINER", "fail")
-    options = _options(tmp_path / "out")
+    options = _options(tmp_path / "out", max_restarts=0)
     paths, token = prepare_out_dir(options.out)
     launcher = _RecordingLauncher(
         paths, token, start_timeout_s=TIMEOUT_S, serve_command=_fake_serve(tmp_path)
@@ -356,10 +356,43 @@ async def test_a_failing_trainer_fails_the_demo_with_its_stderr_and_stops_everyt
     assert str(caught.value) == (
         "the trainer (incarnation 1) exited with status 3; its stderr ends with:\n"
         "    boom: the fake trainer failed\n"
-        f"(full log: {paths.logs / 'trainer.1.stderr'})"
+        f"(full log: {paths.logs / 'trainer.1.stderr'})\n"
+        "job restore: 0 restart(s) in the last 3600s already, the most allowed "
+        "(max_restarts=0); the run ends"
     )
     assert len(launcher.started) == 5
     assert all(p.exit_status() is not None for p in launcher.started)
+
+
+async def test_a_trainer_that_keeps_failing_is_restored_max_restarts_times_then_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Unplanned failures restore the job onto fresh processes, within a bounded budget."""
+    monkeypatch.setenv("FAKE_TRAINER", "fail")
+    options = _options(tmp_path / "out", max_restarts=2)
+    paths, token = prepare_out_dir(options.out)
+    launcher = _RecordingLauncher(
+        paths, token, start_timeout_s=TIMEOUT_S, serve_command=_fake_serve(tmp_path)
+    )
+
+    with pytest.raises(DemoError, match=r"max_restarts=2\); the run ends") as caught:
+        await run_demo(
+            options,
+            paths,
+            token,
+            launcher,
+            Console(file=io.StringIO()),
+            trainer_program=_fake_trainer(tmp_path),
+        )
+
+    assert "the trainer (incarnation 3) exited with status 3" in str(caught.value)
+    assert len(launcher.started) == 15  # three generations of five fresh participants
+    assert all(p.exit_status() is not None for p in launcher.started)
+    events = _read_jsonl(paths.supervisor_log)
+    crashes = [e for e in events if e["type"] == "crash"]
+    assert [e["incarnation"] for e in crashes] == [1, 2]
+    assert all(e["unplanned"] and "exited with status 3" in e["cause"] for e in crashes)
+    assert [e["incarnation"] for e in events if e["type"] == "restart"] == [2, 3]
 
 
 # ---------------------------------------------------------------------- flags and the out dir
