@@ -1,0 +1,913 @@
+/**
+ * The runtime around the pure core: what the gRPC adapters call, one method per RPC
+ * (docs/spec.md sections 4, 5, 6). A port of participant_sdk/_runtime.py and _reads.py.
+ *
+ * Every control method takes the request's fence and request id and the time left on
+ * the caller's deadline (null: none), and answers before that deadline with a reply
+ * margin. Work that needs longer (a write, an install, stopping a retired episode)
+ * keeps running as a job; the call fails DEADLINE_EXCEEDED and a retry joins the job.
+ * `signal` is the caller's cancellation (a cancelled unary call, a session `cancel`):
+ * the call's waits end, the jobs go on (section 3.2 item 9).
+ *
+ * The clock is injectable (monotonic seconds): it drives leases and budgets, so a test
+ * can expire a lease by moving a fake clock and calling `checkLease()`.
+ */
+import { randomBytes } from "node:crypto";
+
+import { AgentHost } from "./agent.js";
+import type { Agent, RunFollower } from "./agent.js";
+import type { CoreEvent, WorkKey } from "./core.js";
+import { ParticipantCore, checkedId } from "./core.js";
+import { TurnpointError } from "./errors.js";
+import type { EpisodeId } from "./ids.js";
+import { compareEpisodes, episodeKey, nextAttempt, sortedEpisodes, supersedes } from "./ids.js";
+import type { KindHost } from "./kinds.js";
+import type {
+  ArtifactRef,
+  CompletionReceipt,
+  EpisodeState,
+  Fence,
+  JsonObject,
+  ParticipantKind,
+  Phase,
+  ReadinessReport,
+  RecoveryLevel,
+  RecoveryMode,
+  VerifyMode,
+} from "./protocol.js";
+import { PROTOCOL_VERSION } from "./protocol.js";
+import type { Record } from "./records.js";
+import { ResourcesHost } from "./resources.js";
+import type { ResourcesServer, Verdict } from "./resources.js";
+import type { RuntimeConfig } from "./shared.js";
+import { Deadline, Shared, Watcher, invalidRecord, runtimeConfig } from "./shared.js";
+import type { SnapshotStore } from "./store.js";
+import { WriteTicket, storageError } from "./store.js";
+
+// ------------------------------------------------------------------ replies
+
+export interface Header {
+  readonly participantId: string;
+  readonly incarnation: string;
+  readonly epoch: bigint;
+}
+
+export interface Description {
+  readonly kind: ParticipantKind;
+  readonly instanceName: string;
+  readonly protocolVersion: string;
+  readonly recoveryMode: RecoveryMode;
+  readonly verifyMode: VerifyMode;
+  readonly groupScored: boolean;
+  readonly groupSize: number;
+  readonly supportedLevels: readonly RecoveryLevel[];
+  readonly environment: string;
+  readonly phase: Phase;
+}
+
+/** Times are seconds since the epoch (for a protobuf Timestamp). */
+export interface PrepareResult {
+  readonly checkpointId: string;
+  readonly phase: Phase;
+  readonly readiness: ReadinessReport;
+  readonly leaseExpiresAt: number | null;
+}
+export interface RenewResult {
+  readonly checkpointId: string;
+  readonly phase: Phase;
+  readonly leaseExpiresAt: number | null;
+}
+export interface CommitResult {
+  readonly checkpointId: string;
+  readonly manifest: ArtifactRef;
+  readonly artifacts: readonly ArtifactRef[];
+  readonly exported: readonly EpisodeId[];
+}
+export interface ResumeResult {
+  readonly checkpointId: string;
+  readonly phase: Phase;
+  readonly endedActive: boolean;
+}
+export interface RestoreResult {
+  readonly restoreId: string;
+  readonly installed: readonly EpisodeId[];
+  readonly phase: Phase;
+}
+export interface RetireResult {
+  readonly stopped: readonly EpisodeId[];
+}
+export interface ForgetResult {
+  readonly forgotten: number;
+}
+export interface StatusResult {
+  readonly phase: Phase;
+  readonly activeCheckpointId: string | null;
+  readonly leaseExpiresAt: number | null;
+  readonly readiness: ReadinessReport;
+  readonly admissionOpen: boolean;
+  readonly leaseExpiries: number;
+  readonly refusedRollouts: number;
+}
+export type WatchEvent =
+  | { readonly type: "readiness"; readonly phase: Phase; readonly readiness: ReadinessReport }
+  | {
+      readonly type: "boundary";
+      readonly phase: Phase;
+      readonly episode: EpisodeId;
+      readonly state: EpisodeState;
+      readonly boundaryIndex: number;
+      readonly turnIndex: number;
+      readonly at: number;
+      readonly slot: string;
+    };
+
+/** What a control call brings besides its arguments. */
+export interface CallOptions {
+  /** Seconds left on the caller's deadline; null: none (60 s apply). */
+  readonly timeoutS?: number | null;
+  /** The caller's cancellation. */
+  readonly signal?: AbortSignal;
+}
+
+// ------------------------------------------------------------------ jobs
+
+type Stage = "exporting" | "writing" | "done";
+
+/** A promise whose rejection is always observed, so an abandoned job never crashes the process. */
+function observed<T>(promise: Promise<T>): Promise<T> {
+  promise.catch(() => undefined);
+  return promise;
+}
+
+interface CommitJob {
+  readonly checkpointId: string;
+  readonly fingerprint: string;
+  readonly snapshot: string;
+  readonly exportKeys: readonly WorkKey[];
+  readonly discardKeys: readonly WorkKey[];
+  readonly exportAbort: AbortController;
+  stage: Stage;
+  records: Record[] | null;
+  discarded: boolean;
+  run: Promise<CommitResult> | null;
+  failed: boolean;
+  ticket: WriteTicket | null;
+  write: Promise<unknown> | null;
+  writeDone: boolean;
+}
+
+interface RestoreJob {
+  readonly restoreId: string;
+  readonly run: Promise<RestoreResult>;
+  done: boolean;
+}
+
+export interface RuntimeOptions {
+  readonly agent?: Agent;
+  readonly resources?: ResourcesServer;
+  readonly environment?: string;
+  readonly config?: Partial<RuntimeConfig>;
+  /** Monotonic seconds (leases, budgets); default performance.now()/1000. */
+  readonly clock?: () => number;
+  /** Seconds since the epoch; default Date.now()/1000. */
+  readonly wallClock?: () => number;
+  readonly incarnation?: string;
+}
+
+function slotOf(key: WorkKey): string {
+  return key.slot.split("/")[0] as string;
+}
+
+function settled(promise: Promise<unknown>): Promise<void> {
+  return promise.then(
+    () => undefined,
+    () => undefined,
+  );
+}
+
+/** One participant: the control plane, the hosted kinds and their data plane. */
+export class ParticipantRuntime {
+  readonly instanceName: string;
+  readonly incarnation: string;
+  readonly shared: Shared;
+  readonly agent: AgentHost | null;
+  readonly resources: ResourcesHost | null;
+  readonly config: RuntimeConfig;
+  private readonly hosts = new Map<string, KindHost>();
+  private readonly environment: string;
+  private readonly commitJobs = new Map<string, CommitJob>();
+  private restoreJob: RestoreJob | null = null;
+  private readonly stops = new Map<string, Promise<void>>();
+  private readonly background = new Set<Promise<unknown>>();
+  private leaseLoop: Promise<void> | null = null;
+  private closed = false;
+
+  constructor(
+    instanceName: string,
+    private readonly store: SnapshotStore,
+    options: RuntimeOptions,
+  ) {
+    this.instanceName = checkedId(instanceName, "instance_name");
+    if (this.instanceName === "trainer") throw new RangeError("the instance name 'trainer' is reserved (section 2.3)");
+    this.config = runtimeConfig(options.config);
+    this.incarnation = options.incarnation ?? randomBytes(8).toString("hex");
+    const core = new ParticipantCore({
+      defaultLeaseS: this.config.defaultLeaseS,
+      maxFinishedIds: this.config.maxFinishedIds,
+      maxAnsweredRequests: this.config.maxAnsweredRequests,
+      recordEvents: true,
+    });
+    this.shared = new Shared(
+      core,
+      this.config,
+      options.clock ?? (() => performance.now() / 1000),
+      options.wallClock ?? (() => Date.now() / 1000),
+    );
+    this.agent = options.agent !== undefined ? new AgentHost(this.shared, options.agent) : null;
+    this.resources = options.resources !== undefined ? new ResourcesHost(this.shared, options.resources) : null;
+    for (const host of [this.agent, this.resources]) if (host !== null) this.hosts.set(host.slot, host);
+    if (this.hosts.size === 0) throw new RangeError("a participant hosts at least one of agent, resources");
+    this.environment =
+      options.environment ?? ([...this.hosts.values()].map((h) => h.describe().environment ?? "").find((env) => env !== "") || "");
+  }
+
+  get core(): ParticipantCore {
+    return this.shared.core;
+  }
+
+  get kind(): ParticipantKind {
+    return this.agent !== null && this.resources !== null ? "ENVIRONMENT" : ([...this.hosts.values()][0] as KindHost).kind;
+  }
+
+  /** The weakest mode hosted decides what the participant as a whole can promise. */
+  get recoveryMode(): RecoveryMode {
+    const modes = new Set([...this.hosts.values()].map((h) => h.recoveryMode));
+    for (const mode of ["RESTART_ONLY", "EXPORTED", "STATELESS"] as const) if (modes.has(mode)) return mode;
+    return "RESTART_ONLY";
+  }
+
+  header(): Header {
+    return { participantId: this.instanceName, incarnation: this.incarnation, epoch: this.core.epoch };
+  }
+
+  // ---------------------------------------------------------------- lifecycle
+
+  /** Start the lease timer (an expiry turns into a resume, section 4.2 item 3). */
+  start(): void {
+    if (this.leaseLoop !== null) return;
+    this.leaseLoop = this.runLeaseLoop();
+  }
+
+  /** Stop the lease timer and all hosted work; wait for background writes to settle. */
+  async close(): Promise<void> {
+    this.closed = true;
+    this.shared.publish();
+    await this.leaseLoop;
+    this.leaseLoop = null;
+    for (const host of this.hosts.values()) await host.close();
+    for (const job of this.commitJobs.values()) if (job.stage === "exporting") job.exportAbort.abort();
+    const pending = [...this.commitJobs.values()].flatMap((job) => (job.write === null ? [] : [job.write]));
+    await Promise.all([...pending, ...this.background].map(settled));
+  }
+
+  private async runLeaseLoop(): Promise<void> {
+    const shared = this.shared;
+    while (!this.closed) {
+      const expires = shared.core.leaseExpiresAt;
+      const delay = expires === null ? null : expires - shared.now();
+      if (delay === null || delay > 0) {
+        // Any state change (a renew, a resume) wakes this to look again.
+        await shared.nextChange(delay === null ? null : delay * 1000);
+        continue;
+      }
+      try {
+        await this.checkLease();
+      } catch (error) {
+        console.error("turnpoint: lease expiry could not resume the participant:", error);
+        await shared.nextChange(1000);
+      }
+    }
+  }
+
+  /** Resume the active checkpoint if its lease ran out; returns its id, else null. */
+  async checkLease(): Promise<string | null> {
+    const expired = this.core.leaseExpired(this.shared.now());
+    if (expired === null) return null;
+    const result = await this.doResume(expired, Deadline.never(), undefined, true);
+    return result.endedActive ? expired : null;
+  }
+
+  // ---------------------------------------------------------------- fencing wrapper
+
+  /** Fence the request (section 2.2), run it, record its answer under `requestId`. */
+  private async control<T>(operation: string, fence: Fence, requestId: string, work: () => Promise<T>): Promise<T> {
+    const core = this.core;
+    const recorded = this.shared.change((c) => c.checkFence(fence, requestId));
+    if (recorded !== undefined) {
+      if (recorded.operation === operation) {
+        if (recorded.answer instanceof TurnpointError) {
+          const error = recorded.answer;
+          throw new TurnpointError(error.reason, error.message, { ...error.metadata });
+        }
+        return recorded.answer as T;
+      }
+      throw new TurnpointError("FENCED", `request ${JSON.stringify(requestId)} answered another operation; epoch ${fence.epoch} is fenced`, {
+        epoch: String(core.epoch),
+        request_epoch: String(fence.epoch),
+      });
+    }
+    try {
+      const result = await work();
+      core.recordAnswer(requestId, operation, result);
+      return result;
+    } catch (error) {
+      // DEADLINE_EXCEEDED is not recorded: the work still runs and a retry joins it.
+      if (error instanceof TurnpointError && error.reason !== "DEADLINE_EXCEEDED") core.recordAnswer(requestId, operation, error);
+      throw error;
+    }
+  }
+
+  private cap(maxBlockers: number): number {
+    if (!(maxBlockers >= 0)) throw new TurnpointError("INVALID_ARGUMENT", "max_blockers must be >= 0", { field: "max_blockers" });
+    return Math.min(maxBlockers || this.config.defaultMaxBlockers, this.config.maxBlockersLimit);
+  }
+
+  private leaseWall(): number | null {
+    return this.shared.toWall(this.core.leaseExpiresAt);
+  }
+
+  private deadline(options: CallOptions): Deadline {
+    return new Deadline(options.timeoutS ?? null, this.config);
+  }
+
+  // ---------------------------------------------------------------- prepare / renew
+
+  /**
+   * Close admission, let running work park, wait until ready or just before the
+   * deadline (section 4.6). Not ready in time is an answer, not an error.
+   */
+  prepare(
+    fence: Fence,
+    requestId: string,
+    checkpointId: string,
+    args: { leaseS?: number | null; maxBlockers?: number } = {},
+    options: CallOptions = {},
+  ): Promise<PrepareResult> {
+    const deadline = this.deadline(options);
+    const cap = this.cap(args.maxBlockers ?? 0);
+    return this.control("prepare", fence, requestId, () => this.doPrepare(checkpointId, args.leaseS ?? null, cap, deadline, options.signal));
+  }
+
+  private async doPrepare(checkpointId: string, leaseS: number | null, cap: number, deadline: Deadline, signal?: AbortSignal): Promise<PrepareResult> {
+    const shared = this.shared;
+    const core = this.core;
+    const start = shared.change((c) => c.beginPrepare(checkpointId, leaseS, shared.now(), c.epoch));
+    if (start.replay !== undefined) return { ...(start.replay as PrepareResult), leaseExpiresAt: this.leaseWall() };
+    if (start.superseded !== null) {
+      // A publication of the superseded checkpoint cannot be stopped; it may finish in
+      // the background (its snapshot is simply never used).
+      for (const publishing of this.abandonCommit(start.superseded)) this.keepInBackground(publishing);
+    }
+    if (start.opened) await this.closeAdmission(checkpointId);
+    await shared.waitUntil(() => core.ready || core.activeCheckpointId !== checkpointId, deadline.remainingMs(), signal);
+    if (core.activeCheckpointId !== checkpointId) {
+      throw new TurnpointError("STALE_CHECKPOINT", `checkpoint ${JSON.stringify(checkpointId)} was resumed while its prepare waited`, {
+        checkpoint_id: checkpointId,
+      });
+    }
+    const result: PrepareResult = { checkpointId, phase: core.phase, readiness: core.readiness(cap), leaseExpiresAt: this.leaseWall() };
+    if (core.ready) core.recordPrepareAnswer(checkpointId, result);
+    return result;
+  }
+
+  /** Run the kinds' close hooks; any failure reopens admission (section 4.6 step 5). */
+  private closeAdmission(checkpointId: string): Promise<void> {
+    return this.shared.exclusive(async () => {
+      const closed: KindHost[] = [];
+      try {
+        for (const host of this.hosts.values()) {
+          await host.admissionClosed();
+          closed.push(host);
+        }
+      } catch (error) {
+        this.shared.change((c) => c.abortPrepare(checkpointId));
+        for (const host of closed) await this.openedHook(host);
+        throw error;
+      }
+    });
+  }
+
+  private async openedHook(host: KindHost): Promise<void> {
+    try {
+      await host.admissionOpened();
+    } catch (error) {
+      // Admission is open whatever a user hook says (section 5.1 item 3); log it.
+      console.error(`turnpoint: the admission-opened hook of ${host.kind} failed:`, error);
+    }
+  }
+
+  renew(fence: Fence, requestId: string, checkpointId: string, args: { leaseS?: number | null } = {}): Promise<RenewResult> {
+    return this.control("renew", fence, requestId, async () =>
+      this.shared.change((core) => {
+        core.renew(checkpointId, args.leaseS ?? null, this.shared.now());
+        return { checkpointId, phase: core.phase, leaseExpiresAt: this.leaseWall() };
+      }),
+    );
+  }
+
+  // ---------------------------------------------------------------- commit
+
+  /**
+   * Export the frozen state once, write it under `<root>/<snapshot>/<instance>/`
+   * (section 4.8). The same arguments (scope in any order) join the running write or
+   * replay its answer; a failed write is redone with the same records.
+   */
+  commit(fence: Fence, requestId: string, checkpointId: string, snapshot: string, scope: readonly EpisodeId[], options: CallOptions = {}): Promise<CommitResult> {
+    const deadline = this.deadline(options);
+    return this.control("commit", fence, requestId, () => this.doCommit(checkpointId, snapshot, scope, deadline, options.signal));
+  }
+
+  private async doCommit(checkpointId: string, snapshot: string, scope: readonly EpisodeId[], deadline: Deadline, signal?: AbortSignal): Promise<CommitResult> {
+    checkedId(snapshot, "snapshot");
+    const scopeKeys = sortedEpisodes(scope);
+    const fingerprint = JSON.stringify([snapshot, scopeKeys.map(episodeKey)]);
+    const start = this.shared.change((core) => core.beginCommit(checkpointId, fingerprint, scopeKeys, this.shared.now()));
+    if (start.kind === "replay") return start.answer as CommitResult;
+    if (start.kind === "new") {
+      this.commitJobs.set(checkpointId, {
+        checkpointId,
+        fingerprint,
+        snapshot,
+        exportKeys: start.exportKeys,
+        discardKeys: start.discardKeys,
+        exportAbort: new AbortController(),
+        stage: "exporting",
+        records: null,
+        discarded: false,
+        run: null,
+        failed: false,
+        ticket: null,
+        write: null,
+        writeDone: false,
+      });
+    }
+    const job = this.commitJobs.get(checkpointId);
+    if (job === undefined) throw new TurnpointError("STALE_CHECKPOINT", `the commit of ${JSON.stringify(checkpointId)} was stopped`, { checkpoint_id: checkpointId });
+    if (job.run === null || job.failed) {
+      job.failed = false;
+      job.run = observed(this.driveCommit(job));
+      job.run.catch(() => (job.failed = true));
+    }
+    return this.awaitJob(job.run, deadline, `commit of ${JSON.stringify(checkpointId)}`, signal);
+  }
+
+  private async awaitJob<T>(job: Promise<T>, deadline: Deadline, what: string, signal?: AbortSignal): Promise<T> {
+    const remaining = deadline.remainingMs();
+    let timer: NodeJS.Timeout | undefined;
+    let onAbort: (() => void) | undefined;
+    const limits = new Promise<never>((_, reject) => {
+      if (remaining !== null) timer = setTimeout(() => reject(deadline.exceeded(what)), remaining);
+      if (signal !== undefined) {
+        onAbort = () => reject(new TurnpointError("DEADLINE_EXCEEDED", `${what}: the caller cancelled; the work continues`));
+        if (signal.aborted) onAbort();
+        else signal.addEventListener("abort", onAbort, { once: true });
+      }
+    });
+    try {
+      return await Promise.race([job, limits]);
+    } finally {
+      if (timer !== undefined) clearTimeout(timer);
+      if (onAbort !== undefined) signal?.removeEventListener("abort", onAbort);
+    }
+  }
+
+  /** Export once, drop restored state the scope leaves out, write; retried as a whole. */
+  private async driveCommit(job: CommitJob): Promise<CommitResult> {
+    const what = `commit of ${JSON.stringify(job.checkpointId)}`;
+    if (job.records === null) {
+      job.stage = "exporting";
+      const records = await this.exportRecords(job.exportKeys, job.exportAbort.signal);
+      if (job.exportAbort.signal.aborted) {
+        throw new TurnpointError("STALE_CHECKPOINT", `${what} was stopped by a resume`, { checkpoint_id: job.checkpointId });
+      }
+      job.records = records;
+    }
+    if (!job.discarded) {
+      for (const key of job.discardKeys) await this.stopAndDrop(key);
+      job.discarded = true;
+    }
+    job.stage = "writing";
+    const ticket = (job.ticket = new WriteTicket());
+    const write = observed(this.store.write(job.snapshot, this.instanceName, job.checkpointId, job.records, ticket));
+    job.write = write;
+    job.writeDone = false;
+    void settled(write).then(() => (job.writeDone = true));
+    let entry;
+    try {
+      entry = await write;
+    } catch (error) {
+      throw storageError(error, what);
+    }
+    const result: CommitResult = {
+      checkpointId: job.checkpointId,
+      manifest: entry.manifest,
+      artifacts: entry.artifacts,
+      exported: entry.episodes,
+    };
+    this.shared.change((core) => core.finishCommit(job.checkpointId, job.fingerprint, result));
+    job.stage = "done";
+    return result;
+  }
+
+  private async exportRecords(keys: readonly WorkKey[], signal: AbortSignal): Promise<Record[]> {
+    const records: Record[] = [];
+    const wanted = new Set(keys.map((key) => episodeKey(key.episode)));
+    for (const [slot, host] of this.hosts) {
+      const mine = keys.filter((key) => slotOf(key) === slot);
+      if (mine.length === 0) continue;
+      const exported = await host.exportRecords(mine, signal);
+      const stray = sortedEpisodes(exported.map((r) => r.episode)).filter((e) => !wanted.has(episodeKey(e)));
+      if (stray.length > 0) {
+        const first = episodeKey(stray[0] as EpisodeId);
+        throw new TurnpointError("INVALID_CHECKPOINT_STATE", `${host.kind} exported episodes outside the commit: ${first}`, { episode: first });
+      }
+      records.push(...exported);
+    }
+    return records;
+  }
+
+  /**
+   * Stop a commit nothing will use; return publications under way. An export is
+   * cancelled (not waited for); an unpublished write is cancelled through its ticket; a
+   * publication already under way cannot be stopped, so the caller waits for it.
+   */
+  private abandonCommit(checkpointId: string): Promise<unknown>[] {
+    const job = this.commitJobs.get(checkpointId);
+    if (job === undefined) return [];
+    if (job.stage === "exporting") job.exportAbort.abort();
+    if (job.ticket !== null && job.write !== null && !job.writeDone) {
+      const state = job.ticket.cancel();
+      if (state === "publishing") return [job.write];
+      // Cancelled: the writer notices at its next step and removes its own file.
+      this.keepInBackground(job.write);
+    }
+    this.commitJobs.delete(checkpointId);
+    return [];
+  }
+
+  private keepInBackground(work: Promise<unknown>): void {
+    const done = settled(work);
+    this.background.add(done);
+    void done.then(() => this.background.delete(done));
+  }
+
+  // ---------------------------------------------------------------- resume and lease
+
+  /**
+   * End the checkpoint (also abort, section 4.9): reopen admission, release parked work.
+   * Stops an unpublished write, waits only for a publication under way. Idempotent,
+   * also for ids never seen.
+   */
+  resume(fence: Fence, requestId: string, checkpointId: string, options: CallOptions = {}): Promise<ResumeResult> {
+    const deadline = this.deadline(options);
+    return this.control("resume", fence, requestId, () => this.doResume(checkpointId, deadline, options.signal, false));
+  }
+
+  private async doResume(checkpointId: string, deadline: Deadline, signal: AbortSignal | undefined, expired: boolean): Promise<ResumeResult> {
+    checkedId(checkpointId, "checkpoint_id");
+    const shared = this.shared;
+    const core = this.core;
+    for (;;) {
+      const active = core.activeCheckpointId;
+      const endsActive = active !== null && (checkpointId === active || supersedes(checkpointId, active));
+      if (expired && core.leaseExpired(shared.now()) !== checkpointId) {
+        // Renewed (or resumed) since the expiry was seen: nothing to do.
+        return { checkpointId, phase: core.phase, endedActive: false };
+      }
+      const waits: Promise<unknown>[] = [];
+      const restore = this.restoreJob;
+      if (endsActive && restore !== null && !restore.done) {
+        // Admission reopens only once an install that outlived its call finished.
+        waits.push(restore.run);
+      } else {
+        for (const ended of new Set(endsActive ? [checkpointId, active] : [checkpointId])) {
+          if (ended !== null) waits.push(...this.abandonCommit(ended));
+        }
+      }
+      if (waits.length === 0) {
+        const ended = shared.change((c) => c.resume(checkpointId, shared.now(), expired));
+        if (ended !== null) {
+          this.restoreJob = null;
+          await this.shared.exclusive(async () => {
+            for (const host of this.hosts.values()) await this.openedHook(host);
+          });
+        }
+        return { checkpointId, phase: core.phase, endedActive: ended !== null };
+      }
+      try {
+        await this.awaitJob(Promise.all(waits.map(settled)), deadline, `resume of ${JSON.stringify(checkpointId)}`, signal);
+      } catch (error) {
+        throw error instanceof TurnpointError ? deadline.exceeded(`resume of ${JSON.stringify(checkpointId)}`) : error;
+      }
+    }
+  }
+
+  // ---------------------------------------------------------------- restore
+
+  /**
+   * Install saved episodes (attempt N) as attempt N+1 into an idle, fresh participant
+   * (section 4.10). Verifies every digest, validates every record before installing any;
+   * all or nothing. An install that outlives the call keeps running; a retry joins it.
+   */
+  restore(
+    fence: Fence,
+    requestId: string,
+    restoreId: string,
+    snapshot: string,
+    manifest: ArtifactRef,
+    artifacts: readonly ArtifactRef[],
+    scope: readonly EpisodeId[],
+    args: { leaseS?: number | null } = {},
+    options: CallOptions = {},
+  ): Promise<RestoreResult> {
+    const deadline = this.deadline(options);
+    return this.control("restore", fence, requestId, () =>
+      this.doRestore(restoreId, snapshot, manifest, artifacts, scope, args.leaseS ?? null, deadline, options.signal),
+    );
+  }
+
+  private async doRestore(
+    restoreId: string,
+    snapshot: string,
+    manifest: ArtifactRef,
+    artifacts: readonly ArtifactRef[],
+    scope: readonly EpisodeId[],
+    leaseS: number | null,
+    deadline: Deadline,
+    signal?: AbortSignal,
+  ): Promise<RestoreResult> {
+    checkedId(snapshot, "snapshot");
+    const scopeKeys = sortedEpisodes(scope);
+    const fingerprint = JSON.stringify([snapshot, manifest, artifacts, scopeKeys.map(episodeKey)]);
+    const start = this.shared.change((core) => core.beginRestore(restoreId, fingerprint, leaseS, this.shared.now()));
+    if (start.kind === "replay") return start.answer as RestoreResult;
+    if (start.kind === "new" || this.restoreJob === null) {
+      const job: RestoreJob = {
+        restoreId,
+        run: observed(this.driveRestore(restoreId, snapshot, manifest, artifacts, scopeKeys)),
+        done: false,
+      };
+      void settled(job.run).then(() => (job.done = true));
+      this.restoreJob = job;
+    }
+    return this.awaitJob(this.restoreJob.run, deadline, `restore ${JSON.stringify(restoreId)}`, signal);
+  }
+
+  private async driveRestore(
+    restoreId: string,
+    snapshot: string,
+    manifest: ArtifactRef,
+    artifacts: readonly ArtifactRef[],
+    scope: readonly EpisodeId[],
+  ): Promise<RestoreResult> {
+    // Deferred one turn, so the job exists before its first failure can clear it.
+    await Promise.resolve();
+    const installed: EpisodeId[] = [];
+    const wanted = new Set(scope.map(episodeKey));
+    try {
+      let loaded;
+      try {
+        loaded = await this.store.read(
+          snapshot,
+          this.instanceName,
+          { manifest, ...(artifacts.length > 0 ? { artifacts } : {}) },
+          (e) => wanted.has(episodeKey(e)),
+        );
+      } catch (error) {
+        throw storageError(error, `restore ${JSON.stringify(restoreId)}`);
+      }
+      const plan = this.validateRecords(loaded.records);
+      for (const [record, host] of plan) {
+        const key = await host.install(record, nextAttempt(record.episode));
+        installed.push(key.episode);
+      }
+      const result: RestoreResult = { restoreId, installed: sortedEpisodes(installed), phase: "RESTORED" };
+      this.shared.change((core) => core.finishRestore(restoreId, result));
+      return result;
+    } catch (error) {
+      const undone = this.shared.change((core) => core.failRestore(restoreId, this.shared.now()));
+      if (this.restoreJob?.restoreId === restoreId) this.restoreJob = null;
+      for (const key of undone) {
+        try {
+          await this.hosts.get(slotOf(key))?.stop(key);
+        } catch (stopError) {
+          console.error(`turnpoint: could not free ${episodeKey(key.episode)} after a failed restore:`, stopError);
+        }
+      }
+      throw error;
+    }
+  }
+
+  /** Check every record before any is installed (section 4.10 item 5). */
+  private validateRecords(records: readonly Record[]): Array<[Record, KindHost]> {
+    const plan: Array<[Record, KindHost]> = [];
+    const seen = new Set<string>();
+    const byKey = new Map<string, KindHost>();
+    for (const host of this.hosts.values()) if (host.recordKey !== null) byKey.set(host.recordKey, host);
+    for (const record of records) {
+      const host = byKey.get(record.key);
+      if (host === undefined) throw invalidRecord(record, "no hosted kind restores this record key");
+      const id = `${episodeKey(record.episode)}|${record.key}`;
+      if (seen.has(id)) throw invalidRecord(record, "the episode has two records of this key");
+      seen.add(id);
+      host.validate(record);
+      plan.push([record, host]);
+    }
+    return plan;
+  }
+
+  // ---------------------------------------------------------------- retire / forget
+
+  /**
+   * Refuse the rollouts first, then stop these attempts and every earlier one; reply
+   * once they stopped and their state is freed (section 4.11).
+   */
+  retire(fence: Fence, requestId: string, episodes: readonly EpisodeId[], options: CallOptions = {}): Promise<RetireResult> {
+    const deadline = this.deadline(options);
+    return this.control("retire", fence, requestId, () => this.doRetire(episodes, deadline, options.signal));
+  }
+
+  private async doRetire(episodes: readonly EpisodeId[], deadline: Deadline, signal?: AbortSignal): Promise<RetireResult> {
+    let keys: WorkKey[];
+    for (;;) {
+      const restore = this.restoreJob;
+      if (restore === null || restore.done) {
+        keys = this.shared.change((core) => core.beginRetire(episodes, this.shared.now()));
+        break;
+      }
+      await this.awaitJob(settled(restore.run), deadline, "retire (waiting for a restore install)", signal);
+    }
+    const tasks = keys.map((key) => this.stopTask(key));
+    const outcomes = await this.awaitJob(Promise.allSettled(tasks), deadline, "retire", signal);
+    const failed = outcomes.filter((o) => o.status === "rejected");
+    if (failed.length > 0) {
+      throw new TurnpointError("RETIRE_INCOMPLETE", `${failed.length} of ${tasks.length} retired attempts could not be stopped`, {
+        failed: String(failed.length),
+      });
+    }
+    return { stopped: sortedEpisodes(keys.map((key) => key.episode)) };
+  }
+
+  /** The task stopping `key` (joined if one runs; restarted if one failed). */
+  private stopTask(key: WorkKey): Promise<void> {
+    const id = `${key.slot}|${episodeKey(key.episode)}`;
+    let task = this.stops.get(id);
+    if (task === undefined) {
+      task = observed(this.stopAndDrop(key));
+      this.stops.set(id, task);
+      const mine = task;
+      void settled(task).then(() => {
+        if (this.stops.get(id) === mine) this.stops.delete(id);
+      });
+    }
+    return task;
+  }
+
+  private async stopAndDrop(key: WorkKey): Promise<void> {
+    await this.hosts.get(slotOf(key))?.stop(key);
+    this.shared.change((core) => {
+      core.finishRetire(key, this.shared.now());
+      core.remove(key, this.shared.now());
+    });
+  }
+
+  /** Drop refusal marks (section 4.12). */
+  forget(fence: Fence, requestId: string, rolloutIds: readonly string[]): Promise<ForgetResult> {
+    return this.control("forget", fence, requestId, async () => ({ forgotten: this.shared.change((core) => core.forget(rolloutIds)) }));
+  }
+
+  // ---------------------------------------------------------------- reads
+
+  describe(fence: Fence | null): Description {
+    this.shared.change((core) => core.observeFence(fence));
+    const extra = Object.assign({}, ...[...this.hosts.values()].map((h) => h.describe())) as ReturnType<KindHost["describe"]>;
+    const mode = this.recoveryMode;
+    return {
+      kind: this.kind,
+      instanceName: this.instanceName,
+      protocolVersion: PROTOCOL_VERSION,
+      recoveryMode: mode,
+      verifyMode: extra.verifyMode ?? "WAIT",
+      groupScored: extra.groupScored ?? false,
+      groupSize: extra.groupSize ?? 0,
+      supportedLevels: mode === "RESTART_ONLY" ? ["SIBLING", "PROMPT_GROUP"] : ["TURN", "SIBLING", "PROMPT_GROUP"],
+      environment: this.environment,
+      phase: this.core.phase,
+    };
+  }
+
+  status(maxBlockers = 0): StatusResult {
+    const cap = this.cap(maxBlockers);
+    const core = this.core;
+    return {
+      phase: core.phase,
+      activeCheckpointId: core.activeCheckpointId,
+      leaseExpiresAt: this.leaseWall(),
+      readiness: core.readiness(cap),
+      admissionOpen: core.admissionOpen,
+      leaseExpiries: core.leaseExpiries,
+      refusedRollouts: core.refusedRollouts,
+    };
+  }
+
+  /**
+   * WatchBoundaries (section 4.14): a readiness report first, then boundary events as
+   * they happen and a new report after each batch that moved readiness or the phase.
+   */
+  async *watch(maxBlockers: number, fence: Fence | null, signal?: AbortSignal): AsyncGenerator<WatchEvent, void, undefined> {
+    const cap = this.cap(maxBlockers);
+    const watcher: Watcher = this.shared.addWatcher();
+    try {
+      this.shared.change((core) => core.observeFence(fence));
+      const core = this.core;
+      let report = core.readiness(cap);
+      let last = signature(core.phase, report);
+      yield { type: "readiness", phase: core.phase, readiness: report };
+      while (!signal?.aborted && !this.closed) {
+        await watcher.waitForEvents(signal);
+        const events = watcher.events.splice(0);
+        for (const event of events) yield this.boundaryEvent(event, core.phase);
+        report = core.readiness(cap);
+        const now = signature(core.phase, report);
+        if (now !== last || watcher.lagged) {
+          watcher.lagged = false;
+          last = now;
+          yield { type: "readiness", phase: core.phase, readiness: report };
+        }
+      }
+    } finally {
+      this.shared.removeWatcher(watcher);
+    }
+  }
+
+  private boundaryEvent(event: CoreEvent, phase: Phase): WatchEvent {
+    return {
+      type: "boundary",
+      phase,
+      episode: event.episode,
+      state: event.state,
+      boundaryIndex: event.boundaryIndex,
+      turnIndex: event.turnIndex,
+      at: this.shared.toWall(event.at) as number,
+      slot: event.slot,
+    };
+  }
+
+  // ---------------------------------------------------------------- data plane
+
+  private agentHost(): AgentHost {
+    if (this.agent === null) throw new TurnpointError("NOT_FOUND", "this participant hosts no agent");
+    return this.agent;
+  }
+
+  private resourcesHost(): ResourcesHost {
+    if (this.resources === null) throw new TurnpointError("NOT_FOUND", "this participant hosts no resources");
+    return this.resources;
+  }
+
+  /** RolloutService.Run: accept now (errors throw here), then follow; close the follower. */
+  acceptRun(episode: EpisodeId, task: JsonObject, options: { boundariesSeen?: number; budgetS?: number | null } = {}): RunFollower {
+    return this.agentHost().acceptRun(episode, task, options);
+  }
+
+  acknowledge(receipts: readonly CompletionReceipt[]): { acknowledged: number; unknown: CompletionReceipt[] } {
+    return this.agentHost().acknowledge(receipts);
+  }
+
+  seedSession(episode: EpisodeId, task: JsonObject, signal?: AbortSignal): Promise<boolean> {
+    return this.resourcesHost().seed(episode, task, signal);
+  }
+
+  callTool(episode: EpisodeId, tool: string, args: JsonObject, signal?: AbortSignal): Promise<JsonObject> {
+    return this.resourcesHost().call(episode, tool, args, signal);
+  }
+
+  verify(episode: EpisodeId, answer: JsonObject, signal?: AbortSignal): Promise<Verdict> {
+    return this.resourcesHost().verify(episode, answer, signal);
+  }
+
+  closeSession(episode: EpisodeId, signal?: AbortSignal): Promise<boolean> {
+    return this.resourcesHost().closeSession(episode, signal);
+  }
+
+  /** Wait until `predicate(core)` holds (for tests and tools); false after `timeoutMs`. */
+  waitFor(predicate: (core: ParticipantCore) => boolean, timeoutMs: number | null = null): Promise<boolean> {
+    return this.shared.waitUntil(() => predicate(this.core), timeoutMs);
+  }
+}
+
+function signature(phase: Phase, report: ReadinessReport): string {
+  return JSON.stringify([phase, report.ready, report.blockerCount, report.counts, report.restarts.map(episodeKey)]);
+}
+
+export { compareEpisodes };

@@ -1,0 +1,92 @@
+/**
+ * Bearer-token authentication (docs/spec.md section 10.1). Every call to a protected
+ * service needs exactly one `authorization: Bearer <token>` (scheme case-insensitive),
+ * compared in constant time independent of length (SHA-256 digests of both, then
+ * timingSafeEqual). A refusal is UNAUTHENTICATED with metadata `method` and `cause`,
+ * decided before a byte of the request is parsed. The token is never logged or shown.
+ */
+import { createHash, timingSafeEqual } from "node:crypto";
+import { readFileSync } from "node:fs";
+
+import type { Metadata } from "@grpc/grpc-js";
+
+import { TurnpointError } from "../errors.js";
+
+export const TOKEN_ENV = "TURNPOINT_TOKEN";
+export const TOKEN_FILE_ENV = "TURNPOINT_TOKEN_FILE";
+const MAX_TOKEN_CHARS = 4096;
+/**
+ * Node's HTTP/2 layer keeps only the first `authorization` header of a request; the
+ * server (server.ts) reads the raw headers first and puts this mark in their place
+ * when there were several, so that the call is refused as section 10.1 item 1 says.
+ */
+export const DUPLICATE_AUTHORIZATION = "turnpoint-duplicate-authorization";
+
+/** The token if it can travel in metadata; the error never quotes it (section 10.1 item 2). */
+export function validateToken(token: string): string {
+  if (!token) throw new RangeError("the bearer token is empty");
+  if (token.length > MAX_TOKEN_CHARS) throw new RangeError(`the bearer token is longer than ${MAX_TOKEN_CHARS} characters`);
+  if (!/^[!-~]+$/.test(token)) throw new RangeError("the bearer token must be visible ASCII without spaces");
+  return token;
+}
+
+/**
+ * The server's token: `tokenFile`, else $TURNPOINT_TOKEN, else the file named by
+ * $TURNPOINT_TOKEN_FILE; null when none is configured. A trailing newline is dropped.
+ */
+export function loadToken(tokenFile: string | null = null, env: NodeJS.ProcessEnv = process.env): string | null {
+  let file = tokenFile;
+  if (file === null) {
+    const inline = env[TOKEN_ENV];
+    if (inline) return validateToken(inline);
+    file = env[TOKEN_FILE_ENV] || null;
+    if (file === null) return null;
+  }
+  let text: string;
+  try {
+    text = readFileSync(file, "ascii");
+  } catch (error) {
+    throw new RangeError(`cannot read the token file ${JSON.stringify(file)}: ${(error as Error).message}`);
+  }
+  return validateToken(text.trim());
+}
+
+/** Call metadata that authenticates one call. */
+export function bearer(token: string): string {
+  return `Bearer ${validateToken(token)}`;
+}
+
+function digest(value: Buffer): Buffer {
+  return createHash("sha256").update(value).digest();
+}
+
+/** Checks the bearer token of incoming calls. */
+export class TokenCheck {
+  private readonly expected: Buffer;
+
+  constructor(token: string) {
+    this.expected = digest(Buffer.from(validateToken(token), "ascii"));
+  }
+
+  /** Why the metadata does not authenticate the call; null when it does. */
+  refusal(metadata: Metadata): string | null {
+    const values = metadata.get("authorization");
+    if (values.length === 0) return "missing bearer token";
+    if (values.length > 1) return "more than one authorization header";
+    const value = values[0];
+    if (typeof value !== "string") return "malformed authorization header";
+    if (value === DUPLICATE_AUTHORIZATION) return "more than one authorization header";
+    const space = value.indexOf(" ");
+    const scheme = space < 0 ? value : value.slice(0, space);
+    const presented = space < 0 ? "" : value.slice(space + 1);
+    if (scheme.toLowerCase() !== "bearer" || !presented) return "authorization is not a bearer token";
+    // Fixed-length digests: the comparison reveals neither the token's bytes nor its length.
+    if (!timingSafeEqual(digest(Buffer.from(presented, "utf8")), this.expected)) return "bearer token not accepted";
+    return null;
+  }
+
+  /** The error a refused call ends with (section 10.1 item 4). */
+  static error(method: string, cause: string): TurnpointError {
+    return new TurnpointError("UNAUTHENTICATED", `${method}: ${cause}`, { method, cause });
+  }
+}

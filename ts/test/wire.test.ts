@@ -1,0 +1,189 @@
+/**
+ * The wire against a real server on 127.0.0.1:0: bearer-token auth (section 10.1), rich
+ * errors in grpc-status-details-bin (9.1), the ControlSession with cancel (3.2), health,
+ * Run's acceptance header (6.1), malformed bytes (10.5).
+ */
+import assert from "node:assert/strict";
+import { after, before, describe, it } from "node:test";
+
+import { create, fromBinary, toBinary } from "@bufbuild/protobuf";
+import { durationFromMs } from "@bufbuild/protobuf/wkt";
+import { Client, Metadata, credentials } from "@grpc/grpc-js";
+import type { ServiceError } from "@grpc/grpc-js";
+
+import { CheckpointControlService, ParticipantServer, RolloutService, TurnpointClient, TurnpointError, episode } from "../src/index.js";
+import * as pb from "../src/gen/turnpoint/v1/checkpoint_control_service_pb.js";
+import * as health from "../src/gen/grpc/health/v1/health_pb.js";
+import { TokenCheck } from "../src/wire/auth.js";
+import { errorFromServiceError } from "../src/wire/status.js";
+import { Gate, ToyAgent, runtime, tempRoot } from "./helpers.js";
+
+const TOKEN = "test-token-0123456789";
+
+function metadata(value?: string): Metadata {
+  const m = new Metadata();
+  if (value !== undefined) m.set("authorization", value);
+  return m;
+}
+
+describe("token checks", () => {
+  it("names why a call is refused, never the token", () => {
+    const check = new TokenCheck(TOKEN);
+    assert.equal(check.refusal(metadata()), "missing bearer token");
+    assert.equal(check.refusal(metadata(`Basic ${TOKEN}`)), "authorization is not a bearer token");
+    assert.equal(check.refusal(metadata("Bearer wrong")), "bearer token not accepted");
+    assert.equal(check.refusal(metadata(`bEaReR ${TOKEN}`)), null);
+    const error = TokenCheck.error("/x/Y", "bearer token not accepted");
+    assert.equal(error.reason, "UNAUTHENTICATED");
+    assert.ok(!JSON.stringify([error.message, error.metadata]).includes(TOKEN));
+  });
+});
+
+describe("a served agent", () => {
+  let server: ParticipantServer;
+  let agent: ToyAgent;
+  let raw: Client;
+  let address: string;
+
+  before(async () => {
+    agent = new ToyAgent(2);
+    server = new ParticipantServer(runtime(tempRoot(), { agent, instance: "agent-0" }), { token: TOKEN });
+    await server.start();
+    address = `127.0.0.1:${server.port}`;
+    raw = new Client(address, credentials.createInsecure());
+  });
+  after(async () => {
+    raw.close();
+    await server.drainAndStop(0);
+  });
+
+  function unaryRaw(path: string, bytes: Uint8Array, auth?: string): Promise<Buffer> {
+    return new Promise((resolve, reject) => {
+      raw.makeUnaryRequest(
+        path,
+        (b: Buffer) => b,
+        (b: Buffer) => b,
+        Buffer.from(bytes),
+        metadata(auth),
+        { deadline: Date.now() + 5000 },
+        (error, value) => (error ? reject(error) : resolve(value as Buffer)),
+      );
+    });
+  }
+
+  it("refuses a call without the token with UNAUTHENTICATED and one ErrorInfo", async () => {
+    const anonymous = new TurnpointClient(address);
+    await assert.rejects(anonymous.unary(CheckpointControlService, CheckpointControlService.method.describe, {}), (error: unknown) => {
+      assert.ok(error instanceof TurnpointError);
+      assert.equal(error.reason, "UNAUTHENTICATED");
+      assert.equal(error.metadata.method, "/turnpoint.v1.CheckpointControlService/Describe");
+      assert.equal(error.metadata.cause, "missing bearer token");
+      return true;
+    });
+    anonymous.close();
+    const client = new TurnpointClient(address, { token: TOKEN });
+    const described = await client.unary(CheckpointControlService, CheckpointControlService.method.describe, {});
+    assert.equal(described.instanceName, "agent-0");
+    assert.equal(described.protocolVersion, "turnpoint.v1");
+    client.close();
+  });
+
+  it("serves health without a token, SERVING for the overall name and each service", async () => {
+    for (const service of ["", "turnpoint.v1.CheckpointControlService", "turnpoint.v1.RolloutService"]) {
+      const bytes = await unaryRaw("/grpc.health.v1.Health/Check", toBinary(health.HealthCheckRequestSchema, create(health.HealthCheckRequestSchema, { service })));
+      assert.equal(fromBinary(health.HealthCheckResponseSchema, bytes).status, health.HealthCheckResponse_ServingStatus.SERVING);
+    }
+  });
+
+  it("answers bytes that are no request INVALID_ARGUMENT with an ErrorInfo, after auth", async () => {
+    const path = "/turnpoint.v1.CheckpointControlService/Prepare";
+    await assert.rejects(unaryRaw(path, Buffer.from([0x0a, 0x10, 0x61, 0x62]), `Bearer ${TOKEN}`), (error: ServiceError) => {
+      assert.equal(errorFromServiceError(error)?.reason, "INVALID_ARGUMENT");
+      return true;
+    });
+    await assert.rejects(unaryRaw(path, Buffer.from([0x0a, 0x10]), undefined), (error: ServiceError) => {
+      assert.equal(errorFromServiceError(error)?.reason, "UNAUTHENTICATED");
+      return true;
+    });
+  });
+
+  it("runs an episode over Run with the acceptance header, then acknowledges it", async () => {
+    const client = new TurnpointClient(address, { token: TOKEN });
+    const e = episode("wire-run");
+    const stream = client.serverStream(RolloutService, RolloutService.method.run, { requestId: "r", episode: { rolloutId: e.rolloutId, attempt: 0 }, task: { a: 1 } });
+    const messages = [];
+    for await (const message of stream) messages.push(message);
+    assert.deepEqual(
+      messages.map((m) => m.event.case),
+      ["boundary", "boundary", "result"],
+    );
+    const result = messages.at(-1)?.event;
+    assert.ok(result?.case === "result" && result.value.receipt !== undefined);
+    if (result?.case !== "result" || result.value.receipt === undefined) return;
+    const acked = await client.unary(RolloutService, RolloutService.method.acknowledge, { requestId: "a", receipts: [result.value.receipt] });
+    assert.equal(acked.acknowledged, 1);
+    // The header: a raw call sees turnpoint-accepted: 1 in the initial metadata.
+    const headers = await new Promise<Metadata>((resolve, reject) => {
+      const call = raw.makeServerStreamRequest(
+        "/turnpoint.v1.RolloutService/Run",
+        (b: Buffer) => b,
+        (b: Buffer) => b,
+        Buffer.from(toBinary(RolloutService.method.run.input, create(RolloutService.method.run.input, { requestId: "h", episode: { rolloutId: "hdr" }, task: {} }))),
+        metadata(`Bearer ${TOKEN}`),
+        {},
+      );
+      call.on("metadata", (m: Metadata) => resolve(m));
+      call.on("error", reject);
+      call.on("data", () => undefined);
+    });
+    assert.deepEqual(headers.get("turnpoint-accepted"), ["1"]);
+    client.close();
+  });
+
+  it("carries operations on the ControlSession, answers by request id, and honours cancel", async () => {
+    const e = episode("held");
+    const gate: Gate = agent.gate(e, 1);
+    const client = new TurnpointClient(address, { token: TOKEN });
+    const running = client.serverStream(RolloutService, RolloutService.method.run, { requestId: "x", episode: { rolloutId: "held" }, task: {} });
+    const first = running.next();
+    // The episode is now mid-turn, so a prepare waits; cancel it, then ask others.
+    const call = raw.makeBidiStreamRequest(
+      "/turnpoint.v1.CheckpointControlService/ControlSession",
+      (b: Buffer) => b,
+      (b: Buffer) => b,
+      metadata(`Bearer ${TOKEN}`),
+    );
+    const answers: pb.ControlSessionResponse[] = [];
+    call.on("data", (b: Buffer) => answers.push(fromBinary(pb.ControlSessionResponseSchema, b)));
+    const ended = new Promise<void>((resolve) => call.on("end", () => resolve()));
+    const send = (message: pb.ControlSessionRequest): void => void call.write(Buffer.from(toBinary(pb.ControlSessionRequestSchema, message)));
+    const fence = { coordinatorId: "c", epoch: 1n };
+    // The episode is mid-turn once GetStatus counts it RUNNING (bounded poll).
+    for (let i = 0; ; i++) {
+      const status = await client.unary(CheckpointControlService, CheckpointControlService.method.getStatus, {});
+      if (status.readiness?.counts.some((c) => c.state === 1 /* RUNNING */)) break;
+      assert.ok(i < 1000, "the episode never started");
+      await new Promise((resolve) => setTimeout(resolve, 5));
+    }
+    send(create(pb.ControlSessionRequestSchema, { requestId: "p1", timeout: durationFromMs(10_000), operation: { case: "prepare", value: { fence, requestId: "p1", checkpointId: "ck-1" } } }));
+    send(create(pb.ControlSessionRequestSchema, { requestId: "p1", operation: { case: "cancel", value: {} } }));
+    send(create(pb.ControlSessionRequestSchema, { requestId: "s1", operation: { case: "getStatus", value: {} } }));
+    send(create(pb.ControlSessionRequestSchema, { requestId: "bad", operation: { case: "renew", value: { fence, requestId: "other", checkpointId: "ck-1" } } }));
+    send(create(pb.ControlSessionRequestSchema, { requestId: "r1", operation: { case: "resume", value: { fence, requestId: "r1", checkpointId: "ck-1" } } }));
+    send(create(pb.ControlSessionRequestSchema, { requestId: "empty" }));
+    call.end();
+    await ended;
+    const byId = new Map(answers.map((a) => [a.requestId, a.result]));
+    assert.equal(byId.has("p1"), false, "a cancelled operation gets no answer");
+    assert.equal(byId.get("s1")?.case, "getStatus");
+    const bad = byId.get("bad");
+    assert.ok(bad?.case === "error" && bad.value.code === 3);
+    assert.equal(byId.get("r1")?.case, "resume");
+    const empty = byId.get("empty");
+    assert.ok(empty?.case === "error" && empty.value.reason === 9);
+    gate.open();
+    await first;
+    for await (const _ of running) void _;
+    client.close();
+  });
+});
