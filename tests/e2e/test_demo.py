@@ -264,6 +264,7 @@ def _processes_mentioning(text: str) -> list[str]:
     return found
 
 
+@pytest.mark.timeout(660)
 def test_chaos_kill_and_pause_any_process_and_the_audit_still_passes(tmp_path: Path) -> None:
     """Five unplanned faults (SIGKILL and SIGSTOP of the trainer and of participants, the
     first four covering each combination): each one restores the job onto fresh
@@ -301,6 +302,7 @@ TS_RESOURCES = (
 )
 
 
+@pytest.mark.timeout(300)
 def test_the_demo_with_typescript_resources_servers_trains_through_its_crash(
     tmp_path: Path,
 ) -> None:
