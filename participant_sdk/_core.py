@@ -463,6 +463,27 @@ class ParticipantCore:
             request_epoch=fence.epoch,
         )
 
+    def check_data_fence(self, fence: Fence | None) -> None:
+        """docs/spec.md section 6.9: a data-plane call from a coordinator the control plane
+        fenced out is refused; a higher epoch is adopted, as any read adopts it. A call
+        without a fence (a tool) is not fenced."""
+        if fence is None:
+            return
+        current = self._fence
+        if current is None or fence.epoch > current.epoch:
+            self._fence = fence
+            self._version += 1
+            return
+        if fence.epoch == current.epoch and fence.coordinator_id == current.coordinator_id:
+            return
+        raise _error(
+            Reason.FENCED,
+            f"a data-plane call from coordinator {fence.coordinator_id!r} epoch "
+            f"{fence.epoch} is fenced by {current.coordinator_id!r} epoch {current.epoch}",
+            epoch=current.epoch,
+            request_epoch=fence.epoch,
+        )
+
     def observe_fence(self, fence: Fence | None) -> None:
         """Read-only calls remember a higher epoch but are never refused."""
         if fence is not None and (self._fence is None or fence.epoch > self._fence.epoch):

@@ -12,12 +12,13 @@ from typing import Any
 
 from turnpoint.errors import Reason, TurnpointError
 from turnpoint.ids import EpisodeId
-from turnpoint.protocol import CompletionReceipt
+from turnpoint.protocol import CompletionReceipt, Fence
 
 from ._agent import AgentHost, BoundaryReport, RunResult
 from ._model import GenerateChunk, GenerateRequest, ModelHost
 from ._resources import ResourcesHost, Verdict
 from ._results import AcknowledgeResult
+from ._shared import Shared
 
 __all__ = ["DataPlane"]
 
@@ -25,9 +26,14 @@ __all__ = ["DataPlane"]
 class DataPlane:
     """RolloutService, ResourcesService and PolicyService calls of one participant."""
 
+    _shared: Shared
     agent: AgentHost | None
     resources: ResourcesHost | None
     model: ModelHost | None
+
+    async def _check_data_fence(self, fence: Fence | None) -> None:
+        async with self._shared.changing() as core:
+            core.check_data_fence(fence)
 
     def _agent(self) -> AgentHost:
         if self.agent is None:
@@ -64,14 +70,19 @@ class DataPlane:
         *,
         boundaries_seen: int = 0,
         budget_s: float | None = None,
+        fence: Fence | None = None,
     ) -> AsyncGenerator[BoundaryReport | RunResult, None]:
         """Accept a Run now (errors raise here), then follow it; see :meth:`AgentHost.accept_run`."""
+        await self._check_data_fence(fence)
         return await self._agent().accept_run(
             episode, task, boundaries_seen=boundaries_seen, budget_s=budget_s
         )
 
-    async def acknowledge(self, receipts: Iterable[CompletionReceipt]) -> AcknowledgeResult:
+    async def acknowledge(
+        self, receipts: Iterable[CompletionReceipt], *, fence: Fence | None = None
+    ) -> AcknowledgeResult:
         """RolloutService.Acknowledge: drop retained results."""
+        await self._check_data_fence(fence)
         acknowledged, unknown = await self._agent().acknowledge(receipts)
         return AcknowledgeResult(acknowledged, unknown)
 

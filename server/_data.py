@@ -20,6 +20,7 @@ from turnpoint._convert import (
     duration_from_seconds,
     episode_from_proto,
     episode_to_proto,
+    fence_from_proto,
     seconds_from_duration,
     struct_from_mapping,
     struct_to_dict,
@@ -116,8 +117,13 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
             episode = episode_from_proto(request.episode)
             task = struct_to_dict(request.task, "task")
             budget_s = seconds_from_duration(request.budget, "budget")
+            fence = fence_from_proto(request.fence, True) if request.HasField("fence") else None
             stream = await self._runtime.accept_run(
-                episode, task, boundaries_seen=request.boundaries_seen, budget_s=budget_s
+                episode,
+                task,
+                boundaries_seen=request.boundaries_seen,
+                budget_s=budget_s,
+                fence=fence,
             )
             # Closing the stream when the call ends (also by cancellation, which gRPC
             # delivers as CancelledError here) is what cancels the execution.
@@ -132,7 +138,8 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
         async with _errors(context, "Acknowledge"):
             check_list_length("receipts", request.receipts, self._max_list)
             receipts = [receipt_from_proto(r) for r in request.receipts]
-            result = await self._runtime.acknowledge(receipts)
+            fence = fence_from_proto(request.fence, True) if request.HasField("fence") else None
+            result = await self._runtime.acknowledge(receipts, fence=fence)
             return rollout_service_pb2.AcknowledgeResponse(
                 header=header_to_proto(self._runtime.header()),
                 acknowledged=result.acknowledged,

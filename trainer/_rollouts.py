@@ -105,6 +105,7 @@ from turnpoint.trainer._run_stream import (
 )
 from turnpoint.v1 import rollout_service_pb2 as pb
 from turnpoint.v1 import rollout_service_pb2_grpc as pb_grpc
+from turnpoint.v1 import types_pb2
 
 if TYPE_CHECKING:
     from turnpoint.trainer._interfaces import RolloutSide
@@ -203,10 +204,14 @@ class RolloutClient:
         settings: RolloutClientSettings | None = None,
         clock: Callable[[], float] = time.monotonic,
         group_scored: Iterable[str] = (),
+        fence: types_pb2.Fence | None = None,
     ) -> None:
         for name in agents:
             validate_id(name, "agent instance")
         self._endpoints = dict(agents)
+        # Sent with every Run and Acknowledge, so that a coordinator fenced out by a newer
+        # one cannot start or settle rollouts (docs/spec.md section 6.9).
+        self._fence = fence
         self._settings = settings or RolloutClientSettings()
         self._clock = clock
         self._channels: dict[str, grpc.aio.Channel] = {}
@@ -501,6 +506,8 @@ class RolloutClient:
         request = pb.AcknowledgeRequest(
             request_id=uuid.uuid4().hex, receipts=[receipt_to_proto(receipt)]
         )
+        if self._fence is not None:
+            request.fence.CopyFrom(self._fence)
         stub = self._stubs[receipt.instance]
         for attempt in range(1, settings.ack_attempts + 1):
             try:
@@ -701,7 +708,7 @@ class RolloutClient:
         # gate (or for an attempt a participant already owns).
         generation = ledger.begin_call(attempt)
         call = self._stubs[attempt.instance].Run(
-            run_request(attempt), metadata=self._metadata[attempt.instance]
+            run_request(attempt, self._fence), metadata=self._metadata[attempt.instance]
         )
         follower.call = call
         try:

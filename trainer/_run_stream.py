@@ -240,9 +240,9 @@ def classify(error: grpc.aio.AioRpcError, generation: GateGeneration) -> CallEnd
 # --------------------------------------------------------------------------- requests
 
 
-def run_request(attempt: Attempt) -> pb.RunRequest:
+def run_request(attempt: Attempt, fence: types_pb2.Fence | None = None) -> pb.RunRequest:
     """The Run of ``attempt``: the same request id, episode and ``boundaries_seen`` on
-    every re-attach (section 6.5)."""
+    every re-attach (section 6.5), and the coordinator's fence (section 6.9)."""
     spec = attempt.spec
     request = pb.RunRequest(
         request_id=attempt.request_id,
@@ -255,6 +255,8 @@ def run_request(attempt: Attempt) -> pb.RunRequest:
     )
     if attempt.budget_s is not None and math.isfinite(attempt.budget_s):
         request.budget.CopyFrom(duration_from_seconds(attempt.budget_s))
+    if fence is not None:
+        request.fence.CopyFrom(fence)
     return request
 
 

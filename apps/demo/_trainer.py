@@ -391,6 +391,8 @@ class DemoTrainer:
                     for environment, decision in coordinator.levels.items()
                     if decision.group_scored
                 ],
+                # Runs and acknowledgements carry this coordinator's fence (spec 6.9).
+                fence=coordinator.fence,
             )
             async with rollouts:
                 plan = None

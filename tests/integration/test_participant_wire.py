@@ -17,10 +17,12 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
+from google.protobuf import struct_pb2
 
 from tests.support.fakes import FakeClock, boundary_of, expect, state_of
-from tests.support.participants import ControlDoor
+from tests.support.participants import METADATA, ControlDoor
 from tests.support.scripted import (
     FENCE,
     TOKEN,
@@ -40,6 +42,7 @@ from tests.support.scripted import (
     wire_to,
 )
 from turnpoint._convert import episode_to_proto
+from turnpoint._status import error_from_rpc
 from turnpoint.errors import Reason, TurnpointError
 from turnpoint.ids import EpisodeId
 from turnpoint.participant_sdk import (
@@ -756,3 +759,59 @@ async def test_an_abandoned_session_call_is_cancelled_in_the_participant(root: P
         finally:
             agent.close_gate.set()
             await client.close()
+
+
+async def test_the_data_plane_is_fenced_like_the_control_plane(root: Path) -> None:
+    """docs/spec.md section 6.9: a Run or an Acknowledge from a coordinator the control
+    plane has fenced out is refused FENCED; one without a fence (a tool) is not fenced; a
+    higher epoch is adopted."""
+    from turnpoint.v1 import rollout_service_pb2_grpc as ro_grpc
+
+    agent = ScriptedAgent()
+    async with host_scripted(root, agent=agent) as hosted, wire_to(hosted, "unary") as wire:
+        current = types_pb2.Fence(coordinator_id="coord", epoch=5)
+        await wire.door.call(pb.DescribeRequest(fence=current))  # the control plane
+        stub = ro_grpc.RolloutServiceStub(wire.channel)
+
+        def run(rollout: str, fence: types_pb2.Fence | None) -> Any:
+            request = ro_pb.RunRequest(
+                request_id=f"run-{rollout}",
+                episode=episode_to_proto(EpisodeId(rollout, 0)),
+                task=struct_pb2.Struct(fields={"turns": struct_pb2.Value(number_value=1)}),
+            )
+            if fence is not None:
+                request.fence.CopyFrom(fence)
+            return stub.Run(request, metadata=METADATA, timeout=5)
+
+        async def refused(call: Any) -> TurnpointError:
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                async for _ in call:
+                    pass
+            carried = error_from_rpc(caught.value)
+            assert carried is not None
+            return carried
+
+        stale = types_pb2.Fence(coordinator_id="coord-old", epoch=3)
+        assert (await refused(run("r-stale", stale))).reason is Reason.FENCED
+        usurper = types_pb2.Fence(coordinator_id="other", epoch=5)
+        assert (await refused(run("r-same-epoch", usurper))).reason is Reason.FENCED
+        ack = ro_pb.AcknowledgeRequest(request_id="ack-1", fence=stale)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await stub.Acknowledge(ack, metadata=METADATA, timeout=5)
+        carried = error_from_rpc(caught.value)
+        assert carried is not None and carried.reason is Reason.FENCED
+        # Not fenced: no fence at all (a tool), or the current coordinator.
+        for rollout, fence in (("r-tool", None), ("r-current", current)):
+            call = run(rollout, fence)
+            agent.release(EpisodeId(rollout, 0))
+            outcomes = [m.WhichOneof("event") async for m in call]
+            assert outcomes[-1] == "result"
+        # A higher epoch is adopted: the old coordinator's control calls are fenced now.
+        newer = types_pb2.Fence(coordinator_id="coord-2", epoch=6)
+        call = run("r-newer", newer)
+        agent.release(EpisodeId("r-newer", 0))
+        assert [m.WhichOneof("event") async for m in call][-1] == "result"
+        await expect(
+            Reason.FENCED,
+            wire.door.call(pb.ResumeRequest(fence=current, request_id="x", checkpoint_id=ckpt(9))),
+        )

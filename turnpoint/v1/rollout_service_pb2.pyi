@@ -69,6 +69,7 @@ class RunRequest(_message.Message):
     GROUP_SIZE_FIELD_NUMBER: _builtins.int
     BUDGET_FIELD_NUMBER: _builtins.int
     BOUNDARIES_SEEN_FIELD_NUMBER: _builtins.int
+    FENCE_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Idempotency key of this invocation; a re-invocation may reuse it."""
     prompt_group_id: _builtins.str
@@ -93,6 +94,13 @@ class RunRequest(_message.Message):
     def budget(self) -> _duration_pb2.Duration:
         """The episode's active-time budget; parked time does not count against it."""
 
+    @_builtins.property
+    def fence(self) -> _types_pb2.Fence:
+        """The sending coordinator, as on control requests (docs/spec.md section 6.9). A
+        participant refuses a Run from a coordinator its control plane has fenced out
+        (FENCED). Optional: a Run without one (a tool, an older coordinator) is not fenced.
+        """
+
     def __init__(
         self,
         *,
@@ -104,10 +112,11 @@ class RunRequest(_message.Message):
         group_size: _builtins.int = ...,
         budget: _duration_pb2.Duration | None = ...,
         boundaries_seen: _builtins.int = ...,
+        fence: _types_pb2.Fence | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["budget", b"budget", "episode", b"episode", "task", b"task"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["budget", b"budget", "episode", b"episode", "fence", b"fence", "task", b"task"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["boundaries_seen", b"boundaries_seen", "budget", b"budget", "episode", b"episode", "group_size", b"group_size", "prompt_group_id", b"prompt_group_id", "request_id", b"request_id", "sibling_index", b"sibling_index", "task", b"task"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["boundaries_seen", b"boundaries_seen", "budget", b"budget", "episode", b"episode", "fence", b"fence", "group_size", b"group_size", "prompt_group_id", b"prompt_group_id", "request_id", b"request_id", "sibling_index", b"sibling_index", "task", b"task"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -251,21 +260,27 @@ class AcknowledgeRequest(_message.Message):
 
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     RECEIPTS_FIELD_NUMBER: _builtins.int
+    FENCE_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Idempotency key."""
     @_builtins.property
     def receipts(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.CompletionReceipt]:
         """The receipts recorded by the trainer."""
 
+    @_builtins.property
+    def fence(self) -> _types_pb2.Fence:
+        """The sending coordinator; a fenced-out one is refused (FENCED). Optional, as on Run."""
+
     def __init__(
         self,
         *,
         request_id: _builtins.str = ...,
         receipts: _abc.Iterable[_types_pb2.CompletionReceipt] | None = ...,
+        fence: _types_pb2.Fence | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["receipts", b"receipts", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "receipts", b"receipts", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
