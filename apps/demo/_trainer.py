@@ -49,6 +49,7 @@ from turnpoint.apps.examples._task import make_prompt
 from turnpoint.auth import auth_metadata
 from turnpoint.trainer import (
     AgentEndpoint,
+    ConfigError,
     Coordinator,
     CoordinatorConfig,
     CoordinatorMetrics,
@@ -564,9 +565,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s trainer %(levelname)s %(name)s: %(message)s",
     )
     torch.set_num_threads(1)
-    trainer = DemoTrainer(args)
+    try:
+        trainer = DemoTrainer(args)
+    except (OSError, ValueError, KeyError) as error:
+        # A topology, token or out directory it cannot use: say which, no traceback.
+        print(f"trainer: cannot start: {type(error).__name__}: {error}", file=sys.stderr)
+        return 2
     try:
         return asyncio.run(trainer.run())
+    except (OSError, ConfigError) as error:
+        # The snapshot root cannot be written or read (a file in its place, no
+        # permission, a full disk at start-up): one line that says which, no traceback.
+        print(
+            f"trainer: the snapshot root {trainer.snapshot_root} is unusable: {error}",
+            file=sys.stderr,
+        )
+        return 2
     except SnapshotRunError as error:
         print(f"trainer: the snapshot pump ended the run: {error}", file=sys.stderr)
         return 3
