@@ -54,6 +54,10 @@ class FailureReason(enum.Enum):
     # A participant had already finished this checkpoint (its lease ran out) or saw it
     # with other arguments: start a new round under a new id (Flink: subsumed).
     SUPERSEDED = "superseded"
+    # A participant's own hook (an export, a tool, a verifier) raised an unexpected
+    # exception (HOOK_FAILED, docs/spec.md section 5.1 item 5): someone else's code failed
+    # once, so this snapshot fails and the pump tries again (Flink: task failure).
+    PARTICIPANT_HOOK = "participant_hook"
     # A malformed reply, a digest or topology mismatch, a refusal no retry can fix.
     INVARIANT = "invariant"
 
@@ -77,6 +81,8 @@ def failure_reason(failures: Mapping[str, Failure]) -> FailureReason:
         return FailureReason.INVARIANT
     if any(f.reason is Reason.STORAGE_UNAVAILABLE for f in values):
         return FailureReason.STORAGE
+    if any(f.reason is Reason.HOOK_FAILED for f in values):
+        return FailureReason.PARTICIPANT_HOOK
     transient = [f for f in values if f.kind is FailureKind.TRANSIENT]
     if any(f.code is not grpc.StatusCode.DEADLINE_EXCEEDED for f in transient):
         return FailureReason.PARTICIPANT_UNAVAILABLE

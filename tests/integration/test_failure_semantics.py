@@ -28,7 +28,7 @@ from turnpoint.ids import EpisodeId, checkpoint_sequence, make_checkpoint_id
 from turnpoint.protocol import ParticipantKind, Phase, RecoveryLevel
 from turnpoint.server import BearerTokenInterceptor
 from turnpoint.trainer._config import CoordinatorConfig
-from turnpoint.trainer._control_ops import JOINING_RETRY_PAUSE_S
+from turnpoint.trainer._control_ops import JOINING_ATTEMPTS, JOINING_RETRY_PAUSE_S
 from turnpoint.trainer._coordinator import Coordinator
 from turnpoint.trainer._manifest import (
     AnchorRef,
@@ -460,3 +460,63 @@ async def test_a_group_scored_sibling_given_up_live_reruns_its_whole_group(
         EpisodeId("s2", 0),
     }
     assert {r.outcome for r in results.values()} == {RolloutOutcome.COMPLETED}
+
+
+# ------------------------------------------------- a hook's failure is data (item 2)
+
+
+async def test_a_participant_hook_that_raises_fails_one_snapshot_and_the_next_publishes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/spec.md section 5.1 item 5: a resources server's export raises an exception
+    nobody expected. The snapshot fails, transient, naming the participant and the
+    exception type (none of its text); the pump's next attempt publishes; the run goes
+    on."""
+    from turnpoint.apps.examples._participants import GuessTools
+
+    config = config_for(tmp_path)
+    layout = SnapshotLayout(tmp_path)
+    original = GuessTools.export_sessions
+    raised: list[str] = []
+
+    async def flaky_export(self: GuessTools, episodes: Any) -> Any:
+        # Fails through every try of one commit (the coordinator retries a commit once
+        # within the attempt), then works.
+        if len(raised) < JOINING_ATTEMPTS:
+            raised.append(self.name)
+            raise KeyError("/home/someone/.secret-config")
+        return await original(self, episodes)
+
+    monkeypatch.setattr(GuessTools, "export_sessions", flaky_export)
+    async with start_topology(tmp_path, agents=1, group_size=2) as topology:
+        group_tools = topology.group_tools.runtime
+        coordinator = await real_coordinator(topology, config)
+        agent = AgentEndpoint(topology.agents[0].address, TOKEN)
+        async with coordinator, RolloutClient({"agent-0": agent}) as client:
+            episode = client.dispatch(group_sibling("pair-0", budget_s=None))
+            assert await group_tools.wait_until(
+                lambda core: any(e.key.episode == episode for e in core.entries()), BOUND_S
+            )
+            driver = SnapshotDriver(
+                coordinator=coordinator,
+                rollouts=client,
+                anchor=Anchor(),
+                layout=layout,
+                config=config,
+                epoch=1,
+            )
+
+            failed = await driver.take()
+
+            assert failed.outcome is SnapshotOutcome.FAILED
+            assert failed.reason is FailureReason.PARTICIPANT_HOOK and failed.transient
+            assert set(failed.failures) == {"group-tools"}
+            failure = failed.failures["group-tools"]
+            assert failure.reason is not None and failure.reason.name == "HOOK_FAILED"
+            assert "KeyError" in failure.detail and ".secret-config" not in failure.detail
+
+            retried = await driver.take()
+
+            assert retried.outcome is SnapshotOutcome.PUBLISHED, retried.detail
+            assert raised == ["group-tools"] * JOINING_ATTEMPTS
+            assert {h.runtime.phase for h in topology.participants.values()} == {Phase.IDLE}
