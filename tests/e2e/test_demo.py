@@ -322,8 +322,13 @@ def test_the_demo_with_typescript_resources_servers_trains_through_its_crash(
         f"group-tools={command}",
     )
     assert_restored_the_newest_published(run)
-    # The restored snapshot holds the TypeScript servers' own records.
-    restored = run.only("restore", 2)["checkpoint_id"]
-    snapshot = tmp_path / "out" / "snapshots" / restored
-    assert (snapshot / "tools" / "MANIFEST.json").is_file()
-    assert (snapshot / "group-tools" / "MANIFEST.json").is_file()
+    # The newest snapshot names the TypeScript servers as participants; every file they
+    # wrote there is one the coordinator verified before publishing it.
+    snapshots = tmp_path / "out" / "snapshots"
+    latest = (snapshots / "LATEST").read_text().strip()
+    manifest = json.loads((snapshots / latest / "MANIFEST.json").read_text())
+    entries = {entry["instance"]: entry for entry in manifest["participants"]}
+    assert {"tools", "group-tools"} <= set(entries)
+    for instance in ("tools", "group-tools"):
+        for artifact in entries[instance]["artifacts"]:
+            assert (snapshots / latest / artifact["path"]).is_file()
