@@ -393,6 +393,28 @@ export class ParticipantCore {
     );
   }
 
+  /**
+   * A data-plane call (Run, Acknowledge) from a coordinator the control plane fenced out
+   * is refused; a higher epoch is adopted; a call without a fence is not fenced
+   * (section 6.9).
+   */
+  checkDataFence(fence: Fence | null): void {
+    if (fence === null) return;
+    const current = this._fence;
+    if (current === null || fence.epoch > current.epoch) {
+      this._fence = fence;
+      this._version++;
+      return;
+    }
+    if (fence.epoch === current.epoch && fence.coordinatorId === current.coordinatorId) return;
+    throw error(
+      "FENCED",
+      `a data-plane call from coordinator ${JSON.stringify(fence.coordinatorId)} epoch ` +
+        `${fence.epoch} is fenced by ${JSON.stringify(current.coordinatorId)} epoch ${current.epoch}`,
+      { epoch: current.epoch, request_epoch: fence.epoch },
+    );
+  }
+
   /** Read-only calls remember a higher epoch but are never refused (section 2.2 item 5). */
   observeFence(fence: Fence | null): void {
     if (fence !== null && (this._fence === null || fence.epoch > this._fence.epoch)) {

@@ -876,11 +876,20 @@ export class ParticipantRuntime {
   }
 
   /** RolloutService.Run: accept now (errors throw here), then follow; close the follower. */
-  acceptRun(episode: EpisodeId, task: JsonObject, options: { boundariesSeen?: number; budgetS?: number | null } = {}): RunFollower {
+  acceptRun(
+    episode: EpisodeId,
+    task: JsonObject,
+    options: { boundariesSeen?: number; budgetS?: number | null; fence?: Fence | null } = {},
+  ): RunFollower {
+    this.core.checkDataFence(options.fence ?? null);
     return this.agentHost().acceptRun(episode, task, options);
   }
 
-  acknowledge(receipts: readonly CompletionReceipt[]): { acknowledged: number; unknown: CompletionReceipt[] } {
+  acknowledge(
+    receipts: readonly CompletionReceipt[],
+    fence: Fence | null = null,
+  ): { acknowledged: number; unknown: CompletionReceipt[] } {
+    this.core.checkDataFence(fence);
     return this.agentHost().acknowledge(receipts);
   }
 

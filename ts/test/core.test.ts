@@ -245,3 +245,16 @@ describe("hook failures", () => {
     assert.equal(hookFailure(own, "Call"), own);
   });
 });
+
+describe("data-plane fencing (section 6.9)", () => {
+  it("refuses a fenced-out coordinator's Run, serves a tool's, adopts a higher epoch", () => {
+    const core = new ParticipantCore();
+    assert.equal(core.checkFence({ coordinatorId: "coord", epoch: 5n }, "d1"), undefined);
+    assert.equal(reason(() => core.checkDataFence({ coordinatorId: "old", epoch: 3n })), "FENCED");
+    assert.equal(reason(() => core.checkDataFence({ coordinatorId: "other", epoch: 5n })), "FENCED");
+    assert.equal(reason(() => core.checkDataFence(null)), "ok");
+    assert.equal(reason(() => core.checkDataFence({ coordinatorId: "coord", epoch: 5n })), "ok");
+    assert.equal(reason(() => core.checkDataFence({ coordinatorId: "new", epoch: 6n })), "ok");
+    assert.equal(core.fence?.coordinatorId, "new");
+  });
+});

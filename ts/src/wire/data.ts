@@ -16,6 +16,7 @@ import {
   enumValue,
   episodeFromProto,
   episodeToProto,
+  fenceFromProto,
   headerToProto,
   receiptFromProto,
   receiptToProto,
@@ -63,7 +64,8 @@ export function rolloutImplementation(runtime: ParticipantRuntime, door: Door, o
         const episode = episodeFromProto(request.episode);
         const task = structToJson(request.task, "task");
         const budgetS = secondsFromDuration(request.budget, "budget");
-        const follower = runtime.acceptRun(episode, task, { boundariesSeen: request.boundariesSeen, budgetS });
+        const fence = request.fence === undefined ? null : fenceFromProto(request.fence);
+        const follower = runtime.acceptRun(episode, task, { boundariesSeen: request.boundariesSeen, budgetS, fence });
         // Closing the follower when the call ends (also by cancellation) is what
         // cancels the execution once nobody follows it (section 6.6).
         context.signal.addEventListener("abort", () => follower.close(), { once: true });
@@ -89,7 +91,8 @@ export function rolloutImplementation(runtime: ParticipantRuntime, door: Door, o
       rollout.AcknowledgeResponseSchema,
       async (request) => {
         checkListLength("receipts", request.receipts.length);
-        const result = runtime.acknowledge(request.receipts.map(receiptFromProto));
+        const fence = request.fence === undefined ? null : fenceFromProto(request.fence);
+        const result = runtime.acknowledge(request.receipts.map(receiptFromProto), fence);
         return create(rollout.AcknowledgeResponseSchema, {
           header: header(),
           acknowledged: result.acknowledged,

@@ -6,7 +6,7 @@ import type { GenEnum, GenFile, GenMessage, GenService } from "@bufbuild/protobu
 import { enumDesc, fileDesc, messageDesc, serviceDesc } from "@bufbuild/protobuf/codegenv2";
 import type { Duration, Timestamp } from "@bufbuild/protobuf/wkt";
 import { file_google_protobuf_duration, file_google_protobuf_struct, file_google_protobuf_timestamp } from "@bufbuild/protobuf/wkt";
-import type { CompletionReceipt, EpisodeId, ResponseHeader } from "./types_pb.js";
+import type { CompletionReceipt, EpisodeId, Fence, ResponseHeader } from "./types_pb.js";
 import { file_turnpoint_v1_types } from "./types_pb.js";
 import type { JsonObject, Message } from "@bufbuild/protobuf";
 
@@ -14,7 +14,7 @@ import type { JsonObject, Message } from "@bufbuild/protobuf";
  * Describes the file turnpoint/v1/rollout_service.proto.
  */
 export const file_turnpoint_v1_rollout_service: GenFile = /*@__PURE__*/
-  fileDesc("CiJ0dXJucG9pbnQvdjEvcm9sbG91dF9zZXJ2aWNlLnByb3RvEgx0dXJucG9pbnQudjEi+QEKClJ1blJlcXVlc3QSEgoKcmVxdWVzdF9pZBgBIAEoCRIoCgdlcGlzb2RlGAIgASgLMhcudHVybnBvaW50LnYxLkVwaXNvZGVJZBIlCgR0YXNrGAMgASgLMhcuZ29vZ2xlLnByb3RvYnVmLlN0cnVjdBIXCg9wcm9tcHRfZ3JvdXBfaWQYBCABKAkSFQoNc2libGluZ19pbmRleBgFIAEoDRISCgpncm91cF9zaXplGAYgASgNEikKBmJ1ZGdldBgHIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbhIXCg9ib3VuZGFyaWVzX3NlZW4YCCABKA0ilQEKDkJvdW5kYXJ5UmVwb3J0EigKB2VwaXNvZGUYASABKAsyFy50dXJucG9pbnQudjEuRXBpc29kZUlkEhYKDmJvdW5kYXJ5X2luZGV4GAIgASgNEhIKCnR1cm5faW5kZXgYAyABKA0SLQoJc2VhbGVkX2F0GAQgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcCKRAgoJUnVuUmVzdWx0EigKB2VwaXNvZGUYASABKAsyFy50dXJucG9pbnQudjEuRXBpc29kZUlkEikKB291dGNvbWUYAiABKA4yGC50dXJucG9pbnQudjEuUnVuT3V0Y29tZRIwCgdyZWNlaXB0GAMgASgLMh8udHVybnBvaW50LnYxLkNvbXBsZXRpb25SZWNlaXB0EicKBnJlc3VsdBgEIAEoCzIXLmdvb2dsZS5wcm90b2J1Zi5TdHJ1Y3QSDQoFdHVybnMYBSABKA0SLgoLYWN0aXZlX3RpbWUYBiABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SFQoNZXJyb3JfbWVzc2FnZRgHIAEoCSKhAQoLUnVuUmVzcG9uc2USLAoGaGVhZGVyGAEgASgLMhwudHVybnBvaW50LnYxLlJlc3BvbnNlSGVhZGVyEjAKCGJvdW5kYXJ5GAIgASgLMhwudHVybnBvaW50LnYxLkJvdW5kYXJ5UmVwb3J0SAASKQoGcmVzdWx0GAMgASgLMhcudHVybnBvaW50LnYxLlJ1blJlc3VsdEgAQgcKBWV2ZW50IlsKEkFja25vd2xlZGdlUmVxdWVzdBISCgpyZXF1ZXN0X2lkGAEgASgJEjEKCHJlY2VpcHRzGAIgAygLMh8udHVybnBvaW50LnYxLkNvbXBsZXRpb25SZWNlaXB0IosBChNBY2tub3dsZWRnZVJlc3BvbnNlEiwKBmhlYWRlchgBIAEoCzIcLnR1cm5wb2ludC52MS5SZXNwb25zZUhlYWRlchIUCgxhY2tub3dsZWRnZWQYAiABKA0SMAoHdW5rbm93bhgDIAMoCzIfLnR1cm5wb2ludC52MS5Db21wbGV0aW9uUmVjZWlwdCqZAQoKUnVuT3V0Y29tZRIbChdSVU5fT1VUQ09NRV9VTlNQRUNJRklFRBAAEhkKFVJVTl9PVVRDT01FX0NPTVBMRVRFRBABEhkKFVJVTl9PVVRDT01FX0NBTkNFTExFRBACEhYKElJVTl9PVVRDT01FX0ZBSUxFRBADEiAKHFJVTl9PVVRDT01FX0JVREdFVF9FWEhBVVNURUQQBDKiAQoOUm9sbG91dFNlcnZpY2USPAoDUnVuEhgudHVybnBvaW50LnYxLlJ1blJlcXVlc3QaGS50dXJucG9pbnQudjEuUnVuUmVzcG9uc2UwARJSCgtBY2tub3dsZWRnZRIgLnR1cm5wb2ludC52MS5BY2tub3dsZWRnZVJlcXVlc3QaIS50dXJucG9pbnQudjEuQWNrbm93bGVkZ2VSZXNwb25zZWIGcHJvdG8z", [file_google_protobuf_duration, file_google_protobuf_struct, file_google_protobuf_timestamp, file_turnpoint_v1_types]);
+  fileDesc("CiJ0dXJucG9pbnQvdjEvcm9sbG91dF9zZXJ2aWNlLnByb3RvEgx0dXJucG9pbnQudjEinQIKClJ1blJlcXVlc3QSEgoKcmVxdWVzdF9pZBgBIAEoCRIoCgdlcGlzb2RlGAIgASgLMhcudHVybnBvaW50LnYxLkVwaXNvZGVJZBIlCgR0YXNrGAMgASgLMhcuZ29vZ2xlLnByb3RvYnVmLlN0cnVjdBIXCg9wcm9tcHRfZ3JvdXBfaWQYBCABKAkSFQoNc2libGluZ19pbmRleBgFIAEoDRISCgpncm91cF9zaXplGAYgASgNEikKBmJ1ZGdldBgHIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbhIXCg9ib3VuZGFyaWVzX3NlZW4YCCABKA0SIgoFZmVuY2UYCSABKAsyEy50dXJucG9pbnQudjEuRmVuY2UilQEKDkJvdW5kYXJ5UmVwb3J0EigKB2VwaXNvZGUYASABKAsyFy50dXJucG9pbnQudjEuRXBpc29kZUlkEhYKDmJvdW5kYXJ5X2luZGV4GAIgASgNEhIKCnR1cm5faW5kZXgYAyABKA0SLQoJc2VhbGVkX2F0GAQgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcCKRAgoJUnVuUmVzdWx0EigKB2VwaXNvZGUYASABKAsyFy50dXJucG9pbnQudjEuRXBpc29kZUlkEikKB291dGNvbWUYAiABKA4yGC50dXJucG9pbnQudjEuUnVuT3V0Y29tZRIwCgdyZWNlaXB0GAMgASgLMh8udHVybnBvaW50LnYxLkNvbXBsZXRpb25SZWNlaXB0EicKBnJlc3VsdBgEIAEoCzIXLmdvb2dsZS5wcm90b2J1Zi5TdHJ1Y3QSDQoFdHVybnMYBSABKA0SLgoLYWN0aXZlX3RpbWUYBiABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SFQoNZXJyb3JfbWVzc2FnZRgHIAEoCSKhAQoLUnVuUmVzcG9uc2USLAoGaGVhZGVyGAEgASgLMhwudHVybnBvaW50LnYxLlJlc3BvbnNlSGVhZGVyEjAKCGJvdW5kYXJ5GAIgASgLMhwudHVybnBvaW50LnYxLkJvdW5kYXJ5UmVwb3J0SAASKQoGcmVzdWx0GAMgASgLMhcudHVybnBvaW50LnYxLlJ1blJlc3VsdEgAQgcKBWV2ZW50In8KEkFja25vd2xlZGdlUmVxdWVzdBISCgpyZXF1ZXN0X2lkGAEgASgJEjEKCHJlY2VpcHRzGAIgAygLMh8udHVybnBvaW50LnYxLkNvbXBsZXRpb25SZWNlaXB0EiIKBWZlbmNlGAMgASgLMhMudHVybnBvaW50LnYxLkZlbmNlIosBChNBY2tub3dsZWRnZVJlc3BvbnNlEiwKBmhlYWRlchgBIAEoCzIcLnR1cm5wb2ludC52MS5SZXNwb25zZUhlYWRlchIUCgxhY2tub3dsZWRnZWQYAiABKA0SMAoHdW5rbm93bhgDIAMoCzIfLnR1cm5wb2ludC52MS5Db21wbGV0aW9uUmVjZWlwdCqZAQoKUnVuT3V0Y29tZRIbChdSVU5fT1VUQ09NRV9VTlNQRUNJRklFRBAAEhkKFVJVTl9PVVRDT01FX0NPTVBMRVRFRBABEhkKFVJVTl9PVVRDT01FX0NBTkNFTExFRBACEhYKElJVTl9PVVRDT01FX0ZBSUxFRBADEiAKHFJVTl9PVVRDT01FX0JVREdFVF9FWEhBVVNURUQQBDKiAQoOUm9sbG91dFNlcnZpY2USPAoDUnVuEhgudHVybnBvaW50LnYxLlJ1blJlcXVlc3QaGS50dXJucG9pbnQudjEuUnVuUmVzcG9uc2UwARJSCgtBY2tub3dsZWRnZRIgLnR1cm5wb2ludC52MS5BY2tub3dsZWRnZVJlcXVlc3QaIS50dXJucG9pbnQudjEuQWNrbm93bGVkZ2VSZXNwb25zZWIGcHJvdG8z", [file_google_protobuf_duration, file_google_protobuf_struct, file_google_protobuf_timestamp, file_turnpoint_v1_types]);
 
 /**
  * RunRequest starts, or re-attaches to, one episode.
@@ -78,6 +78,15 @@ export type RunRequest = Message<"turnpoint.v1.RunRequest"> & {
    * @generated from field: uint32 boundaries_seen = 8;
    */
   boundariesSeen: number;
+
+  /**
+   * The sending coordinator, as on control requests (docs/spec.md section 6.9). A
+   * participant refuses a Run from a coordinator its control plane has fenced out
+   * (FENCED). Optional: a Run without one (a tool, an older coordinator) is not fenced.
+   *
+   * @generated from field: turnpoint.v1.Fence fence = 9;
+   */
+  fence?: Fence | undefined;
 };
 
 /**
@@ -255,6 +264,13 @@ export type AcknowledgeRequest = Message<"turnpoint.v1.AcknowledgeRequest"> & {
    * @generated from field: repeated turnpoint.v1.CompletionReceipt receipts = 2;
    */
   receipts: CompletionReceipt[];
+
+  /**
+   * The sending coordinator; a fenced-out one is refused (FENCED). Optional, as on Run.
+   *
+   * @generated from field: turnpoint.v1.Fence fence = 3;
+   */
+  fence?: Fence | undefined;
 };
 
 /**
