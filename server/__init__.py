@@ -41,6 +41,7 @@ from turnpoint.server._hosting import (
     ServerState,
     check_list_length,
 )
+from turnpoint.server._metrics import MetricsEndpoint, ParticipantMetrics, serve_metrics
 
 __all__ = [
     "ACCEPTED_METADATA",
@@ -55,6 +56,8 @@ __all__ = [
     "ControlServicer",
     "DrainHook",
     "HostedParticipant",
+    "MetricsEndpoint",
+    "ParticipantMetrics",
     "ParticipantServer",
     "PolicyServicer",
     "RegisterServicers",
@@ -68,5 +71,6 @@ __all__ = [
     "host_participant",
     "load_token",
     "register_runtime",
+    "serve_metrics",
     "validate_token",
 ]

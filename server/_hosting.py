@@ -26,12 +26,19 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import CollectorRegistry
 
 from turnpoint._keepalive import DEFAULT_MAX_MESSAGE_BYTES, server_options
 from turnpoint._tls import server_credentials
 from turnpoint.auth import validate_token
 from turnpoint.errors import Reason, TurnpointError
 from turnpoint.server._auth import BearerTokenInterceptor
+from turnpoint.server._metrics import (
+    MetricsEndpoint,
+    ParticipantMetrics,
+    SelfStatusReader,
+    serve_metrics,
+)
 from turnpoint.v1 import (
     checkpoint_control_service_pb2,
     policy_service_pb2,
@@ -97,7 +104,10 @@ class ServerOptions:
     data-plane services open and protects only the control service (and any service
     not known here). TLS needs ``tls_cert_file`` and ``tls_key_file``;
     ``tls_client_ca_file`` turns on mutual TLS: every client must present a certificate
-    that CA signed.
+    that CA signed. ``metrics_port`` (None: off; 0 lets the OS pick) serves the
+    server's Prometheus metrics over HTTP on 127.0.0.1 (``server/_metrics.py``,
+    docs/spec.md section 7.10); read the address back from
+    :attr:`ParticipantServer.metrics_address`.
     """
 
     host: str = "127.0.0.1"
@@ -111,6 +121,7 @@ class ServerOptions:
     grace_seconds: float = 10.0
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_list_length: int = DEFAULT_MAX_LIST_LENGTH
+    metrics_port: int | None = None
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -129,6 +140,8 @@ class ServerOptions:
             raise ValueError(f"max_message_bytes must be positive, got {self.max_message_bytes}")
         if self.max_list_length <= 0:
             raise ValueError(f"max_list_length must be positive, got {self.max_list_length}")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
 
     @property
     def tls(self) -> bool:
@@ -215,6 +228,8 @@ class ParticipantServer:
         self._terminated = asyncio.Event()
         self._signal_tasks: set[asyncio.Task[None]] = set()
         self._signals: list[signal.Signals] = []
+        self._metrics: ParticipantMetrics | None = None
+        self._metrics_endpoint: MetricsEndpoint | None = None
 
     @property
     def options(self) -> ServerOptions:
@@ -240,6 +255,17 @@ class ParticipantServer:
     def address(self) -> str:
         """``host:port`` as bound (a wildcard host is not an address to dial)."""
         return _join_host_port(self._options.host, self.port)
+
+    @property
+    def metrics(self) -> ParticipantMetrics | None:
+        """The server's metrics when ``options.metrics_port`` is set."""
+        return self._metrics
+
+    @property
+    def metrics_address(self) -> str | None:
+        """``127.0.0.1:PORT`` of the metrics HTTP server, once started with metrics on."""
+        endpoint = self._metrics_endpoint
+        return endpoint.address if endpoint is not None else None
 
     async def __aenter__(self) -> ParticipantServer:
         await self.start()
@@ -269,6 +295,10 @@ class ParticipantServer:
             interceptors.append(
                 BearerTokenInterceptor(options.token, open_services=options.open_services())
             )
+        if options.metrics_port is not None:
+            # After auth: only authenticated calls are counted.
+            self._metrics = ParticipantMetrics(CollectorRegistry())
+            interceptors.append(self._metrics.interceptor())
         server = grpc.aio.server(
             interceptors=interceptors,
             options=server_options(max_message_bytes=options.max_message_bytes),
@@ -295,7 +325,21 @@ class ParticipantServer:
         )
         self._state = "serving"
         self._log_started()
+        if self._metrics is not None and options.metrics_port is not None:
+            self._metrics_endpoint = await asyncio.to_thread(self._serve_metrics, port)
+            _log.info("metrics of %s on http://%s/metrics", self.address, self.metrics_address)
         return port
+
+    def _serve_metrics(self, port: int) -> MetricsEndpoint:
+        assert self._metrics is not None and self._options.metrics_port is not None
+        closers: tuple[Callable[[], None], ...] = ()
+        if not self._options.tls:
+            host = self._options.host
+            dial = host if _is_loopback(host) else "127.0.0.1"
+            reader = SelfStatusReader(_join_host_port(dial, port), self._options.token)
+            self._metrics.read_status_with(reader)
+            closers = (reader.close,)
+        return serve_metrics(self._metrics.registry, self._options.metrics_port, closers=closers)
 
     def _registered_services(self, server: grpc.aio.Server) -> tuple[str, ...]:
         services = tuple(self._register(server))
@@ -371,6 +415,9 @@ class ParticipantServer:
                 await server.stop(grace)
             finally:
                 self._state = "stopped"
+                if self._metrics_endpoint is not None:
+                    await asyncio.to_thread(self._metrics_endpoint.close)
+                    self._metrics_endpoint = None
                 self._remove_signal_handlers()
                 self._terminated.set()
                 _log.info("stopped %s", self.address)

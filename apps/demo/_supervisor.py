@@ -188,6 +188,7 @@ class DemoOptions:
     chaos_faults: int = 0
     participant_commands: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     chaos_steps: tuple[int, int] = (2, 5)
+    metrics_port: int | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DemoOptions:
@@ -212,6 +213,7 @@ class DemoOptions:
             stall_timeout_s=args.stall_timeout,
             chaos_faults=args.chaos,
             participant_commands=_participant_commands(args.participant_command),
+            metrics_port=getattr(args, "metrics_port", None),
         )
 
     def problems(self) -> list[str]:
@@ -793,6 +795,8 @@ def trainer_command(
         command.append("--resume")
     if kill_at is not None:
         command += ["--kill-at", kill_at]
+    if options.metrics_port is not None:
+        command += ["--metrics-port", str(options.metrics_port)]
     return command
 
 
@@ -1337,6 +1341,16 @@ def add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="period of the snapshot pump (default: %(default)s)",
     )
     parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help=(
+            "serve the coordinator's Prometheus metrics (docs/spec.md section 7.10) on "
+            "127.0.0.1:PORT from the trainer; 0 picks a free port, kept across restarts"
+        ),
+    )
+    parser.add_argument(
         "--turn-delay",
         type=float,
         default=0.0,
@@ -1456,6 +1470,8 @@ def demo_command(args: argparse.Namespace) -> int:
         )
         return 1
     console = Console()
+    if options.metrics_port is not None:
+        options = _with_metrics_port(options, console)
     try:
         paths, token = prepare_out_dir(options.out)
     except (DemoError, OSError) as error:
@@ -1501,3 +1517,23 @@ def demo_command(args: argparse.Namespace) -> int:
         if ray_launcher is not None:
             with contextlib.suppress(Exception):
                 ray_launcher.shutdown()
+
+
+def _with_metrics_port(options: DemoOptions, console: Console) -> DemoOptions:
+    """Fix the metrics port once (0: a free one), so every trainer restart serves the same
+    address, and print it (docs/spec.md section 7.10)."""
+    import dataclasses
+    import socket
+
+    port = options.metrics_port or 0
+    if port == 0:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = int(probe.getsockname()[1])
+    console.print(
+        f"metrics: http://127.0.0.1:{port}/metrics (the coordinator's, served by the trainer)",
+        markup=False,
+        highlight=False,
+        soft_wrap=True,
+    )
+    return dataclasses.replace(options, metrics_port=port)

@@ -358,6 +358,8 @@ class DemoTrainer:
         identity = await asyncio.to_thread(bump_epoch, self.snapshot_root)
         endpoints = {p["instance"]: p["address"] for p in self.participants}
         metrics = CoordinatorMetrics(_registry())
+        if self.args.metrics_port is not None:
+            _serve_metrics(metrics, self.args.metrics_port)
         agents = sorted(self._addresses("agent"))
         kill = None
         if self.args.kill_at is not None:
@@ -535,6 +537,14 @@ def _registry() -> Any:
     return CollectorRegistry()
 
 
+def _serve_metrics(metrics: CoordinatorMetrics, port: int) -> None:
+    """The coordinator's metrics over HTTP on 127.0.0.1 (docs/spec.md section 7.10)."""
+    from prometheus_client import start_http_server
+
+    server, _thread = start_http_server(port, addr="127.0.0.1", registry=metrics.registry)
+    print(f"metrics: http://127.0.0.1:{server.server_port}/metrics", flush=True)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m turnpoint.apps.demo._trainer")
     parser.add_argument("--topology", required=True)
@@ -549,6 +559,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--rollout-budget", type=float, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--metrics-port", type=int, default=None, metavar="PORT")
     parser.add_argument(
         "--kill-at",
         type=parse_kill_at,

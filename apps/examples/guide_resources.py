@@ -1,0 +1,91 @@
+"""The participant guide's resources server: a counter tool (docs/participant.md).
+
+Sessions are EXPORTED (docs/spec.md section 5.3 item 1): each holds the running total
+before every turn, so a tool call that names its turn is answered from the session as it
+was before that turn, and is safe to issue again after a restore (section 5.2 item 8).
+``backend_up = False`` makes exports fail the way a flaky session backend does.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar
+
+from turnpoint.errors import Reason
+from turnpoint.ids import EpisodeId
+from turnpoint.participant_sdk import (
+    ParticipantError,
+    RecoveryMode,
+    ResourcesServer,
+    TransientError,
+    Verdict,
+)
+
+__all__ = ["CounterTools"]
+
+
+class CounterTools(ResourcesServer):
+    recovery_mode: ClassVar[RecoveryMode] = RecoveryMode.EXPORTED
+    environment: ClassVar[str] = "counter"
+
+    def __init__(self) -> None:
+        self.sessions: dict[EpisodeId, dict[str, Any]] = {}
+        self.backend_up = True  # while False, exports fail transiently
+
+    async def seed(self, episode: EpisodeId, task: Mapping[str, Any]) -> None:
+        target = _integer(task.get("target"), "target")
+        # Idempotent: a retried seed keeps the session it made.
+        self.sessions.setdefault(episode, {"target": target, "totals": [0]})
+
+    def _session(self, episode: EpisodeId) -> dict[str, Any]:
+        if episode not in self.sessions:
+            raise ParticipantError(Reason.NOT_FOUND, f"no session for {episode}")
+        return self.sessions[episode]
+
+    async def call(
+        self, episode: EpisodeId, tool: str, arguments: Mapping[str, Any]
+    ) -> Mapping[str, Any]:
+        session = self._session(episode)
+        if tool != "add":
+            raise ParticipantError(Reason.INVALID_ARGUMENT, f"no tool {tool!r}")
+        turn, step = _integer(arguments.get("turn"), "turn"), _integer(arguments.get("add"), "add")
+        if not 0 <= turn < len(session["totals"]):
+            raise ParticipantError(Reason.INVALID_ARGUMENT, f"turn {turn} is not yet reached")
+        # Answer from the session as it was before this turn: a replay gets the same reply.
+        session["totals"] = [*session["totals"][: turn + 1], session["totals"][turn] + step]
+        return {"total": session["totals"][-1]}
+
+    async def verify(self, episode: EpisodeId, answer: Mapping[str, Any]) -> Verdict:
+        session = self._session(episode)
+        return Verdict(1.0 if _integer(answer.get("total"), "total") == session["target"] else 0.0)
+
+    async def close(self, episode: EpisodeId) -> None:
+        self.sessions.pop(episode, None)
+
+    async def export_sessions(
+        self, episodes: Sequence[EpisodeId]
+    ) -> Mapping[EpisodeId, Mapping[str, Any]]:
+        if not self.backend_up:
+            raise TransientError("session backend unavailable")  # retried, not fatal
+        return {e: copy.deepcopy(self.sessions[e]) for e in episodes if e in self.sessions}
+
+    def validate_session(self, episode: EpisodeId, state: Mapping[str, Any]) -> None:
+        totals = state.get("totals")
+        if not isinstance(totals, list) or not all(isinstance(t, int) for t in totals):
+            raise ValueError("a counter session holds integer totals")
+
+    async def restore_session(
+        self, saved: EpisodeId, episode: EpisodeId, state: Mapping[str, Any]
+    ) -> None:
+        self.sessions[episode] = copy.deepcopy(dict(state))
+
+    async def retire_session(self, episode: EpisodeId) -> None:
+        self.sessions.pop(episode, None)
+
+
+def _integer(value: Any, field: str) -> int:
+    """Struct numbers arrive as floats; input that does not fit is INVALID_ARGUMENT."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
+        raise ParticipantError(Reason.INVALID_ARGUMENT, f"{field} must be an integer")
+    return int(value)
