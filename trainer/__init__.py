@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from turnpoint.protocol import RecoveryLevel
 from turnpoint.trainer._anchor_source import TorchAnchorSource
+from turnpoint.trainer._checkpointing import Checkpointing, Participants, Preempted, Resumed
 from turnpoint.trainer._config import ConfigError, CoordinatorConfig
 from turnpoint.trainer._control_client import ControlCallError, ParticipantControlClient
 from turnpoint.trainer._control_outcomes import (
@@ -86,6 +87,7 @@ __all__ = [
     "AnchorError",
     "AnchorRef",
     "AnchorWriter",
+    "Checkpointing",
     "CommitFailed",
     "ConfigError",
     "ControlCallError",
@@ -107,6 +109,8 @@ __all__ = [
     "ParticipantControlClient",
     "ParticipantInfo",
     "ParticipantLostError",
+    "Participants",
+    "Preempted",
     "PrepareFailed",
     "PreparedCheckpoint",
     "PublishStep",
@@ -119,6 +123,7 @@ __all__ = [
     "RestorePlan",
     "RestoredCheckpoint",
     "Restorer",
+    "Resumed",
     "Rollout",
     "RolloutClient",
     "RolloutClientSettings",

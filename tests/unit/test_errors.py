@@ -100,8 +100,11 @@ def _public_exceptions(package: str) -> list[type[BaseException]]:
             continue  # imports torch; its AnchorError is checked below
         module = importlib.import_module(info.name)
         for _, value in inspect.getmembers(module, inspect.isclass):
+            # Failures are Exceptions; a BaseException such as Preempted (a SystemExit
+            # that ends the process with status 0 after a preemption snapshot) is a
+            # signal to unwind, not a failure to catch.
             if (
-                issubclass(value, BaseException)
+                issubclass(value, Exception)
                 and value.__module__.startswith(package)
                 and not value.__name__.startswith("_")
             ):

@@ -1,0 +1,146 @@
+"""A complete RL trainer that embeds turnpoint through :class:`Checkpointing` alone.
+
+Run: ``python -m turnpoint.apps.examples.embedded_trainer --participants P.json
+--token-file T --snapshot-root DIR --log trained.jsonl``. It trains TinyPolicy with a
+group-baseline policy-gradient step on the verifiers' rewards, snapshots every few
+steps and seconds, restores on start, and on SIGTERM snapshots once and exits 0. See
+docs/embedding.md for which of its lines are turnpoint's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from turnpoint.apps.demo._learner import Sample, policy_gradient_step
+from turnpoint.apps.examples._participants import GUESS, GUESS_GROUP, new_policy
+from turnpoint.apps.examples._task import make_prompt
+from turnpoint.trainer import (
+    Checkpointing,
+    CoordinatorConfig,
+    Rollout,
+    RolloutOutcome,
+    RolloutResult,
+    TorchAnchorSource,
+    torch_anchor_loader,
+)
+
+
+def rollouts_of(group: int, size: int, seed: int, agents: Sequence[str]) -> list[Rollout]:
+    environment = GUESS if group % 2 == 0 else GUESS_GROUP
+    gid, task = f"g{group:05d}", make_prompt(group, seed).to_dict()
+    return [
+        Rollout(
+            rollout_id=f"{gid}-s{i}",
+            prompt_group_id=gid,
+            sibling_index=i,
+            group_size=size,
+            environment=environment,
+            instance=agents[(group * size + i) % len(agents)],
+            task={
+                "task": task,
+                "environment": environment,
+                "prompt_group_id": gid,
+                "sibling_index": i,
+                "group_size": size,
+            },
+        )
+        for i in range(size)
+    ]
+
+
+def sample(result: RolloutResult) -> Sample:
+    done = result.outcome is RolloutOutcome.COMPLETED
+    out = result.output
+    turns = out.get("turns", []) if done else []
+    return Sample(
+        group_id=result.prompt_group_id,
+        turn_prompts=tuple(tuple(int(t) for t in p) for p in out.get("prompts", [])),
+        turn_completions=tuple(tuple(int(t) for t in turn["completion"]) for turn in turns),
+        reward=float(out.get("reward", 0.0)) if done else 0.0,
+    )
+
+
+async def train(args: argparse.Namespace, participants: dict[str, str], token: str) -> None:
+    torch.manual_seed(args.seed)
+    model = new_policy(args.seed)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+    state = {"step": 0, "next_group": 0}
+
+    def record(kind: str, **fields: object) -> None:  # one flushed line: a kill loses none
+        with open(args.log, "a", encoding="utf-8") as log:
+            log.write(json.dumps({"type": kind, "t": time.time(), **fields}) + "\n")
+
+    config = CoordinatorConfig.from_mapping(
+        {"snapshot_root": args.snapshot_root, "snapshot_interval_s": args.interval}
+    )
+    anchor = TorchAnchorSource(
+        model,
+        optimizer,
+        step=lambda: state["step"],
+        data_loader=lambda: {"next_group": state["next_group"]},
+    )
+    async with Checkpointing(
+        config,
+        participants,
+        token=token,
+        anchor=anchor,
+        load_anchor=torch_anchor_loader(model, optimizer),
+        every_steps=args.every_steps,
+    ) as ckpt:
+        ckpt.install_preemption_handler(deadline_s=20.0)
+        resumed = ckpt.resumed
+        if resumed.restored:
+            state["step"] = resumed.step
+            state["next_group"] = int(resumed.data_loader["next_group"])  # type: ignore[arg-type,call-overload,index]
+        record("start", step=state["step"], restored_from=resumed.checkpoint_id)
+        total = args.steps * args.groups_per_step
+        while state["step"] < args.steps:
+            window = (state["step"] + 2) * args.groups_per_step
+            while state["next_group"] < min(total, window):
+                group, state["next_group"] = state["next_group"], state["next_group"] + 1
+                for rollout in rollouts_of(group, args.group_size, args.seed, ckpt.agents):
+                    ckpt.dispatch(rollout, data_loader={"next_group": state["next_group"]})
+            if not await ckpt.wait_groups(args.groups_per_step, timeout_s=1.0):
+                continue  # none ready within a second: top up the pipeline and wait again
+            async with ckpt.step_lock:  # take and train in one step no snapshot cuts
+                groups = ckpt.take_ready_groups(args.groups_per_step)
+                samples = [sample(r) for g in groups for r in g]
+                stats = await asyncio.to_thread(policy_gradient_step, model, optimizer, samples)
+                state["step"] += 1
+                ids = [g[0].prompt_group_id for g in groups]
+                record("train", step=state["step"], groups=ids, reward=stats.mean_reward)
+            await ckpt.step_done(state["step"])
+        record("done", step=state["step"])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m turnpoint.apps.examples.embedded_trainer")
+    for flag in ("--participants", "--token-file", "--snapshot-root", "--log"):
+        parser.add_argument(flag, required=True)
+    for flag, default in (
+        ("--steps", 12),
+        ("--group-size", 2),
+        ("--groups-per-step", 2),
+        ("--every-steps", 3),
+        ("--seed", 0),
+    ):
+        parser.add_argument(flag, type=int, default=default)
+    parser.add_argument("--interval", type=float, default=2.0)
+    args = parser.parse_args(argv)
+    participants = json.loads(Path(args.participants).read_text(encoding="utf-8"))
+    token = Path(args.token_file).read_text(encoding="utf-8").strip()
+    torch.set_num_threads(1)
+    asyncio.run(train(args, participants, token))  # a SIGTERM ends here with status 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
