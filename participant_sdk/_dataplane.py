@@ -32,6 +32,8 @@ class DataPlane:
     model: ModelHost | None
 
     async def _check_data_fence(self, fence: Fence | None) -> None:
+        if fence is None:
+            return  # not fenced (a tool): no need to take the lock
         async with self._shared.changing() as core:
             core.check_data_fence(fence)
 

@@ -425,6 +425,9 @@ async def test_restore_rejects_a_corrupt_or_tampered_file_and_installs_nothing(
         assert list(status.readiness.counts) == [] and list(fresh.core.entries()) == []
         assert fresh.core.fresh
         await fresh.start(EP_C, TASK)  # open for new work, nothing restored
+        # The entry is in the table once accepted; the agent's own code starts a moment
+        # later, on its own task.
+        await poll(lambda: bool(agent.started))
         assert agent.started == [(EP_C, None)]
 
 
