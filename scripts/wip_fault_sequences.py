@@ -3,57 +3,74 @@
 # (item 6). Run it with:
 #   TURNPOINT_FAULT_SEQUENCES=200 .venv/bin/python -m pytest -p no:cacheprovider \
 #       scripts/wip_fault_sequences.py
-# At 200 sequences (~45 s) it finds an invariant break: after a restore, a resources
-# server holds a restored session (attempt N+1) of a rollout the trainer does not own
-# or retire. Either that is a real leak (a restored session no unfinished rollout
-# claims is never retired) or the invariant is too strict; the next session decides,
-# then moves this file back to tests/integration/.
+# It finds two real violations, so it fails until the library changes (see the session
+# note): F1, a restore whose resume never reaches a participant is forgotten (the
+# Restorer ignores RestoredCheckpoint.release) and the next snapshot ends the run as an
+# invariant; F2, a verify that finishes across the cut leaves the agent's saved turn
+# owing a verify whose resources session was not saved. With both masked, 200 sequences
+# pass in ~60 s (0.22 s each). Move it back to tests/integration/ once they are fixed.
 """Randomized fault sequences across both sides (the failure-semantics issue, item 6).
 
 A hypothesis ``RuleBasedStateMachine`` drives the real trainer side (:class:`Coordinator`,
 :class:`RolloutClient`, :class:`SnapshotDriver`, :class:`Restorer`) against real
-participants over gRPC: one scripted agent and one exported resources server, each a
-real SDK runtime on ``127.0.0.1:0`` behind a byte-level proxy. Every example starts its
-own fleet on a fresh snapshot root; then rules dispatch rollouts, let episodes take
-turns, finish them (sometimes losing the result or its acknowledgement on the way), give
-one up when its budget runs out, consume results as a training loop would, and take
-snapshots with faults armed for them:
+participants over gRPC: a scripted agent and an exported resources server, each a real
+SDK runtime on ``127.0.0.1:0`` behind a byte-level proxy. The agent seeds a session on
+the resources server at its first model call and verifies it last, both as parked calls
+(docs/spec.md section 5.2 item 8), so the resources server has sessions to export,
+restore and retire. Every example starts its own fleet on a fresh snapshot root.
 
-- a lost reply of prepare, commit, resume or retire (the participant acted, the trainer's
-  session broke), once or twice;
-- a failed records write (:class:`StoreFaults`), once or twice;
-- a lease that runs out while the coordinator is silent, before its commit or its resume.
+Rules: rollouts are dispatched, take turns (a model reply each), finish (sometimes losing
+the Run's result or the acknowledgement's reply), are given up when a budget runs out,
+and are consumed by a training loop that takes one optimizer step each time. Snapshots
+are taken with up to two faults injected:
 
-Two rules end an incarnation of the job, as docs/spec.md section 7.11 says a lost
-participant or a dead trainer does: a participant crashes (at rest, then the trainer's
-next snapshot fails; or in the middle of a commit), or the coordinator dies at a point of
-a snapshot (before prepare, before commit, at a step of publication, before resume).
-Then every participant is stopped, fresh ones are started, a new coordinator (the next
-epoch) restores the newest published snapshot, sometimes with its restore reply lost or
-a lease running out before the restore's resume, and the rollout side continues.
+- a lost reply (the participant acted, the trainer's session broke) of prepare, commit,
+  resume, retire, renew or forget;
+- a dropped request (it never reached the participant) of prepare, commit or resume;
+- a failed records write (:class:`StoreFaults`);
+- a lease that runs out while the coordinator is silent, before its commit or resume;
 
-After every step the invariants are checked (see :meth:`FaultSequences.the_invariants`):
+and, optionally, a data-plane event racing the agent's prepare: a turn, a finish (its
+result lost or not), a dispatch, or a verify that the resources server answers after the
+agent closed ("verify across the cut"). A participant whose resume never arrived stays
+closed until the trainer releases it or a rule lets time pass so that its lease runs out.
 
-- every participant is idle with admission open; the trainer's gate is open;
-- every published snapshot verifies (``inspect_root``), and records exactly the rollouts
-  dispatched and not consumed at its cut, each once (queue or in flight, never both);
-- the trainer's books: every dispatched rollout is in exactly one of queued, live,
-  consumed; a consumed rollout was consumed once, with a complete result;
+Two rules end an incarnation of the job, as section 7.11 says a lost participant or a
+dead trainer does: a participant crashes (at rest, then the trainer's next snapshot fails;
+or in the middle of a commit), or the coordinator dies (at rest, at the first prepare,
+commit or resume, or after a step of publication). Then every participant is stopped,
+fresh ones start, a new coordinator (the next epoch) restores the newest published
+snapshot (its restore or resume lost, dropped, or its lease running out), and the rollout
+side continues from the restored books.
+
+Checked after every step (:meth:`FaultSequences.the_invariants`) and at each snapshot:
+
+- the coordinator never sent a commit unless every participant had answered that
+  checkpoint's prepare ready (checked on the wire, by the proxies);
+- every participant is idle with admission open, or the trainer knows it left it closed
+  (its release pending, rollout budgets held);
+- every published snapshot verifies (``inspect_root``); it records exactly the rollouts
+  dispatched and not consumed at its cut, each once (queued or in flight, never both), the
+  step and the data loader's position; and its cut is one across participants (an episode
+  continued at its last boundary has its session saved);
+- the trainer's books: every dispatched rollout is queued, live or consumed, exactly once;
+  a consumed rollout was consumed once, with a complete result and reward;
 - attempt numbers only grow (the trainer's ledger; the Runs the agent received);
-- the coordinator never sent a commit unless every participant had answered its prepare
-  ready (checked on the wire, by the proxies);
-- the agent holds exactly the trainer's owned attempts (plus attempts queued for retire),
-  each attempt runs one execution, and after a restore each unfinished rollout continues
-  as attempt N+1 or reruns from its prompt, never both;
-- each snapshot costs what its faults say: recoverable faults still publish, a fault that
-  spends every try fails the attempt transiently, never as an invariant break.
+- the participants hold exactly the trainer's owned attempts and those a retire still
+  owes; each rollout runs one execution per incarnation; after a restore each unfinished
+  rollout continues as attempt N+1 (from its saved turn) or reruns (from its prompt),
+  never both, and each participant holds exactly what its restore scope installed;
+- each snapshot costs what its faults say: recoverable faults still publish, faults that
+  spend every try of an operation fail the attempt transiently, never as an invariant.
 
-Time on the participants is a fake clock (leases expire only when a rule moves it); the
-trainer's budgets run on another. The snapshot root lives on ``/dev/shm`` when there is
-one, so the many fsyncs of a snapshot cost nothing. The event loop runs in a background
-thread for the whole test; every wait is bounded and event-driven or a bounded poll.
+Time on the participants is a fake clock (a lease runs out only when a rule moves it), and
+so is the driver's; the trainer's budgets run on a third. The snapshot root lives on
+``/dev/shm`` when there is one, so the many fsyncs of a snapshot cost nothing. The event
+loop runs in a background thread for the whole test; every wait is bounded, and event
+driven or a bounded poll.
 
-``TURNPOINT_FAULT_SEQUENCES=N`` runs N sequences (default 200).
+``TURNPOINT_FAULT_SEQUENCES=N`` runs N sequences (default 200); ``CI=true`` derandomizes.
+``--hypothesis-show-statistics`` lists which faults fired and what the snapshots did.
 """
 
 from __future__ import annotations
@@ -283,7 +300,12 @@ SNAPSHOT_FAULTS = st.one_of(
     st.builds(LeaseExpiry, member=MEMBER, before=st.sampled_from(["commit", "resume"])),
 )
 # A data-plane event racing the snapshot: it happens as the agent's prepare is on its way.
-RACES = st.sampled_from([None, "turn", "finish", "finish, result lost", "dispatch"])
+# "verify across the cut": the episode's last call, its verify, completes on the resources
+# server (still open) after the agent has closed, so the agent holds its reply.
+VERIFY_ACROSS_THE_CUT = "verify across the cut"
+RACES = st.sampled_from(
+    [None, "turn", "finish", "finish, result lost", "dispatch", VERIFY_ACROSS_THE_CUT]
+)
 RESTORE_FAULTS = st.one_of(
     st.none(),
     st.builds(
@@ -322,6 +344,18 @@ class SwitchableFaults:
         self.armed = StoreFaults()
 
 
+LEASE_EXPIRY = "lease expiry"
+
+
+@dataclass(frozen=True)
+class Hook:
+    """What happens right before the first request of an operation reaches a participant:
+    a ``"lease expiry"`` (a fault), a ``"race"`` (a data-plane event), a ``"crash"``."""
+
+    what: str
+    act: Callable[[], Awaitable[None]]
+
+
 class CoordinatorCrash(Exception):
     """Raised inside the trainer where the test kills its coordinator."""
 
@@ -335,16 +369,18 @@ class Tap:
 
     def __init__(self) -> None:
         self.severed = False
-        self._wakers: set[asyncio.Queue[Any]] = set()
+        self.wakers: set[asyncio.Queue[Any]] = set()
         # member -> checkpoint ids it answered PHASE_PREPARED (replies lost included).
         self.ready: defaultdict[str, set[str]] = defaultdict(set)
         # rollout id -> attempts of the Runs the agent received, in order.
         self.runs: defaultdict[str, list[int]] = defaultdict(list)
         self.violations: list[str] = []
+        # The test's own hooks that raised (a bug of the test, not of the protocol).
+        self.errors: list[str] = []
 
     def sever(self) -> None:
         self.severed = True
-        for queue in self._wakers:
+        for queue in self.wakers:
             queue.put_nowait(_SEVERED)
 
 
@@ -366,10 +402,12 @@ class Proxy(grpc.GenericRpcHandler):  # type: ignore[type-arg]
 
     ``lose[op]`` replies of a control operation (``"prepare"``, ``"commit"``, ...), of a
     Run's result (``"result"``) or of an acknowledgement (``"ack"``) are lost after the
-    participant acted: the trainer's call breaks with UNAVAILABLE instead. ``before[op]``
+    participant acted: the trainer's call breaks with UNAVAILABLE instead. ``drop[op]``
+    requests never reach the participant (the call breaks the same way). ``before[op]``
     runs once, before the first request of ``op`` is forwarded (a lease running out, a
-    crash). ``sever_on`` cuts the trainer off from every participant at the first
-    request of that operation, as a coordinator that died there.
+    race, a crash). ``sever_on`` cuts the trainer off from every participant at the first
+    request of that operation, as a coordinator that died there. Requests and replies are
+    recorded on the :class:`Tap`.
     """
 
     def __init__(self, member: str, upstream: str, tap: Tap, members: tuple[str, ...]) -> None:
@@ -384,8 +422,8 @@ class Proxy(grpc.GenericRpcHandler):  # type: ignore[type-arg]
         self.lost: list[str] = []
         self.drop: Counter[str] = Counter()
         self.dropped: list[str] = []
-        self.before: dict[str, Callable[[], Awaitable[None]]] = {}
-        self.hooked: list[str] = []
+        self.before: dict[str, Hook] = {}
+        self.hooked: list[tuple[str, str]] = []
         self.sever_on: str | None = None
 
     async def start(self) -> None:
@@ -450,8 +488,11 @@ class Proxy(grpc.GenericRpcHandler):  # type: ignore[type-arg]
             return "request lost by the proxy"
         hook = self.before.pop(op, None)
         if hook is not None:
-            self.hooked.append(op)
-            await hook()
+            self.hooked.append((hook.what, op))
+            try:
+                await hook.act()
+            except Exception as error:  # a bug of the test: the invariant reports it
+                self.tap.errors.append(f"{hook.what} before {op} on {self.member}: {error!r}")
         return None
 
     def _on_reply(self, method: str, reply: bytes, ops: dict[str, str]) -> bool:
@@ -490,7 +531,7 @@ class Proxy(grpc.GenericRpcHandler):  # type: ignore[type-arg]
         )(None, metadata=metadata)
         replies: asyncio.Queue[Any] = asyncio.Queue()
         ops: dict[str, str] = {}
-        self.tap._wakers.add(replies)
+        self.tap.wakers.add(replies)
 
         async def send() -> None:
             with contextlib.suppress(grpc.aio.AioRpcError, asyncio.InvalidStateError):
@@ -535,7 +576,7 @@ class Proxy(grpc.GenericRpcHandler):  # type: ignore[type-arg]
                     return
                 yield reply
         finally:
-            self.tap._wakers.discard(replies)
+            self.tap.wakers.discard(replies)
             sender.cancel()
             receiver.cancel()
             call.cancel()
@@ -731,14 +772,18 @@ class Fired:
 
     lost: dict[str, Counter[str]]
     dropped: dict[str, Counter[str]]
-    hooked: dict[str, list[str]]
+    hooked: dict[str, list[tuple[str, str]]]
     failed_writes: dict[str, int]
 
     def besides(self, op: str) -> bool:
         """Whether anything fired other than the faults of operation ``op``."""
         faults = (self.lost, self.dropped)
         other = any(n for each in faults for c in each.values() for o, n in c.items() if o != op)
-        hooked = any(h != op for hooks in self.hooked.values() for h in hooks)
+        hooked = any(
+            what == LEASE_EXPIRY and on != op
+            for hooks in self.hooked.values()
+            for what, on in hooks
+        )
         return other or hooked or any(self.failed_writes.values())
 
 
@@ -748,6 +793,13 @@ def held_by(runtime: ParticipantRuntime) -> dict[EpisodeId, EpisodeState]:
 
 def ids_of(items: Any) -> list[str]:
     return [str(item["rollout_id"]) for item in items]
+
+
+def saved_episode(item: Mapping[str, Any]) -> EpisodeId:
+    """The attempt an unfinished rollout of a snapshot's rollout state was at."""
+    rollout_id, attempt = item["rollout_id"], item["attempt"]
+    assert isinstance(rollout_id, str) and isinstance(attempt, int), item
+    return EpisodeId(rollout_id, attempt)
 
 
 class FaultSequences(RuleBasedStateMachine):
@@ -776,7 +828,11 @@ class FaultSequences(RuleBasedStateMachine):
         self.closed: list[str] = []  # participants whose admission is closed
         self.steps = 0  # since the incarnation started
         self.notes: list[str] = []
-        self.fleet, self.trainer = self.run(self._start_incarnation())
+        try:
+            self.fleet, self.trainer = self.run(self._start_incarnation())
+        except BaseException:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            raise
 
     def run(self, coroutine: Coroutine[Any, Any, T]) -> T:
         return self.loop.run(coroutine)
@@ -848,7 +904,9 @@ class FaultSequences(RuleBasedStateMachine):
                     and boundary == rollout.boundaries_seen < TURNS
                 ):
                     return False
-                if not tools_closed and state_of(tools.core, episode, "session") not in seeded:
+                # Its session exists from its first model call until its verify.
+                session = state_of(tools.core, episode, "session")
+                if not tools_closed and boundary < TURNS and session not in seeded:
                     return False
             return all(e.state is not EpisodeState.COMPLETED_UNACKED for e in core.entries())
 
@@ -964,6 +1022,7 @@ class FaultSequences(RuleBasedStateMachine):
         if not owned:
             return
         remaining = {r.episode: client.remaining_budget(r.episode) for r in owned}
+        assert None not in remaining.values(), remaining  # every rollout has a budget
         least = min(b for b in remaining.values() if b is not None)
         self.trainer.clock.advance(least + 0.001)
         expired = client.expire_due()
@@ -1036,7 +1095,7 @@ class FaultSequences(RuleBasedStateMachine):
             elif isinstance(fault, FailWrite):
                 member.faults.armed.fail_writes(fault.count)
             else:
-                member.proxy.before[fault.before] = _expiry(member, lease_s)
+                member.proxy.before[fault.before] = Hook(LEASE_EXPIRY, _expiry(member, lease_s))
 
     async def _take(self) -> SnapshotReport:
         report = await self.trainer.driver.take(self.retry_of)
@@ -1049,21 +1108,59 @@ class FaultSequences(RuleBasedStateMachine):
         data-plane event that happens just as the agent's prepare is on its way."""
         self.step(self._snapshot(faults, race, index))
 
-    def _race(self, race: str, index: int) -> Callable[[], Awaitable[None]]:
+    def _race(self, race: str, index: int) -> None:
+        """Arm ``race``: it happens as the agent's prepare is on its way to the agent."""
+        fleet = self.fleet
+        target: list[EpisodeId] = []
+        acted = asyncio.Event()
+
         async def act() -> None:
+            try:
+                await race_at_the_agent()
+            finally:
+                acted.set()
+
+        async def race_at_the_agent() -> None:
+            self.notes.append(f"race: {race}")
             owned = self.client.in_flight()
             if race == "dispatch":
                 self._new_rollout()
-            elif owned:
-                rollout = owned[index % len(owned)]
-                replies = 1 if race == "turn" else TURNS - rollout.boundaries_seen
-                if race == "finish, result lost":
-                    self.fleet[AGENT].proxy.lose["result"] += 1
-                for _ in range(replies):
-                    self.fleet.agent.reply(rollout.episode, "guess")
-            self.notes.append(f"race: {race}")
+                return
+            if not owned:
+                return
+            rollout = owned[index % len(owned)]
+            replies = 1 if race == "turn" else TURNS - rollout.boundaries_seen
+            if race == "finish, result lost":
+                fleet[AGENT].proxy.lose["result"] += 1
+            if race == VERIFY_ACROSS_THE_CUT and not self.closed:
+                # The verify is held at the resources server until the agent has closed.
+                target.append(rollout.episode)
+                fleet.tools.hold("verify")
+                fleet.tools.entered["verify"].clear()
+            for _ in range(replies):
+                fleet.agent.reply(rollout.episode, "guess")
+            if target:
+                await poll(fleet.tools.entered["verify"].is_set, BOUND_S)
+                self.notes.append("race: the verify is held")
 
-        return act
+        async def verify_across_the_cut() -> None:
+            # The resources server, still open, answers the verify only once the agent
+            # has closed: the session ends there, and the agent holds the reply.
+            agent, tools = fleet[AGENT].runtime.core, fleet[TOOLS].runtime
+            with contextlib.suppress(TimeoutError):  # (a fault kept the agent's prepare)
+                async with asyncio.timeout(BOUND_S):
+                    await acted.wait()
+                await poll(lambda: not agent.admission_open, BOUND_S)
+            if not target:
+                return
+            if (gate := fleet.tools.gates.pop("verify", None)) is not None:
+                gate.set()
+            with contextlib.suppress(TimeoutError):
+                await poll(lambda: state_of(tools.core, target[0], "session") is None, BOUND_S)
+
+        fleet[AGENT].proxy.before["prepare"] = Hook("race", act)
+        if race == VERIFY_ACROSS_THE_CUT:
+            fleet[TOOLS].proxy.before["prepare"] = Hook("race", verify_across_the_cut)
 
     async def _snapshot(self, faults: list[Fault], race: str | None, index: int) -> None:
         fleet, layout = self.fleet, self.trainer.layout
@@ -1071,10 +1168,12 @@ class FaultSequences(RuleBasedStateMachine):
         writes = {name: m.faults.armed for name, m in fleet.members.items()}
         self._arm(faults)
         if race is not None:
-            fleet[AGENT].proxy.before["prepare"] = self._race(race, index)
+            self._race(race, index)
         try:
             report = await self._take()
         finally:
+            if (gate := fleet.tools.gates.pop("verify", None)) is not None:
+                gate.set()  # the race's verify never waits past its snapshot
             fired = self._fired(faults, writes)
             lose_result = fleet[AGENT].proxy.lose["result"]
             fleet.disarm()
@@ -1084,8 +1183,6 @@ class FaultSequences(RuleBasedStateMachine):
         cut = self.books.copy()
         self._note(report)
         lost, dropped, failed_writes = fired.lost, fired.dropped, fired.failed_writes
-        if race is not None and "prepare" in fired.hooked[AGENT]:
-            fired.hooked[AGENT].remove("prepare")
         assert report.reason is None or report.transient, report
         # What spends every try of one operation on one participant (spec 7.3, 7.4):
         # commit and retire are tried twice (a lost reply and a failed write of the same
@@ -1101,7 +1198,7 @@ class FaultSequences(RuleBasedStateMachine):
             or lost[n]["retire"] >= 2
             or lost[n]["prepare"] + dropped[n]["prepare"] >= 3
             for n in MEMBERS
-        ) or any("commit" in hooks for hooks in fired.hooked.values())
+        ) or any((LEASE_EXPIRY, "commit") in hooks for hooks in fired.hooked.values())
         may_fail = must_fail or any(commit[n] + lost[n]["renew"] >= 2 for n in MEMBERS)
         detail = (report, faults, fired)
         if must_fail:
@@ -1144,7 +1241,8 @@ class FaultSequences(RuleBasedStateMachine):
             fired.lost[name].pop("result", None)
             self.notes += [f"fired: lose {op} x{n}" for op, n in fired.lost[name].items()]
             self.notes += [f"fired: drop {op} x{n}" for op, n in fired.dropped[name].items()]
-            self.notes += [f"fired: lease expiry before {op}" for op in fired.hooked[name]]
+            hooks = [(what, op) for what, op in fired.hooked[name] if what != "race"]
+            self.notes += [f"fired: {what} before {op}" for what, op in hooks]
             if fired.failed_writes[name]:
                 self.notes.append(f"fired: failed write x{fired.failed_writes[name]}")
         return fired
@@ -1166,10 +1264,21 @@ class FaultSequences(RuleBasedStateMachine):
         assert set(queued) | set(in_flight) == unfinished, (queued, in_flight, cut)
         assert state.data_loader == {"next": cut.next_rollout}, state.data_loader
         assert manifest.step == cut.step, (manifest.step, cut)
-        saved = {EpisodeId(str(i["rollout_id"]), int(i["attempt"])) for i in state.in_flight}
+        saved = {saved_episode(item) for item in state.in_flight}
         for placed in (*manifest.continued, *manifest.restarts):
             assert placed.episode in saved, (placed, saved)
         self.cuts[checkpoint_id] = cut
+        # The cut is one across participants: an episode it continues at its last
+        # boundary still owes its verify, so the resources server must have saved its
+        # session; else a restore of this snapshot fails a rollout that had finished.
+        last = {saved_episode(item) for item in state.in_flight if item["boundaries_seen"] == TURNS}
+        exported = {e.instance: set(e.exported) for e in manifest.participants}
+        owing = {p.episode for p in manifest.continued} & last
+        assert owing <= exported[TOOLS], (
+            f"{checkpoint_id} continues {sorted(map(str, owing))} at the last boundary, "
+            f"verify still owed, but {TOOLS} saved no session for "
+            f"{sorted(map(str, owing - exported[TOOLS]))}: restored, it fails (NOT_FOUND)"
+        )
 
     # ------------------------------------------------------------------ incarnations
 
@@ -1188,7 +1297,7 @@ class FaultSequences(RuleBasedStateMachine):
         crashed = self.fleet[member]
         published = self.trainer.layout.list_published()
         if during:
-            crashed.proxy.before["commit"] = crashed.crash
+            crashed.proxy.before["commit"] = Hook("crash", crashed.crash)
         else:
             await crashed.crash()
         report = await self._take()
@@ -1263,7 +1372,7 @@ class FaultSequences(RuleBasedStateMachine):
         assert plan is not None and plan.checkpoint_id == published[0], (plan, published)
         assert plan.restore_failed == restore_failed, plan
         cut = self.cuts[plan.checkpoint_id]
-        saved = {str(i["rollout_id"]): int(i["attempt"]) for i in plan.trainer_state.in_flight}
+        saved = {e.rollout_id: e.attempt for e in map(saved_episode, plan.trainer_state.in_flight)}
         continued = {a.rollout.episode.rollout_id: a.episode for a in plan.redispatch}
         reran = {r.rollout.episode.rollout_id: r.episode for r in plan.rerun}
         # Each unfinished rollout continues as N+1 or reruns from its prompt, never both.
@@ -1273,11 +1382,15 @@ class FaultSequences(RuleBasedStateMachine):
             assert episode.attempt == saved[rollout_id] + 1, (episode, saved)
         for rollout_id, episode in reran.items():
             assert episode.attempt >= saved[rollout_id] + 1, (episode, saved)
-        # The agent and the resources server hold the continued attempts, restored (the
-        # run and its session), and nothing else.
-        restored = dict.fromkeys(continued.values(), EpisodeState.RESTORED)
+        # Each participant holds the N+1 of what its scope restored, and nothing else; the
+        # agent's scope is exactly the continued rollouts.
+        scope = plan.restore_scope
+        assert {e.next_attempt() for e in scope.get(AGENT, ())} == set(continued.values())
         for name in MEMBERS:
             held = held_by(self.fleet[name].runtime)
+            restored = {e.next_attempt(): EpisodeState.RESTORED for e in scope.get(name, ())}
+            if plan.restore_failed:
+                restored = {}
             assert held == restored, (name, held, restored)
         apply_plan(plan, client)
         self.trainer.anchor.step = plan.step
@@ -1300,6 +1413,7 @@ class FaultSequences(RuleBasedStateMachine):
         # The coordinator never sent a commit before every participant was ready.
         violations = self.violations + fleet.tap.violations
         assert not violations, violations
+        assert not fleet.tap.errors, fleet.tap.errors
         # No snapshot is in progress: every participant is idle with admission open,
         # unless the trainer knows it left it closed (a resume that never arrived): then
         # it re-sends that resume before it prepares again, keeps its dispatch there
@@ -1342,8 +1456,11 @@ class FaultSequences(RuleBasedStateMachine):
             states = held_by(fleet[name].runtime)
             held = set(states)
             assert held <= owned | retiring, (name, owned, states, retiring, client.results())
-            # (A closed resources server makes new sessions wait for it.)
-            assert name in self.closed or owned <= held, (name, owned, held)
+        # Every owned episode has its session from its first model call to its verify
+        # (a closed resources server makes new sessions wait for it).
+        seeded = {r.episode for r in client.in_flight() if r.boundaries_seen < TURNS}
+        tools = set(held_by(fleet[TOOLS].runtime))
+        assert TOOLS in self.closed or seeded <= tools, (seeded, tools)
         started = Counter(episode.rollout_id for episode, _ in fleet.agent.started)
         assert all(n == 1 for n in started.values()), fleet.agent.started
         for episode, restored in fleet.agent.started:
