@@ -491,7 +491,7 @@ class Proxy(grpc.GenericRpcHandler):  # type: ignore[type-arg]
             self.hooked.append((hook.what, op))
             try:
                 await hook.act()
-            except Exception as error:  # a bug of the test: the invariant reports it
+            except Exception as error:  # noqa: BLE001 - a test bug: the invariant reports it
                 self.tap.errors.append(f"{hook.what} before {op} on {self.member}: {error!r}")
         return None
 
