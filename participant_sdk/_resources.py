@@ -188,6 +188,9 @@ class _Session:
     # Request task -> whether it blocks prepare (a REPLAY verify does not).
     inflight: dict[asyncio.Task[Any], bool] = field(default_factory=dict)
     closing: bool = False
+    # Set once a verify succeeded on an exported session: the session is sealed (kept,
+    # exported with each cut, answering a repeated verify with this) until retired.
+    verdict: Verdict | None = None
 
 
 class ResourcesHost:
@@ -259,17 +262,43 @@ class ResourcesHost:
         )
 
     async def verify(self, episode: EpisodeId, answer: Mapping[str, Any]) -> Verdict:
-        """Score the answer; the session ends once the verify succeeded.
+        """Score the answer; a successful verify seals (exported mode) or ends the session.
 
-        A REPLAY verify that finishes while a checkpoint is open replies after resume:
-        its session belongs to the frozen cut (a restore runs the verify again).
+        docs/spec.md section 5.3 item 3. An exported session is kept, sealed, until the
+        coordinator retires its attempt: the agent's cut may still be before this verify
+        (its reply held while the agent is closed), so the resources server's cut must
+        hold a session that verify can replay on. A repeated verify of a sealed session
+        answers the same verdict. A REPLAY verify that finishes while a checkpoint is
+        open replies after resume: its session belongs to the frozen cut.
         """
         replayable = self._server.verify_mode is VerifyMode.REPLAY
+        if self.recovery_mode is not RecoveryMode.EXPORTED:
+            verdict = await self._request(
+                episode, lambda: self._server.verify(episode, answer), replayable=replayable
+            )
+            await self.close(episode)
+            return verdict
+        sealed = await self._sealed_verdict(episode)
+        if sealed is not None:
+            return sealed
         verdict = await self._request(
             episode, lambda: self._server.verify(episode, answer), replayable=replayable
         )
-        await self.close(episode)
+        shared = self._shared
+        async with shared.changing() as core:
+            session = self._sessions.get(episode)
+            if session is not None and not session.closing:
+                session.verdict = verdict
+            # The reply waits out an open checkpoint: the session belongs to its cut.
+            while not core.admission_open:
+                await shared.wait_change()
         return verdict
+
+    async def _sealed_verdict(self, episode: EpisodeId) -> Verdict | None:
+        async with self._shared.changing() as core:
+            core.check_attempt(episode)
+            session = self._sessions.get(episode)
+            return None if session is None or session.closing else session.verdict
 
     async def close(self, episode: EpisodeId) -> bool:
         """End the session and stop its requests; never refused. False if there was none.
@@ -302,7 +331,8 @@ class ResourcesHost:
             while True:
                 core.check_attempt(episode)
                 session = self._sessions.get(episode)
-                if session is None or session.closing:
+                if session is None or session.closing or session.verdict is not None:
+                    # A sealed session takes no more calls (its verify answers from it).
                     raise TurnpointError(
                         Reason.NOT_FOUND, f"no session for {episode}", {"episode": str(episode)}
                     )

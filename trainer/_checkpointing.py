@@ -180,6 +180,7 @@ class Checkpointing:
             epoch=identity.epoch,
             step_lock=self.step_lock,
         )
+        driver.adopt_restore(plan)
         self._pump = SnapshotPump(driver, config)
         if self._periodic:
             self._background.append(asyncio.create_task(self._tick_periodically()))

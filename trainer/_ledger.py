@@ -557,6 +557,7 @@ class RolloutLedger(LedgerState):
         """The participant took (or no longer retains) the receipt: it is settled."""
         self._owed.pop(receipt.receipt_id, None)
         self._acked[receipt.receipt_id] = receipt
+        self._session_retires.add(receipt.episode)
         while len(self._acked) > ACKED_MEMORY:
             self._acked.popitem(last=False)
         self._stats.acknowledged += 1
@@ -676,6 +677,15 @@ class RolloutLedger(LedgerState):
         queued.difference_update(episodes)
         if not queued:
             del self._retires[instance]
+
+    def pending_session_retires(self) -> tuple[EpisodeId, ...]:
+        """Acknowledged attempts whose verified sessions the resources servers keep
+        (docs/spec.md section 7.6 item 2): retired on those servers only."""
+        return tuple(sorted(self._session_retires))
+
+    def sessions_retired(self, episodes: Sequence[EpisodeId]) -> None:
+        """Every resources server retired these sessions."""
+        self._session_retires.difference_update(episodes)
 
     def _queue_retire(self, instance: str, episode: EpisodeId) -> None:
         self._retires.setdefault(instance, set()).add(episode)

@@ -75,6 +75,9 @@ class LedgerState:
         self._owed: dict[str, Receipt] = {}
         self._acked: collections.OrderedDict[str, Receipt] = collections.OrderedDict()
         self._retires: dict[str, set[EpisodeId]] = {}
+        # Completed attempts whose sessions the resources servers still keep sealed
+        # (docs/spec.md section 5.3 item 3): retired there at the next flush.
+        self._session_retires: set[EpisodeId] = set()
         self._stats = RolloutStats()
 
     # ------------------------------------------------------------------ the cut & restore

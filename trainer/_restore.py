@@ -37,7 +37,7 @@ import hashlib
 import logging
 import stat
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Final, Protocol
@@ -206,6 +206,9 @@ class RestorePlan:
     sealed_siblings_discarded: int = 0
     saved_turns_discarded: int = 0
     restore_failed: bool = False
+    # Participants whose resume of the restore id did not succeed (docs/spec.md section
+    # 7.7 item 9): still closed, until the snapshot driver's release retry or their lease.
+    unreleased: frozenset[str] = frozenset()
 
     @property
     def resumed(self) -> int:
@@ -615,8 +618,10 @@ class Restorer:
         try:
             async with coordinator.restored(
                 restore_id, selected.checkpoint_id, selected.manifest, plan.restore_scope
-            ):
+            ) as restored:
                 pass
+            if restored.release is not None and restored.release.failures:
+                plan = replace(plan, unreleased=frozenset(restored.release.failures))
         except RestoreFailed as error:
             _LOG.warning(
                 "restore %s of %s failed; every continuation starts over from its prompt: %s",
@@ -634,6 +639,8 @@ class Restorer:
                 retired=error.replacements,
                 levels=coordinator.levels,
             )
+            # A failed cleanup (its retire or its resume) may leave a participant closed.
+            plan = replace(plan, unreleased=frozenset(error.cleanup))
         if self._metrics is not None:
             self._metrics.observe_restore(
                 resumed=plan.resumed,

@@ -544,6 +544,11 @@ class RolloutClient:
         self._ledger.acknowledged(receipt)
         return True
 
+    def unacknowledged(self) -> frozenset[EpisodeId]:
+        """Completed attempts whose acknowledgement is still owed (the next drain re-sends
+        it): their participant rightly still holds them."""
+        return frozenset(receipt.episode for receipt in self._ledger.owed().values())
+
     # ------------------------------------------------------------------ retires
 
     def pending_retires(self) -> Mapping[str, Sequence[EpisodeId]]:
@@ -553,6 +558,14 @@ class RolloutClient:
     def retired(self, instance: str, episodes: Sequence[EpisodeId]) -> None:
         """The driver retired these attempts: drop them from :meth:`pending_retires`."""
         self._ledger.retired(instance, episodes)
+
+    def pending_session_retires(self) -> Sequence[EpisodeId]:
+        """Acknowledged attempts whose verified sessions the resources servers keep."""
+        return self._ledger.pending_session_retires()
+
+    def sessions_retired(self, episodes: Sequence[EpisodeId]) -> None:
+        """Every resources server retired these sessions."""
+        self._ledger.sessions_retired(episodes)
 
     # ------------------------------------------------------------------ snapshot & restore
 

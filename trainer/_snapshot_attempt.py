@@ -23,6 +23,7 @@ Allowed moves (``NEW`` first; ``PUBLISHED``, ``SKIPPED`` and ``FAILED`` are fina
     NEW -> RELEASE -> ANCHOR -> CLOSE -> DRAIN -> RETIRE -> PREPARE -> COMMIT
         -> PUBLISH -> RESUME -> REOPEN -> PUBLISHED
     RELEASE -> SKIPPED                            nothing changed since the last one
+    RELEASE -> FAILED                             a restore still holds a participant
     ANCHOR | CLOSE -> ABORT -> FAILED             failed before dispatch was held
     DRAIN | RETIRE -> REOPEN -> ABORT -> FAILED   failed before any participant saw the id
     PREPARE | COMMIT | PUBLISH -> ABORT -> REOPEN -> ABORT -> FAILED
@@ -100,7 +101,7 @@ _S = SnapshotState
 TRANSITIONS: Final[Mapping[SnapshotState, frozenset[SnapshotState]]] = MappingProxyType(
     {
         _S.NEW: frozenset({_S.RELEASE}),
-        _S.RELEASE: frozenset({_S.ANCHOR, _S.SKIPPED}),
+        _S.RELEASE: frozenset({_S.ANCHOR, _S.SKIPPED, _S.FAILED}),
         _S.ANCHOR: frozenset({_S.CLOSE, _S.ABORT}),
         _S.CLOSE: frozenset({_S.DRAIN, _S.ABORT}),
         _S.DRAIN: frozenset({_S.RETIRE, _S.REOPEN}),

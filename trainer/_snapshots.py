@@ -72,7 +72,7 @@ from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, suppress
 from types import MappingProxyType
-from typing import Final, Protocol
+from typing import TYPE_CHECKING, Final, Protocol
 
 import grpc
 
@@ -115,6 +115,9 @@ from turnpoint.trainer._snapshot_report import (
     failure_reason,
 )
 from turnpoint.trainer._topology import Topology
+
+if TYPE_CHECKING:
+    from turnpoint.trainer._restore import RestorePlan
 
 __all__ = [
     "EPOCH_STRIDE",
@@ -273,6 +276,8 @@ class SnapshotDriver:
         self._exposed: deque[str] = deque(maxlen=_EXPOSED_REMEMBERED)
         # checkpoint id -> participants whose resume of it has not succeeded yet.
         self._unreleased: dict[str, set[str]] = {}
+        # The restore ids among them (adopt_restore): a prepare cannot supersede those.
+        self._restores: set[str] = set()
         # Attempts a prepare said must be retired, not yet retired.
         self._stragglers: dict[str, set[EpisodeId]] = {}
         # Refusal marks this driver raised, and the rollouts the retained snapshots
@@ -378,6 +383,15 @@ class SnapshotDriver:
         attempt = self._attempt = SnapshotAttempt(checkpoint_id, self._clock(), self._subscribers)
         self._set_state(attempt, _S.RELEASE)
         await self.release_pending()
+        if held := {i for r in self._restores for i in self._unreleased.get(r, ())}:
+            self._set_state(attempt, _S.FAILED)
+            return self._report(
+                attempt,
+                SnapshotOutcome.FAILED,
+                reason=FailureReason.PARTICIPANT_UNAVAILABLE,
+                detail=f"{sorted(held)} not released from restore {sorted(self._restores)} yet",
+                retry_of=retry_of,
+            )
         if self._last_published is not None and self._last_published == (
             self._rollouts.version,
             self._anchor.step,
@@ -655,7 +669,32 @@ class SnapshotDriver:
         still.update(report.failures)
         if not still:
             del self._unreleased[checkpoint_id]
+            self._restores.discard(checkpoint_id)
         self._release_kept_holds()
+
+    def adopt_restore(self, plan: RestorePlan | None) -> None:
+        """Take over a restore's release: docs/spec.md section 7.7 item 9.
+
+        A participant whose resume of the restore id failed is still closed: dispatch to
+        it stays closed and the rollouts' budgets stay held until the resume, re-sent
+        (same ids) at the start of each attempt, succeeds or its lease surely ran out.
+        Until then each attempt fails transiently before it prepares, since a prepare
+        there would only be refused (``INVALID_PHASE``: a restore holds it).
+        """
+        if plan is None or not plan.unreleased:
+            return
+        restore_id = plan.restore_id
+        self._restores.add(restore_id)
+        self._unreleased.setdefault(restore_id, set()).update(plan.unreleased)
+        for instance in self._agents():
+            if instance in plan.unreleased:
+                self._rollouts.close_dispatch_to(instance)
+        self._keep_hold(restore_id, self._rollouts.hold_deadlines(f"restore {restore_id}"))
+        _LOG.warning(
+            "restore %s left %s closed: the next snapshot attempt releases them first",
+            restore_id,
+            sorted(plan.unreleased),
+        )
 
     async def release_pending(self) -> ControlReport | None:
         """Re-send the resumes that failed earlier, same ids, to where they failed.
@@ -692,9 +731,14 @@ class SnapshotDriver:
         for instance, episodes in self._stragglers.items():
             pending.setdefault(instance, set()).update(episodes)
         pending = {instance: episodes for instance, episodes in pending.items() if episodes}
-        if not pending:
+        # Completed attempts: only the resources servers still keep their sessions.
+        sessions = tuple(self._rollouts.pending_session_retires())
+        if sessions and not self._resources():
+            self._rollouts.sessions_retired(sessions)
+            sessions = ()
+        if not pending and not sessions:
             return
-        every = set().union(*pending.values())
+        every = set(sessions).union(*pending.values())
         targets = {instance: set(episodes) for instance, episodes in pending.items()}
         for instance in self._resources():
             targets.setdefault(instance, set()).update(every)
@@ -706,6 +750,8 @@ class SnapshotDriver:
         self._note_marks(report.succeeded, chosen)
         # Done where the instance that ran it and every resources server retired it.
         everywhere = all(i in report.succeeded for i in self._resources())
+        if everywhere and sessions:
+            self._rollouts.sessions_retired(sessions)
         for instance in sorted(set(pending) & report.succeeded if everywhere else ()):
             self._rollouts.retired(instance, chosen[instance])
             straggling = self._stragglers.get(instance)

@@ -424,6 +424,7 @@ class DemoTrainer:
                     metrics=metrics,
                     step_lock=self.step_lock,
                 )
+                driver.adopt_restore(plan)
                 driver.subscribe(SnapshotStateLog(self.events.write))
                 if kill is not None:
                     kill.attach(driver)

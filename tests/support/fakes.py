@@ -144,6 +144,7 @@ class FakeRollouts:
         self.queue: list[dict[str, Any]] = []
         self.data_loader = data_loader
         self.retires: dict[str, set[EpisodeId]] = {}
+        self.session_retires: set[EpisodeId] = set()
         self.retired_calls: list[tuple[str, tuple[EpisodeId, ...]]] = []
         self.decision: UnackedDecision = "acknowledge"
         self.resolved: list[tuple[str, EpisodeId, str]] = []
@@ -208,6 +209,12 @@ class FakeRollouts:
         self.events.append(f"retired:{instance}")
         self.retired_calls.append((instance, tuple(episodes)))
         self.retires.get(instance, set()).difference_update(episodes)
+
+    def pending_session_retires(self) -> Sequence[EpisodeId]:
+        return tuple(sorted(self.session_retires))
+
+    def sessions_retired(self, episodes: Sequence[EpisodeId]) -> None:
+        self.session_retires.difference_update(episodes)
 
 
 class FakeAnchor:

@@ -171,6 +171,12 @@ class Books:
     def retired(self, instance: str, episodes: Sequence[EpisodeId]) -> None:
         self.retires.get(instance, set()).difference_update(episodes)
 
+    def pending_session_retires(self) -> Sequence[EpisodeId]:
+        return ()
+
+    def sessions_retired(self, episodes: Sequence[EpisodeId]) -> None:
+        pass
+
 
 class Anchor:
     step = 1

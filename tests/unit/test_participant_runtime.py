@@ -259,6 +259,7 @@ class Tools(ResourcesServer):
         self.stop_gate: asyncio.Event | None = None
         self.log: list[tuple[str, EpisodeId]] = []
         self.retire_failures = 0
+        self.verifies = 0
         self.invalid: set[str] = set()
         self.install_gate: asyncio.Event | None = None
 
@@ -293,6 +294,7 @@ class Tools(ResourcesServer):
 
     async def verify(self, episode: EpisodeId, answer: Mapping[str, Any]) -> Verdict:
         await self._maybe_wait("verify")
+        self.verifies += 1
         return Verdict(1.0 if answer.get("guess") == self.sessions[episode]["target"] else 0.0)
 
     async def close(self, episode: EpisodeId) -> None:
@@ -1334,7 +1336,7 @@ async def test_restored_episodes_not_yet_claimed_survive_the_next_checkpoint(
 # ====================================================================== resources
 
 
-async def test_an_in_flight_request_blocks_prepare_and_verify_ends_the_session(
+async def test_an_in_flight_request_blocks_prepare_and_verify_seals_the_session(
     store: SnapshotStore,
 ) -> None:
     tools = Tools()
@@ -1351,8 +1353,21 @@ async def test_an_in_flight_request_blocks_prepare_and_verify_ends_the_session(
         await runtime.resume(FENCE, rid(), ckpt(1))
         verdict = await runtime.verify(EP_A, {"guess": 4})
         assert verdict.reward == 1.0
-        assert state_of(runtime.core, EP_A, "session") is None and EP_A not in tools.sessions
+        # Sealed (spec 5.3 item 3): kept and exported with the next cut, a repeated
+        # verify answers the same verdict without asking the server, calls are refused.
+        assert state_of(runtime.core, EP_A, "session") is EpisodeState.IDLE
+        assert EP_A in tools.sessions
+        verifies = tools.verifies
+        assert await runtime.verify(EP_A, {"guess": 0}) == verdict
+        assert tools.verifies == verifies
         await expect(Reason.NOT_FOUND, runtime.call_tool(EP_A, "slow", {}))
+        assert (await runtime.prepare(FENCE, rid(), ckpt(2), timeout_s=1)).readiness.ready
+        committed = await runtime.commit(FENCE, rid(), ckpt(2), "snap-2", [EP_A])
+        assert committed.exported == (EP_A,)
+        await runtime.resume(FENCE, rid(), ckpt(2))
+        # The coordinator's retire of the completed attempt frees it.
+        assert (await runtime.retire(FENCE, rid(), [EP_A])).stopped == (EP_A,)
+        assert state_of(runtime.core, EP_A, "session") is None and EP_A not in tools.sessions
 
 
 async def test_a_seed_arriving_during_a_checkpoint_waits_for_resume(store: SnapshotStore) -> None:
@@ -1481,6 +1496,9 @@ async def test_a_replay_verify_in_flight_does_not_block_prepare(store: SnapshotS
         assert committed.exported == (EP_A,)
         await runtime.resume(FENCE, rid(), ckpt(1))
         assert (await bounded(verify)).reward == 0.0
+        # Sealed until the coordinator retires the completed attempt (spec 5.3 item 3).
+        assert state_of(runtime.core, EP_A, "session") is EpisodeState.IDLE
+        await runtime.retire(FENCE, rid(), [EP_A])
         assert state_of(runtime.core, EP_A, "session") is None
 
 

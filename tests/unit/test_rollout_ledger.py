@@ -338,8 +338,14 @@ def test_a_result_is_queued_and_its_receipt_owed_until_acknowledged() -> None:
     assert result.receipt_id == receipt.receipt_id and result.boundaries == 1
     books.ack_failed(receipt)
     assert books.owed() == {receipt.receipt_id: receipt} and books.stats().ack_failures == 1
+    assert books.pending_session_retires() == ()
     books.acknowledged(receipt)
     assert books.owed() == {} and books.known_receipt(receipt.receipt_id) == receipt
+    # Its sealed session is retired on the resources servers only (spec 7.6 item 2).
+    assert books.pending_session_retires() == (attempt.episode,)
+    assert books.pending_retires() == {}
+    books.sessions_retired([attempt.episode])
+    assert books.pending_session_retires() == ()
 
 
 def test_a_cancelled_result_we_did_not_cause_reruns_the_rollout() -> None:

@@ -15,7 +15,8 @@ import json
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 from prometheus_client import REGISTRY, CollectorRegistry
@@ -60,7 +61,7 @@ from turnpoint.trainer._manifest import (
     PublishStep,
     TrainerRolloutState,
 )
-from turnpoint.trainer._restore import RerunReason, RestorePlanError
+from turnpoint.trainer._restore import RerunReason, RestorePlan, RestorePlanError
 from turnpoint.trainer._snapshots import EPOCH_STRIDE, WrittenAnchor, failure_reason
 
 EP1, EP2, EP3 = EpisodeId("r1", 0), EpisodeId("r2", 0), EpisodeId("r3", 2)
@@ -175,6 +176,46 @@ async def test_nothing_changed_is_skipped_not_taken(tmp_path: Path) -> None:
     fourth = await world.driver.take()
     assert fourth.outcome is SnapshotOutcome.PUBLISHED
     assert world.layout.list_published() == [fourth.checkpoint_id, third.checkpoint_id]
+
+
+async def test_a_participant_a_restore_left_closed_is_released_before_any_prepare(
+    tmp_path: Path,
+) -> None:
+    # Spec 7.7 item 9: the restore's resume never reached the agent; it is still in
+    # PHASE_RESTORED, where a prepare would be refused and end the run as an invariant.
+    world = make_world(tmp_path)
+    restore_id = "restore-000000000002"
+    plan = SimpleNamespace(restore_id=restore_id, unreleased=frozenset({AGENT}))
+    world.driver.adopt_restore(cast(RestorePlan, plan))
+    assert AGENT in world.rollouts.closed_to and world.rollouts.deadlines.held
+    world.coordinator.resume_script = [{AGENT: DOWN}]
+
+    failed = await world.driver.take()
+
+    assert failed.outcome is SnapshotOutcome.FAILED and failed.transient
+    assert failed.reason is FailureReason.PARTICIPANT_UNAVAILABLE
+    assert world.coordinator.resumes == [(restore_id, (AGENT,))]
+    assert world.coordinator.prepares == []
+    assert world.driver.unreleased == {restore_id: frozenset({AGENT})}
+
+    published = await world.driver.take()
+
+    assert published.outcome is SnapshotOutcome.PUBLISHED
+    assert world.coordinator.resumes[1] == (restore_id, (AGENT,))
+    assert world.driver.unreleased == {}
+    assert AGENT not in world.rollouts.closed_to and not world.rollouts.deadlines.held
+
+
+async def test_completed_attempts_are_retired_on_the_resources_servers_only(
+    tmp_path: Path,
+) -> None:
+    world = make_world(tmp_path)
+    world.rollouts.session_retires.add(EP3)
+    report = await world.driver.take()
+    assert report.outcome is SnapshotOutcome.PUBLISHED
+    # Spec 5.3 item 3 and 7.6 item 2: the sealed session is freed where it lives.
+    assert world.coordinator.retires[-1] == {RESOURCES: (EP3,)}
+    assert world.rollouts.pending_session_retires() == ()
 
 
 async def test_not_ready_resumes_the_same_id_and_keeps_the_previous_snapshot(

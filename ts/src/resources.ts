@@ -97,6 +97,8 @@ class Session {
   /** Request -> whether it blocks prepare (a REPLAY verify does not). */
   readonly inflight = new Map<Request, boolean>();
   closing = false;
+  /** Set once a verify succeeded on an exported session: sealed until retired. */
+  verdict: Verdict | undefined = undefined;
 
   constructor(readonly episode: EpisodeId) {
     this.key = workKey(episode, SLOT);
@@ -178,14 +180,27 @@ export class ResourcesHost implements KindHost {
   }
 
   /**
-   * Score the answer; the session ends once the verify succeeded. A REPLAY verify that
-   * finishes while a checkpoint is open replies after resume: its session belongs to the
-   * frozen cut (the close waits for resume).
+   * Score the answer (docs/spec.md section 5.3 item 3). A server that does not export
+   * sessions ends the session once the verify succeeded; an EXPORTED one seals it: kept,
+   * exported with each cut, a repeated verify answering the same verdict, until the
+   * coordinator retires the attempt (the agent's cut may still be before this verify).
+   * A REPLAY verify that finishes while a checkpoint is open replies after resume: its
+   * session belongs to the frozen cut.
    */
   async verify(episode: EpisodeId, answer: JsonObject, signal?: AbortSignal): Promise<Verdict> {
     const replayable = (this.server.verifyMode ?? "WAIT") === "REPLAY";
+    if (this.recoveryMode !== "EXPORTED") {
+      const verdict = await this.request(episode, (s) => this.server.verify(episode, answer, s), replayable, signal);
+      await this.closeSession(episode, signal);
+      return verdict;
+    }
+    this.shared.core.checkAttempt(episode);
+    const sealed = this.sessions.get(episodeKey(episode));
+    if (sealed !== undefined && !sealed.closing && sealed.verdict !== undefined) return sealed.verdict;
     const verdict = await this.request(episode, (s) => this.server.verify(episode, answer, s), replayable, signal);
-    await this.closeSession(episode, signal);
+    const session = this.sessions.get(episodeKey(episode));
+    if (session !== undefined && !session.closing) session.verdict = verdict;
+    while (!this.shared.core.admissionOpen) await this.shared.nextChange(null, signal);
     return verdict;
   }
 
@@ -219,7 +234,8 @@ export class ResourcesHost implements KindHost {
     for (;;) {
       core.checkAttempt(episode);
       const found = this.sessions.get(episodeKey(episode));
-      if (found === undefined || found.closing) {
+      // A sealed session takes no more calls (its verify answers from it).
+      if (found === undefined || found.closing || found.verdict !== undefined) {
         throw new TurnpointError("NOT_FOUND", `no session for ${episodeKey(episode)}`, { episode: episodeKey(episode) });
       }
       session = found;

@@ -1,14 +1,3 @@
-# WORK IN PROGRESS, not collected by pytest (it lives outside tests/ on purpose).
-# The cross-side randomized fault-sequence state machine of the failure-semantics issue
-# (item 6). Run it with:
-#   TURNPOINT_FAULT_SEQUENCES=200 .venv/bin/python -m pytest -p no:cacheprovider \
-#       scripts/wip_fault_sequences.py
-# It finds two real violations, so it fails until the library changes (see the session
-# note): F1, a restore whose resume never reaches a participant is forgotten (the
-# Restorer ignores RestoredCheckpoint.release) and the next snapshot ends the run as an
-# invariant; F2, a verify that finishes across the cut leaves the agent's saved turn
-# owing a verify whose resources session was not saved. With both masked, 200 sequences
-# pass in ~60 s (0.22 s each). Move it back to tests/integration/ once they are fixed.
 """Randomized fault sequences across both sides (the failure-semantics issue, item 6).
 
 A hypothesis ``RuleBasedStateMachine`` drives the real trainer side (:class:`Coordinator`,
@@ -491,7 +480,7 @@ class Proxy(grpc.GenericRpcHandler):  # type: ignore[type-arg]
             self.hooked.append((hook.what, op))
             try:
                 await hook.act()
-            except Exception as error:  # noqa: BLE001 - a test bug: the invariant reports it
+            except Exception as error:  # a test bug: the invariant reports it
                 self.tap.errors.append(f"{hook.what} before {op} on {self.member}: {error!r}")
         return None
 
@@ -1145,7 +1134,7 @@ class FaultSequences(RuleBasedStateMachine):
 
         async def verify_across_the_cut() -> None:
             # The resources server, still open, answers the verify only once the agent
-            # has closed: the session ends there, and the agent holds the reply.
+            # has closed: the session is sealed there, and the agent holds the reply.
             agent, tools = fleet[AGENT].runtime.core, fleet[TOOLS].runtime
             with contextlib.suppress(TimeoutError):  # (a fault kept the agent's prepare)
                 async with asyncio.timeout(BOUND_S):
@@ -1155,8 +1144,13 @@ class FaultSequences(RuleBasedStateMachine):
                 return
             if (gate := fleet.tools.gates.pop("verify", None)) is not None:
                 gate.set()
+            # The verify done, its session is sealed (kept, no request in flight) and
+            # belongs to the resources server's cut (spec 5.3 item 3).
             with contextlib.suppress(TimeoutError):
-                await poll(lambda: state_of(tools.core, target[0], "session") is None, BOUND_S)
+                await poll(
+                    lambda: state_of(tools.core, target[0], "session") in (None, EpisodeState.IDLE),
+                    BOUND_S,
+                )
 
         fleet[AGENT].proxy.before["prepare"] = Hook("race", act)
         if race == VERIFY_ACROSS_THE_CUT:
@@ -1393,6 +1387,7 @@ class FaultSequences(RuleBasedStateMachine):
                 restored = {}
             assert held == restored, (name, held, restored)
         apply_plan(plan, client)
+        self.trainer.driver.adopt_restore(plan)
         self.trainer.anchor.step = plan.step
         assert plan.step == cut.step, (plan.step, cut)
         assert client.data_loader == {"next": cut.next_rollout}, client.data_loader
@@ -1451,11 +1446,14 @@ class FaultSequences(RuleBasedStateMachine):
         # rollout ran one execution in this incarnation, and a restored one either
         # continued (from its saved turn) or reran (from its prompt), never both.
         owned = {r.episode for r in client.in_flight()}
-        retiring = set(client.pending_retires().get(AGENT, ()))
+        retiring = set(client.pending_retires().get(AGENT, ())) | client.unacknowledged()
+        # A verified session stays sealed on the resources server until its retire.
+        sealed = set(client.pending_session_retires())
         for name in MEMBERS:
             states = held_by(fleet[name].runtime)
             held = set(states)
-            assert held <= owned | retiring, (name, owned, states, retiring, client.results())
+            allowed = owned | retiring | (sealed if name == TOOLS else set())
+            assert held <= allowed, (name, owned, states, retiring, sealed, client.results())
         # Every owned episode has its session from its first model call to its verify
         # (a closed resources server makes new sessions wait for it).
         seeded = {r.episode for r in client.in_flight() if r.boundaries_seen < TURNS}
