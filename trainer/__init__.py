@@ -98,6 +98,7 @@ __all__ = [
     "CoordinatorIdentity",
     "CoordinatorMetrics",
     "DeadlineRegistry",
+    "DistributedAnchor",
     "FailureReason",
     "Hold",
     "InFlightRollout",
@@ -159,6 +160,7 @@ __all__ = [
 
 if TYPE_CHECKING:
     from turnpoint.trainer._anchor import AnchorError, AnchorWriter, load_anchor, save_anchor
+    from turnpoint.trainer._anchor_ranks import DistributedAnchor
 
 # The torch-backed anchor loads on first use, so that importing the coordinator does
 # not import torch (a trainer on another framework supplies its own AnchorSource).
@@ -170,4 +172,8 @@ def __getattr__(name: str) -> Any:
         from turnpoint.trainer import _anchor
 
         return getattr(_anchor, name)
+    if name == "DistributedAnchor":
+        from turnpoint.trainer import _anchor_ranks
+
+        return _anchor_ranks.DistributedAnchor
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

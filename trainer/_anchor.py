@@ -3,7 +3,8 @@
 docs/spec.md section 7.4, step 1 (and section 8.8): a snapshot starts from a durable
 trainer anchor, written with torch distributed checkpoint (DCP) into
 ``<snapshot>/trainer/anchor/``. A single process needs no process group:
-``no_dist=True`` runs DCP's planner locally.
+``no_dist=True`` runs DCP's planner locally. A trainer on many ranks writes the same
+format together, a shard per rank: :mod:`._anchor_ranks`.
 
 :class:`AnchorWriter` starts an asynchronous save with ``dcp.async_save``, which copies
 the state into CPU memory before it returns (so training may go on mutating the model)
@@ -221,6 +222,23 @@ def load_anchor(
     DCP reads into the live tensors, so an anchor that passes its digest check but fails
     while loading may leave them partly overwritten: load another anchor or start over.
     """
+    directory = checked_anchor_dir(snapshot, expected)
+    state = _state_dict(model, optimizer)
+    state["trainer"] = _empty_trainer_entry()
+    try:
+        dcp_load(state, checkpoint_id=directory, no_dist=True)
+    except (OSError, RuntimeError, ValueError, EOFError, CheckpointException) as error:
+        raise AnchorError(
+            f"cannot load the trainer anchor in {directory}: {_first_line(error)}", directory
+        ) from error
+    loaded = _read_trainer_entry(state["trainer"], directory)
+    _apply_state(model, optimizer, state)
+    return loaded
+
+
+def checked_anchor_dir(snapshot: Path, expected: AnchorRef | None) -> Path:
+    """The anchor directory of ``snapshot``, its digest checked against ``expected``
+    (docs/spec.md section 8.8: before a byte of it is read)."""
     directory = Path(snapshot) / (expected.path if expected is not None else ANCHOR_DIR)
     if not directory.is_dir() or not (directory / ".metadata").is_file():
         raise AnchorError(f"no trainer anchor in {directory}", directory)
@@ -237,15 +255,14 @@ def load_anchor(
                 f"manifest says {expected.sha256}",
                 directory,
             )
-    state = _state_dict(model, optimizer)
-    state["trainer"] = {"format": 0, "step": 0, "data_loader": ""}
-    try:
-        dcp_load(state, checkpoint_id=directory, no_dist=True)
-    except (OSError, RuntimeError, ValueError, EOFError, CheckpointException) as error:
-        raise AnchorError(
-            f"cannot load the trainer anchor in {directory}: {_first_line(error)}", directory
-        ) from error
-    trainer = state["trainer"]
+    return directory
+
+
+def _empty_trainer_entry() -> dict[str, Any]:
+    return {"format": 0, "step": 0, "data_loader": ""}
+
+
+def _read_trainer_entry(trainer: dict[str, Any], directory: Path) -> AnchorState:
     if trainer.get("format") != ANCHOR_FORMAT:
         raise AnchorError(
             f"trainer anchor in {directory} has format {trainer.get('format')!r}, "
@@ -262,13 +279,18 @@ def load_anchor(
         raise AnchorError(
             f"trainer anchor in {directory}: bad data_loader: {error}", directory
         ) from None
+    return AnchorState(step=step, data_loader=data_loader)
+
+
+def _apply_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, state: dict[str, Any]
+) -> None:
     if optimizer is None:
         set_model_state_dict(model, state["model"])
     else:
         set_state_dict(
             model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
         )
-    return AnchorState(step=step, data_loader=data_loader)
 
 
 def _first_line(error: BaseException) -> str:

@@ -46,7 +46,8 @@ class TorchAnchorSource:
     (:class:`~turnpoint.trainer._anchor.AnchorWriter`).
 
     ``step`` and ``data_loader`` are read when an anchor is written. torch is imported
-    only when this class is used.
+    only when this class is used. One process; a trainer on many ranks uses
+    :class:`~turnpoint.trainer._anchor_ranks.DistributedAnchor` instead.
     """
 
     def __init__(

@@ -12,7 +12,8 @@ Snapshot durations come from the attempts themselves: :meth:`CoordinatorMetrics.
 subscribes to every attempt's transitions (``SnapshotDriver(metrics=...)`` does it) and
 observes each phase, the total and the admission-closed time when the attempt ends, so
 the phases add up to the total by construction. Counts by outcome and reason, and
-participant-seconds, come from the attempt's report (:meth:`observe_snapshot`).
+participant-seconds, come from the attempt's report (:meth:`observe_snapshot`); retries
+of a failed attempt from the driver as it takes one up (:meth:`retried_snapshot`).
 """
 
 from __future__ import annotations
@@ -131,6 +132,14 @@ class CoordinatorMetrics:
             namespace=namespace,
             registry=registry,
         )
+        self.snapshot_retries = Counter(
+            "snapshot_retries",
+            "Failed snapshot attempts retried: under the same id (no participant saw it) "
+            "or under a new one (the failed id was finished first)",
+            ["how"],
+            namespace=namespace,
+            registry=registry,
+        )
         self.release_failures = Counter(
             "release_failures",
             "Participants a snapshot could not release (resume) after publication",
@@ -168,6 +177,10 @@ class CoordinatorMetrics:
         for phase, seconds in times.phases.items():
             self.snapshot_phase_seconds.labels(phase.value).observe(max(seconds, 0.0))
         self.admission_closed_seconds.inc(max(times.admission_closed_s, 0.0))
+
+    def retried_snapshot(self, *, same_id: bool) -> None:
+        """An attempt that retries a failed one (the pump handed its id back)."""
+        self.snapshot_retries.labels("same_id" if same_id else "new_id").inc()
 
     def observe_snapshot(self, *, outcome: str, reason: str, participant_seconds: float) -> None:
         """What only an attempt's report knows: why it failed, and for how many."""

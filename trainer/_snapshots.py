@@ -379,6 +379,8 @@ class SnapshotDriver:
         if requested is not None and self.seen_by_participants(requested):
             retry_of = requested
             requested = None
+        if self._metrics is not None and (requested or retry_of):
+            self._metrics.retried_snapshot(same_id=retry_of is None)
         checkpoint_id = requested or await self.next_checkpoint_id()
         attempt = self._attempt = SnapshotAttempt(checkpoint_id, self._clock(), self._subscribers)
         self._set_state(attempt, _S.RELEASE)

@@ -1,10 +1,8 @@
 """A complete RL trainer that embeds turnpoint through :class:`Checkpointing` alone.
 
-Run: ``python -m turnpoint.apps.examples.embedded_trainer --participants P.json
---token-file T --snapshot-root DIR --log trained.jsonl``. It trains TinyPolicy with a
-group-baseline policy-gradient step on the verifiers' rewards, snapshots every few
-steps and seconds, restores on start, and on SIGTERM snapshots once and exits 0. See
-docs/embedding.md for which of its lines are turnpoint's.
+It trains TinyPolicy with a group-baseline policy-gradient step on the verifiers'
+rewards, snapshots every few steps and seconds, restores on start, and on SIGTERM
+snapshots once and exits 0. docs/embedding.md says how to run it and which lines are ours.
 """
 
 from __future__ import annotations
@@ -12,7 +10,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -78,36 +75,26 @@ async def train(args: argparse.Namespace, participants: dict[str, str], token: s
         with open(args.log, "a", encoding="utf-8") as log:
             log.write(json.dumps({"type": kind, "t": time.time(), **fields}) + "\n")
 
-    config = CoordinatorConfig.from_mapping(
-        {"snapshot_root": args.snapshot_root, "snapshot_interval_s": args.interval}
-    )
-    anchor = TorchAnchorSource(
-        model,
-        optimizer,
-        step=lambda: state["step"],
-        data_loader=lambda: {"next_group": state["next_group"]},
-    )
     async with Checkpointing(
-        config,
+        CoordinatorConfig(snapshot_root=args.snapshot_root, snapshot_interval_s=args.interval),
         participants,
         token=token,
-        anchor=anchor,
+        anchor=TorchAnchorSource(model, optimizer, step=lambda: state["step"]),
         load_anchor=torch_anchor_loader(model, optimizer),
         every_steps=args.every_steps,
     ) as ckpt:
         ckpt.install_preemption_handler(deadline_s=20.0)
-        resumed = ckpt.resumed
-        if resumed.restored:
-            state["step"] = resumed.step
-            state["next_group"] = int(resumed.data_loader["next_group"])  # type: ignore[arg-type,call-overload,index]
-        record("start", step=state["step"], restored_from=resumed.checkpoint_id)
+        state["step"] = ckpt.resumed.step  # 0, or the restored snapshot's
+        if isinstance(position := ckpt.resumed.data_loader, int):  # None on a fresh start
+            state["next_group"] = position
+        record("start", step=state["step"], restored_from=ckpt.resumed.checkpoint_id)
         total = args.steps * args.groups_per_step
         while state["step"] < args.steps:
             window = (state["step"] + 2) * args.groups_per_step
             while state["next_group"] < min(total, window):
                 group, state["next_group"] = state["next_group"], state["next_group"] + 1
                 for rollout in rollouts_of(group, args.group_size, args.seed, ckpt.agents):
-                    ckpt.dispatch(rollout, data_loader={"next_group": state["next_group"]})
+                    ckpt.dispatch(rollout, data_loader=state["next_group"])
             if not await ckpt.wait_groups(args.groups_per_step, timeout_s=1.0):
                 continue  # none ready within a second: top up the pipeline and wait again
             async with ckpt.step_lock:  # take and train in one step no snapshot cuts
@@ -125,14 +112,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m turnpoint.apps.examples.embedded_trainer")
     for flag in ("--participants", "--token-file", "--snapshot-root", "--log"):
         parser.add_argument(flag, required=True)
-    for flag, default in (
-        ("--steps", 12),
-        ("--group-size", 2),
-        ("--groups-per-step", 2),
-        ("--every-steps", 3),
-        ("--seed", 0),
-    ):
+    counts = {"--steps": 12, "--group-size": 2, "--groups-per-step": 2, "--every-steps": 3}
+    for flag, default in counts.items():
         parser.add_argument(flag, type=int, default=default)
+    parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--interval", type=float, default=2.0)
     args = parser.parse_args(argv)
     participants = json.loads(Path(args.participants).read_text(encoding="utf-8"))
@@ -143,4 +126,4 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

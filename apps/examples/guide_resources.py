@@ -1,9 +1,8 @@
 """The participant guide's resources server: a counter tool (docs/participant.md).
 
-Sessions are EXPORTED (docs/spec.md section 5.3 item 1): each holds the running total
-before every turn, so a tool call that names its turn is answered from the session as it
-was before that turn, and is safe to issue again after a restore (section 5.2 item 8).
-``backend_up = False`` makes exports fail the way a flaky session backend does.
+Sessions are EXPORTED (docs/spec.md section 5.3 item 1) and keep the total before every
+turn, so a tool call that names its turn gets the same reply again after a restore
+(section 5.2 item 8). ``backend_up = False`` fails exports as a flaky backend does.
 """
 
 from __future__ import annotations
@@ -24,6 +23,8 @@ from turnpoint.participant_sdk import (
 
 __all__ = ["CounterTools"]
 
+Fields = Mapping[str, Any]  # a task, tool arguments, an answer or a session: plain JSON
+
 
 class CounterTools(ResourcesServer):
     recovery_mode: ClassVar[RecoveryMode] = RecoveryMode.EXPORTED
@@ -33,7 +34,7 @@ class CounterTools(ResourcesServer):
         self.sessions: dict[EpisodeId, dict[str, Any]] = {}
         self.backend_up = True  # while False, exports fail transiently
 
-    async def seed(self, episode: EpisodeId, task: Mapping[str, Any]) -> None:
+    async def seed(self, episode: EpisodeId, task: Fields) -> None:
         target = _integer(task.get("target"), "target")
         # Idempotent: a retried seed keeps the session it made.
         self.sessions.setdefault(episode, {"target": target, "totals": [0]})
@@ -43,9 +44,7 @@ class CounterTools(ResourcesServer):
             raise ParticipantError(Reason.NOT_FOUND, f"no session for {episode}")
         return self.sessions[episode]
 
-    async def call(
-        self, episode: EpisodeId, tool: str, arguments: Mapping[str, Any]
-    ) -> Mapping[str, Any]:
+    async def call(self, episode: EpisodeId, tool: str, arguments: Fields) -> Fields:
         session = self._session(episode)
         if tool != "add":
             raise ParticipantError(Reason.INVALID_ARGUMENT, f"no tool {tool!r}")
@@ -56,28 +55,24 @@ class CounterTools(ResourcesServer):
         session["totals"] = [*session["totals"][: turn + 1], session["totals"][turn] + step]
         return {"total": session["totals"][-1]}
 
-    async def verify(self, episode: EpisodeId, answer: Mapping[str, Any]) -> Verdict:
+    async def verify(self, episode: EpisodeId, answer: Fields) -> Verdict:
         session = self._session(episode)
         return Verdict(1.0 if _integer(answer.get("total"), "total") == session["target"] else 0.0)
 
     async def close(self, episode: EpisodeId) -> None:
         self.sessions.pop(episode, None)
 
-    async def export_sessions(
-        self, episodes: Sequence[EpisodeId]
-    ) -> Mapping[EpisodeId, Mapping[str, Any]]:
+    async def export_sessions(self, episodes: Sequence[EpisodeId]) -> Mapping[EpisodeId, Fields]:
         if not self.backend_up:
             raise TransientError("session backend unavailable")  # retried, not fatal
         return {e: copy.deepcopy(self.sessions[e]) for e in episodes if e in self.sessions}
 
-    def validate_session(self, episode: EpisodeId, state: Mapping[str, Any]) -> None:
+    def validate_session(self, episode: EpisodeId, state: Fields) -> None:
         totals = state.get("totals")
         if not isinstance(totals, list) or not all(isinstance(t, int) for t in totals):
             raise ValueError("a counter session holds integer totals")
 
-    async def restore_session(
-        self, saved: EpisodeId, episode: EpisodeId, state: Mapping[str, Any]
-    ) -> None:
+    async def restore_session(self, saved: EpisodeId, episode: EpisodeId, state: Fields) -> None:
         self.sessions[episode] = copy.deepcopy(dict(state))
 
     async def retire_session(self, episode: EpisodeId) -> None:

@@ -5,7 +5,8 @@ metrics (``ServerOptions(metrics_port=0)``); the coordinator's
 :class:`~turnpoint.trainer.CoordinatorMetrics` registry is served the way the demo
 trainer serves it. Scrapes between snapshots show the phase seconds adding up to the
 total, and the counters for published and failed snapshots, refusals, retried commits,
-lease expiries and restores moving when those things happen.
+lease expiries, retried snapshots and restores moving when those things happen. The
+snapshots are taken by a :class:`SnapshotPump`, which retries failed ones as a run does.
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ from turnpoint.trainer import (
     SnapshotDriver,
     SnapshotLayout,
     SnapshotOutcome,
+    SnapshotPump,
 )
+from turnpoint.trainer._snapshots import WrittenAnchor
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
@@ -63,6 +66,20 @@ class HeldTools(CounterTools):
             self.exporting.set()
             await self.release.wait()
         return await super().export_sessions(episodes)
+
+
+class FlakyAnchor(Anchor):
+    """The trainer anchor; ``fail_next`` makes the next write hit a full disk."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fail_next = False
+
+    async def write(self, snapshot: Path) -> WrittenAnchor:
+        if self.fail_next:
+            self.fail_next = False
+            raise OSError(28, "No space left on device")
+        return await super().write(snapshot)
 
 
 def scrape(address: str) -> Samples:
@@ -108,7 +125,10 @@ async def served(
 
 async def test_participant_and_coordinator_metrics_move_mid_run(tmp_path: Path) -> None:
     config = CoordinatorConfig(
-        snapshot_root=tmp_path, control_timeout_s=2.0, resume_retry_pause_s=0.0
+        snapshot_root=tmp_path,
+        control_timeout_s=2.0,
+        resume_retry_pause_s=0.0,
+        max_consecutive_failures=5,
     )
     layout = SnapshotLayout(tmp_path)
     metrics = CoordinatorMetrics(CollectorRegistry())
@@ -132,7 +152,7 @@ async def test_participant_and_coordinator_metrics_move_mid_run(tmp_path: Path) 
             async with coordinator, RolloutClient(endpoints) as client:
                 client.dispatch(counting("metered"))
                 await eventually(lambda: any(len(s["totals"]) > 2 for s in held.sessions.values()))
-                anchor = Anchor()
+                anchor = FlakyAnchor()
                 driver = SnapshotDriver(
                     coordinator=coordinator,
                     rollouts=client,
@@ -142,10 +162,11 @@ async def test_participant_and_coordinator_metrics_move_mid_run(tmp_path: Path) 
                     epoch=1,
                     metrics=metrics,
                 )
+                pump = SnapshotPump(driver, config)
 
                 # A published snapshot: its phases add up to its total.
                 anchor.step += 1
-                assert (await driver.take()).outcome is SnapshotOutcome.PUBLISHED
+                assert (await pump.tick()).outcome is SnapshotOutcome.PUBLISHED
                 mid = await asyncio.to_thread(scrape, endpoint.address)
                 assert value(mid, "turnpoint_snapshots_total", outcome="published", reason="") == 1
                 phases = total(mid, "turnpoint_snapshot_phase_seconds_sum")
@@ -168,10 +189,11 @@ async def test_participant_and_coordinator_metrics_move_mid_run(tmp_path: Path) 
                 # A flaky backend: the snapshot fails, counted on both sides.
                 held.backend_up = False
                 anchor.step += 1
-                assert (await driver.take()).outcome is SnapshotOutcome.FAILED
+                assert (await pump.tick()).outcome is SnapshotOutcome.FAILED
                 held.backend_up = True
                 after = await asyncio.to_thread(scrape, endpoint.address)
                 assert total(after, "turnpoint_snapshots_total") == 2
+                assert total(after, "turnpoint_snapshot_retries_total") == 0
                 assert (
                     value(
                         after,
@@ -208,10 +230,11 @@ async def test_participant_and_coordinator_metrics_move_mid_run(tmp_path: Path) 
                     == failed_commits
                 )
 
-                # The lease runs out while an export hangs: both sides count an expiry.
+                # The retry (a new id: the participants saw the failed one) finds the
+                # lease running out while an export hangs: both sides count an expiry.
                 held.hold = True
                 anchor.step += 1
-                attempt = asyncio.create_task(driver.take())
+                attempt = asyncio.create_task(pump.tick())
                 await asyncio.wait_for(held.exporting.wait(), 10)
                 seen = await asyncio.to_thread(scrape, participant)
                 assert value(seen, "turnpoint_participant_admission_open") == 0
@@ -226,15 +249,27 @@ async def test_participant_and_coordinator_metrics_move_mid_run(tmp_path: Path) 
                 assert value(seen, "turnpoint_participant_admission_open") == 1
                 after = await asyncio.to_thread(scrape, endpoint.address)
                 assert value(after, "turnpoint_lease_expiries_total") >= 1
-                # The retry after those failures publishes.
+                assert value(after, "turnpoint_snapshot_retries_total", how="new_id") == 1
+                # The next retry fails before any participant sees it: a full disk.
+                anchor.fail_next = True
                 anchor.step += 1
-                assert (await driver.take()).outcome is SnapshotOutcome.PUBLISHED
+                failed = await pump.tick()
+                assert failed.outcome is SnapshotOutcome.FAILED, failed
                 after = await asyncio.to_thread(scrape, endpoint.address)
+                assert value(after, "turnpoint_snapshot_retries_total", how="new_id") == 2
+                assert value(after, "turnpoint_snapshots_total", outcome="failed", reason="storage")
+                # Its retry takes the very same id, and publishes.
+                report = await pump.tick()
+                assert report.outcome is SnapshotOutcome.PUBLISHED, report
+                assert report.checkpoint_id == failed.checkpoint_id
+                after = await asyncio.to_thread(scrape, endpoint.address)
+                assert value(after, "turnpoint_snapshot_retries_total", how="same_id") == 1
+                assert total(after, "turnpoint_snapshot_retries_total") == 3
                 published = value(
                     after, "turnpoint_snapshots_total", outcome="published", reason=""
                 )
                 assert published == 2
-                assert total(after, "turnpoint_snapshots_total") == 4
+                assert total(after, "turnpoint_snapshots_total") == 5
 
         # A restore onto fresh servers moves the restore counters.
         async with served(tmp_path, FakeClock()) as (fresh_tools, fresh_agent, _):

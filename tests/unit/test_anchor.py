@@ -196,3 +196,12 @@ def test_digest_mismatch_with_wrong_reference(tmp_path: Path) -> None:
     save_anchor(tmp_path, model, optimizer, step=1)
     with pytest.raises(AnchorError, match="is corrupt"):
         load_anchor(tmp_path, *_fresh(), expected=AnchorRef(sha256="0" * 64))
+
+
+def test_the_distributed_anchor_needs_a_process_group() -> None:
+    # Across ranks: tests/e2e/test_multirank_anchor.py (real processes on gloo).
+    from turnpoint.trainer import DistributedAnchor
+
+    model, optimizer = _fresh()
+    with pytest.raises(RuntimeError, match="init"):
+        DistributedAnchor(model, optimizer, step=lambda: 0)
