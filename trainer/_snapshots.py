@@ -385,6 +385,12 @@ class SnapshotDriver:
         attempt = self._attempt = SnapshotAttempt(checkpoint_id, self._clock(), self._subscribers)
         self._set_state(attempt, _S.RELEASE)
         await self.release_pending()
+        if self._last_published is not None and self._last_published == (
+            self._rollouts.version,
+            self._anchor.step,
+        ):
+            self._set_state(attempt, _S.SKIPPED)
+            return self._report(attempt, SnapshotOutcome.SKIPPED, retry_of=retry_of)
         if held := {i for r in self._restores for i in self._unreleased.get(r, ())}:
             self._set_state(attempt, _S.FAILED)
             return self._report(
@@ -394,12 +400,6 @@ class SnapshotDriver:
                 detail=f"{sorted(held)} not released from restore {sorted(self._restores)} yet",
                 retry_of=retry_of,
             )
-        if self._last_published is not None and self._last_published == (
-            self._rollouts.version,
-            self._anchor.step,
-        ):
-            self._set_state(attempt, _S.SKIPPED)
-            return self._report(attempt, SnapshotOutcome.SKIPPED, retry_of=retry_of)
         try:
             await self._run(attempt)
         except _Failed as failed:

@@ -1163,6 +1163,9 @@ class FaultSequences(RuleBasedStateMachine):
         self._arm(faults)
         if race is not None:
             self._race(race, index)
+        # A restore left a participant closed: the attempt's first resumes release it,
+        # and it fails before it prepares if they do not get through (spec 7.7 item 9).
+        restore_held = any(k.startswith("restore-") for k in self.trainer.driver.unreleased)
         try:
             report = await self._take()
         finally:
@@ -1194,6 +1197,9 @@ class FaultSequences(RuleBasedStateMachine):
             for n in MEMBERS
         ) or any((LEASE_EXPIRY, "commit") in hooks for hooks in fired.hooked.values())
         may_fail = must_fail or any(commit[n] + lost[n]["renew"] >= 2 for n in MEMBERS)
+        may_fail = may_fail or (
+            restore_held and any(lost[n]["resume"] + dropped[n]["resume"] >= 2 for n in MEMBERS)
+        )
         detail = (report, faults, fired)
         if must_fail:
             assert report.outcome is SnapshotOutcome.FAILED, detail
