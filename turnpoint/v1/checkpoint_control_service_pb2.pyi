@@ -296,6 +296,7 @@ class CommitRequest(_message.Message):
     CHECKPOINT_ID_FIELD_NUMBER: _builtins.int
     SNAPSHOT_FIELD_NUMBER: _builtins.int
     SCOPE_FIELD_NUMBER: _builtins.int
+    ACCEPT_SAVED_NOTHING_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Idempotency key."""
     checkpoint_id: _builtins.str
@@ -304,6 +305,11 @@ class CommitRequest(_message.Message):
     """Name of the snapshot directory under the participant's configured root (same
     character rules as ids). The participant writes into <root>/<snapshot>/<instance>/;
     nothing in a request can name a path outside the root.
+    """
+    accept_saved_nothing: _builtins.bool
+    """The coordinator understands `CommitResponse.saved_nothing`: a participant that
+    exports nothing MAY then write no file and answer `saved_nothing` (docs/spec.md
+    section 4.8 item 7). Unset: it always writes a manifest and a records file.
     """
     @_builtins.property
     def fence(self) -> _types_pb2.Fence:
@@ -323,10 +329,11 @@ class CommitRequest(_message.Message):
         checkpoint_id: _builtins.str = ...,
         snapshot: _builtins.str = ...,
         scope: _abc.Iterable[_types_pb2.EpisodeId] | None = ...,
+        accept_saved_nothing: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_id", b"checkpoint_id", "fence", b"fence", "request_id", b"request_id", "scope", b"scope", "snapshot", b"snapshot"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accept_saved_nothing", b"accept_saved_nothing", "checkpoint_id", b"checkpoint_id", "fence", b"fence", "request_id", b"request_id", "scope", b"scope", "snapshot", b"snapshot"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -343,8 +350,14 @@ class CommitResponse(_message.Message):
     MANIFEST_FIELD_NUMBER: _builtins.int
     ARTIFACTS_FIELD_NUMBER: _builtins.int
     EXPORTED_FIELD_NUMBER: _builtins.int
+    SAVED_NOTHING_FIELD_NUMBER: _builtins.int
     checkpoint_id: _builtins.str
     """The checkpoint committed."""
+    saved_nothing: _builtins.bool
+    """True when the participant exported nothing for this commit and wrote no file:
+    `manifest` is then unset and `artifacts` and `exported` are empty; the snapshot
+    manifest records the participant with a null manifest (docs/spec.md section 4.8).
+    """
     @_builtins.property
     def header(self) -> _types_pb2.ResponseHeader:
         """Who answered."""
@@ -369,10 +382,11 @@ class CommitResponse(_message.Message):
         manifest: _types_pb2.ArtifactRef | None = ...,
         artifacts: _abc.Iterable[_types_pb2.ArtifactRef] | None = ...,
         exported: _abc.Iterable[_types_pb2.EpisodeId] | None = ...,
+        saved_nothing: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header", "manifest", b"manifest"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["artifacts", b"artifacts", "checkpoint_id", b"checkpoint_id", "exported", b"exported", "header", b"header", "manifest", b"manifest"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["artifacts", b"artifacts", "checkpoint_id", b"checkpoint_id", "exported", b"exported", "header", b"header", "manifest", b"manifest", "saved_nothing", b"saved_nothing"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -454,7 +468,9 @@ class ManifestEntry(_message.Message):
     ARTIFACTS_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def manifest(self) -> _types_pb2.ArtifactRef:
-        """The participant's own manifest."""
+        """The participant's own manifest; unset when it saved nothing in this snapshot
+        (its commit answered `saved_nothing`), and then `artifacts` is empty too.
+        """
 
     @_builtins.property
     def artifacts(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.ArtifactRef]:

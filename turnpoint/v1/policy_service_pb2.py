@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from turnpoint.v1 import types_pb2 as turnpoint_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!turnpoint/v1/policy_service.proto\x12\x0cturnpoint.v1\x1a\x18turnpoint/v1/types.proto\"\xa4\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x07\x65pisode\x18\x02 \x01(\x0b\x32\x17.turnpoint.v1.EpisodeId\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12\x13\n\x0btemperature\x18\x05 \x01(\x02\x12\x0c\n\x04seed\x18\x06 \x01(\x04\"\x8c\x01\n\x10GenerateResponse\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.turnpoint.v1.ResponseHeader\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x0c\n\x04\x64one\x18\x04 \x01(\x08\x12\x17\n\x0fweights_version\x18\x05 \x01(\x04\"R\n\x14UpdateWeightsRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0fweights_version\x18\x02 \x01(\x04\x12\r\n\x05state\x18\x03 \x01(\x0c\"^\n\x15UpdateWeightsResponse\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.turnpoint.v1.ResponseHeader\x12\x17\n\x0fweights_version\x18\x02 \x01(\x04\x32\xb6\x01\n\rPolicyService\x12K\n\x08Generate\x12\x1d.turnpoint.v1.GenerateRequest\x1a\x1e.turnpoint.v1.GenerateResponse0\x01\x12X\n\rUpdateWeights\x12\".turnpoint.v1.UpdateWeightsRequest\x1a#.turnpoint.v1.UpdateWeightsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!turnpoint/v1/policy_service.proto\x12\x0cturnpoint.v1\x1a\x18turnpoint/v1/types.proto\"\xb8\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x07\x65pisode\x18\x02 \x01(\x0b\x32\x17.turnpoint.v1.EpisodeId\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x16\n\x0emax_new_tokens\x18\x04 \x01(\r\x12\x13\n\x0btemperature\x18\x05 \x01(\x02\x12\x0c\n\x04seed\x18\x06 \x01(\x04\x12\x12\n\naccept_cut\x18\x07 \x01(\x08\"\xb6\x01\n\x10GenerateResponse\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.turnpoint.v1.ResponseHeader\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x10\n\x08logprobs\x18\x03 \x03(\x02\x12\x0c\n\x04\x64one\x18\x04 \x01(\x08\x12\x17\n\x0fweights_version\x18\x05 \x01(\x04\x12(\n\x03\x63ut\x18\x06 \x01(\x0b\x32\x1b.turnpoint.v1.GenerationCut\"&\n\rGenerationCut\x12\x15\n\rprefix_length\x18\x01 \x01(\r\"R\n\x14UpdateWeightsRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0fweights_version\x18\x02 \x01(\x04\x12\r\n\x05state\x18\x03 \x01(\x0c\"^\n\x15UpdateWeightsResponse\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.turnpoint.v1.ResponseHeader\x12\x17\n\x0fweights_version\x18\x02 \x01(\x04\x32\xb6\x01\n\rPolicyService\x12K\n\x08Generate\x12\x1d.turnpoint.v1.GenerateRequest\x1a\x1e.turnpoint.v1.GenerateResponse0\x01\x12X\n\rUpdateWeights\x12\".turnpoint.v1.UpdateWeightsRequest\x1a#.turnpoint.v1.UpdateWeightsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,13 +33,15 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'turnpoint.v1.policy_service
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=78
-  _globals['_GENERATEREQUEST']._serialized_end=242
-  _globals['_GENERATERESPONSE']._serialized_start=245
-  _globals['_GENERATERESPONSE']._serialized_end=385
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=387
-  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=469
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=471
-  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=565
-  _globals['_POLICYSERVICE']._serialized_start=568
-  _globals['_POLICYSERVICE']._serialized_end=750
+  _globals['_GENERATEREQUEST']._serialized_end=262
+  _globals['_GENERATERESPONSE']._serialized_start=265
+  _globals['_GENERATERESPONSE']._serialized_end=447
+  _globals['_GENERATIONCUT']._serialized_start=449
+  _globals['_GENERATIONCUT']._serialized_end=487
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_start=489
+  _globals['_UPDATEWEIGHTSREQUEST']._serialized_end=571
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_start=573
+  _globals['_UPDATEWEIGHTSRESPONSE']._serialized_end=667
+  _globals['_POLICYSERVICE']._serialized_start=670
+  _globals['_POLICYSERVICE']._serialized_end=852
 # @@protoc_insertion_point(module_scope)

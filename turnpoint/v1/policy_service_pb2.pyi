@@ -31,6 +31,7 @@ class GenerateRequest(_message.Message):
     MAX_NEW_TOKENS_FIELD_NUMBER: _builtins.int
     TEMPERATURE_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
+    ACCEPT_CUT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Idempotency key."""
     max_new_tokens: _builtins.int
@@ -39,6 +40,11 @@ class GenerateRequest(_message.Message):
     """Sampling temperature; 0 is greedy."""
     seed: _builtins.int
     """Sampling seed, for reproducible generations."""
+    accept_cut: _builtins.bool
+    """The caller records a cut generation and continues it later (section 5.5): a server
+    that can cut may end this stream early with a GenerationCut when a checkpoint closes
+    admission. False: the stream always runs to its end, as a server that cannot cut does.
+    """
     @_builtins.property
     def episode(self) -> _types_pb2.EpisodeId:
         """The episode the generation serves; a retired attempt is refused."""
@@ -56,10 +62,11 @@ class GenerateRequest(_message.Message):
         max_new_tokens: _builtins.int = ...,
         temperature: _builtins.float = ...,
         seed: _builtins.int = ...,
+        accept_cut: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["episode", b"episode"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["episode", b"episode", "max_new_tokens", b"max_new_tokens", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "seed", b"seed", "temperature", b"temperature"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accept_cut", b"accept_cut", "episode", b"episode", "max_new_tokens", b"max_new_tokens", "prompt_token_ids", b"prompt_token_ids", "request_id", b"request_id", "seed", b"seed", "temperature", b"temperature"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -76,6 +83,7 @@ class GenerateResponse(_message.Message):
     LOGPROBS_FIELD_NUMBER: _builtins.int
     DONE_FIELD_NUMBER: _builtins.int
     WEIGHTS_VERSION_FIELD_NUMBER: _builtins.int
+    CUT_FIELD_NUMBER: _builtins.int
     done: _builtins.bool
     """True on the last message."""
     weights_version: _builtins.int
@@ -92,6 +100,12 @@ class GenerateResponse(_message.Message):
     def logprobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
         """Log-probability of each token under the weights that produced it."""
 
+    @_builtins.property
+    def cut(self) -> Global___GenerationCut:
+        """Set only on the last message (done true) of a generation a checkpoint cut before it
+        ended on its own; the generation is then unfinished (section 5.5).
+        """
+
     def __init__(
         self,
         *,
@@ -100,14 +114,42 @@ class GenerateResponse(_message.Message):
         logprobs: _abc.Iterable[_builtins.float] | None = ...,
         done: _builtins.bool = ...,
         weights_version: _builtins.int = ...,
+        cut: Global___GenerationCut | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cut", b"cut", "header", b"header"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["done", b"done", "header", b"header", "logprobs", b"logprobs", "token_ids", b"token_ids", "weights_version", b"weights_version"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cut", b"cut", "done", b"done", "header", b"header", "logprobs", b"logprobs", "token_ids", b"token_ids", "weights_version", b"weights_version"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GenerateResponse: _TypeAlias = GenerateResponse  # noqa: Y015
+
+@_typing.final
+class GenerationCut(_message.Message):
+    """GenerationCut marks a generation stopped at a token boundary by a checkpoint. The
+    tokens so far are those of the stream's messages, this one included; the caller
+    continues the generation from prompt plus those tokens after resume or restore.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PREFIX_LENGTH_FIELD_NUMBER: _builtins.int
+    prefix_length: _builtins.int
+    """How many tokens the stream carried in all, this message included; a caller that
+    counted otherwise lost a message and MUST NOT continue from its prefix.
+    """
+    def __init__(
+        self,
+        *,
+        prefix_length: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["prefix_length", b"prefix_length"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GenerationCut: _TypeAlias = GenerationCut  # noqa: Y015
 
 @_typing.final
 class UpdateWeightsRequest(_message.Message):

@@ -30,8 +30,10 @@ class PolicyServiceStub:
 
     Admission control: while a checkpoint holds admission, new generations wait (held,
     not counted as in flight) until resume; generations already streaming finish; the
-    server is ready when none is streaming. A generation is never cut in the middle of its
-    token stream in v1.
+    server is ready when none is streaming. A server that can cut generations (it lists
+    RECOVERY_LEVEL_TOKEN in Describe) instead stops each streaming generation whose caller
+    set GenerateRequest.accept_cut at its next token boundary when a checkpoint closes
+    admission, and ends the stream with a GenerationCut (docs/spec.md section 5.5).
     """
 
     def __init__(self, channel):
@@ -57,8 +59,10 @@ class PolicyServiceServicer:
 
     Admission control: while a checkpoint holds admission, new generations wait (held,
     not counted as in flight) until resume; generations already streaming finish; the
-    server is ready when none is streaming. A generation is never cut in the middle of its
-    token stream in v1.
+    server is ready when none is streaming. A server that can cut generations (it lists
+    RECOVERY_LEVEL_TOKEN in Describe) instead stops each streaming generation whose caller
+    set GenerateRequest.accept_cut at its next token boundary when a checkpoint closes
+    admission, and ends the stream with a GenerationCut (docs/spec.md section 5.5).
     """
 
     def Generate(self, request, context):
@@ -101,8 +105,10 @@ class PolicyService:
 
     Admission control: while a checkpoint holds admission, new generations wait (held,
     not counted as in flight) until resume; generations already streaming finish; the
-    server is ready when none is streaming. A generation is never cut in the middle of its
-    token stream in v1.
+    server is ready when none is streaming. A server that can cut generations (it lists
+    RECOVERY_LEVEL_TOKEN in Describe) instead stops each streaming generation whose caller
+    set GenerateRequest.accept_cut at its next token boundary when a checkpoint closes
+    admission, and ends the stream with a GenerationCut (docs/spec.md section 5.5).
     """
 
     @staticmethod

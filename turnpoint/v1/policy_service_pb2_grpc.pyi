@@ -31,8 +31,10 @@ class PolicyServiceStub:
 
     Admission control: while a checkpoint holds admission, new generations wait (held,
     not counted as in flight) until resume; generations already streaming finish; the
-    server is ready when none is streaming. A generation is never cut in the middle of its
-    token stream in v1.
+    server is ready when none is streaming. A server that can cut generations (it lists
+    RECOVERY_LEVEL_TOKEN in Describe) instead stops each streaming generation whose caller
+    set GenerateRequest.accept_cut at its next token boundary when a checkpoint closes
+    admission, and ends the stream with a GenerationCut (docs/spec.md section 5.5).
     """
 
     @_typing.overload
@@ -50,8 +52,10 @@ class PolicyServiceAsyncStub(PolicyServiceStub):
 
     Admission control: while a checkpoint holds admission, new generations wait (held,
     not counted as in flight) until resume; generations already streaming finish; the
-    server is ready when none is streaming. A generation is never cut in the middle of its
-    token stream in v1.
+    server is ready when none is streaming. A server that can cut generations (it lists
+    RECOVERY_LEVEL_TOKEN in Describe) instead stops each streaming generation whose caller
+    set GenerateRequest.accept_cut at its next token boundary when a checkpoint closes
+    admission, and ends the stream with a GenerationCut (docs/spec.md section 5.5).
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
@@ -65,8 +69,10 @@ class PolicyServiceServicer(metaclass=_abc_1.ABCMeta):
 
     Admission control: while a checkpoint holds admission, new generations wait (held,
     not counted as in flight) until resume; generations already streaming finish; the
-    server is ready when none is streaming. A generation is never cut in the middle of its
-    token stream in v1.
+    server is ready when none is streaming. A server that can cut generations (it lists
+    RECOVERY_LEVEL_TOKEN in Describe) instead stops each streaming generation whose caller
+    set GenerateRequest.accept_cut at its next token boundary when a checkpoint closes
+    admission, and ends the stream with a GenerationCut (docs/spec.md section 5.5).
     """
 
     @_abc_1.abstractmethod

@@ -166,10 +166,14 @@ class _RecoveryLevelEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Recover
     """Rerun an unfinished sibling from its prompt; finished siblings are kept."""
     RECOVERY_LEVEL_PROMPT_GROUP: _RecoveryLevel.ValueType  # 3
     """Rerun the whole prompt group; saved turns are discarded."""
+    RECOVERY_LEVEL_TOKEN: _RecoveryLevel.ValueType  # 4
+    """Continue each episode from the token prefix of a generation a checkpoint cut, or
+    from its last sealed turn (section 5.5); finer than RECOVERY_LEVEL_TURN.
+    """
 
 class RecoveryLevel(_RecoveryLevel, metaclass=_RecoveryLevelEnumTypeWrapper):
-    """RecoveryLevel is how finely an unfinished rollout can be continued (section 7.8),
-    from finest to coarsest.
+    """RecoveryLevel is how finely an unfinished rollout can be continued (section 7.8):
+    TOKEN (finest), TURN, SIBLING, PROMPT_GROUP (coarsest). The numbers are not the order.
     """
 
 RECOVERY_LEVEL_UNSPECIFIED: RecoveryLevel.ValueType  # 0
@@ -180,6 +184,10 @@ RECOVERY_LEVEL_SIBLING: RecoveryLevel.ValueType  # 2
 """Rerun an unfinished sibling from its prompt; finished siblings are kept."""
 RECOVERY_LEVEL_PROMPT_GROUP: RecoveryLevel.ValueType  # 3
 """Rerun the whole prompt group; saved turns are discarded."""
+RECOVERY_LEVEL_TOKEN: RecoveryLevel.ValueType  # 4
+"""Continue each episode from the token prefix of a generation a checkpoint cut, or
+from its last sealed turn (section 5.5); finer than RECOVERY_LEVEL_TURN.
+"""
 Global___RecoveryLevel: _TypeAlias = RecoveryLevel  # noqa: Y015
 
 class _EpisodeState:

@@ -12,7 +12,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file turnpoint/v1/policy_service.proto.
  */
 export const file_turnpoint_v1_policy_service: GenFile = /*@__PURE__*/
-  fileDesc("CiF0dXJucG9pbnQvdjEvcG9saWN5X3NlcnZpY2UucHJvdG8SDHR1cm5wb2ludC52MSKkAQoPR2VuZXJhdGVSZXF1ZXN0EhIKCnJlcXVlc3RfaWQYASABKAkSKAoHZXBpc29kZRgCIAEoCzIXLnR1cm5wb2ludC52MS5FcGlzb2RlSWQSGAoQcHJvbXB0X3Rva2VuX2lkcxgDIAMoBRIWCg5tYXhfbmV3X3Rva2VucxgEIAEoDRITCgt0ZW1wZXJhdHVyZRgFIAEoAhIMCgRzZWVkGAYgASgEIowBChBHZW5lcmF0ZVJlc3BvbnNlEiwKBmhlYWRlchgBIAEoCzIcLnR1cm5wb2ludC52MS5SZXNwb25zZUhlYWRlchIRCgl0b2tlbl9pZHMYAiADKAUSEAoIbG9ncHJvYnMYAyADKAISDAoEZG9uZRgEIAEoCBIXCg93ZWlnaHRzX3ZlcnNpb24YBSABKAQiUgoUVXBkYXRlV2VpZ2h0c1JlcXVlc3QSEgoKcmVxdWVzdF9pZBgBIAEoCRIXCg93ZWlnaHRzX3ZlcnNpb24YAiABKAQSDQoFc3RhdGUYAyABKAwiXgoVVXBkYXRlV2VpZ2h0c1Jlc3BvbnNlEiwKBmhlYWRlchgBIAEoCzIcLnR1cm5wb2ludC52MS5SZXNwb25zZUhlYWRlchIXCg93ZWlnaHRzX3ZlcnNpb24YAiABKAQytgEKDVBvbGljeVNlcnZpY2USSwoIR2VuZXJhdGUSHS50dXJucG9pbnQudjEuR2VuZXJhdGVSZXF1ZXN0Gh4udHVybnBvaW50LnYxLkdlbmVyYXRlUmVzcG9uc2UwARJYCg1VcGRhdGVXZWlnaHRzEiIudHVybnBvaW50LnYxLlVwZGF0ZVdlaWdodHNSZXF1ZXN0GiMudHVybnBvaW50LnYxLlVwZGF0ZVdlaWdodHNSZXNwb25zZWIGcHJvdG8z", [file_turnpoint_v1_types]);
+  fileDesc("CiF0dXJucG9pbnQvdjEvcG9saWN5X3NlcnZpY2UucHJvdG8SDHR1cm5wb2ludC52MSK4AQoPR2VuZXJhdGVSZXF1ZXN0EhIKCnJlcXVlc3RfaWQYASABKAkSKAoHZXBpc29kZRgCIAEoCzIXLnR1cm5wb2ludC52MS5FcGlzb2RlSWQSGAoQcHJvbXB0X3Rva2VuX2lkcxgDIAMoBRIWCg5tYXhfbmV3X3Rva2VucxgEIAEoDRITCgt0ZW1wZXJhdHVyZRgFIAEoAhIMCgRzZWVkGAYgASgEEhIKCmFjY2VwdF9jdXQYByABKAgitgEKEEdlbmVyYXRlUmVzcG9uc2USLAoGaGVhZGVyGAEgASgLMhwudHVybnBvaW50LnYxLlJlc3BvbnNlSGVhZGVyEhEKCXRva2VuX2lkcxgCIAMoBRIQCghsb2dwcm9icxgDIAMoAhIMCgRkb25lGAQgASgIEhcKD3dlaWdodHNfdmVyc2lvbhgFIAEoBBIoCgNjdXQYBiABKAsyGy50dXJucG9pbnQudjEuR2VuZXJhdGlvbkN1dCImCg1HZW5lcmF0aW9uQ3V0EhUKDXByZWZpeF9sZW5ndGgYASABKA0iUgoUVXBkYXRlV2VpZ2h0c1JlcXVlc3QSEgoKcmVxdWVzdF9pZBgBIAEoCRIXCg93ZWlnaHRzX3ZlcnNpb24YAiABKAQSDQoFc3RhdGUYAyABKAwiXgoVVXBkYXRlV2VpZ2h0c1Jlc3BvbnNlEiwKBmhlYWRlchgBIAEoCzIcLnR1cm5wb2ludC52MS5SZXNwb25zZUhlYWRlchIXCg93ZWlnaHRzX3ZlcnNpb24YAiABKAQytgEKDVBvbGljeVNlcnZpY2USSwoIR2VuZXJhdGUSHS50dXJucG9pbnQudjEuR2VuZXJhdGVSZXF1ZXN0Gh4udHVybnBvaW50LnYxLkdlbmVyYXRlUmVzcG9uc2UwARJYCg1VcGRhdGVXZWlnaHRzEiIudHVybnBvaW50LnYxLlVwZGF0ZVdlaWdodHNSZXF1ZXN0GiMudHVybnBvaW50LnYxLlVwZGF0ZVdlaWdodHNSZXNwb25zZWIGcHJvdG8z", [file_turnpoint_v1_types]);
 
 /**
  * GenerateRequest asks for one generation.
@@ -61,6 +61,15 @@ export type GenerateRequest = Message<"turnpoint.v1.GenerateRequest"> & {
    * @generated from field: uint64 seed = 6;
    */
   seed: bigint;
+
+  /**
+   * The caller records a cut generation and continues it later (section 5.5): a server
+   * that can cut may end this stream early with a GenerationCut when a checkpoint closes
+   * admission. False: the stream always runs to its end, as a server that cannot cut does.
+   *
+   * @generated from field: bool accept_cut = 7;
+   */
+  acceptCut: boolean;
 };
 
 /**
@@ -110,6 +119,14 @@ export type GenerateResponse = Message<"turnpoint.v1.GenerateResponse"> & {
    * @generated from field: uint64 weights_version = 5;
    */
   weightsVersion: bigint;
+
+  /**
+   * Set only on the last message (done true) of a generation a checkpoint cut before it
+   * ended on its own; the generation is then unfinished (section 5.5).
+   *
+   * @generated from field: turnpoint.v1.GenerationCut cut = 6;
+   */
+  cut?: GenerationCut | undefined;
 };
 
 /**
@@ -118,6 +135,30 @@ export type GenerateResponse = Message<"turnpoint.v1.GenerateResponse"> & {
  */
 export const GenerateResponseSchema: GenMessage<GenerateResponse> = /*@__PURE__*/
   messageDesc(file_turnpoint_v1_policy_service, 1);
+
+/**
+ * GenerationCut marks a generation stopped at a token boundary by a checkpoint. The
+ * tokens so far are those of the stream's messages, this one included; the caller
+ * continues the generation from prompt plus those tokens after resume or restore.
+ *
+ * @generated from message turnpoint.v1.GenerationCut
+ */
+export type GenerationCut = Message<"turnpoint.v1.GenerationCut"> & {
+  /**
+   * How many tokens the stream carried in all, this message included; a caller that
+   * counted otherwise lost a message and MUST NOT continue from its prefix.
+   *
+   * @generated from field: uint32 prefix_length = 1;
+   */
+  prefixLength: number;
+};
+
+/**
+ * Describes the message turnpoint.v1.GenerationCut.
+ * Use `create(GenerationCutSchema)` to create a new message.
+ */
+export const GenerationCutSchema: GenMessage<GenerationCut> = /*@__PURE__*/
+  messageDesc(file_turnpoint_v1_policy_service, 2);
 
 /**
  * UpdateWeightsRequest carries new weights.
@@ -152,7 +193,7 @@ export type UpdateWeightsRequest = Message<"turnpoint.v1.UpdateWeightsRequest"> 
  * Use `create(UpdateWeightsRequestSchema)` to create a new message.
  */
 export const UpdateWeightsRequestSchema: GenMessage<UpdateWeightsRequest> = /*@__PURE__*/
-  messageDesc(file_turnpoint_v1_policy_service, 2);
+  messageDesc(file_turnpoint_v1_policy_service, 3);
 
 /**
  * UpdateWeightsResponse reports the installed version.
@@ -180,15 +221,17 @@ export type UpdateWeightsResponse = Message<"turnpoint.v1.UpdateWeightsResponse"
  * Use `create(UpdateWeightsResponseSchema)` to create a new message.
  */
 export const UpdateWeightsResponseSchema: GenMessage<UpdateWeightsResponse> = /*@__PURE__*/
-  messageDesc(file_turnpoint_v1_policy_service, 3);
+  messageDesc(file_turnpoint_v1_policy_service, 4);
 
 /**
  * PolicyService is the data plane of policy model servers (docs/spec.md section 5).
  *
  * Admission control: while a checkpoint holds admission, new generations wait (held,
  * not counted as in flight) until resume; generations already streaming finish; the
- * server is ready when none is streaming. A generation is never cut in the middle of its
- * token stream in v1.
+ * server is ready when none is streaming. A server that can cut generations (it lists
+ * RECOVERY_LEVEL_TOKEN in Describe) instead stops each streaming generation whose caller
+ * set GenerateRequest.accept_cut at its next token boundary when a checkpoint closes
+ * admission, and ends the stream with a GenerationCut (docs/spec.md section 5.5).
  *
  * @generated from service turnpoint.v1.PolicyService
  */
