@@ -87,10 +87,17 @@ class RenewResult:
 
 @dataclass(frozen=True, slots=True)
 class CommitResult:
+    """``manifest`` is None, and so are ``artifacts`` and ``exported`` empty, exactly when
+    the commit exported nothing and wrote no file (docs/spec.md section 4.8)."""
+
     checkpoint_id: str
-    manifest: ArtifactRef
+    manifest: ArtifactRef | None
     artifacts: tuple[ArtifactRef, ...]
     exported: tuple[EpisodeId, ...]
+
+    @property
+    def saved_nothing(self) -> bool:
+        return self.manifest is None
 
 
 @dataclass(frozen=True, slots=True)

@@ -323,12 +323,15 @@ class ParticipantRuntime(ControlReads, DataPlane):
         scope: Iterable[EpisodeId],
         *,
         timeout_s: float | None = None,
+        accept_saved_nothing: bool = False,
     ) -> CommitResult:
         """Export the frozen state once, write it under ``<root>/<snapshot>/<instance>/``.
 
         Only from PREPARED; readiness is re-checked and a scope naming a restart is
         refused. The same arguments (scope in any order) join the running write or
-        replay its answer; a failed write is redone with the same records.
+        replay its answer; a failed write is redone with the same records. With
+        ``accept_saved_nothing`` an export of nothing writes no file and answers a
+        result without manifest (docs/spec.md section 4.8 item 7).
         """
         deadline = Deadline(timeout_s, self._config)
         scope_set = frozenset(scope)
@@ -337,11 +340,18 @@ class ParticipantRuntime(ControlReads, DataPlane):
             fence,
             request_id,
             CommitResult,
-            lambda: self._commit(checkpoint_id, snapshot, scope_set, deadline),
+            lambda: self._commit(
+                checkpoint_id, snapshot, scope_set, deadline, accept_saved_nothing
+            ),
         )
 
     async def _commit(
-        self, checkpoint_id: str, snapshot: str, scope: frozenset[EpisodeId], deadline: Deadline
+        self,
+        checkpoint_id: str,
+        snapshot: str,
+        scope: frozenset[EpisodeId],
+        deadline: Deadline,
+        accept_saved_nothing: bool,
     ) -> CommitResult:
         checked_id(snapshot, "snapshot")
         fingerprint = (snapshot, scope)
@@ -358,7 +368,7 @@ class ParticipantRuntime(ControlReads, DataPlane):
             if job.task is None or (
                 job.task.done() and (job.task.cancelled() or job.task.exception() is not None)
             ):
-                job.task = asyncio.create_task(self._drive_commit(job))
+                job.task = asyncio.create_task(self._drive_commit(job, accept_saved_nothing))
                 job.task.add_done_callback(retrieve)
             task = job.task
         return await self._await_job(task, deadline, f"commit of {checkpoint_id!r}")
@@ -372,7 +382,7 @@ class ParticipantRuntime(ControlReads, DataPlane):
                 raise  # the job's own TimeoutError (a hook's), not this call's deadline
             raise deadline.exceeded(what) from None
 
-    async def _drive_commit(self, job: CommitJob) -> CommitResult:
+    async def _drive_commit(self, job: CommitJob, accept_saved_nothing: bool) -> CommitResult:
         """Export once, drop restored state the scope leaves out, write; retried as a whole."""
         what = f"commit of {job.checkpoint_id!r}"
         if job.records is None:
@@ -382,6 +392,15 @@ class ParticipantRuntime(ControlReads, DataPlane):
             for key in job.discard_keys:
                 await self._stop_and_drop(key)
             job.discarded = True
+        if not job.records and accept_saved_nothing:
+            # docs/spec.md section 4.8 item 7: nothing exported, nothing written (not a
+            # byte, not an fsync); the answer says so and the snapshot manifest records
+            # the participant without files.
+            result = CommitResult(job.checkpoint_id, None, (), ())
+            async with self._shared.changing() as core:
+                core.finish_commit(job.checkpoint_id, job.fingerprint, result)
+            job.stage = Stage.DONE
+            return result
         job.stage = Stage.WRITING
         ticket = job.ticket = WriteTicket()
         write = asyncio.ensure_future(
@@ -526,10 +545,16 @@ class ParticipantRuntime(ControlReads, DataPlane):
             async with shared.cond:
                 expires = shared.core.lease_expires_at
                 delay = None if expires is None else expires - shared.now()
-                if delay is None or delay > 0:
-                    # Any state change (a renew, a resume) wakes this to look again.
-                    await shared.wait_change(delay)
-                    continue
+                # Every lease change is published under this lock: cleared here, the
+                # event is set by any renew or resume from now on, and only by those
+                # (not by every state change, several per control call).
+                shared.publish()
+                shared.lease_moved.clear()
+            if delay is None or delay > 0:
+                with suppress(TimeoutError):
+                    async with asyncio.timeout(delay):
+                        await shared.lease_moved.wait()
+                continue
             try:
                 await self.check_lease()
             except TurnpointError:
@@ -543,7 +568,7 @@ class ParticipantRuntime(ControlReads, DataPlane):
         request_id: str,
         restore_id: str,
         snapshot: str,
-        manifest: ArtifactRef,
+        manifest: ArtifactRef | None,
         artifacts: Sequence[ArtifactRef],
         scope: Iterable[EpisodeId],
         *,
@@ -574,7 +599,7 @@ class ParticipantRuntime(ControlReads, DataPlane):
         self,
         restore_id: str,
         snapshot: str,
-        manifest: ArtifactRef,
+        manifest: ArtifactRef | None,
         artifacts: tuple[ArtifactRef, ...],
         scope: frozenset[EpisodeId],
         lease_s: float | None,
@@ -600,24 +625,37 @@ class ParticipantRuntime(ControlReads, DataPlane):
         self,
         restore_id: str,
         snapshot: str,
-        manifest: ArtifactRef,
+        manifest: ArtifactRef | None,
         artifacts: tuple[ArtifactRef, ...],
         scope: frozenset[EpisodeId],
     ) -> RestoreResult:
         installed: list[EpisodeId] = []
         try:
-            try:
-                loaded = await asyncio.to_thread(
-                    self._store.read,
-                    snapshot,
-                    self._instance,
-                    manifest,
-                    scope.__contains__,
-                    artifacts=artifacts or None,
-                )
-            except (OSError, CorruptSnapshotError, InvalidIdError) as error:
-                raise storage_error(error, f"restore {restore_id!r}") from error
-            plan = self._validate_records(loaded.records)
+            records: tuple[Record, ...] = ()
+            if manifest is None:
+                # docs/spec.md section 4.10: this participant saved nothing in the
+                # snapshot, so there is nothing to read and nothing it could continue.
+                if scope or artifacts:
+                    raise TurnpointError(
+                        Reason.INVALID_CHECKPOINT_STATE,
+                        f"restore {restore_id!r} names no manifest but a non-empty "
+                        "scope or artifacts: nothing was saved here to continue",
+                        {"snapshot": snapshot},
+                    )
+            else:
+                try:
+                    loaded = await asyncio.to_thread(
+                        self._store.read,
+                        snapshot,
+                        self._instance,
+                        manifest,
+                        scope.__contains__,
+                        artifacts=artifacts or None,
+                    )
+                except (OSError, CorruptSnapshotError, InvalidIdError) as error:
+                    raise storage_error(error, f"restore {restore_id!r}") from error
+                records = loaded.records
+            plan = self._validate_records(records)
             for record, host in plan:
                 key = await host.install(record, record.episode.next_attempt())
                 installed.append(key.episode)

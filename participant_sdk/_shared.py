@@ -138,6 +138,10 @@ class Shared:
         self.cond = asyncio.Condition()
         self._watchers: set[_Watcher] = set()
         self._published_version = -1
+        # Set when the lease's expiry moved: the lease task waits on this alone, not on
+        # every state change (a control call makes several; waking for each is wasted).
+        self.lease_moved = asyncio.Event()
+        self._published_lease: float | None = None
 
     def now(self) -> float:
         return self.clock()
@@ -164,6 +168,10 @@ class Shared:
         Unforced, it does nothing unless the core changed since the last publication, so
         that waiters re-checking their predicate never wake each other in a loop.
         """
+        lease = self.core.lease_expires_at
+        if lease != self._published_lease:
+            self._published_lease = lease
+            self.lease_moved.set()
         version = self.core.version
         if not force and version == self._published_version:
             return

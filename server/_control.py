@@ -162,14 +162,18 @@ class ControlServicer(pb_grpc.CheckpointControlServiceServicer):
             id_from_proto(request.snapshot, "snapshot"),
             episodes_from_proto(request.scope, "scope", self._max_list),
             timeout_s=timeout_s,
+            accept_saved_nothing=request.accept_saved_nothing,
         )
-        return pb.CommitResponse(
+        response = pb.CommitResponse(
             header=self._header(),
             checkpoint_id=result.checkpoint_id,
-            manifest=artifact_to_proto(result.manifest),
             artifacts=[artifact_to_proto(a) for a in result.artifacts],
             exported=[episode_to_proto(e) for e in sorted(result.exported)],
+            saved_nothing=result.manifest is None,
         )
+        if result.manifest is not None:
+            response.manifest.CopyFrom(artifact_to_proto(result.manifest))
+        return response
 
     async def _handle_resume(
         self, request: pb.ResumeRequest, timeout_s: float | None
@@ -188,14 +192,17 @@ class ControlServicer(pb_grpc.CheckpointControlServiceServicer):
         self, request: pb.RestoreRequest, timeout_s: float | None
     ) -> pb.RestoreResponse:
         check_list_length("entry.artifacts", request.entry.artifacts, self._max_list)
-        if not request.entry.HasField("manifest"):
-            raise bad_argument("entry.manifest is required")
+        # docs/spec.md section 4.10: no manifest means this participant saved nothing.
+        if not request.entry.HasField("manifest") and request.entry.artifacts:
+            raise bad_argument("entry.manifest is required when entry.artifacts are named")
         result = await self._runtime.restore(
             fence_from_proto(request.fence, request.HasField("fence")),
             _request_id(request.request_id),
             id_from_proto(request.restore_id, "restore_id"),
             id_from_proto(request.snapshot, "snapshot"),
-            artifact_from_proto(request.entry.manifest),
+            artifact_from_proto(request.entry.manifest)
+            if request.entry.HasField("manifest")
+            else None,
             artifacts_from_proto(request.entry.artifacts),
             episodes_from_proto(request.scope, "scope", self._max_list),
             lease_s=seconds_from_duration(request.lease, "lease"),

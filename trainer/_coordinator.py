@@ -109,6 +109,10 @@ _LOG = logging.getLogger(__name__)
 
 # Prepare answers the coordinator keeps the reported restarts of, for commit's check.
 _RESTARTS_REMEMBERED = 8
+# docs/spec.md section 4.8 item 7: participants that export nothing may skip every
+# write. Tests that inject disk faults into empty commits turn it off, as an older
+# coordinator would not send it.
+ACCEPT_SAVED_NOTHING = True
 # Describe at start-up: transient failures (a participant still binding, a blip) are
 # asked again this many times, this far apart, before discovery fails.
 DISCOVER_ATTEMPTS = 5
@@ -284,21 +288,28 @@ class Coordinator(RestoreOperations):
         watch_request = pb.WatchBoundariesRequest(
             fence=self.fence, max_blockers=config.max_blockers_listed
         )
-        watches = [
-            asyncio.create_task(
-                watch_readiness(
-                    name,
-                    self._clients[name],
-                    watch_request,
-                    watch_after_s=watch_after_s(config.prepare_timeout_s),
-                    timeout_s=config.prepare_timeout_s + config.reply_grace_s,
-                    state=readiness[name],
-                    unacked=unacked,
-                ),
-                name=f"watch-{name}",
-            )
-            for name in self._clients
-        ]
+        watches: dict[str, asyncio.Task[None]] = {}
+
+        def open_watches() -> None:
+            # One timer for the whole prepare, not a waiting task per participant: most
+            # are ready within milliseconds and never cost a task or a stream.
+            for name in self._clients:
+                if readiness[name].settled.is_set():
+                    continue
+                watches[name] = asyncio.create_task(
+                    watch_readiness(
+                        name,
+                        self._clients[name],
+                        watch_request,
+                        watch_after_s=0.0,
+                        timeout_s=config.prepare_timeout_s + config.reply_grace_s,
+                        state=readiness[name],
+                        unacked=unacked,
+                    ),
+                    name=f"watch-{name}",
+                )
+
+        opener = loop.call_later(watch_after_s(config.prepare_timeout_s), open_watches)
         try:
             result = await fan_out(
                 callers,
@@ -310,10 +321,11 @@ class Coordinator(RestoreOperations):
                 concurrency=max(1, len(callers)),
             )
         finally:
-            for watch in watches:
+            opener.cancel()
+            for watch in watches.values():
                 watch.cancel()
-            ended = await asyncio.gather(*watches, return_exceptions=True)
-            for name, outcome in zip(self._clients, ended, strict=True):
+            ended = await asyncio.gather(*watches.values(), return_exceptions=True)
+            for name, outcome in zip(watches, ended, strict=True):
                 if isinstance(outcome, Exception):
                     # Resolving a completion it reported failed; the prepare rounds ask
                     # again and fail the prepare if it keeps failing.
@@ -492,6 +504,7 @@ class Coordinator(RestoreOperations):
                 checkpoint_id=checkpoint_id,
                 snapshot=snapshot,
                 scope=[episode_to_proto(e) for e in sorted(episodes)],
+                accept_saved_nothing=ACCEPT_SAVED_NOTHING,
             )
             for name, episodes in scopes.items()
         }
@@ -520,6 +533,13 @@ def _entry_from_commit(
     problem = exported_problem(exported, scope)
     if problem is not None:
         raise MalformedReplyError(instance, "Commit", problem)
+    if response.saved_nothing and (
+        response.HasField("manifest") or response.artifacts or response.exported
+    ):
+        # docs/spec.md section 4.8 item 7: saved nothing means no file and no episode.
+        raise MalformedReplyError(
+            instance, "Commit", "saved_nothing with a manifest, artifacts or exported episodes"
+        )
     try:
         artifacts = tuple(
             ArtifactRef(a.path, a.sha256, a.size_bytes, a.record_count) for a in response.artifacts

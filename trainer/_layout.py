@@ -23,12 +23,15 @@ may name another path, and a hidden ``.staging-*`` name is not a valid id), so t
 files would have to be moved under them, and a retry of their commit would write into a
 directory that no longer exists.
 
-Publication therefore goes: every file and directory of the snapshot is fsynced; the
-manifest is written to a temporary file in ``<root>`` and fsynced; it is hard-linked to
-``<checkpoint_id>/MANIFEST.json``, which is atomic and never replaces an existing
-manifest (exclusive create without the risk of a half-written file under the final
-name); the directory and the root are fsynced; then ``LATEST`` is replaced atomically
-(temporary file, fsync, ``os.replace``, fsync of the root). A crash at any point leaves
+Publication therefore goes: every file and directory the trainer wrote in the snapshot
+is fsynced (the participants' are durable from their commit answers, docs/spec.md
+section 8.4, and are not synced again); the manifest is written to a temporary file in
+``<root>`` and fsynced; it is hard-linked to ``<checkpoint_id>/MANIFEST.json``, which is
+atomic and never replaces an existing manifest (exclusive create without the risk of a
+half-written file under the final name); the snapshot directory is fsynced; then
+``LATEST`` is replaced atomically (temporary file, fsync, ``os.replace``, fsync of the
+root, which also makes the temporary manifest name's removal durable). One fsync per
+file and per directory. A crash at any point leaves
 ``LATEST`` naming a complete snapshot (the previous one, or the new one once its manifest
 is linked) or nothing. A snapshot directory without a manifest is a partial that
 :meth:`SnapshotLayout.clean_partial` removes, unless it is the one being written now.
@@ -53,7 +56,14 @@ import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from turnpoint._files import TEMP_SUFFIX, create_file, fsync_dir, fsync_tree, replace_file
+from turnpoint._files import (
+    TEMP_SUFFIX,
+    create_file,
+    fsync_dir,
+    fsync_file,
+    fsync_tree,
+    replace_file,
+)
 from turnpoint.ids import InvalidIdError, checkpoint_sequence
 from turnpoint.trainer._manifest import (
     ANCHOR_DIR,
@@ -245,7 +255,16 @@ class SnapshotLayout:
         self._verify_contents(expected, manifest, verify_artifacts=verify_artifacts)
         self._step(PublishStep.VERIFIED)
 
-        fsync_tree(expected)
+        # The trainer's own parts only (anchor, rollout state): each participant's files
+        # and directory were durable before its commit answered (docs/spec.md section
+        # 8.4), and the snapshot directory itself is synced once the manifest is linked.
+        for child in sorted(expected.iterdir()):
+            if child.name in manifest.instances:
+                continue
+            if child.is_dir() and not child.is_symlink():
+                fsync_tree(child)
+            elif stat.S_ISREG(child.lstat().st_mode):
+                fsync_file(child)
         self._step(PublishStep.TREE_SYNCED)
 
         # Temporary files are removed on ordinary errors only; after a crash they are
@@ -260,6 +279,9 @@ class SnapshotLayout:
                 temp_prefix=f"{_MANIFEST_PREFIX}{checkpoint_id}-",
                 staged=lambda: self._step(PublishStep.MANIFEST_STAGED),
                 linked=lambda: self._step(PublishStep.MANIFEST_LINKED),
+                # The root is synced once LATEST has moved; a temporary name that a
+                # crash brings back is removed by clean_partial().
+                sync_temp_dir=False,
             )
         except FileExistsError:
             raise ManifestError(
@@ -273,6 +295,9 @@ class SnapshotLayout:
         current = self._read_latest_leniently()
         if current is None or checkpoint_sequence(current) < manifest.sequence:
             self._move_latest(checkpoint_id)
+        else:
+            # LATEST stays: the root still has to be synced once (see create_file above).
+            fsync_dir(self.root)
         return expected
 
     def _move_latest(self, checkpoint_id: str) -> None:

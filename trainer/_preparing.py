@@ -302,8 +302,9 @@ async def watch_readiness(
     Opened only for a participant still preparing after ``watch_after_s``: most are
     ready within milliseconds and never cost a stream.
     """
-    with suppress(TimeoutError):
-        await asyncio.wait_for(state.settled.wait(), watch_after_s)
+    if watch_after_s > 0:
+        with suppress(TimeoutError):
+            await asyncio.wait_for(state.settled.wait(), watch_after_s)
     if state.settled.is_set():
         return
     try:

@@ -135,8 +135,17 @@ def _prefix(proto_enum: Any) -> str:
     return snake.upper() + "_"
 
 
+# (proto enum name, SDK member) -> wire number: every control answer converts a phase,
+# and spelling the prefix out each time was a visible part of a participant's answer.
+_TO_PROTO: dict[tuple[str, enum.Enum], int] = {}
+
+
 def enum_to_proto(proto_enum: Any, value: enum.Enum) -> Any:
-    return proto_enum.Value(_prefix(proto_enum) + value.name)
+    key = (proto_enum.DESCRIPTOR.full_name, value)
+    number = _TO_PROTO.get(key)
+    if number is None:
+        number = _TO_PROTO[key] = proto_enum.Value(_prefix(proto_enum) + value.name)
+    return number
 
 
 def enum_from_proto(proto_enum: Any, sdk_enum: type[E], number: int, field: str) -> E | None:

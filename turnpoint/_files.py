@@ -139,16 +139,19 @@ def create_file(
     before_chunk: Callable[[Path], None] | None = None,
     staged: Callable[[], None] | None = None,
     linked: Callable[[], None] | None = None,
+    sync_temp_dir: bool = True,
 ) -> None:
     """Create ``path`` holding ``data``, complete from its first instant; never replace.
 
     Temporary file (in ``temp_dir``, default the same directory), fsync, ``os.link`` to
     ``path``, removal of the temporary name, fsync of the directory (and of
-    ``temp_dir``). ``FileExistsError`` when ``path`` already exists, with nothing of
-    this write left behind; any other failure before the link leaves nothing either.
-    ``before_chunk`` is passed to :func:`write_new`. ``staged()`` runs before the link
-    and ``linked()`` right after it; what they raise propagates and leaves the
-    temporary file, as a crash there would.
+    ``temp_dir``, unless ``sync_temp_dir`` is False: a caller that fsyncs it next
+    anyway, or whose cleanup removes a resurrected temporary name, saves one fsync).
+    ``FileExistsError`` when ``path`` already exists, with nothing of this write left
+    behind; any other failure before the link leaves nothing either. ``before_chunk``
+    is passed to :func:`write_new`. ``staged()`` runs before the link and ``linked()``
+    right after it; what they raise propagates and leaves the temporary file, as a
+    crash there would.
     """
     directory = path.parent
     staging_dir = directory if temp_dir is None else temp_dir
@@ -164,7 +167,7 @@ def create_file(
         linked()
     staged_path.unlink()
     fsync_dir(directory)
-    if staging_dir != directory:
+    if staging_dir != directory and sync_temp_dir:
         fsync_dir(staging_dir)
 
 

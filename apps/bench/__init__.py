@@ -1,12 +1,17 @@
 """``turnpoint bench``: what the control path costs, measured on this machine.
 
-Three figures (docs/spec.md section 3 has the reference transport figures):
+Five figures (the README's "Benchmarks" section defines them; docs/spec.md section 3 has
+the reference transport figures):
 
-- the control overhead of one snapshot (prepare, commit, publish, resume) through the
-  real coordinator and real participants, against a no-op bidi gRPC round trip (the
-  lower bound) and a no-op HTTP+JSON call (the control plane this project replaces),
-  for growing numbers of participants hosted in a few worker processes;
-- the rollout throughput of the demo trainer with periodic snapshots vs none;
+- the control path of one snapshot (prepare, commit, publish, resume) through the real
+  coordinator and real participants, every snapshot root on tmpfs, against a no-op
+  bidi gRPC round trip (the floor) and a no-op HTTP+JSON call (the control plane this
+  project replaces), for growing numbers of participants hosted in a few worker
+  processes;
+- the durable commit: the same snapshot on disk, with the fsyncs it takes;
+- the rollout throughput of the demo trainer with periodic snapshots vs none, and the
+  admission-closed seconds per snapshot;
+- the participant SDK's bookkeeping per episode;
 - the time from a cold start after a crash to the first redispatched rollout.
 
 :func:`run_bench` runs them and returns a :class:`BenchReport`;

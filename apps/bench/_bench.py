@@ -1,4 +1,18 @@
-"""One run of ``turnpoint bench``: the run itself and its report."""
+"""One run of ``turnpoint bench``: the run itself, its report and the targets it is held to.
+
+The figures (docs: README "Benchmarks"):
+
+- **control path**: one snapshot of N participants (prepare, commit, publish, resume)
+  with every snapshot root on tmpfs, against the open-stream floor and the HTTP+JSON
+  anchor, phases reported (:mod:`._control_overhead`);
+- **durable commit**: the same snapshot on the disk root, with the fsyncs per snapshot
+  of the participants and of the coordinator;
+- **throughput**: rollouts per second with snapshots every 2 s vs none, the median of
+  interleaved repeats' ratios with its spread, admission-closed seconds per snapshot
+  (median, p99) (:mod:`._workload`);
+- **bookkeeping**: the SDK's cost per episode (:mod:`._participant_bench`);
+- **restart**: a cold start after a crash to the first redispatched rollout.
+"""
 
 from __future__ import annotations
 
@@ -6,22 +20,77 @@ import asyncio
 import os
 import platform
 import secrets
+import statistics
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from turnpoint.apps.bench._control_overhead import OverheadRow, measure_control_overhead
+from turnpoint.apps.bench._control_overhead import (
+    DurableCommit,
+    OverheadRow,
+    measure_control_overhead,
+    measure_durable_commit,
+)
 from turnpoint.apps.bench._options import BenchOptions
+from turnpoint.apps.bench._participant_bench import bookkeeping_us
 from turnpoint.apps.bench._workload import RestoreResult, ThroughputResult, run_workload
 
-__all__ = ["BenchReport", "run_bench"]
+__all__ = ["BenchReport", "Target", "run_bench"]
 
 # The whole run, every part of which is bounded on its own as well.
 _RUN_TIMEOUT_S: Final = 3600.0
+# A figure fails ``--check`` only past its must-have by this factor: noise on a shared
+# machine does not fail CI, a regression does.
+REGRESSION_MARGIN: Final = 1.5
 
 Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """One figure against its must-have and its aim.
+
+    ``gated`` figures fail ``--check`` when :attr:`regressed`: the ratios taken within
+    one run (the machine's speed cancels out) and exact counts. Absolute times (ms, us,
+    s) depend on the machine and its load; they are reported against their targets but
+    never fail a check.
+    """
+
+    name: str
+    value: float | None
+    must: float
+    aim: float | None = None
+    higher_is_better: bool = False
+    gated: bool = False
+
+    def _within(self, bound: float | None, factor: float = 1.0) -> bool | None:
+        if self.value is None or bound is None:
+            return None
+        if self.higher_is_better:
+            return self.value >= bound / factor
+        return self.value <= bound * factor
+
+    @property
+    def regressed(self) -> bool:
+        """Past the must-have by :data:`REGRESSION_MARGIN` (a count must stay exact)."""
+        if self.must == 0 and not self.higher_is_better:
+            return self.value is not None and self.value > 0
+        return self._within(self.must, REGRESSION_MARGIN) is False
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "value": None if self.value is None else round(self.value, 3),
+            "must": self.must,
+            "aim": self.aim,
+            "higher_is_better": self.higher_is_better,
+            "gated": self.gated,
+            "met_must": self._within(self.must),
+            "met_aim": self._within(self.aim),
+            "regressed": self.regressed,
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,6 +104,10 @@ class BenchReport:
     warmup: int
     snapshot_root: str
     machine: dict[str, Any] = field(default_factory=dict)
+    control_root: str = ""
+    control_on_tmpfs: bool = False
+    durable: DurableCommit | None = None
+    bookkeeping_us: float | None = None
 
     @property
     def throughput_ratio_on_vs_off(self) -> float | None:
@@ -44,16 +117,86 @@ class BenchReport:
     def restore_seconds(self) -> float | None:
         return self.restore.seconds
 
+    def _row(self, participants: int) -> OverheadRow | None:
+        return next((r for r in self.control_overhead if r.participants == participants), None)
+
+    def targets(self) -> list[Target]:
+        """Every figure that has a target, measured or not (value None)."""
+        at_64, at_256 = self._row(64), self._row(256)
+        durable = self.durable
+        admission = self.throughput.admission_closed_s
+        return [
+            Target(
+                "control_path_64_vs_floor",
+                None if at_64 is None else at_64.ratio,
+                2.0,
+                1.3,
+                gated=True,
+            ),
+            Target(
+                "control_path_64_vs_http_json",
+                None if at_64 is None else at_64.ratio_vs_http_json,
+                1.0,
+                0.6,
+                gated=True,
+            ),
+            Target(
+                "control_path_256_vs_floor",
+                None if at_256 is None else at_256.ratio,
+                2.5,
+                gated=True,
+            ),
+            Target(
+                "durable_participant_fsyncs_exporting_nothing",
+                None if durable is None else durable.participant_fsyncs,
+                0,
+                gated=True,
+            ),
+            Target(
+                "durable_publish_ms_at_64",
+                durable.phases_ms["publish"]
+                if durable is not None and durable.participants == 64
+                else None,
+                10.0,
+            ),
+            Target(
+                "throughput_on_vs_off",
+                self.throughput.ratio,
+                0.95,
+                0.98,
+                higher_is_better=True,
+                gated=True,
+            ),
+            Target(
+                "admission_closed_median_s",
+                statistics.median(admission) if admission else None,
+                0.030,
+            ),
+            Target("bookkeeping_us_per_episode", self.bookkeeping_us, 60.0, 30.0),
+            Target("restart_s", self.restore_seconds, 5.0, 2.0),
+        ]
+
+    def regressions(self) -> list[str]:
+        """The gated figures past their must-have by :data:`REGRESSION_MARGIN`."""
+        return [target.name for target in self.targets() if target.gated and target.regressed]
+
     def to_json(self) -> dict[str, Any]:
         ratio = self.throughput_ratio_on_vs_off
         seconds = self.restore_seconds
         return {
             "control_overhead": [row.to_json() for row in self.control_overhead],
+            "durable_commit": None if self.durable is None else self.durable.to_json(),
             "throughput_ratio_on_vs_off": None if ratio is None else round(ratio, 3),
+            "bookkeeping_us_per_episode": None
+            if self.bookkeeping_us is None
+            else round(self.bookkeeping_us, 2),
             "restore_seconds": None if seconds is None else round(seconds, 3),
+            "targets": {target.name: target.to_json() for target in self.targets()},
             "details": {
                 "workers": self.workers,
                 "warmup_rounds": self.warmup,
+                "control_root": self.control_root,
+                "control_root_on_tmpfs": self.control_on_tmpfs,
                 "rounds": {str(row.participants): row.rounds for row in self.control_overhead},
                 "phases_ms": {
                     str(row.participants): {k: round(v, 3) for k, v in row.phases_ms.items()}
@@ -76,19 +219,73 @@ def _machine() -> dict[str, Any]:
     }
 
 
+def _on_tmpfs(path: Path) -> bool:
+    """Whether ``path`` lies on a tmpfs mount (Linux /proc/mounts; False elsewhere)."""
+    try:
+        mounts = Path("/proc/mounts").read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return False
+    resolved = path.resolve()
+    best, kind = "", ""
+    for line in mounts:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = fields[1]
+        if (resolved == Path(point) or Path(point) in resolved.parents) and len(point) > len(best):
+            best, kind = point, fields[2]
+    return kind == "tmpfs"
+
+
+@contextmanager
+def _control_root(options: BenchOptions, disk_root: Path) -> Iterator[Path]:
+    """A fresh directory for the control path: under ``options.tmpfs`` when it exists,
+    removed afterwards; else the disk root itself."""
+    tmpfs = options.tmpfs
+    if tmpfs is None or not tmpfs.is_dir() or not os.access(tmpfs, os.W_OK):
+        yield disk_root
+        return
+    with tempfile.TemporaryDirectory(
+        prefix="turnpoint-bench-control-", dir=tmpfs, ignore_cleanup_errors=True
+    ) as scratch:
+        yield Path(scratch)
+
+
+def _sizes_left(sizes: Sequence[int]) -> str:
+    return ",".join(map(str, sizes))
+
+
 async def _run(options: BenchOptions, root: Path, progress: Progress) -> BenchReport:
     token = secrets.token_hex(24)
     machine_before = _machine()
-    rows = await measure_control_overhead(
+    with _control_root(options, root) as control_root:
+        on_tmpfs = _on_tmpfs(control_root)
+        progress(
+            f"control path: N={_sizes_left(options.sizes)}, snapshot roots under {control_root} "
+            f"({'tmpfs' if on_tmpfs else 'NOT tmpfs: the figure includes the disk'})"
+        )
+        rows = await measure_control_overhead(
+            control_root,
+            options.sizes,
+            workers=options.workers,
+            rounds=options.rounds_for,
+            warmup=options.warmup,
+            token=token,
+            progress=progress,
+        )
+    durable_n = options.durable_size
+    durable = await measure_durable_commit(
         root,
-        options.sizes,
+        durable_n,
         workers=options.workers,
-        rounds=options.rounds_for,
+        rounds=options.rounds_for(durable_n),
         warmup=options.warmup,
         token=token,
         progress=progress,
     )
     throughput, restore = await run_workload(root, options.workload, token=token, progress=progress)
+    progress(f"bookkeeping: {options.bookkeeping_episodes} episodes in process")
+    bookkeeping = await bookkeeping_us(options.bookkeeping_episodes, root / "bookkeeping")
     machine = _machine()
     machine["load_average_1m_at_start"] = machine_before["load_average_1m"]
     return BenchReport(
@@ -99,6 +296,10 @@ async def _run(options: BenchOptions, root: Path, progress: Progress) -> BenchRe
         warmup=options.warmup,
         snapshot_root=str(root),
         machine=machine,
+        control_root=str(control_root),
+        control_on_tmpfs=on_tmpfs,
+        durable=durable,
+        bookkeeping_us=bookkeeping,
     )
 
 

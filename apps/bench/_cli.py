@@ -18,8 +18,10 @@ from rich.console import Console
 from rich.table import Table
 
 from turnpoint.apps.bench._options import (
+    DURABLE_SIZE,
     FULL_SIZES,
     QUICK_SIZES,
+    TMPFS,
     BenchOptions,
     WorkloadOptions,
 )
@@ -29,10 +31,15 @@ if TYPE_CHECKING:
 
 __all__ = ["add_bench_parser", "bench_command", "render_table"]
 
-_FULL_STEPS = 30
-_FULL_REPEATS = 2
+# Long enough for at least ten snapshots 2 s apart in a run with snapshots on, on two
+# cores (the demo trainer makes 1.5 to 2.5 steps a second there), three runs a side.
+_FULL_STEPS = 90
+_FULL_REPEATS = 3
 _FILE_WIDTH = 160
-_QUICK_STEPS = 15
+_QUICK_STEPS = 60
+_QUICK_REPEATS = 3
+_QUICK_BOOKKEEPING = 2000
+_FULL_BOOKKEEPING = 5000
 
 
 def _sizes(text: str) -> tuple[int, ...]:
@@ -72,21 +79,49 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "bench",
         help="measure the control overhead, the snapshot cost on throughput and a restore",
         description=(
-            "Measure (1) one snapshot's control path through the real coordinator and "
-            "participants against no-op bidi gRPC streams (the lower bound) and no-op "
-            f"HTTP+JSON calls, for {', '.join(map(str, FULL_SIZES))} participants spread "
-            "over worker processes; (2) rollouts per second of the demo trainer with "
-            "snapshots on vs off; (3) the time from a cold start after a crash to the first "
-            "redispatched rollout of the restore. Progress goes to stderr, figures to stdout."
+            "Measure (1) the control path: one snapshot (prepare, commit, publish, resume) "
+            "through the real coordinator and participants, every snapshot root on tmpfs "
+            f"({TMPFS} unless --tmpfs says otherwise), against no-op bidi gRPC streams (the "
+            "floor) and no-op HTTP+JSON calls (the anchor), same workers, same run, phases "
+            f"reported, for {', '.join(map(str, FULL_SIZES))} participants spread over "
+            f"worker processes; (2) the durable commit: the same snapshot of {DURABLE_SIZE} "
+            "participants on the disk root (--root), with the fsyncs per snapshot of the "
+            "participants and of the coordinator; (3) throughput: rollouts per second of the "
+            "demo trainer with a snapshot every 2 s vs none, runs long enough for ten "
+            "snapshots, sides interleaved, three runs a side, the median ratio with its "
+            "spread, and admission-closed seconds per snapshot (median, p99); (4) "
+            "bookkeeping: the SDK's microseconds per episode (begin, 5 boundaries, finish, "
+            "acknowledge); (5) restart: from a cold start after a crash (participant start-up "
+            "included) to the first redispatched rollout. Progress goes to stderr, figures "
+            "to stdout; --json prints all of them with the targets they are held to."
         ),
     )
     parser.add_argument(
         "--quick",
         action="store_true",
         help=f"sizes {','.join(map(str, QUICK_SIZES))}, {_QUICK_STEPS}-step demo runs, "
-        "one each way",
+        f"{_QUICK_REPEATS} each way, {_QUICK_BOOKKEEPING} bookkeeping episodes",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="exit 1 when a ratio (or an fsync count) is past its must-have target by "
+        "1.5x (for CI: noise passes, a regression fails; absolute times never fail it)",
+    )
+    parser.add_argument(
+        "--tmpfs",
+        type=Path,
+        default=TMPFS,
+        help=f"tmpfs directory for the control path's snapshot roots (default {TMPFS}; "
+        "if it does not exist they go under --root and the report says so)",
+    )
+    parser.add_argument(
+        "--bookkeeping-episodes",
+        type=_positive_int,
+        help=f"episodes of the bookkeeping figure (default {_FULL_BOOKKEEPING}, quick "
+        f"{_QUICK_BOOKKEEPING})",
+    )
     parser.add_argument(
         "--sizes", type=_sizes, help="participant counts, e.g. 1,8,64 (overrides --quick)"
     )
@@ -119,7 +154,8 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     parser.add_argument(
         "--repeats",
         type=_positive_int,
-        help=f"demo runs each way, snapshots off and on (default {_FULL_REPEATS}, quick 1)",
+        help=f"demo runs each way, snapshots off and on (default {_FULL_REPEATS}, quick "
+        f"{_QUICK_REPEATS})",
     )
     parser.add_argument(
         "--agents", type=_positive_int, default=2, help="agent servers in the demo workload"
@@ -127,7 +163,14 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     parser.add_argument(
         "--root",
         type=Path,
-        help="directory for the snapshots (default: a temporary directory, removed after)",
+        help="directory on disk for the durable commit and the demo runs (default: a "
+        "temporary directory, removed after)",
+    )
+    parser.add_argument(
+        "--ray-scale",
+        action="store_true",
+        help="instead: one snapshot of 8, 64, 256 participants (or --sizes) spread over "
+        "three Ray nodes on this machine, time per phase, and a plot (--ray-scale-plot)",
     )
     parser.set_defaults(handler=bench_command)
 
@@ -140,7 +183,7 @@ def _options(args: argparse.Namespace) -> BenchOptions:
         group_size=args.group_size,
         groups_per_step=args.groups_per_step,
         snapshot_interval_s=args.snapshot_interval,
-        repeats=args.repeats or (1 if quick else _FULL_REPEATS),
+        repeats=args.repeats or (_QUICK_REPEATS if quick else _FULL_REPEATS),
     )
     return BenchOptions(
         sizes=args.sizes or (QUICK_SIZES if quick else FULL_SIZES),
@@ -149,6 +192,9 @@ def _options(args: argparse.Namespace) -> BenchOptions:
         warmup=args.warmup,
         workload=workload,
         root=args.root,
+        tmpfs=args.tmpfs,
+        bookkeeping_episodes=args.bookkeeping_episodes
+        or (_QUICK_BOOKKEEPING if quick else _FULL_BOOKKEEPING),
     )
 
 
@@ -207,6 +253,13 @@ def bench_command(args: argparse.Namespace) -> int:
         print(json.dumps(report.to_json(), indent=2))
     else:
         render_table(report, sys.stdout)
+    regressions = report.regressions()
+    if args.check and regressions:
+        print(
+            "turnpoint bench: past the must-have by 1.5x: " + ", ".join(regressions),
+            file=sys.stderr,
+        )
+        return 1
     return 0
 
 
@@ -225,9 +278,11 @@ def render_table(report: BenchReport, out: TextIO) -> None:
     # A file or a pipe gets room for every column instead of rich's default 80.
     width = None if out.isatty() else _FILE_WIDTH
     console = Console(file=out, highlight=False, width=width)
+    where = "tmpfs" if report.control_on_tmpfs else "NOT tmpfs"
     overhead = Table(
         title=f"Control path of one snapshot, median ms ({report.workers} worker process(es), "
-        "the same server layout for every path)",
+        f"the same server layout for every path; snapshot roots under {report.control_root}, "
+        f"{where})",
         title_justify="left",
     )
     columns = ("participants", "turnpoint", "bidi floor", "ratio", "HTTP+JSON", "vs HTTP")
@@ -246,6 +301,28 @@ def render_table(report: BenchReport, out: TextIO) -> None:
         )
     console.print(overhead)
 
+    durable = report.durable
+    if durable is not None:
+        commit = Table(
+            title=f"Durable commit on disk ({durable.root}), {durable.participants} "
+            f"participants, median of {durable.rounds}",
+            title_justify="left",
+        )
+        commit.add_column("figure")
+        commit.add_column("value", justify="right")
+        commit.add_row("snapshot ms (all phases)", _ms(durable.total_ms))
+        for phase in PHASES:
+            commit.add_row(f"  {phase} ms", _ms(durable.phases_ms.get(phase, 0.0)))
+        commit.add_row("fsyncs per snapshot, participants", f"{durable.participant_fsyncs:.1f}")
+        commit.add_row(
+            "fsyncs per snapshot, coordinator publishing", f"{durable.publish_fsyncs:.1f}"
+        )
+        commit.add_row(
+            "fsyncs per snapshot, coordinator retention and cleanup",
+            f"{durable.other_coordinator_fsyncs:.1f}",
+        )
+        console.print(commit)
+
     throughput = report.throughput
     workload = Table(
         title=f"Demo trainer, {throughput.steps} steps per run, {len(throughput.on)} run(s) "
@@ -260,14 +337,30 @@ def render_table(report: BenchReport, out: TextIO) -> None:
         f"{throughput.per_second_on:.1f}",
     )
     ratio = throughput.ratio
-    workload.add_row("throughput on / off", "n/a" if ratio is None else f"{ratio:.3f}")
     details = throughput.to_json()
+    spread = details["ratio_on_vs_off_spread"]
+    workload.add_row(
+        "throughput on / off (median of the runs' ratios)",
+        "n/a" if ratio is None else f"{ratio:.3f}",
+    )
+    if spread is not None:
+        workload.add_row("  spread (lowest, highest)", f"{spread[0]:.3f}, {spread[1]:.3f}")
+    workload.add_row(
+        "snapshots per run with snapshots on",
+        " ".join(str(n) for n in details["snapshots_per_run"]),
+    )
     workload.add_row(
         "snapshots published / failed",
         f"{details['snapshots_published']} / {details['snapshots_failed']}",
     )
     workload.add_row("snapshot median s (all phases)", _s(details["snapshot_median_s"]))
     workload.add_row("admission closed median s", _s(details["admission_closed_median_s"]))
+    workload.add_row("admission closed p99 s", _s(details["admission_closed_p99_s"]))
+    bookkeeping = report.bookkeeping_us
+    workload.add_row(
+        "SDK bookkeeping us per episode",
+        "n/a" if bookkeeping is None else f"{bookkeeping:.1f}",
+    )
     restore = report.restore
     workload.add_row("restore s (cold start to first redispatched rollout)", _s(restore.seconds))
     if restore.seconds is None:
@@ -284,3 +377,20 @@ def render_table(report: BenchReport, out: TextIO) -> None:
     for checkpoint_id, problem in restore.rejected_snapshots:
         workload.add_row(f"  {checkpoint_id} could not have been restored", problem)
     console.print(workload)
+
+    targets = Table(title="Targets (must-have, aim)", title_justify="left")
+    for column in ("figure", "value", "must", "aim", "met"):
+        targets.add_column(column, justify="left" if column == "figure" else "right")
+    for target in report.targets():
+        shown = target.to_json()
+        met = {True: "yes", False: "no", None: "n/a"}[shown["met_must"]]
+        if shown["regressed"] and target.gated:
+            met = "REGRESSED"
+        targets.add_row(
+            target.name,
+            "n/a" if target.value is None else f"{target.value:.3f}",
+            f"{'>=' if target.higher_is_better else '<='} {target.must:g}",
+            "" if target.aim is None else f"{target.aim:g}",
+            met,
+        )
+    console.print(targets)

@@ -1,17 +1,22 @@
-"""The control overhead of one snapshot against its two transport baselines.
+"""The control path of one snapshot against its two transport baselines, and the same
+snapshot made durable on disk.
 
-For each number N of participants, rounds of three paths are timed:
+**Control path.** For each number N of participants, rounds of three paths are timed,
+with every snapshot root (the participants' stores and the trainer's layout) on tmpfs
+(``/dev/shm`` by default), so that the figure is the protocol's and not the co-located
+disk's:
 
 - **turnpoint**: the real coordinator
   (:class:`~turnpoint.trainer._coordinator.Coordinator`, ControlSession streams) drives
   one snapshot of N real participants: prepare (with what the coordinator does around
   it: a WatchBoundaries stream per participant and the lease renewer), commit (nothing
-  to export, yet each participant writes and fsyncs its empty record file and its
-  manifest), publish of the manifest (:class:`~turnpoint.trainer._manifest.SnapshotLayout`,
-  fsyncs included) and resume. Every round uses a fresh checkpoint id. The trainer
-  anchor is the trainer's own write, not control traffic: an empty anchor directory is
-  made before the clock starts. The coordinator runs with its default configuration
-  (``fanout_concurrency`` included), timeouts aside.
+  to export, so each participant answers ``saved_nothing`` and writes no file,
+  docs/spec.md section 4.8), publish of the manifest
+  (:class:`~turnpoint.trainer._manifest.SnapshotLayout`, fsyncs included) and resume.
+  Every round uses a fresh checkpoint id. The trainer anchor is the trainer's own
+  write, not control traffic: an empty anchor directory is made before the clock
+  starts. The coordinator runs with its default configuration (``fanout_concurrency``
+  included), timeouts aside.
 - **lower bound**: the same four phases as one echo round trip on each of N open bidi
   gRPC streams.
 - **HTTP+JSON**: the same four phases as one JSON POST to each of N aiohttp servers
@@ -22,7 +27,11 @@ The N servers of every path are spread over the same worker processes the same w
 the other, the one that goes first rotating from round to round, with a short pause
 after each so that the background work one leaves behind (stream teardown, the kernel
 flushing a commit's files) is not billed to the next. After ``warmup`` rounds, the
-median of ``rounds`` rounds is reported.
+median of ``rounds`` rounds is reported, with each phase's median.
+
+**Durable commit.** The turnpoint path alone, on the disk root, with every ``os.fsync``
+counted: the participants' (in their worker processes) and the coordinator's (in this
+process, split into the publication's and the rest: retention, partial cleanup).
 """
 
 from __future__ import annotations
@@ -39,7 +48,13 @@ from types import MappingProxyType, TracebackType
 from typing import Final, Protocol, Self
 
 from turnpoint.apps.bench._baselines import BidiEchoFanout, HttpJsonFanout
-from turnpoint.apps.bench._workers import HOST, WorkerProcess, fleet_job
+from turnpoint.apps.bench._workers import (
+    HOST,
+    FsyncCount,
+    WorkerProcess,
+    counting_fsyncs,
+    fleet_job,
+)
 from turnpoint.ids import checkpoint_sequence, make_checkpoint_id
 from turnpoint.trainer import (
     AnchorRef,
@@ -52,7 +67,14 @@ from turnpoint.trainer import (
     tree_digest,
 )
 
-__all__ = ["PHASES", "Fleet", "OverheadRow", "measure_control_overhead"]
+__all__ = [
+    "PHASES",
+    "DurableCommit",
+    "Fleet",
+    "OverheadRow",
+    "measure_control_overhead",
+    "measure_durable_commit",
+]
 
 PHASES: Final = tuple(
     phase.value
@@ -104,6 +126,41 @@ class OverheadRow:
         }
 
 
+@dataclass(frozen=True, slots=True)
+class DurableCommit:
+    """One snapshot of ``participants`` participants on the disk root: median
+    milliseconds (the whole control path and each phase) and fsyncs per snapshot.
+
+    ``participant_fsyncs`` is every fsync of the participants' worker processes over
+    all rounds (warmup included) divided by those rounds; ``publish_fsyncs`` the
+    coordinator's inside the publication, ``other_coordinator_fsyncs`` the rest of its
+    round (retention and partial cleanup).
+    """
+
+    participants: int
+    rounds: int
+    total_ms: float
+    phases_ms: Mapping[str, float]
+    participant_fsyncs: float
+    publish_fsyncs: float
+    other_coordinator_fsyncs: float
+    root: str
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "participants": self.participants,
+            "rounds": self.rounds,
+            "total_ms": round(self.total_ms, 3),
+            "phases_ms": {k: round(v, 3) for k, v in self.phases_ms.items()},
+            "fsyncs_per_snapshot": {
+                "participants": round(self.participant_fsyncs, 2),
+                "coordinator_publish": round(self.publish_fsyncs, 2),
+                "coordinator_other": round(self.other_coordinator_fsyncs, 2),
+            },
+            "root": self.root,
+        }
+
+
 # -------------------------------------------------------------------------- fleet
 
 
@@ -117,7 +174,16 @@ class Fleet:
     ``async with`` starts every worker and always stops (or kills) them on exit.
     """
 
-    def __init__(self, root: Path, size: int, workers: int, token: str) -> None:
+    def __init__(
+        self,
+        root: Path,
+        size: int,
+        workers: int,
+        token: str,
+        *,
+        baselines: bool = True,
+        count_fsyncs: bool = False,
+    ) -> None:
         if size < 1 or workers < 1:
             raise ValueError("a fleet needs at least one server and one worker")
         self.root = root
@@ -129,7 +195,8 @@ class Fleet:
                 fleet_job(
                     root,
                     [participant_name(j) for j in range(w, size, workers)],
-                    len(range(w, size, workers)),
+                    len(range(w, size, workers)) if baselines else 0,
+                    count_fsyncs=count_fsyncs,
                 ),
                 token,
             )
@@ -158,8 +225,8 @@ class Fleet:
             ):
                 echo[w + k * count] = f"{HOST}:{echo_port}"
                 http[w + k * count] = f"{HOST}:{http_port}"
-        self.echo = [echo[j] for j in range(self.size)]
-        self.http = [http[j] for j in range(self.size)]
+        self.echo = [echo[j] for j in sorted(echo)]
+        self.http = [http[j] for j in sorted(http)]
         return self
 
     async def __aexit__(
@@ -172,6 +239,11 @@ class Fleet:
 
     async def aclose(self) -> None:
         await asyncio.gather(*(worker.stop() for worker in self._workers))
+
+    @property
+    def fsyncs(self) -> int:
+        """The fsyncs its workers reported on exit (``count_fsyncs``; after close)."""
+        return sum(int(worker.final_report.get("fsyncs", 0)) for worker in self._workers)
 
     def endpoints(self, n: int) -> dict[str, str]:
         names = [participant_name(j) for j in range(n)]
@@ -202,12 +274,28 @@ class _SnapshotRounds:
     """One snapshot's control path per call, through the real coordinator."""
 
     def __init__(
-        self, coordinator: Coordinator, layout: SnapshotLayout, ids: Iterator[str]
+        self,
+        coordinator: Coordinator,
+        layout: SnapshotLayout,
+        ids: Iterator[str],
+        fsyncs: FsyncCount | None = None,
     ) -> None:
         self._coordinator = coordinator
         self._layout = layout
         self._ids = ids
         self._anchor: AnchorRef | None = None
+        self._fsyncs = fsyncs
+        self.publish_fsyncs = 0
+        self.other_fsyncs = 0
+        self.rounds = 0
+
+    def _publish(self, snapshot: Path, manifest: SnapshotManifest) -> None:
+        before = self._count()
+        self._layout.publish(snapshot, manifest)
+        self.publish_fsyncs += self._count() - before
+
+    def _count(self) -> int:
+        return 0 if self._fsyncs is None else self._fsyncs.value
 
     def _begin(self, checkpoint_id: str) -> Path:
         snapshot = self._layout.begin(checkpoint_id)
@@ -218,8 +306,10 @@ class _SnapshotRounds:
         return snapshot
 
     def _tidy(self) -> None:
+        before = self._count()
         self._layout.retain(_KEEP_SNAPSHOTS)
         self._layout.clean_partial()
+        self.other_fsyncs += self._count() - before
 
     async def round(self) -> dict[str, float]:
         checkpoint_id = next(self._ids)
@@ -241,7 +331,7 @@ class _SnapshotRounds:
                 anchor=anchor,
                 participants=tuple(entries.values()),
             )
-            await asyncio.to_thread(self._layout.publish, snapshot, manifest)
+            await asyncio.to_thread(self._publish, snapshot, manifest)
             laps.append(time.perf_counter())
             report = await coordinator.resume(checkpoint_id)
             resumed = True
@@ -252,6 +342,7 @@ class _SnapshotRounds:
                 # Abort: never leave a fleet closed for the next round.
                 await coordinator.resume(checkpoint_id)
         await asyncio.to_thread(self._tidy)
+        self.rounds += 1
         return _laps(laps)
 
 
@@ -275,15 +366,7 @@ async def measure_size(
     settle_s: float = SETTLE_S,
 ) -> OverheadRow:
     """The medians for ``n`` participants (the first ``n`` servers of the fleet)."""
-    identity = await asyncio.to_thread(bump_epoch, fleet.root, coordinator_id=_COORDINATOR_ID)
-    config = CoordinatorConfig(snapshot_root=fleet.root, control_timeout_s=30.0)
-    coordinator = Coordinator(
-        fleet.endpoints(n),
-        token=fleet.token,
-        coordinator_id=identity.coordinator_id,
-        epoch=identity.epoch,
-        config=config,
-    )
+    coordinator = await _coordinator(fleet, n)
     bidi = BidiEchoFanout(fleet.echo[:n])
     http = HttpJsonFanout(fleet.http[:n])
     totals: dict[str, list[float]] = {"turnpoint": [], "bidi": [], "http": []}
@@ -335,6 +418,18 @@ async def measure_size(
     )
 
 
+async def _coordinator(fleet: Fleet, n: int) -> Coordinator:
+    identity = await asyncio.to_thread(bump_epoch, fleet.root, coordinator_id=_COORDINATOR_ID)
+    config = CoordinatorConfig(snapshot_root=fleet.root, control_timeout_s=30.0)
+    return Coordinator(
+        fleet.endpoints(n),
+        token=fleet.token,
+        coordinator_id=identity.coordinator_id,
+        epoch=identity.epoch,
+        config=config,
+    )
+
+
 def _ms(values: Sequence[float]) -> str:
     return f"{statistics.median(values) * 1000:.1f}"
 
@@ -371,3 +466,61 @@ async def measure_control_overhead(
                 )
             )
     return rows
+
+
+async def measure_durable_commit(
+    root: Path,
+    n: int,
+    *,
+    workers: int,
+    rounds: int,
+    warmup: int,
+    token: str,
+    progress: Progress,
+    settle_s: float = SETTLE_S,
+) -> DurableCommit:
+    """The turnpoint path alone for ``n`` participants on ``root`` (a disk), fsyncs counted."""
+    fleet_root = root / "durable"
+    fleet_root.mkdir(parents=True, exist_ok=True)
+    progress(f"durable commit: {n} participants on {fleet_root}, fsyncs counted")
+    layout = SnapshotLayout(fleet_root)
+    ids = await asyncio.to_thread(_checkpoint_ids, layout)
+    totals: list[float] = []
+    phases: dict[str, list[float]] = {phase: [] for phase in PHASES}
+    fleet = Fleet(fleet_root, n, workers, token, baselines=False, count_fsyncs=True)
+    with counting_fsyncs() as fsyncs:
+        async with fleet:
+            coordinator = await _coordinator(fleet, n)
+            try:
+                async with asyncio.timeout(_ROUND_TIMEOUT_S):
+                    await coordinator.discover()
+                snapshots = _SnapshotRounds(coordinator, layout, ids, fsyncs)
+                for index in range(warmup + rounds):
+                    async with asyncio.timeout(_ROUND_TIMEOUT_S):
+                        laps = await snapshots.round()
+                    if index >= warmup:
+                        totals.append(laps["total"])
+                        for phase in PHASES:
+                            phases[phase].append(laps[phase])
+                    await asyncio.sleep(settle_s)
+            finally:
+                await coordinator.close()
+    done = max(snapshots.rounds, 1)
+    result = DurableCommit(
+        participants=n,
+        rounds=rounds,
+        total_ms=statistics.median(totals) * 1000,
+        phases_ms=MappingProxyType(
+            {phase: statistics.median(values) * 1000 for phase, values in phases.items()}
+        ),
+        participant_fsyncs=fleet.fsyncs / done,
+        publish_fsyncs=snapshots.publish_fsyncs / done,
+        other_coordinator_fsyncs=snapshots.other_fsyncs / done,
+        root=str(fleet_root),
+    )
+    progress(
+        f"  N={n} on disk: {_ms(totals)} ms (publish {result.phases_ms['publish']:.1f} ms); "
+        f"fsyncs per snapshot: participants {result.participant_fsyncs:.1f}, coordinator "
+        f"{result.publish_fsyncs:.1f} publishing + {result.other_coordinator_fsyncs:.1f} other"
+    )
+    return result

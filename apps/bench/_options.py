@@ -8,8 +8,10 @@ from pathlib import Path
 from typing import Final
 
 __all__ = [
+    "DURABLE_SIZE",
     "FULL_SIZES",
     "QUICK_SIZES",
+    "TMPFS",
     "BenchOptions",
     "WorkloadOptions",
     "default_rounds",
@@ -17,6 +19,10 @@ __all__ = [
 
 FULL_SIZES: Final = (1, 8, 64, 256)
 QUICK_SIZES: Final = (1, 8, 64)
+TMPFS: Final = Path("/dev/shm")
+"""Where the control path's snapshot roots go by default (Linux shared memory, tmpfs)."""
+DURABLE_SIZE: Final = 64
+"""Participants of the durable commit (or the largest size measured, if smaller)."""
 # Rounds per size when --rounds is not given: fewer where one round takes seconds.
 _ROUNDS_SMALL: Final = 15
 _ROUNDS_LARGE: Final = 7
@@ -48,8 +54,11 @@ class WorkloadOptions:
 class BenchOptions:
     """What to measure and how hard. ``rounds`` None: :func:`default_rounds` per size.
 
-    ``root`` holds every snapshot the run writes (the participants' stores and the
-    published manifests); None: a fresh temporary directory, removed afterwards.
+    ``root`` holds every snapshot the run writes on disk (the durable commit and the
+    demo workload); None: a fresh temporary directory, removed afterwards. ``tmpfs`` is
+    where the control path's snapshot roots go (a fresh directory under it, removed
+    afterwards); None, or a directory that does not exist: under ``root`` instead, and
+    the report says so. ``bookkeeping_episodes`` in-process episodes time the SDK.
     """
 
     sizes: tuple[int, ...] = FULL_SIZES
@@ -58,6 +67,13 @@ class BenchOptions:
     warmup: int = 3
     workload: WorkloadOptions = field(default_factory=WorkloadOptions)
     root: Path | None = None
+    tmpfs: Path | None = TMPFS
+    bookkeeping_episodes: int = 3000
+
+    @property
+    def durable_size(self) -> int:
+        fitting = [n for n in self.sizes if n <= DURABLE_SIZE]
+        return max(fitting) if fitting else min(self.sizes)
 
     def __post_init__(self) -> None:
         if not self.sizes or any(n < 1 for n in self.sizes):
@@ -68,6 +84,8 @@ class BenchOptions:
             raise ValueError("rounds must be >= 1")
         if self.warmup < 0:
             raise ValueError("warmup must be >= 0")
+        if self.bookkeeping_episodes < 1:
+            raise ValueError("bookkeeping_episodes must be >= 1")
         workload = self.workload
         for name in ("agents", "steps", "group_size", "groups_per_step", "repeats"):
             if getattr(workload, name) < 1:

@@ -52,6 +52,7 @@ __all__ = [
     "BenchReport",
     "add_bench_parser",
     "bench_participant_command",
+    "bookkeeping_us",
     "run_participant_bench",
 ]
 
@@ -124,7 +125,8 @@ class _BoundaryAgent(Agent):
 # ---------------------------------------------------------------------- bookkeeping
 
 
-async def _bookkeeping_us(episodes: int, root: Path) -> float:
+async def bookkeeping_us(episodes: int, root: Path) -> float:
+    """The median microseconds of one episode's SDK bookkeeping, in process."""
     runtime = ParticipantRuntime(INSTANCE, SnapshotStore(root), agent=_BoundaryAgent())
     task = {"boundaries": BOUNDARIES}
     samples: list[float] = []
@@ -265,7 +267,7 @@ def _records_per_s(count: int, rounds: int, root: Path) -> float:
 
 async def _run(config: BenchConfig, root: Path) -> BenchReport:
     report = BenchReport()
-    report.bookkeeping_us = await _bookkeeping_us(config.episodes, root / "bookkeeping")
+    report.bookkeeping_us = await bookkeeping_us(config.episodes, root / "bookkeeping")
     report.round_trips_ms = await _round_trips_ms(
         config.parked, config.rounds, root / "round-trips", ("unary", "session")
     )

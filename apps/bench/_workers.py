@@ -14,7 +14,9 @@ share of the servers in its own asyncio loop, on ``127.0.0.1:0``:
 The driver passes the job as one JSON argument and the bearer token in
 ``$TURNPOINT_TOKEN`` (never on the command line). A worker prints one JSON line with
 its ports once every server is serving, then runs until its stdin closes (the driver
-stops it, or died) or it gets SIGTERM/SIGINT. :class:`WorkerProcess` is the driver's
+stops it, or died) or it gets SIGTERM/SIGINT. A job with ``count_fsyncs`` counts every
+``os.fsync`` the worker makes (:func:`counting_fsyncs`) and prints a last JSON line,
+``{"fsyncs": N}``, once its servers are stopped. :class:`WorkerProcess` is the driver's
 handle: it bounds every wait and kills a worker that does not stop in time.
 """
 
@@ -29,7 +31,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Final
@@ -41,13 +43,59 @@ from turnpoint.ids import EpisodeId
 from turnpoint.participant_sdk import ParticipantRuntime, ResourcesServer, SnapshotStore, Verdict
 from turnpoint.server import HostedParticipant, ServerOptions, host_participant
 
-__all__ = ["NoopResources", "WorkerError", "WorkerProcess", "fleet_job", "topology_job"]
+__all__ = [
+    "FsyncCount",
+    "NoopResources",
+    "WorkerError",
+    "WorkerProcess",
+    "counting_fsyncs",
+    "fleet_job",
+    "topology_job",
+]
 
 _LOG = logging.getLogger(__name__)
 
 HOST: Final = "127.0.0.1"
 _STOP_TIMEOUT_S: Final = 15.0
 _MODULE: Final = "turnpoint.apps.bench._workers"
+
+
+class FsyncCount:
+    """How many ``os.fsync`` calls this process made since :func:`counting_fsyncs` began."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._value = 0
+
+    def _add(self) -> None:
+        with self._lock:  # fsyncs come from many writer threads at once
+            self._value += 1
+
+    @property
+    def value(self) -> int:
+        with self._lock:
+            return self._value
+
+
+@contextlib.contextmanager
+def counting_fsyncs() -> Iterator[FsyncCount]:
+    """Count every ``os.fsync`` of this process (files and directories alike) meanwhile.
+
+    Every durable write of turnpoint (:mod:`turnpoint._files`, the participant store)
+    calls ``os.fsync`` through the module attribute, so wrapping it sees them all.
+    """
+    count = FsyncCount()
+    original = os.fsync
+
+    def fsync(fd: Any) -> None:
+        count._add()
+        original(fd)
+
+    os.fsync = fsync
+    try:
+        yield count
+    finally:
+        os.fsync = original
 
 
 class NoopResources(ResourcesServer):
@@ -69,14 +117,17 @@ class NoopResources(ResourcesServer):
         return None
 
 
-def fleet_job(root: Path, participants: Sequence[str], baselines: int) -> dict[str, Any]:
+def fleet_job(
+    root: Path, participants: Sequence[str], baselines: int, *, count_fsyncs: bool = False
+) -> dict[str, Any]:
     """The job of a fleet worker: these participant instances and ``baselines`` servers
-    of each baseline kind."""
+    of each baseline kind; with ``count_fsyncs``, report the fsyncs made on exit."""
     return {
         "mode": "fleet",
         "root": str(root),
         "participants": list(participants),
         "baselines": baselines,
+        "count_fsyncs": count_fsyncs,
     }
 
 
@@ -205,18 +256,23 @@ async def _serve(job: Mapping[str, Any]) -> int:
         loop.set_default_executor(ThreadPoolExecutor(threads, thread_name_prefix="bench"))
     hosting = _host_fleet if job["mode"] == "fleet" else _host_topology
     closers: list[Closer] = []
-    try:
-        report, closers = await hosting(job, token)
-        report["pid"] = os.getpid()
-        sys.stdout.write(json.dumps(report) + "\n")
-        sys.stdout.flush()
-        await stop.wait()
-    finally:
-        for close in reversed(closers):
-            # Best effort: a server that fails to stop must not keep the others up, and
-            # the process exits right after anyway.
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(close(), _STOP_TIMEOUT_S)
+    with counting_fsyncs() as fsyncs:
+        try:
+            report, closers = await hosting(job, token)
+            report["pid"] = os.getpid()
+            sys.stdout.write(json.dumps(report) + "\n")
+            sys.stdout.flush()
+            await stop.wait()
+        finally:
+            for close in reversed(closers):
+                # Best effort: a server that fails to stop must not keep the others up,
+                # and the process exits right after anyway.
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(close(), _STOP_TIMEOUT_S)
+        if job.get("count_fsyncs"):
+            with contextlib.suppress(OSError):
+                sys.stdout.write(json.dumps({"fsyncs": fsyncs.value}) + "\n")
+                sys.stdout.flush()
     return 0
 
 
@@ -250,6 +306,8 @@ class WorkerProcess:
         self._token = token
         self._process: asyncio.subprocess.Process | None = None
         self.report: dict[str, Any] = {}
+        # The last JSON line it printed on its way out (``{"fsyncs": N}``), if any.
+        self.final_report: dict[str, Any] = {}
 
     @property
     def pid(self) -> int | None:
@@ -291,11 +349,22 @@ class WorkerProcess:
             with contextlib.suppress(OSError):
                 process.stdin.close()
         try:
-            await asyncio.wait_for(process.wait(), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                if process.stdout is not None:
+                    self._read_final(await process.stdout.read())
+                await process.wait()
         except TimeoutError:
             _LOG.warning("worker %s did not stop in %g s; killing it", self.name, timeout_s)
             self.kill()
             await process.wait()
+
+    def _read_final(self, rest: bytes) -> None:
+        for line in reversed(rest.decode("utf-8", errors="replace").splitlines()):
+            with contextlib.suppress(json.JSONDecodeError):
+                found = json.loads(line)
+                if isinstance(found, dict):
+                    self.final_report = found
+                    return
 
     def kill(self) -> None:
         """SIGKILL, as a crash would (the servers get no chance to drain)."""

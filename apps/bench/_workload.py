@@ -9,10 +9,15 @@ process (as ``turnpoint serve`` would host each). The bench writes the
 
 - **Throughput**: runs of the same number of training steps, each on fresh
   participants, alternately without snapshots (an interval longer than any run) and with
-  a snapshot every ``snapshot_interval_s`` (off/on, then on/off, ...). Rollouts per
+  a snapshot every ``snapshot_interval_s`` (off/on, then on/off, ...: the sides are
+  interleaved, so a machine that speeds up or slows down favours neither). Rollouts per
   second is the number of rollouts trained on over the trainer's wall time from its
-  ``start`` event to its ``done`` event, pooled over the runs of each side; the figure
-  is on / off.
+  ``start`` event to its ``done`` event. The figure is the median over the repeats of
+  each repeat's on / off ratio, reported with its spread (lowest, highest); the pooled
+  rates of each side are details. Runs should be long enough for at least
+  :data:`MIN_SNAPSHOTS` snapshots each (``min_snapshots_per_run`` says whether they
+  were). Admission-closed seconds per published snapshot are reported as a median and
+  a 99th percentile over every snapshot of every run.
 - **Restore**: a third run is crashed (SIGKILL of the trainer and of every participant)
   as soon as a published snapshot holds episodes in flight and the restore planner
   accepts it (a snapshot it would refuse is reported, with the planner's reason, and
@@ -30,6 +35,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import statistics
 import sys
@@ -63,6 +69,7 @@ from turnpoint.trainer import (
 )
 
 __all__ = [
+    "MIN_SNAPSHOTS",
     "RestoreResult",
     "ThroughputResult",
     "WorkloadError",
@@ -81,6 +88,8 @@ _WATCH_PERIOD_S: Final = 0.05
 _STDERR_TAIL_CHARS: Final = 2000
 # The demo trainer's default, and the coordinator's.
 _TARGET_LEVEL: Final = "turn"
+MIN_SNAPSHOTS: Final = 10
+"""Snapshots a run with snapshots on should publish for its figure to mean something."""
 
 Progress = Callable[[str], None]
 
@@ -131,9 +140,32 @@ class ThroughputResult:
         return _pooled_rate(self.on)
 
     @property
-    def ratio(self) -> float | None:
+    def pooled_ratio(self) -> float | None:
         off = self.per_second_off
         return self.per_second_on / off if off > 0 else None
+
+    @property
+    def ratios(self) -> tuple[float, ...]:
+        """Each repeat's on / off (runs paired in the order they were made)."""
+        return tuple(
+            on.per_second / off.per_second
+            for off, on in zip(self.off, self.on, strict=False)
+            if off.per_second > 0
+        )
+
+    @property
+    def ratio(self) -> float | None:
+        """The median of the repeats' on / off ratios."""
+        ratios = self.ratios
+        return statistics.median(ratios) if ratios else None
+
+    @property
+    def admission_closed_s(self) -> tuple[float, ...]:
+        return tuple(seconds for run in self.on for seconds in run.admission_closed_seconds)
+
+    @property
+    def min_snapshots_per_run(self) -> int:
+        return min((run.snapshots_published for run in self.on), default=0)
 
     @property
     def snapshots_published(self) -> int:
@@ -144,8 +176,21 @@ class ThroughputResult:
         return sum(run.snapshots_failed for run in self.on)
 
     def to_json(self) -> dict[str, Any]:
+        ratios = self.ratios
+        admission = self.admission_closed_s
         return {
             "steps": self.steps,
+            "ratio_on_vs_off_median": _round(self.ratio),
+            "ratio_on_vs_off_runs": [round(r, 3) for r in ratios],
+            "ratio_on_vs_off_spread": [round(min(ratios), 3), round(max(ratios), 3)]
+            if ratios
+            else None,
+            "ratio_on_vs_off_pooled": _round(self.pooled_ratio),
+            "admission_closed_median_s": _median(list(admission)),
+            "admission_closed_p99_s": _percentile(admission, 0.99),
+            "snapshots_per_run": [run.snapshots_published for run in self.on],
+            "min_snapshots_per_run": self.min_snapshots_per_run,
+            "enough_snapshots": self.min_snapshots_per_run >= MIN_SNAPSHOTS,
             "runs_per_side": len(self.on),
             "rollouts_per_run": [run.rollouts for run in self.on],
             "rollouts_per_s_off": round(self.per_second_off, 3),
@@ -157,9 +202,6 @@ class ThroughputResult:
             "snapshots_failed": self.snapshots_failed,
             "snapshot_median_s": _median(
                 [seconds for run in self.on for seconds in run.snapshot_seconds]
-            ),
-            "admission_closed_median_s": _median(
-                [seconds for run in self.on for seconds in run.admission_closed_seconds]
             ),
         }
 
@@ -208,6 +250,15 @@ def _round(value: float | None) -> float | None:
 
 def _median(values: Sequence[float]) -> float | None:
     return round(statistics.median(values), 3) if values else None
+
+
+def _percentile(values: Sequence[float], fraction: float) -> float | None:
+    """The nearest-rank percentile (the largest value below 100 samples for p99)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, math.ceil(fraction * len(ordered)))
+    return round(ordered[rank - 1], 4)
 
 
 # ----------------------------------------------------------------------- event log

@@ -253,10 +253,16 @@ async def check_restore(kit: Kit) -> str:
     await kit.resume(checkpoint)
     entry = pb.ManifestEntry(manifest=committed.manifest, artifacts=list(committed.artifacts))
     kit.notes.append(f"a committed snapshot directory {checkpoint}/{kit.instance}/ under its root")
+    # An entry without a manifest is a participant that saved nothing (section 4.10);
+    # naming record files without their manifest is malformed.
     await kit.refused(
-        kit.restore(kit.checkpoint_id(), checkpoint, pb.ManifestEntry()),
+        kit.restore(
+            kit.checkpoint_id(),
+            checkpoint,
+            pb.ManifestEntry(artifacts=list(committed.artifacts)),
+        ),
         "INVALID_ARGUMENT",
-        "Restore without entry.manifest",
+        "Restore naming artifacts without entry.manifest",
     )
     forged = pb.ManifestEntry()
     forged.CopyFrom(entry)

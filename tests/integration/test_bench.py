@@ -26,6 +26,7 @@ from turnpoint.apps.bench import (
     ThroughputResult,
     render_table,
 )
+from turnpoint.apps.bench._bench import Target
 from turnpoint.apps.bench._workload import RunFigures
 
 SIZES = (2, 3)
@@ -58,7 +59,7 @@ def _children() -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def bench(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], list[int]]:
+def bench(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], list[int], Path]:
     """The bench's JSON output, and the child processes left once it returned."""
     root = tmp_path_factory.mktemp("bench")
     argv = [
@@ -82,6 +83,8 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], lis
         "0.3",
         "--repeats",
         "1",
+        "--bookkeeping-episodes",
+        "50",
         "--root",
         str(root),
     ]
@@ -89,7 +92,7 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], lis
     with contextlib.redirect_stdout(out):
         code = main(argv)
     assert code == 0, out.getvalue()
-    return json.loads(out.getvalue()), _children()
+    return json.loads(out.getvalue()), _children(), root
 
 
 def _positive(value: Any) -> bool:
@@ -99,13 +102,16 @@ def _positive(value: Any) -> bool:
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_the_json_has_every_figure_as_a_positive_number(
-    bench: tuple[dict[str, Any], list[int]],
+    bench: tuple[dict[str, Any], list[int], Path],
 ) -> None:
-    figures, _ = bench
+    figures = bench[0]
     assert set(figures) == {
         "control_overhead",
+        "durable_commit",
         "throughput_ratio_on_vs_off",
+        "bookkeeping_us_per_episode",
         "restore_seconds",
+        "targets",
         "details",
     }
     rows = figures["control_overhead"]
@@ -120,23 +126,61 @@ def test_the_json_has_every_figure_as_a_positive_number(
         )
     assert _positive(figures["throughput_ratio_on_vs_off"])
     assert _positive(figures["restore_seconds"])
+    assert _positive(figures["bookkeeping_us_per_episode"])
+    durable = figures["durable_commit"]
+    # The largest size measured, up to 64; on the disk root, not on tmpfs.
+    assert durable["participants"] == max(SIZES)
+    assert durable["root"].startswith(str(bench[2]))
+    assert _positive(durable["total_ms"])
+    assert set(durable["phases_ms"]) == {"prepare", "commit", "publish", "resume"}
+    fsyncs = durable["fsyncs_per_snapshot"]
+    # docs/spec.md section 4.8 item 7: participants that export nothing write nothing;
+    # the coordinator syncs the anchor tree, the manifest, the snapshot dir, LATEST, root.
+    assert fsyncs["participants"] == 0
+    assert fsyncs["coordinator_publish"] == 6
+    targets = figures["targets"]
+    assert targets["durable_participant_fsyncs_exporting_nothing"]["met_must"] is True
+    assert targets["control_path_64_vs_floor"]["value"] is None  # 64 was not measured
+    for target in targets.values():
+        assert set(target) == {
+            "value",
+            "must",
+            "aim",
+            "higher_is_better",
+            "gated",
+            "met_must",
+            "met_aim",
+            "regressed",
+        }
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_the_details_say_what_was_measured(bench: tuple[dict[str, Any], list[int]]) -> None:
+def test_the_details_say_what_was_measured(bench: tuple[dict[str, Any], list[int], Path]) -> None:
     details = bench[0]["details"]
     assert details["rounds"] == {str(n): 2 for n in SIZES}
     for n in SIZES:
         phases = details["phases_ms"][str(n)]
         assert set(phases) == {"prepare", "commit", "publish", "resume"}
         assert all(_positive(value) for value in phases.values())
+    # The control path ran on tmpfs where there is one, never on the disk root.
+    assert details["control_root_on_tmpfs"] is Path("/dev/shm").is_dir()
+    assert not details["control_root"].startswith(str(bench[2]))
     throughput = details["throughput"]
     # Three steps of two groups of two: every run trains on the same twelve rollouts.
     assert throughput["runs_per_side"] == 1
     assert throughput["rollouts_per_run"] == [12]
     assert _positive(throughput["rollouts_per_s_off"])
     assert _positive(throughput["rollouts_per_s_on"])
+    # One repeat: the median ratio is that repeat's, its spread a single point.
+    ratio = throughput["ratio_on_vs_off_median"]
+    assert throughput["ratio_on_vs_off_runs"] == [ratio]
+    assert throughput["ratio_on_vs_off_spread"] == [ratio, ratio]
+    assert bench[0]["throughput_ratio_on_vs_off"] == pytest.approx(ratio, abs=0.002)
+    assert len(throughput["snapshots_per_run"]) == 1
+    assert throughput["enough_snapshots"] is (throughput["min_snapshots_per_run"] >= 10)
+    if throughput["snapshots_published"]:
+        assert throughput["admission_closed_p99_s"] >= throughput["admission_closed_median_s"]
     restore = details["restore"]
     assert restore["seconds"] == bench[0]["restore_seconds"]
     assert restore["resumable_in_snapshot"] >= 1
@@ -149,7 +193,7 @@ def test_the_details_say_what_was_measured(bench: tuple[dict[str, Any], list[int
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_no_worker_or_trainer_process_outlives_the_bench(
-    bench: tuple[dict[str, Any], list[int]],
+    bench: tuple[dict[str, Any], list[int], Path],
 ) -> None:
     assert bench[1] == []
 
@@ -183,11 +227,54 @@ def test_the_table_shows_the_figures_and_why_a_restore_was_not_measured() -> Non
     out = io.StringIO()
     render_table(report, out)
     text = out.getvalue()
-    for shown in ("120.0", "30.0", "4.00x", "2.00x", "24.0", "20.0", "0.833", "11 / 0"):
+    # The runs' ratios are 24/24 -> 21.8/24 = 0.909 and 18.5/24 = 0.769: median 0.839.
+    for shown in ("120.0", "30.0", "4.00x", "2.00x", "24.0", "20.0", "0.839", "11 / 0"):
         assert shown in text, (shown, text)
+    assert "0.769, 0.909" in text
     assert "the restore of ck-1 would fail: a reason" in text
-    assert report.to_json()["restore_seconds"] is None
-    assert report.to_json()["throughput_ratio_on_vs_off"] == pytest.approx(0.833, abs=0.001)
+    figures = report.to_json()
+    assert figures["restore_seconds"] is None
+    assert figures["throughput_ratio_on_vs_off"] == pytest.approx(0.839, abs=0.001)
+    assert figures["details"]["throughput"]["ratio_on_vs_off_pooled"] == pytest.approx(
+        0.833, abs=0.001
+    )
+    # 4.0x the floor is past 1.5 x the 2.0x must-have: --check would fail on it; 0.839
+    # is below 0.95 but within 0.95 / 1.5, so noise of that size would not.
+    targets = figures["targets"]
+    assert targets["control_path_64_vs_floor"]["met_must"] is False
+    assert targets["control_path_64_vs_floor"]["regressed"] is True
+    assert targets["throughput_on_vs_off"]["met_must"] is False
+    assert targets["throughput_on_vs_off"]["regressed"] is False
+    assert report.regressions() == ["control_path_64_vs_floor", "control_path_64_vs_http_json"]
+    assert "REGRESSED" in text
+
+
+def test_a_target_regresses_only_past_its_margin() -> None:
+    assert not Target("x", 2.9, must=2.0).regressed
+    assert Target("x", 3.1, must=2.0).regressed
+    assert Target("x", None, must=2.0).regressed is False
+    assert not Target("x", 0.7, must=0.95, higher_is_better=True).regressed
+    assert Target("x", 0.6, must=0.95, higher_is_better=True).regressed
+    # A count that must be zero regresses on the first one: counts are not noisy.
+    assert Target("fsyncs", 1, must=0).regressed
+    assert Target("fsyncs", 0, must=0).to_json()["met_must"] is True
+
+
+def test_only_ratios_and_counts_fail_a_check() -> None:
+    report = BenchReport(
+        control_overhead=(),
+        throughput=ThroughputResult(steps=1, snapshot_interval_s=2.0, off=(), on=()),
+        restore=RestoreResult(60.0),
+        workers=1,
+        warmup=0,
+        snapshot_root="/nowhere",
+        bookkeeping_us=1000.0,
+    )
+    targets = {target.name: target for target in report.targets()}
+    # Twelve times the restart target and 17 times the bookkeeping one: reported, but
+    # absolute times depend on the machine, so they never fail --check.
+    assert targets["restart_s"].regressed and targets["bookkeeping_us_per_episode"].regressed
+    assert report.regressions() == []
 
 
 def test_bad_options_are_refused_before_anything_starts(

@@ -64,6 +64,7 @@ from turnpoint.trainer import (
     apply_plan,
     bump_epoch,
 )
+from turnpoint.trainer import _coordinator as coordinator_module
 from turnpoint.trainer._control_client import FailureKind
 from turnpoint.trainer._manifest import AnchorRef, TrainerRolloutState, tree_digest
 from turnpoint.trainer._restore import RerunReason
@@ -1014,7 +1015,12 @@ async def test_real_participants_continue_a_parked_sibling_after_a_restart(
     assert results["pair-1"].outcome is RolloutOutcome.COMPLETED
 
 
-async def test_real_participant_disk_full_is_retried_and_latest_stays(tmp_path: Path) -> None:
+async def test_real_participant_disk_full_is_retried_and_latest_stays(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Nobody exports anything here; the full disk needs the participants to write all
+    # the same, as they do for a coordinator that does not accept saved_nothing.
+    monkeypatch.setattr(coordinator_module, "ACCEPT_SAVED_NOTHING", False)
     config = CoordinatorConfig(
         snapshot_root=tmp_path, control_timeout_s=5.0, resume_retry_pause_s=0
     )
