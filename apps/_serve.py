@@ -59,6 +59,19 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         metavar="SECONDS",
         help="agent: simulated latency of every turn's model call (default: 0)",
     )
+    parser.add_argument(
+        "--token-delay",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="model: simulated decode time of every token, for long generations (default: 0)",
+    )
+    parser.add_argument(
+        "--cut-generations",
+        action="store_true",
+        help="agent: let the policy cut generations at a checkpoint and continue them from "
+        "their token prefix (docs/spec.md section 5.5)",
+    )
     parser.set_defaults(handler=_serve_command)
 
 
@@ -120,6 +133,8 @@ async def _serve(
         faults=args.faults,
         lease_s=args.lease,
         turn_delay_s=args.turn_delay,
+        token_delay_s=args.token_delay,
+        cut_generations=args.cut_generations,
     )
     try:
         runtime, closers = build_example(args.kind, example, spec)

@@ -28,6 +28,7 @@ from ._agent import (
     SavedTurn,
 )
 from ._failures import ParticipantError, TransientError, hook_failure
+from ._generation import Generation, GenerationRequest, WeightsChange
 from ._model import GenerateChunk, GenerateRequest, PolicyModel
 from ._resources import ConfigurationError, ResourcesServer, Verdict
 from ._runtime import (
@@ -80,6 +81,8 @@ __all__ = [
     "ForgetResult",
     "GenerateChunk",
     "GenerateRequest",
+    "Generation",
+    "GenerationRequest",
     "Header",
     "ParticipantError",
     "ParticipantKind",
@@ -110,5 +113,6 @@ __all__ = [
     "Verdict",
     "VerifyMode",
     "WatchEvent",
+    "WeightsChange",
     "hook_failure",
 ]

@@ -20,13 +20,14 @@ import functools
 import secrets
 from collections.abc import (
     AsyncGenerator,
+    AsyncIterator,
     Awaitable,
     Callable,
     Iterable,
     Mapping,
     Sequence,
 )
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Any, ClassVar, TypeVar
 
@@ -40,7 +41,9 @@ from turnpoint.protocol import (
 )
 
 from ._core import ActiveClock, ParticipantCore, WorkKey
-from ._shared import Shared, invalid_record
+from ._generation import Generation, GenerationRequest, WeightsChange
+from ._model import GenerateChunk
+from ._shared import Shared, invalid_record, logger
 from ._store import Record
 
 __all__ = [
@@ -57,6 +60,15 @@ T = TypeVar("T")
 
 SLOT = "run"
 _PAYLOAD_FIELDS = frozenset({"task", "boundary_index", "turn_index", "state"})
+# docs/spec.md section 5.5: the generation of the turn after the boundary, when a
+# checkpoint cut it (or it finished before the next boundary); absent otherwise.
+_GENERATION_FIELD = "generation"
+# A RERUN of a generation that spans a weight update is retried at most this often; the
+# generation is then kept as it is (weight syncs faster than a generation never settle).
+_MAX_WEIGHT_RERUNS = 3
+
+# Opens one policy stream for a request (prompt plus any prefix, the budget left).
+GenerationStream = Callable[[GenerationRequest], AsyncIterator[GenerateChunk]]
 
 
 class RunOutcome(enum.Enum):
@@ -96,6 +108,8 @@ class SavedTurn:
     boundary_index: int
     turn_index: int
     state: Mapping[str, Any]
+    # The turn's generation so far (cut by a checkpoint, or finished), docs/spec.md 5.5.
+    generation: Generation | None = None
 
 
 class Agent(abc.ABC):
@@ -120,6 +134,13 @@ class Agent(abc.ABC):
     # Agents export the state they hand to ctx.boundary, so they can always continue a turn.
     recovery_mode: ClassVar[RecoveryMode] = RecoveryMode.EXPORTED
     environment: ClassVar[str] = ""
+    # docs/spec.md section 5.5: ``ctx.generate`` asks the policy to cut its generations
+    # at a checkpoint and records the cuts. Set it only when the policy server cuts (it
+    # lists the token level in Describe): a generation the agent streams blocks its
+    # prepare until the stream ends, which a policy that cannot cut never hurries.
+    cuts_generations: bool = False
+    # What ``ctx.generate`` does with a generation whose tokens span a weight update.
+    weights_change: WeightsChange = WeightsChange.KEEP
 
     @abc.abstractmethod
     async def run(self, ctx: EpisodeContext, task: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -223,6 +244,27 @@ class EpisodeContext:
         """
         return await self._host._model_call(self._ex, factory)
 
+    async def generate(
+        self,
+        prompt_token_ids: Sequence[int],
+        max_new_tokens: int,
+        stream: GenerationStream,
+    ) -> Generation:
+        """The turn's generation, streamed through ``stream``; cut and continued as needed.
+
+        A model call made right after a boundary, like :meth:`model_call` (parked while
+        a checkpoint is open). When the agent sets ``cuts_generations``, the request
+        accepts cuts: a checkpoint that closes admission cuts the stream at a token
+        boundary, the prefix is saved with the boundary, and after resume (or a restore)
+        the generation continues from prompt plus prefix; the tokens come back in order,
+        each once, each with its weights version. Asked again for the same prompt and
+        budget after a restore, it continues the saved generation (or returns it, if it
+        had finished). ``stream`` must forward ``accept_cut`` and yield every chunk.
+        """
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        return await self._host._generate(self._ex, tuple(prompt_token_ids), max_new_tokens, stream)
+
     async def mark_restart(self) -> None:
         """This episode cannot be captured (it starts over after a restore).
 
@@ -253,7 +295,10 @@ class AgentHost:
         return self._agent.recovery_mode
 
     def describe(self) -> Mapping[str, object]:
-        return {"environment": self._agent.environment}
+        return {
+            "environment": self._agent.environment,
+            "cuts_generations": self._agent.cuts_generations,
+        }
 
     # ------------------------------------------------------------------ data plane
 
@@ -552,6 +597,128 @@ class AgentHost:
                 execution.clock.resume(shared.now())
             return reply
 
+    async def _generate(
+        self,
+        execution: _Execution,
+        prompt: tuple[int, ...],
+        max_new_tokens: int,
+        stream: GenerationStream,
+    ) -> Generation:
+        """docs/spec.md section 5.5: stream, record cuts, continue, until it finishes."""
+        if execution.saved is None:
+            # Before the first boundary there is nowhere to record a cut: a plain call.
+            return await self._stream_once(
+                Generation(prompt, max_new_tokens), stream, cuttable=False
+            )
+        generation = execution.saved.generation
+        if generation is not None and not generation.matches(prompt, max_new_tokens):
+            logger.warning(
+                "%s asked for another generation than the one saved with its turn; the "
+                "saved one (%d tokens) is dropped",
+                execution.episode,
+                len(generation.token_ids),
+            )
+            generation = None
+        if generation is None:
+            generation = Generation(prompt, max_new_tokens)
+        cuttable = self._agent.cuts_generations
+        reruns = 0
+        shared = self._shared
+        while True:
+            if generation.finished:
+                if (
+                    self._agent.weights_change is WeightsChange.RERUN
+                    and generation.spans_weight_update
+                    and reruns < _MAX_WEIGHT_RERUNS
+                ):
+                    reruns += 1
+                    generation = generation.discard()
+                else:
+                    await self._keep_generation(execution, generation)
+                    return generation
+            async with shared.changing() as core:
+                core.set_state(execution.key, EpisodeState.AWAITING_MODEL, shared.now())
+                if not core.admission_open:
+                    execution.clock.pause(shared.now())
+                    await shared.wait_for(lambda: core.admission_open)
+                    execution.clock.resume(shared.now())
+                if cuttable:
+                    # Streaming tokens a snapshot must not lose: block until the stream
+                    # ends, which a cutting model hurries at the next token.
+                    core.set_state(execution.key, EpisodeState.RUNNING, shared.now())
+            try:
+                generation = await self._stream_once(generation, stream, cuttable)
+            except TurnpointError as error:
+                if error.reason is not Reason.ADMISSION_CLOSED:
+                    await self._running(execution)
+                    raise
+                await self._after_refusal()
+                continue
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                await self._running(execution)
+                raise
+            async with shared.changing() as core:
+                # The prefix (or the finished generation) belongs to the saved turn now,
+                # so a snapshot taken from here on saves it.
+                assert execution.saved is not None
+                execution.saved = replace(execution.saved, generation=generation)
+                core.set_state(execution.key, EpisodeState.AWAITING_MODEL, shared.now())
+                if not core.admission_open:
+                    execution.clock.pause(shared.now())
+                if generation.finished:
+                    # A reply that arrives while a checkpoint is open is held until resume.
+                    await shared.wait_for(lambda: core.admission_open)
+                    core.set_state(execution.key, EpisodeState.RUNNING, shared.now())
+                    execution.clock.resume(shared.now())
+            if not generation.finished:
+                # Cut: continue after resume (backing off if only the model closed).
+                await self._after_refusal()
+                async with shared.changing() as core:
+                    execution.clock.resume(shared.now())
+
+    async def _stream_once(
+        self, generation: Generation, stream: GenerationStream, cuttable: bool
+    ) -> Generation:
+        """One request: append what it streams; a cut leaves the generation unfinished."""
+        request = replace(generation.next_request(), accept_cut=cuttable)
+        streamed = 0
+        chunks = stream(request)
+        try:
+            async for chunk in chunks:
+                if chunk.cut:
+                    if chunk.prefix_length != streamed + len(chunk.token_ids):
+                        # A lost message: the prefix is not what the model cut at.
+                        logger.warning(
+                            "a cut generation reported %d tokens but %d arrived; it "
+                            "starts again from its prompt",
+                            chunk.prefix_length,
+                            streamed + len(chunk.token_ids),
+                        )
+                        return generation.discard().cut()
+                    generation = generation.extend(
+                        chunk.token_ids, chunk.logprobs, chunk.weights_version
+                    )
+                    return generation.cut()
+                generation = generation.extend(
+                    chunk.token_ids, chunk.logprobs, chunk.weights_version
+                )
+                streamed += len(chunk.token_ids)
+                if chunk.done:
+                    break
+        finally:
+            aclose = getattr(chunks, "aclose", None)
+            if aclose is not None:
+                await aclose()
+        return generation.finish()
+
+    async def _keep_generation(self, execution: _Execution, generation: Generation) -> None:
+        if execution.saved is None:
+            return
+        async with self._shared.changing():
+            execution.saved = replace(execution.saved, generation=generation)
+
     async def _running(self, execution: _Execution) -> None:
         async with self._shared.changing() as core:
             core.set_state(execution.key, EpisodeState.RUNNING, self._shared.now())
@@ -622,21 +789,28 @@ class AgentHost:
                     f"the agent's export left out {episode}",
                     {"episode": str(episode)},
                 )
-            payload = {
+            payload: dict[str, Any] = {
                 "task": self._executions[episode].task,
                 "boundary_index": turn.boundary_index,
                 "turn_index": turn.turn_index,
                 "state": states[episode],
             }
+            if turn.generation is not None:
+                payload[_GENERATION_FIELD] = turn.generation.to_json()
             records.append(Record(episode, SLOT, payload))
         return records
 
     def validate(self, record: Record) -> None:
         payload = record.payload
-        if set(payload) != _PAYLOAD_FIELDS:
+        if set(payload) - {_GENERATION_FIELD} != _PAYLOAD_FIELDS:
             raise invalid_record(
                 record, f"fields {sorted(payload)} are not {sorted(_PAYLOAD_FIELDS)}"
             )
+        if _GENERATION_FIELD in payload:
+            try:
+                Generation.from_json(payload[_GENERATION_FIELD])
+            except ValueError as error:
+                raise invalid_record(record, str(error)) from error
         index, turn = payload["boundary_index"], payload["turn_index"]
         for name, value, least in (("boundary_index", index, 1), ("turn_index", turn, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < least:
@@ -650,7 +824,14 @@ class AgentHost:
 
     async def install(self, record: Record, episode: EpisodeId) -> WorkKey:
         payload = record.payload
-        saved = SavedTurn(payload["boundary_index"], payload["turn_index"], payload["state"])
+        generation = (
+            Generation.from_json(payload[_GENERATION_FIELD])
+            if _GENERATION_FIELD in payload
+            else None
+        )
+        saved = SavedTurn(
+            payload["boundary_index"], payload["turn_index"], payload["state"], generation
+        )
         execution = _Execution(episode, dict(payload["task"]), saved, None, self._shared.now())
         async with self._shared.changing() as core:
             core.install_restored(

@@ -3,9 +3,11 @@
 A Gym policy server subclasses :class:`PolicyModel` and implements :meth:`generate` as an
 async generator of :class:`GenerateChunk`. While a checkpoint holds admission, new
 generations wait (held, not counted as in flight) until resume; generations already
-streaming finish, and the server is ready when none streams. A generation is never cut
-in the middle of its token stream. Retiring an episode stops its running generation
-before the retire replies. A model holds no episode state, so it exports nothing, and a
+streaming finish, and the server is ready when none streams. A model that sets
+:attr:`PolicyModel.can_cut` instead cuts each streaming generation whose caller accepts
+cuts at its next token boundary (docs/spec.md section 5.5): the stream ends with a chunk
+whose ``cut`` is set, and the caller continues from prompt plus prefix after resume.
+Retiring an episode stops its running generation before the retire replies. A model holds no episode state, so it exports nothing, and a
 restore into a server that already served a generation is refused.
 """
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import contextlib
 import itertools
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass
@@ -37,16 +40,25 @@ class GenerateRequest:
     max_new_tokens: int
     temperature: float = 0.0
     seed: int = 0
+    # The caller records a cut and continues it (docs/spec.md section 5.5).
+    accept_cut: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class GenerateChunk:
-    """Tokens generated since the previous chunk; ``done`` on the last one."""
+    """Tokens generated since the previous chunk; ``done`` on the last one.
+
+    ``cut`` is set only on the last chunk of a generation a checkpoint cut before it
+    ended on its own; ``prefix_length`` is then the number of tokens the whole stream
+    carried (docs/spec.md section 5.5).
+    """
 
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     done: bool
     weights_version: int
+    cut: bool = False
+    prefix_length: int = 0
 
 
 class PolicyModel(abc.ABC):
@@ -71,6 +83,12 @@ class PolicyModel(abc.ABC):
     """
 
     environment: ClassVar[str] = ""
+    # docs/spec.md section 5.5. True promises that (1) every chunk but the last carries
+    # tokens and a chunk not ``done`` means at least one more token follows (the chunk
+    # with the generation's last token is ``done``), and (2) the SDK may stop iterating
+    # ``generate`` between two chunks (it closes the generator) without harm. The SDK
+    # then cuts generations whose caller accepts cuts when a checkpoint closes admission.
+    can_cut: ClassVar[bool] = False
 
     @abc.abstractmethod
     def generate(
@@ -118,26 +136,43 @@ class ModelHost:
         self._model = model
         self._numbers = itertools.count(1)
         self._pumps: dict[WorkKey, asyncio.Task[None]] = {}
+        # Generations a checkpoint may cut, each with the event that asks it to stop.
+        self._cuts: dict[WorkKey, asyncio.Event] = {}
 
     def describe(self) -> Mapping[str, object]:
-        return {"environment": self._model.environment}
+        return {
+            "environment": self._model.environment,
+            "cuts_generations": self._model.can_cut,
+        }
 
     async def generate(
         self, episode: EpisodeId, request: GenerateRequest
     ) -> AsyncGenerator[GenerateChunk, None]:
         shared = self._shared
+        cuttable = request.accept_cut and self._model.can_cut
         async with shared.changing() as core:
             while True:
                 core.check_attempt(episode)
-                if core.admission_open:
+                if core.admission_open or cuttable:
                     break
                 # Held at the gate: not in the table, so it never blocks a prepare.
                 await shared.wait_change()
-            key = WorkKey(episode, f"{SLOT}/{next(self._numbers)}")
-            core.admit(key, EpisodeState.REQUEST_IN_FLIGHT, shared.now())
-            queue: asyncio.Queue[GenerateChunk | _End] = asyncio.Queue()
-            pump = asyncio.create_task(self._pump(episode, request, queue))
-            self._pumps[key] = pump
+            admitted = core.admission_open
+            if admitted:
+                key = WorkKey(episode, f"{SLOT}/{next(self._numbers)}")
+                core.admit(key, EpisodeState.REQUEST_IN_FLIGHT, shared.now())
+                queue: asyncio.Queue[GenerateChunk | _End] = asyncio.Queue()
+                cut = asyncio.Event()
+                if cuttable:
+                    self._cuts[key] = cut
+                pump = asyncio.create_task(self._pump(episode, request, queue, cut))
+                self._pumps[key] = pump
+        if not admitted:
+            # docs/spec.md section 5.5 item 3: a cut of no tokens, answered at once. Its
+            # caller blocks its own prepare until its stream ends, so holding it at the
+            # gate would hold both checkpoints up.
+            yield GenerateChunk((), (), True, 0, cut=True, prefix_length=0)
+            return
         try:
             while True:
                 item = await queue.get()
@@ -159,6 +194,7 @@ class ModelHost:
                 await asyncio.wait([pump])
             async with shared.changing() as core:
                 self._pumps.pop(key, None)
+                self._cuts.pop(key, None)
                 core.remove(key, shared.now())
 
     async def _pump(
@@ -166,11 +202,32 @@ class ModelHost:
         episode: EpisodeId,
         request: GenerateRequest,
         queue: asyncio.Queue[GenerateChunk | _End],
+        cut: asyncio.Event,
     ) -> None:
         end = _End()
+        streamed = 0
+        version = 0
         try:
-            async for chunk in self._model.generate(episode, request):
-                queue.put_nowait(chunk)
+            if cut.is_set():
+                # Closed between admission and the first token: nothing was generated.
+                queue.put_nowait(GenerateChunk((), (), True, 0, cut=True, prefix_length=0))
+            else:
+                stream = self._model.generate(episode, request)
+                async with contextlib.aclosing(stream):
+                    async for chunk in stream:
+                        queue.put_nowait(chunk)
+                        streamed += len(chunk.token_ids)
+                        version = chunk.weights_version
+                        # docs/spec.md section 5.5 item 2: a chunk not done means more
+                        # tokens follow, so the generation is cut here, between tokens;
+                        # one that ended on its own (or reached its budget) is not cut.
+                        if cut.is_set() and not chunk.done and streamed < request.max_new_tokens:
+                            queue.put_nowait(
+                                GenerateChunk(
+                                    (), (), True, version, cut=True, prefix_length=streamed
+                                )
+                            )
+                            break
         except asyncio.CancelledError:
             end = _End(stopped=True)
         except Exception as error:  # noqa: BLE001 - handed to the caller's stream, not lost
@@ -183,6 +240,8 @@ class ModelHost:
     # ------------------------------------------------------------------ kind hooks
 
     async def admission_closed(self) -> None:
+        for cut in self._cuts.values():
+            cut.set()
         await self._model.admission_closed()
 
     async def admission_opened(self) -> None:

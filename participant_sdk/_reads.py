@@ -94,6 +94,9 @@ class ControlReads:
             if mode is RecoveryMode.RESTART_ONLY
             else (RecoveryLevel.TURN, RecoveryLevel.SIBLING, RecoveryLevel.PROMPT_GROUP)
         )
+        if extra.get("cuts_generations") is True and mode is not RecoveryMode.RESTART_ONLY:
+            # docs/spec.md section 5.5: a model that cuts, an agent that records cuts.
+            levels = (RecoveryLevel.TOKEN, *levels)
         verify_mode = extra.get("verify_mode", VerifyMode.WAIT)
         group_size = extra.get("group_size", 0)
         return Description(

@@ -191,17 +191,21 @@ class PolicyServicer(policy_service_pb2_grpc.PolicyServiceServicer):
                     max_new_tokens=request.max_new_tokens,
                     temperature=request.temperature,
                     seed=request.seed,
+                    accept_cut=request.accept_cut,
                 ),
             )
             async with contextlib.aclosing(stream):
                 async for chunk in stream:
-                    yield policy_service_pb2.GenerateResponse(
+                    response = policy_service_pb2.GenerateResponse(
                         header=header_to_proto(self._runtime.header()),
                         token_ids=list(chunk.token_ids),
                         logprobs=list(chunk.logprobs),
                         done=chunk.done,
                         weights_version=chunk.weights_version,
                     )
+                    if chunk.cut:
+                        response.cut.prefix_length = chunk.prefix_length
+                    yield response
 
     async def UpdateWeights(
         self, request: policy_service_pb2.UpdateWeightsRequest, context: Context

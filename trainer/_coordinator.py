@@ -209,7 +209,9 @@ class Coordinator(RestoreOperations):
         decided once from Describe, with one warning per lowered environment (a later
         discovery that decides the same warns no more)."""
         target = RecoveryLevel.parse(self.config.target_level)
-        self._levels = MappingProxyType(decide_levels(target, topology.environments()))
+        self._levels = MappingProxyType(
+            decide_levels(target, topology.environments(), topology.shared_models())
+        )
         for environment, decision in self._levels.items():
             if decision.lowered and self._warned_levels.get(environment) != decision:
                 self._warned_levels[environment] = decision

@@ -1,8 +1,10 @@
 """Recovery levels: how finely each environment's unfinished rollouts can continue.
 
-docs/spec.md section 7: one setting, ``target_level`` (``turn``, ``sibling`` or
-``prompt_group``, finest to coarsest). Each environment gets the finest level at or
-below the target that everything it depends on supports, derived from ``Describe``.
+docs/spec.md section 7: one setting, ``target_level`` (``token``, ``turn``, ``sibling``
+or ``prompt_group``, finest to coarsest). Each environment gets the finest level at or
+below the target that everything it depends on supports, derived from ``Describe``;
+``token`` also needs every policy model that serves no one environment in particular to
+cut generations (docs/spec.md section 5.5).
 The decision is data: it carries the reasons it was lowered, so the coordinator can log
 one warning per lowered environment and tests can assert on the reasons.
 
@@ -61,16 +63,27 @@ def _coarsest_needed(member: EnvironmentMember) -> tuple[RecoveryLevel, str | No
     if member.recovery_mode == "restart_only":
         # Its sessions start over, so a saved turn that depends on them cannot continue.
         return RecoveryLevel.SIBLING, f"{member.instance} is restart-only"
-    if member.supported_levels and RecoveryLevel.TURN not in member.supported_levels:
-        finest = min(member.supported_levels)
+    levels = member.supported_levels
+    if levels and RecoveryLevel.TURN not in levels and RecoveryLevel.TOKEN not in levels:
+        finest = min(levels)
         return finest, f"{member.instance} supports {finest.label} at the finest"
-    return RecoveryLevel.TURN, None
+    if RecoveryLevel.TOKEN not in levels:
+        # Only a participant that says so cuts (a model) or records cuts (an agent).
+        return RecoveryLevel.TURN, f"{member.instance} cannot cut generations"
+    return RecoveryLevel.TOKEN, None
 
 
 def decide_levels(
-    target: RecoveryLevel, environments: Mapping[str, Iterable[EnvironmentMember]]
+    target: RecoveryLevel,
+    environments: Mapping[str, Iterable[EnvironmentMember]],
+    models: Iterable[EnvironmentMember] = (),
 ) -> dict[str, LevelDecision]:
-    """Each environment's effective level: the finest at or below ``target`` it supports."""
+    """Each environment's effective level: the finest at or below ``target`` it supports.
+
+    ``models`` are the policy models of no environment: any environment's agents may
+    call them, so each counts for every environment (only ``token`` depends on them).
+    """
+    shared = tuple(models)
     decisions: dict[str, LevelDecision] = {}
     for environment, members in sorted(environments.items()):
         effective = target
@@ -79,6 +92,12 @@ def decide_levels(
         for member in sorted(members, key=lambda m: m.instance):
             group_scored = group_scored or member.group_scored
             needed, reason = _coarsest_needed(member)
+            if needed > target and reason is not None:
+                reasons.append(reason)
+            effective = max(effective, needed)
+        for model in sorted(shared, key=lambda m: m.instance):
+            needed, reason = _coarsest_needed(model)
+            needed = min(needed, RecoveryLevel.TURN)  # a model holds no turn to lose
             if needed > target and reason is not None:
                 reasons.append(reason)
             effective = max(effective, needed)

@@ -355,7 +355,7 @@ def plan_restore(
         return (
             rollout_id in continued
             and accepted[rollout_id]
-            and level is RecoveryLevel.TURN
+            and level <= RecoveryLevel.TURN  # token: a cut generation continues too
             and not restore_failed
         )
 

@@ -154,6 +154,14 @@ class Topology:
                 grouped.setdefault(info.environment, []).append(info.member())
         return {name: tuple(members) for name, members in sorted(grouped.items())}
 
+    def shared_models(self) -> tuple[EnvironmentMember, ...]:
+        """Policy models of no environment: any environment's agents may call them."""
+        return tuple(
+            info.member()
+            for info in self.participants.values()
+            if info.kind is ParticipantKind.MODEL and not info.environment
+        )
+
     def check_manifest(self, manifest: SnapshotManifest) -> None:
         """Raise :class:`ManifestError` unless the snapshot was taken with these participants."""
         manifest.validate_topology(self.instances)

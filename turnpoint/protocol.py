@@ -105,10 +105,12 @@ class RecoveryLevel(enum.StrEnum):
     """How finely an unfinished rollout can be continued, ordered finest first.
 
     The values are the lower-case names the coordinator's configuration uses
-    (``target_level: turn``). Levels compare by fineness: ``TURN < SIBLING <
-    PROMPT_GROUP``, so ``max`` of two levels is the coarser one.
+    (``target_level: turn``). Levels compare by fineness: ``TOKEN < TURN < SIBLING <
+    PROMPT_GROUP``, so ``max`` of two levels is the coarser one. ``TOKEN`` continues a
+    generation a checkpoint cut from its token prefix (docs/spec.md section 5.5).
     """
 
+    TOKEN = "token"
     TURN = "turn"
     SIBLING = "sibling"
     PROMPT_GROUP = "prompt_group"

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, TextIO
 from rich.console import Console
 from rich.table import Table
 
+from turnpoint.apps.bench._long_generations import add_long_generation_arguments
 from turnpoint.apps.bench._options import (
     DURABLE_SIZE,
     FULL_SIZES,
@@ -172,6 +173,13 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         help="instead: one snapshot of 8, 64, 256 participants (or --sizes) spread over "
         "three Ray nodes on this machine, time per phase, and a plot (--ray-scale-plot)",
     )
+    parser.add_argument(
+        "--ray-scale-plot",
+        default="bench-ray-scale.png",
+        metavar="PNG",
+        help="where --ray-scale writes its plot (default: %(default)s)",
+    )
+    add_long_generation_arguments(parser)
     parser.set_defaults(handler=bench_command)
 
 
@@ -203,6 +211,10 @@ def _progress(message: str) -> None:
 
 
 def bench_command(args: argparse.Namespace) -> int:
+    if args.long_generations:
+        from turnpoint.apps.bench._long_generations import long_generations_command
+
+        return long_generations_command(args)
     try:
         options = _options(args)
     except ValueError as error:

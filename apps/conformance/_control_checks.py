@@ -79,8 +79,11 @@ async def check_describe(kit: Kit) -> str:
         types_pb2.RECOVERY_MODE_UNSPECIFIED,
     )
     expected_levels = _LEVELS_RESTART_ONLY if restart_only else _LEVELS_ALL
+    levels = list(d.supported_levels)
+    if not restart_only and levels[:1] == [types_pb2.RECOVERY_LEVEL_TOKEN]:
+        levels = levels[1:]  # the cutting capability, finest first (section 5.5 item 1)
     require(
-        list(d.supported_levels) == expected_levels,
+        levels == expected_levels,
         f"supported_levels {list(d.supported_levels)} for recovery mode "
         f"{types_pb2.RecoveryMode.Name(d.recovery_mode)}, expected {expected_levels}",
     )

@@ -36,6 +36,7 @@ from ._lifecycle_checks import (
     check_retire,
 )
 from ._report import CheckResult, ConformanceReport, Outcome
+from ._token_checks import check_token_cut
 from ._transport_checks import check_auth, check_health_reflection, check_hostile_input
 from ._wire import Refused, Target
 
@@ -67,6 +68,7 @@ CHECKS: tuple[Check, ...] = (
     Check("forget", "4.12", check_forget),
     Check("watch-boundaries", "4.14", check_watch_boundaries),
     Check("admission", "5.1-5.4", check_admission),
+    Check("token-cut", "5.5", check_token_cut),
     Check("readiness", "4.1, 4.6", check_readiness),
     Check("run-stream", "6.1-6.6", check_run_stream),
     Check("acknowledge", "6.4", check_acknowledge),

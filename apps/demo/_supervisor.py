@@ -125,7 +125,7 @@ __all__ = [
     "write_topology",
 ]
 
-LEVELS = ("turn", "sibling", "prompt_group")
+LEVELS = ("token", "turn", "sibling", "prompt_group")
 CRASH_POINTS = tuple(point.value for point in SnapshotPoint)
 """The trainer's snapshot points (``--crash-at`` names), in snapshot order."""
 TRAINER_MODULE = "turnpoint.apps.demo._trainer"
@@ -174,6 +174,10 @@ class DemoOptions:
     groups_per_step: int = DEFAULT_GROUPS_PER_STEP
     snapshot_interval_s: float = DEFAULT_SNAPSHOT_INTERVAL_S
     turn_delay_s: float = 0.0
+    # Long generations (docs/spec.md section 5.5): the policy's time per token, and
+    # agents that let the policy cut generations at a snapshot.
+    token_delay_s: float = 0.0
+    cut_generations: bool = False
     crash: bool = True
     crash_at: str | None = None
     target_level: str = "turn"
@@ -199,6 +203,8 @@ class DemoOptions:
             groups_per_step=args.groups_per_step,
             snapshot_interval_s=args.snapshot_interval,
             turn_delay_s=args.turn_delay,
+            token_delay_s=args.token_delay,
+            cut_generations=args.cut_generations,
             crash=args.crash,
             crash_at=args.crash_at,
             target_level=args.target_level,
@@ -244,6 +250,11 @@ class DemoOptions:
             problems.append(
                 f"--turn-delay must be zero or a positive number of seconds, got "
                 f"{self.turn_delay_s:g}"
+            )
+        if not self.token_delay_s >= 0:
+            problems.append(
+                f"--token-delay must be zero or a positive number of seconds, got "
+                f"{self.token_delay_s:g}"
             )
         if not self.start_timeout_s > 0:
             problems.append(f"--start-timeout must be positive, got {self.start_timeout_s:g}")
@@ -401,6 +412,8 @@ class ParticipantSpec:
     policy_address: str | None = None
     resources: Mapping[str, str] = field(default_factory=dict)
     turn_delay_s: float | None = None
+    token_delay_s: float | None = None
+    cut_generations: bool = False
 
     def serve_arguments(self, snapshot_root: Path) -> list[str]:
         arguments = [
@@ -429,13 +442,23 @@ class ParticipantSpec:
             arguments += ["--resources", f"{environment}={address}"]
         if self.turn_delay_s:
             arguments += ["--turn-delay", f"{self.turn_delay_s:g}"]
+        if self.token_delay_s:
+            arguments += ["--token-delay", f"{self.token_delay_s:g}"]
+        if self.cut_generations:
+            arguments.append("--cut-generations")
         return arguments
 
 
 def server_specs(options: DemoOptions, paths: DemoPaths) -> list[ParticipantSpec]:
     """The participants agents depend on: the policy and the two resources servers."""
     return [
-        ParticipantSpec(instance="policy", kind="model", example="tiny-policy", seed=options.seed),
+        ParticipantSpec(
+            instance="policy",
+            kind="model",
+            example="tiny-policy",
+            seed=options.seed,
+            token_delay_s=options.token_delay_s,
+        ),
         ParticipantSpec(
             instance="tools",
             kind="resources",
@@ -469,6 +492,7 @@ def agent_specs(options: DemoOptions, servers: Mapping[str, Participant]) -> lis
             policy_address=servers["policy"].address,
             resources=resources,
             turn_delay_s=options.turn_delay_s,
+            cut_generations=options.cut_generations,
         )
         for index in range(options.agents)
     ]
@@ -1358,6 +1382,24 @@ def add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help=(
             "simulated latency of every agent turn, as a real model call has; longer "
             "episodes mean more of them are cut mid-way by each snapshot (default: 0)"
+        ),
+    )
+    parser.add_argument(
+        "--token-delay",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help=(
+            "long generations: the policy's simulated time per token; without "
+            "--cut-generations every snapshot waits for the generations in flight (default: 0)"
+        ),
+    )
+    parser.add_argument(
+        "--cut-generations",
+        action="store_true",
+        help=(
+            "agents let the policy cut generations at a snapshot and continue them from "
+            "their token prefix (docs/spec.md section 5.5; pair with --target-level token)"
         ),
     )
     parser.add_argument(

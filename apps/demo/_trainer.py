@@ -555,7 +555,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--groups-per-step", type=int, default=4)
     parser.add_argument("--snapshot-interval", type=float, default=3.0)
     parser.add_argument(
-        "--target-level", default="turn", choices=["turn", "sibling", "prompt_group"]
+        "--target-level", default="turn", choices=["token", "turn", "sibling", "prompt_group"]
     )
     parser.add_argument("--rollout-budget", type=float, default=None)
     parser.add_argument("--seed", type=int, default=0)

@@ -28,6 +28,10 @@ class ExampleSpec:
     lease_s: float = 60.0
     temperature: float = 1.0
     turn_delay_s: float = 0.0
+    # docs/spec.md section 5.5: the policy's time per token, and agents that let the
+    # policy cut their generations at a checkpoint.
+    token_delay_s: float = 0.0
+    cut_generations: bool = False
 
 
 EXAMPLES: dict[str, tuple[str, ...]] = {
@@ -57,7 +61,7 @@ def build_example(
     config = RuntimeConfig(default_lease_s=spec.lease_s)
     closers: list[Callable[[], Awaitable[None]]] = []
     if kind == "model" and example == "tiny-policy":
-        model = TinyPolicyServer(new_policy(spec.seed))
+        model = TinyPolicyServer(new_policy(spec.seed), token_delay_s=spec.token_delay_s)
         return ParticipantRuntime(spec.instance, store, model=model, config=config), closers
     if kind == "resources" and example in ("guess", "guess-group"):
         log = VerifierLog(spec.verifier_log)
@@ -80,6 +84,7 @@ def build_example(
             spec.token,
             temperature=spec.temperature,
             turn_delay_s=spec.turn_delay_s,
+            cut_generations=spec.cut_generations,
         )
         closers.append(agent.aclose)
         return ParticipantRuntime(spec.instance, store, agent=agent, config=config), closers

@@ -25,7 +25,7 @@ import contextlib
 import json
 import os
 import pickle
-from collections.abc import AsyncGenerator, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -54,6 +54,7 @@ from turnpoint.participant_sdk import (
     EpisodeContext,
     GenerateChunk,
     GenerateRequest,
+    GenerationRequest,
     ParticipantError,
     PolicyModel,
     RecoveryMode,
@@ -95,10 +96,20 @@ def new_policy(seed: int = 0) -> TinyPolicy:
 
 
 class TinyPolicyServer(PolicyModel):
-    """Streams tokens from a :class:`TinyPolicy`; swaps weights only between generations."""
+    """Streams tokens from a :class:`TinyPolicy`; swaps weights only between generations.
 
-    def __init__(self, policy: TinyPolicy) -> None:
+    It can cut (docs/spec.md section 5.5): one token per chunk, the chunk with the last
+    token ``done``, and closing the stream between tokens is harmless.
+    """
+
+    can_cut = True
+
+    def __init__(self, policy: TinyPolicy, *, token_delay_s: float = 0.0) -> None:
+        if not token_delay_s >= 0:
+            raise ValueError(f"token_delay_s must be >= 0, got {token_delay_s}")
         self.policy = policy
+        # The decode time of a real model per token: long generations for the demo.
+        self._token_delay_s = token_delay_s
         self._streaming = 0
         self._swapping = False
         self._changed = asyncio.Condition()
@@ -131,9 +142,13 @@ class TinyPolicyServer(PolicyModel):
                 request.temperature,
                 generator,
             )
-            for sampled in tokens:
-                yield GenerateChunk((sampled.token,), (sampled.logprob,), False, version)
-                await asyncio.sleep(0)  # let other generations interleave
+            for count, sampled in enumerate(tokens, start=1):
+                last = sampled.token == self.policy.eos_token or count == request.max_new_tokens
+                yield GenerateChunk((sampled.token,), (sampled.logprob,), last, version)
+                if last:
+                    return
+                # Let other generations interleave (and stand in for a model's decode step).
+                await asyncio.sleep(self._token_delay_s)
             yield GenerateChunk((), (), True, version)
         finally:
             async with self._changed:
@@ -378,9 +393,13 @@ class GuessAgent(Agent):
         *,
         temperature: float = 1.0,
         turn_delay_s: float = 0.0,
+        cut_generations: bool = False,
     ) -> None:
         if not turn_delay_s >= 0:
             raise ValueError(f"turn_delay_s must be >= 0, got {turn_delay_s}")
+        # docs/spec.md section 5.5: generations go through ctx.generate, which lets the
+        # policy cut them at a checkpoint and continues them from their prefix.
+        self.cuts_generations = cut_generations
         self._metadata = auth_metadata(token) if token else ()
         self._policy_channel = data_channel(policy_address)
         self._policy: PolicyServiceAsyncStub = policy_service_pb2_grpc.PolicyServiceStub(
@@ -413,9 +432,12 @@ class GuessAgent(Agent):
             await ctx.boundary(0, {"turns": [], "versions": []})
         await ctx.model_call(lambda: self._seed(resources, episode, task))
         while not is_finished(prompt, turns):
-            completion, reply, version = await ctx.model_call(
-                lambda: self._turn(resources, episode, prompt, turns)
-            )
+            if self.cuts_generations:
+                completion, reply, version = await self._cut_turn(ctx, resources, prompt, turns)
+            else:
+                completion, reply, version = await ctx.model_call(
+                    lambda: self._turn(resources, episode, prompt, turns)
+                )
             turns.append(Turn(tuple(completion), reply))
             versions.append(version)
             await ctx.boundary(
@@ -453,6 +475,56 @@ class GuessAgent(Agent):
             timeout=120,
         )
 
+    async def _cut_turn(
+        self,
+        ctx: EpisodeContext,
+        resources: ResourcesServiceAsyncStub,
+        prompt: Task,
+        turns: Sequence[Turn],
+    ) -> tuple[list[int], Reply, int]:
+        """One turn whose generation a checkpoint may cut (docs/spec.md section 5.5)."""
+        episode, turn = ctx.episode, len(turns)
+        if self._turn_delay_s:
+            await ctx.model_call(lambda: asyncio.sleep(self._turn_delay_s))
+
+        def stream(request: GenerationRequest) -> AsyncIterator[GenerateChunk]:
+            return self._stream(episode, turn, request)
+
+        generation = await ctx.generate(
+            encode_context(prompt, turns), MAX_NEW_TOKENS_PER_TURN, stream
+        )
+        completion = list(generation.token_ids)
+        version = generation.weights_versions[-1] if generation.weights_versions else 0
+        reply = await ctx.model_call(lambda: self._check(resources, episode, turn, completion))
+        return completion, reply, version
+
+    async def _stream(
+        self, episode: EpisodeId, turn: int, request: GenerationRequest
+    ) -> AsyncIterator[GenerateChunk]:
+        done = len(request.prompt_token_ids)
+        call = self._policy.Generate(
+            policy_service_pb2.GenerateRequest(
+                request_id=f"gen-{episode.rollout_id}-{episode.attempt}-{turn}-{done}",
+                episode=episode_to_proto(episode),
+                prompt_token_ids=request.prompt_token_ids,
+                max_new_tokens=request.max_new_tokens,
+                temperature=self._temperature,
+                seed=hash((episode.rollout_id, episode.attempt, turn, done)) & 0x7FFFFFFF,
+                accept_cut=request.accept_cut,
+            ),
+            metadata=self._metadata,
+            timeout=120,
+        )
+        async for chunk in call:
+            yield GenerateChunk(
+                tuple(chunk.token_ids),
+                tuple(chunk.logprobs),
+                chunk.done,
+                chunk.weights_version,
+                cut=chunk.HasField("cut"),
+                prefix_length=chunk.cut.prefix_length,
+            )
+
     async def _turn(
         self,
         resources: ResourcesServiceAsyncStub,
@@ -483,6 +555,15 @@ class GuessAgent(Agent):
         async for chunk in call:
             completion.extend(chunk.token_ids)
             version = chunk.weights_version
+        return completion, await self._check(resources, episode, turn, completion), version
+
+    async def _check(
+        self,
+        resources: ResourcesServiceAsyncStub,
+        episode: EpisodeId,
+        turn: int,
+        completion: Sequence[int],
+    ) -> Reply:
         guess = next(
             (t - int(Token.DIGIT_0) for t in completion if Token.DIGIT_0 <= t <= Token.DIGIT_9),
             None,
@@ -497,7 +578,7 @@ class GuessAgent(Agent):
             metadata=self._metadata,
             timeout=120,
         )
-        return completion, Reply(struct_to_dict(answer.output)["reply"]), version
+        return Reply(struct_to_dict(answer.output)["reply"])
 
     async def _verify(
         self,

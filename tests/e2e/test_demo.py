@@ -211,7 +211,7 @@ def test_a_kill_at_each_point_restores_the_last_published_snapshot(
         pytest.param(
             ("--target-level", "turns"),
             "turnpoint demo: unknown --target-level 'turns' (did you mean turn?): choose one "
-            "of turn, sibling, prompt_group",
+            "of token, turn, sibling, prompt_group",
             id="unknown-target-level",
         ),
         pytest.param(

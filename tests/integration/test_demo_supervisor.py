@@ -409,7 +409,7 @@ def _demo(argv: Sequence[str], capsys: pytest.CaptureFixture[str]) -> tuple[int,
         (
             ["--target-level", "turns"],
             "turnpoint demo: unknown --target-level 'turns' (did you mean turn?): choose one "
-            "of turn, sibling, prompt_group",
+            "of token, turn, sibling, prompt_group",
         ),
         (["--steps", "0"], "turnpoint demo: --steps must be at least 1, got 0"),
         (

@@ -107,7 +107,10 @@ def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
             r"renew_interval_s \(6\) must not exceed control_timeout_s \(5\)",
         ),
         ({"keep_snapshots": 0}, r"keep_snapshots: Input should be greater than or equal to 1"),
-        ({"target_level": "episode"}, r"target_level: Input should be 'turn', 'sibling' or"),
+        (
+            {"target_level": "episode"},
+            r"target_level: Input should be 'token', 'turn', 'sibling' or",
+        ),
         ({"control_timeout_s": float("inf")}, r"control_timeout_s: Input should be a finite"),
         ({"control_timeout_s": "60"}, r"control_timeout_s: Input should be a valid number"),
         ({"rollout_budget_s": 0}, r"rollout_budget_s: Input should be greater than 0"),
