@@ -215,6 +215,10 @@ def bench_command(args: argparse.Namespace) -> int:
         from turnpoint.apps.bench._long_generations import long_generations_command
 
         return long_generations_command(args)
+    if args.ray_scale:
+        from turnpoint.apps.bench._ray_scale import ray_scale_command
+
+        return ray_scale_command(args)
     try:
         options = _options(args)
     except ValueError as error:

@@ -1,59 +1,85 @@
 """The demo on Ray (``turnpoint demo --ray``): every participant is a Ray actor.
 
-Each actor is an async actor (:class:`ParticipantActor`) that builds one example
-participant with :func:`~turnpoint.server.build_example` and hosts it with
-:func:`~turnpoint.server.host_participant` on 127.0.0.1 with an OS-picked port, inside
-the actor's own event loop. The supervisor finds the endpoints through the actors
-(``actor.address.remote()``), writes the same ``topology.json`` as for processes and runs
-the trainer as a process of its own, exactly as without Ray. The injected crash is
-``ray.kill`` of one agent actor plus a SIGKILL of the trainer; the job restart stops the
-surviving actors (graceful drain) and creates new ones under the same instance names.
+Built on :mod:`turnpoint.server.ray`: each participant is one
+:class:`~turnpoint.server.ray.ParticipantActor` that builds its example participant
+(:class:`DemoBuild`) and serves it on its node's address with an OS-picked port. The
+supervisor finds the endpoints through the actors, writes the same ``topology.json`` as
+for processes and runs the trainer as a process of its own, exactly as without Ray. The
+injected crash is ``ray.kill`` of one agent actor plus a SIGKILL of the trainer; the job
+restart stops the surviving actors (graceful drain) and creates new ones under the same
+instance names, spread over the nodes alive at that moment.
 
-``ray.init()`` starts a local cluster sized for a small box (no dashboard, worker logs
-kept out of the terminal); ``--ray-address`` joins an existing cluster instead. Actors
-reserve no CPU (they mostly wait on sockets) and are pinned to the driver's node: they
-listen on loopback, where the trainer, started next to the supervisor, can reach them.
+Where the actors run. ``ray.init()`` starts a local Ray instance sized for a small box;
+``--ray-address`` joins an existing cluster; ``--ray-nodes N`` starts a cluster of a head
+and N-1 more nodes on this machine (:class:`~turnpoint.server.ray.LocalCluster`), each
+node offering the custom resource ``turnpoint_participant`` (:data:`NODE_SLOTS` of it).
+Each actor reserves one slot and no CPU (they mostly wait on sockets); the actors are
+spread one node after the other over the nodes that offer slots, the head last.
+
+``--lose-node`` (with ``--ray-nodes``): the injected fault is the loss of a whole node
+instead: the node hosting an agent (not the head) is removed from the cluster, and every
+participant on it dies with it. The supervisor sees them lost and restores the whole job
+from the last published snapshot onto replacements on the remaining nodes (docs/spec.md
+section 7.12). Every start is logged to ``<out>/logs/ray-placement.jsonl`` (generation,
+instance, node, address), so a reader (and the tests) can see where each one ran.
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib
-import logging
-import os
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from turnpoint.apps.demo._report import DemoError
 from turnpoint.apps.demo._supervisor import (
     START_TIMEOUT_S,
     DemoPaths,
+    Participant,
     ParticipantSpec,
 )
 from turnpoint.apps.examples._build import ExampleSpec, build_example
 from turnpoint.auth import load_token
-from turnpoint.server import HostedParticipant, ServerOptions, host_participant
+from turnpoint.server import ServerOptions
+from turnpoint.server.ray import (
+    Built,
+    FleetError,
+    FleetOptions,
+    LocalCluster,
+    ParticipantGroup,
+    Placement,
+    RayParticipants,
+    alive_nodes,
+    connect,
+)
 
-__all__ = ["ParticipantActor", "RayLauncher", "RayParticipant"]
+__all__ = ["NODE_RESOURCE", "NODE_SLOTS", "DemoBuild", "RayLauncher", "RayParticipant"]
 
-_KILLED_STATUS = -9
-"""What :meth:`RayParticipant.exit_status` reports for an actor that died (as SIGKILL)."""
+NODE_RESOURCE: Final = "turnpoint_participant"
+"""The custom resource a node of ``--ray-nodes`` offers and every participant reserves."""
+NODE_SLOTS: Final = 8
+_GRACE_S: Final = 10.0
 
 
-class ParticipantActor:
-    """One example participant serving gRPC from inside a Ray actor's event loop."""
+@dataclass(frozen=True)
+class DemoBuild:
+    """Builds one example participant inside its actor (pickled to the actor's node)."""
 
-    def __init__(self) -> None:
-        self._hosted: HostedParticipant | None = None
+    spec: ParticipantSpec
+    snapshot_root: str
+    token_file: str
 
-    async def start(self, spec: ParticipantSpec, snapshot_root: str, token_file: str) -> str:
-        """Build and serve the participant; returns its ``host:port``."""
-        token = await asyncio.to_thread(load_token, token_file)
+    async def __call__(self, instance: str) -> Built:
+        spec = self.spec
+        token = await asyncio.to_thread(load_token, self.token_file)
         # The examples import torch: seconds of import that must not stall the loop.
         await asyncio.to_thread(importlib.import_module, "turnpoint.apps.examples._participants")
         example = ExampleSpec(
-            instance=spec.instance,
-            root=Path(snapshot_root),
+            instance=instance,
+            root=Path(self.snapshot_root),
             token=token,
             policy_address=spec.policy_address,
             resources=dict(spec.resources),
@@ -61,58 +87,19 @@ class ParticipantActor:
             verifier_log=spec.verifier_log,
             seed=spec.seed if spec.seed is not None else 0,
             turn_delay_s=spec.turn_delay_s or 0.0,
+            token_delay_s=spec.token_delay_s or 0.0,
+            cut_generations=spec.cut_generations,
         )
         runtime, closers = build_example(spec.kind, spec.example, example)
-        hosted = host_participant(runtime, ServerOptions(host="127.0.0.1", port=0, token=token))
-        hosted.on_close.extend(closers)
-        await hosted.start()
-        self._hosted = hosted
-        return hosted.address
-
-    async def address(self) -> str:
-        if self._hosted is None:
-            raise RuntimeError("the participant has not started")
-        return self._hosted.address
-
-    async def serve_until_stopped(self) -> None:
-        """Returns once the server drained and stopped; the supervisor watches this call."""
-        if self._hosted is not None:
-            await self._hosted.server.wait_for_termination()
-
-    async def stop(self, grace_s: float) -> None:
-        if self._hosted is not None:
-            await self._hosted.stop(grace_s)
-
-
-async def _resolve(ref: Any) -> Any:
-    return await ref
+        return runtime, closers
 
 
 class RayParticipant:
-    """A started :class:`ParticipantActor`, seen from the supervisor."""
+    """A started participant actor, seen from the supervisor."""
 
-    def __init__(self, spec: ParticipantSpec, actor: Any, address: str) -> None:
-        import ray
-
-        self._ray = ray
+    def __init__(self, spec: ParticipantSpec, actor: RayParticipants) -> None:
         self._spec = spec
         self._actor = actor
-        self._address = address
-        self._last_error = ""
-        self._served = asyncio.get_running_loop().create_task(
-            self._watch(actor.serve_until_stopped.remote())
-        )
-
-    async def _watch(self, ref: Any) -> int:
-        try:
-            await ref
-        except self._ray.exceptions.RayActorError as error:
-            self._last_error = str(error)
-            return _KILLED_STATUS
-        except self._ray.exceptions.RayTaskError as error:
-            self._last_error = str(error)
-            return 1
-        return 0
 
     @property
     def spec(self) -> ParticipantSpec:
@@ -120,40 +107,31 @@ class RayParticipant:
 
     @property
     def address(self) -> str:
-        return self._address
+        return self._actor.report.addresses[self._spec.instance]
+
+    @property
+    def node_id(self) -> str:
+        return self._actor.report.node_id
 
     def exit_status(self) -> int | None:
-        return self._served.result() if self._served.done() else None
+        return self._actor.ended_status()
 
     async def kill(self) -> None:
-        self._ray.kill(self._actor, no_restart=True)
-        await self._served
+        await self._actor.kill()
 
     async def stop(self, timeout_s: float) -> None:
         try:
-            await asyncio.wait_for(_resolve(self._actor.stop.remote(10.0)), timeout_s)
-            status = await asyncio.wait_for(self._served, timeout_s)
-        except TimeoutError:
-            await self.kill()
-            raise DemoError(
-                f"participant {self._spec.instance} (a Ray actor) did not stop within "
-                f"{timeout_s:g}s and was killed"
-            ) from None
-        except self._ray.exceptions.RayError as error:
-            await self.kill()
-            raise DemoError(
-                f"participant {self._spec.instance} (a Ray actor) failed to stop: {error}"
-            ) from None
-        # Stopped cleanly; the actor's worker process is freed now.
-        self._ray.kill(self._actor, no_restart=True)
+            status = await self._actor.stop(_GRACE_S, timeout_s)
+        except FleetError as error:
+            raise DemoError(f"participant {self._spec.instance}: {error}") from None
         if status != 0:
             raise DemoError(
                 f"participant {self._spec.instance} (a Ray actor) ended with status {status}: "
-                f"{self._last_error}"
+                f"{self._actor.last_error}"
             )
 
     async def stderr_tail(self) -> str:
-        return self._last_error
+        return self._actor.last_error
 
 
 class RayLauncher:
@@ -166,61 +144,101 @@ class RayLauncher:
         paths: DemoPaths,
         *,
         address: str | None = None,
+        nodes: int | None = None,
         start_timeout_s: float = START_TIMEOUT_S,
         num_cpus: int | None = None,
     ) -> None:
-        import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-        self._ray = ray
         self._paths = paths
         self._start_timeout_s = start_timeout_s
-        # Nobody reads a usage-stats prompt in a demo.
-        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-        quiet: dict[str, Any] = {"log_to_driver": False, "logging_level": logging.ERROR}
-        if address is None:
-            ray.init(
-                num_cpus=num_cpus or os.cpu_count() or 2,
-                include_dashboard=False,
-                ignore_reinit_error=True,
-                **quiet,
-            )
+        self._cluster: LocalCluster | None = None
+        resources: dict[str, float] = {}
+        if nodes is not None:
+            self._cluster = LocalCluster(nodes, resources={NODE_RESOURCE: NODE_SLOTS})
+            self._cluster.connect()
+            resources = {NODE_RESOURCE: 1}
         else:
-            ray.init(address=address, **quiet)
-        node = ray.get_runtime_context().get_node_id()
-        self._actor_class: Any = ray.remote(num_cpus=0, max_restarts=0)(ParticipantActor).options(
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)
+            connect(address, num_cpus=num_cpus)
+        self._placement = Placement(resources=resources)
+        self._options = FleetOptions(
+            server=ServerOptions(grace_seconds=_GRACE_S),
+            token_file=str(paths.token_file),
+            start_timeout_s=start_timeout_s,
         )
+        self._generation = 0
+        self._turn = 0
+        self._started: dict[str, RayParticipant] = {}
+
+    def _node_for(self, generation: int, avoid: set[str]) -> str:
+        # One node after the other over the nodes alive when the job (re)starts, the head
+        # last; every generation starts over from the first one.
+        if generation != self._generation:
+            self._generation, self._turn = generation, 0
+        nodes = [n for n in alive_nodes(resources=self._placement.resources) if n not in avoid]
+        if not nodes:
+            raise DemoError("no alive Ray node can host a participant")
+        node = nodes[self._turn % len(nodes)]
+        self._turn += 1
+        return node
 
     async def start(self, spec: ParticipantSpec, generation: int) -> RayParticipant:
-        actor: Any = self._actor_class.remote()
-        try:
-            await asyncio.wait_for(
-                _resolve(
-                    actor.start.remote(
-                        spec, str(self._paths.snapshots), str(self._paths.token_file)
-                    )
-                ),
-                self._start_timeout_s,
-            )
-            address = await asyncio.wait_for(
-                _resolve(actor.address.remote()), self._start_timeout_s
-            )
-        except TimeoutError:
-            self._ray.kill(actor, no_restart=True)
-            raise DemoError(
-                f"participant {spec.instance} did not start within {self._start_timeout_s:g}s "
-                "(its Ray actor never answered)"
-            ) from None
-        except self._ray.exceptions.RayError as error:
-            self._ray.kill(actor, no_restart=True)
-            raise DemoError(
-                f"participant {spec.instance} did not start within {self._start_timeout_s:g}s "
-                f"(its Ray actor failed); it says:\n    {error}"
-            ) from None
-        return RayParticipant(spec, actor, str(address))
+        group = ParticipantGroup(
+            kind=spec.kind,
+            instances=(spec.instance,),
+            build=DemoBuild(spec, str(self._paths.snapshots), str(self._paths.token_file)),
+            placement=self._placement,
+        )
+        failed: set[str] = set()
+        while True:
+            node = self._node_for(generation, failed)
+            actor = RayParticipants.launch(group, group.instances, self._options, node_id=node)
+            try:
+                await actor.start(self._start_timeout_s)
+                break
+            except FleetError as error:
+                # Its node died a moment ago (and may still count as alive): try another.
+                if not error.lost:
+                    raise DemoError(f"participant {spec.instance}: {error}") from None
+                failed.add(node)
+        participant = RayParticipant(spec, actor)
+        self._started[spec.instance] = participant
+        await asyncio.to_thread(self._log_placement, generation, participant)
+        return participant
+
+    def _log_placement(self, generation: int, participant: RayParticipant) -> None:
+        line = {
+            "generation": generation,
+            "instance": participant.spec.instance,
+            "kind": participant.spec.kind,
+            "node_id": participant.node_id,
+            "address": participant.address,
+        }
+        with (self._paths.logs / "ray-placement.jsonl").open("a", encoding="utf-8") as handle:
+            handle.write(json.dumps(line) + "\n")
+
+    async def remove_node_of(self, candidates: Sequence[Participant]) -> dict[str, Any]:
+        """``--lose-node``: remove the node of the first candidate that is not on the
+        head node; returns the node and every participant that was on it."""
+        if self._cluster is None:
+            raise DemoError("--lose-node needs a cluster the demo started (--ray-nodes)")
+        removable = set(self._cluster.worker_node_ids())
+        for candidate in candidates:
+            started = self._started.get(candidate.spec.instance)
+            if started is not None and started.node_id in removable:
+                node = started.node_id
+                on_node = sorted(
+                    name
+                    for name, participant in self._started.items()
+                    if participant.node_id == node and participant.exit_status() is None
+                )
+                await asyncio.to_thread(self._cluster.remove_node, node)
+                return {"node_id": node, "instances": on_node}
+        raise DemoError("no agent runs on a node that can be removed (only the head)")
 
     def shutdown(self) -> None:
         """Disconnect; a cluster this launcher started is stopped with it."""
-        if self._ray.is_initialized():
-            self._ray.shutdown()
+        import ray
+
+        if self._cluster is not None:
+            self._cluster.shutdown()
+        elif ray.is_initialized():
+            ray.shutdown()

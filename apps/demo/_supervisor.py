@@ -184,6 +184,8 @@ class DemoOptions:
     out: Path = Path(DEFAULT_OUT)
     ray: bool = False
     ray_address: str | None = None
+    ray_nodes: int | None = None
+    lose_node: bool = False
     seed: int = 0
     progress: bool = True
     start_timeout_s: float = START_TIMEOUT_S
@@ -210,8 +212,10 @@ class DemoOptions:
             target_level=args.target_level,
             out=Path(args.out),
             # An address only makes sense for a Ray run: asking for one is asking for Ray.
-            ray=args.ray or args.ray_address is not None,
+            ray=args.ray or args.ray_address is not None or args.ray_nodes is not None,
             ray_address=args.ray_address,
+            ray_nodes=args.ray_nodes,
+            lose_node=args.lose_node,
             seed=args.seed,
             progress=args.progress,
             start_timeout_s=args.start_timeout,
@@ -275,6 +279,7 @@ class DemoOptions:
                 f"--participant-command names {instance!r}, which is not a participant of "
                 f"this run: choose one of {', '.join(sorted(known))}"
             )
+        problems.extend(self._ray_problems())
         if self.participant_commands and self.ray:
             problems.append("--participant-command starts local processes: drop --ray")
         if not self.stall_timeout_s > 0:
@@ -291,6 +296,21 @@ class DemoOptions:
         if self.crash_at is not None:
             problems.extend(_crash_at_problems(self.crash_at, crash=self.crash))
         problems.extend(_out_dir_problems(self.out))
+        return problems
+
+    def _ray_problems(self) -> list[str]:
+        problems = []
+        if self.ray_nodes is not None and self.ray_nodes < 1:
+            problems.append(f"--ray-nodes must be at least 1, got {self.ray_nodes}")
+        if self.ray_nodes is not None and self.ray_address is not None:
+            problems.append("--ray-nodes starts a cluster, --ray-address joins one: drop one")
+        if self.lose_node and (self.ray_nodes is None or self.ray_nodes < 2):
+            problems.append(
+                "--lose-node removes a node of the cluster the demo starts: pass "
+                "--ray-nodes 2 or more (the head is never removed)"
+            )
+        elif self.lose_node and (not self.crash or self.crash_at is not None):
+            problems.append("--lose-node replaces the timed crash: drop --no-crash and --crash-at")
         return problems
 
 
@@ -922,6 +942,8 @@ class _Supervisor:
         # Train steps the current trainer incarnation logged, and a wake-up for each.
         self.steps_since_start = 0
         self.trained = asyncio.Event()
+        # --lose-node: the node removed, and the participants that were on it.
+        self.node_lost: dict[str, Any] | None = None
 
     async def record(self, event_type: str, **detail: object) -> None:
         line = json.dumps({"type": event_type, "t": time.time(), **detail}) + "\n"
@@ -1030,8 +1052,11 @@ class _Supervisor:
                     )
                 )
                 continue
-            if self.state.crash_due():
-                await self.crash_and_restart()
+            if self.state.crash_due() and self.node_lost is None:
+                if self.options.lose_node:
+                    await self.lose_node()
+                else:
+                    await self.crash_and_restart()
 
     async def inject_faults(self) -> None:
         """``--chaos N``: N unplanned faults at random times, each a SIGKILL or a SIGSTOP
@@ -1201,6 +1226,26 @@ class _Supervisor:
             key=lambda p: p.spec.instance,
         )
         return agents[self.options.seed % len(agents)]
+
+    async def lose_node(self) -> None:
+        """``--lose-node``: remove the Ray node hosting an agent. Nothing else is done
+        here: its participants die with it, and the supervisor's ordinary path finds
+        them lost and restores the job onto the remaining nodes (docs/spec.md section
+        7.12)."""
+        remover = getattr(self.launcher, "remove_node_of", None)
+        if remover is None:
+            raise DemoError("--lose-node needs participants on Ray nodes (--ray-nodes)")
+        victim = self.crash_victim()
+        agents = [victim] + [
+            p for p in self.participants.values() if p.spec.kind == "agent" and p is not victim
+        ]
+        self.node_lost = await remover(agents)
+        await self.record(
+            "node_lost",
+            incarnation=self.trainer.incarnation if self.trainer else 0,
+            step=self.state.step,
+            **self.node_lost,
+        )
 
     async def crash_and_restart(self) -> None:
         assert self.trainer is not None
@@ -1431,6 +1476,19 @@ def add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--ray-address", metavar="ADDRESS", help="join this Ray cluster (implies --ray)"
     )
     parser.add_argument(
+        "--ray-nodes",
+        type=int,
+        metavar="N",
+        help="start a Ray cluster of a head and N-1 more nodes on this machine and spread "
+        "the participants over them (implies --ray)",
+    )
+    parser.add_argument(
+        "--lose-node",
+        action="store_true",
+        help="with --ray-nodes: instead of the crash, remove the node hosting an agent "
+        "mid-run; the job restores from the last published snapshot onto the other nodes",
+    )
+    parser.add_argument(
         "--seed", type=int, default=0, help="seeds the policy and the data (default: %(default)s)"
     )
     parser.add_argument(
@@ -1526,7 +1584,10 @@ def demo_command(args: argparse.Namespace) -> int:
         # ray.init installs handlers and starts processes: do it before the event loop.
         try:
             ray_launcher = RayLauncher(
-                paths, address=options.ray_address, start_timeout_s=options.start_timeout_s
+                paths,
+                address=options.ray_address,
+                nodes=options.ray_nodes,
+                start_timeout_s=options.start_timeout_s,
             )
         except (ConnectionError, RuntimeError, ValueError, TimeoutError) as error:
             where = (

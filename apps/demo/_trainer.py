@@ -522,8 +522,21 @@ class DemoTrainer:
             rerun_from_prompt=plan.rerun_count,
             groups_retried_whole=plan.groups_retried_whole,
             seconds=time.time() - started,
+            by_instance=_restored_by_instance(plan),
         )
         return plan
+
+
+def _restored_by_instance(plan: RestorePlan) -> dict[str, dict[str, int]]:
+    """Per agent instance that held them at the cut, the unfinished rollouts that resume
+    from a saved turn and those that rerun from the prompt (not accepted at the cut:
+    under the empty name)."""
+    counts: dict[str, dict[str, int]] = {}
+    for action in plan.redispatch:
+        counts.setdefault(action.instance, {"resumed": 0, "rerun": 0})["resumed"] += 1
+    for rerun in plan.rerun:
+        counts.setdefault(rerun.rollout.instance, {"resumed": 0, "rerun": 0})["rerun"] += 1
+    return counts
 
 
 def _reward(result: RolloutResult) -> float:

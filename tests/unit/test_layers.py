@@ -167,6 +167,16 @@ FORBIDDEN_AT_IMPORT = {
     "turnpoint": (*HEAVY, "grpc", "turnpoint.participant_sdk", "turnpoint.trainer"),
     "turnpoint.participant_sdk": (*HEAVY, "grpc", "turnpoint.trainer", "turnpoint.server"),
     "turnpoint.server": (*HEAVY, "turnpoint.trainer", "turnpoint.apps"),
+    # The Ray hosting module (the ``ray`` extra) loads ray when it is imported itself, and
+    # nothing else heavy; ``import turnpoint.server`` above must not load it.
+    "turnpoint.server.ray": (
+        "torch",
+        "matplotlib",
+        "rich",
+        "aiohttp",
+        "turnpoint.trainer",
+        "turnpoint.apps",
+    ),
     "turnpoint.trainer": (
         *HEAVY,
         "turnpoint.server",
