@@ -16,53 +16,15 @@ from pathlib import Path
 
 import torch
 
-from turnpoint.apps.demo._learner import Sample, policy_gradient_step
-from turnpoint.apps.examples._participants import GUESS, GUESS_GROUP, new_policy
-from turnpoint.apps.examples._task import make_prompt
+from turnpoint.apps.demo._learner import policy_gradient_step
+from turnpoint.apps.examples._guess_jobs import guess_rollouts, guess_sample
+from turnpoint.apps.examples._participants import new_policy
 from turnpoint.trainer import (
     Checkpointing,
     CoordinatorConfig,
-    Rollout,
-    RolloutOutcome,
-    RolloutResult,
     TorchAnchorSource,
     torch_anchor_loader,
 )
-
-
-def rollouts_of(group: int, size: int, seed: int, agents: Sequence[str]) -> list[Rollout]:
-    environment = GUESS if group % 2 == 0 else GUESS_GROUP
-    gid, task = f"g{group:05d}", make_prompt(group, seed).to_dict()
-    return [
-        Rollout(
-            rollout_id=f"{gid}-s{i}",
-            prompt_group_id=gid,
-            sibling_index=i,
-            group_size=size,
-            environment=environment,
-            instance=agents[(group * size + i) % len(agents)],
-            task={
-                "task": task,
-                "environment": environment,
-                "prompt_group_id": gid,
-                "sibling_index": i,
-                "group_size": size,
-            },
-        )
-        for i in range(size)
-    ]
-
-
-def sample(result: RolloutResult) -> Sample:
-    done = result.outcome is RolloutOutcome.COMPLETED
-    out = result.output
-    turns = out.get("turns", []) if done else []
-    return Sample(
-        group_id=result.prompt_group_id,
-        turn_prompts=tuple(tuple(int(t) for t in p) for p in out.get("prompts", [])),
-        turn_completions=tuple(tuple(int(t) for t in turn["completion"]) for turn in turns),
-        reward=float(out.get("reward", 0.0)) if done else 0.0,
-    )
 
 
 async def train(args: argparse.Namespace, participants: dict[str, str], token: str) -> None:
@@ -93,13 +55,13 @@ async def train(args: argparse.Namespace, participants: dict[str, str], token: s
             window = (state["step"] + 2) * args.groups_per_step
             while state["next_group"] < min(total, window):
                 group, state["next_group"] = state["next_group"], state["next_group"] + 1
-                for rollout in rollouts_of(group, args.group_size, args.seed, ckpt.agents):
+                for rollout in guess_rollouts(group, args.group_size, args.seed, ckpt.agents):
                     ckpt.dispatch(rollout, data_loader=state["next_group"])
             if not await ckpt.wait_groups(args.groups_per_step, timeout_s=1.0):
                 continue  # none ready within a second: top up the pipeline and wait again
             async with ckpt.step_lock:  # take and train in one step no snapshot cuts
                 groups = ckpt.take_ready_groups(args.groups_per_step)
-                samples = [sample(r) for g in groups for r in g]
+                samples = [guess_sample(r) for g in groups for r in g]
                 stats = await asyncio.to_thread(policy_gradient_step, model, optimizer, samples)
                 state["step"] += 1
                 ids = [g[0].prompt_group_id for g in groups]
