@@ -317,30 +317,7 @@ class _SnapshotRounds:
         snapshot = await asyncio.to_thread(self._begin, checkpoint_id)
         anchor = self._anchor
         assert anchor is not None
-        laps = [time.perf_counter()]
-        resumed = False
-        try:
-            await coordinator.prepare(checkpoint_id)
-            laps.append(time.perf_counter())
-            entries = await coordinator.commit(checkpoint_id, checkpoint_id, {})
-            laps.append(time.perf_counter())
-            manifest = SnapshotManifest(
-                checkpoint_id=checkpoint_id,
-                step=0,
-                created_at=time.time(),
-                anchor=anchor,
-                participants=tuple(entries.values()),
-            )
-            await asyncio.to_thread(self._publish, snapshot, manifest)
-            laps.append(time.perf_counter())
-            report = await coordinator.resume(checkpoint_id)
-            resumed = True
-            laps.append(time.perf_counter())
-            report.raise_if_failed()
-        finally:
-            if not resumed:
-                # Abort: never leave a fleet closed for the next round.
-                await coordinator.resume(checkpoint_id)
+        laps = await timed_snapshot(coordinator, checkpoint_id, snapshot, anchor, self._publish)
         await asyncio.to_thread(self._tidy)
         self.rounds += 1
         return _laps(laps)
@@ -524,3 +501,40 @@ async def measure_durable_commit(
         f"{result.publish_fsyncs:.1f} publishing + {result.other_coordinator_fsyncs:.1f} other"
     )
     return result
+
+
+async def timed_snapshot(
+    coordinator: Coordinator,
+    checkpoint_id: str,
+    snapshot: Path,
+    anchor: AnchorRef,
+    publish: Callable[[Path, SnapshotManifest], object],
+) -> list[float]:
+    """One snapshot's four phases through the real coordinator, timed: the
+    ``perf_counter`` before prepare and after each of prepare, commit, publish
+    (``publish`` runs in a thread) and resume. An abort still resumes: a fleet is never
+    left closed for the next round."""
+    laps = [time.perf_counter()]
+    resumed = False
+    try:
+        await coordinator.prepare(checkpoint_id)
+        laps.append(time.perf_counter())
+        entries = await coordinator.commit(checkpoint_id, checkpoint_id, {})
+        laps.append(time.perf_counter())
+        manifest = SnapshotManifest(
+            checkpoint_id=checkpoint_id,
+            step=0,
+            created_at=time.time(),
+            anchor=anchor,
+            participants=tuple(entries.values()),
+        )
+        await asyncio.to_thread(publish, snapshot, manifest)
+        laps.append(time.perf_counter())
+        report = await coordinator.resume(checkpoint_id)
+        resumed = True
+        laps.append(time.perf_counter())
+        report.raise_if_failed()
+    finally:
+        if not resumed:
+            await coordinator.resume(checkpoint_id)
+    return laps

@@ -111,7 +111,8 @@ class ScaleRow:
 
 
 async def _snapshot_round(coordinator: Any, layout: Any, checkpoint_id: str) -> dict[str, float]:
-    from turnpoint.trainer import AnchorRef, SnapshotManifest, tree_digest
+    from turnpoint.apps.bench._control_overhead import timed_snapshot
+    from turnpoint.trainer import AnchorRef, tree_digest
 
     def begin() -> tuple[Path, Any]:
         snapshot = layout.begin(checkpoint_id)
@@ -120,29 +121,7 @@ async def _snapshot_round(coordinator: Any, layout: Any, checkpoint_id: str) -> 
         return snapshot, AnchorRef(tree_digest(anchor_dir))
 
     snapshot, anchor = await asyncio.to_thread(begin)
-    laps = [time.perf_counter()]
-    resumed = False
-    try:
-        await coordinator.prepare(checkpoint_id)
-        laps.append(time.perf_counter())
-        entries = await coordinator.commit(checkpoint_id, checkpoint_id, {})
-        laps.append(time.perf_counter())
-        manifest = SnapshotManifest(
-            checkpoint_id=checkpoint_id,
-            step=0,
-            created_at=time.time(),
-            anchor=anchor,
-            participants=tuple(entries.values()),
-        )
-        await asyncio.to_thread(layout.publish, snapshot, manifest)
-        laps.append(time.perf_counter())
-        report = await coordinator.resume(checkpoint_id)
-        resumed = True
-        laps.append(time.perf_counter())
-        report.raise_if_failed()
-    finally:
-        if not resumed:
-            await coordinator.resume(checkpoint_id)
+    laps = await timed_snapshot(coordinator, checkpoint_id, snapshot, anchor, layout.publish)
 
     def tidy() -> None:
         layout.retain(_KEEP_SNAPSHOTS)
