@@ -12,7 +12,7 @@ import json
 import signal
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from rich.console import Console
 from rich.table import Table
@@ -93,8 +93,11 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
             "spread, and admission-closed seconds per snapshot (median, p99); (4) "
             "bookkeeping: the SDK's microseconds per episode (begin, 5 boundaries, finish, "
             "acknowledge); (5) restart: from a cold start after a crash (participant start-up "
-            "included) to the first redispatched rollout. Progress goes to stderr, figures "
-            "to stdout; --json prints all of them with the targets they are held to."
+            "included) to the first redispatched rollout; (6, not with --quick) long "
+            "generations: admission-closed seconds per snapshot with and without "
+            "token-prefix cutting at several generation lengths, and their plot. Progress "
+            "goes to stderr, figures to stdout; --json prints all of them with the targets "
+            "they are held to."
         ),
     )
     parser.add_argument(
@@ -265,11 +268,33 @@ def bench_command(args: argparse.Namespace) -> int:
         detail = str(error) or "a bounded wait ran out"
         print(f"turnpoint bench: {type(error).__name__}: {detail}", file=sys.stderr)
         return 1
+    # The full run also measures long generations with and without token-prefix cutting
+    # (docs/spec.md section 5.5); --quick leaves it to --long-generations.
+    long_generations: dict[str, Any] | None = None
+    long_text = ""
+    if not args.quick:
+        from turnpoint.apps.bench._long_generations import (
+            long_generations_failed,
+            long_generations_section,
+        )
+
+        try:
+            long_generations, long_text = long_generations_section(args)
+        except (TimeoutError, OSError) as error:
+            print(f"turnpoint bench: {type(error).__name__}: {error}", file=sys.stderr)
+            return 1
     if args.json:
-        print(json.dumps(report.to_json(), indent=2))
+        figures = report.to_json()
+        if long_generations is not None:
+            figures["long_generations"] = long_generations
+        print(json.dumps(figures, indent=2))
     else:
         render_table(report, sys.stdout)
+        if long_text:
+            print(long_text)
     regressions = report.regressions()
+    if long_generations is not None and long_generations_failed(long_generations):
+        regressions.append("long generations: with cutting, admission-closed grows with length")
     if args.check and regressions:
         print(
             "turnpoint bench: past the must-have by 1.5x: " + ", ".join(regressions),

@@ -243,8 +243,9 @@ def render_rows(rows: Sequence[LongGenerationRow]) -> str:
     return "\n".join(lines)
 
 
-def long_generations_command(args: argparse.Namespace) -> int:
-    """``turnpoint bench --long-generations``: measure, print, plot."""
+def long_generations_section(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    """Measure, plot, and return the JSON section and the text table (the default
+    ``turnpoint bench`` run includes it; ``--long-generations`` runs it alone)."""
     lengths: tuple[int, ...] = args.generation_lengths
     delay: float = args.token_delay
     plot = Path(args.long_generations_plot)
@@ -255,33 +256,44 @@ def long_generations_command(args: argparse.Namespace) -> int:
         rows = asyncio.run(
             measure_long_generations(root, lengths, token_delay_s=delay, progress=_progress)
         )
-    except (TimeoutError, OSError) as error:
-        print(f"turnpoint bench: {type(error).__name__}: {error}", file=sys.stderr)
-        return 1
     finally:
         if made_root:
             shutil.rmtree(root, ignore_errors=True)
     render_plot(rows, plot, delay)
     verdict = must_have(rows, delay)
+    section = {
+        "token_delay_s": delay,
+        "rows": [row.to_json() for row in rows],
+        "must_have": verdict,
+        "plot": str(plot),
+    }
+    text = "\n".join(
+        [
+            f"Admission closed per snapshot while generations stream ({delay * 1000:g} ms/token)",
+            render_rows(rows),
+            f"must-have (with cutting, flat in length): {verdict}",
+            f"plot: {plot}",
+        ]
+    )
+    return section, text
+
+
+def long_generations_failed(section: dict[str, Any]) -> bool:
+    verdict = section["must_have"]
+    return verdict.get("held") is False or bool(verdict.get("token_mismatches"))
+
+
+def long_generations_command(args: argparse.Namespace) -> int:
+    """``turnpoint bench --long-generations``: measure, print, plot."""
+    try:
+        section, text = long_generations_section(args)
+    except (TimeoutError, OSError) as error:
+        print(f"turnpoint bench: {type(error).__name__}: {error}", file=sys.stderr)
+        return 1
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "long_generations": {
-                        "token_delay_s": delay,
-                        "rows": [row.to_json() for row in rows],
-                        "must_have": verdict,
-                        "plot": str(plot),
-                    }
-                },
-                indent=2,
-            )
-        )
+        print(json.dumps({"long_generations": section}, indent=2))
     else:
-        print(f"Admission closed per snapshot while generations stream ({delay * 1000:g} ms/token)")
-        print(render_rows(rows))
-        print(f"must-have (with cutting, flat in length): {verdict}")
-        print(f"plot: {plot}")
-    if args.check and (verdict.get("held") is False or verdict.get("token_mismatches")):
+        print(text)
+    if args.check and long_generations_failed(section):
         return 1
     return 0

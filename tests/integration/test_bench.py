@@ -85,6 +85,12 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], lis
         "1",
         "--bookkeeping-episodes",
         "50",
+        "--generation-lengths",
+        "8,24",
+        "--token-delay",
+        "0.002",
+        "--long-generations-plot",
+        str(root / "long.png"),
         "--root",
         str(root),
     ]
@@ -113,7 +119,18 @@ def test_the_json_has_every_figure_as_a_positive_number(
         "restore_seconds",
         "targets",
         "details",
+        "long_generations",
     }
+    # Long generations with and without token-prefix cutting, per length (spec 5.5).
+    long = figures["long_generations"]
+    assert sorted((row["tokens"], row["cut"]) for row in long["rows"]) == [
+        (8, False),
+        (8, True),
+        (24, False),
+        (24, True),
+    ]
+    assert long["must_have"]["token_mismatches"] == 0
+    assert Path(long["plot"]).is_file()
     rows = figures["control_overhead"]
     assert [row["participants"] for row in rows] == list(SIZES)
     for row in rows:
