@@ -139,7 +139,9 @@ class Agent(abc.ABC):
     # lists the token level in Describe): a generation the agent streams blocks its
     # prepare until the stream ends, which a policy that cannot cut never hurries.
     cuts_generations: bool = False
-    # What ``ctx.generate`` does with a generation whose tokens span a weight update.
+    # What ``ctx.generate`` does with a generation whose tokens span a weight update,
+    # when the Run does not say: the coordinator's configuration decides it and sends it
+    # on every Run (docs/spec.md section 5.5 item 7); this applies to a Run without it.
     weights_change: WeightsChange = WeightsChange.KEEP
 
     @abc.abstractmethod
@@ -182,6 +184,7 @@ class _Execution:
         saved: SavedTurn | None,
         budget_s: float | None,
         now: float,
+        weights_change: WeightsChange | None = None,
     ) -> None:
         self.episode = episode
         self.key = WorkKey(episode, SLOT)
@@ -189,6 +192,8 @@ class _Execution:
         self.saved = saved
         self.restored = saved
         self.budget_s = budget_s
+        # The Run's say on a generation that spans a weight update; None: the agent's.
+        self.weights_change = weights_change
         self.clock = ActiveClock(now)
         self.boundaries: list[BoundaryReport] = []
         self.runner: asyncio.Task[None] | None = None
@@ -309,6 +314,7 @@ class AgentHost:
         *,
         boundaries_seen: int = 0,
         budget_s: float | None = None,
+        weights_change: WeightsChange | None = None,
     ) -> AsyncGenerator[BoundaryReport | RunResult, None]:
         """Run (or re-attach to) one episode: its boundary reports, then its result.
 
@@ -321,10 +327,16 @@ class AgentHost:
         acknowledgement, and a boundary it sealed stays committable (a later Run of the
         same attempt continues from it). Adapters must close the iterator
         (``contextlib.aclosing``) when their call ends. ``budget_s`` (None or 0: none) is
-        active time: parked time does not count.
+        active time: parked time does not count. ``weights_change`` (None: the agent's
+        own :attr:`Agent.weights_change`) says what ``ctx.generate`` does with a
+        generation that spans a weight update; the coordinator sends it on every Run.
         """
         stream = await self.accept_run(
-            episode, task, boundaries_seen=boundaries_seen, budget_s=budget_s
+            episode,
+            task,
+            boundaries_seen=boundaries_seen,
+            budget_s=budget_s,
+            weights_change=weights_change,
         )
         async with contextlib.aclosing(stream):
             async for event in stream:
@@ -337,6 +349,7 @@ class AgentHost:
         *,
         boundaries_seen: int = 0,
         budget_s: float | None = None,
+        weights_change: WeightsChange | None = None,
     ) -> AsyncGenerator[BoundaryReport | RunResult, None]:
         """Accept a Run (raising ADMISSION_CLOSED, STALE_ATTEMPT, ... at once), then follow it.
 
@@ -357,8 +370,14 @@ class AgentHost:
             raise TurnpointError(
                 Reason.INVALID_ARGUMENT, "budget must be >= 0", {"field": "budget"}
             )
+        if weights_change is not None and not isinstance(weights_change, WeightsChange):
+            raise TurnpointError(
+                Reason.INVALID_ARGUMENT,
+                f"weights_change must be a WeightsChange, got {weights_change!r}",
+                {"field": "weights_change"},
+            )
         async with self._shared.changing() as core:
-            execution = self._attach(core, episode, dict(task), budget_s or None)
+            execution = self._attach(core, episode, dict(task), budget_s or None, weights_change)
         return self._follow(execution, episode, boundaries_seen)
 
     async def _follow(
@@ -398,6 +417,7 @@ class AgentHost:
         episode: EpisodeId,
         task: dict[str, Any],
         budget_s: float | None,
+        weights_change: WeightsChange | None = None,
     ) -> _Execution:
         core.check_attempt(episode)
         now = self._shared.now()
@@ -412,11 +432,15 @@ class AgentHost:
             existing = None
         if existing is not None and not existing.claimable:
             _same_task(existing, task)
+            if weights_change is not None:
+                # A re-attach carries the coordinator's current say; it applies from the
+                # generation's next decision on.
+                existing.weights_change = weights_change
             return existing
         if existing is not None:
             # Restored (or cancelled at a boundary): this run continues from the saved turn.
             _same_task(existing, task)
-            execution = _Execution(episode, task, existing.saved, budget_s, now)
+            execution = _Execution(episode, task, existing.saved, budget_s, now, weights_change)
             execution.restored = existing.saved
             core.claim_restored(
                 execution.key,
@@ -425,7 +449,7 @@ class AgentHost:
             )
         else:
             core.admit(WorkKey(episode, SLOT), EpisodeState.RUNNING, now)
-            execution = _Execution(episode, task, None, budget_s, now)
+            execution = _Execution(episode, task, None, budget_s, now, weights_change)
         self._executions[episode] = execution
         execution.runner = asyncio.create_task(
             self._execute(execution), name=f"turnpoint-run-{episode}"
@@ -627,7 +651,7 @@ class AgentHost:
         while True:
             if generation.finished:
                 if (
-                    self._agent.weights_change is WeightsChange.RERUN
+                    self._weights_change(execution) is WeightsChange.RERUN
                     and generation.spans_weight_update
                     and reruns < _MAX_WEIGHT_RERUNS
                 ):
@@ -677,6 +701,12 @@ class AgentHost:
                 await self._after_refusal()
                 async with shared.changing() as core:
                     execution.clock.resume(shared.now())
+
+    def _weights_change(self, execution: _Execution) -> WeightsChange:
+        """The Run's setting (the coordinator's config), else the agent's own default."""
+        if execution.weights_change is not None:
+            return execution.weights_change
+        return self._agent.weights_change
 
     async def _stream_once(
         self, generation: Generation, stream: GenerationStream, cuttable: bool

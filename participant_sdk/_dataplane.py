@@ -15,6 +15,7 @@ from turnpoint.ids import EpisodeId
 from turnpoint.protocol import CompletionReceipt, Fence
 
 from ._agent import AgentHost, BoundaryReport, RunResult
+from ._generation import WeightsChange
 from ._model import GenerateChunk, GenerateRequest, ModelHost
 from ._resources import ResourcesHost, Verdict
 from ._results import AcknowledgeResult
@@ -59,10 +60,15 @@ class DataPlane:
         *,
         boundaries_seen: int = 0,
         budget_s: float | None = None,
+        weights_change: WeightsChange | None = None,
     ) -> AsyncGenerator[BoundaryReport | RunResult, None]:
         """RolloutService.Run; see :meth:`AgentHost.run_episode` (close it when done)."""
         return self._agent().run_episode(
-            episode, task, boundaries_seen=boundaries_seen, budget_s=budget_s
+            episode,
+            task,
+            boundaries_seen=boundaries_seen,
+            budget_s=budget_s,
+            weights_change=weights_change,
         )
 
     async def accept_run(
@@ -73,11 +79,16 @@ class DataPlane:
         boundaries_seen: int = 0,
         budget_s: float | None = None,
         fence: Fence | None = None,
+        weights_change: WeightsChange | None = None,
     ) -> AsyncGenerator[BoundaryReport | RunResult, None]:
         """Accept a Run now (errors raise here), then follow it; see :meth:`AgentHost.accept_run`."""
         await self._check_data_fence(fence)
         return await self._agent().accept_run(
-            episode, task, boundaries_seen=boundaries_seen, budget_s=budget_s
+            episode,
+            task,
+            boundaries_seen=boundaries_seen,
+            budget_s=budget_s,
+            weights_change=weights_change,
         )
 
     async def acknowledge(

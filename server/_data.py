@@ -35,9 +35,11 @@ from turnpoint.participant_sdk import (
     GenerateRequest,
     ParticipantRuntime,
     RunResult,
+    WeightsChange,
     hook_failure,
 )
 from turnpoint.server._convert import (
+    enum_from_proto,
     enum_to_proto,
     header_to_proto,
     receipt_from_proto,
@@ -50,6 +52,7 @@ from turnpoint.v1 import (
     resources_service_pb2_grpc,
     rollout_service_pb2,
     rollout_service_pb2_grpc,
+    types_pb2,
 )
 
 __all__ = ["DEFAULT_MAX_NEW_TOKENS", "PolicyServicer", "ResourcesServicer", "RolloutServicer"]
@@ -118,12 +121,17 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
             task = struct_to_dict(request.task, "task")
             budget_s = seconds_from_duration(request.budget, "budget")
             fence = fence_from_proto(request.fence, True) if request.HasField("fence") else None
+            # UNSPECIFIED (an older coordinator, a tool): the agent's own setting.
+            weights_change = enum_from_proto(
+                types_pb2.WeightsChange, WeightsChange, request.weights_change, "weights_change"
+            )
             stream = await self._runtime.accept_run(
                 episode,
                 task,
                 boundaries_seen=request.boundaries_seen,
                 budget_s=budget_s,
                 fence=fence,
+                weights_change=weights_change,
             )
             # Closing the stream when the call ends (also by cancellation, which gRPC
             # delivers as CancelledError here) is what cancels the execution.

@@ -16,7 +16,7 @@ import inspect
 import logging
 import signal
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Self
 
@@ -152,7 +152,8 @@ class Checkpointing:
         rollouts = await self._stack.enter_async_context(
             RolloutClient(
                 agents,
-                settings=self._rollout_settings,
+                # Every Run carries the config's weights_change (docs/spec.md 5.5 item 7).
+                settings=replace(self._rollout_settings, weights_change=config.weights_change),
                 group_scored=[e for e, d in coordinator.levels.items() if d.group_scored],
                 fence=coordinator.fence,
             )

@@ -26,7 +26,7 @@ from collections.abc import Callable, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Literal, Self
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 from pydantic_core import PydanticCustomError
@@ -203,6 +203,11 @@ class CoordinatorConfig(ConfigSection):
 
     rollout_budget_s: float | None = Field(default=None, gt=0)
     """Active-time budget of one rollout on the trainer; ``None``: no budget."""
+
+    weights_change: Literal["keep", "rerun"] = "keep"
+    """What an agent does with a generation whose tokens came from more than one weights
+    version (docs/spec.md section 5.5 item 7): ``keep`` it, or ``rerun`` it from its
+    prompt. Sent to the agents on every Run."""
 
     snapshot_root: Path = Field(strict=False)
     """Directory that holds the published snapshots and ``LATEST``."""

@@ -19,7 +19,7 @@ import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Final, Self
+from typing import Any, Final, Literal, Self
 
 from turnpoint.ids import EpisodeId, InvalidIdError, validate_attempt, validate_id
 from turnpoint.trainer._interfaces import InFlightRollout
@@ -68,6 +68,10 @@ class RolloutClientSettings:
     budget_grace_s: float = 5.0
     # Budget of rollouts that do not name one; None: no budget.
     default_budget_s: float | None = None
+    # Sent on every Run: what the agent does with a generation that spans a weight
+    # update (docs/spec.md section 5.5 item 7), the coordinator config's
+    # ``weights_change``. None sends it unset: the agent's own setting applies.
+    weights_change: Literal["keep", "rerun"] | None = None
 
     def __post_init__(self) -> None:
         for name in ("max_concurrency", "ack_attempts", "max_attempts"):
@@ -90,6 +94,10 @@ class RolloutClientSettings:
             if not (value >= 0 and math.isfinite(value)):
                 raise ValueError(f"{name} must be >= 0 seconds, got {value!r}")
         _check_budget(self.default_budget_s, "default_budget_s")
+        if self.weights_change not in (None, "keep", "rerun"):
+            raise ValueError(
+                f"weights_change must be None, 'keep' or 'rerun', got {self.weights_change!r}"
+            )
 
 
 def _check_budget(value: float | None, name: str) -> float | None:

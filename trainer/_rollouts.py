@@ -721,7 +721,8 @@ class RolloutClient:
         # gate (or for an attempt a participant already owns).
         generation = ledger.begin_call(attempt)
         call = self._stubs[attempt.instance].Run(
-            run_request(attempt, self._fence), metadata=self._metadata[attempt.instance]
+            run_request(attempt, self._fence, self._settings.weights_change),
+            metadata=self._metadata[attempt.instance],
         )
         follower.call = call
         try:

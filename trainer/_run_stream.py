@@ -32,6 +32,7 @@ from turnpoint._convert import (
     seconds_from_duration,
     struct_from_mapping,
     struct_to_dict,
+    weights_change_to_proto,
 )
 from turnpoint._status import error_from_rpc
 from turnpoint.auth import ACCEPTED_METADATA
@@ -240,9 +241,14 @@ def classify(error: grpc.aio.AioRpcError, generation: GateGeneration) -> CallEnd
 # --------------------------------------------------------------------------- requests
 
 
-def run_request(attempt: Attempt, fence: types_pb2.Fence | None = None) -> pb.RunRequest:
+def run_request(
+    attempt: Attempt,
+    fence: types_pb2.Fence | None = None,
+    weights_change: str | None = None,
+) -> pb.RunRequest:
     """The Run of ``attempt``: the same request id, episode and ``boundaries_seen`` on
-    every re-attach (section 6.5), and the coordinator's fence (section 6.9)."""
+    every re-attach (section 6.5), the coordinator's fence (section 6.9) and what the
+    agent does with a generation that spans a weight update (section 5.5 item 7)."""
     spec = attempt.spec
     request = pb.RunRequest(
         request_id=attempt.request_id,
@@ -252,6 +258,7 @@ def run_request(attempt: Attempt, fence: types_pb2.Fence | None = None) -> pb.Ru
         sibling_index=spec.sibling_index,
         group_size=spec.group_size,
         boundaries_seen=attempt.boundaries_seen,
+        weights_change=weights_change_to_proto(weights_change),
     )
     if attempt.budget_s is not None and math.isfinite(attempt.budget_s):
         request.budget.CopyFrom(duration_from_seconds(attempt.budget_s))

@@ -57,6 +57,7 @@ __all__ = [
     "struct_from_mapping",
     "struct_to_dict",
     "timestamp_from_seconds",
+    "weights_change_to_proto",
 ]
 
 E = TypeVar("E", bound=enum.Enum)
@@ -160,6 +161,16 @@ def enum_from_proto(proto_enum: Any, sdk_enum: type[E], number: int, field: str)
         return sdk_enum[name]
     except KeyError:
         raise bad_argument(f"{field}: {name} is not supported here") from None
+
+
+def weights_change_to_proto(value: str | None) -> types_pb2.WeightsChange.ValueType:
+    """A configuration's ``weights_change`` (``keep``, ``rerun``; None: unset) as sent."""
+    if value is None:
+        return types_pb2.WEIGHTS_CHANGE_UNSPECIFIED
+    try:
+        return types_pb2.WeightsChange.Value(_prefix(types_pb2.WeightsChange) + value.upper())
+    except ValueError:
+        raise ValueError(f"weights_change must be 'keep' or 'rerun', got {value!r}") from None
 
 
 def fence_to_proto(fence: Fence) -> types_pb2.Fence:

@@ -386,7 +386,10 @@ class DemoTrainer:
                     name: AgentEndpoint(self._addresses("agent")[name], token=self.token)
                     for name in agents
                 },
-                settings=RolloutClientSettings(max_concurrency=256),
+                # Every Run carries the config's weights_change (docs/spec.md 5.5 item 7).
+                settings=RolloutClientSettings(
+                    max_concurrency=256, weights_change=config.weights_change
+                ),
                 # A live failure of a group-scored sibling retries its whole group
                 # (docs/spec.md section 6.10 item 8), as discovery decided per environment.
                 group_scored=[

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import grpc
 import pytest
@@ -47,7 +47,13 @@ from turnpoint.trainer import (
 )
 from turnpoint.v1 import checkpoint_control_service_pb2 as pb
 from turnpoint.v1 import checkpoint_control_service_pb2_grpc as pb_grpc
-from turnpoint.v1 import policy_service_pb2, policy_service_pb2_grpc, types_pb2
+from turnpoint.v1 import (
+    policy_service_pb2,
+    policy_service_pb2_grpc,
+    rollout_service_pb2,
+    rollout_service_pb2_grpc,
+    types_pb2,
+)
 
 ENVIRONMENT = "count"
 FENCE = Fence("coord-wire", 1)
@@ -76,8 +82,11 @@ class Job:
 
 
 @asynccontextmanager
-async def job(root: Path, model: CountingPolicy) -> AsyncIterator[Job]:
-    """A policy and an agent, each its own server, writing under ``root``."""
+async def job(
+    root: Path, model: CountingPolicy, *, agent_rerun: bool = False
+) -> AsyncIterator[Job]:
+    """A policy and an agent, each its own server, writing under ``root``; the agent's
+    own ``weights_change`` default is RERUN when ``agent_rerun``, else KEEP."""
     options = ServerOptions(port=0, token=TOKEN)
     async with AsyncExitStack() as stack:
         policy = await stack.enter_async_context(
@@ -89,17 +98,32 @@ async def job(root: Path, model: CountingPolicy) -> AsyncIterator[Job]:
         stack.push_async_callback(streamer.aclose)
         agent = await stack.enter_async_context(
             host_participant(
-                ParticipantRuntime("agent-0", SnapshotStore(root), agent=CountingAgent(streamer)),
+                ParticipantRuntime(
+                    "agent-0",
+                    SnapshotStore(root),
+                    agent=CountingAgent(streamer, rerun=agent_rerun),
+                ),
                 options,
             )
         )
         yield Job(policy, agent, model, streamer)
 
 
-def checkpointing(root: Path, participants: dict[str, str], target: str) -> Checkpointing:
+def checkpointing(
+    root: Path,
+    participants: dict[str, str],
+    target: str,
+    *,
+    weights_change: Literal["keep", "rerun"] = "keep",
+) -> Checkpointing:
     model = torch.nn.Linear(2, 2)
     return Checkpointing(
-        CoordinatorConfig(snapshot_root=root, target_level=target, control_timeout_s=10.0),
+        CoordinatorConfig(
+            snapshot_root=root,
+            target_level=target,
+            control_timeout_s=10.0,
+            weights_change=weights_change,
+        ),
         participants,
         token=TOKEN,
         anchor=TorchAnchorSource(model, None, step=lambda: 0),
@@ -274,3 +298,72 @@ async def test_a_restore_continues_the_cut_generation_from_its_saved_prefix(
     # snapshot never saw were (they belonged to a run the crash ended).
     assert [p for _, p, _ in fresh.streamed] == [len(PROMPT) + i for i in range(2, LENGTH)]
     assert [p for _, p, _ in first.streamed] == [len(PROMPT) + i for i in range(4)]
+
+
+@pytest.mark.parametrize("weights_change", ["keep", "rerun"])
+async def test_the_coordinator_config_decides_what_a_generation_spanning_a_weight_update_does(
+    tmp_path: Path, weights_change: Literal["keep", "rerun"]
+) -> None:
+    """docs/spec.md section 5.5 item 7: the coordinator's ``weights_change`` travels on
+    every Run (the real rollout client) and wins over an agent default that says the
+    opposite. A snapshot cuts the generation after two tokens while a weight sync waits
+    for it; the rest of the turn streams under the new weights."""
+    model = CountingPolicy()
+    async with (
+        job(tmp_path, model, agent_rerun=weights_change == "keep") as running,
+        checkpointing(
+            tmp_path, running.participants, "token", weights_change=weights_change
+        ) as ckpt,
+    ):
+        ckpt.dispatch(rollout())
+        await admitted(model)
+        model.release(1)
+        await asyncio.wait_for(model.wait_streamed(1), BOUND_S)
+        policy = running.policy.runtime
+        # The weight sync waits for the streaming generation; the cut ends it.
+        sync = asyncio.create_task(policy.update_weights(2, b""))
+        snapshot = asyncio.create_task(ckpt.snapshot_now())
+        await asyncio.wait_for(
+            policy.wait_until(lambda core: core.active_checkpoint_id is not None), BOUND_S
+        )
+        model.release(1)
+        report = await asyncio.wait_for(snapshot, BOUND_S)
+        assert report.outcome is SnapshotOutcome.PUBLISHED, report
+        assert await asyncio.wait_for(sync, BOUND_S) == 2
+        model.free = True
+        model.release(1)
+        assert await ckpt.wait_groups(1, timeout_s=BOUND_S)
+        (group,) = ckpt.take_ready_groups(1)
+    (result,) = group
+    assert result.outcome is RolloutOutcome.COMPLETED
+    assert tuple(result.output["completions"][0]) == expected_completion(LENGTH, None)
+    versions = result.output["versions"][0]
+    positions = [p for _, p, _ in model.streamed]
+    if weights_change == "keep":
+        assert versions == [1, 1] + [2] * (LENGTH - 2)
+        assert sorted(positions) == [len(PROMPT) + i for i in range(LENGTH)]  # each once
+    else:
+        # The turn that spanned the update was generated again, wholly under version 2;
+        # the first one was thrown away, never trained.
+        assert versions == [2] * LENGTH
+        assert sorted(positions) == sorted([len(PROMPT) + i for i in range(LENGTH)] * 2)
+
+
+async def test_a_run_with_an_unknown_weights_change_is_invalid_argument(tmp_path: Path) -> None:
+    async with (
+        job(tmp_path, CountingPolicy(free=True)) as running,
+        grpc.aio.insecure_channel(running.agent.address) as channel,
+    ):
+        stub = rollout_service_pb2_grpc.RolloutServiceStub(channel)
+        request = rollout_service_pb2.RunRequest(
+            request_id="run-bad",
+            episode=episode_to_proto(EpisodeId("rollout-bad", 0)),
+            weights_change=99,  # type: ignore[arg-type]
+        )
+        request.task.update({"turns": 1, "max_new_tokens": 2})
+        call = stub.Run(request, metadata=auth_metadata(TOKEN), timeout=10)
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            async for _ in call:
+                pass
+    assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "weights_change" in (caught.value.details() or "")

@@ -9,8 +9,12 @@ from pathlib import Path
 import pydantic
 import pytest
 
-from turnpoint.trainer import ConfigError, CoordinatorConfig
+from turnpoint.ids import EpisodeId
+from turnpoint.trainer import ConfigError, CoordinatorConfig, Rollout, RolloutClientSettings
+from turnpoint.trainer._attempts import Attempt
 from turnpoint.trainer._config import ConfigSection
+from turnpoint.trainer._run_stream import run_request
+from turnpoint.v1 import types_pb2
 
 
 def test_defaults_follow_the_protocol(tmp_path: Path) -> None:
@@ -26,6 +30,7 @@ def test_defaults_follow_the_protocol(tmp_path: Path) -> None:
     assert config.resume_attempts == 2
     assert config.resume_retry_pause_s == 1.0
     assert config.rollout_budget_s is None
+    assert config.weights_change == "keep"
     assert config.snapshot_root == tmp_path
 
 
@@ -114,6 +119,8 @@ def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
         ({"control_timeout_s": float("inf")}, r"control_timeout_s: Input should be a finite"),
         ({"control_timeout_s": "60"}, r"control_timeout_s: Input should be a valid number"),
         ({"rollout_budget_s": 0}, r"rollout_budget_s: Input should be greater than 0"),
+        ({"weights_change": "Rerun"}, r"weights_change: Input should be 'keep' or 'rerun'"),
+        ({"weights_change": None}, r"weights_change: Input should be 'keep' or 'rerun'"),
     ],
 )
 def test_rules_say_what_to_change(
@@ -121,6 +128,25 @@ def test_rules_say_what_to_change(
 ) -> None:
     with pytest.raises(ConfigError, match=expected):
         CoordinatorConfig.from_mapping({"snapshot_root": str(tmp_path), **settings})
+
+
+def test_weights_change_reaches_every_run_as_the_wire_value(tmp_path: Path) -> None:
+    """docs/spec.md section 5.5 item 7: the config decides; the rollout client sends it."""
+    config = CoordinatorConfig.from_mapping(
+        {"snapshot_root": str(tmp_path), "weights_change": "rerun"}
+    )
+    assert config.weights_change == "rerun"
+    settings = RolloutClientSettings(weights_change=config.weights_change)
+    spec = Rollout("r-1", "g-1", 0, 1, "env", {"x": 1}, "agent-0")
+    attempt = Attempt(spec, EpisodeId("r-1", 0), "agent-0", budget_s=None)
+    assert run_request(attempt, None, settings.weights_change).weights_change == (
+        types_pb2.WEIGHTS_CHANGE_RERUN
+    )
+    assert run_request(attempt, None, "keep").weights_change == types_pb2.WEIGHTS_CHANGE_KEEP
+    # A client built without a config leaves it unset: the agent's own setting applies.
+    assert run_request(attempt).weights_change == types_pb2.WEIGHTS_CHANGE_UNSPECIFIED
+    with pytest.raises(ValueError, match="weights_change"):
+        RolloutClientSettings(weights_change="sometimes")  # type: ignore[arg-type]
 
 
 def test_config_is_frozen(tmp_path: Path) -> None:

@@ -175,9 +175,17 @@ class Pair:
 class Follower:
     """Follows one Run in the background, as the Run servicer would."""
 
-    def __init__(self, runtime: ParticipantRuntime, episode: EpisodeId, task: Any) -> None:
+    def __init__(
+        self,
+        runtime: ParticipantRuntime,
+        episode: EpisodeId,
+        task: Any,
+        *,
+        weights_change: WeightsChange | None = None,
+    ) -> None:
         self.result: RunResult | None = None
-        self.task = asyncio.create_task(self._follow(runtime.run_episode(episode, task)))
+        stream = runtime.run_episode(episode, task, weights_change=weights_change)
+        self.task = asyncio.create_task(self._follow(stream))
 
     async def _follow(self, stream: Any) -> None:
         async with aclosing(stream):
@@ -405,13 +413,25 @@ async def test_a_crash_after_the_cut_and_before_the_commit_continues_from_the_la
 
 
 @pytest.mark.parametrize("change", [WeightsChange.KEEP, WeightsChange.RERUN])
+@pytest.mark.parametrize("decided_by", ["agent", "run"])
 async def test_a_cut_during_a_weight_sync_tags_every_token_with_its_version(
-    change: WeightsChange,
+    change: WeightsChange, decided_by: str
 ) -> None:
+    """``decided_by`` "agent": a Run without the setting (an older coordinator) leaves it
+    to the agent's own default; "run": the Run's setting (the coordinator's config)
+    wins over an agent default that says the opposite."""
     model = CountingPolicy()
     length = 5
-    async with pair(model, rerun=change is WeightsChange.RERUN) as both:
-        follower = Follower(both.agent, EP, {"turns": 1, "max_new_tokens": length})
+    rerun = change is WeightsChange.RERUN
+    if decided_by == "run":
+        rerun = not rerun
+    async with pair(model, rerun=rerun) as both:
+        follower = Follower(
+            both.agent,
+            EP,
+            {"turns": 1, "max_new_tokens": length},
+            weights_change=change if decided_by == "run" else None,
+        )
         model.release(1)
         await bounded(model.wait_streamed(1))
         # The weight sync waits for the streaming generation; the cut ends it.

@@ -70,6 +70,7 @@ class RunRequest(_message.Message):
     BUDGET_FIELD_NUMBER: _builtins.int
     BOUNDARIES_SEEN_FIELD_NUMBER: _builtins.int
     FENCE_FIELD_NUMBER: _builtins.int
+    WEIGHTS_CHANGE_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Idempotency key of this invocation; a re-invocation may reuse it."""
     prompt_group_id: _builtins.str
@@ -81,6 +82,10 @@ class RunRequest(_message.Message):
     boundaries_seen: _builtins.int
     """Boundary reports the caller already holds; an attaching call receives only later
     ones.
+    """
+    weights_change: _types_pb2.WeightsChange.ValueType
+    """What the agent does with a generation that spans a weight update (section 5.5 item
+    7), from the coordinator's configuration. UNSPECIFIED: the agent's own setting.
     """
     @_builtins.property
     def episode(self) -> _types_pb2.EpisodeId:
@@ -113,10 +118,11 @@ class RunRequest(_message.Message):
         budget: _duration_pb2.Duration | None = ...,
         boundaries_seen: _builtins.int = ...,
         fence: _types_pb2.Fence | None = ...,
+        weights_change: _types_pb2.WeightsChange.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["budget", b"budget", "episode", b"episode", "fence", b"fence", "task", b"task"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["boundaries_seen", b"boundaries_seen", "budget", b"budget", "episode", b"episode", "fence", b"fence", "group_size", b"group_size", "prompt_group_id", b"prompt_group_id", "request_id", b"request_id", "sibling_index", b"sibling_index", "task", b"task"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["boundaries_seen", b"boundaries_seen", "budget", b"budget", "episode", b"episode", "fence", b"fence", "group_size", b"group_size", "prompt_group_id", b"prompt_group_id", "request_id", b"request_id", "sibling_index", b"sibling_index", "task", b"task", "weights_change", b"weights_change"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -190,6 +190,33 @@ from its last sealed turn (section 5.5); finer than RECOVERY_LEVEL_TURN.
 """
 Global___RecoveryLevel: _TypeAlias = RecoveryLevel  # noqa: Y015
 
+class _WeightsChange:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _WeightsChangeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_WeightsChange.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    WEIGHTS_CHANGE_UNSPECIFIED: _WeightsChange.ValueType  # 0
+    """Not set (an older coordinator, a tool): the agent's own setting applies."""
+    WEIGHTS_CHANGE_KEEP: _WeightsChange.ValueType  # 1
+    """Keep the generation as it is; every token carries its weights version."""
+    WEIGHTS_CHANGE_RERUN: _WeightsChange.ValueType  # 2
+    """Discard the generation and ask for it again from its prompt (at most 3 times)."""
+
+class WeightsChange(_WeightsChange, metaclass=_WeightsChangeEnumTypeWrapper):
+    """WeightsChange says what an agent does with a generation whose tokens came from more
+    than one weights version (section 5.5 item 7). The coordinator's configuration decides
+    it and sends it on every Run.
+    """
+
+WEIGHTS_CHANGE_UNSPECIFIED: WeightsChange.ValueType  # 0
+"""Not set (an older coordinator, a tool): the agent's own setting applies."""
+WEIGHTS_CHANGE_KEEP: WeightsChange.ValueType  # 1
+"""Keep the generation as it is; every token carries its weights version."""
+WEIGHTS_CHANGE_RERUN: WeightsChange.ValueType  # 2
+"""Discard the generation and ask for it again from its prompt (at most 3 times)."""
+Global___WeightsChange: _TypeAlias = WeightsChange  # noqa: Y015
+
 class _EpisodeState:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
