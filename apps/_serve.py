@@ -48,6 +48,9 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     )
     parser.add_argument("--group-size", type=int, default=4, help="guess-group: siblings")
     parser.add_argument("--verifier-log", help="resources: append every reward to this file")
+    parser.add_argument(
+        "--generation-log", help="model: append every generation streamed to this file"
+    )
     parser.add_argument("--seed", type=int, default=0, help="model: initial weights seed")
     parser.add_argument("--lease", type=float, default=60.0, help="default lease seconds")
     parser.add_argument("--faults", default="", help="store faults, e.g. records_write:1:ENOSPC")
@@ -129,6 +132,7 @@ async def _serve(
         resources=resources,
         group_size=args.group_size,
         verifier_log=Path(args.verifier_log) if args.verifier_log else None,
+        generation_log=Path(args.generation_log) if args.generation_log else None,
         seed=args.seed,
         faults=args.faults,
         lease_s=args.lease,

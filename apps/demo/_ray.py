@@ -85,6 +85,7 @@ class DemoBuild:
             resources=dict(spec.resources),
             group_size=spec.group_size if spec.group_size is not None else 4,
             verifier_log=spec.verifier_log,
+            generation_log=spec.generation_log,
             seed=spec.seed if spec.seed is not None else 0,
             turn_delay_s=spec.turn_delay_s or 0.0,
             token_delay_s=spec.token_delay_s or 0.0,

@@ -25,9 +25,15 @@ process, 2 for the one started after the crash, ...). The types this module read
 Types this module does not know are ignored, so the trainer may log more; a known type
 with a missing or mistyped field is an :class:`EventLogError`.
 
+A ``train_step`` sample may also carry ``turns``: the tokens training took from it, one
+``{prompt, completion}`` per turn (token id lists).
+
 The supervisor writes ``<out>/supervisor.jsonl`` (``crash`` and ``restart`` with their
 ``t``) and every verifier appends ``{verifier, rollout_id, attempt, reward}`` to
-``<out>/verifier-<instance>.jsonl``.
+``<out>/verifier-<instance>.jsonl``. The policy appends one line per generation it
+streamed to ``<out>/generations-<instance>.jsonl`` as the stream ends: ``request_id``,
+``rollout_id``, ``attempt``, ``prompt`` and ``tokens`` (token id lists), ``finished``
+(false when a checkpoint cut it or it was stopped), ``t_start`` and ``t_end``.
 
 **The audit** replays the run as training saw it. A crashed incarnation's train steps
 after the step its successor restored are rolled back (the successor's steps replace
@@ -35,6 +41,29 @@ them); what remains is the *effective lineage*. Over it: every prompt group is t
 exactly once and the groups cover 0..G-1 without a gap; every trained group has exactly
 its N siblings, each once (no completed rollout lost, none counted twice); and every
 reward the trainer trained with is one a verifier returned for that rollout attempt.
+
+**The token audit** (docs/spec.md section 5.5 item 8), when the trainer logged the turns it
+trained and the policy logged its generations. The *audited* generations are those of a
+rollout the effective lineage trained, by the trained attempt or an earlier one.
+
+1. Every trained turn's completion is tiled, in order, by audited generations of that
+   rollout: the first asked with the turn's prompt, each next one with the prompt plus
+   the tokens so far, each but the last cut and the last finished, their tokens equal to
+   the completion's. So every trained token was streamed by the policy, at that place.
+2. No generation tiles two places: no token is trained twice.
+3. Every audited generation that training did not take is explained: it began before
+   a restore and ended after the snapshot that restore went back to began (work of an
+   incarnation the restore replaced, which that snapshot cannot hold whole: *discarded
+   by restores*), or it belongs to an attempt older than the trained one (work the
+   trained attempt did not carry over, such as a turn not yet sealed at the snapshot:
+   *superseded*), or it ended on its own in the trained attempt and did not stream a
+   cut prefix training took again (a turn asked again after a lost reply: *retried*).
+   A cut of the trained attempt that training did not take (its prefix regenerated
+   instead of continued), or a generation that streamed a trained cut prefix again,
+   fails the audit.
+4. A cut a restored snapshot saved is continued: a generation cut within the snapshot's
+   window, of a rollout whose next attempt was trained resumed from its saved turn, is
+   trained, not generated again.
 """
 
 from __future__ import annotations
@@ -60,6 +89,7 @@ __all__ = [
     "Done",
     "EventLog",
     "EventLogError",
+    "GenerationEntry",
     "Lineage",
     "LineageError",
     "Progress",
@@ -72,8 +102,10 @@ __all__ = [
     "SnapshotSummary",
     "Start",
     "SupervisorEvent",
+    "TokenAudit",
     "TrainStep",
     "TrainedRollout",
+    "TrainedTurn",
     "VerifierEntry",
     "audit",
     "build_report",
@@ -81,6 +113,7 @@ __all__ = [
     "load_run",
     "parse_event",
     "parse_events",
+    "parse_generation_entries",
     "parse_supervisor_events",
     "parse_verifier_entries",
     "percentile",
@@ -147,10 +180,20 @@ class RolloutResult:
 
 
 @dataclass(frozen=True, slots=True)
+class TrainedTurn:
+    """One turn training took: the prompt it was generated from and its completion."""
+
+    prompt: tuple[int, ...]
+    completion: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
 class TrainedRollout:
     rollout_id: str
     attempt: int
     reward: float
+    # None when the trainer did not log the tokens (no token audit then).
+    turns: tuple[TrainedTurn, ...] | None = None
 
     @property
     def key(self) -> tuple[str, int]:
@@ -252,6 +295,25 @@ class VerifierEntry:
         return (self.rollout_id, self.attempt)
 
 
+@dataclass(frozen=True, slots=True)
+class GenerationEntry:
+    """One generation the policy streamed: ``finished`` false when it was cut or stopped."""
+
+    policy: str
+    request_id: str
+    rollout_id: str
+    attempt: int
+    prompt: tuple[int, ...]
+    tokens: tuple[int, ...]
+    finished: bool
+    t_start: float
+    t_end: float
+
+    @property
+    def cut(self) -> bool:
+        return not self.finished and bool(self.tokens)
+
+
 class _Fields:
     """Typed reads of one JSON object; every error names the event and the field."""
 
@@ -313,6 +375,12 @@ class _Fields:
         if not isinstance(value, list):
             raise self._wrong(key, "a list")
         return value
+
+    def tokens(self, key: str) -> tuple[int, ...]:
+        values = self.items(key)
+        if any(isinstance(v, bool) or not isinstance(v, int) for v in values):
+            raise self._wrong(key, "a list of token ids")
+        return tuple(values)
 
     def mapping(self, key: str) -> Mapping[str, Any]:
         value = self._raw.get(key)
@@ -383,10 +451,26 @@ def parse_event(raw: Mapping[str, Any], where: str = "event") -> Event | None:
         for index, item in enumerate(fields.items("rollouts")):
             if not isinstance(item, dict):
                 raise EventLogError(f"{where} (train_step): rollouts[{index}] must be an object")
-            sample = _Fields(item, f"{where} (train_step) rollouts[{index}]")
+            what = f"{where} (train_step) rollouts[{index}]"
+            sample = _Fields(item, what)
+            turns = None
+            if item.get("turns") is not None:
+                turns = []
+                for number, turn in enumerate(sample.items("turns")):
+                    if not isinstance(turn, dict):
+                        raise EventLogError(f"{what}: turns[{number}] must be an object")
+                    fields_of_turn = _Fields(turn, f"{what} turns[{number}]")
+                    turns.append(
+                        TrainedTurn(
+                            fields_of_turn.tokens("prompt"), fields_of_turn.tokens("completion")
+                        )
+                    )
             rollouts.append(
                 TrainedRollout(
-                    sample.text("rollout_id"), sample.integer("attempt"), sample.number("reward")
+                    sample.text("rollout_id"),
+                    sample.integer("attempt"),
+                    sample.number("reward"),
+                    None if turns is None else tuple(turns),
                 )
             )
         return TrainStep(
@@ -478,6 +562,28 @@ def parse_verifier_entries(
     return entries
 
 
+def parse_generation_entries(
+    raw_entries: Iterable[Mapping[str, Any]], source: str = "generation log"
+) -> list[GenerationEntry]:
+    entries = []
+    for number, raw in enumerate(raw_entries, start=1):
+        fields = _Fields(raw, f"{source} line {number}")
+        entries.append(
+            GenerationEntry(
+                fields.text("policy"),
+                fields.text("request_id"),
+                fields.text("rollout_id"),
+                fields.integer("attempt"),
+                fields.tokens("prompt"),
+                fields.tokens("tokens"),
+                fields.flag("finished"),
+                fields.number("t_start"),
+                fields.number("t_end"),
+            )
+        )
+    return entries
+
+
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """Every line of a JSON-lines file as an object; a missing file is empty. Blocking."""
     try:
@@ -503,16 +609,21 @@ class RunLogs:
     events: EventLog
     supervisor: tuple[SupervisorEvent, ...]
     verifier: tuple[VerifierEntry, ...]
+    # Empty when no policy logged its generations (no token audit then).
+    generations: tuple[GenerationEntry, ...] = ()
 
 
 def load_run(out: Path) -> RunLogs:
-    """The three logs of a demo run under ``out``. Blocking: call through a thread."""
+    """The logs of a demo run under ``out``. Blocking: call through a thread."""
     events = parse_events(read_jsonl(out / "events.jsonl"))
     supervisor = parse_supervisor_events(read_jsonl(out / "supervisor.jsonl"))
     verifier: list[VerifierEntry] = []
     for path in sorted(out.glob("verifier-*.jsonl")):
         verifier.extend(parse_verifier_entries(read_jsonl(path), path.name))
-    return RunLogs(events, tuple(supervisor), tuple(verifier))
+    generations: list[GenerationEntry] = []
+    for path in sorted(out.glob("generations-*.jsonl")):
+        generations.extend(parse_generation_entries(read_jsonl(path), path.name))
+    return RunLogs(events, tuple(supervisor), tuple(verifier), tuple(generations))
 
 
 # ---------------------------------------------------------------------- the audit
@@ -566,6 +677,40 @@ def effective_lineage(log: EventLog) -> Lineage:
 
 
 @dataclass(frozen=True, slots=True)
+class TokenAudit:
+    """The token audit's counts, in tokens (see the module docstring)."""
+
+    generated: int = 0
+    """Every token the policy streamed, in every generation it logged."""
+    trained: int = 0
+    """Tokens of the trained turns: each streamed once and trained once."""
+    cut_continued: int = 0
+    """Trained tokens streamed before a cut and then continued from (``cuts`` cuts)."""
+    cuts: int = 0
+    discarded_by_restores: int = 0
+    """Streamed, not trained, by generations begun before a restore (lost work)."""
+    superseded: int = 0
+    """Streamed, not trained, by an attempt older than the one trained."""
+    retried: int = 0
+    """Streamed, not trained, by a generation that ended on its own in the trained
+    attempt and whose turn was asked again (a turn redone after a lost reply)."""
+    not_trained: int = 0
+    """Streamed for rollouts the effective lineage never trained (in flight at the end,
+    or whose steps a restore rolled back and that were trained as another attempt)."""
+
+    @property
+    def line(self) -> str:
+        return (
+            f"tokens: {self.generated} generated, {self.trained} trained (each exactly once), "
+            f"{self.cut_continued} cut and continued ({self.cuts} cuts), "
+            f"{self.discarded_by_restores} discarded by restores, "
+            f"{self.superseded} of superseded attempts, "
+            f"{self.retried} of turns retried within their attempt, "
+            f"{self.not_trained} of rollouts not trained"
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class AuditResult:
     passed: bool
     reason: str | None = None
@@ -573,6 +718,8 @@ class AuditResult:
     groups: int = 0
     rollouts: int = 0
     rolled_back_steps: int = 0
+    # None when the token audit did not run (no turns or no generations logged).
+    tokens: TokenAudit | None = None
 
     @property
     def line(self) -> str:
@@ -590,11 +737,14 @@ def audit(
     group_size: int,
     expected_steps: int | None = None,
     groups_per_step: int | None = None,
+    generations: Sequence[GenerationEntry] = (),
 ) -> AuditResult:
     """The exactly-once audit of a finished run (see the module docstring).
 
     ``expected_steps`` and ``groups_per_step``, when given, are checked too: a run that
-    stops early or trains short steps is not the run that was asked for.
+    stops early or trains short steps is not the run that was asked for. With
+    ``generations`` (the policy's log) and the trained turns in the train steps, the
+    token audit runs too.
     """
     try:
         lineage = effective_lineage(log)
@@ -605,6 +755,7 @@ def audit(
         groups = _check_groups(lineage, groups_per_step)
         rollouts = _check_rollouts(log, lineage, group_size)
         _check_rewards(lineage, verifier)
+        tokens = _check_tokens(log, lineage, generations)
     except _AuditFailure as failure:
         return AuditResult(False, str(failure), rolled_back_steps=len(lineage.rolled_back))
     return AuditResult(
@@ -614,6 +765,7 @@ def audit(
         groups=groups,
         rollouts=rollouts,
         rolled_back_steps=len(lineage.rolled_back),
+        tokens=tokens,
     )
 
 
@@ -772,6 +924,201 @@ def _check_rewards(lineage: Lineage, verifier: Sequence[VerifierEntry]) -> None:
                 )
 
 
+def _check_tokens(
+    log: EventLog, lineage: Lineage, generations: Sequence[GenerationEntry]
+) -> TokenAudit | None:
+    """The token audit (module docstring, items 1-4); None when it cannot run."""
+    trained = [sample for step in lineage.steps for sample in step.rollouts]
+    if not generations or not trained or any(sample.turns is None for sample in trained):
+        return None
+    streamed = [g for g in generations if g.tokens]
+    trained_attempt = {sample.rollout_id: sample.attempt for sample in trained}
+    # Audited: a generation of a trained rollout by the trained attempt or an earlier one.
+    by_prompt: dict[tuple[str, tuple[int, ...]], list[GenerationEntry]] = defaultdict(list)
+    for entry in streamed:
+        if entry.attempt <= trained_attempt.get(entry.rollout_id, -1):
+            by_prompt[(entry.rollout_id, entry.prompt)].append(entry)
+    used: dict[GenerationEntry, str] = {}
+    # Each cut training took, with the prompt of the turn it belongs to.
+    cut_turns: list[tuple[GenerationEntry, tuple[int, ...]]] = []
+    tokens_trained = cut_continued = cuts = 0
+    for step in lineage.steps:
+        for sample in step.rollouts:
+            for index, turn in enumerate(sample.turns or ()):
+                where = (
+                    f"turn {index} of rollout {sample.rollout_id} attempt {sample.attempt} "
+                    f"(trained in step {step.step})"
+                )
+                for entry in _tile(by_prompt, sample, turn, used, where):
+                    used[entry] = where
+                    if entry.cut:
+                        cut_turns.append((entry, turn.prompt))
+                        cuts += 1
+                        cut_continued += len(entry.tokens)
+                tokens_trained += len(turn.completion)
+    discarded = superseded = retried = not_trained = 0
+    for entry in streamed:
+        if entry in used:
+            continue
+        attempt = trained_attempt.get(entry.rollout_id)
+        if attempt is None or entry.attempt > attempt:
+            not_trained += len(entry.tokens)
+        elif _rolled_back(log, entry):
+            _check_cut_continued(log, entry, attempt)
+            discarded += len(entry.tokens)
+        elif entry.attempt < attempt:
+            superseded += len(entry.tokens)
+        elif entry.cut:
+            raise _AuditFailure(_generated_again(entry, used))
+        elif (cut := _regenerated_cut(entry, cut_turns)) is not None:
+            raise _AuditFailure(
+                f"generation {entry.request_id} of rollout {entry.rollout_id} attempt "
+                f"{entry.attempt} streamed again the cut prefix of generation "
+                f"{cut.request_id}, which training took in {used[cut]}"
+            )
+        else:
+            retried += len(entry.tokens)
+    return TokenAudit(
+        generated=sum(len(g.tokens) for g in streamed),
+        trained=tokens_trained,
+        cut_continued=cut_continued,
+        cuts=cuts,
+        discarded_by_restores=discarded,
+        superseded=superseded,
+        retried=retried,
+        not_trained=not_trained,
+    )
+
+
+def _regenerated_cut(
+    entry: GenerationEntry, cut_turns: Sequence[tuple[GenerationEntry, tuple[int, ...]]]
+) -> GenerationEntry | None:
+    """A cut training took whose prefix ``entry`` streamed again: asked after the cut
+    ended, for the same turn, from a point before the cut's last token."""
+    for cut, turn_prompt in cut_turns:
+        reached = cut.prompt + cut.tokens
+        if (
+            cut.rollout_id == entry.rollout_id
+            and cut.t_end <= entry.t_start
+            and len(turn_prompt) <= len(entry.prompt) < len(reached)
+            and reached[: len(entry.prompt)] == entry.prompt
+            and entry.prompt[: len(turn_prompt)] == turn_prompt
+        ):
+            return cut
+    return None
+
+
+def _tile(
+    by_prompt: Mapping[tuple[str, tuple[int, ...]], Sequence[GenerationEntry]],
+    sample: TrainedRollout,
+    turn: TrainedTurn,
+    used: Mapping[GenerationEntry, str],
+    where: str,
+) -> list[GenerationEntry]:
+    """The generations whose tokens make up the turn's completion, in order (item 1)."""
+    completion = turn.completion
+    chain: list[GenerationEntry] = []
+    offset = 0
+    while offset < len(completion):
+        context = turn.prompt + completion[:offset]
+        fitting = []
+        for entry in by_prompt.get((sample.rollout_id, context), ()):
+            end = offset + len(entry.tokens)
+            # A cut is followed by at least one more token; a finished one ends the turn.
+            if completion[offset:end] == entry.tokens and (end == len(completion)) == (
+                entry.finished
+            ):
+                fitting.append(entry)
+        fresh = [entry for entry in fitting if entry not in used and entry not in chain]
+        if not fresh:
+            if fitting:
+                other = used.get(fitting[-1], where)
+                raise _AuditFailure(
+                    f"tokens {offset}..{offset + len(fitting[-1].tokens) - 1} of {where} were "
+                    f"trained twice: generation {fitting[-1].request_id} is also {other}"
+                )
+            raise _AuditFailure(
+                f"token {offset} of {where} was never streamed by the policy: no generation "
+                f"of that rollout asked with the turn's prompt plus the {offset} tokens "
+                "before it streamed the tokens trained there"
+            )
+        # Several fit when a restore's lost work streamed the same tokens before: the
+        # latest is the one training took.
+        entry = max(fresh, key=lambda e: (e.attempt, e.t_end))
+        chain.append(entry)
+        offset += len(entry.tokens)
+    return chain
+
+
+def _restore_after(log: EventLog, entry: GenerationEntry) -> tuple[Restore, Snapshot | None] | None:
+    """The first restore after the generation began, and the snapshot it went back to."""
+    after = [r for r in log.restores if r.t > entry.t_start]
+    if not after:
+        return None
+    restore = min(after, key=lambda r: r.t)
+    snapshot = next(
+        (
+            s
+            for s in log.snapshots
+            if s.checkpoint_id == restore.checkpoint_id and s.outcome == "published"
+        ),
+        None,
+    )
+    return restore, snapshot
+
+
+def _rolled_back(log: EventLog, entry: GenerationEntry) -> bool:
+    """Item 3: begun before a restore, and ended after the snapshot it went back to began
+    (so the snapshot cannot have saved all of it)."""
+    found = _restore_after(log, entry)
+    if found is None:
+        return False
+    _, snapshot = found
+    return snapshot is None or entry.t_end >= snapshot.t_start
+
+
+def _check_cut_continued(log: EventLog, entry: GenerationEntry, trained_attempt: int) -> None:
+    """Item 4: a cut a restored snapshot saved, of a rollout resumed from it, is trained."""
+    if not entry.cut or trained_attempt != entry.attempt + 1:
+        return
+    resumed = any(
+        r.rollout_id == entry.rollout_id and r.attempt == trained_attempt and r.resumed
+        for r in log.rollouts
+    )
+    found = _restore_after(log, entry)
+    if not resumed or found is None:
+        return
+    _, snapshot = found
+    if snapshot is not None and snapshot.t_start <= entry.t_end <= snapshot.t_end:
+        raise _AuditFailure(
+            f"the cut prefix of generation {entry.request_id} (rollout "
+            f"{entry.rollout_id} attempt {entry.attempt}, {len(entry.tokens)} tokens) was "
+            f"saved by snapshot {snapshot.checkpoint_id} but attempt {trained_attempt}, "
+            "resumed from it, did not continue it"
+        )
+
+
+def _generated_again(entry: GenerationEntry, used: Mapping[GenerationEntry, str]) -> str:
+    name = (
+        f"generation {entry.request_id} of rollout {entry.rollout_id} attempt "
+        f"{entry.attempt} ({len(entry.tokens)} tokens)"
+    )
+    end = entry.prompt + entry.tokens
+    for other, where in used.items():
+        if (
+            other.rollout_id == entry.rollout_id
+            and other.t_start >= entry.t_end
+            and len(other.prompt) < len(end)
+            and end[: len(other.prompt)] == other.prompt
+        ):
+            kind = "its cut prefix" if entry.cut else "its tokens"
+            return (
+                f"{name} was streamed but never trained: {kind} was generated again by "
+                f"generation {other.request_id}, trained in {where}"
+            )
+    return f"{name} was streamed but never trained, and no restore discarded it"
+
+
 def _few(items: Sequence[Any], limit: int = 5) -> str:
     shown = ", ".join(repr(i) if isinstance(i, float) else str(i) for i in items[:limit])
     return f"{shown}, ... ({len(items)} in all)" if len(items) > limit else shown
@@ -875,6 +1222,7 @@ def build_report(
         group_size=group_size,
         expected_steps=expected_steps,
         groups_per_step=groups_per_step,
+        generations=logs.generations,
     )
     try:
         lineage = effective_lineage(events)
@@ -973,5 +1321,7 @@ def render_report(
         console.print(Text(f"warning: {warning}", style="yellow"), soft_wrap=True)
     if timeline is not None:
         console.print(Text(f"timeline: {timeline}"), soft_wrap=True)
+    if report.audit.tokens is not None:
+        console.print(Text(report.audit.tokens.line), soft_wrap=True)
     style = "bold green" if report.audit.passed else "bold red"
     console.print(Text(report.audit.line, style=style), soft_wrap=True)

@@ -392,6 +392,9 @@ class DemoPaths:
     def verifier_log(self, instance: str) -> Path:
         return self.out / f"verifier-{instance}.jsonl"
 
+    def generation_log(self, instance: str) -> Path:
+        return self.out / f"generations-{instance}.jsonl"
+
 
 def prepare_out_dir(out: Path) -> tuple[DemoPaths, str]:
     """Wipe and recreate ``out``; write a fresh token (0600). Returns the paths and token.
@@ -428,6 +431,7 @@ class ParticipantSpec:
     environment: str | None = None
     group_size: int | None = None
     verifier_log: Path | None = None
+    generation_log: Path | None = None
     seed: int | None = None
     policy_address: str | None = None
     resources: Mapping[str, str] = field(default_factory=dict)
@@ -454,6 +458,8 @@ class ParticipantSpec:
             arguments += ["--group-size", str(self.group_size)]
         if self.verifier_log is not None:
             arguments += ["--verifier-log", str(self.verifier_log)]
+        if self.generation_log is not None:
+            arguments += ["--generation-log", str(self.generation_log)]
         if self.seed is not None:
             arguments += ["--seed", str(self.seed)]
         if self.policy_address is not None:
@@ -478,6 +484,7 @@ def server_specs(options: DemoOptions, paths: DemoPaths) -> list[ParticipantSpec
             example="tiny-policy",
             seed=options.seed,
             token_delay_s=options.token_delay_s,
+            generation_log=paths.generation_log("policy"),
         ),
         ParticipantSpec(
             instance="tools",

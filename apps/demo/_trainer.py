@@ -484,7 +484,12 @@ class DemoTrainer:
                 step=self.step,
                 groups=[group[0].prompt_group_id for group in groups],
                 rollouts=[
-                    {"rollout_id": r.rollout_id, "attempt": r.episode.attempt, "reward": _reward(r)}
+                    {
+                        "rollout_id": r.rollout_id,
+                        "attempt": r.episode.attempt,
+                        "reward": _reward(r),
+                        "turns": _trained_turns(r),
+                    }
                     for group in groups
                     for r in group
                 ],
@@ -528,6 +533,19 @@ class DemoTrainer:
             by_instance=_restored_by_instance(plan),
         )
         return plan
+
+
+def _trained_turns(result: RolloutResult) -> list[dict[str, list[int]]]:
+    """The tokens training took from one rollout: each turn's prompt and completion, as
+    :meth:`DemoTrainer._train` reads them (the demo's token audit)."""
+    if result.outcome is not RolloutOutcome.COMPLETED:
+        return []
+    output = result.output
+    prompts = output.get("prompts", [])
+    return [
+        {"prompt": [int(t) for t in prompt], "completion": [int(t) for t in turn["completion"]]}
+        for prompt, turn in zip(prompts, output.get("turns", []), strict=False)
+    ]
 
 
 def _restored_by_instance(plan: RestorePlan) -> dict[str, dict[str, int]]:

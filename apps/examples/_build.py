@@ -23,6 +23,8 @@ class ExampleSpec:
     resources: dict[str, str] = field(default_factory=dict)
     group_size: int = 4
     verifier_log: Path | None = None
+    # The policy appends every generation it streams here (the demo's token audit).
+    generation_log: Path | None = None
     seed: int = 0
     faults: str = ""
     lease_s: float = 60.0
@@ -61,7 +63,13 @@ def build_example(
     config = RuntimeConfig(default_lease_s=spec.lease_s)
     closers: list[Callable[[], Awaitable[None]]] = []
     if kind == "model" and example == "tiny-policy":
-        model = TinyPolicyServer(new_policy(spec.seed), token_delay_s=spec.token_delay_s)
+        model = TinyPolicyServer(
+            new_policy(spec.seed),
+            token_delay_s=spec.token_delay_s,
+            # Flushed, not fsynced: one line per generation must not stall the stream.
+            log=VerifierLog(spec.generation_log, fsync=False),
+            name=spec.instance,
+        )
         return ParticipantRuntime(spec.instance, store, model=model, config=config), closers
     if kind == "resources" and example in ("guess", "guess-group"):
         log = VerifierLog(spec.verifier_log)

@@ -25,6 +25,8 @@ import contextlib
 import json
 import os
 import pickle
+import secrets
+import time
 from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -104,10 +106,21 @@ class TinyPolicyServer(PolicyModel):
 
     can_cut = True
 
-    def __init__(self, policy: TinyPolicy, *, token_delay_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        policy: TinyPolicy,
+        *,
+        token_delay_s: float = 0.0,
+        log: VerifierLog | None = None,
+        name: str = "policy",
+    ) -> None:
         if not token_delay_s >= 0:
             raise ValueError(f"token_delay_s must be >= 0, got {token_delay_s}")
         self.policy = policy
+        # The demo's token audit: one line per generation streamed (see _log_generation).
+        self._log = log or VerifierLog(None)
+        self._name = name
+        self._ids = f"{name}-{os.getpid()}-{secrets.token_hex(3)}"
         # The decode time of a real model per token: long generations for the demo.
         self._token_delay_s = token_delay_s
         self._streaming = 0
@@ -129,8 +142,12 @@ class TinyPolicyServer(PolicyModel):
         async with self._changed:
             await self._changed.wait_for(lambda: not self._swapping)
             self._streaming += 1
+        produced: list[int] = []
+        finished = False
+        started = time.time()
+        self.generations += 1
+        request_id = f"{self._ids}-{self.generations}"
         try:
-            self.generations += 1
             version = self.policy.weights_version
             generator = torch.Generator().manual_seed(request.seed)
             # No torch.no_grad() around the loop: a grad mode held across a yield
@@ -144,16 +161,50 @@ class TinyPolicyServer(PolicyModel):
             )
             for count, sampled in enumerate(tokens, start=1):
                 last = sampled.token == self.policy.eos_token or count == request.max_new_tokens
+                # Counted once handed to the stream: a cut (the stream closed at the
+                # next yield) carries every token yielded before it.
+                produced.append(sampled.token)
+                finished = last
                 yield GenerateChunk((sampled.token,), (sampled.logprob,), last, version)
                 if last:
                     return
                 # Let other generations interleave (and stand in for a model's decode step).
                 await asyncio.sleep(self._token_delay_s)
+            finished = True
             yield GenerateChunk((), (), True, version)
         finally:
+            self._log_generation(request_id, episode, request, produced, finished, started)
             async with self._changed:
                 self._streaming -= 1
                 self._changed.notify_all()
+
+    def _log_generation(
+        self,
+        request_id: str,
+        episode: EpisodeId,
+        request: GenerateRequest,
+        tokens: Sequence[int],
+        finished: bool,
+        started: float,
+    ) -> None:
+        """One line per generation, written as its stream ends (cut, stopped or finished).
+
+        ``finished`` is true when the generation ended on its own (end of text or its
+        budget); false when it was cut at a checkpoint or stopped. A kill of this
+        process loses only the generations still streaming, whose callers never got a
+        whole stream either.
+        """
+        self._log.write(
+            policy=self._name,
+            request_id=request_id,
+            rollout_id=episode.rollout_id,
+            attempt=episode.attempt,
+            prompt=list(request.prompt_token_ids),
+            tokens=list(tokens),
+            finished=finished,
+            t_start=started,
+            t_end=time.time(),
+        )
 
     async def update_weights(self, weights_version: int, state: bytes) -> int:
         async with self._changed:
@@ -198,10 +249,16 @@ def _bad_input(field: str) -> Iterator[None]:
 
 
 class VerifierLog:
-    """Append-only JSON lines of every reward a verifier returned, for the demo's audit."""
+    """Append-only JSON lines for the demo's audit: every reward a verifier returned, and
+    every generation the policy streamed.
 
-    def __init__(self, path: str | Path | None) -> None:
+    Each line is flushed before :meth:`write` returns, so a kill of the writer loses
+    none; ``fsync`` (the verifier's default) also survives the machine going down.
+    """
+
+    def __init__(self, path: str | Path | None, *, fsync: bool = True) -> None:
         self._path = Path(path) if path else None
+        self._fsync = fsync
 
     def write(self, **entry: Any) -> None:
         if self._path is None:
@@ -210,7 +267,8 @@ class VerifierLog:
         with self._path.open("a", encoding="utf-8") as handle:
             handle.write(line)
             handle.flush()
-            os.fsync(handle.fileno())
+            if self._fsync:
+                os.fsync(handle.fileno())
 
 
 class GuessTools(ResourcesServer):

@@ -106,6 +106,10 @@ def run_demo(out: Path, *flags: str, timeout_s: float = RUN_TIMEOUT_S) -> Run:
     context = f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}\n{_trainer_logs(out)}"
     assert result.returncode == 0, context
     assert "audit: passed" in result.stdout.splitlines(), context
+    # The token audit ran: every trained token streamed once by the policy, none twice
+    # (docs/spec.md section 5.5 item 8).
+    tokens = [line for line in result.stdout.splitlines() if line.startswith("tokens: ")]
+    assert len(tokens) == 1 and " trained (each exactly once)" in tokens[0], context
     assert (out / "timeline.png").read_bytes()[: len(PNG_SIGNATURE)] == PNG_SIGNATURE
     return Run(out, result.stdout, _jsonl(out / "events.jsonl"), _jsonl(out / "supervisor.jsonl"))
 
@@ -152,6 +156,21 @@ def test_the_short_demo_crashes_restores_and_passes_the_audit(tmp_path: Path) ->
     assert [event["type"] for event in run.supervisor] == ["crash", "restart"]
     assert_restored_the_newest_published(run)
     assert run.only("done", 2)["step"] == 8
+
+
+def test_long_generations_cut_at_each_snapshot_pass_the_token_audit(tmp_path: Path) -> None:
+    """docs/spec.md section 5.5: the policy cuts generations at every snapshot, the agents
+    continue them, and the token audit finds each cut prefix trained once, never
+    streamed again."""
+    run = run_demo(
+        tmp_path / "out", "--token-delay", "0.02", "--cut-generations", "--target-level", "token"
+    )
+
+    line = next(line for line in run.stdout.splitlines() if line.startswith("tokens: "))
+    generated, trained = (int(word) for word in line.split()[1:5:2])
+    assert 0 < trained <= generated, line
+    streamed = _jsonl(run.out / "generations-policy.jsonl")
+    assert sum(len(entry["tokens"]) for entry in streamed) == generated
 
 
 @pytest.mark.timeout(420)

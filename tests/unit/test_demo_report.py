@@ -32,7 +32,9 @@ from turnpoint.apps.demo import (
 )
 from turnpoint.apps.demo._report import (
     SupervisorEvent,
+    TokenAudit,
     VerifierEntry,
+    parse_generation_entries,
     parse_verifier_entries,
     percentile,
 )
@@ -793,3 +795,322 @@ def test_the_live_table_shows_the_state() -> None:
     text = buffer.getvalue()
     assert f"{STEPS} / {STEPS} (trainer incarnation 2)" in text
     assert "2 published, 1 failed" in text
+
+
+# ---------------------------------------------------------------------- the token audit
+
+EOS = 1
+
+
+class _TokenRun(_Run):
+    """A run whose train steps carry their turns and whose policy logs its generations.
+
+    One token per call site keeps the figures countable: every rollout has one turn,
+    prompt ``[2, group, sibling]`` and completion ``[3 + sibling, EOS]``, unless a test
+    says otherwise.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.generations: list[dict[str, Any]] = []
+
+    def generate(
+        self,
+        rollout_id: str,
+        attempt: int,
+        prompt: list[int],
+        tokens: list[int],
+        *,
+        finished: bool = True,
+    ) -> dict[str, Any]:
+        t_start = self.tick(0.01)
+        entry = {
+            "policy": "policy",
+            "request_id": f"policy-{len(self.generations) + 1}",
+            "rollout_id": rollout_id,
+            "attempt": attempt,
+            "prompt": prompt,
+            "tokens": tokens,
+            "finished": finished,
+            "t_start": t_start,
+            "t_end": self.tick(0.01),
+        }
+        self.generations.append(entry)
+        return entry
+
+    def trained_step(
+        self,
+        step: int,
+        groups: list[int],
+        *,
+        attempt: int = 0,
+        completions: dict[str, list[int]] | None = None,
+        resumed: bool = False,
+        generate: bool = True,
+    ) -> None:
+        """Generate (unless told not to), record and train ``groups`` as one step."""
+        completions = completions or {}
+        samples = []
+        for group in groups:
+            for sibling in range(GROUP_SIZE):
+                rollout_id = f"g{group}-s{sibling}"
+                prompt = [2, group, sibling]
+                completion = completions.get(rollout_id, [3 + sibling, EOS])
+                if generate and rollout_id not in completions:
+                    self.generate(rollout_id, attempt, prompt, completion)
+                reward = round(0.1 * sibling + 0.01 * group, 6)
+                self.verifier.append(
+                    {
+                        "verifier": "tools",
+                        "rollout_id": rollout_id,
+                        "attempt": attempt,
+                        "reward": reward,
+                    }
+                )
+                self.emit(
+                    "rollout",
+                    rollout_id=rollout_id,
+                    attempt=attempt,
+                    group=group,
+                    sibling=sibling,
+                    environment="guess",
+                    reward=reward,
+                    resumed=resumed,
+                    turns=1,
+                )
+                samples.append(
+                    {
+                        "rollout_id": rollout_id,
+                        "attempt": attempt,
+                        "reward": reward,
+                        "turns": [{"prompt": prompt, "completion": completion}],
+                    }
+                )
+        self.emit(
+            "train_step",
+            step=step,
+            groups=groups,
+            rollouts=samples,
+            mean_reward=sum(s["reward"] for s in samples) / len(samples),
+        )
+
+    def write(self, out: Path) -> Path:
+        super().write(out)
+        (out / "generations-policy.jsonl").write_text(
+            "".join(json.dumps(line) + "\n" for line in self.generations)
+        )
+        return out
+
+
+def _token_run(*, continue_after_restore: bool = True) -> _TokenRun:
+    """Step 1 with a cut continued on resume; a snapshot that cuts g2-s0; a crash after
+    it lost g2-s0's continuation; the restore continues the cut as attempt 1.
+
+    Token figures: step 1 trains 8 rollouts x 2 tokens, one of them (g0-s0) streamed as
+    a cut of 1 token and a continuation of 1. Before the snapshot, attempt 0 of groups
+    2-3 streams 2 tokens a rollout except g2-s0 (14, superseded: attempt 1 streams them
+    again); the snapshot cuts g2-s0 at 2 tokens (trained), whose continuation of 2 the
+    crash loses (discarded by the restore). Attempt 1 streams 14 tokens again and
+    continues g2-s0's cut prefix with 2 more: 34 trained of 50 streamed.
+    """
+    run = _TokenRun()
+    run.start()
+    # g0-s0: cut at a snapshot that was aborted, then continued on resume.
+    run.generate("g0-s0", 0, [2, 0, 0], [3], finished=False)
+    run.generate("g0-s0", 0, [2, 0, 0, 3], [EOS])
+    run.trained_step(1, [0, 1], completions={"g0-s0": [3, EOS]})
+    # Attempt 0 of groups 2 and 3, in flight at the snapshot.
+    for group in (2, 3):
+        for sibling in range(GROUP_SIZE):
+            if (group, sibling) != (2, 0):
+                run.generate(f"g{group}-s{sibling}", 0, [2, group, sibling], [3 + sibling, EOS])
+    t_start = run.tick()
+    run.generate("g2-s0", 0, [2, 2, 0], [3, 4], finished=False)  # cut by the snapshot
+    t_end = run.tick(0.2)
+    run.emit(
+        "snapshot",
+        checkpoint_id="ckpt-0001",
+        outcome="published",
+        reason=None,
+        t_start=t_start,
+        t_end=t_end,
+        admission_closed_s=0.1,
+        phases={},
+    )
+    run.generate("g2-s0", 0, [2, 2, 0, 3, 4], [5, EOS])  # after the snapshot: lost
+    run.crash()
+    run.start(step=1, restored_from="ckpt-0001")
+    run.restore("ckpt-0001")
+    if continue_after_restore:
+        run.generate("g2-s0", 1, [2, 2, 0, 3, 4], [6, EOS])
+        g2s0 = [3, 4, 6, EOS]
+    else:  # the bug: attempt 1 starts the turn again from its prompt
+        run.generate("g2-s0", 1, [2, 2, 0], [3, 4, 6, EOS])
+        g2s0 = [3, 4, 6, EOS]
+    run.trained_step(2, [2, 3], attempt=1, completions={"g2-s0": g2s0}, resumed=True)
+    run.done(2)
+    return run
+
+
+def _token_audit(run: _TokenRun) -> Any:
+    return audit(
+        parse_events(run.events),
+        parse_verifier_entries(run.verifier),
+        group_size=GROUP_SIZE,
+        generations=parse_generation_entries(run.generations),
+    )
+
+
+def test_every_trained_token_was_streamed_once_and_the_rest_was_lost_to_the_restore() -> None:
+    result = _token_audit(_token_run())
+
+    assert result.passed, result.reason
+    assert result.tokens == TokenAudit(
+        generated=16 + 18 + 16,
+        trained=16 + 18,
+        cut_continued=1 + 2,
+        cuts=2,
+        discarded_by_restores=2,
+        superseded=14,
+        retried=0,
+        not_trained=0,
+    )
+    assert result.tokens.line == (
+        "tokens: 50 generated, 34 trained (each exactly once), 3 cut and continued (2 cuts), "
+        "2 discarded by restores, 14 of superseded attempts, 0 of turns retried within "
+        "their attempt, 0 of rollouts not trained"
+    )
+
+
+def test_a_cut_prefix_trained_twice_fails() -> None:
+    run = _token_run()
+    # g0-s0's trajectory holds its cut prefix twice: the second copy was never streamed.
+    sample = _train_step(run, 1, 1)["rollouts"][0]
+    sample["turns"] = [{"prompt": [2, 0, 0], "completion": [3, 3, EOS]}]
+
+    result = _token_audit(run)
+
+    assert not result.passed
+    assert result.reason is not None
+    assert result.reason.startswith(
+        "token 1 of turn 0 of rollout g0-s0 attempt 0 (trained in step 1) was never streamed"
+    ), result.reason
+
+
+def test_the_same_turn_trained_twice_in_one_trajectory_fails() -> None:
+    run = _token_run()
+    sample = _train_step(run, 1, 1)["rollouts"][1]
+    sample["turns"] = [*sample["turns"], *sample["turns"]]
+
+    result = _token_audit(run)
+
+    assert not result.passed
+    assert result.reason is not None and "trained twice" in result.reason, result.reason
+
+
+def test_a_cut_prefix_regenerated_on_resume_fails() -> None:
+    run = _token_run()
+    # After g0-s0's cut the agent starts the turn again instead of continuing it: the
+    # trained tokens are all streamed once, but the cut prefix was streamed twice.
+    index = next(i for i, g in enumerate(run.generations) if g["prompt"] == [2, 0, 0, 3])
+    regenerated = dict(run.generations[index], prompt=[2, 0, 0], tokens=[3, EOS])
+    run.generations[index] = regenerated
+
+    result = _token_audit(run)
+
+    assert not result.passed
+    assert result.reason == (
+        "generation policy-1 of rollout g0-s0 attempt 0 (1 tokens) was streamed but never "
+        "trained: its cut prefix was generated again by generation policy-2, trained in "
+        "turn 0 of rollout g0-s0 attempt 0 (trained in step 1)"
+    )
+
+
+def test_a_cut_prefix_regenerated_after_the_restore_fails() -> None:
+    result = _token_audit(_token_run(continue_after_restore=False))
+
+    assert not result.passed
+    assert result.reason is not None
+    assert "saved by snapshot ckpt-0001 but attempt 1, resumed from it, did not continue it" in (
+        result.reason
+    ), result.reason
+
+
+def test_a_trained_token_the_policy_never_streamed_fails() -> None:
+    run = _token_run()
+    sample = _train_step(run, 1, 1)["rollouts"][2]
+    sample["turns"] = [{"prompt": sample["turns"][0]["prompt"], "completion": [9, EOS]}]
+
+    result = _token_audit(run)
+
+    assert not result.passed
+    assert result.reason == (
+        "token 0 of turn 0 of rollout g0-s2 attempt 0 (trained in step 1) was never "
+        "streamed by the policy: no generation of that rollout asked with the turn's "
+        "prompt plus the 0 tokens before it streamed the tokens trained there"
+    )
+
+
+def test_without_generations_or_turns_the_token_audit_does_not_run() -> None:
+    run = _token_run()
+    assert (
+        audit(
+            parse_events(run.events), parse_verifier_entries(run.verifier), group_size=GROUP_SIZE
+        ).tokens
+        is None
+    )
+    assert _audit(_good_run()).tokens is None
+
+
+def test_the_report_prints_the_tokens_line_before_the_audit(tmp_path: Path) -> None:
+    run = _token_run()
+    report = build_report(load_run(run.write(tmp_path / "out")), group_size=GROUP_SIZE)
+    console = Console(file=io.StringIO(), width=200)
+
+    render_report(report, console)
+
+    lines = console.file.getvalue().splitlines()  # type: ignore[attr-defined]
+    assert lines[-1] == "audit: passed"
+    assert lines[-2].startswith("tokens: 50 generated, 34 trained (each exactly once)")
+
+
+def test_a_finished_turn_asked_again_within_its_attempt_counts_as_retried() -> None:
+    run = _token_run()
+    # g1-s2's turn was asked again after a lost reply, streaming the same tokens: one
+    # copy is trained, the other is counted, not trained twice.
+    first = next(g for g in run.generations if g["rollout_id"] == "g1-s2")
+    run.generations.append(
+        dict(first, request_id="policy-again", t_start=first["t_end"], t_end=first["t_end"] + 0.01)
+    )
+
+    result = _token_audit(run)
+
+    assert result.passed, result.reason
+    assert result.tokens is not None
+    assert (result.tokens.retried, result.tokens.trained) == (2, 34)
+
+
+def test_a_trained_cut_prefix_streamed_again_fails() -> None:
+    run = _token_run()
+    # After g0-s0's cut (trained, and continued), the turn is asked again from its
+    # prompt and streams the prefix again (and more), which is then thrown away.
+    cut = next(g for g in run.generations if g["rollout_id"] == "g0-s0" and not g["finished"])
+    run.generations.append(
+        dict(
+            cut,
+            request_id="policy-again",
+            tokens=[3, 7, EOS],
+            finished=True,
+            t_start=cut["t_end"] + 0.001,
+            t_end=cut["t_end"] + 0.002,
+        )
+    )
+
+    result = _token_audit(run)
+
+    assert not result.passed
+    assert result.reason == (
+        "generation policy-again of rollout g0-s0 attempt 0 streamed again the cut prefix of "
+        "generation policy-1, which training took in turn 0 of rollout g0-s0 attempt 0 "
+        "(trained in step 1)"
+    )
