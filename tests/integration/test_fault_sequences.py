@@ -404,7 +404,9 @@ class Proxy(grpc.GenericRpcHandler):  # type: ignore[type-arg]
         self.tap = tap
         self._members = members
         self._upstream = grpc.aio.insecure_channel(upstream)
-        self._server = grpc.aio.server()
+        # No SO_REUSEPORT (grpc's default): a port-0 bind could then share a port with a
+        # proxy of an earlier example still closing, and connections to it be refused.
+        self._server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         self._server.add_generic_rpc_handlers((self,))
         self.address = f"127.0.0.1:{self._server.add_insecure_port('127.0.0.1:0')}"
         self.lose: Counter[str] = Counter()
