@@ -19,8 +19,8 @@ from turnpoint._convert import (
     receipt_from_proto,
     receipt_to_proto,
 )
-from turnpoint.participant_sdk import Header
-from turnpoint.v1 import types_pb2
+from turnpoint.participant_sdk import GenerateChunk, Header
+from turnpoint.v1 import policy_service_pb2, types_pb2
 
 __all__ = [
     "artifact_from_proto",
@@ -29,6 +29,7 @@ __all__ = [
     "enum_from_proto",
     "enum_to_proto",
     "fence_from_proto",
+    "generate_chunk_from_proto",
     "header_to_proto",
     "readiness_to_proto",
     "receipt_from_proto",
@@ -41,4 +42,17 @@ def header_to_proto(header: Header) -> types_pb2.ResponseHeader:
         participant_id=header.participant_id,
         incarnation=header.incarnation,
         epoch=header.epoch,
+    )
+
+
+def generate_chunk_from_proto(response: policy_service_pb2.GenerateResponse) -> GenerateChunk:
+    """A streamed ``GenerateResponse`` as the SDK's chunk, for an agent calling a policy
+    over the wire (its ``cut`` marker included, docs/spec.md section 5.5)."""
+    return GenerateChunk(
+        tuple(response.token_ids),
+        tuple(response.logprobs),
+        response.done,
+        response.weights_version,
+        cut=response.HasField("cut"),
+        prefix_length=response.cut.prefix_length,
     )

@@ -26,6 +26,7 @@ from turnpoint.participant_sdk import (
     SnapshotStore,
 )
 from turnpoint.server import HostedParticipant, ServerOptions, host_participant
+from turnpoint.server._convert import generate_chunk_from_proto
 from turnpoint.v1 import policy_service_pb2, policy_service_pb2_grpc
 
 __all__ = ["LongAgent", "SlowPolicy", "measure_one", "token_at"]
@@ -111,14 +112,7 @@ class LongAgent(Agent):
             timeout=600,
         )
         async for chunk in call:
-            yield GenerateChunk(
-                tuple(chunk.token_ids),
-                tuple(chunk.logprobs),
-                chunk.done,
-                chunk.weights_version,
-                cut=chunk.HasField("cut"),
-                prefix_length=chunk.cut.prefix_length,
-            )
+            yield generate_chunk_from_proto(chunk)
 
     async def aclose(self) -> None:
         await self._channel.close(None)

@@ -64,6 +64,7 @@ from turnpoint.participant_sdk import (
     Verdict,
     VerifyMode,
 )
+from turnpoint.server._convert import generate_chunk_from_proto
 from turnpoint.v1 import (
     policy_service_pb2,
     policy_service_pb2_grpc,
@@ -574,14 +575,7 @@ class GuessAgent(Agent):
             timeout=120,
         )
         async for chunk in call:
-            yield GenerateChunk(
-                tuple(chunk.token_ids),
-                tuple(chunk.logprobs),
-                chunk.done,
-                chunk.weights_version,
-                cut=chunk.HasField("cut"),
-                prefix_length=chunk.cut.prefix_length,
-            )
+            yield generate_chunk_from_proto(chunk)
 
     async def _turn(
         self,
