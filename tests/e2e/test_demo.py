@@ -22,13 +22,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests.support.demo import DEMO, SHORT
 from turnpoint.apps.demo import CRASH_POINTS
 from turnpoint.apps.demo._kill_switch import KillPoint
 from turnpoint.ids import checkpoint_sequence
@@ -36,24 +36,6 @@ from turnpoint.trainer._snapshots import EPOCH_STRIDE
 
 pytestmark = pytest.mark.slow
 
-DEMO = (sys.executable, "-m", "turnpoint.apps._cli", "demo")
-SHORT = (
-    "--steps",
-    "8",
-    "--groups-per-step",
-    "2",
-    "--group-size",
-    "2",
-    "--agents",
-    "2",
-    "--snapshot-interval",
-    "0.2",
-    # Episodes of a few tenths of a second instead of milliseconds: every snapshot then
-    # cuts rollouts mid-episode, whatever the machine's speed.
-    "--turn-delay",
-    "0.1",
-    "--no-progress",
-)
 RUN_TIMEOUT_S = 240.0
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import json
 import subprocess
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ import pytest
 
 pytest.importorskip("ray")
 
+from tests.support.demo import DEMO, SHORT
 from turnpoint.apps.bench._ray_scale import NODE_RESOURCE, NoopParticipant, measure_size
 from turnpoint.ids import make_checkpoint_id
 from turnpoint.server import ServerOptions
@@ -154,24 +154,6 @@ async def test_a_fleet_spreads_serves_restarts_and_survives_a_lost_node(
 
 
 # ---------------------------------------------------------------------- the main job
-
-
-DEMO = (sys.executable, "-m", "turnpoint.apps._cli", "demo")
-SHORT = (
-    "--steps",
-    "8",
-    "--groups-per-step",
-    "2",
-    "--group-size",
-    "2",
-    "--agents",
-    "2",
-    "--snapshot-interval",
-    "0.2",
-    "--turn-delay",
-    "0.1",
-    "--no-progress",
-)
 
 
 def _jsonl(path: Path) -> list[dict[str, Any]]:
