@@ -58,7 +58,8 @@ so is the driver's; the trainer's budgets run on a third. The snapshot root live
 loop runs in a background thread for the whole test; every wait is bounded, and event
 driven or a bounded poll.
 
-``TURNPOINT_FAULT_SEQUENCES=N`` runs N sequences (default 200); ``CI=true`` derandomizes.
+``TURNPOINT_FAULT_SEQUENCES=N`` runs N sequences (default 200); ``CI=true`` derandomizes;
+``TURNPOINT_FAULT_SEQUENCES_HOST`` moves the servers off 127.0.0.1 (for runs in parallel).
 ``--hypothesis-show-statistics`` lists which faults fired and what the snapshots did.
 """
 
@@ -66,6 +67,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import shutil
 import tempfile
@@ -84,7 +86,6 @@ from hypothesis.stateful import (
     RuleBasedStateMachine,
     initialize,
     invariant,
-    precondition,
     rule,
     run_state_machine_as_test,
 )
@@ -154,8 +155,35 @@ BOUND_S = 20.0
 # The agent's calls to a resources server wait while it is closed (spec 5.3 item 2),
 # which may last several steps: until the trainer releases it or its lease runs out.
 CLOSED_BOUND_S = 4 * BOUND_S
+# Every server of the test listens here. Two long runs at once each take their own
+# loopback address (127.0.0.2, ...): a port one run freed and the other reused then
+# never carries one run's calls into the other.
+HOST = os.environ.get("TURNPOINT_FAULT_SEQUENCES_HOST", "127.0.0.1")
 PICK = st.integers(min_value=0, max_value=MAX_LIVE - 1)
 MEMBER = st.sampled_from(MEMBERS)
+
+
+def when(enabled: Callable[[Any], bool]) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """A rule that does nothing (a hypothesis event says so) unless ``enabled(machine)``.
+
+    Not hypothesis's ``precondition``: what enables a rule here is what the real servers
+    did (a turn that raced a snapshot, a result that came in), which differs between
+    runs of the same choices. Preconditions that differ make hypothesis fail the run as a
+    flaky strategy; a rule that is always drawn and skips itself keeps the draws the same.
+    """
+
+    def decorate(body: Callable[..., None]) -> Callable[..., None]:
+        @functools.wraps(body)
+        def guarded(self: Any, **arguments: Any) -> None:
+            if enabled(self):
+                body(self, **arguments)
+            else:
+                event(f"{body.__name__}: not enabled, skipped")
+
+        return guarded
+
+    return decorate
+
 
 _CONTROL = "/turnpoint.v1.CheckpointControlService/ControlSession"
 _RUN = "/turnpoint.v1.RolloutService/Run"
@@ -408,7 +436,7 @@ class Proxy(grpc.GenericRpcHandler):  # type: ignore[type-arg]
         # proxy of an earlier example still closing, and connections to it be refused.
         self._server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         self._server.add_generic_rpc_handlers((self,))
-        self.address = f"127.0.0.1:{self._server.add_insecure_port('127.0.0.1:0')}"
+        self.address = f"{HOST}:{self._server.add_insecure_port(f'{HOST}:0')}"
         self.lose: Counter[str] = Counter()
         self.lost: list[str] = []
         self.drop: Counter[str] = Counter()
@@ -624,7 +652,9 @@ class Fleet:
             runtime = ParticipantRuntime(
                 name, SnapshotStore(root, faults=faults), config=FAST, clock=clock, **kinds
             )
-            hosted = await host_participant(runtime, ServerOptions(port=0, token=TOKEN)).start()
+            hosted = await host_participant(
+                runtime, ServerOptions(host=HOST, port=0, token=TOKEN)
+            ).start()
             proxy = Proxy(name, hosted.address, tap, MEMBERS)
             await proxy.start()
             members[name] = Member(name, hosted, proxy, clock, faults)
@@ -927,8 +957,8 @@ class FaultSequences(RuleBasedStateMachine):
 
         self.step(body())
 
-    @precondition(lambda self: self.live < MAX_LIVE)
     @rule()
+    @when(lambda self: self.live < MAX_LIVE)
     def dispatch(self) -> None:
         self.step(self._dispatch())
 
@@ -971,8 +1001,8 @@ class FaultSequences(RuleBasedStateMachine):
         await client.wait_for(moved, BOUND_S)
         await self._settle()
 
-    @precondition(lambda self: self.owned > 0 and not self.closed)
     @rule(index=PICK)
+    @when(lambda self: self.owned > 0 and not self.closed)
     def take_a_turn(self, index: int) -> None:
         async def body() -> None:
             owned = self.client.in_flight()
@@ -981,8 +1011,8 @@ class FaultSequences(RuleBasedStateMachine):
 
         self.step(body())
 
-    @precondition(lambda self: self.owned > 0 and not self.closed)
     @rule(index=PICK, lose=st.sampled_from([None, "result", "ack"]))
+    @when(lambda self: self.owned > 0 and not self.closed)
     def finish(self, index: int, lose: str | None) -> None:
         """Run a rollout to its end, sometimes losing its result or its acknowledgement
         on the way: it is recorded once all the same."""
@@ -1006,8 +1036,8 @@ class FaultSequences(RuleBasedStateMachine):
         assert results[0].outcome is RolloutOutcome.COMPLETED, results
         assert lost == ([] if lose is None else [lose]), lost
 
-    @precondition(lambda self: self.owned > 0)
     @rule()
+    @when(lambda self: self.owned > 0)
     def a_budget_runs_out(self) -> None:
         """The trainer's clock passes the smallest remaining budget: that rollout is
         given up (its Run cancelled, its attempt queued for retire)."""
@@ -1035,8 +1065,8 @@ class FaultSequences(RuleBasedStateMachine):
         self.books.given_up.update(e.rollout_id for e in expired)
         await self._settle()
 
-    @precondition(lambda self: bool(self.closed))
     @rule()
+    @when(lambda self: bool(self.closed))
     def leases_run_out(self) -> None:
         """Time passes with the coordinator silent: every participant still closed
         reopens itself when its lease runs out (spec 4.2 item 3)."""
@@ -1052,8 +1082,8 @@ class FaultSequences(RuleBasedStateMachine):
             assert member.runtime.core.admission_open, name
         await self._settle()
 
-    @precondition(lambda self: self.queued > 0)
     @rule(count=st.integers(1, 3))
+    @when(lambda self: self.queued > 0)
     def train_on_results(self, count: int) -> None:
         """The training loop consumes results and takes one optimizer step."""
         self.step(self._train(count))
@@ -1291,8 +1321,8 @@ class FaultSequences(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ incarnations
 
-    @precondition(lambda self: self.steps >= SETTLING_STEPS)
     @rule(member=MEMBER, during=st.booleans(), restore_fault=RESTORE_FAULTS)
+    @when(lambda self: self.steps >= SETTLING_STEPS)
     def a_participant_crashes(
         self, member: str, during: bool, restore_fault: RestoreFault | None
     ) -> None:
@@ -1316,8 +1346,8 @@ class FaultSequences(RuleBasedStateMachine):
         assert self.trainer.layout.list_published() == published
         await self._restart(restore_fault)
 
-    @precondition(lambda self: self.steps >= SETTLING_STEPS)
     @rule(at=CRASH_POINTS, restore_fault=RESTORE_FAULTS)
+    @when(lambda self: self.steps >= SETTLING_STEPS)
     def the_coordinator_crashes(
         self, at: str | PublishStep, restore_fault: RestoreFault | None
     ) -> None:
@@ -1521,7 +1551,7 @@ def test_fault_sequences() -> None:
             FaultSequences,
             settings=settings(
                 max_examples=_examples(),
-                stateful_step_count=12,
+                stateful_step_count=16,
                 deadline=None,
                 derandomize=os.environ.get("CI") == "true",
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
