@@ -70,12 +70,15 @@ class PrepareResult:
     """PREPARED with a ready report, or PREPARING with blockers (an answer, not an error).
 
     Times (``lease_expires_at``) are seconds since the epoch, for a protobuf Timestamp.
+    ``committed_empty``: the prepare also committed, saved-nothing with an empty scope
+    (docs/spec.md section 4.6 item 8); ``phase`` is then COMMITTED.
     """
 
     checkpoint_id: str
     phase: Phase
     readiness: ReadinessReport
     lease_expires_at: float | None
+    committed_empty: bool = False
 
 
 @dataclass(frozen=True, slots=True)

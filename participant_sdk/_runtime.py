@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 
 from turnpoint.errors import Reason, TurnpointError
 from turnpoint.ids import EpisodeId, InvalidIdError
-from turnpoint.protocol import Fence, Phase
+from turnpoint.protocol import EpisodeState, Fence, Phase
 
 from ._agent import Agent, AgentHost
 from ._core import ParticipantCore, StartKind, WorkKey, checked_id, supersedes
@@ -225,26 +225,37 @@ class ParticipantRuntime(ControlReads, DataPlane):
         max_blockers: int = 0,
         expected_episodes: Sequence[EpisodeId] = (),
         timeout_s: float | None = None,
+        empty_commit_snapshot: str | None = None,
     ) -> PrepareResult:
         """Close admission, let running work park, wait until ready or just before the deadline.
 
         Not ready in time is an answer (phase PREPARING, blockers listed), not an error;
         admission stays closed until resume. A repeat of a ready prepare replays it.
         ``expected_episodes`` is a hint only (the coordinator's view of what runs here).
+        With ``empty_commit_snapshot``, a participant ready with nothing to export but
+        restarts commits saved-nothing under that snapshot in the same call (docs/spec.md
+        section 4.6 item 8).
         """
         deadline = Deadline(timeout_s, self._config)
         cap = self._cap(max_blockers)
         del expected_episodes  # a hint; readiness is computed from what actually runs here
+        if empty_commit_snapshot is not None:
+            checked_id(empty_commit_snapshot, "empty_commit_snapshot")
         return await self._control(
             "prepare",
             fence,
             request_id,
             PrepareResult,
-            lambda: self._prepare(checkpoint_id, lease_s, cap, deadline),
+            lambda: self._prepare(checkpoint_id, lease_s, cap, deadline, empty_commit_snapshot),
         )
 
     async def _prepare(
-        self, checkpoint_id: str, lease_s: float | None, cap: int, deadline: Deadline
+        self,
+        checkpoint_id: str,
+        lease_s: float | None,
+        cap: int,
+        deadline: Deadline,
+        empty_commit_snapshot: str | None,
     ) -> PrepareResult:
         async with self._shared.changing() as core:
             start = core.begin_prepare(checkpoint_id, lease_s, self._shared.now(), epoch=core.epoch)
@@ -268,12 +279,35 @@ class ParticipantRuntime(ControlReads, DataPlane):
                     f"checkpoint {checkpoint_id!r} was resumed while its prepare waited",
                     {"checkpoint_id": checkpoint_id},
                 )
+            readiness = core.readiness(cap)
+            committed = (
+                empty_commit_snapshot is not None
+                and core.ready
+                and all(state is EpisodeState.RESTART for state in readiness.counts)
+                and self._commit_empty(core, checkpoint_id, empty_commit_snapshot)
+            )
             result = PrepareResult(
-                checkpoint_id, core.phase, core.readiness(cap), self._lease_wall()
+                checkpoint_id, core.phase, readiness, self._lease_wall(), committed
             )
             if core.ready:
                 core.record_prepare_answer(checkpoint_id, result)
             return result
+
+    def _commit_empty(self, core: ParticipantCore, checkpoint_id: str, snapshot: str) -> bool:
+        """Commit ``checkpoint_id`` saved-nothing with an empty scope, now (lock held).
+
+        Only for a participant that holds nothing a commit could export or discard
+        (restarts at most): every scope the coordinator could send would export nothing,
+        so the answer a Commit would give is known. A commit already recorded for this id
+        counts only if it is this one (a replayed prepare)."""
+        fingerprint = (snapshot, frozenset[EpisodeId]())
+        start = core.begin_commit(checkpoint_id, fingerprint, (), self._shared.now())
+        if start.kind is StartKind.REPLAY:
+            return isinstance(start.answer, CommitResult) and start.answer.manifest is None
+        if start.kind is not StartKind.NEW or start.export or start.discard:
+            return False  # a Commit of this id is running; it gives its own answer
+        core.finish_commit(checkpoint_id, fingerprint, CommitResult(checkpoint_id, None, (), ()))
+        return True
 
     async def _close_admission(self, checkpoint_id: str) -> None:
         """Run the kinds' close hooks (lock held); any failure reopens admission."""

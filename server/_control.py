@@ -126,12 +126,18 @@ class ControlServicer(pb_grpc.CheckpointControlServiceServicer):
                 request.expected_episodes, "expected_episodes", self._max_list
             ),
             timeout_s=timeout_s,
+            empty_commit_snapshot=(
+                id_from_proto(request.empty_commit_snapshot, "empty_commit_snapshot")
+                if request.empty_commit_snapshot
+                else None
+            ),
         )
         response = pb.PrepareResponse(
             header=self._header(),
             phase=_phase(result.phase),
             readiness=readiness_to_proto(result.readiness),
             checkpoint_id=result.checkpoint_id,
+            committed_empty=result.committed_empty,
         )
         if result.lease_expires_at is not None:
             response.lease_expires_at.CopyFrom(timestamp_from_seconds(result.lease_expires_at))

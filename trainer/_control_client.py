@@ -313,6 +313,30 @@ def _check_timeout(timeout_s: float) -> None:
         raise ValueError(f"timeout_s must be a positive number of seconds, got {timeout_s}")
 
 
+def check_prepare_reply(
+    participant: str, request: pb.PrepareRequest, response: pb.PrepareResponse
+) -> None:
+    """A prepare answers PREPARED or PREPARING; COMMITTED only with ``committed_empty``,
+    and that only when the request offered a snapshot (docs/spec.md section 4.6 item 8)."""
+    committed = response.committed_empty
+    if committed and not request.empty_commit_snapshot:
+        raise MalformedReplyError(
+            participant, "Prepare", "committed in a prepare that offered no snapshot"
+        )
+    allowed = (
+        (types_pb2.PHASE_COMMITTED,)
+        if committed
+        else (types_pb2.PHASE_PREPARED, types_pb2.PHASE_PREPARING)
+    )
+    if response.phase not in allowed:
+        raise MalformedReplyError(
+            participant,
+            "Prepare",
+            f"prepare answered phase {types_pb2.Phase.Name(response.phase)}"
+            + (" with committed_empty" if committed else ""),
+        )
+
+
 class ParticipantControlClient:
     """Control calls to one participant, over one ``ControlSession`` stream.
 
@@ -569,12 +593,7 @@ class ParticipantControlClient:
         if isinstance(response, pb.PrepareResponse):
             assert isinstance(request, pb.PrepareRequest)
             asked, answered = request.checkpoint_id, response.checkpoint_id
-            if response.phase not in (types_pb2.PHASE_PREPARED, types_pb2.PHASE_PREPARING):
-                raise MalformedReplyError(
-                    self._participant_name,
-                    method,
-                    f"prepare answered phase {types_pb2.Phase.Name(response.phase)}",
-                )
+            check_prepare_reply(self._participant_name, request, response)
         elif isinstance(response, pb.CommitResponse):
             assert isinstance(request, pb.CommitRequest)
             asked, answered = request.checkpoint_id, response.checkpoint_id

@@ -169,7 +169,9 @@ class ControlReport:
 @dataclass(eq=False)
 class PreparedCheckpoint:
     """A checkpoint every participant is prepared for, as :meth:`Coordinator.prepared`
-    yields it. ``release`` is set once the context exits (the resume's outcome)."""
+    yields it. ``release`` is set once the context exits (the resume's outcome).
+    ``committed_empty``: the instances that committed saved-nothing in their prepare
+    (docs/spec.md section 4.6 item 8)."""
 
     checkpoint_id: str
     readiness: Mapping[str, types_pb2.ReadinessReport]
@@ -177,6 +179,7 @@ class PreparedCheckpoint:
     durations_s: Mapping[str, float]
     release: ControlReport | None = None
     renew_failures: dict[str, Failure] = field(default_factory=dict)
+    committed_empty: frozenset[str] = frozenset()
 
     @property
     def all_restarts(self) -> frozenset[EpisodeId]:

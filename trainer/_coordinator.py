@@ -160,6 +160,11 @@ class Coordinator(RestoreOperations):
         # The restarts each recent prepare reported, per instance: commit refuses a
         # scope that names one.
         self._restarts: dict[str, Mapping[str, frozenset[EpisodeId]]] = {}
+        # Per recent checkpoint: the snapshot its prepare offered, and the instances that
+        # committed saved-nothing in the prepare (docs/spec.md 4.6 item 8); commit sends
+        # them nothing.
+        # (Values: instance -> the incarnation that answered.)
+        self._committed_empty: dict[str, tuple[str, Mapping[str, str]]] = {}
         # Each environment's recovery level, decided at discovery (docs/spec.md 7.1).
         self._levels: Mapping[str, LevelDecision] = MappingProxyType({})
         self._warned_levels: dict[str, LevelDecision] = {}
@@ -170,6 +175,15 @@ class Coordinator(RestoreOperations):
         self._restarts[checkpoint_id] = {name: frozenset(e) for name, e in restarts.items()}
         while len(self._restarts) > _RESTARTS_REMEMBERED:
             del self._restarts[next(iter(self._restarts))]
+
+    def _remember_committed_empty(
+        self, checkpoint_id: str, snapshot: str | None, instances: Mapping[str, str]
+    ) -> None:
+        self._committed_empty.pop(checkpoint_id, None)
+        if snapshot is not None and instances:
+            self._committed_empty[checkpoint_id] = (snapshot, instances)
+            while len(self._committed_empty) > _RESTARTS_REMEMBERED:
+                del self._committed_empty[next(iter(self._committed_empty))]
 
     # -- describe ----------------------------------------------------------------------
 
@@ -226,7 +240,11 @@ class Coordinator(RestoreOperations):
     # -- prepare -----------------------------------------------------------------------
 
     def _prepare_request(
-        self, checkpoint_id: str, instance: str, expected: Mapping[str, Iterable[EpisodeId]]
+        self,
+        checkpoint_id: str,
+        instance: str,
+        expected: Mapping[str, Iterable[EpisodeId]],
+        snapshot: str | None,
     ) -> pb.PrepareRequest:
         return pb.PrepareRequest(
             fence=self.fence,
@@ -235,6 +253,8 @@ class Coordinator(RestoreOperations):
             lease=duration_from_seconds(self.config.lease_s),
             max_blockers=self.config.max_blockers_listed,
             expected_episodes=[episode_to_proto(e) for e in sorted(expected.get(instance, ()))],
+            # Committing in the prepare answers saved-nothing: only with that accepted.
+            empty_commit_snapshot=snapshot if snapshot and ACCEPT_SAVED_NOTHING else "",
         )
 
     async def prepare(
@@ -243,18 +263,22 @@ class Coordinator(RestoreOperations):
         *,
         expected: Mapping[str, Iterable[EpisodeId]] | None = None,
         resolve: UnackedResolver | None = None,
+        snapshot: str | None = None,
     ) -> PreparedCheckpoint:
         """Prepare every participant under one deadline (``prepare_timeout_s``).
 
         ``expected`` is the scope hint per instance (the episodes the trainer believes
         each runs). ``resolve`` decides unacknowledged completions; without it they are
-        treated as "retire". Raises :class:`PrepareFailed` (with the core's verdict); it
-        never resumes: use :meth:`prepared`, which always does.
+        treated as "retire". ``snapshot``, the name the commit will use, lets a
+        participant with nothing to export commit saved-nothing in its prepare
+        (docs/spec.md section 4.6 item 8); :meth:`commit` under that name then skips it.
+        Raises :class:`PrepareFailed` (with the core's verdict); it never resumes: use
+        :meth:`prepared`, which always does.
         """
         renewer = Renewer(self, checkpoint_id, self.instances)
         renewer.start()
         try:
-            return await self._prepare(checkpoint_id, expected or {}, resolve)
+            return await self._prepare(checkpoint_id, expected or {}, resolve, snapshot)
         finally:
             await renewer.stop()
 
@@ -263,8 +287,11 @@ class Coordinator(RestoreOperations):
         checkpoint_id: str,
         expected: Mapping[str, Iterable[EpisodeId]],
         resolve: UnackedResolver | None,
+        snapshot: str | None,
     ) -> PreparedCheckpoint:
         validate_id(checkpoint_id, "checkpoint_id")
+        if snapshot is not None:
+            validate_id(snapshot, "snapshot")
         loop = asyncio.get_running_loop()
         config = self.config
         deadline = loop.time() + config.prepare_timeout_s
@@ -315,7 +342,7 @@ class Coordinator(RestoreOperations):
         try:
             result = await fan_out(
                 callers,
-                lambda name: self._prepare_request(checkpoint_id, name, expected),
+                lambda name: self._prepare_request(checkpoint_id, name, expected, snapshot),
                 deadline_s=config.prepare_timeout_s + config.reply_grace_s,
                 per_call_timeout_s=config.prepare_timeout_s + config.reply_grace_s,
                 # Every participant waits for its own work at once: a concurrency limit
@@ -353,11 +380,16 @@ class Coordinator(RestoreOperations):
             for name, r in responses.items()
         }
         self._remember_restarts(checkpoint_id, restarts)
+        committed_empty = {
+            name: r.header.incarnation for name, r in responses.items() if r.committed_empty
+        }
+        self._remember_committed_empty(checkpoint_id, snapshot, committed_empty)
         return PreparedCheckpoint(
             checkpoint_id=checkpoint_id,
             readiness=MappingProxyType({name: r.readiness for name, r in responses.items()}),
             restarts=MappingProxyType(restarts),
             durations_s=result.durations_s,
+            committed_empty=frozenset(committed_empty),
         )
 
     async def _finished_through(self, checkpoint_id: str, instances: Sequence[str]) -> int | None:
@@ -421,8 +453,11 @@ class Coordinator(RestoreOperations):
         *,
         expected: Mapping[str, Iterable[EpisodeId]] | None = None,
         resolve: UnackedResolver | None = None,
+        snapshot: str | None = None,
     ) -> AsyncIterator[PreparedCheckpoint]:
         """Prepare everywhere, keep the leases alive, and always resume the same id.
+
+        ``snapshot`` is offered to the participants as :meth:`prepare` says.
 
         The resume on exit goes to every participant, the ready ones included, whether
         the prepare or the body failed or not. After a failure the original error is
@@ -432,7 +467,9 @@ class Coordinator(RestoreOperations):
         the snapshot is published and each participant's lease reopens it anyway.
         """
         try:
-            checkpoint = await self.prepare(checkpoint_id, expected=expected, resolve=resolve)
+            checkpoint = await self.prepare(
+                checkpoint_id, expected=expected, resolve=resolve, snapshot=snapshot
+            )
         except BaseException as error:
             verdict = error.verdict if isinstance(error, PrepareFailed) else None
             # The verdict resumes everyone; without one (cancelled, say) so do we.
@@ -499,6 +536,22 @@ class Coordinator(RestoreOperations):
         if problem is not None:
             raise ValueError(problem)
         scopes = {name: given.get(name, frozenset()) for name in self._clients}
+        # docs/spec.md 4.6 item 8: who committed saved-nothing in its prepare holds
+        # nothing any scope could export; its entry is known without a call.
+        offered, done = self._committed_empty.get(checkpoint_id, ("", {}))
+        if done and offered != snapshot:
+            raise ValueError(
+                f"{checkpoint_id} was prepared for snapshot {offered!r}, not {snapshot!r}"
+            )
+        entries: dict[str, ParticipantEntry] = {
+            name: ParticipantEntry(
+                instance=name,
+                kind=topology.kind(name),
+                incarnation=incarnation,
+            )
+            for name, incarnation in sorted(done.items())
+            if name in scopes
+        }
         requests = {
             name: pb.CommitRequest(
                 fence=self.fence,
@@ -509,10 +562,10 @@ class Coordinator(RestoreOperations):
                 accept_saved_nothing=ACCEPT_SAVED_NOTHING,
             )
             for name, episodes in scopes.items()
+            if name not in entries
         }
         result = await self._fan_out_once("commit", requests, attempts=JOINING_ATTEMPTS)
         failures = dict(result.failures)
-        entries: dict[str, ParticipantEntry] = {}
         for name, response in result.responses.items():
             try:
                 entries[name] = _entry_from_commit(

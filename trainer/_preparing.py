@@ -81,7 +81,10 @@ UnackedResolver = Callable[[str, EpisodeId, str], Awaitable[UnackedDecision]]
 
 
 def is_ready(response: pb.PrepareResponse) -> bool:
-    return response.phase == types_pb2.PHASE_PREPARED
+    """PREPARED, or COMMITTED by a prepare that committed saved-nothing (spec 4.6 item 8)."""
+    return response.phase == types_pb2.PHASE_PREPARED or (
+        response.committed_empty and response.phase == types_pb2.PHASE_COMMITTED
+    )
 
 
 class Unacked:

@@ -184,6 +184,7 @@ class SnapshotParticipants(Protocol):
         *,
         expected: Mapping[str, Iterable[EpisodeId]] | None = None,
         resolve: UnackedResolver | None = None,
+        snapshot: str | None = None,
     ) -> PreparedCheckpoint: ...
 
     def held(
@@ -541,7 +542,10 @@ class SnapshotDriver:
         try:
             self._set_state(attempt, _S.PREPARE)
             prepared = await self._coordinator.prepare(
-                checkpoint_id, expected=expected, resolve=rollouts.resolve_unacknowledged
+                checkpoint_id,
+                expected=expected,
+                resolve=rollouts.resolve_unacknowledged,
+                snapshot=checkpoint_id,
             )
             # Everything is parked now: the trainer's books and the participants' state
             # are the same cut, read here together without yielding. The in-flight list

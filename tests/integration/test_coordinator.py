@@ -1053,3 +1053,48 @@ async def test_real_participant_disk_full_is_retried_and_latest_stays(
     assert retried.retry_of == failed.checkpoint_id
     assert layout.latest() == retried.checkpoint_id
     assert not (tmp_path / failed.checkpoint_id).exists()
+
+
+async def test_idle_real_participants_commit_in_their_prepare_and_get_no_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # docs/spec.md section 4.6 item 8: nobody holds work, so every participant commits
+    # saved-nothing in its prepare, no Commit is sent, and the snapshot records each one
+    # as a participant that saved nothing.
+    config = CoordinatorConfig(snapshot_root=tmp_path, control_timeout_s=5.0)
+    layout = SnapshotLayout(tmp_path)
+    async with start_topology(tmp_path) as topology:
+        commits: list[str] = []
+        for name, hosted in topology.participants.items():
+            original = hosted.runtime.commit
+
+            async def counted(
+                *args: Any, _name: str = name, _original: Any = original, **kw: Any
+            ) -> Any:
+                commits.append(_name)
+                return await _original(*args, **kw)
+
+            monkeypatch.setattr(hosted.runtime, "commit", counted)
+        coordinator = await real_coordinator(topology, config, epoch=1)
+        async with coordinator:
+            driver = SnapshotDriver(
+                coordinator=coordinator,
+                rollouts=FakeRollouts(),
+                anchor=FakeAnchor(),
+                layout=layout,
+                config=config,
+                epoch=1,
+            )
+            report = await SnapshotPump(driver, config).tick()
+            assert {h.runtime.phase for h in topology.participants.values()} == {Phase.IDLE}
+
+    assert report.outcome is SnapshotOutcome.PUBLISHED, report.detail
+    assert commits == []
+    manifest = layout.load(report.checkpoint_id)
+    assert {entry.instance for entry in manifest.participants} == set(topology.participants)
+    assert all(entry.manifest is None and not entry.artifacts for entry in manifest.participants)
+    # Not a file of any participant: only the trainer's anchor and the snapshot manifest.
+    assert sorted(p.name for p in (tmp_path / report.checkpoint_id).iterdir()) == [
+        "MANIFEST.json",
+        "trainer",
+    ]

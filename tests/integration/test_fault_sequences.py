@@ -1341,6 +1341,17 @@ class FaultSequences(RuleBasedStateMachine):
             await crashed.crash()
         report = await self._take()
         self._note(report)
+        if during and ("crash", "commit") not in crashed.proxy.hooked:
+            # It held nothing and committed in its prepare (spec 4.6 item 8): there was
+            # no commit to die in, and the snapshot stands. It dies now, at rest.
+            crashed.proxy.before.pop("commit", None)
+            self.notes.append(f"{member} committed in its prepare; crashed after the snapshot")
+            if report.outcome is SnapshotOutcome.PUBLISHED:
+                self._published(report.checkpoint_id, self.books.copy())
+                published = self.trainer.layout.list_published()
+            await crashed.crash()
+            report = await self._take()
+            self._note(report)
         assert report.outcome is not SnapshotOutcome.PUBLISHED, report
         assert report.reason is None or report.transient, report
         assert self.trainer.layout.list_published() == published

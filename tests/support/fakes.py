@@ -347,6 +347,7 @@ class FakeCoordinator:
         *,
         expected: Mapping[str, Iterable[EpisodeId]] | None = None,
         resolve: UnackedResolver | None = None,
+        snapshot: str | None = None,
     ) -> PreparedCheckpoint:
         self.events.append(f"prepare:{checkpoint_id}")
         self.prepares.append(checkpoint_id)

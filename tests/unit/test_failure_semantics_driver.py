@@ -208,6 +208,7 @@ class Participants:
         *,
         expected: Mapping[str, Iterable[EpisodeId]] | None = None,
         resolve: UnackedResolver | None = None,
+        snapshot: str | None = None,
     ) -> PreparedCheckpoint:
         self.prepares.append(checkpoint_id)
         if self.prepare_failures:

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 from unittest import mock
 
 import pytest
@@ -28,8 +30,8 @@ from turnpoint.participant_sdk import (
     SnapshotStore,
     Verdict,
 )
-from turnpoint.protocol import ParticipantKind
-from turnpoint.trainer._control_client import MalformedReplyError
+from turnpoint.protocol import ParticipantKind, RecoveryMode
+from turnpoint.trainer._control_client import MalformedReplyError, check_prepare_reply
 from turnpoint.trainer._coordinator import _entry_from_commit
 from turnpoint.v1 import checkpoint_control_service_pb2 as pb
 from turnpoint.v1 import types_pb2
@@ -60,6 +62,21 @@ class Idle(ResourcesServer):
         return Verdict(0.0)
 
     async def close(self, episode: EpisodeId) -> None:
+        return None
+
+
+class Kept(Idle):
+    """Exports each session it holds (an empty state)."""
+
+    recovery_mode = RecoveryMode.EXPORTED
+
+    async def export_sessions(self, episodes: Sequence[EpisodeId]) -> dict[EpisodeId, object]:
+        return {episode: {} for episode in episodes}
+
+    async def restore_session(self, saved: object, episode: EpisodeId, state: object) -> None:
+        return None
+
+    async def retire_session(self, episode: EpisodeId) -> None:
         return None
 
 
@@ -184,3 +201,105 @@ def test_a_write_with_records_makes_one_fsync_per_file_and_per_directory(
     assert fsync.call_count == 4
     loaded = store.read(ckpt(1), INSTANCE, entry.manifest)
     assert [r.episode for r in loaded.records] == [EpisodeId("r", 0)]
+
+
+# -- commit in the prepare (docs/spec.md section 4.6 item 8) ------------------------------
+
+
+async def test_an_idle_participant_commits_saved_nothing_in_its_prepare(
+    store: SnapshotStore,
+) -> None:
+    runtime = ParticipantRuntime(INSTANCE, store, resources=Idle())
+    try:
+        request = rid()
+        with mock.patch.object(os, "fsync", wraps=os.fsync) as fsync:
+            prepared = await runtime.prepare(FENCE, request, ckpt(1), empty_commit_snapshot=ckpt(1))
+        assert prepared.committed_empty and prepared.readiness.ready
+        assert prepared.phase is Phase.COMMITTED and runtime.phase is Phase.COMMITTED
+        assert fsync.call_count == 0 and not (store.root / ckpt(1)).exists()
+        # A lost reply's retry, and a new round of the same id, give the same answer.
+        for again in (request, rid()):
+            replay = await runtime.prepare(FENCE, again, ckpt(1), empty_commit_snapshot=ckpt(1))
+            assert (replay.committed_empty, replay.phase) == (True, Phase.COMMITTED)
+        # The Commit it stands for replays saved-nothing; any other commit of the id is a
+        # conflict, not a second cut.
+        commit = await runtime.commit(FENCE, rid(), ckpt(1), ckpt(1), [], accept_saved_nothing=True)
+        assert commit.saved_nothing
+        await expect(
+            Reason.CHECKPOINT_CONFLICT,
+            runtime.commit(
+                FENCE, rid(), ckpt(1), ckpt(1), [EpisodeId("r", 0)], accept_saved_nothing=True
+            ),
+        )
+        await expect(
+            Reason.CHECKPOINT_CONFLICT,
+            runtime.commit(FENCE, rid(), ckpt(1), ckpt(2), [], accept_saved_nothing=True),
+        )
+        await runtime.resume(FENCE, rid(), ckpt(1))
+        assert runtime.phase is Phase.IDLE
+    finally:
+        await runtime.aclose()
+
+
+async def test_without_the_offer_a_prepare_never_commits(store: SnapshotStore) -> None:
+    runtime = ParticipantRuntime(INSTANCE, store, resources=Idle())
+    try:
+        prepared = await runtime.prepare(FENCE, rid(), ckpt(1))
+        assert not prepared.committed_empty and prepared.phase is Phase.PREPARED
+        result = await runtime.commit(FENCE, rid(), ckpt(1), ckpt(1), [], accept_saved_nothing=True)
+        assert result.saved_nothing
+    finally:
+        await runtime.aclose()
+
+
+async def test_a_participant_holding_work_waits_for_its_commit(store: SnapshotStore) -> None:
+    runtime = ParticipantRuntime(INSTANCE, store, resources=Kept())
+    episode = EpisodeId("r", 0)
+    try:
+        assert not await runtime.seed_session(episode, {})  # a new session
+        prepared = await runtime.prepare(FENCE, rid(), ckpt(1), empty_commit_snapshot=ckpt(1))
+        assert not prepared.committed_empty and prepared.phase is Phase.PREPARED
+        # Its session is in the scope the coordinator sends, and is exported.
+        (store.root / ckpt(1)).mkdir(parents=True)
+        result = await runtime.commit(
+            FENCE, rid(), ckpt(1), ckpt(1), [episode], accept_saved_nothing=True
+        )
+        assert result.exported == (episode,) and result.manifest is not None
+    finally:
+        await runtime.aclose()
+
+
+async def test_a_bad_snapshot_name_in_the_offer_is_refused(store: SnapshotStore) -> None:
+    runtime = ParticipantRuntime(INSTANCE, store, resources=Idle())
+    try:
+        await expect(
+            Reason.INVALID_ARGUMENT,
+            runtime.prepare(FENCE, rid(), ckpt(1), empty_commit_snapshot="../up"),
+        )
+        assert runtime.phase is Phase.IDLE
+    finally:
+        await runtime.aclose()
+
+
+def _prepare_reply(**fields: Any) -> pb.PrepareResponse:
+    return pb.PrepareResponse(
+        header=types_pb2.ResponseHeader(incarnation="i-1"), checkpoint_id=ckpt(1), **fields
+    )
+
+
+@pytest.mark.parametrize(
+    ("offered", "reply", "problem"),
+    [
+        ("", _prepare_reply(committed_empty=True, phase=types_pb2.PHASE_COMMITTED), "offered"),
+        (ckpt(1), _prepare_reply(committed_empty=True, phase=types_pb2.PHASE_PREPARED), "phase"),
+        (ckpt(1), _prepare_reply(phase=types_pb2.PHASE_COMMITTED), "phase"),
+    ],
+)
+def test_the_coordinator_refuses_a_commit_in_a_prepare_it_did_not_offer(
+    offered: str, reply: pb.PrepareResponse, problem: str
+) -> None:
+    request = pb.PrepareRequest(
+        request_id=rid(), checkpoint_id=ckpt(1), empty_commit_snapshot=offered
+    )
+    with pytest.raises(MalformedReplyError, match=problem):
+        check_prepare_reply(INSTANCE, request, reply)

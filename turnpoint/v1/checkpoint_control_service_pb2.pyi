@@ -129,6 +129,7 @@ class PrepareRequest(_message.Message):
     LEASE_FIELD_NUMBER: _builtins.int
     MAX_BLOCKERS_FIELD_NUMBER: _builtins.int
     EXPECTED_EPISODES_FIELD_NUMBER: _builtins.int
+    EMPTY_COMMIT_SNAPSHOT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Idempotency key."""
     checkpoint_id: _builtins.str
@@ -137,6 +138,13 @@ class PrepareRequest(_message.Message):
     """
     max_blockers: _builtins.int
     """Cap on the blockers listed in the readiness report (the count is never capped)."""
+    empty_commit_snapshot: _builtins.str
+    """Prepare and commit in one exchange where that is safe: a participant that is ready
+    at once and holds no entry but restarts MAY commit saved-nothing (empty scope,
+    CommitRequest.accept_saved_nothing) under this snapshot name, and answer
+    `committed_empty`; the coordinator then sends it no Commit (docs/spec.md section
+    4.6 item 8). Unset: the participant never commits in a prepare.
+    """
     @_builtins.property
     def fence(self) -> _types_pb2.Fence:
         """The coordinator sending it."""
@@ -160,10 +168,11 @@ class PrepareRequest(_message.Message):
         lease: _duration_pb2.Duration | None = ...,
         max_blockers: _builtins.int = ...,
         expected_episodes: _abc.Iterable[_types_pb2.EpisodeId] | None = ...,
+        empty_commit_snapshot: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence", "lease", b"lease"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_id", b"checkpoint_id", "expected_episodes", b"expected_episodes", "fence", b"fence", "lease", b"lease", "max_blockers", b"max_blockers", "request_id", b"request_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_id", b"checkpoint_id", "empty_commit_snapshot", b"empty_commit_snapshot", "expected_episodes", b"expected_episodes", "fence", b"fence", "lease", b"lease", "max_blockers", b"max_blockers", "request_id", b"request_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -180,10 +189,16 @@ class PrepareResponse(_message.Message):
     READINESS_FIELD_NUMBER: _builtins.int
     LEASE_EXPIRES_AT_FIELD_NUMBER: _builtins.int
     CHECKPOINT_ID_FIELD_NUMBER: _builtins.int
+    COMMITTED_EMPTY_FIELD_NUMBER: _builtins.int
     phase: _types_pb2.Phase.ValueType
     """PHASE_PREPARED when ready, PHASE_PREPARING otherwise."""
     checkpoint_id: _builtins.str
     """The checkpoint this answer is for."""
+    committed_empty: _builtins.bool
+    """The participant also committed this checkpoint, saved-nothing with an empty scope,
+    under the request's `empty_commit_snapshot`: `phase` is PHASE_COMMITTED and the
+    coordinator sends it no Commit. Only ever set on a ready answer.
+    """
     @_builtins.property
     def header(self) -> _types_pb2.ResponseHeader:
         """Who answered."""
@@ -204,10 +219,11 @@ class PrepareResponse(_message.Message):
         readiness: _types_pb2.ReadinessReport | None = ...,
         lease_expires_at: _timestamp_pb2.Timestamp | None = ...,
         checkpoint_id: _builtins.str = ...,
+        committed_empty: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header", "lease_expires_at", b"lease_expires_at", "readiness", b"readiness"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_id", b"checkpoint_id", "header", b"header", "lease_expires_at", b"lease_expires_at", "phase", b"phase", "readiness", b"readiness"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["checkpoint_id", b"checkpoint_id", "committed_empty", b"committed_empty", "header", b"header", "lease_expires_at", b"lease_expires_at", "phase", b"phase", "readiness", b"readiness"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
