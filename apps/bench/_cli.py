@@ -326,7 +326,15 @@ def render_table(report: BenchReport, out: TextIO) -> None:
         f"{where})",
         title_justify="left",
     )
-    columns = ("participants", "turnpoint", "bidi floor", "ratio", "HTTP+JSON", "vs HTTP")
+    columns = (
+        "participants",
+        "turnpoint",
+        "bidi floor",
+        "ratio",
+        "HTTP+JSON",
+        "vs HTTP",
+        "every Commit sent",
+    )
     for column in (*columns, *PHASES, "rounds"):
         overhead.add_column(column, justify="right")
     for row in report.control_overhead:
@@ -337,6 +345,7 @@ def render_table(report: BenchReport, out: TextIO) -> None:
             f"{row.ratio:.2f}x",
             _ms(row.http_json_ms),
             f"{row.ratio_vs_http_json:.2f}x",
+            "n/a" if row.with_commit_ms is None else _ms(row.with_commit_ms),
             *(_ms(row.phases_ms.get(phase, 0.0)) for phase in PHASES),
             str(row.rounds),
         )

@@ -98,7 +98,13 @@ Progress = Callable[[str], None]
 @dataclass(frozen=True, slots=True)
 class OverheadRow:
     """Medians for one N, in milliseconds; ``phases_ms`` splits the turnpoint median's
-    round into its phases (each the median of that phase, so they need not add up)."""
+    round into its phases (each the median of that phase, so they need not add up).
+
+    The participants hold no work, so each commits saved-nothing in its prepare
+    (docs/spec.md section 4.6 item 8) and the commit phase sends nothing;
+    ``with_commit_ms`` is the same snapshot with that offer left out, every participant
+    sent its Commit: four round trips, what a participant holding episodes costs
+    (without its export and write)."""
 
     participants: int
     overhead_ms: float
@@ -106,6 +112,7 @@ class OverheadRow:
     http_json_ms: float
     rounds: int
     phases_ms: Mapping[str, float] = field(default_factory=dict)
+    with_commit_ms: float | None = None
 
     @property
     def ratio(self) -> float:
@@ -115,7 +122,7 @@ class OverheadRow:
     def ratio_vs_http_json(self) -> float:
         return self.overhead_ms / self.http_json_ms
 
-    def to_json(self) -> dict[str, float | int]:
+    def to_json(self) -> dict[str, float | int | None]:
         return {
             "participants": self.participants,
             "overhead_ms": round(self.overhead_ms, 3),
@@ -123,6 +130,9 @@ class OverheadRow:
             "ratio": round(self.ratio, 3),
             "http_json_ms": round(self.http_json_ms, 3),
             "ratio_vs_http_json": round(self.ratio_vs_http_json, 3),
+            "with_commit_ms": None
+            if self.with_commit_ms is None
+            else round(self.with_commit_ms, 3),
         }
 
 
@@ -279,8 +289,11 @@ class _SnapshotRounds:
         layout: SnapshotLayout,
         ids: Iterator[str],
         fsyncs: FsyncCount | None = None,
+        *,
+        commit_in_prepare: bool = True,
     ) -> None:
         self._coordinator = coordinator
+        self._commit_in_prepare = commit_in_prepare
         self._layout = layout
         self._ids = ids
         self._anchor: AnchorRef | None = None
@@ -317,7 +330,14 @@ class _SnapshotRounds:
         snapshot = await asyncio.to_thread(self._begin, checkpoint_id)
         anchor = self._anchor
         assert anchor is not None
-        laps = await timed_snapshot(coordinator, checkpoint_id, snapshot, anchor, self._publish)
+        laps = await timed_snapshot(
+            coordinator,
+            checkpoint_id,
+            snapshot,
+            anchor,
+            self._publish,
+            commit_in_prepare=self._commit_in_prepare,
+        )
         await asyncio.to_thread(self._tidy)
         self.rounds += 1
         return _laps(laps)
@@ -346,7 +366,7 @@ async def measure_size(
     coordinator = await _coordinator(fleet, n)
     bidi = BidiEchoFanout(fleet.echo[:n])
     http = HttpJsonFanout(fleet.http[:n])
-    totals: dict[str, list[float]] = {"turnpoint": [], "bidi": [], "http": []}
+    totals: dict[str, list[float]] = {"turnpoint": [], "commit": [], "bidi": [], "http": []}
     phases: dict[str, list[float]] = {phase: [] for phase in PHASES}
     try:
         async with asyncio.timeout(_ROUND_TIMEOUT_S):
@@ -355,10 +375,12 @@ async def measure_size(
             await bidi.open()
             await http.open()
         snapshots = _SnapshotRounds(coordinator, layout, ids)
+        with_commit = _SnapshotRounds(coordinator, layout, ids, commit_in_prepare=False)
         for index in range(warmup + rounds):
             round_id = f"n{n}-r{index}"
             paths: list[tuple[str, Callable[[], Awaitable[dict[str, float]]]]] = [
                 ("turnpoint", snapshots.round),
+                ("commit", with_commit.round),
                 ("bidi", functools.partial(_baseline_round, bidi, round_id)),
                 ("http", functools.partial(_baseline_round, http, round_id)),
             ]
@@ -376,7 +398,8 @@ async def measure_size(
                 # writes in the workers) must not be billed to the next path.
                 await asyncio.sleep(settle_s)
         progress(
-            f"  N={n}: turnpoint {_ms(totals['turnpoint'])} ms, bidi {_ms(totals['bidi'])} ms, "
+            f"  N={n}: turnpoint {_ms(totals['turnpoint'])} ms "
+            f"({_ms(totals['commit'])} ms with every Commit sent), bidi {_ms(totals['bidi'])} ms, "
             f"HTTP+JSON {_ms(totals['http'])} ms (median of {rounds})"
         )
     finally:
@@ -392,6 +415,7 @@ async def measure_size(
         phases_ms=MappingProxyType(
             {phase: statistics.median(values) * 1000 for phase, values in phases.items()}
         ),
+        with_commit_ms=statistics.median(totals["commit"]) * 1000,
     )
 
 
@@ -509,15 +533,21 @@ async def timed_snapshot(
     snapshot: Path,
     anchor: AnchorRef,
     publish: Callable[[Path, SnapshotManifest], object],
+    *,
+    commit_in_prepare: bool = True,
 ) -> list[float]:
     """One snapshot's four phases through the real coordinator, timed: the
     ``perf_counter`` before prepare and after each of prepare, commit, publish
     (``publish`` runs in a thread) and resume. An abort still resumes: a fleet is never
-    left closed for the next round."""
+    left closed for the next round. ``commit_in_prepare`` offers the snapshot in the
+    prepare, as the trainer's driver does (docs/spec.md section 4.6 item 8); False
+    sends every participant its Commit."""
     laps = [time.perf_counter()]
     resumed = False
     try:
-        await coordinator.prepare(checkpoint_id)
+        await coordinator.prepare(
+            checkpoint_id, snapshot=checkpoint_id if commit_in_prepare else None
+        )
         laps.append(time.perf_counter())
         entries = await coordinator.commit(checkpoint_id, checkpoint_id, {})
         laps.append(time.perf_counter())

@@ -37,6 +37,7 @@ ROW_KEYS = {
     "ratio",
     "http_json_ms",
     "ratio_vs_http_json",
+    "with_commit_ms",
 }
 
 
