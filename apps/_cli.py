@@ -103,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # What was asked, for a command that runs itself again (`serve --workers N`).
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     handler: Handler | None = getattr(args, "handler", None)
     if handler is None:
         parser.print_help()

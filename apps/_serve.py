@@ -12,7 +12,16 @@ from pathlib import Path
 from turnpoint.apps.examples._build import EXAMPLES, ExampleSpec, build_example
 from turnpoint.auth import load_token
 from turnpoint.ids import InvalidIdError, validate_id
-from turnpoint.server import ServerOptions, host_participant
+from turnpoint.server import (
+    ServerOptions,
+    WorkerGroup,
+    WorkerSlot,
+    announce_ready,
+    die_with_parent,
+    host_participant,
+    host_worker,
+    worker_slot_from_env,
+)
 
 __all__ = ["add_serve_parser"]
 
@@ -32,6 +41,14 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     parser.add_argument("--instance", help="instance name (default: <kind>-<port>)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=0, help="0 picks a free port")
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="run N worker processes sharing the port, each its own participant "
+        "<instance>-w<i> (docs/spec.md section 3.9; default: 1, one process)",
+    )
     parser.add_argument("--root", default="snapshots", help="snapshot root directory")
     parser.add_argument("--token-file", help="file holding the bearer token")
     parser.add_argument("--insecure-no-auth", action="store_true")
@@ -90,6 +107,13 @@ def _parse_resources(values: Sequence[str]) -> dict[str, str]:
 
 def _serve_command(args: argparse.Namespace) -> int:
     try:
+        slot = worker_slot_from_env()
+        if slot is not None:
+            # A worker of a group: its name, host and ports are the slot's.
+            die_with_parent(slot)
+            args.instance, args.host, args.port = slot.instance, slot.host, slot.own_port
+        elif args.workers < 1:
+            raise ValueError(f"--workers must be at least 1, got {args.workers}")
         token = load_token(args.token_file)
         example = args.example or EXAMPLES[args.kind][0]
         if args.instance is not None:
@@ -113,7 +137,34 @@ def _serve_command(args: argparse.Namespace) -> int:
     except (ValueError, InvalidIdError, OSError) as error:
         print(f"turnpoint serve: {error}", file=sys.stderr)
         return 2
-    return asyncio.run(_serve(args, example, options, token, resources))
+    if slot is None and args.workers > 1:
+        return asyncio.run(_serve_group(args, options))
+    return asyncio.run(_serve(args, example, options, token, resources, slot))
+
+
+async def _serve_group(args: argparse.Namespace, options: ServerOptions) -> int:
+    """The parent of ``--workers N``: it serves nothing itself; each worker runs this very
+    command again, as one participant of the group (server/_workers.py)."""
+    group_name = args.instance or f"{args.kind}-{secrets.token_hex(3)}"
+    group = WorkerGroup(
+        group_name,
+        args.workers,
+        (sys.executable, "-m", "turnpoint.apps._cli", *args.argv),
+        host=options.host,
+        port=options.port,
+        stop_timeout_s=args.grace + 10.0,
+    )
+    try:
+        await group.start()
+    except OSError as error:  # the port is taken, a worker could not start
+        print(f"turnpoint serve: {error}", file=sys.stderr)
+        return 2
+    group.install_signal_handlers()
+    for member in group.members:
+        print(f"turnpoint: worker {member.instance} on {member.address}", flush=True)
+    print(f"turnpoint: serving {args.kind} {group_name} on {group.shared_address}", flush=True)
+    await group.wait_stopped()
+    return 0 if await group.stop() else 1
 
 
 async def _serve(
@@ -122,6 +173,7 @@ async def _serve(
     options: ServerOptions,
     token: str | None,
     resources: dict[str, str],
+    slot: WorkerSlot | None,
 ) -> int:
     instance = args.instance or f"{args.kind}-{secrets.token_hex(3)}"
     spec = ExampleSpec(
@@ -145,7 +197,9 @@ async def _serve(
     except (ValueError, OSError) as error:
         print(f"turnpoint serve: {error}", file=sys.stderr)
         return 2
-    hosted = host_participant(runtime, options)
+    hosted = (
+        host_participant(runtime, options) if slot is None else host_worker(runtime, options, slot)
+    )
     hosted.on_close.extend(closers)
     try:
         await hosted.start()
@@ -160,6 +214,8 @@ async def _serve(
         f"turnpoint: serving {args.kind} {spec.instance} on {options.host}:{hosted.port}",
         flush=True,
     )
+    if slot is not None:
+        announce_ready(slot)
     try:
         await hosted.server.wait_for_termination()
     finally:

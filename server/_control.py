@@ -40,6 +40,7 @@ from turnpoint.server._convert import (
     header_to_proto,
     readiness_to_proto,
 )
+from turnpoint.server._group import GroupRoster
 from turnpoint.v1 import checkpoint_control_service_pb2 as pb
 from turnpoint.v1 import checkpoint_control_service_pb2_grpc as pb_grpc
 from turnpoint.v1 import types_pb2
@@ -68,8 +69,16 @@ def _phase(value: Any) -> Any:
 class ControlServicer(pb_grpc.CheckpointControlServiceServicer):
     """Thin adapter: request -> runtime call -> response, errors mapped in one place."""
 
-    def __init__(self, runtime: ParticipantRuntime, *, max_list_length: int = 10_000) -> None:
+    def __init__(
+        self,
+        runtime: ParticipantRuntime,
+        *,
+        max_list_length: int = 10_000,
+        roster: GroupRoster | None = None,
+    ) -> None:
         self._runtime = runtime
+        # A worker of a group lists every worker in Describe (docs/spec.md section 3.9).
+        self._roster = roster
         self._max_list = max_list_length
         self._handlers: dict[str, Handler] = {
             "describe": self._handle_describe,
@@ -96,7 +105,7 @@ class ControlServicer(pb_grpc.CheckpointControlServiceServicer):
     ) -> pb.DescribeResponse:
         fence = fence_from_proto(request.fence, request.HasField("fence"))
         d = await self._runtime.describe(fence if request.HasField("fence") else None)
-        return pb.DescribeResponse(
+        response = pb.DescribeResponse(
             header=self._header(),
             kind=enum_to_proto(types_pb2.ParticipantKind, d.kind),
             instance_name=d.instance_name,
@@ -111,6 +120,13 @@ class ControlServicer(pb_grpc.CheckpointControlServiceServicer):
             environment=d.environment,
             phase=_phase(d.phase),
         )
+        if self._roster is not None:
+            response.worker_group = self._roster.group
+            response.workers.extend(
+                pb.WorkerAddress(instance_name=m.instance, address=m.address)
+                for m in self._roster.members
+            )
+        return response
 
     async def _handle_prepare(
         self, request: pb.PrepareRequest, timeout_s: float | None

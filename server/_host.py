@@ -15,6 +15,7 @@ from turnpoint.participant_sdk import (
 )
 from turnpoint.server._control import ControlServicer
 from turnpoint.server._data import PolicyServicer, ResourcesServicer, RolloutServicer
+from turnpoint.server._group import GroupRoster
 from turnpoint.server._hosting import (
     CONTROL_SERVICE,
     DEFAULT_MAX_LIST_LENGTH,
@@ -52,9 +53,14 @@ def _service(module: Any, name: str) -> ServiceDescriptor:
 
 
 def register_runtime(
-    runtime: ParticipantRuntime, *, max_list_length: int = DEFAULT_MAX_LIST_LENGTH
+    runtime: ParticipantRuntime,
+    *,
+    max_list_length: int = DEFAULT_MAX_LIST_LENGTH,
+    roster: GroupRoster | None = None,
 ) -> RegisterServicers:
-    """The servicers of ``runtime``: the control service and its kind's data plane."""
+    """The servicers of ``runtime``: the control service and its kind's data plane.
+
+    ``roster`` (a worker of a group) is listed in every ``Describe`` answer."""
 
     def register(server: grpc.aio.Server) -> Sequence[str]:
         # Each servicer parses its own request bytes (server/_typed.py), so a malformed
@@ -63,7 +69,7 @@ def register_runtime(
         add_servicer(
             server,
             _service(checkpoint_control_service_pb2, "CheckpointControlService"),
-            ControlServicer(runtime, max_list_length=max_list_length),
+            ControlServicer(runtime, max_list_length=max_list_length, roster=roster),
         )
         if runtime.agent is not None:
             add_servicer(

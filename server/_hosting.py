@@ -107,7 +107,10 @@ class ServerOptions:
     that CA signed. ``metrics_port`` (None: off; 0 lets the OS pick) serves the
     server's Prometheus metrics over HTTP on 127.0.0.1 (``server/_metrics.py``,
     docs/spec.md section 7.10); read the address back from
-    :attr:`ParticipantServer.metrics_address`.
+    :attr:`ParticipantServer.metrics_address`. ``shared_port`` (a worker of a group,
+    ``server/_workers.py``) also listens on that port, which every worker of the group
+    binds with ``SO_REUSEPORT``; ``port`` stays the worker's own (docs/spec.md section
+    3.9).
     """
 
     host: str = "127.0.0.1"
@@ -122,6 +125,7 @@ class ServerOptions:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_list_length: int = DEFAULT_MAX_LIST_LENGTH
     metrics_port: int | None = None
+    shared_port: int | None = None
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -142,6 +146,8 @@ class ServerOptions:
             raise ValueError(f"max_list_length must be positive, got {self.max_list_length}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
+        if self.shared_port is not None and not 0 < self.shared_port <= 65535:
+            raise ValueError(f"shared_port must be in 1..65535, got {self.shared_port}")
 
     @property
     def tls(self) -> bool:
@@ -301,7 +307,10 @@ class ParticipantServer:
             interceptors.append(self._metrics.interceptor())
         server = grpc.aio.server(
             interceptors=interceptors,
-            options=server_options(max_message_bytes=options.max_message_bytes),
+            options=server_options(
+                max_message_bytes=options.max_message_bytes,
+                reuse_port=options.shared_port is not None,
+            ),
         )
         services = self._registered_services(server)
         health_servicer = HealthServicer()
@@ -352,7 +361,16 @@ class ParticipantServer:
         return services
 
     def _bind(self, server: grpc.aio.Server, credentials: grpc.ServerCredentials | None) -> int:
-        address = self._options.bind_address
+        port = self._bind_one(server, credentials, self._options.bind_address)
+        shared = self._options.shared_port
+        if shared is not None:
+            self._bind_one(server, credentials, _join_host_port(self._options.host, shared))
+        return port
+
+    @staticmethod
+    def _bind_one(
+        server: grpc.aio.Server, credentials: grpc.ServerCredentials | None, address: str
+    ) -> int:
         try:
             if credentials is None:
                 port = server.add_insecure_port(address)

@@ -146,8 +146,11 @@ class Checkpointing:
         )
         self._coordinator = coordinator
         topology = await coordinator.discover()
+        # The coordinator's endpoints, not the ones given: a worker group is replaced by
+        # its workers at discovery, each an agent of its own (docs/spec.md section 3.9).
         agents = {
-            name: AgentEndpoint(endpoints[name], token=self._token) for name in topology.agents
+            name: AgentEndpoint(coordinator.endpoints[name], token=self._token)
+            for name in topology.agents
         }
         rollouts = await self._stack.enter_async_context(
             RolloutClient(

@@ -70,6 +70,7 @@ __all__ = [
     "SessionBrokenError",
     "TransportError",
     "classify",
+    "is_group_answer",
     "new_request_id",
 ]
 
@@ -306,6 +307,17 @@ class _Session:
 
 
 # -------------------------------------------------------------------------- client
+
+
+def is_group_answer(called: str, response: pb.DescribeResponse) -> bool:
+    """Whether ``response`` is a worker answering for its group ``called``: several
+    worker processes share the endpoint, and any of them may answer there (docs/spec.md
+    section 3.9). The coordinator then replaces the group by its workers."""
+    return (
+        response.worker_group == called
+        and len(response.workers) > 0
+        and response.instance_name != called
+    )
 
 
 def _check_timeout(timeout_s: float) -> None:
@@ -587,6 +599,14 @@ class ParticipantControlClient:
         self, operation: _Operation, request: ControlRequest, response: ControlResponse
     ) -> None:
         method = operation.method
+        if isinstance(response, pb.DescribeResponse) and is_group_answer(
+            self._participant_name, response
+        ):
+            # A worker of the group answered for it: the header names that worker,
+            # which the coordinator checks against the roster (docs/spec.md 3.9).
+            if not response.HasField("header"):
+                raise MalformedReplyError(self._participant_name, method, "reply has no header")
+            return
         self._check_header(method, response.header, response.HasField("header"))
         asked: str | None = None
         answered = ""

@@ -30,7 +30,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import suppress
-from types import TracebackType
+from types import MappingProxyType, TracebackType
 from typing import Any, Final, Self
 
 import grpc
@@ -213,24 +213,42 @@ class ControlOperations:
         self.config = config
         self.metrics = metrics
         self._fence = types_pb2.Fence(coordinator_id=coordinator_id, epoch=epoch)
+        self._token = token
+        self._channel_credentials = channel_credentials
         self._clients: dict[str, ParticipantControlClient] = {
-            name: ParticipantControlClient(
-                address,
-                token=token,
-                participant_name=name,
-                channel_credentials=channel_credentials,
-                reply_grace_s=config.reply_grace_s,
-            )
-            for name, address in sorted(endpoints.items())
+            name: self._new_client(name, address) for name, address in sorted(endpoints.items())
         }
         self._request_ids = _RequestIds()
         self._topology: Topology | None = None
 
     # -- basics ------------------------------------------------------------------------
 
+    def _new_client(self, name: str, address: str) -> ParticipantControlClient:
+        return ParticipantControlClient(
+            address,
+            token=self._token,
+            participant_name=name,
+            channel_credentials=self._channel_credentials,
+            reply_grace_s=self.config.reply_grace_s,
+        )
+
+    async def _replace_with_workers(self, group: str, workers: Mapping[str, str]) -> None:
+        """Address the workers of ``group`` instead of the group's shared endpoint
+        (docs/spec.md section 3.9); the caller checked that no worker name is taken."""
+        await self._clients.pop(group).close()
+        for name, address in workers.items():
+            self._clients[name] = self._new_client(name, address)
+        self._clients = dict(sorted(self._clients.items()))
+
     @property
     def instances(self) -> tuple[str, ...]:
         return tuple(self._clients)
+
+    @property
+    def endpoints(self) -> Mapping[str, str]:
+        """Each participant's control address, worker groups replaced by their workers
+        once :meth:`discover` found them: where the trainer sends each one's rollouts."""
+        return MappingProxyType({name: c.address for name, c in self._clients.items()})
 
     @property
     def topology(self) -> Topology:

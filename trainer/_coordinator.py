@@ -83,7 +83,7 @@ from turnpoint.trainer._preparing import (
 )
 from turnpoint.trainer._recovery import LevelDecision, decide_levels
 from turnpoint.trainer._restore_ops import RestoreOperations
-from turnpoint.trainer._topology import ParticipantInfo, Topology
+from turnpoint.trainer._topology import ParticipantInfo, Topology, group_workers
 from turnpoint.v1 import checkpoint_control_service_pb2 as pb
 
 __all__ = [
@@ -190,33 +190,73 @@ class Coordinator(RestoreOperations):
     async def discover(self) -> Topology:
         """``Describe`` every participant; the result is kept as :attr:`topology`.
 
-        Raises :class:`OperationFailed` if any participant cannot be described or its
-        answer breaks the contract (unknown kind, another protocol version).
+        An endpoint where several workers answer, each its own participant, is replaced
+        by its workers, and each of them is described at its own address (docs/spec.md
+        section 3.9); :attr:`endpoints` then lists the workers. Raises
+        :class:`OperationFailed` if any participant cannot be described or its answer
+        breaks the contract (unknown kind, another protocol version).
         """
+        result = await self._describe(self.instances)
+        responses = dict(result.responses)
+        failures = dict(result.failures)
+        durations = dict(result.durations_s)
+        groups: dict[str, dict[str, str]] = {}
+        for name, response in result.responses.items():
+            try:
+                workers = group_workers(name, response)
+            except MalformedReplyError as error:
+                failures[name] = classify(error)
+                workers = None
+            if workers is not None:
+                groups[name] = workers
+            if workers is not None or name in failures:
+                del responses[name]
+        taken = set(self._clients)
+        for group, workers in groups.items():
+            if clash := sorted(taken & set(workers)):
+                failures[group] = classify(
+                    MalformedReplyError(
+                        group, "Describe", f"workers {clash} are also given as participants"
+                    )
+                )
+            taken |= set(workers)
+        if groups and not failures:
+            for group, workers in groups.items():
+                _LOG.info("%s: %d workers, each its own participant", group, len(workers))
+                await self._replace_with_workers(group, workers)
+            described = await self._describe([w for ws in groups.values() for w in ws])
+            responses |= described.responses
+            failures |= described.failures
+            durations |= described.durations_s
+        participants: dict[str, ParticipantInfo] = {}
+        for name, response in responses.items():
+            try:
+                if response.instance_name != name:  # a worker answering for another
+                    raise MalformedReplyError(
+                        name, "Describe", f"reply names {response.instance_name!r}"
+                    )
+                participants[name] = ParticipantInfo.from_proto(name, response)
+            except MalformedReplyError as error:
+                failures[name] = classify(error)
+        self._record("describe", FanoutResult(responses, failures, durations))
+        if failures:
+            raise OperationFailed("describe", "topology", failures)
+        self._topology = Topology(participants)
+        self._decide_levels(self._topology)
+        return self._topology
+
+    async def _describe(self, instances: Sequence[str]) -> FanoutResult[pb.DescribeResponse]:
         # A participant that just started, or a connection that blipped, is not a reason
         # to fail the job's start: transient failures are asked again, a few times.
-        result = await retry_same_request(
-            self._clients,
-            {name: pb.DescribeRequest(fence=self.fence) for name in self._clients},
+        return await retry_same_request(
+            {name: self._clients[name] for name in instances},
+            {name: pb.DescribeRequest(fence=self.fence) for name in instances},
             attempts=DISCOVER_ATTEMPTS,
             deadline_s=DISCOVER_ATTEMPTS * self._call_deadline(),
             per_call_timeout_s=self.config.control_timeout_s,
             concurrency=self.config.fanout_concurrency,
             pause_s=DISCOVER_RETRY_PAUSE_S,
         )
-        failures = dict(result.failures)
-        participants: dict[str, ParticipantInfo] = {}
-        for name, response in result.responses.items():
-            try:
-                participants[name] = ParticipantInfo.from_proto(name, response)
-            except MalformedReplyError as error:
-                failures[name] = classify(error)
-        self._record("describe", FanoutResult(result.responses, failures, result.durations_s))
-        if failures:
-            raise OperationFailed("describe", "topology", failures)
-        self._topology = Topology(participants)
-        self._decide_levels(self._topology)
-        return self._topology
 
     def _decide_levels(self, topology: Topology) -> None:
         """docs/spec.md sections 7.1 item 3 and 7.8: each environment's recovery level,

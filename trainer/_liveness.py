@@ -24,31 +24,41 @@ from typing import Any, Protocol
 from turnpoint.errors import Reason
 from turnpoint.trainer._errors import CoordinatorError
 from turnpoint.trainer._fanout import FanoutResult
+from turnpoint.v1 import checkpoint_control_service_pb2 as pb
 
 __all__ = ["LivenessTracker", "ParticipantLostError", "StatusProber", "watch_liveness"]
 
 
 class ParticipantLostError(CoordinatorError):
-    """Participants answered nothing for ``participant_lost_after_s``: restore the job."""
+    """Participants answered nothing for ``participant_lost_after_s``, or answered as a
+    new incarnation (``restarted``: a worker its group restarted, docs/spec.md section
+    3.9): restore the job."""
 
-    def __init__(self, lost: Iterable[str], silent_s: float) -> None:
+    def __init__(self, lost: Iterable[str], silent_s: float, restarted: Iterable[str] = ()) -> None:
         self.lost = tuple(sorted(lost))
         self.silent_s = silent_s
+        self.restarted = tuple(sorted(restarted))
+        silent = [name for name in self.lost if name not in self.restarted]
+        why = [f"{', '.join(silent)} answered nothing for {silent_s:g}s"] if silent else []
+        if self.restarted:
+            why.append(f"{', '.join(self.restarted)} restarted (a new incarnation)")
         super().__init__(
             Reason.UNAVAILABLE,
-            f"participant(s) {', '.join(self.lost)} answered nothing for {silent_s:g}s: "
-            "lost; restore the job from the last published snapshot onto fresh participants",
+            f"participant(s) {'; '.join(why)}: lost; restore the job from the last "
+            "published snapshot onto fresh participants",
             {"participants": ",".join(self.lost)},
         )
 
     def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.lost, self.silent_s))
+        return (type(self), (self.lost, self.silent_s, self.restarted))
 
 
 @dataclass
 class _Seen:
     last_answer: float
     failures: int = 0
+    incarnation: str = ""
+    restarted: bool = False
 
 
 class LivenessTracker:
@@ -61,10 +71,16 @@ class LivenessTracker:
         # Every participant starts as just seen: the watch starts after discovery.
         self._seen = {name: _Seen(now) for name in participants}
 
-    def answered(self, participant: str, now: float) -> None:
+    def answered(self, participant: str, now: float, incarnation: str = "") -> None:
+        """``incarnation`` (from the answer's header; empty if unknown): the first one
+        seen is the participant's; another one means its process was replaced and its
+        in-memory state is gone (docs/spec.md section 2.3 item 2), so it is lost."""
         seen = self._seen[participant]
         seen.last_answer = max(seen.last_answer, now)
         seen.failures = 0
+        if incarnation:
+            seen.restarted = seen.restarted or seen.incarnation not in ("", incarnation)
+            seen.incarnation = seen.incarnation or incarnation
 
     def failed(self, participant: str) -> None:
         self._seen[participant].failures += 1
@@ -73,14 +89,19 @@ class LivenessTracker:
         return max(0.0, now - self._seen[participant].last_answer)
 
     def lost(self, now: float) -> tuple[str, ...]:
-        """Participants silent for at least ``lost_after_s`` and failing since."""
+        """Participants silent for at least ``lost_after_s`` and failing since, and
+        participants that answered as a new incarnation."""
         return tuple(
             sorted(
                 name
                 for name, seen in self._seen.items()
-                if seen.failures and now - seen.last_answer >= self._lost_after_s
+                if seen.restarted
+                or (seen.failures and now - seen.last_answer >= self._lost_after_s)
             )
         )
+
+    def restarted(self) -> tuple[str, ...]:
+        return tuple(sorted(name for name, seen in self._seen.items() if seen.restarted))
 
 
 class StatusProber(Protocol):
@@ -110,11 +131,15 @@ async def watch_liveness(
     while True:
         result = await prober.status_round(interval_s)
         now = clock()
-        for name in result.responses:
-            tracker.answered(name, now)
+        for name, response in result.responses.items():
+            incarnation = (
+                response.header.incarnation if isinstance(response, pb.GetStatusResponse) else ""
+            )
+            tracker.answered(name, now, incarnation)
         for name in result.failures:
             tracker.failed(name)
         lost = tracker.lost(now)
         if lost:
-            raise ParticipantLostError(lost, max(tracker.silent_for(n, now) for n in lost))
+            silent_s = max(tracker.silent_for(n, now) for n in lost)
+            raise ParticipantLostError(lost, silent_s, tracker.restarted())
         await sleep(interval_s)

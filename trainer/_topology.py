@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, Final, Self
 
+from turnpoint.ids import InvalidIdError, validate_id
 from turnpoint.protocol import (
     PROTOCOL_VERSION,
     ParticipantKind,
@@ -19,13 +20,13 @@ from turnpoint.protocol import (
     RecoveryMode,
     VerifyMode,
 )
-from turnpoint.trainer._control_client import MalformedReplyError
+from turnpoint.trainer._control_client import MalformedReplyError, is_group_answer
 from turnpoint.trainer._manifest import ManifestError, SnapshotManifest
 from turnpoint.trainer._recovery import EnvironmentMember
 from turnpoint.v1 import checkpoint_control_service_pb2 as pb
 from turnpoint.v1 import types_pb2
 
-__all__ = ["AGENT_KINDS", "ParticipantInfo", "Topology"]
+__all__ = ["AGENT_KINDS", "ParticipantInfo", "Topology", "group_workers"]
 
 AGENT_KINDS: Final = frozenset({ParticipantKind.AGENT, ParticipantKind.ENVIRONMENT})
 """The kinds rollouts are dispatched to."""
@@ -43,6 +44,36 @@ def _enum_from_proto(proto_enum: Any, number: int, sdk_enum: type[Any], prefix: 
         return sdk_enum[name.removeprefix(prefix)]
     except KeyError:
         return None
+
+
+def group_workers(called: str, response: pb.DescribeResponse) -> dict[str, str] | None:
+    """The workers (instance name -> own address) when ``response`` is a worker answering
+    for its group ``called`` (docs/spec.md section 3.9), else None.
+
+    Raises :class:`MalformedReplyError` for a roster that cannot be used: a worker name
+    that is not a valid id, is the group's own name or appears twice, an empty address,
+    or an answer from a worker the roster does not list."""
+    if not is_group_answer(called, response):
+        return None
+
+    def bad(detail: str) -> MalformedReplyError:
+        return MalformedReplyError(called, "Describe", detail)
+
+    workers: dict[str, str] = {}
+    for worker in response.workers:
+        try:
+            name = validate_id(worker.instance_name, "instance name")
+        except InvalidIdError as error:
+            raise bad(f"worker group lists an invalid worker: {error}") from None
+        if name == called or name in workers:
+            raise bad(f"worker group lists {name!r} twice or as the group itself")
+        if not worker.address:
+            raise bad(f"worker group gives {name!r} no address")
+        workers[name] = worker.address
+    answered = response.header.participant_id
+    if answered != response.instance_name or answered not in workers:
+        raise bad(f"worker {answered!r} answered for the group but is not one of its workers")
+    return workers
 
 
 @dataclass(frozen=True, slots=True)

@@ -65,8 +65,13 @@ def _check_size(max_message_bytes: int) -> int:
     return max_message_bytes
 
 
-def server_options(*, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> ChannelOptions:
-    """Options for ``grpc.aio.server(options=...)``."""
+def server_options(
+    *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, reuse_port: bool = False
+) -> ChannelOptions:
+    """Options for ``grpc.aio.server(options=...)``.
+
+    ``reuse_port`` is for the workers of one group sharing a port (docs/spec.md section
+    3.9); every other server binds its port alone."""
     size = _check_size(max_message_bytes)
     return (
         ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
@@ -78,7 +83,7 @@ def server_options(*, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> Cha
         ("grpc.max_send_message_length", size),
         # With SO_REUSEPORT (gRPC's default on Linux) a second server on a fixed port binds
         # silently and steals half the connections; a taken port must fail loudly instead.
-        ("grpc.so_reuseport", 0),
+        ("grpc.so_reuseport", 1 if reuse_port else 0),
     )
 
 

@@ -170,6 +170,8 @@ class DemoOptions:
 
     steps: int = DEFAULT_STEPS
     agents: int = DEFAULT_AGENTS
+    # Worker processes per agent server, each its own participant (docs/spec.md 3.9).
+    agent_workers: int = 1
     group_size: int = DEFAULT_GROUP_SIZE
     groups_per_step: int = DEFAULT_GROUPS_PER_STEP
     snapshot_interval_s: float = DEFAULT_SNAPSHOT_INTERVAL_S
@@ -201,6 +203,7 @@ class DemoOptions:
         return cls(
             steps=args.steps,
             agents=args.agents,
+            agent_workers=getattr(args, "agent_workers", 1),
             group_size=args.group_size,
             groups_per_step=args.groups_per_step,
             snapshot_interval_s=args.snapshot_interval,
@@ -238,6 +241,7 @@ class DemoOptions:
             )
         if self.agents < 1:
             problems.append(f"--agents must be at least 1, got {self.agents}")
+        problems.extend(self._worker_problems())
         if self.group_size < 2:
             problems.append(
                 f"--group-size must be at least 2, got {self.group_size}: rewards are "
@@ -296,6 +300,23 @@ class DemoOptions:
         if self.crash_at is not None:
             problems.extend(_crash_at_problems(self.crash_at, crash=self.crash))
         problems.extend(_out_dir_problems(self.out))
+        return problems
+
+    def _worker_problems(self) -> list[str]:
+        if self.agent_workers < 1:
+            return [f"--agent-workers must be at least 1, got {self.agent_workers}"]
+        if self.agent_workers == 1:
+            return []
+        problems = []
+        if self.ray:
+            problems.append("--agent-workers starts local worker processes: drop --ray")
+        if self.chaos_faults:
+            # The trainer reaches the workers at their own addresses, past the proxies.
+            problems.append("--chaos proxies whole endpoints, not workers: drop --agent-workers")
+        if self.crash_at is not None:
+            problems.append("--crash-at probes whole endpoints, not workers: drop --agent-workers")
+        if self.participant_commands:
+            problems.append("--participant-command and --agent-workers: drop one")
         return problems
 
     def _ray_problems(self) -> list[str]:
@@ -438,6 +459,8 @@ class ParticipantSpec:
     turn_delay_s: float | None = None
     token_delay_s: float | None = None
     cut_generations: bool = False
+    # More than one: a group of worker processes sharing one port (docs/spec.md 3.9).
+    workers: int = 1
 
     def serve_arguments(self, snapshot_root: Path) -> list[str]:
         arguments = [
@@ -472,6 +495,8 @@ class ParticipantSpec:
             arguments += ["--token-delay", f"{self.token_delay_s:g}"]
         if self.cut_generations:
             arguments.append("--cut-generations")
+        if self.workers > 1:
+            arguments += ["--workers", str(self.workers)]
         return arguments
 
 
@@ -520,6 +545,7 @@ def agent_specs(options: DemoOptions, servers: Mapping[str, Participant]) -> lis
             resources=resources,
             turn_delay_s=options.turn_delay_s,
             cut_generations=options.cut_generations,
+            workers=options.agent_workers,
         )
         for index in range(options.agents)
     ]
@@ -1396,6 +1422,14 @@ def add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     parser.add_argument(
         "--agents", type=int, default=DEFAULT_AGENTS, help="agent servers (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--agent-workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="worker processes per agent server, sharing its port; each worker is an agent "
+        "of its own, found through the server's Describe (default: %(default)s)",
     )
     parser.add_argument(
         "--group-size",

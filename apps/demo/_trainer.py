@@ -360,7 +360,6 @@ class DemoTrainer:
         metrics = CoordinatorMetrics(_registry())
         if self.args.metrics_port is not None:
             _serve_metrics(metrics, self.args.metrics_port)
-        agents = sorted(self._addresses("agent"))
         kill = None
         if self.args.kill_at is not None:
             # Test-only fault injection (turnpoint demo --crash-at).
@@ -380,10 +379,13 @@ class DemoTrainer:
             config=config,
             metrics=metrics,
         ) as coordinator:
-            await coordinator.discover()
+            topology = await coordinator.discover()
+            # As discovered: an agent running as a group of workers is several agents,
+            # each at its own address (docs/spec.md section 3.9).
+            agents = topology.agents
             rollouts = RolloutClient(
                 {
-                    name: AgentEndpoint(self._addresses("agent")[name], token=self.token)
+                    name: AgentEndpoint(coordinator.endpoints[name], token=self.token)
                     for name in agents
                 },
                 # Every Run carries the config's weights_change (docs/spec.md 5.5 item 7).

@@ -155,6 +155,23 @@ def test_long_generations_cut_at_each_snapshot_pass_the_token_audit(tmp_path: Pa
     assert sum(len(entry["tokens"]) for entry in streamed) == generated
 
 
+def test_an_agent_of_two_workers_crashes_restores_and_passes_the_audit(tmp_path: Path) -> None:
+    """docs/spec.md section 3.9: the agent server is two worker processes behind one
+    port; the trainer, given the server's shared address, finds the workers and runs
+    rollouts on each as an agent of its own, through the crash of the whole server. One
+    server of two workers: as many agents as the short run's two servers, fewer
+    processes to start on a loaded machine."""
+    run = run_demo(tmp_path / "out", "--agents", "1", "--agent-workers", "2")
+
+    assert [event["type"] for event in run.supervisor] == ["crash", "restart"]
+    assert_restored_the_newest_published(run)
+    # The restore addressed the workers by their stable names, each its own participant.
+    restored_on = set(run.only("restore", 2)["by_instance"])
+    workers = {"agent-0-w0", "agent-0-w1"}
+    # SHORT's turn delay leaves rollouts in flight at every snapshot, the restored too.
+    assert restored_on and restored_on <= workers, restored_on
+
+
 @pytest.mark.timeout(420)
 def test_the_demo_on_a_local_ray_cluster(tmp_path: Path) -> None:
     run = run_demo(tmp_path / "out", "--ray", timeout_s=400.0)

@@ -33,6 +33,20 @@ def test_a_participant_is_lost_only_after_silence_and_a_failing_probe() -> None:
     assert tracker.silent_for("agent-0", 15.0) == pytest.approx(4.5)
 
 
+def test_a_participant_answering_as_a_new_incarnation_is_lost_at_once() -> None:
+    """A worker its group restarted answers at once, but its state is gone (docs/spec.md
+    sections 2.3 item 2 and 3.9)."""
+    tracker = LivenessTracker(["agent-0-w0", "agent-0-w1"], lost_after_s=10.0, now=0.0)
+    tracker.answered("agent-0-w0", 1.0, "inc-a")
+    tracker.answered("agent-0-w1", 1.0, "inc-b")
+    tracker.answered("agent-0-w0", 2.0, "")  # unknown: no verdict
+    assert tracker.lost(2.0) == ()
+    tracker.answered("agent-0-w1", 3.0, "inc-c")
+    assert tracker.lost(3.0) == ("agent-0-w1",) and tracker.restarted() == ("agent-0-w1",)
+    error = ParticipantLostError(tracker.lost(3.0), 0.0, tracker.restarted())
+    assert "agent-0-w1 restarted" in str(error) and "answered nothing" not in str(error)
+
+
 @dataclass
 class Round:
     responses: dict[str, Any]

@@ -63,6 +63,8 @@ class DescribeResponse(_message.Message):
     ENVIRONMENT_FIELD_NUMBER: _builtins.int
     DATA_PLANE_ADDRESS_FIELD_NUMBER: _builtins.int
     PHASE_FIELD_NUMBER: _builtins.int
+    WORKERS_FIELD_NUMBER: _builtins.int
+    WORKER_GROUP_FIELD_NUMBER: _builtins.int
     kind: _types_pb2.ParticipantKind.ValueType
     """What the participant serves."""
     instance_name: _builtins.str
@@ -85,6 +87,10 @@ class DescribeResponse(_message.Message):
     """Address of the data-plane service if it is not the same endpoint."""
     phase: _types_pb2.Phase.ValueType
     """Current phase."""
+    worker_group: _builtins.str
+    """Name of the worker group when workers is not empty: the name the endpoint is
+    known by. A coordinator given this name replaces it with the workers.
+    """
     @_builtins.property
     def header(self) -> _types_pb2.ResponseHeader:
         """Who answered."""
@@ -92,6 +98,14 @@ class DescribeResponse(_message.Message):
     @_builtins.property
     def supported_levels(self) -> _containers.RepeatedScalarFieldContainer[_types_pb2.RecoveryLevel.ValueType]:
         """Recovery levels this participant supports, finest first."""
+
+    @_builtins.property
+    def workers(self) -> _containers.RepeatedCompositeFieldContainer[Global___WorkerAddress]:
+        """When several worker processes share this endpoint, each is its own participant
+        (its own instance name, incarnation, phase and snapshot directory): address each
+        at its own address, never at the shared one. Lists every worker of the group,
+        this one included; empty for a participant that is alone on its endpoint.
+        """
 
     def __init__(
         self,
@@ -108,14 +122,42 @@ class DescribeResponse(_message.Message):
         environment: _builtins.str = ...,
         data_plane_address: _builtins.str = ...,
         phase: _types_pb2.Phase.ValueType = ...,
+        workers: _abc.Iterable[Global___WorkerAddress] | None = ...,
+        worker_group: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["data_plane_address", b"data_plane_address", "environment", b"environment", "group_scored", b"group_scored", "group_size", b"group_size", "header", b"header", "instance_name", b"instance_name", "kind", b"kind", "phase", b"phase", "protocol_version", b"protocol_version", "recovery_mode", b"recovery_mode", "supported_levels", b"supported_levels", "verify_mode", b"verify_mode"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data_plane_address", b"data_plane_address", "environment", b"environment", "group_scored", b"group_scored", "group_size", b"group_size", "header", b"header", "instance_name", b"instance_name", "kind", b"kind", "phase", b"phase", "protocol_version", b"protocol_version", "recovery_mode", b"recovery_mode", "supported_levels", b"supported_levels", "verify_mode", b"verify_mode", "worker_group", b"worker_group", "workers", b"workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___DescribeResponse: _TypeAlias = DescribeResponse  # noqa: Y015
+
+@_typing.final
+class WorkerAddress(_message.Message):
+    """WorkerAddress is one worker process of a group sharing an endpoint."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INSTANCE_NAME_FIELD_NUMBER: _builtins.int
+    ADDRESS_FIELD_NUMBER: _builtins.int
+    instance_name: _builtins.str
+    """The worker's instance name, a participant of its own."""
+    address: _builtins.str
+    """host:port where this worker, and only it, answers."""
+    def __init__(
+        self,
+        *,
+        instance_name: _builtins.str = ...,
+        address: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["address", b"address", "instance_name", b"instance_name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WorkerAddress: _TypeAlias = WorkerAddress  # noqa: Y015
 
 @_typing.final
 class PrepareRequest(_message.Message):

@@ -14,7 +14,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file turnpoint/v1/checkpoint_control_service.proto.
  */
 export const file_turnpoint_v1_checkpoint_control_service: GenFile = /*@__PURE__*/
-  fileDesc("Ci10dXJucG9pbnQvdjEvY2hlY2twb2ludF9jb250cm9sX3NlcnZpY2UucHJvdG8SDHR1cm5wb2ludC52MSI1Cg9EZXNjcmliZVJlcXVlc3QSIgoFZmVuY2UYASABKAsyEy50dXJucG9pbnQudjEuRmVuY2UitgMKEERlc2NyaWJlUmVzcG9uc2USLAoGaGVhZGVyGAEgASgLMhwudHVybnBvaW50LnYxLlJlc3BvbnNlSGVhZGVyEisKBGtpbmQYAiABKA4yHS50dXJucG9pbnQudjEuUGFydGljaXBhbnRLaW5kEhUKDWluc3RhbmNlX25hbWUYAyABKAkSGAoQcHJvdG9jb2xfdmVyc2lvbhgEIAEoCRIxCg1yZWNvdmVyeV9tb2RlGAUgASgOMhoudHVybnBvaW50LnYxLlJlY292ZXJ5TW9kZRItCgt2ZXJpZnlfbW9kZRgGIAEoDjIYLnR1cm5wb2ludC52MS5WZXJpZnlNb2RlEhQKDGdyb3VwX3Njb3JlZBgHIAEoCBISCgpncm91cF9zaXplGAggASgNEjUKEHN1cHBvcnRlZF9sZXZlbHMYCSADKA4yGy50dXJucG9pbnQudjEuUmVjb3ZlcnlMZXZlbBITCgtlbnZpcm9ubWVudBgKIAEoCRIaChJkYXRhX3BsYW5lX2FkZHJlc3MYCyABKAkSIgoFcGhhc2UYDCABKA4yEy50dXJucG9pbnQudjEuUGhhc2Ui8gEKDlByZXBhcmVSZXF1ZXN0EiIKBWZlbmNlGAEgASgLMhMudHVybnBvaW50LnYxLkZlbmNlEhIKCnJlcXVlc3RfaWQYAiABKAkSFQoNY2hlY2twb2ludF9pZBgDIAEoCRIoCgVsZWFzZRgEIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbhIUCgxtYXhfYmxvY2tlcnMYBSABKA0SMgoRZXhwZWN0ZWRfZXBpc29kZXMYBiADKAsyFy50dXJucG9pbnQudjEuRXBpc29kZUlkEh0KFWVtcHR5X2NvbW1pdF9zbmFwc2hvdBgHIAEoCSL7AQoPUHJlcGFyZVJlc3BvbnNlEiwKBmhlYWRlchgBIAEoCzIcLnR1cm5wb2ludC52MS5SZXNwb25zZUhlYWRlchIiCgVwaGFzZRgCIAEoDjITLnR1cm5wb2ludC52MS5QaGFzZRIwCglyZWFkaW5lc3MYAyABKAsyHS50dXJucG9pbnQudjEuUmVhZGluZXNzUmVwb3J0EjQKEGxlYXNlX2V4cGlyZXNfYXQYBCABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEhUKDWNoZWNrcG9pbnRfaWQYBSABKAkSFwoPY29tbWl0dGVkX2VtcHR5GAYgASgIIocBCgxSZW5ld1JlcXVlc3QSIgoFZmVuY2UYASABKAsyEy50dXJucG9pbnQudjEuRmVuY2USEgoKcmVxdWVzdF9pZBgCIAEoCRIVCg1jaGVja3BvaW50X2lkGAMgASgJEigKBWxlYXNlGAQgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uIpcBCg1SZW5ld1Jlc3BvbnNlEiwKBmhlYWRlchgBIAEoCzIcLnR1cm5wb2ludC52MS5SZXNwb25zZUhlYWRlchIiCgVwaGFzZRgCIAEoDjITLnR1cm5wb2ludC52MS5QaGFzZRI0ChBsZWFzZV9leHBpcmVzX2F0GAMgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcCK2AQoNQ29tbWl0UmVxdWVzdBIiCgVmZW5jZRgBIAEoCzITLnR1cm5wb2ludC52MS5GZW5jZRISCgpyZXF1ZXN0X2lkGAIgASgJEhUKDWNoZWNrcG9pbnRfaWQYAyABKAkSEAoIc25hcHNob3QYBCABKAkSJgoFc2NvcGUYBSADKAsyFy50dXJucG9pbnQudjEuRXBpc29kZUlkEhwKFGFjY2VwdF9zYXZlZF9ub3RoaW5nGAYgASgIIvIBCg5Db21taXRSZXNwb25zZRIsCgZoZWFkZXIYASABKAsyHC50dXJucG9pbnQudjEuUmVzcG9uc2VIZWFkZXISFQoNY2hlY2twb2ludF9pZBgCIAEoCRIrCghtYW5pZmVzdBgDIAEoCzIZLnR1cm5wb2ludC52MS5BcnRpZmFjdFJlZhIsCglhcnRpZmFjdHMYBCADKAsyGS50dXJucG9pbnQudjEuQXJ0aWZhY3RSZWYSKQoIZXhwb3J0ZWQYBSADKAsyFy50dXJucG9pbnQudjEuRXBpc29kZUlkEhUKDXNhdmVkX25vdGhpbmcYBiABKAgiXgoNUmVzdW1lUmVxdWVzdBIiCgVmZW5jZRgBIAEoCzITLnR1cm5wb2ludC52MS5GZW5jZRISCgpyZXF1ZXN0X2lkGAIgASgJEhUKDWNoZWNrcG9pbnRfaWQYAyABKAkieAoOUmVzdW1lUmVzcG9uc2USLAoGaGVhZGVyGAEgASgLMhwudHVybnBvaW50LnYxLlJlc3BvbnNlSGVhZGVyEiIKBXBoYXNlGAIgASgOMhMudHVybnBvaW50LnYxLlBoYXNlEhQKDGVuZGVkX2FjdGl2ZRgDIAEoCCJqCg1NYW5pZmVzdEVudHJ5EisKCG1hbmlmZXN0GAEgASgLMhkudHVybnBvaW50LnYxLkFydGlmYWN0UmVmEiwKCWFydGlmYWN0cxgCIAMoCzIZLnR1cm5wb2ludC52MS5BcnRpZmFjdFJlZiLsAQoOUmVzdG9yZVJlcXVlc3QSIgoFZmVuY2UYASABKAsyEy50dXJucG9pbnQudjEuRmVuY2USEgoKcmVxdWVzdF9pZBgCIAEoCRISCgpyZXN0b3JlX2lkGAMgASgJEhAKCHNuYXBzaG90GAQgASgJEioKBWVudHJ5GAUgASgLMhsudHVybnBvaW50LnYxLk1hbmlmZXN0RW50cnkSJgoFc2NvcGUYBiADKAsyFy50dXJucG9pbnQudjEuRXBpc29kZUlkEigKBWxlYXNlGAcgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uIqMBCg9SZXN0b3JlUmVzcG9uc2USLAoGaGVhZGVyGAEgASgLMhwudHVybnBvaW50LnYxLlJlc3BvbnNlSGVhZGVyEhIKCnJlc3RvcmVfaWQYAiABKAkSKgoJaW5zdGFsbGVkGAMgAygLMhcudHVybnBvaW50LnYxLkVwaXNvZGVJZBIiCgVwaGFzZRgEIAEoDjITLnR1cm5wb2ludC52MS5QaGFzZSJyCg1SZXRpcmVSZXF1ZXN0EiIKBWZlbmNlGAEgASgLMhMudHVybnBvaW50LnYxLkZlbmNlEhIKCnJlcXVlc3RfaWQYAiABKAkSKQoIZXBpc29kZXMYAyADKAsyFy50dXJucG9pbnQudjEuRXBpc29kZUlkImgKDlJldGlyZVJlc3BvbnNlEiwKBmhlYWRlchgBIAEoCzIcLnR1cm5wb2ludC52MS5SZXNwb25zZUhlYWRlchIoCgdzdG9wcGVkGAIgAygLMhcudHVybnBvaW50LnYxLkVwaXNvZGVJZCJcCg1Gb3JnZXRSZXF1ZXN0EiIKBWZlbmNlGAEgASgLMhMudHVybnBvaW50LnYxLkZlbmNlEhIKCnJlcXVlc3RfaWQYAiABKAkSEwoLcm9sbG91dF9pZHMYAyADKAkiUQoORm9yZ2V0UmVzcG9uc2USLAoGaGVhZGVyGAEgASgLMhwudHVybnBvaW50LnYxLlJlc3BvbnNlSGVhZGVyEhEKCWZvcmdvdHRlbhgCIAEoDSIoChBHZXRTdGF0dXNSZXF1ZXN0EhQKDG1heF9ibG9ja2VycxgBIAEoDSK1AgoRR2V0U3RhdHVzUmVzcG9uc2USLAoGaGVhZGVyGAEgASgLMhwudHVybnBvaW50LnYxLlJlc3BvbnNlSGVhZGVyEiIKBXBoYXNlGAIgASgOMhMudHVybnBvaW50LnYxLlBoYXNlEhwKFGFjdGl2ZV9jaGVja3BvaW50X2lkGAMgASgJEjQKEGxlYXNlX2V4cGlyZXNfYXQYBCABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEjAKCXJlYWRpbmVzcxgFIAEoCzIdLnR1cm5wb2ludC52MS5SZWFkaW5lc3NSZXBvcnQSFgoOYWRtaXNzaW9uX29wZW4YBiABKAgSFgoObGVhc2VfZXhwaXJpZXMYByABKAQSGAoQcmVmdXNlZF9yb2xsb3V0cxgIIAEoDSJSChZXYXRjaEJvdW5kYXJpZXNSZXF1ZXN0EiIKBWZlbmNlGAEgASgLMhMudHVybnBvaW50LnYxLkZlbmNlEhQKDG1heF9ibG9ja2VycxgCIAEoDSK4AQoNQm91bmRhcnlFdmVudBIoCgdlcGlzb2RlGAEgASgLMhcudHVybnBvaW50LnYxLkVwaXNvZGVJZBIpCgVzdGF0ZRgCIAEoDjIaLnR1cm5wb2ludC52MS5FcGlzb2RlU3RhdGUSFgoOYm91bmRhcnlfaW5kZXgYAyABKA0SEgoKdHVybl9pbmRleBgEIAEoDRImCgJhdBgFIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXAi2QEKF1dhdGNoQm91bmRhcmllc1Jlc3BvbnNlEiwKBmhlYWRlchgBIAEoCzIcLnR1cm5wb2ludC52MS5SZXNwb25zZUhlYWRlchIyCglyZWFkaW5lc3MYAiABKAsyHS50dXJucG9pbnQudjEuUmVhZGluZXNzUmVwb3J0SAASLwoIYm91bmRhcnkYAyABKAsyGy50dXJucG9pbnQudjEuQm91bmRhcnlFdmVudEgAEiIKBXBoYXNlGAQgASgOMhMudHVybnBvaW50LnYxLlBoYXNlQgcKBWV2ZW50Is4EChVDb250cm9sU2Vzc2lvblJlcXVlc3QSEgoKcmVxdWVzdF9pZBgBIAEoCRIqCgd0aW1lb3V0GAIgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEjEKCGRlc2NyaWJlGAMgASgLMh0udHVybnBvaW50LnYxLkRlc2NyaWJlUmVxdWVzdEgAEi8KB3ByZXBhcmUYBCABKAsyHC50dXJucG9pbnQudjEuUHJlcGFyZVJlcXVlc3RIABIrCgVyZW5ldxgFIAEoCzIaLnR1cm5wb2ludC52MS5SZW5ld1JlcXVlc3RIABItCgZjb21taXQYBiABKAsyGy50dXJucG9pbnQudjEuQ29tbWl0UmVxdWVzdEgAEi0KBnJlc3VtZRgHIAEoCzIbLnR1cm5wb2ludC52MS5SZXN1bWVSZXF1ZXN0SAASLwoHcmVzdG9yZRgIIAEoCzIcLnR1cm5wb2ludC52MS5SZXN0b3JlUmVxdWVzdEgAEi0KBnJldGlyZRgJIAEoCzIbLnR1cm5wb2ludC52MS5SZXRpcmVSZXF1ZXN0SAASLQoGZm9yZ2V0GAogASgLMhsudHVybnBvaW50LnYxLkZvcmdldFJlcXVlc3RIABI0CgpnZXRfc3RhdHVzGAsgASgLMh4udHVybnBvaW50LnYxLkdldFN0YXR1c1JlcXVlc3RIABI0CgZjYW5jZWwYDCABKAsyIi50dXJucG9pbnQudjEuQ29udHJvbFNlc3Npb25DYW5jZWxIAEILCglvcGVyYXRpb24iFgoUQ29udHJvbFNlc3Npb25DYW5jZWwioAQKFkNvbnRyb2xTZXNzaW9uUmVzcG9uc2USEgoKcmVxdWVzdF9pZBgBIAEoCRIyCghkZXNjcmliZRgCIAEoCzIeLnR1cm5wb2ludC52MS5EZXNjcmliZVJlc3BvbnNlSAASMAoHcHJlcGFyZRgDIAEoCzIdLnR1cm5wb2ludC52MS5QcmVwYXJlUmVzcG9uc2VIABIsCgVyZW5ldxgEIAEoCzIbLnR1cm5wb2ludC52MS5SZW5ld1Jlc3BvbnNlSAASLgoGY29tbWl0GAUgASgLMhwudHVybnBvaW50LnYxLkNvbW1pdFJlc3BvbnNlSAASLgoGcmVzdW1lGAYgASgLMhwudHVybnBvaW50LnYxLlJlc3VtZVJlc3BvbnNlSAASMAoHcmVzdG9yZRgHIAEoCzIdLnR1cm5wb2ludC52MS5SZXN0b3JlUmVzcG9uc2VIABIuCgZyZXRpcmUYCCABKAsyHC50dXJucG9pbnQudjEuUmV0aXJlUmVzcG9uc2VIABIuCgZmb3JnZXQYCSABKAsyHC50dXJucG9pbnQudjEuRm9yZ2V0UmVzcG9uc2VIABI1CgpnZXRfc3RhdHVzGAogASgLMh8udHVybnBvaW50LnYxLkdldFN0YXR1c1Jlc3BvbnNlSAASKwoFZXJyb3IYCyABKAsyGi50dXJucG9pbnQudjEuQ29udHJvbEVycm9ySABCCAoGcmVzdWx0MtwGChhDaGVja3BvaW50Q29udHJvbFNlcnZpY2USSQoIRGVzY3JpYmUSHS50dXJucG9pbnQudjEuRGVzY3JpYmVSZXF1ZXN0Gh4udHVybnBvaW50LnYxLkRlc2NyaWJlUmVzcG9uc2USRgoHUHJlcGFyZRIcLnR1cm5wb2ludC52MS5QcmVwYXJlUmVxdWVzdBodLnR1cm5wb2ludC52MS5QcmVwYXJlUmVzcG9uc2USQAoFUmVuZXcSGi50dXJucG9pbnQudjEuUmVuZXdSZXF1ZXN0GhsudHVybnBvaW50LnYxLlJlbmV3UmVzcG9uc2USQwoGQ29tbWl0EhsudHVybnBvaW50LnYxLkNvbW1pdFJlcXVlc3QaHC50dXJucG9pbnQudjEuQ29tbWl0UmVzcG9uc2USQwoGUmVzdW1lEhsudHVybnBvaW50LnYxLlJlc3VtZVJlcXVlc3QaHC50dXJucG9pbnQudjEuUmVzdW1lUmVzcG9uc2USRgoHUmVzdG9yZRIcLnR1cm5wb2ludC52MS5SZXN0b3JlUmVxdWVzdBodLnR1cm5wb2ludC52MS5SZXN0b3JlUmVzcG9uc2USQwoGUmV0aXJlEhsudHVybnBvaW50LnYxLlJldGlyZVJlcXVlc3QaHC50dXJucG9pbnQudjEuUmV0aXJlUmVzcG9uc2USQwoGRm9yZ2V0EhsudHVybnBvaW50LnYxLkZvcmdldFJlcXVlc3QaHC50dXJucG9pbnQudjEuRm9yZ2V0UmVzcG9uc2USTAoJR2V0U3RhdHVzEh4udHVybnBvaW50LnYxLkdldFN0YXR1c1JlcXVlc3QaHy50dXJucG9pbnQudjEuR2V0U3RhdHVzUmVzcG9uc2USYAoPV2F0Y2hCb3VuZGFyaWVzEiQudHVybnBvaW50LnYxLldhdGNoQm91bmRhcmllc1JlcXVlc3QaJS50dXJucG9pbnQudjEuV2F0Y2hCb3VuZGFyaWVzUmVzcG9uc2UwARJfCg5Db250cm9sU2Vzc2lvbhIjLnR1cm5wb2ludC52MS5Db250cm9sU2Vzc2lvblJlcXVlc3QaJC50dXJucG9pbnQudjEuQ29udHJvbFNlc3Npb25SZXNwb25zZSgBMAFiBnByb3RvMw", [file_google_protobuf_duration, file_google_protobuf_timestamp, file_turnpoint_v1_types]);
+  fileDesc("Ci10dXJucG9pbnQvdjEvY2hlY2twb2ludF9jb250cm9sX3NlcnZpY2UucHJvdG8SDHR1cm5wb2ludC52MSI1Cg9EZXNjcmliZVJlcXVlc3QSIgoFZmVuY2UYASABKAsyEy50dXJucG9pbnQudjEuRmVuY2Ui+gMKEERlc2NyaWJlUmVzcG9uc2USLAoGaGVhZGVyGAEgASgLMhwudHVybnBvaW50LnYxLlJlc3BvbnNlSGVhZGVyEisKBGtpbmQYAiABKA4yHS50dXJucG9pbnQudjEuUGFydGljaXBhbnRLaW5kEhUKDWluc3RhbmNlX25hbWUYAyABKAkSGAoQcHJvdG9jb2xfdmVyc2lvbhgEIAEoCRIxCg1yZWNvdmVyeV9tb2RlGAUgASgOMhoudHVybnBvaW50LnYxLlJlY292ZXJ5TW9kZRItCgt2ZXJpZnlfbW9kZRgGIAEoDjIYLnR1cm5wb2ludC52MS5WZXJpZnlNb2RlEhQKDGdyb3VwX3Njb3JlZBgHIAEoCBISCgpncm91cF9zaXplGAggASgNEjUKEHN1cHBvcnRlZF9sZXZlbHMYCSADKA4yGy50dXJucG9pbnQudjEuUmVjb3ZlcnlMZXZlbBITCgtlbnZpcm9ubWVudBgKIAEoCRIaChJkYXRhX3BsYW5lX2FkZHJlc3MYCyABKAkSIgoFcGhhc2UYDCABKA4yEy50dXJucG9pbnQudjEuUGhhc2USLAoHd29ya2VycxgNIAMoCzIbLnR1cm5wb2ludC52MS5Xb3JrZXJBZGRyZXNzEhQKDHdvcmtlcl9ncm91cBgOIAEoCSI3Cg1Xb3JrZXJBZGRyZXNzEhUKDWluc3RhbmNlX25hbWUYASABKAkSDwoHYWRkcmVzcxgCIAEoCSLyAQoOUHJlcGFyZVJlcXVlc3QSIgoFZmVuY2UYASABKAsyEy50dXJucG9pbnQudjEuRmVuY2USEgoKcmVxdWVzdF9pZBgCIAEoCRIVCg1jaGVja3BvaW50X2lkGAMgASgJEigKBWxlYXNlGAQgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEhQKDG1heF9ibG9ja2VycxgFIAEoDRIyChFleHBlY3RlZF9lcGlzb2RlcxgGIAMoCzIXLnR1cm5wb2ludC52MS5FcGlzb2RlSWQSHQoVZW1wdHlfY29tbWl0X3NuYXBzaG90GAcgASgJIvsBCg9QcmVwYXJlUmVzcG9uc2USLAoGaGVhZGVyGAEgASgLMhwudHVybnBvaW50LnYxLlJlc3BvbnNlSGVhZGVyEiIKBXBoYXNlGAIgASgOMhMudHVybnBvaW50LnYxLlBoYXNlEjAKCXJlYWRpbmVzcxgDIAEoCzIdLnR1cm5wb2ludC52MS5SZWFkaW5lc3NSZXBvcnQSNAoQbGVhc2VfZXhwaXJlc19hdBgEIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASFQoNY2hlY2twb2ludF9pZBgFIAEoCRIXCg9jb21taXR0ZWRfZW1wdHkYBiABKAgihwEKDFJlbmV3UmVxdWVzdBIiCgVmZW5jZRgBIAEoCzITLnR1cm5wb2ludC52MS5GZW5jZRISCgpyZXF1ZXN0X2lkGAIgASgJEhUKDWNoZWNrcG9pbnRfaWQYAyABKAkSKAoFbGVhc2UYBCABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24ilwEKDVJlbmV3UmVzcG9uc2USLAoGaGVhZGVyGAEgASgLMhwudHVybnBvaW50LnYxLlJlc3BvbnNlSGVhZGVyEiIKBXBoYXNlGAIgASgOMhMudHVybnBvaW50LnYxLlBoYXNlEjQKEGxlYXNlX2V4cGlyZXNfYXQYAyABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wIrYBCg1Db21taXRSZXF1ZXN0EiIKBWZlbmNlGAEgASgLMhMudHVybnBvaW50LnYxLkZlbmNlEhIKCnJlcXVlc3RfaWQYAiABKAkSFQoNY2hlY2twb2ludF9pZBgDIAEoCRIQCghzbmFwc2hvdBgEIAEoCRImCgVzY29wZRgFIAMoCzIXLnR1cm5wb2ludC52MS5FcGlzb2RlSWQSHAoUYWNjZXB0X3NhdmVkX25vdGhpbmcYBiABKAgi8gEKDkNvbW1pdFJlc3BvbnNlEiwKBmhlYWRlchgBIAEoCzIcLnR1cm5wb2ludC52MS5SZXNwb25zZUhlYWRlchIVCg1jaGVja3BvaW50X2lkGAIgASgJEisKCG1hbmlmZXN0GAMgASgLMhkudHVybnBvaW50LnYxLkFydGlmYWN0UmVmEiwKCWFydGlmYWN0cxgEIAMoCzIZLnR1cm5wb2ludC52MS5BcnRpZmFjdFJlZhIpCghleHBvcnRlZBgFIAMoCzIXLnR1cm5wb2ludC52MS5FcGlzb2RlSWQSFQoNc2F2ZWRfbm90aGluZxgGIAEoCCJeCg1SZXN1bWVSZXF1ZXN0EiIKBWZlbmNlGAEgASgLMhMudHVybnBvaW50LnYxLkZlbmNlEhIKCnJlcXVlc3RfaWQYAiABKAkSFQoNY2hlY2twb2ludF9pZBgDIAEoCSJ4Cg5SZXN1bWVSZXNwb25zZRIsCgZoZWFkZXIYASABKAsyHC50dXJucG9pbnQudjEuUmVzcG9uc2VIZWFkZXISIgoFcGhhc2UYAiABKA4yEy50dXJucG9pbnQudjEuUGhhc2USFAoMZW5kZWRfYWN0aXZlGAMgASgIImoKDU1hbmlmZXN0RW50cnkSKwoIbWFuaWZlc3QYASABKAsyGS50dXJucG9pbnQudjEuQXJ0aWZhY3RSZWYSLAoJYXJ0aWZhY3RzGAIgAygLMhkudHVybnBvaW50LnYxLkFydGlmYWN0UmVmIuwBCg5SZXN0b3JlUmVxdWVzdBIiCgVmZW5jZRgBIAEoCzITLnR1cm5wb2ludC52MS5GZW5jZRISCgpyZXF1ZXN0X2lkGAIgASgJEhIKCnJlc3RvcmVfaWQYAyABKAkSEAoIc25hcHNob3QYBCABKAkSKgoFZW50cnkYBSABKAsyGy50dXJucG9pbnQudjEuTWFuaWZlc3RFbnRyeRImCgVzY29wZRgGIAMoCzIXLnR1cm5wb2ludC52MS5FcGlzb2RlSWQSKAoFbGVhc2UYByABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24iowEKD1Jlc3RvcmVSZXNwb25zZRIsCgZoZWFkZXIYASABKAsyHC50dXJucG9pbnQudjEuUmVzcG9uc2VIZWFkZXISEgoKcmVzdG9yZV9pZBgCIAEoCRIqCglpbnN0YWxsZWQYAyADKAsyFy50dXJucG9pbnQudjEuRXBpc29kZUlkEiIKBXBoYXNlGAQgASgOMhMudHVybnBvaW50LnYxLlBoYXNlInIKDVJldGlyZVJlcXVlc3QSIgoFZmVuY2UYASABKAsyEy50dXJucG9pbnQudjEuRmVuY2USEgoKcmVxdWVzdF9pZBgCIAEoCRIpCghlcGlzb2RlcxgDIAMoCzIXLnR1cm5wb2ludC52MS5FcGlzb2RlSWQiaAoOUmV0aXJlUmVzcG9uc2USLAoGaGVhZGVyGAEgASgLMhwudHVybnBvaW50LnYxLlJlc3BvbnNlSGVhZGVyEigKB3N0b3BwZWQYAiADKAsyFy50dXJucG9pbnQudjEuRXBpc29kZUlkIlwKDUZvcmdldFJlcXVlc3QSIgoFZmVuY2UYASABKAsyEy50dXJucG9pbnQudjEuRmVuY2USEgoKcmVxdWVzdF9pZBgCIAEoCRITCgtyb2xsb3V0X2lkcxgDIAMoCSJRCg5Gb3JnZXRSZXNwb25zZRIsCgZoZWFkZXIYASABKAsyHC50dXJucG9pbnQudjEuUmVzcG9uc2VIZWFkZXISEQoJZm9yZ290dGVuGAIgASgNIigKEEdldFN0YXR1c1JlcXVlc3QSFAoMbWF4X2Jsb2NrZXJzGAEgASgNIrUCChFHZXRTdGF0dXNSZXNwb25zZRIsCgZoZWFkZXIYASABKAsyHC50dXJucG9pbnQudjEuUmVzcG9uc2VIZWFkZXISIgoFcGhhc2UYAiABKA4yEy50dXJucG9pbnQudjEuUGhhc2USHAoUYWN0aXZlX2NoZWNrcG9pbnRfaWQYAyABKAkSNAoQbGVhc2VfZXhwaXJlc19hdBgEIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASMAoJcmVhZGluZXNzGAUgASgLMh0udHVybnBvaW50LnYxLlJlYWRpbmVzc1JlcG9ydBIWCg5hZG1pc3Npb25fb3BlbhgGIAEoCBIWCg5sZWFzZV9leHBpcmllcxgHIAEoBBIYChByZWZ1c2VkX3JvbGxvdXRzGAggASgNIlIKFldhdGNoQm91bmRhcmllc1JlcXVlc3QSIgoFZmVuY2UYASABKAsyEy50dXJucG9pbnQudjEuRmVuY2USFAoMbWF4X2Jsb2NrZXJzGAIgASgNIrgBCg1Cb3VuZGFyeUV2ZW50EigKB2VwaXNvZGUYASABKAsyFy50dXJucG9pbnQudjEuRXBpc29kZUlkEikKBXN0YXRlGAIgASgOMhoudHVybnBvaW50LnYxLkVwaXNvZGVTdGF0ZRIWCg5ib3VuZGFyeV9pbmRleBgDIAEoDRISCgp0dXJuX2luZGV4GAQgASgNEiYKAmF0GAUgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcCLZAQoXV2F0Y2hCb3VuZGFyaWVzUmVzcG9uc2USLAoGaGVhZGVyGAEgASgLMhwudHVybnBvaW50LnYxLlJlc3BvbnNlSGVhZGVyEjIKCXJlYWRpbmVzcxgCIAEoCzIdLnR1cm5wb2ludC52MS5SZWFkaW5lc3NSZXBvcnRIABIvCghib3VuZGFyeRgDIAEoCzIbLnR1cm5wb2ludC52MS5Cb3VuZGFyeUV2ZW50SAASIgoFcGhhc2UYBCABKA4yEy50dXJucG9pbnQudjEuUGhhc2VCBwoFZXZlbnQizgQKFUNvbnRyb2xTZXNzaW9uUmVxdWVzdBISCgpyZXF1ZXN0X2lkGAEgASgJEioKB3RpbWVvdXQYAiABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SMQoIZGVzY3JpYmUYAyABKAsyHS50dXJucG9pbnQudjEuRGVzY3JpYmVSZXF1ZXN0SAASLwoHcHJlcGFyZRgEIAEoCzIcLnR1cm5wb2ludC52MS5QcmVwYXJlUmVxdWVzdEgAEisKBXJlbmV3GAUgASgLMhoudHVybnBvaW50LnYxLlJlbmV3UmVxdWVzdEgAEi0KBmNvbW1pdBgGIAEoCzIbLnR1cm5wb2ludC52MS5Db21taXRSZXF1ZXN0SAASLQoGcmVzdW1lGAcgASgLMhsudHVybnBvaW50LnYxLlJlc3VtZVJlcXVlc3RIABIvCgdyZXN0b3JlGAggASgLMhwudHVybnBvaW50LnYxLlJlc3RvcmVSZXF1ZXN0SAASLQoGcmV0aXJlGAkgASgLMhsudHVybnBvaW50LnYxLlJldGlyZVJlcXVlc3RIABItCgZmb3JnZXQYCiABKAsyGy50dXJucG9pbnQudjEuRm9yZ2V0UmVxdWVzdEgAEjQKCmdldF9zdGF0dXMYCyABKAsyHi50dXJucG9pbnQudjEuR2V0U3RhdHVzUmVxdWVzdEgAEjQKBmNhbmNlbBgMIAEoCzIiLnR1cm5wb2ludC52MS5Db250cm9sU2Vzc2lvbkNhbmNlbEgAQgsKCW9wZXJhdGlvbiIWChRDb250cm9sU2Vzc2lvbkNhbmNlbCKgBAoWQ29udHJvbFNlc3Npb25SZXNwb25zZRISCgpyZXF1ZXN0X2lkGAEgASgJEjIKCGRlc2NyaWJlGAIgASgLMh4udHVybnBvaW50LnYxLkRlc2NyaWJlUmVzcG9uc2VIABIwCgdwcmVwYXJlGAMgASgLMh0udHVybnBvaW50LnYxLlByZXBhcmVSZXNwb25zZUgAEiwKBXJlbmV3GAQgASgLMhsudHVybnBvaW50LnYxLlJlbmV3UmVzcG9uc2VIABIuCgZjb21taXQYBSABKAsyHC50dXJucG9pbnQudjEuQ29tbWl0UmVzcG9uc2VIABIuCgZyZXN1bWUYBiABKAsyHC50dXJucG9pbnQudjEuUmVzdW1lUmVzcG9uc2VIABIwCgdyZXN0b3JlGAcgASgLMh0udHVybnBvaW50LnYxLlJlc3RvcmVSZXNwb25zZUgAEi4KBnJldGlyZRgIIAEoCzIcLnR1cm5wb2ludC52MS5SZXRpcmVSZXNwb25zZUgAEi4KBmZvcmdldBgJIAEoCzIcLnR1cm5wb2ludC52MS5Gb3JnZXRSZXNwb25zZUgAEjUKCmdldF9zdGF0dXMYCiABKAsyHy50dXJucG9pbnQudjEuR2V0U3RhdHVzUmVzcG9uc2VIABIrCgVlcnJvchgLIAEoCzIaLnR1cm5wb2ludC52MS5Db250cm9sRXJyb3JIAEIICgZyZXN1bHQy3AYKGENoZWNrcG9pbnRDb250cm9sU2VydmljZRJJCghEZXNjcmliZRIdLnR1cm5wb2ludC52MS5EZXNjcmliZVJlcXVlc3QaHi50dXJucG9pbnQudjEuRGVzY3JpYmVSZXNwb25zZRJGCgdQcmVwYXJlEhwudHVybnBvaW50LnYxLlByZXBhcmVSZXF1ZXN0Gh0udHVybnBvaW50LnYxLlByZXBhcmVSZXNwb25zZRJACgVSZW5ldxIaLnR1cm5wb2ludC52MS5SZW5ld1JlcXVlc3QaGy50dXJucG9pbnQudjEuUmVuZXdSZXNwb25zZRJDCgZDb21taXQSGy50dXJucG9pbnQudjEuQ29tbWl0UmVxdWVzdBocLnR1cm5wb2ludC52MS5Db21taXRSZXNwb25zZRJDCgZSZXN1bWUSGy50dXJucG9pbnQudjEuUmVzdW1lUmVxdWVzdBocLnR1cm5wb2ludC52MS5SZXN1bWVSZXNwb25zZRJGCgdSZXN0b3JlEhwudHVybnBvaW50LnYxLlJlc3RvcmVSZXF1ZXN0Gh0udHVybnBvaW50LnYxLlJlc3RvcmVSZXNwb25zZRJDCgZSZXRpcmUSGy50dXJucG9pbnQudjEuUmV0aXJlUmVxdWVzdBocLnR1cm5wb2ludC52MS5SZXRpcmVSZXNwb25zZRJDCgZGb3JnZXQSGy50dXJucG9pbnQudjEuRm9yZ2V0UmVxdWVzdBocLnR1cm5wb2ludC52MS5Gb3JnZXRSZXNwb25zZRJMCglHZXRTdGF0dXMSHi50dXJucG9pbnQudjEuR2V0U3RhdHVzUmVxdWVzdBofLnR1cm5wb2ludC52MS5HZXRTdGF0dXNSZXNwb25zZRJgCg9XYXRjaEJvdW5kYXJpZXMSJC50dXJucG9pbnQudjEuV2F0Y2hCb3VuZGFyaWVzUmVxdWVzdBolLnR1cm5wb2ludC52MS5XYXRjaEJvdW5kYXJpZXNSZXNwb25zZTABEl8KDkNvbnRyb2xTZXNzaW9uEiMudHVybnBvaW50LnYxLkNvbnRyb2xTZXNzaW9uUmVxdWVzdBokLnR1cm5wb2ludC52MS5Db250cm9sU2Vzc2lvblJlc3BvbnNlKAEwAWIGcHJvdG8z", [file_google_protobuf_duration, file_google_protobuf_timestamp, file_turnpoint_v1_types]);
 
 /**
  * DescribeRequest asks a participant what it is.
@@ -127,6 +127,24 @@ export type DescribeResponse = Message<"turnpoint.v1.DescribeResponse"> & {
    * @generated from field: turnpoint.v1.Phase phase = 12;
    */
   phase: Phase;
+
+  /**
+   * When several worker processes share this endpoint, each is its own participant
+   * (its own instance name, incarnation, phase and snapshot directory): address each
+   * at its own address, never at the shared one. Lists every worker of the group,
+   * this one included; empty for a participant that is alone on its endpoint.
+   *
+   * @generated from field: repeated turnpoint.v1.WorkerAddress workers = 13;
+   */
+  workers: WorkerAddress[];
+
+  /**
+   * Name of the worker group when workers is not empty: the name the endpoint is
+   * known by. A coordinator given this name replaces it with the workers.
+   *
+   * @generated from field: string worker_group = 14;
+   */
+  workerGroup: string;
 };
 
 /**
@@ -135,6 +153,34 @@ export type DescribeResponse = Message<"turnpoint.v1.DescribeResponse"> & {
  */
 export const DescribeResponseSchema: GenMessage<DescribeResponse> = /*@__PURE__*/
   messageDesc(file_turnpoint_v1_checkpoint_control_service, 1);
+
+/**
+ * WorkerAddress is one worker process of a group sharing an endpoint.
+ *
+ * @generated from message turnpoint.v1.WorkerAddress
+ */
+export type WorkerAddress = Message<"turnpoint.v1.WorkerAddress"> & {
+  /**
+   * The worker's instance name, a participant of its own.
+   *
+   * @generated from field: string instance_name = 1;
+   */
+  instanceName: string;
+
+  /**
+   * host:port where this worker, and only it, answers.
+   *
+   * @generated from field: string address = 2;
+   */
+  address: string;
+};
+
+/**
+ * Describes the message turnpoint.v1.WorkerAddress.
+ * Use `create(WorkerAddressSchema)` to create a new message.
+ */
+export const WorkerAddressSchema: GenMessage<WorkerAddress> = /*@__PURE__*/
+  messageDesc(file_turnpoint_v1_checkpoint_control_service, 2);
 
 /**
  * PrepareRequest opens a checkpoint (or repeats the request for one already open).
@@ -203,7 +249,7 @@ export type PrepareRequest = Message<"turnpoint.v1.PrepareRequest"> & {
  * Use `create(PrepareRequestSchema)` to create a new message.
  */
 export const PrepareRequestSchema: GenMessage<PrepareRequest> = /*@__PURE__*/
-  messageDesc(file_turnpoint_v1_checkpoint_control_service, 2);
+  messageDesc(file_turnpoint_v1_checkpoint_control_service, 3);
 
 /**
  * PrepareResponse is PREPARED with a ready report, or PREPARING with blockers.
@@ -261,7 +307,7 @@ export type PrepareResponse = Message<"turnpoint.v1.PrepareResponse"> & {
  * Use `create(PrepareResponseSchema)` to create a new message.
  */
 export const PrepareResponseSchema: GenMessage<PrepareResponse> = /*@__PURE__*/
-  messageDesc(file_turnpoint_v1_checkpoint_control_service, 3);
+  messageDesc(file_turnpoint_v1_checkpoint_control_service, 4);
 
 /**
  * RenewRequest extends the lease of the active checkpoint.
@@ -303,7 +349,7 @@ export type RenewRequest = Message<"turnpoint.v1.RenewRequest"> & {
  * Use `create(RenewRequestSchema)` to create a new message.
  */
 export const RenewRequestSchema: GenMessage<RenewRequest> = /*@__PURE__*/
-  messageDesc(file_turnpoint_v1_checkpoint_control_service, 4);
+  messageDesc(file_turnpoint_v1_checkpoint_control_service, 5);
 
 /**
  * RenewResponse reports the new lease.
@@ -338,7 +384,7 @@ export type RenewResponse = Message<"turnpoint.v1.RenewResponse"> & {
  * Use `create(RenewResponseSchema)` to create a new message.
  */
 export const RenewResponseSchema: GenMessage<RenewResponse> = /*@__PURE__*/
-  messageDesc(file_turnpoint_v1_checkpoint_control_service, 5);
+  messageDesc(file_turnpoint_v1_checkpoint_control_service, 6);
 
 /**
  * CommitRequest writes the frozen state of a prepared participant.
@@ -399,7 +445,7 @@ export type CommitRequest = Message<"turnpoint.v1.CommitRequest"> & {
  * Use `create(CommitRequestSchema)` to create a new message.
  */
 export const CommitRequestSchema: GenMessage<CommitRequest> = /*@__PURE__*/
-  messageDesc(file_turnpoint_v1_checkpoint_control_service, 6);
+  messageDesc(file_turnpoint_v1_checkpoint_control_service, 7);
 
 /**
  * CommitResponse names what was written.
@@ -457,7 +503,7 @@ export type CommitResponse = Message<"turnpoint.v1.CommitResponse"> & {
  * Use `create(CommitResponseSchema)` to create a new message.
  */
 export const CommitResponseSchema: GenMessage<CommitResponse> = /*@__PURE__*/
-  messageDesc(file_turnpoint_v1_checkpoint_control_service, 7);
+  messageDesc(file_turnpoint_v1_checkpoint_control_service, 8);
 
 /**
  * ResumeRequest reopens admission; it is also abort.
@@ -492,7 +538,7 @@ export type ResumeRequest = Message<"turnpoint.v1.ResumeRequest"> & {
  * Use `create(ResumeRequestSchema)` to create a new message.
  */
 export const ResumeRequestSchema: GenMessage<ResumeRequest> = /*@__PURE__*/
-  messageDesc(file_turnpoint_v1_checkpoint_control_service, 8);
+  messageDesc(file_turnpoint_v1_checkpoint_control_service, 9);
 
 /**
  * ResumeResponse reports the phase after the resume.
@@ -528,7 +574,7 @@ export type ResumeResponse = Message<"turnpoint.v1.ResumeResponse"> & {
  * Use `create(ResumeResponseSchema)` to create a new message.
  */
 export const ResumeResponseSchema: GenMessage<ResumeResponse> = /*@__PURE__*/
-  messageDesc(file_turnpoint_v1_checkpoint_control_service, 9);
+  messageDesc(file_turnpoint_v1_checkpoint_control_service, 10);
 
 /**
  * ManifestEntry is a participant's part of a published snapshot manifest.
@@ -557,7 +603,7 @@ export type ManifestEntry = Message<"turnpoint.v1.ManifestEntry"> & {
  * Use `create(ManifestEntrySchema)` to create a new message.
  */
 export const ManifestEntrySchema: GenMessage<ManifestEntry> = /*@__PURE__*/
-  messageDesc(file_turnpoint_v1_checkpoint_control_service, 10);
+  messageDesc(file_turnpoint_v1_checkpoint_control_service, 11);
 
 /**
  * RestoreRequest installs saved episodes into a fresh participant.
@@ -621,7 +667,7 @@ export type RestoreRequest = Message<"turnpoint.v1.RestoreRequest"> & {
  * Use `create(RestoreRequestSchema)` to create a new message.
  */
 export const RestoreRequestSchema: GenMessage<RestoreRequest> = /*@__PURE__*/
-  messageDesc(file_turnpoint_v1_checkpoint_control_service, 11);
+  messageDesc(file_turnpoint_v1_checkpoint_control_service, 12);
 
 /**
  * RestoreResponse lists what was installed.
@@ -663,7 +709,7 @@ export type RestoreResponse = Message<"turnpoint.v1.RestoreResponse"> & {
  * Use `create(RestoreResponseSchema)` to create a new message.
  */
 export const RestoreResponseSchema: GenMessage<RestoreResponse> = /*@__PURE__*/
-  messageDesc(file_turnpoint_v1_checkpoint_control_service, 12);
+  messageDesc(file_turnpoint_v1_checkpoint_control_service, 13);
 
 /**
  * RetireRequest stops attempts and frees their state.
@@ -698,7 +744,7 @@ export type RetireRequest = Message<"turnpoint.v1.RetireRequest"> & {
  * Use `create(RetireRequestSchema)` to create a new message.
  */
 export const RetireRequestSchema: GenMessage<RetireRequest> = /*@__PURE__*/
-  messageDesc(file_turnpoint_v1_checkpoint_control_service, 13);
+  messageDesc(file_turnpoint_v1_checkpoint_control_service, 14);
 
 /**
  * RetireResponse is sent only after every named attempt stopped and its state is freed.
@@ -726,7 +772,7 @@ export type RetireResponse = Message<"turnpoint.v1.RetireResponse"> & {
  * Use `create(RetireResponseSchema)` to create a new message.
  */
 export const RetireResponseSchema: GenMessage<RetireResponse> = /*@__PURE__*/
-  messageDesc(file_turnpoint_v1_checkpoint_control_service, 14);
+  messageDesc(file_turnpoint_v1_checkpoint_control_service, 15);
 
 /**
  * ForgetRequest drops refusal marks once nothing of those rollouts can still arrive.
@@ -761,7 +807,7 @@ export type ForgetRequest = Message<"turnpoint.v1.ForgetRequest"> & {
  * Use `create(ForgetRequestSchema)` to create a new message.
  */
 export const ForgetRequestSchema: GenMessage<ForgetRequest> = /*@__PURE__*/
-  messageDesc(file_turnpoint_v1_checkpoint_control_service, 15);
+  messageDesc(file_turnpoint_v1_checkpoint_control_service, 16);
 
 /**
  * ForgetResponse reports how many marks were dropped.
@@ -789,7 +835,7 @@ export type ForgetResponse = Message<"turnpoint.v1.ForgetResponse"> & {
  * Use `create(ForgetResponseSchema)` to create a new message.
  */
 export const ForgetResponseSchema: GenMessage<ForgetResponse> = /*@__PURE__*/
-  messageDesc(file_turnpoint_v1_checkpoint_control_service, 16);
+  messageDesc(file_turnpoint_v1_checkpoint_control_service, 17);
 
 /**
  * GetStatusRequest asks for the current state. Read-only.
@@ -810,7 +856,7 @@ export type GetStatusRequest = Message<"turnpoint.v1.GetStatusRequest"> & {
  * Use `create(GetStatusRequestSchema)` to create a new message.
  */
 export const GetStatusRequestSchema: GenMessage<GetStatusRequest> = /*@__PURE__*/
-  messageDesc(file_turnpoint_v1_checkpoint_control_service, 17);
+  messageDesc(file_turnpoint_v1_checkpoint_control_service, 18);
 
 /**
  * GetStatusResponse is the participant's state now.
@@ -880,7 +926,7 @@ export type GetStatusResponse = Message<"turnpoint.v1.GetStatusResponse"> & {
  * Use `create(GetStatusResponseSchema)` to create a new message.
  */
 export const GetStatusResponseSchema: GenMessage<GetStatusResponse> = /*@__PURE__*/
-  messageDesc(file_turnpoint_v1_checkpoint_control_service, 18);
+  messageDesc(file_turnpoint_v1_checkpoint_control_service, 19);
 
 /**
  * WatchBoundariesRequest subscribes to readiness and boundary changes.
@@ -908,7 +954,7 @@ export type WatchBoundariesRequest = Message<"turnpoint.v1.WatchBoundariesReques
  * Use `create(WatchBoundariesRequestSchema)` to create a new message.
  */
 export const WatchBoundariesRequestSchema: GenMessage<WatchBoundariesRequest> = /*@__PURE__*/
-  messageDesc(file_turnpoint_v1_checkpoint_control_service, 19);
+  messageDesc(file_turnpoint_v1_checkpoint_control_service, 20);
 
 /**
  * BoundaryEvent is one episode changing state (sealing a turn, parking, completing).
@@ -957,7 +1003,7 @@ export type BoundaryEvent = Message<"turnpoint.v1.BoundaryEvent"> & {
  * Use `create(BoundaryEventSchema)` to create a new message.
  */
 export const BoundaryEventSchema: GenMessage<BoundaryEvent> = /*@__PURE__*/
-  messageDesc(file_turnpoint_v1_checkpoint_control_service, 20);
+  messageDesc(file_turnpoint_v1_checkpoint_control_service, 21);
 
 /**
  * WatchBoundariesResponse is one change: a new readiness report or a boundary event.
@@ -1008,7 +1054,7 @@ export type WatchBoundariesResponse = Message<"turnpoint.v1.WatchBoundariesRespo
  * Use `create(WatchBoundariesResponseSchema)` to create a new message.
  */
 export const WatchBoundariesResponseSchema: GenMessage<WatchBoundariesResponse> = /*@__PURE__*/
-  messageDesc(file_turnpoint_v1_checkpoint_control_service, 21);
+  messageDesc(file_turnpoint_v1_checkpoint_control_service, 22);
 
 /**
  * ControlSessionRequest is one control operation on the open session stream.
@@ -1127,7 +1173,7 @@ export type ControlSessionRequest = Message<"turnpoint.v1.ControlSessionRequest"
  * Use `create(ControlSessionRequestSchema)` to create a new message.
  */
 export const ControlSessionRequestSchema: GenMessage<ControlSessionRequest> = /*@__PURE__*/
-  messageDesc(file_turnpoint_v1_checkpoint_control_service, 22);
+  messageDesc(file_turnpoint_v1_checkpoint_control_service, 23);
 
 /**
  * ControlSessionCancel carries a caller's cancellation over the session, where a stream
@@ -1144,7 +1190,7 @@ export type ControlSessionCancel = Message<"turnpoint.v1.ControlSessionCancel"> 
  * Use `create(ControlSessionCancelSchema)` to create a new message.
  */
 export const ControlSessionCancelSchema: GenMessage<ControlSessionCancel> = /*@__PURE__*/
-  messageDesc(file_turnpoint_v1_checkpoint_control_service, 23);
+  messageDesc(file_turnpoint_v1_checkpoint_control_service, 24);
 
 /**
  * ControlSessionResponse answers one ControlSessionRequest. Responses may arrive in any
@@ -1253,7 +1299,7 @@ export type ControlSessionResponse = Message<"turnpoint.v1.ControlSessionRespons
  * Use `create(ControlSessionResponseSchema)` to create a new message.
  */
 export const ControlSessionResponseSchema: GenMessage<ControlSessionResponse> = /*@__PURE__*/
-  messageDesc(file_turnpoint_v1_checkpoint_control_service, 24);
+  messageDesc(file_turnpoint_v1_checkpoint_control_service, 25);
 
 /**
  * CheckpointControlService is served by every participant (docs/spec.md sections 3, 4).
