@@ -812,6 +812,14 @@ def held_by(runtime: ParticipantRuntime) -> dict[EpisodeId, EpisodeState]:
     return {entry.key.episode: entry.state for entry in runtime.core.entries()}
 
 
+def entries_of(runtime: ParticipantRuntime) -> dict[str, str]:
+    """Each entry's state and boundary, for messages."""
+    return {
+        f"{entry.key.episode}/{entry.key.slot}": f"{entry.state.name}@{entry.boundary_index}"
+        for entry in runtime.core.entries()
+    }
+
+
 def ids_of(items: Any) -> list[str]:
     return [str(item["rollout_id"]) for item in items]
 
@@ -931,7 +939,11 @@ class FaultSequences(RuleBasedStateMachine):
                     return False
             # A completion whose acknowledgement failed every try is owed: the drain
             # below re-sends it (spec 6.4 item 2), so it does not keep the plane busy.
-            owed = client.unacknowledged()
+            # Nor does one given up as it completed: its attempt waits for the next
+            # snapshot's retire (spec 7.4 step 3).
+            owed = client.unacknowledged() | {
+                episode for episodes in client.pending_retires().values() for episode in episodes
+            }
             return all(
                 e.state is not EpisodeState.COMPLETED_UNACKED or e.key.episode in owed
                 for e in core.entries()
@@ -942,7 +954,10 @@ class FaultSequences(RuleBasedStateMachine):
         except TimeoutError:
             raise AssertionError(
                 f"never quiet: in flight {client.in_flight()}, waiting {client.waiting()}, "
-                f"the agent holds {held_by(agent)}, the tools {held_by(tools)}"
+                f"owed {sorted(client.unacknowledged())}, to retire "
+                f"{dict(client.pending_retires())}; the agent ({agent.core.phase.name}) "
+                f"holds {entries_of(agent)}, the tools ({tools.core.phase.name}) "
+                f"{entries_of(tools)}; unreleased {dict(self.trainer.driver.unreleased)}"
             ) from None
         await client.drain_acknowledgements(BOUND_S)
 
