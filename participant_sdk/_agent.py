@@ -189,7 +189,11 @@ class _Execution:
         self.episode = episode
         self.key = WorkKey(episode, SLOT)
         self.task = task
-        self.saved = saved
+        self._saved = saved
+        # The boundary sealed last, not built into a SavedTurn yet: most boundaries are
+        # replaced by the next one before anything (a snapshot, a model call) reads them.
+        self._sealed: tuple[int, int, dict[str, Any]] | None = None
+        self.boundary_index = 0 if saved is None else saved.boundary_index
         self.restored = saved
         self.budget_s = budget_s
         # The Run's say on a generation that spans a weight update; None: the agent's.
@@ -202,10 +206,35 @@ class _Execution:
         self.stop: _Stop | None = None
 
     @property
+    def saved(self) -> SavedTurn | None:
+        """The last sealed boundary (sealed here, or the one this attempt continues from)."""
+        sealed = self._sealed
+        if sealed is not None:
+            self._saved = SavedTurn(*sealed)
+            self._sealed = None
+        return self._saved
+
+    @saved.setter
+    def saved(self, saved: SavedTurn) -> None:
+        self._saved, self._sealed = saved, None
+        self.boundary_index = saved.boundary_index
+
+    @property
+    def has_boundary(self) -> bool:
+        """Whether there is a sealed boundary (``saved is not None``, without building it)."""
+        return self._sealed is not None or self._saved is not None
+
+    def seal(self, turn_index: int, state: dict[str, Any]) -> int:
+        """Make a new boundary, one past the last, the saved turn; returns its index."""
+        self.boundary_index += 1
+        self._sealed = (self.boundary_index, turn_index, state)
+        return self.boundary_index
+
+    @property
     def claimable(self) -> bool:
         """Saved state nobody runs: restored, or cancelled after sealing a boundary."""
         cancelled = self.result is not None and self.result.outcome is RunOutcome.CANCELLED
-        return self.runner is None and (self.result is None or cancelled) and self.saved is not None
+        return self.runner is None and (self.result is None or cancelled) and self.has_boundary
 
 
 class EpisodeContext:
@@ -233,7 +262,7 @@ class EpisodeContext:
 
         Woken by resume, the episode stays parked if a new checkpoint closed first.
         """
-        await self._host._seal(self._ex, turn_index, copy.deepcopy(dict(state)))
+        await self._host._seal(self._ex, turn_index, _copied_state(state))
 
     async def model_call(self, factory: Callable[[], Awaitable[T]]) -> T:
         """Issue a model call that counts as parked at the last boundary.
@@ -279,6 +308,64 @@ class EpisodeContext:
             core.mark_restart(self._ex.key, self._host._shared.now())
 
 
+# Exactly these types are immutable JSON values: a copy may share them.
+_JSON_ATOMS = frozenset({str, int, float, bool, type(None)})
+# Below this depth a state is copied by the plain-JSON walk; anything deeper (or a
+# cycle, which no JSON has) goes to copy.deepcopy, which copes with both.
+_FAST_COPY_DEPTH = 32
+
+
+def _copied_state(state: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of a boundary's state that shares nothing mutable with the agent.
+
+    What ``copy.deepcopy(dict(state))`` returns, faster for plain JSON (the state is
+    exported as JSON): dicts with string keys and lists are rebuilt, the immutable
+    atoms shared, and every other object deep-copied as before.
+    """
+    copied: dict[str, Any] = _json_copy(state if type(state) is dict else dict(state), 0)
+    return copied
+
+
+def _json_copy(value: Any, depth: int) -> Any:
+    kind = type(value)
+    if kind in _JSON_ATOMS:
+        return value
+    if depth < _FAST_COPY_DEPTH:
+        if kind is dict:
+            copied = {}
+            for key, item in value.items():
+                if type(key) is not str:
+                    return copy.deepcopy(value)
+                copied[key] = _json_copy(item, depth + 1)
+            return copied
+        if kind is list:
+            return [_json_copy(item, depth + 1) for item in value]
+    return copy.deepcopy(value)
+
+
+class _ReceiptIds:
+    """Receipt ids ``rc-`` + 24 random hex digits: a valid protocol id, unique per completion.
+
+    The random digits are drawn from the OS in batches: one system call per receipt
+    cost a tenth of an episode's bookkeeping. Every id still gets its own fresh bytes.
+    """
+
+    _DIGITS = 24
+    _BATCH = 64
+
+    def __init__(self) -> None:
+        self._pool = ""
+        self._at = 0
+
+    def next(self) -> str:
+        if self._at >= len(self._pool):
+            self._pool = secrets.token_hex(self._DIGITS // 2 * self._BATCH)
+            self._at = 0
+        start = self._at
+        self._at += self._DIGITS
+        return "rc-" + self._pool[start : self._at]
+
+
 def _has_news(execution: _Execution, seen: int) -> bool:
     return len(execution.boundaries) > seen or execution.result is not None
 
@@ -294,6 +381,7 @@ class AgentHost:
         self._shared = shared
         self._agent = agent
         self._executions: dict[EpisodeId, _Execution] = {}
+        self._receipt_ids = _ReceiptIds()
 
     @property
     def recovery_mode(self) -> RecoveryMode:
@@ -448,8 +536,8 @@ class AgentHost:
                 now,
             )
         else:
-            core.admit(WorkKey(episode, SLOT), EpisodeState.RUNNING, now)
             execution = _Execution(episode, task, None, budget_s, now, weights_change)
+            core.admit(execution.key, EpisodeState.RUNNING, now)
         self._executions[episode] = execution
         execution.runner = asyncio.create_task(
             self._execute(execution), name=f"turnpoint-run-{episode}"
@@ -528,7 +616,7 @@ class AgentHost:
         message: str,
     ) -> None:
         now = self._shared.now()
-        turns = execution.saved.boundary_index if execution.saved is not None else 0
+        turns = execution.boundary_index
         active = execution.clock.active(now)
         execution.runner = None
         key = execution.key
@@ -539,39 +627,49 @@ class AgentHost:
             )
             if execution.stop in (_Stop.RETIRED, _Stop.SHUTDOWN) or not mine:
                 return  # the retire (or shutdown) frees it
-            if execution.saved is not None and core.entry(key) is not None:
+            if execution.has_boundary and core.state_of(key) is not None:
                 # Nothing owed, but the sealed boundary stays committable and claimable.
                 core.set_state(
                     key,
                     EpisodeState.PARKED,
                     now,
-                    detail=f"cancelled at boundary {execution.saved.boundary_index}",
+                    detail=f"cancelled at boundary {execution.boundary_index}",
                 )
             else:
                 core.remove(key, now)
                 del self._executions[execution.episode]
             return
         # A valid protocol id (the wire validates it), unique per completion.
-        receipt = CompletionReceipt(execution.episode, f"rc-{secrets.token_hex(12)}")
+        receipt = CompletionReceipt(execution.episode, self._receipt_ids.next())
         execution.result = RunResult(
             execution.episode, outcome, receipt, dict(value), turns, active, message
         )
-        if mine and core.entry(key) is not None:
+        if mine and core.state_of(key) is not None:
             core.set_state(
                 key, EpisodeState.COMPLETED_UNACKED, now, receipt=receipt, detail=outcome.value
             )
 
+    def _runs_on(self, core: ParticipantCore, execution: _Execution) -> bool:
+        """At a boundary (lock held): carry on RUNNING if no checkpoint parks it here.
+
+        The check :meth:`_hold` starts with; called first on its own because it is what
+        almost every boundary comes to, and it needs no coroutine.
+        """
+        if core.admission_open or core.is_restart(execution.key):
+            state = core.state_of(execution.key)
+            if state is not None and state is not EpisodeState.RUNNING:
+                core.set_state(execution.key, EpisodeState.RUNNING, self._shared.now())
+            return True
+        return False
+
     async def _hold(self, core: ParticipantCore, execution: _Execution) -> None:
         """Park at the last boundary until admission opens (lock held)."""
         shared = self._shared
-        if core.admission_open or core.is_restart(execution.key):
-            entry = core.entry(execution.key)
-            if entry is not None and entry.state is not EpisodeState.RUNNING:
-                core.set_state(execution.key, EpisodeState.RUNNING, shared.now())
+        if self._runs_on(core, execution):
             return
         core.set_state(execution.key, EpisodeState.PARKED, shared.now())
         execution.clock.pause(shared.now())
-        await shared.wait_for(lambda: core.admission_open)
+        await shared.wait_admission_open()
         core.set_state(execution.key, EpisodeState.RUNNING, shared.now())
         execution.clock.resume(shared.now())
 
@@ -581,16 +679,16 @@ class AgentHost:
         shared = self._shared
         async with shared.changing() as core:
             now = shared.now()
-            index = (execution.saved.boundary_index if execution.saved is not None else 0) + 1
-            execution.saved = SavedTurn(index, turn_index, state)
+            index = execution.seal(turn_index, state)
             execution.boundaries.append(
                 BoundaryReport(execution.episode, index, turn_index, shared.wall_clock())
             )
             core.seal_boundary(execution.key, index, turn_index, now)
-            await self._hold(core, execution)
+            if not self._runs_on(core, execution):
+                await self._hold(core, execution)
 
     async def _model_call(self, execution: _Execution, factory: Callable[[], Awaitable[T]]) -> T:
-        if execution.saved is None:
+        if not execution.has_boundary:
             return await factory()
         shared = self._shared
         while True:
@@ -599,7 +697,7 @@ class AgentHost:
                 if not core.admission_open:
                     # Closed since the boundary: the call waits, parked, instead of issuing.
                     execution.clock.pause(shared.now())
-                    await shared.wait_for(lambda: core.admission_open)
+                    await shared.wait_admission_open()
                     execution.clock.resume(shared.now())
             try:
                 reply = await factory()
@@ -616,7 +714,7 @@ class AgentHost:
                 raise
             async with shared.changing() as core:
                 # A reply that arrives while a checkpoint is open is held until resume.
-                await shared.wait_for(lambda: core.admission_open)
+                await shared.wait_admission_open()
                 core.set_state(execution.key, EpisodeState.RUNNING, shared.now())
                 execution.clock.resume(shared.now())
             return reply
@@ -664,7 +762,7 @@ class AgentHost:
                 core.set_state(execution.key, EpisodeState.AWAITING_MODEL, shared.now())
                 if not core.admission_open:
                     execution.clock.pause(shared.now())
-                    await shared.wait_for(lambda: core.admission_open)
+                    await shared.wait_admission_open()
                     execution.clock.resume(shared.now())
                 if cuttable:
                     # Streaming tokens a snapshot must not lose: block until the stream
@@ -693,7 +791,7 @@ class AgentHost:
                     execution.clock.pause(shared.now())
                 if generation.finished:
                     # A reply that arrives while a checkpoint is open is held until resume.
-                    await shared.wait_for(lambda: core.admission_open)
+                    await shared.wait_admission_open()
                     core.set_state(execution.key, EpisodeState.RUNNING, shared.now())
                     execution.clock.resume(shared.now())
             if not generation.finished:
@@ -764,7 +862,7 @@ class AgentHost:
                 await shared.wait_until(
                     lambda: not core.admission_open, shared.config.model_retry_backoff_s
                 )
-            await shared.wait_for(lambda: core.admission_open)
+            await shared.wait_admission_open()
 
     async def _watch_budget(self, execution: _Execution) -> None:
         budget = execution.budget_s
@@ -785,8 +883,7 @@ class AgentHost:
         now = self._shared.now()
         core = self._shared.core
         for execution in self._executions.values():
-            entry = core.entry(execution.key)
-            if entry is not None and entry.state is EpisodeState.AWAITING_MODEL:
+            if core.state_of(execution.key) is EpisodeState.AWAITING_MODEL:
                 execution.clock.pause(now)
         await self._agent.admission_closed()
 
@@ -794,8 +891,7 @@ class AgentHost:
         now = self._shared.now()
         core = self._shared.core
         for execution in self._executions.values():
-            entry = core.entry(execution.key)
-            if entry is not None and entry.state is EpisodeState.AWAITING_MODEL:
+            if core.state_of(execution.key) is EpisodeState.AWAITING_MODEL:
                 execution.clock.resume(now)
         await self._agent.admission_opened()
 

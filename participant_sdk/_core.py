@@ -31,7 +31,7 @@ import enum
 import itertools
 from collections import Counter, OrderedDict
 from collections.abc import Hashable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from turnpoint.errors import Reason, TurnpointError
@@ -204,6 +204,23 @@ class WorkKey:
 
     episode: EpisodeId
     slot: str
+    # Every table operation hashes its key: hashing the episode each time costs more than
+    # the rest of the lookup. Not compared, not pickled (string hashes differ per process).
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash((self.episode, self.slot)))
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self) -> tuple[type[WorkKey], tuple[EpisodeId, str]]:
+        return WorkKey, (self.episode, self.slot)
+
+
+# A tuple: membership compares by identity, where the frozenset would call the enum's
+# Python-level __hash__ (this is asked on every change of the work table).
+_BLOCKING_STATES = tuple(BLOCKING_STATES)
 
 
 @dataclass(slots=True)
@@ -219,7 +236,7 @@ class _Entry:
 
     @property
     def blocks(self) -> bool:
-        return self.state in BLOCKING_STATES and not self.replayable
+        return self.state in _BLOCKING_STATES and not self.replayable
 
 
 @dataclass(frozen=True, slots=True)
@@ -388,6 +405,21 @@ class ParticipantCore:
         return self._version
 
     @property
+    def record_events(self) -> bool:
+        """Whether changes are recorded as :class:`CoreEvent` (for :meth:`drain_events`).
+
+        Off when nobody watches, so that an unwatched change builds no event; turning it
+        off drops the events not drained yet.
+        """
+        return self._record_events
+
+    @record_events.setter
+    def record_events(self, value: bool) -> None:
+        self._record_events = value
+        if not value:
+            self._events = []
+
+    @property
     def refused_rollouts(self) -> int:
         return len(self._marks)
 
@@ -400,6 +432,11 @@ class ParticipantCore:
     def entry(self, key: WorkKey) -> EntryView | None:
         entry = self._entries.get(key)
         return None if entry is None else _view(entry)
+
+    def state_of(self, key: WorkKey) -> EpisodeState | None:
+        """The state of one entry, None if it is not in the table (no view is built)."""
+        entry = self._entries.get(key)
+        return None if entry is None else entry.state
 
     def entries(self) -> Iterator[EntryView]:
         return (_view(entry) for entry in self._entries.values())
@@ -821,7 +858,8 @@ class ParticipantCore:
                 episode=episode,
                 retired_through=self._marks[episode.rollout_id],
             )
-        newer = [k for k in self._by_rollout.get(episode.rollout_id, ()) if k.episode > episode]
+        held = self._by_rollout.get(episode.rollout_id)
+        newer = [k for k in held if k.episode > episode] if held else None
         if newer:
             raise _error(
                 Reason.STALE_ATTEMPT,
@@ -950,7 +988,9 @@ class ParticipantCore:
         """The entry holding ``receipt`` (the caller frees it and removes it), or None."""
         for key in self._by_rollout.get(receipt.episode.rollout_id, ()):
             entry = self._entries[key]
-            if key.episode == receipt.episode and entry.receipt == receipt:
+            if key.episode == receipt.episode and (
+                entry.receipt is receipt or entry.receipt == receipt
+            ):
                 return key
         return None
 
@@ -1021,7 +1061,8 @@ class ParticipantCore:
 
     def _changed(self, entry: _Entry, now: float, *, removed: bool = False) -> None:
         self._version += 1
-        self._refresh_readiness_phase()
+        if self._phase is Phase.PREPARING or self._phase is Phase.PREPARED:
+            self._refresh_readiness_phase()
         if self._record_events:
             self._events.append(
                 CoreEvent(

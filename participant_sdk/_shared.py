@@ -1,9 +1,11 @@
 """What the runtime and the kind hosts share: the one lock, the core, clocks and deadlines.
 
 Every state change of a participant happens inside :meth:`Shared.changing`: it holds
-the one :class:`asyncio.Condition`, hands out the pure core, and on the way out passes
-the core's events to watchers and wakes every waiter (parked episodes, waiting
-prepares, held model replies), which then re-check their own predicate under the lock.
+the one lock, hands out the pure core, and on the way out passes the core's events to
+watchers (if any watch) and wakes the waiters, which then re-check their own predicate
+under the lock. Waiters for admission to open (parked episodes, held model replies)
+are woken only when it is open; every other waiter (a waiting prepare, a run's
+followers, a budget) on every change.
 """
 
 from __future__ import annotations
@@ -11,8 +13,8 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from contextlib import asynccontextmanager, suppress
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import suppress
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -121,6 +123,26 @@ class _Watcher:
         self.wake.set()
 
 
+class _Changing:
+    """What :meth:`Shared.changing` returns: the lock held around a change, published on exit."""
+
+    __slots__ = ("_shared",)
+
+    def __init__(self, shared: Shared) -> None:
+        self._shared = shared
+
+    async def __aenter__(self) -> ParticipantCore:
+        await self._shared.cond.acquire()
+        return self._shared.core
+
+    async def __aexit__(self, *exc: object) -> None:
+        try:
+            # Forced: some changes live outside the core (a result set on an execution).
+            self._shared.publish(force=True)
+        finally:
+            self._shared.cond.release()
+
+
 class Shared:
     """The one lock, the core and the clocks of one participant."""
 
@@ -135,13 +157,23 @@ class Shared:
         self.config = config
         self.clock = clock
         self.wall_clock = wall_clock
-        self.cond = asyncio.Condition()
+        lock = asyncio.Lock()
+        self.cond = asyncio.Condition(lock)
+        # Parked episodes and held replies wait for one thing, admission opening; they
+        # wait on this second condition over the same lock, woken only by a change that
+        # leaves admission open. On the general condition, every episode that parks
+        # during a prepare would wake every episode parked before it.
+        self._admission_opened = asyncio.Condition(lock)
+        self._admission_waiters = 0
         self._watchers: set[_Watcher] = set()
         self._published_version = -1
         # Set when the lease's expiry moved: the lease task waits on this alone, not on
         # every state change (a control call makes several; waking for each is wasted).
         self.lease_moved = asyncio.Event()
         self._published_lease: float | None = None
+        self._changing = _Changing(self)
+        # The core's events only reach watchers: it records them only while one watches.
+        core.record_events = False
 
     def now(self) -> float:
         return self.clock()
@@ -152,15 +184,13 @@ class Shared:
             return None
         return self.wall_clock() + (at - self.clock())
 
-    @asynccontextmanager
-    async def changing(self) -> AsyncIterator[ParticipantCore]:
-        """Hold the lock to change state; watchers and waiters learn of it on the way out."""
-        async with self.cond:
-            try:
-                yield self.core
-            finally:
-                # Forced: some changes live outside the core (a result set on an execution).
-                self.publish(force=True)
+    def changing(self) -> _Changing:
+        """Hold the lock to change state; watchers and waiters learn of it on the way out.
+
+        ``async with shared.changing() as core:``. One reusable object rather than a
+        generator-based context manager: an episode enters this several times per turn.
+        """
+        return self._changing
 
     def publish(self, *, force: bool = False) -> None:
         """Hand the core's events to watchers and wake waiters; the lock must be held.
@@ -176,10 +206,13 @@ class Shared:
         if not force and version == self._published_version:
             return
         self._published_version = version
-        events = self.core.drain_events()
-        for watcher in self._watchers:
-            watcher.push(events)
+        if self._watchers:
+            events = self.core.drain_events()
+            for watcher in self._watchers:
+                watcher.push(events)
         self.cond.notify_all()
+        if self._admission_waiters and self.core.admission_open:
+            self._admission_opened.notify_all()
 
     async def wait_for(self, predicate: Callable[[], bool]) -> None:
         """Wait (lock held) until ``predicate`` holds.
@@ -191,6 +224,21 @@ class Shared:
             return
         self.publish()
         await self.cond.wait_for(predicate)
+
+    async def wait_admission_open(self) -> None:
+        """Wait (lock held) until admission is open: ``wait_for(lambda: core.admission_open)``.
+
+        Woken only by changes that leave admission open (see ``_admission_opened``).
+        """
+        if self.core.admission_open:
+            return
+        self.publish()
+        self._admission_waiters += 1
+        try:
+            while not self.core.admission_open:
+                await self._admission_opened.wait()
+        finally:
+            self._admission_waiters -= 1
 
     async def wait_change(self, limit_s: float | None = None) -> None:
         """Wait (lock held) for the next state change, or ``limit_s``."""
@@ -214,12 +262,16 @@ class Shared:
         return True
 
     def add_watcher(self) -> _Watcher:
+        """A new watcher: it receives the events of the changes made from now on."""
         watcher = _Watcher(self.config.watch_queue_size)
         self._watchers.add(watcher)
+        self.core.record_events = True
         return watcher
 
     def remove_watcher(self, watcher: _Watcher) -> None:
         self._watchers.discard(watcher)
+        if not self._watchers:
+            self.core.record_events = False
 
 
 def invalid_record(record: Record, why: str) -> TurnpointError:

@@ -1,0 +1,66 @@
+"""``Shared``: the one lock around the core, what watchers receive and whom a change wakes."""
+
+from __future__ import annotations
+
+import asyncio
+
+from turnpoint.ids import EpisodeId
+from turnpoint.participant_sdk import EpisodeState, RuntimeConfig
+from turnpoint.participant_sdk._core import ParticipantCore, WorkKey
+from turnpoint.participant_sdk._shared import Shared
+
+
+def make_shared() -> Shared:
+    # The runtime asks its core to record events; Shared records only while one watches.
+    core = ParticipantCore(record_events=True)
+    return Shared(core, RuntimeConfig(), clock=lambda: 0.0, wall_clock=lambda: 0.0)
+
+
+def key(name: str) -> WorkKey:
+    return WorkKey(EpisodeId(name, 0), "run")
+
+
+async def admit(shared: Shared, name: str) -> None:
+    async with shared.changing() as core:
+        core.admit(key(name), EpisodeState.RUNNING, shared.now())
+
+
+async def test_a_watcher_receives_the_changes_made_while_it_watches_and_no_others() -> None:
+    shared = make_shared()
+    await admit(shared, "before")
+    assert not shared.core.record_events
+    first = shared.add_watcher()
+    await admit(shared, "watched")
+    assert [event.episode.rollout_id for event in first.events] == ["watched"]
+    assert first.wake.is_set()
+    shared.remove_watcher(first)
+    await admit(shared, "unwatched")
+    second = shared.add_watcher()
+    await admit(shared, "again")
+    assert [event.episode.rollout_id for event in second.events] == ["again"]
+    shared.remove_watcher(second)
+
+
+async def test_a_waiter_for_admission_wakes_when_it_opens_and_not_before() -> None:
+    shared = make_shared()
+    checkpoint = "ckpt-000000000001"
+    async with shared.changing() as core:
+        core.begin_prepare(checkpoint, None, shared.now())
+
+    async def parked() -> None:
+        async with shared.cond:
+            await shared.wait_admission_open()
+
+    waiter = asyncio.create_task(parked())
+    # Negative outcomes, bounded by short real timeouts: it cannot finish while closed,
+    # also after a change that leaves admission closed.
+    done, _ = await asyncio.wait([waiter], timeout=0.05)
+    assert not done
+    async with shared.changing() as core:
+        core.renew(checkpoint, 30.0, shared.now())
+    done, _ = await asyncio.wait([waiter], timeout=0.05)
+    assert not done
+    async with shared.changing() as core:
+        core.resume(checkpoint, shared.now())
+    async with asyncio.timeout(5):
+        await waiter
