@@ -10,6 +10,15 @@ next to a data channel would otherwise ride the very connection whose flow-contr
 window a burst of rollout traffic has filled, and a Renew could miss its lease behind
 megabytes of tokens. :func:`control_channel` sets a channel argument that no data
 channel carries, which makes its subchannel key, and so its TCP connection, distinct.
+
+Each control channel also keeps its subchannels to itself (a local subchannel pool).
+gRPC's global pool would hand a new control channel the subchannel of any other
+channel to the same address, in whatever state it is: a coordinator started after a
+job restart, talking to a participant replaced on the same port (a worker group's, a
+Ray actor's), would inherit the backoff of a connection that failed while the port was
+dead and be refused for up to ``MAX_RECONNECT_BACKOFF_MS`` although the new server
+listens (seen as a discovery that failed "connection refused" against a listening
+server in the fault-sequence test).
 """
 
 from __future__ import annotations
@@ -57,6 +66,8 @@ MAX_RECONNECT_BACKOFF_MS: Final = 5_000
 # Not a gRPC-core argument: core keeps unknown arguments and compares them when it looks
 # up a shared subchannel, which is exactly what separates control from data connections.
 CHANNEL_ROLE_ARG: Final = "turnpoint.channel_role"
+# gRPC core: this channel's subchannels are its own, never shared with another channel.
+_LOCAL_SUBCHANNEL_POOL: Final = ("grpc.use_local_subchannel_pool", 1)
 
 
 def _check_size(max_message_bytes: int) -> int:
@@ -134,7 +145,13 @@ def control_channel(
     for TLS. The bearer token is not part of the channel: send
     :func:`turnpoint.server.auth_metadata` with each call.
     """
-    return _open(target, "control", credentials, max_message_bytes, extra_options)
+    return _open(
+        target,
+        "control",
+        credentials,
+        max_message_bytes,
+        (_LOCAL_SUBCHANNEL_POOL, *extra_options),
+    )
 
 
 def data_channel(

@@ -6,6 +6,7 @@ import asyncio
 import datetime
 import ipaddress
 import logging
+import socket
 import sys
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
@@ -710,3 +711,31 @@ def test_refusals_are_logged_at_most_once_per_cause_and_interval() -> None:
     assert log.admit(key, 10.5) == 3  # then one line saying how many were held back
     assert log.admit(("other", "cause"), 10.6) == 0  # another cause is logged on its own
     assert log.admit(("third", "cause"), 10.7) == 0  # memory stays bounded
+
+
+async def test_a_new_control_channel_does_not_inherit_the_backoff_of_a_dead_one() -> None:
+    # A port with nothing on it: a control channel to it fails and backs off.
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    address = f"127.0.0.1:{port}"
+    stale = control_channel(address)
+    stub = pb_grpc.CheckpointControlServiceStub(stale)
+    try:
+        for _ in range(4):  # each failure grows its reconnect backoff
+            with pytest.raises(grpc.aio.AioRpcError):
+                await stub.GetStatus(pb.GetStatusRequest(), timeout=RPC_TIMEOUT)
+        # A participant comes back on that port (a replaced worker, a restarted actor),
+        # and a fresh coordinator opens its control channel while the stale one lives.
+        async with _serving(_options(port=port)) as server:
+            fresh = control_channel(server.address)
+            try:
+                status = await pb_grpc.CheckpointControlServiceStub(fresh).GetStatus(
+                    pb.GetStatusRequest(), metadata=auth_metadata(TOKEN), timeout=RPC_TIMEOUT
+                )
+            finally:
+                await fresh.close(None)
+    finally:
+        await stale.close(None)
+    assert status.admission_open  # answered at once: nothing of the dead port's backoff
