@@ -520,12 +520,18 @@ class Proxy(grpc.GenericRpcHandler):  # type: ignore[type-arg]
         if method == _CONTROL:
             response = pb.ControlSessionResponse.FromString(reply)
             kind = ops.get(response.request_id) or response.WhichOneof("result")
+            prepare = response.prepare
+            # Ready: PREPARED, or COMMITTED by a prepare that committed saved-nothing
+            # (spec 4.6 item 8).
             if (
                 response.WhichOneof("result") == "prepare"
-                and response.prepare.phase == types_pb2.PHASE_PREPARED
-                and response.prepare.readiness.ready
+                and prepare.readiness.ready
+                and (
+                    prepare.phase == types_pb2.PHASE_PREPARED
+                    or (prepare.committed_empty and prepare.phase == types_pb2.PHASE_COMMITTED)
+                )
             ):
-                self.tap.ready[self.member].add(response.prepare.checkpoint_id)
+                self.tap.ready[self.member].add(prepare.checkpoint_id)
         elif method == _RUN:
             kind = ro_pb.RunResponse.FromString(reply).WhichOneof("event")
         elif method == _ACK:
