@@ -26,6 +26,7 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import os
 import sys
 import time
@@ -114,6 +115,14 @@ def _group_id(group: int) -> str:
     return f"g{group:05d}"
 
 
+def failures_allowed(snapshot_interval_s: float, lost_after_s: float) -> int:
+    """``max_consecutive_failures`` for the demo: failures in a row must span the
+    liveness window before they end the run. At a 0.2 s interval three attempts fit in a
+    one-second blip of one link (``--chaos`` holds a link up to 1.5 s), which the liveness
+    watch would not even call a lost participant; at the default 3 s, three it is."""
+    return max(3, math.ceil(lost_after_s / snapshot_interval_s))
+
+
 class DemoTrainer:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -137,6 +146,7 @@ class DemoTrainer:
     # ------------------------------------------------------------------ set-up
 
     def _config(self) -> CoordinatorConfig:
+        lost_after_s = 6.0
         return CoordinatorConfig.from_mapping(
             {
                 "snapshot_root": str(self.snapshot_root),
@@ -145,10 +155,12 @@ class DemoTrainer:
                 "snapshot_interval_s": self.args.snapshot_interval,
                 "keep_snapshots": 2,
                 "target_level": self.args.target_level,
-                "max_consecutive_failures": 3,
+                "max_consecutive_failures": failures_allowed(
+                    self.args.snapshot_interval, lost_after_s
+                ),
                 # Small loopback job: notice a lost participant within seconds.
                 "liveness_interval_s": 1.0,
-                "participant_lost_after_s": 6.0,
+                "participant_lost_after_s": lost_after_s,
             }
         )
 
