@@ -937,6 +937,20 @@ def example_rollout(rollout_id: str, group: str, sibling: int, environment: str)
     )
 
 
+def real_driver(
+    coordinator: Coordinator, layout: SnapshotLayout, config: CoordinatorConfig, rollouts: Any
+) -> SnapshotDriver:
+    """The snapshot driver of the tests on real participants (epoch 1, fake anchor)."""
+    return SnapshotDriver(
+        coordinator=coordinator,
+        rollouts=rollouts,
+        anchor=FakeAnchor(),
+        layout=layout,
+        config=config,
+        epoch=1,
+    )
+
+
 async def real_coordinator(
     topology: RealTopology, config: CoordinatorConfig, epoch: int
 ) -> Coordinator:
@@ -973,14 +987,7 @@ async def test_real_participants_continue_a_parked_sibling_after_a_restart(
                 ),
                 BOUND_S,
             )
-            driver = SnapshotDriver(
-                coordinator=coordinator,
-                rollouts=client,
-                anchor=FakeAnchor(),
-                layout=layout,
-                config=config,
-                epoch=1,
-            )
+            driver = real_driver(coordinator, layout, config, client)
             report = await driver.take()
 
     assert report.outcome is SnapshotOutcome.PUBLISHED, report.detail
@@ -1029,14 +1036,7 @@ async def test_real_participant_disk_full_is_retried_and_latest_stays(
     async with start_topology(tmp_path, faults={"tools": "records_write:2:ENOSPC"}) as topology:
         coordinator = await real_coordinator(topology, config, epoch=1)
         async with coordinator:
-            driver = SnapshotDriver(
-                coordinator=coordinator,
-                rollouts=FakeRollouts(),
-                anchor=FakeAnchor(),
-                layout=layout,
-                config=config,
-                epoch=1,
-            )
+            driver = real_driver(coordinator, layout, config, FakeRollouts())
             pump = SnapshotPump(driver, config)
 
             failed = await pump.tick()
@@ -1077,14 +1077,7 @@ async def test_idle_real_participants_commit_in_their_prepare_and_get_no_commit(
             monkeypatch.setattr(hosted.runtime, "commit", counted)
         coordinator = await real_coordinator(topology, config, epoch=1)
         async with coordinator:
-            driver = SnapshotDriver(
-                coordinator=coordinator,
-                rollouts=FakeRollouts(),
-                anchor=FakeAnchor(),
-                layout=layout,
-                config=config,
-                epoch=1,
-            )
+            driver = real_driver(coordinator, layout, config, FakeRollouts())
             report = await SnapshotPump(driver, config).tick()
             assert {h.runtime.phase for h in topology.participants.values()} == {Phase.IDLE}
 

@@ -33,6 +33,7 @@ from turnpoint.participant_sdk import (
     PolicyModel,
     WeightsChange,
 )
+from turnpoint.server._convert import generate_chunk_from_proto
 from turnpoint.v1 import policy_service_pb2, policy_service_pb2_grpc
 
 EOS = 0
@@ -203,14 +204,7 @@ class OverGrpc:
         )
         async for response in call:
             self.responses.append(response)
-            yield GenerateChunk(
-                tuple(response.token_ids),
-                tuple(response.logprobs),
-                response.done,
-                response.weights_version,
-                cut=response.HasField("cut"),
-                prefix_length=response.cut.prefix_length,
-            )
+            yield generate_chunk_from_proto(response)
 
     async def aclose(self) -> None:
         await self._channel.close(None)
