@@ -11,10 +11,9 @@ told of every transition:
             under way is finished first), in ``<root>/<checkpoint_id>/trainer/anchor``;
 2. CLOSE    the trainer's dispatch closes and rollout deadlines are held;
 3. DRAIN    every result already received is recorded and acknowledged;
-   RETIRE   ended attempts are retired, on their agent and every resources server,
-            while the participants are still idle (a participant refuses a retire once
-            a checkpoint is open); then the refusal marks of rollouts nothing of which
-            can arrive any more are forgotten (docs/spec.md section 7.6 item 6);
+   RETIRE   attempts abandoned since the release are retired, on their agent and every
+            resources server, while the participants are still idle (a participant
+            refuses a retire once a checkpoint is open);
 4. PREPARE  every participant, under one deadline;
 5. ABORT    not ready in time, or any failure before publication: the same id is resumed
             everywhere, stragglers that must go are retired, the previous snapshot stays;
@@ -27,9 +26,11 @@ told of every transition:
             deadline hold is released, or kept while some participant's resume failed
             (until its release retry succeeds or its lease has surely run out).
 
-Before step 1 every attempt is in RELEASE (re-sending resumes that failed earlier), and
-ends SKIPPED when nothing changed. The report's phases are the time spent in each state,
-so they add up to the total by construction.
+Before step 1 every attempt is in RELEASE: it re-sends resumes that failed earlier, ends
+SKIPPED when nothing changed, and otherwise retires ended attempts and forgets the
+refusal marks of rollouts nothing of which can arrive any more (docs/spec.md section 7.6
+item 6), all while dispatch is still open. The report's phases are the time spent in
+each state, so they add up to the total by construction.
 
 Checkpoint ids
 --------------
@@ -402,6 +403,11 @@ class SnapshotDriver:
                 retry_of=retry_of,
             )
         try:
+            # Retiring ended attempts needs idle participants but not a closed dispatch:
+            # done here, before the anchor, it keeps its round trips out of the time
+            # dispatch is closed (docs/spec.md section 7.4, the release).
+            await self._flush_retires()
+            await self._forget_settled()
             await self._run(attempt)
         except _Failed as failed:
             self._set_state(attempt, _S.FAILED)
@@ -531,8 +537,11 @@ class SnapshotDriver:
                 _reason_of_error(error), f"draining acknowledgements: {error}", error=error
             ) from error
         self._set_state(attempt, _S.RETIRE)
-        await self._flush_retires()
-        await self._forget_settled()
+        # Only what must go before a prepare (attempts abandoned since the release: one
+        # may still run, or wait unacknowledged, on its agent). Sessions of attempts that
+        # completed meanwhile wait for the next release: a sealed session outside the
+        # scope is never exported, so keeping it a while changes no snapshot.
+        await self._flush_retires(with_sessions=False)
 
         expected: dict[str, list[EpisodeId]] = {}
         for rollout in rollouts.in_flight():
@@ -722,8 +731,11 @@ class SnapshotDriver:
                 self._rollouts.reopen_dispatch_to(instance)
         return ControlReport.merge("resume", "pending", reports)
 
-    async def _flush_retires(self) -> None:
+    async def _flush_retires(self, *, with_sessions: bool = True) -> None:
         """Retire ended attempts on idle participants (still closed ones wait).
+
+        ``with_sessions`` false leaves completed attempts' sessions for a later flush: only
+        abandoned attempts and stragglers are retired then.
 
         docs/spec.md section 7.6 item 2: each attempt is retired on the instance that ran
         it and on every resources server, since any of them may hold its state (a
@@ -738,7 +750,7 @@ class SnapshotDriver:
             pending.setdefault(instance, set()).update(episodes)
         pending = {instance: episodes for instance, episodes in pending.items() if episodes}
         # Completed attempts: only the resources servers still keep their sessions.
-        sessions = tuple(self._rollouts.pending_session_retires())
+        sessions = tuple(self._rollouts.pending_session_retires()) if with_sessions else ()
         if sessions and not self._resources():
             self._rollouts.sessions_retired(sessions)
             sessions = ()

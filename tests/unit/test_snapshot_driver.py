@@ -86,12 +86,13 @@ async def test_a_snapshot_runs_the_steps_in_order_and_publishes(tmp_path: Path) 
     ck = report.checkpoint_id
     assert checkpoint_sequence(ck) == 3 * EPOCH_STRIDE + 1
     assert world.events == [
+        # Retired while dispatch is still open (docs/spec.md section 7.4, the release).
+        "retire",
+        f"retired:{AGENT}",
         "anchor",
         "close",
         "hold",
         "drain",
-        "retire",
-        f"retired:{AGENT}",
         f"prepare:{ck}",
         f"commit:{ck}",
         f"resume:{ck}",
@@ -214,6 +215,37 @@ async def test_completed_attempts_are_retired_on_the_resources_servers_only(
     report = await world.driver.take()
     assert report.outcome is SnapshotOutcome.PUBLISHED
     # Spec 5.3 item 3 and 7.6 item 2: the sealed session is freed where it lives.
+    assert world.coordinator.retires[-1] == {RESOURCES: (EP3,)}
+    assert world.rollouts.pending_session_retires() == ()
+
+
+async def test_only_abandoned_attempts_are_retired_while_dispatch_is_closed(
+    tmp_path: Path,
+) -> None:
+    world = make_world(tmp_path)
+    anchor_write = world.anchor.write
+
+    async def ended_during_the_anchor(snapshot: Path) -> WrittenAnchor:
+        # One attempt completes and one is abandoned after the release retired the rest.
+        world.rollouts.session_retires.add(EP3)
+        world.rollouts.retires = {AGENT: {EP2}}
+        return await anchor_write(snapshot)
+
+    world.anchor.write = ended_during_the_anchor  # type: ignore[method-assign]
+    report = await world.driver.take()
+
+    assert report.outcome is SnapshotOutcome.PUBLISHED, report.detail
+    closed = world.events[world.events.index("close") : world.events.index("reopen")]
+    # The abandoned attempt may still run on its agent: retired before the prepare...
+    assert closed.count("retire") == 1
+    assert world.coordinator.retires == [{AGENT: (EP2,), RESOURCES: (EP2,)}]
+    # ...while the completed attempt's session waits for the next release.
+    assert world.rollouts.pending_session_retires() == (EP3,)
+    world.anchor.write = anchor_write  # type: ignore[method-assign]
+    world.rollouts.version += 1
+    world.events.clear()
+    assert (await world.driver.take()).outcome is SnapshotOutcome.PUBLISHED
+    assert world.events.index("retire") < world.events.index("anchor")
     assert world.coordinator.retires[-1] == {RESOURCES: (EP3,)}
     assert world.rollouts.pending_session_retires() == ()
 
