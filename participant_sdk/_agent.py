@@ -14,7 +14,6 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
-import copy
 import enum
 import functools
 import secrets
@@ -43,6 +42,7 @@ from turnpoint.protocol import (
 from ._core import ActiveClock, ParticipantCore, WorkKey
 from ._generation import Generation, GenerationRequest, WeightsChange
 from ._model import GenerateChunk
+from ._records import json_copy
 from ._shared import Shared, invalid_record, logger
 from ._store import Record
 
@@ -308,39 +308,10 @@ class EpisodeContext:
             core.mark_restart(self._ex.key, self._host._shared.now())
 
 
-# Exactly these types are immutable JSON values: a copy may share them.
-_JSON_ATOMS = frozenset({str, int, float, bool, type(None)})
-# Below this depth a state is copied by the plain-JSON walk; anything deeper (or a
-# cycle, which no JSON has) goes to copy.deepcopy, which copes with both.
-_FAST_COPY_DEPTH = 32
-
-
 def _copied_state(state: Mapping[str, Any]) -> dict[str, Any]:
-    """A copy of a boundary's state that shares nothing mutable with the agent.
-
-    What ``copy.deepcopy(dict(state))`` returns, faster for plain JSON (the state is
-    exported as JSON): dicts with string keys and lists are rebuilt, the immutable
-    atoms shared, and every other object deep-copied as before.
-    """
-    copied: dict[str, Any] = _json_copy(state if type(state) is dict else dict(state), 0)
+    """A copy of a boundary's state that shares nothing mutable with the agent."""
+    copied: dict[str, Any] = json_copy(state if type(state) is dict else dict(state))
     return copied
-
-
-def _json_copy(value: Any, depth: int) -> Any:
-    kind = type(value)
-    if kind in _JSON_ATOMS:
-        return value
-    if depth < _FAST_COPY_DEPTH:
-        if kind is dict:
-            copied = {}
-            for key, item in value.items():
-                if type(key) is not str:
-                    return copy.deepcopy(value)
-                copied[key] = _json_copy(item, depth + 1)
-            return copied
-        if kind is list:
-            return [_json_copy(item, depth + 1) for item in value]
-    return copy.deepcopy(value)
 
 
 class _ReceiptIds:
@@ -438,8 +409,14 @@ class AgentHost:
         boundaries_seen: int = 0,
         budget_s: float | None = None,
         weights_change: WeightsChange | None = None,
+        wait_for_admission: bool = False,
     ) -> AsyncGenerator[BoundaryReport | RunResult, None]:
         """Accept a Run (raising ADMISSION_CLOSED, STALE_ATTEMPT, ... at once), then follow it.
+
+        With ``wait_for_admission`` a new attempt that arrives while a checkpoint holds
+        admission waits (outside the work table: in no cut, blocking no prepare) until
+        admission reopens, at most ``run_admission_wait_s``; then it is refused after all
+        (docs/spec.md section 5.2 item 1).
 
         Splitting acceptance from following lets the wire layer tell the caller that the
         participant now owns the attempt before the first boundary (docs/spec.md section
@@ -464,9 +441,25 @@ class AgentHost:
                 f"weights_change must be a WeightsChange, got {weights_change!r}",
                 {"field": "weights_change"},
             )
-        async with self._shared.changing() as core:
-            execution = self._attach(core, episode, dict(task), budget_s or None, weights_change)
-        return self._follow(execution, episode, boundaries_seen)
+        waited_until: float | None = None
+        while True:
+            try:
+                async with self._shared.changing() as core:
+                    execution = self._attach(
+                        core, episode, dict(task), budget_s or None, weights_change
+                    )
+                return self._follow(execution, episode, boundaries_seen)
+            except TurnpointError as error:
+                if not wait_for_admission or error.reason is not Reason.ADMISSION_CLOSED:
+                    raise
+                loop = asyncio.get_running_loop()
+                if waited_until is None:
+                    waited_until = loop.time() + self._shared.config.run_admission_wait_s
+                try:
+                    async with asyncio.timeout_at(waited_until), self._shared.cond:
+                        await self._shared.wait_admission_open()
+                except TimeoutError:
+                    raise error from None
 
     async def _follow(
         self, execution: _Execution, episode: EpisodeId, boundaries_seen: int

@@ -80,6 +80,7 @@ class DataPlane:
         budget_s: float | None = None,
         fence: Fence | None = None,
         weights_change: WeightsChange | None = None,
+        wait_for_admission: bool = False,
     ) -> AsyncGenerator[BoundaryReport | RunResult, None]:
         """Accept a Run now (errors raise here), then follow it; see :meth:`AgentHost.accept_run`."""
         await self._check_data_fence(fence)
@@ -89,6 +90,7 @@ class DataPlane:
             boundaries_seen=boundaries_seen,
             budget_s=budget_s,
             weights_change=weights_change,
+            wait_for_admission=wait_for_admission,
         )
 
     async def acknowledge(

@@ -54,6 +54,9 @@ class CommitJob:
     task: asyncio.Task[CommitResult] | None = None
     ticket: WriteTicket | None = None
     write: asyncio.Future[SnapshotEntry] | None = None
+    # The coordinator asked for a resume in the commit; released: admission reopened.
+    release: bool = False
+    released: bool = False
 
 
 @dataclass(eq=False)

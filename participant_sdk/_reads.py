@@ -126,6 +126,7 @@ class ControlReads:
                 admission_open=core.admission_open,
                 lease_expiries=core.lease_expiries,
                 refused_rollouts=core.refused_rollouts,
+                committed_checkpoint_id=self._shared.committed_checkpoint_id,
             )
 
     async def watch(

@@ -11,6 +11,7 @@ Pure functions over bytes: no file I/O here; :mod:`._store` reads and writes the
 
 from __future__ import annotations
 
+import copy
 import enum
 import hashlib
 import itertools
@@ -257,6 +258,44 @@ def _plain(value: Any, depth: int) -> Any:
                 raise
         return items
     raise _BadValue(f"{kind.__name__} is not JSON-serialisable")
+
+
+# Exactly these types are immutable JSON values: a copy may share them.
+_JSON_ATOMS: Final = frozenset({str, int, float, bool, type(None)})
+# Below this depth a value is copied by the plain-JSON walk; anything deeper (or a
+# cycle, which no JSON has) goes to copy.deepcopy, which copes with both.
+_FAST_COPY_DEPTH: Final = 32
+
+
+def json_copy(value: Any, depth: int = 0) -> Any:
+    """A copy of ``value`` that shares nothing mutable with it.
+
+    What ``copy.deepcopy`` returns, faster for plain JSON: dicts with string keys and
+    lists are rebuilt, the immutable atoms shared, every other object deep-copied.
+    """
+    kind = type(value)
+    if kind in _JSON_ATOMS:
+        return value
+    if depth < _FAST_COPY_DEPTH:
+        if kind is dict:
+            copied = {}
+            for key, item in value.items():
+                if type(key) is not str:
+                    return copy.deepcopy(value)
+                copied[key] = json_copy(item, depth + 1)
+            return copied
+        if kind is list:
+            return [json_copy(item, depth + 1) for item in value]
+    return copy.deepcopy(value)
+
+
+def detached(record: Record) -> Record:
+    """``record`` with a payload of its own: what the participant does after the
+    export (a commit that releases admission) cannot change what is written."""
+    payload = record.payload
+    return Record(
+        record.episode, record.key, json_copy(payload if type(payload) is dict else dict(payload))
+    )
 
 
 def _episode_json(episode: EpisodeId) -> dict[str, Any]:

@@ -97,6 +97,9 @@ class CommitResult:
     manifest: ArtifactRef | None
     artifacts: tuple[ArtifactRef, ...]
     exported: tuple[EpisodeId, ...]
+    # The commit also ended the checkpoint (the request asked for release): no Resume
+    # is needed (docs/spec.md section 4.8 item 9).
+    released: bool = False
 
     @property
     def saved_nothing(self) -> bool:
@@ -142,6 +145,7 @@ class StatusResult:
     admission_open: bool
     lease_expiries: int
     refused_rollouts: int
+    committed_checkpoint_id: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -42,6 +42,7 @@ from ._dataplane import DataPlane
 from ._jobs import CommitJob, RestoreJob, Stage, retrieve, slot_of, storage_error
 from ._model import ModelHost, PolicyModel
 from ._reads import ControlReads
+from ._records import detached
 from ._resources import ResourcesHost, ResourcesServer
 from ._results import (
     AcknowledgeResult,
@@ -144,6 +145,8 @@ class ParticipantRuntime(ControlReads, DataPlane):
             "",
         )
         self._commit_jobs: dict[str, CommitJob] = {}
+        # Commits that ended their checkpoint (release): a repeat joins or replays them.
+        self._released: dict[str, CommitJob] = {}
         self._restore_job: RestoreJob | None = None
         self._stops: dict[WorkKey, asyncio.Task[None]] = {}
         self._background: set[asyncio.Future[Any]] = set()
@@ -268,6 +271,7 @@ class ParticipantRuntime(ControlReads, DataPlane):
                     self._background.add(publishing)
                     publishing.add_done_callback(self._background.discard)
             if start.opened:
+                self._forget_released()
                 await self._close_admission(checkpoint_id)
             await self._shared.wait_until(
                 lambda: core.ready or core.active_checkpoint_id != checkpoint_id,
@@ -307,6 +311,7 @@ class ParticipantRuntime(ControlReads, DataPlane):
         if start.kind is not StartKind.NEW or start.export or start.discard:
             return False  # a Commit of this id is running; it gives its own answer
         core.finish_commit(checkpoint_id, fingerprint, CommitResult(checkpoint_id, None, (), ()))
+        self._shared.committed_checkpoint_id = checkpoint_id
         return True
 
     async def _close_admission(self, checkpoint_id: str) -> None:
@@ -358,6 +363,7 @@ class ParticipantRuntime(ControlReads, DataPlane):
         *,
         timeout_s: float | None = None,
         accept_saved_nothing: bool = False,
+        release: bool = False,
     ) -> CommitResult:
         """Export the frozen state once, write it under ``<root>/<snapshot>/<instance>/``.
 
@@ -365,7 +371,10 @@ class ParticipantRuntime(ControlReads, DataPlane):
         refused. The same arguments (scope in any order) join the running write or
         replay its answer; a failed write is redone with the same records. With
         ``accept_saved_nothing`` an export of nothing writes no file and answers a
-        result without manifest (docs/spec.md section 4.8 item 7).
+        result without manifest (docs/spec.md section 4.8 item 7). With ``release`` the
+        checkpoint ends as soon as the export is taken: admission reopens before the
+        write, which goes on with records that share nothing with the live state, and
+        the answer says ``released`` (item 9).
         """
         deadline = Deadline(timeout_s, self._config)
         scope_set = frozenset(scope)
@@ -375,7 +384,7 @@ class ParticipantRuntime(ControlReads, DataPlane):
             request_id,
             CommitResult,
             lambda: self._commit(
-                checkpoint_id, snapshot, scope_set, deadline, accept_saved_nothing
+                checkpoint_id, snapshot, scope_set, deadline, accept_saved_nothing, release
             ),
         )
 
@@ -386,19 +395,32 @@ class ParticipantRuntime(ControlReads, DataPlane):
         scope: frozenset[EpisodeId],
         deadline: Deadline,
         accept_saved_nothing: bool,
+        release: bool = False,
     ) -> CommitResult:
         checked_id(snapshot, "snapshot")
         fingerprint = (snapshot, scope)
         async with self._shared.changing() as core:
-            start = core.begin_commit(checkpoint_id, fingerprint, scope, self._shared.now())
-            if start.kind is StartKind.REPLAY:
-                assert isinstance(start.answer, CommitResult)
-                return start.answer
-            if start.kind is StartKind.NEW:
-                self._commit_jobs[checkpoint_id] = CommitJob(
-                    checkpoint_id, fingerprint, snapshot, start.export, start.discard
-                )
-            job = self._commit_jobs[checkpoint_id]
+            released = self._released.get(checkpoint_id)
+            if released is not None:
+                # The commit ended its checkpoint: only the same commit can come again.
+                if released.fingerprint != fingerprint:
+                    raise TurnpointError(
+                        Reason.CHECKPOINT_CONFLICT,
+                        f"checkpoint {checkpoint_id!r} was committed with other arguments",
+                        {"checkpoint_id": checkpoint_id},
+                    )
+                job = released
+            else:
+                start = core.begin_commit(checkpoint_id, fingerprint, scope, self._shared.now())
+                if start.kind is StartKind.REPLAY:
+                    assert isinstance(start.answer, CommitResult)
+                    return start.answer
+                if start.kind is StartKind.NEW:
+                    self._commit_jobs[checkpoint_id] = CommitJob(
+                        checkpoint_id, fingerprint, snapshot, start.export, start.discard
+                    )
+                job = self._commit_jobs[checkpoint_id]
+            job.release = job.release or release
             if job.task is None or (
                 job.task.done() and (job.task.cancelled() or job.task.exception() is not None)
             ):
@@ -421,18 +443,24 @@ class ParticipantRuntime(ControlReads, DataPlane):
         what = f"commit of {job.checkpoint_id!r}"
         if job.records is None:
             job.stage = Stage.EXPORTING
-            job.records = await self._export(job.export_keys)
+            exported = await self._export(job.export_keys)
+            # Written after admission reopened, the records must not share the state
+            # the work then changes.
+            job.records = tuple(map(detached, exported)) if job.release else exported
         if not job.discarded:
             for key in job.discard_keys:
                 await self._stop_and_drop(key)
             job.discarded = True
+        if job.release and not job.released:
+            await self._release(job)
         if not job.records and accept_saved_nothing:
             # docs/spec.md section 4.8 item 7: nothing exported, nothing written (not a
             # byte, not an fsync); the answer says so and the snapshot manifest records
             # the participant without files.
-            result = CommitResult(job.checkpoint_id, None, (), ())
+            result = CommitResult(job.checkpoint_id, None, (), (), job.released)
             async with self._shared.changing() as core:
                 core.finish_commit(job.checkpoint_id, job.fingerprint, result)
+                self._shared.committed_checkpoint_id = job.checkpoint_id
             job.stage = Stage.DONE
             return result
         job.stage = Stage.WRITING
@@ -453,11 +481,35 @@ class ParticipantRuntime(ControlReads, DataPlane):
             entry = await asyncio.shield(write)
         except (OSError, StoreError, InvalidIdError) as error:
             raise storage_error(error, what) from error
-        result = CommitResult(job.checkpoint_id, entry.manifest, entry.artifacts, entry.episodes)
+        result = CommitResult(
+            job.checkpoint_id, entry.manifest, entry.artifacts, entry.episodes, job.released
+        )
         async with self._shared.changing() as core:
             core.finish_commit(job.checkpoint_id, job.fingerprint, result)
+            self._shared.committed_checkpoint_id = job.checkpoint_id
         job.stage = Stage.DONE
         return result
+
+    async def _release(self, job: CommitJob) -> None:
+        """docs/spec.md section 4.8 item 9: end the checkpoint as a Resume of it would,
+        keeping this commit's write (a Resume would stop it)."""
+        async with self._shared.changing() as core:
+            if core.active_checkpoint_id != job.checkpoint_id:
+                return  # ended meanwhile (its lease ran out): nothing left to release
+            core.resume(job.checkpoint_id, self._shared.now())
+            job.released = True
+            self._released[job.checkpoint_id] = job
+            for host in self._hosts.values():
+                await self._opened_hook(host)
+
+    def _forget_released(self) -> None:
+        """Drop released commits that are done (lock held): a new checkpoint opened, so
+        no coordinator asks for them again."""
+        for checkpoint_id, job in list(self._released.items()):
+            if job.task is not None and job.task.done():
+                del self._released[checkpoint_id]
+                if self._commit_jobs.get(checkpoint_id) is job:
+                    del self._commit_jobs[checkpoint_id]
 
     async def _export(self, keys: Sequence[WorkKey]) -> tuple[Record, ...]:
         records: list[Record] = []
@@ -484,6 +536,7 @@ class ParticipantRuntime(ControlReads, DataPlane):
         through its ticket; a publication already under way cannot be stopped, so the
         caller waits for it.
         """
+        self._released.pop(checkpoint_id, None)
         job = self._commit_jobs.get(checkpoint_id)
         if job is None:
             return []

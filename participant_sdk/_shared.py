@@ -45,7 +45,9 @@ class RuntimeConfig:
     ``default_call_timeout_s`` applies to calls that arrive without a deadline.
     ``model_retry_backoff_s``: how long an agent waits before re-issuing a model call the
     model server refused with ADMISSION_CLOSED while this participant's own admission is
-    open (the two checkpoints are not in step).
+    open (the two checkpoints are not in step). ``run_admission_wait_s``: how long a
+    Run that lets a new attempt wait for admission (``wait_for_admission``) waits before
+    it is refused with ADMISSION_CLOSED after all.
     """
 
     default_lease_s: float = 60.0
@@ -58,12 +60,14 @@ class RuntimeConfig:
     max_answered_requests: int = 4096
     model_retry_backoff_s: float = 0.5
     watch_queue_size: int = 1024
+    run_admission_wait_s: float = 5.0
 
     def __post_init__(self) -> None:
         for name in (
             "default_lease_s",
             "default_call_timeout_s",
             "model_retry_backoff_s",
+            "run_admission_wait_s",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
@@ -157,6 +161,9 @@ class Shared:
         self.config = config
         self.clock = clock
         self.wall_clock = wall_clock
+        # The last checkpoint whose commit finished here (GetStatus): a commit that
+        # released its checkpoint leaves no phase that shows it was written.
+        self.committed_checkpoint_id: str | None = None
         lock = asyncio.Lock()
         self.cond = asyncio.Condition(lock)
         # Parked episodes and held replies wait for one thing, admission opening; they

@@ -185,6 +185,7 @@ class ControlServicer(pb_grpc.CheckpointControlServiceServicer):
             episodes_from_proto(request.scope, "scope", self._max_list),
             timeout_s=timeout_s,
             accept_saved_nothing=request.accept_saved_nothing,
+            release=request.release,
         )
         response = pb.CommitResponse(
             header=self._header(),
@@ -192,6 +193,7 @@ class ControlServicer(pb_grpc.CheckpointControlServiceServicer):
             artifacts=[artifact_to_proto(a) for a in result.artifacts],
             exported=[episode_to_proto(e) for e in sorted(result.exported)],
             saved_nothing=result.manifest is None,
+            released=result.released,
         )
         if result.manifest is not None:
             response.manifest.CopyFrom(artifact_to_proto(result.manifest))
@@ -275,6 +277,7 @@ class ControlServicer(pb_grpc.CheckpointControlServiceServicer):
             admission_open=status.admission_open,
             lease_expiries=status.lease_expiries,
             refused_rollouts=status.refused_rollouts,
+            committed_checkpoint_id=status.committed_checkpoint_id or "",
         )
         if status.lease_expires_at is not None:
             response.lease_expires_at.CopyFrom(timestamp_from_seconds(status.lease_expires_at))

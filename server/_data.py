@@ -132,6 +132,7 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
                 budget_s=budget_s,
                 fence=fence,
                 weights_change=weights_change,
+                wait_for_admission=request.wait_for_admission,
             )
             # Closing the stream when the call ends (also by cancellation, which gRPC
             # delivers as CancelledError here) is what cancels the execution.

@@ -76,6 +76,9 @@ JOINING_RETRY_PAUSE_S: Final = 0.25
 """The pause before that retry (docs/spec.md section 7.3 item 3): a failure that broke the
 connection would otherwise be retried at once on the connection still being torn down."""
 # Resume order (docs/spec.md section 7.4 step 8): what rollouts depend on reopens first.
+# Checkpoints whose released participants are remembered (a resume of an older one
+# is sent to everyone named, which is harmless: resuming is idempotent).
+_RELEASED_REMEMBERED: Final = 8
 _RESUME_ORDER: Final = (
     (ParticipantKind.RESOURCES,),
     (ParticipantKind.MODEL,),
@@ -175,8 +178,12 @@ class Renewer:
             self._kick.clear()
             if not schedule.due(loop.time()):
                 continue
+            # Who ended the checkpoint in its commit holds no lease any more.
+            released = self._operations.released(self._checkpoint_id)
             result = await self._operations.renew_round(
-                self._checkpoint_id, self._instances, schedule.window_s
+                self._checkpoint_id,
+                tuple(n for n in self._instances if n not in released),
+                schedule.window_s,
             )
             schedule.renewed(loop.time())
             for name in result.responses:
@@ -220,6 +227,9 @@ class ControlOperations:
         }
         self._request_ids = _RequestIds()
         self._topology: Topology | None = None
+        # Per recent checkpoint: the participants that ended it already (a commit that
+        # released, a resume that succeeded); a resume of it skips them.
+        self._released: dict[str, set[str]] = {}
 
     # -- basics ------------------------------------------------------------------------
 
@@ -408,8 +418,9 @@ class ControlOperations:
         is still closed (each participant's lease reopens it anyway).
         """
         chosen = self._checked(instances)
-        reports = []
-        for group in self._resume_groups(chosen):
+        done = self._released.get(checkpoint_id, set()) & set(chosen)
+        reports = [ControlReport("resume", checkpoint_id, frozenset(done), {})]
+        for group in self._resume_groups(tuple(n for n in chosen if n not in done)):
             requests = {
                 name: pb.ResumeRequest(
                     fence=self.fence,
@@ -433,7 +444,22 @@ class ControlOperations:
                     result.durations_s,
                 )
             )
-        return ControlReport.merge("resume", checkpoint_id, reports)
+        merged = ControlReport.merge("resume", checkpoint_id, reports)
+        self.note_released(checkpoint_id, merged.succeeded)
+        return merged
+
+    def note_released(self, checkpoint_id: str, instances: Iterable[str]) -> None:
+        """``instances`` ended ``checkpoint_id``: later resumes of it skip them."""
+        names = set(instances)
+        if not names:
+            return
+        self._released.setdefault(checkpoint_id, set()).update(names)
+        while len(self._released) > _RELEASED_REMEMBERED:
+            del self._released[next(iter(self._released))]
+
+    def released(self, checkpoint_id: str) -> frozenset[str]:
+        """The participants known to have ended ``checkpoint_id``."""
+        return frozenset(self._released.get(checkpoint_id, ()))
 
     # -- retire / forget ---------------------------------------------------------------
 

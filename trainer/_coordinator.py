@@ -113,6 +113,10 @@ _RESTARTS_REMEMBERED = 8
 # write. Tests that inject disk faults into empty commits turn it off, as an older
 # coordinator would not send it.
 ACCEPT_SAVED_NOTHING = True
+# docs/spec.md section 4.8 item 9: participants end the checkpoint in their commit, as
+# soon as the export is taken. Tests of the resume after publication turn it off, as an
+# older coordinator would not ask.
+RELEASE_IN_COMMIT = True
 # Describe at start-up: transient failures (a participant still binding, a blip) are
 # asked again this many times, this far apart, before discovery fails.
 DISCOVER_ATTEMPTS = 5
@@ -600,12 +604,15 @@ class Coordinator(RestoreOperations):
                 snapshot=snapshot,
                 scope=[episode_to_proto(e) for e in sorted(episodes)],
                 accept_saved_nothing=ACCEPT_SAVED_NOTHING,
+                release=RELEASE_IN_COMMIT,
             )
             for name, episodes in scopes.items()
             if name not in entries
         }
         result = await self._fan_out_once("commit", requests, attempts=JOINING_ATTEMPTS)
         failures = dict(result.failures)
+        # Released even if the snapshot fails now: their admission is open again.
+        self.note_released(checkpoint_id, (n for n, r in result.responses.items() if r.released))
         for name, response in result.responses.items():
             try:
                 entries[name] = _entry_from_commit(

@@ -10,9 +10,10 @@ can have hundreds of instances), and reasons from closed enums.
 
 Snapshot durations come from the attempts themselves: :meth:`CoordinatorMetrics.on_transition`
 subscribes to every attempt's transitions (``SnapshotDriver(metrics=...)`` does it) and
-observes each phase, the total and the admission-closed time when the attempt ends, so
-the phases add up to the total by construction. Counts by outcome and reason, and
-participant-seconds, come from the attempt's report (:meth:`observe_snapshot`); retries
+observes each phase and the total when the attempt ends, so the phases add up to the
+total by construction. Counts by outcome and reason, participant-seconds and the
+admission-closed time (dispatch may reopen between transitions, once a cut's books are
+read) come from the attempt's report (:meth:`observe_snapshot`); retries
 of a failed attempt from the driver as it takes one up (:meth:`retried_snapshot`).
 """
 
@@ -176,16 +177,24 @@ class CoordinatorMetrics:
         self.snapshot_seconds.labels(new.value).observe(max(times.total_s, 0.0))
         for phase, seconds in times.phases.items():
             self.snapshot_phase_seconds.labels(phase.value).observe(max(seconds, 0.0))
-        self.admission_closed_seconds.inc(max(times.admission_closed_s, 0.0))
 
     def retried_snapshot(self, *, same_id: bool) -> None:
         """An attempt that retries a failed one (the pump handed its id back)."""
         self.snapshot_retries.labels("same_id" if same_id else "new_id").inc()
 
-    def observe_snapshot(self, *, outcome: str, reason: str, participant_seconds: float) -> None:
-        """What only an attempt's report knows: why it failed, and for how many."""
+    def observe_snapshot(
+        self,
+        *,
+        outcome: str,
+        reason: str,
+        participant_seconds: float,
+        admission_closed_s: float = 0.0,
+    ) -> None:
+        """What only an attempt's report knows: why it failed, for how many, and how
+        long dispatch was closed."""
         self.snapshots.labels(outcome, reason).inc()
         self.participant_seconds.inc(max(participant_seconds, 0.0))
+        self.admission_closed_seconds.inc(max(admission_closed_s, 0.0))
 
     def observe_restore(
         self,

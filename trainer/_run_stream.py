@@ -259,6 +259,9 @@ def run_request(
         group_size=spec.group_size,
         boundaries_seen=attempt.boundaries_seen,
         weights_change=weights_change_to_proto(weights_change),
+        # Dispatch reopens once a cut's books are read, before the agents release the
+        # checkpoint: a new attempt waits there rather than bounce (section 5.2 item 1).
+        wait_for_admission=True,
     )
     if attempt.budget_s is not None and math.isfinite(attempt.budget_s):
         request.budget.CopyFrom(duration_from_seconds(attempt.budget_s))

@@ -234,12 +234,17 @@ class PhaseTimes:
         self.last = now
         if old is SnapshotState.CLOSE:
             self.closed_at = now
-        elif old is SnapshotState.REOPEN:
+        elif old is SnapshotState.REOPEN and self.reopened_at is None:
             self.reopened_at = now
         if new is SnapshotState.PREPARE:
             self.prepare_started = now
         elif new is SnapshotState.REOPEN and self.prepare_started is not None:
             self.released_at = now
+
+    def dispatch_reopened(self, now: float) -> None:
+        """Dispatch reopened before the attempt reached REOPEN (once the books were read)."""
+        if self.reopened_at is None:
+            self.reopened_at = now
 
     @property
     def phases(self) -> Mapping[SnapshotState, float]:
@@ -252,7 +257,8 @@ class PhaseTimes:
 
     @property
     def admission_closed_s(self) -> float:
-        """From the end of ``close`` to the end of ``reopen`` (0 if dispatch never closed)."""
+        """From the end of ``close`` until dispatch reopened: once the books were read
+        after a prepare, else at the end of ``reopen`` (0 if dispatch never closed)."""
         if self.closed_at is None or self.reopened_at is None:
             return 0.0
         return self.reopened_at - self.closed_at

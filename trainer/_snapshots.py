@@ -14,23 +14,28 @@ told of every transition:
    RETIRE   attempts abandoned since the release are retired, on their agent and every
             resources server, while the participants are still idle (a participant
             refuses a retire once a checkpoint is open);
-4. PREPARE  every participant, under one deadline;
+4. PREPARE  every participant, under one deadline; the books are read, and dispatch
+            reopens: a new rollout is in no cut and waits at its agent for admission;
 5. ABORT    not ready in time, or any failure before publication: the same id is resumed
             everywhere, stragglers that must go are retired, the previous snapshot stays;
 6. COMMIT   every participant, with the scope the core decides
             (:func:`~turnpoint.trainer._coordinator_core.scope_commit`: each agent
-            instance's in-flight episodes, minus every restart any participant reported);
+            instance's in-flight episodes, minus every restart any participant
+            reported); each commit ends its participant's checkpoint at the export
+            (release), and who committed in its prepare is resumed meanwhile;
 7. PUBLISH  the trainer's rollout state and the manifest are validated and published
             atomically (blocking work in threads), then retention and partial cleanup;
-8. RESUME   resources, then models, then agents; REOPEN: dispatch reopens and the
-            deadline hold is released, or kept while some participant's resume failed
-            (until its release retry succeeds or its lease has surely run out).
+8. RESUME   whoever is not released yet: resources, then models, then agents; REOPEN:
+            the gate moves and the deadline hold is released, or kept while some
+            participant's resume failed (until its release retry succeeds or its lease
+            has surely run out).
 
 Before step 1 every attempt is in RELEASE: it re-sends resumes that failed earlier, ends
 SKIPPED when nothing changed, and otherwise retires ended attempts and forgets the
 refusal marks of rollouts nothing of which can arrive any more (docs/spec.md section 7.6
 item 6), all while dispatch is still open. The report's phases are the time spent in
-each state, so they add up to the total by construction.
+each state, so they add up to the total by construction; ``admission_closed_s`` runs
+from CLOSE to the reopen after the books are read.
 
 Checkpoint ids
 --------------
@@ -199,6 +204,8 @@ class SnapshotParticipants(Protocol):
     async def resume(
         self, checkpoint_id: str, instances: Iterable[str] | None = None
     ) -> ControlReport: ...
+
+    def released(self, checkpoint_id: str) -> frozenset[str]: ...
 
     async def retire(
         self, episodes: Mapping[str, Iterable[EpisodeId]], *, key: str | None = None
@@ -580,6 +587,12 @@ class SnapshotDriver:
             await self._abort(attempt, {})
             raise
         step_lock.release()
+        # The books are read: a rollout dispatched from now on is in no cut. Its Run
+        # waits at its agent until that agent ends the checkpoint (its commit releases
+        # it, docs/spec.md section 4.8 item 9), so dispatch reopens here, not after the
+        # resume; the deadline hold stays until step 8.
+        rollouts.reopen_dispatch()
+        attempt.times.dispatch_reopened(self._clock())
         try:
             async with self._coordinator.held(prepared):
                 try:
@@ -611,12 +624,26 @@ class SnapshotDriver:
         )
         if not scope.ok:
             raise _Failed(FailureReason.INVARIANT, scope.reason)
+        # The cut is fixed: every participant is prepared and the books are read. Who
+        # committed in its prepare is resumed now, beside the others' commits, which end
+        # the checkpoint themselves once their export is taken (docs/spec.md section 7.4
+        # step 6).
+        early = (
+            asyncio.create_task(
+                self._coordinator.resume(checkpoint_id, sorted(prepared.committed_empty))
+            )
+            if prepared.committed_empty
+            else None
+        )
         try:
             entries = await self._coordinator.commit(checkpoint_id, checkpoint_id, scope.scopes)
         except CommitFailed as error:
             raise _Failed(
                 failure_reason(error.failures), str(error), error.failures, error
             ) from error
+        finally:
+            if early is not None:
+                self._note_release(checkpoint_id, await early)
         attribution = attribute_commit(
             scope, in_flight, {name: entry.exported for name, entry in entries.items()}
         )
@@ -872,6 +899,7 @@ class SnapshotDriver:
                 outcome=outcome.value,
                 reason=reason.value if reason is not None else "",
                 participant_seconds=participant_seconds,
+                admission_closed_s=report.admission_closed_s,
             )
             if report.unreleased and outcome is SnapshotOutcome.PUBLISHED:
                 self._metrics.release_failures.inc(len(report.unreleased))

@@ -221,10 +221,14 @@ class StatusProbe:
         try:
             for answered in asyncio.as_completed(asking):
                 answer = await answered
-                if (
-                    answer is not None
-                    and answer.active_checkpoint_id == checkpoint_id
-                    and answer.phase in phases
+                if answer is not None and (
+                    (answer.active_checkpoint_id == checkpoint_id and answer.phase in phases)
+                    # A commit that ended the checkpoint (docs/spec.md section 4.8 item
+                    # 9) leaves the participant idle: it says what it wrote instead.
+                    or (
+                        types_pb2.PHASE_COMMITTED in phases
+                        and answer.committed_checkpoint_id == checkpoint_id
+                    )
                 ):
                     return True
             return False

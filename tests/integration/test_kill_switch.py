@@ -41,9 +41,13 @@ async def test_the_probe_sees_a_checkpoint_held_then_written_then_released(
 
                 scope: dict[str, list[EpisodeId]] = {}
                 await coordinator.commit(prepared.checkpoint_id, "ck-1", scope)
+                # Each commit ended the checkpoint (docs/spec.md section 4.8 item 9): the
+                # participants are idle, and their status names what they wrote.
                 assert await probe.any_in("ck-1", WROTE)
+                assert not await probe.any_in("ck-1", HOLDING)
 
                 await coordinator.resume("ck-1")
-                assert not await probe.any_in("ck-1", HOLDING | WROTE)
+                assert not await probe.any_in("ck-1", HOLDING)
+                assert not await probe.any_in("ck-2", WROTE)
             finally:
                 await probe.aclose()

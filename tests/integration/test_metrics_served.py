@@ -15,6 +15,7 @@ import asyncio
 import contextlib
 import urllib.request
 from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -150,7 +151,10 @@ async def test_participant_and_coordinator_metrics_move_mid_run(tmp_path: Path) 
             await coordinator.discover()
             endpoints = {"agent-0": AgentEndpoint(hosted_agent.address, TOKEN)}
             async with coordinator, RolloutClient(endpoints) as client:
-                client.dispatch(counting("metered"))
+                # Longer than the whole test: each participant ends the checkpoint in its
+                # commit, so the episode goes on between the snapshots, and the restore
+                # below must still find it in flight.
+                client.dispatch(replace(counting("metered"), task={"target": 100_000}))
                 await eventually(lambda: any(len(s["totals"]) > 2 for s in held.sessions.values()))
                 anchor = FlakyAnchor()
                 driver = SnapshotDriver(

@@ -51,6 +51,7 @@ from turnpoint.trainer import (
     SnapshotOutcome,
     apply_plan,
 )
+from turnpoint.trainer import _coordinator as coordinator_module
 from turnpoint.trainer._restore import RerunReason
 from turnpoint.v1 import checkpoint_control_service_pb2 as pb
 from turnpoint.v1 import rollout_service_pb2 as ro_pb
@@ -397,6 +398,55 @@ async def test_a_rollout_parked_longer_than_its_budget_finishes_is_acknowledged_
         await trainer.prepare_ready()
 
 
+async def test_a_rollout_dispatched_during_a_snapshot_waits_at_its_agent_and_is_in_no_cut(
+    tmp_path: Path,
+) -> None:
+    # docs/spec.md section 7.4 steps 4 and 6: dispatch reopens once the books are read;
+    # the new Run waits at its agent (section 5.2 item 1) until the agent's commit ends
+    # the checkpoint (section 4.8 item 9), and the snapshot does not hold it.
+    agent = EnvAgent()
+    gates: list[CommitGate] = []
+
+    def gate(coordinator: Coordinator) -> CommitGate:
+        gates.append(CommitGate(coordinator))
+        return gates[-1]
+
+    async with (
+        host_scripted(tmp_path, agent=agent) as hosted,
+        trainer_for(
+            tmp_path,
+            {"agent-0": hosted.address},
+            {"agent-0": hosted.address},
+            coordinator_wrapper=gate,
+        ) as trainer,
+    ):
+        client = trainer.client
+        first = client.dispatch(scripted_rollout("r0"))
+        await parked_at(trainer, first, 1)
+
+        taking = asyncio.create_task(trainer.driver.take())
+        await bounded(gates[0].committing.wait())
+        assert client.dispatch_open
+        late = client.dispatch(scripted_rollout("r1"))
+        # A short real wait for something that must not happen: the Run is neither
+        # refused nor admitted while the checkpoint holds the agent.
+        await asyncio.sleep(0.3)
+        assert late in client.waiting()
+        assert late not in held_by(hosted)
+        assert client.stats().admission_refusals == 0
+
+        gates[0].open.set()
+        report = await bounded(taking)
+        assert report.outcome is SnapshotOutcome.PUBLISHED, report.detail
+        # Released by its commit: no resume was needed to admit the new Run.
+        assert trainer.coordinator.released(report.checkpoint_id) == {"agent-0"}
+        await client.wait_for(lambda: any(r.episode == late for r in client.in_flight()), BOUND_S)
+        assert client.stats().admission_refusals == 0
+        manifest = trainer.layout.load(report.checkpoint_id)
+        assert [p.episode for p in manifest.continued] == [first]
+        assert [r["rollout_id"] for r in manifest.rollout_state.in_flight] == ["r0"]
+
+
 # -------------------------------------------------------------- 2. a given-up rollout
 
 
@@ -477,8 +527,12 @@ async def poll_state(hosted: HostedParticipant, episode: EpisodeId, state: Episo
 
 @pytest.mark.parametrize("operation", ["prepare", "commit", "resume"])
 async def test_a_lost_snapshot_reply_is_retried_and_nothing_is_done_twice(
-    tmp_path: Path, operation: str
+    tmp_path: Path, operation: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    if operation == "resume":
+        # A participant that ends the checkpoint in its commit needs no resume: this
+        # case is the older exchange, where the resume carries the release.
+        monkeypatch.setattr(coordinator_module, "RELEASE_IN_COMMIT", False)
     agent = EnvAgent()
     async with (
         host_scripted(tmp_path, agent=agent) as hosted,

@@ -355,6 +355,7 @@ class CommitRequest(_message.Message):
     SNAPSHOT_FIELD_NUMBER: _builtins.int
     SCOPE_FIELD_NUMBER: _builtins.int
     ACCEPT_SAVED_NOTHING_FIELD_NUMBER: _builtins.int
+    RELEASE_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Idempotency key."""
     checkpoint_id: _builtins.str
@@ -368,6 +369,12 @@ class CommitRequest(_message.Message):
     """The coordinator understands `CommitResponse.saved_nothing`: a participant that
     exports nothing MAY then write no file and answer `saved_nothing` (docs/spec.md
     section 4.8 item 7). Unset: it always writes a manifest and a records file.
+    """
+    release: _builtins.bool
+    """Resume in the commit: once the export is taken (before the write), end the
+    checkpoint and reopen admission as a Resume of `checkpoint_id` would, then write and
+    answer; `CommitResponse.released` says it did (docs/spec.md section 4.8 item 9).
+    Unset: the participant stays committed until Resume.
     """
     @_builtins.property
     def fence(self) -> _types_pb2.Fence:
@@ -388,10 +395,11 @@ class CommitRequest(_message.Message):
         snapshot: _builtins.str = ...,
         scope: _abc.Iterable[_types_pb2.EpisodeId] | None = ...,
         accept_saved_nothing: _builtins.bool = ...,
+        release: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["fence", b"fence"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["accept_saved_nothing", b"accept_saved_nothing", "checkpoint_id", b"checkpoint_id", "fence", b"fence", "request_id", b"request_id", "scope", b"scope", "snapshot", b"snapshot"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accept_saved_nothing", b"accept_saved_nothing", "checkpoint_id", b"checkpoint_id", "fence", b"fence", "release", b"release", "request_id", b"request_id", "scope", b"scope", "snapshot", b"snapshot"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -409,12 +417,17 @@ class CommitResponse(_message.Message):
     ARTIFACTS_FIELD_NUMBER: _builtins.int
     EXPORTED_FIELD_NUMBER: _builtins.int
     SAVED_NOTHING_FIELD_NUMBER: _builtins.int
+    RELEASED_FIELD_NUMBER: _builtins.int
     checkpoint_id: _builtins.str
     """The checkpoint committed."""
     saved_nothing: _builtins.bool
     """True when the participant exported nothing for this commit and wrote no file:
     `manifest` is then unset and `artifacts` and `exported` are empty; the snapshot
     manifest records the participant with a null manifest (docs/spec.md section 4.8).
+    """
+    released: _builtins.bool
+    """True when the participant ended the checkpoint in this commit (the request asked
+    for `release`): admission is open again and no Resume is needed.
     """
     @_builtins.property
     def header(self) -> _types_pb2.ResponseHeader:
@@ -441,10 +454,11 @@ class CommitResponse(_message.Message):
         artifacts: _abc.Iterable[_types_pb2.ArtifactRef] | None = ...,
         exported: _abc.Iterable[_types_pb2.EpisodeId] | None = ...,
         saved_nothing: _builtins.bool = ...,
+        released: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header", "manifest", b"manifest"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["artifacts", b"artifacts", "checkpoint_id", b"checkpoint_id", "exported", b"exported", "header", b"header", "manifest", b"manifest", "saved_nothing", b"saved_nothing"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["artifacts", b"artifacts", "checkpoint_id", b"checkpoint_id", "exported", b"exported", "header", b"header", "manifest", b"manifest", "released", b"released", "saved_nothing", b"saved_nothing"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -804,6 +818,7 @@ class GetStatusResponse(_message.Message):
     ADMISSION_OPEN_FIELD_NUMBER: _builtins.int
     LEASE_EXPIRIES_FIELD_NUMBER: _builtins.int
     REFUSED_ROLLOUTS_FIELD_NUMBER: _builtins.int
+    COMMITTED_CHECKPOINT_ID_FIELD_NUMBER: _builtins.int
     phase: _types_pb2.Phase.ValueType
     """Current phase."""
     active_checkpoint_id: _builtins.str
@@ -814,6 +829,11 @@ class GetStatusResponse(_message.Message):
     """Leases that expired since the process started."""
     refused_rollouts: _builtins.int
     """Rollouts currently refused because an attempt of them was retired."""
+    committed_checkpoint_id: _builtins.str
+    """The last checkpoint whose commit finished here (its part written, or saved
+    nothing), empty if none: a commit that ended its checkpoint (docs/spec.md section
+    4.8 item 9) leaves the participant idle, so the phase no longer shows it.
+    """
     @_builtins.property
     def header(self) -> _types_pb2.ResponseHeader:
         """Who answered."""
@@ -837,10 +857,11 @@ class GetStatusResponse(_message.Message):
         admission_open: _builtins.bool = ...,
         lease_expiries: _builtins.int = ...,
         refused_rollouts: _builtins.int = ...,
+        committed_checkpoint_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header", "lease_expires_at", b"lease_expires_at", "readiness", b"readiness"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_checkpoint_id", b"active_checkpoint_id", "admission_open", b"admission_open", "header", b"header", "lease_expires_at", b"lease_expires_at", "lease_expiries", b"lease_expiries", "phase", b"phase", "readiness", b"readiness", "refused_rollouts", b"refused_rollouts"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_checkpoint_id", b"active_checkpoint_id", "admission_open", b"admission_open", "committed_checkpoint_id", b"committed_checkpoint_id", "header", b"header", "lease_expires_at", b"lease_expires_at", "lease_expiries", b"lease_expiries", "phase", b"phase", "readiness", b"readiness", "refused_rollouts", b"refused_rollouts"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

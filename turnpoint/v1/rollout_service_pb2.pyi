@@ -71,6 +71,7 @@ class RunRequest(_message.Message):
     BOUNDARIES_SEEN_FIELD_NUMBER: _builtins.int
     FENCE_FIELD_NUMBER: _builtins.int
     WEIGHTS_CHANGE_FIELD_NUMBER: _builtins.int
+    WAIT_FOR_ADMISSION_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Idempotency key of this invocation; a re-invocation may reuse it."""
     prompt_group_id: _builtins.str
@@ -86,6 +87,13 @@ class RunRequest(_message.Message):
     weights_change: _types_pb2.WeightsChange.ValueType
     """What the agent does with a generation that spans a weight update (section 5.5 item
     7), from the coordinator's configuration. UNSPECIFIED: the agent's own setting.
+    """
+    wait_for_admission: _builtins.bool
+    """The caller lets a Run of a new attempt wait while a checkpoint holds admission,
+    instead of its refusal with ADMISSION_CLOSED: the participant admits it when
+    admission reopens and only then sends `turnpoint-accepted`. A waiting Run is not in
+    the work table, so it is in no cut and blocks no prepare (docs/spec.md section 5.2
+    item 1). A participant that does not implement it refuses as before.
     """
     @_builtins.property
     def episode(self) -> _types_pb2.EpisodeId:
@@ -119,10 +127,11 @@ class RunRequest(_message.Message):
         boundaries_seen: _builtins.int = ...,
         fence: _types_pb2.Fence | None = ...,
         weights_change: _types_pb2.WeightsChange.ValueType = ...,
+        wait_for_admission: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["budget", b"budget", "episode", b"episode", "fence", b"fence", "task", b"task"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["boundaries_seen", b"boundaries_seen", "budget", b"budget", "episode", b"episode", "fence", b"fence", "group_size", b"group_size", "prompt_group_id", b"prompt_group_id", "request_id", b"request_id", "sibling_index", b"sibling_index", "task", b"task", "weights_change", b"weights_change"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["boundaries_seen", b"boundaries_seen", "budget", b"budget", "episode", b"episode", "fence", b"fence", "group_size", b"group_size", "prompt_group_id", b"prompt_group_id", "request_id", b"request_id", "sibling_index", b"sibling_index", "task", b"task", "wait_for_admission", b"wait_for_admission", "weights_change", b"weights_change"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
