@@ -146,7 +146,10 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         help=f"training steps of each demo run (default {_FULL_STEPS}, quick {_QUICK_STEPS})",
     )
     parser.add_argument(
-        "--groups-per-step", type=_positive_int, default=4, help="prompt groups per step"
+        "--groups-per-step",
+        type=_positive_int,
+        default=WorkloadOptions().groups_per_step,
+        help="prompt groups per step (default: %(default)s)",
     )
     parser.add_argument("--group-size", type=_positive_int, default=4, help="siblings per group")
     parser.add_argument(
@@ -162,7 +165,10 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         f"{_QUICK_REPEATS})",
     )
     parser.add_argument(
-        "--agents", type=_positive_int, default=2, help="agent servers in the demo workload"
+        "--agents",
+        type=_positive_int,
+        default=WorkloadOptions().agents,
+        help="agent servers in the demo workload (default: %(default)s)",
     )
     parser.add_argument(
         "--root",

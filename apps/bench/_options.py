@@ -40,10 +40,12 @@ class WorkloadOptions:
     ``snapshot_interval_s`` when snapshots are on; ``repeats`` runs each way.
     ``run_timeout_s`` bounds each run."""
 
-    agents: int = 2
+    # 8 agent servers and 8 groups of 4 in flight: the load the admission-closed target
+    # is set for (32 rollouts in flight, four per agent).
+    agents: int = 8
     steps: int = 20
     group_size: int = 4
-    groups_per_step: int = 4
+    groups_per_step: int = 8
     snapshot_interval_s: float = 2.0
     repeats: int = 1
     seed: int = 0
