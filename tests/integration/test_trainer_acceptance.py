@@ -334,6 +334,24 @@ class CommitGate:
         return await self._coordinator.commit(checkpoint_id, snapshot, scope)
 
 
+@contextlib.asynccontextmanager
+async def gated_trainer(
+    root: Path, hosted: HostedParticipant, *, clock: FakeClock | None = None
+) -> AsyncIterator[tuple[Trainer, CommitGate]]:
+    """A trainer on the one agent ``hosted``, whose commits wait for the gate."""
+    gates: list[CommitGate] = []
+
+    def gate(coordinator: Coordinator) -> CommitGate:
+        gates.append(CommitGate(coordinator))
+        return gates[-1]
+
+    address = {"agent-0": hosted.address}
+    async with trainer_for(
+        root, address, address, clock=clock, coordinator_wrapper=gate
+    ) as trainer:
+        yield trainer, gates[0]
+
+
 # -------------------------------------------------------------- 1. parked deadline
 
 
@@ -343,21 +361,9 @@ async def test_a_rollout_parked_longer_than_its_budget_finishes_is_acknowledged_
 ) -> None:
     clock = FakeClock()
     agent = EnvAgent()
-    gates: list[CommitGate] = []
-
-    def gate(coordinator: Coordinator) -> CommitGate:
-        gates.append(CommitGate(coordinator))
-        return gates[-1]
-
     async with (
         host_scripted(tmp_path, agent=agent, clock=clock) as hosted,
-        trainer_for(
-            tmp_path,
-            {"agent-0": hosted.address},
-            {"agent-0": hosted.address},
-            clock=clock,
-            coordinator_wrapper=gate,
-        ) as trainer,
+        gated_trainer(tmp_path, hosted, clock=clock) as (trainer, gate),
     ):
         client = trainer.client
         episode = client.dispatch(scripted_rollout("r0", budget_s=10.0))
@@ -365,7 +371,7 @@ async def test_a_rollout_parked_longer_than_its_budget_finishes_is_acknowledged_
         sync = client.hold_deadlines("weight-sync") if weight_sync != "none" else None
 
         taking = asyncio.create_task(trainer.driver.take())
-        await bounded(gates[0].committing.wait())
+        await bounded(gate.committing.wait())
         # Prepared and held open: the episode waits at its boundary far past its budget.
         clock.advance(60.0)
         assert client.expire_due() == []
@@ -376,7 +382,7 @@ async def test_a_rollout_parked_longer_than_its_budget_finishes_is_acknowledged_
             clock.advance(60.0)
             # The snapshot still holds: the clocks stay stopped.
             assert client.expire_due() == []
-        gates[0].open.set()
+        gate.open.set()
         report = await bounded(taking)
         assert report.outcome is SnapshotOutcome.PUBLISHED, report.detail
         if sync is not None:
@@ -405,27 +411,16 @@ async def test_a_rollout_dispatched_during_a_snapshot_waits_at_its_agent_and_is_
     # the new Run waits at its agent (section 5.2 item 1) until the agent's commit ends
     # the checkpoint (section 4.8 item 9), and the snapshot does not hold it.
     agent = EnvAgent()
-    gates: list[CommitGate] = []
-
-    def gate(coordinator: Coordinator) -> CommitGate:
-        gates.append(CommitGate(coordinator))
-        return gates[-1]
-
     async with (
         host_scripted(tmp_path, agent=agent) as hosted,
-        trainer_for(
-            tmp_path,
-            {"agent-0": hosted.address},
-            {"agent-0": hosted.address},
-            coordinator_wrapper=gate,
-        ) as trainer,
+        gated_trainer(tmp_path, hosted) as (trainer, gate),
     ):
         client = trainer.client
         first = client.dispatch(scripted_rollout("r0"))
         await parked_at(trainer, first, 1)
 
         taking = asyncio.create_task(trainer.driver.take())
-        await bounded(gates[0].committing.wait())
+        await bounded(gate.committing.wait())
         assert client.dispatch_open
         late = client.dispatch(scripted_rollout("r1"))
         # A short real wait for something that must not happen: the Run is neither
@@ -435,7 +430,7 @@ async def test_a_rollout_dispatched_during_a_snapshot_waits_at_its_agent_and_is_
         assert late not in held_by(hosted)
         assert client.stats().admission_refusals == 0
 
-        gates[0].open.set()
+        gate.open.set()
         report = await bounded(taking)
         assert report.outcome is SnapshotOutcome.PUBLISHED, report.detail
         # Released by its commit: no resume was needed to admit the new Run.

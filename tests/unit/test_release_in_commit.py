@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 from tests.support.fakes import expect, state_of
@@ -20,6 +22,7 @@ from tests.unit.test_participant_runtime import (
     EP_B,
     FENCE,
     INSTANCE,
+    Follower,
     StepAgent,
     bounded,
     ckpt,
@@ -32,6 +35,7 @@ from tests.unit.test_participant_runtime import (
 from turnpoint.errors import Reason
 from turnpoint.participant_sdk import (
     EpisodeState,
+    ParticipantRuntime,
     Phase,
     RuntimeConfig,
     SnapshotStore,
@@ -47,6 +51,18 @@ def written_states(store: SnapshotStore, snapshot: str) -> dict[str, object]:
     return {line["episode"]["rollout_id"]: line["payload"]["state"] for line in lines}
 
 
+@asynccontextmanager
+async def parked(
+    store: SnapshotStore, turns: int = 3
+) -> AsyncIterator[tuple[ParticipantRuntime, StepAgent, Follower]]:
+    """An agent whose episode EP_A is parked at its first boundary, ckpt(1) prepared."""
+    agent = StepAgent()
+    async with hosted(make_runtime(store, agent=agent)) as runtime:
+        follower = await start_episode(runtime, EP_A, turns=turns)
+        await park_all(runtime, agent, ckpt(1), EP_A)
+        yield runtime, agent, follower
+
+
 async def test_a_releasing_commit_reopens_admission_before_its_write_and_writes_the_cut(
     tmp_path: Path,
 ) -> None:
@@ -54,10 +70,7 @@ async def test_a_releasing_commit_reopens_admission_before_its_write_and_writes_
     release_write = threading.Event()
     reached = faults.slow_write(release_write)
     store = SnapshotStore(tmp_path, faults=faults)
-    agent = StepAgent()
-    async with hosted(make_runtime(store, agent=agent)) as runtime:
-        follower = await start_episode(runtime, EP_A, turns=3)
-        await park_all(runtime, agent, ckpt(1), EP_A)
+    async with parked(store) as (runtime, agent, follower):
         commit = asyncio.create_task(
             runtime.commit(FENCE, rid(), ckpt(1), ckpt(1), [EP_A], release=True)
         )
@@ -79,11 +92,7 @@ async def test_a_releasing_commit_reopens_admission_before_its_write_and_writes_
 async def test_a_repeat_of_a_released_commit_replays_it_and_other_arguments_conflict(
     tmp_path: Path,
 ) -> None:
-    store = SnapshotStore(tmp_path)
-    agent = StepAgent()
-    async with hosted(make_runtime(store, agent=agent)) as runtime:
-        await start_episode(runtime, EP_A, turns=3)
-        await park_all(runtime, agent, ckpt(1), EP_A)
+    async with parked(SnapshotStore(tmp_path)) as (runtime, agent, _):
         first = await runtime.commit(FENCE, rid(), ckpt(1), ckpt(1), [EP_A], release=True)
         assert first.released and runtime.phase is Phase.IDLE
         # A lost reply: the coordinator asks again (another session, another id).
@@ -107,11 +116,7 @@ async def test_a_repeat_of_a_released_commit_replays_it_and_other_arguments_conf
 async def test_without_release_the_commit_keeps_the_checkpoint_until_resume(
     tmp_path: Path,
 ) -> None:
-    store = SnapshotStore(tmp_path)
-    agent = StepAgent()
-    async with hosted(make_runtime(store, agent=agent)) as runtime:
-        await start_episode(runtime, EP_A, turns=3)
-        await park_all(runtime, agent, ckpt(1), EP_A)
+    async with parked(SnapshotStore(tmp_path)) as (runtime, _, _):
         result = await runtime.commit(FENCE, rid(), ckpt(1), ckpt(1), [EP_A])
         assert not result.released and runtime.phase is Phase.COMMITTED
         await runtime.resume(FENCE, rid(), ckpt(1))
@@ -121,12 +126,7 @@ async def test_without_release_the_commit_keeps_the_checkpoint_until_resume(
 async def test_a_run_that_may_wait_is_admitted_when_the_commit_releases_and_is_in_no_cut(
     tmp_path: Path,
 ) -> None:
-    store = SnapshotStore(tmp_path)
-    agent = StepAgent()
-    async with hosted(make_runtime(store, agent=agent)) as runtime:
-        await start_episode(runtime, EP_A, turns=2)
-        prepared = await park_all(runtime, agent, ckpt(1), EP_A)
-        assert prepared.readiness.ready
+    async with parked(SnapshotStore(tmp_path), turns=2) as (runtime, _, _):
         # Without the flag a new attempt is refused while admission is closed.
         await expect(Reason.ADMISSION_CLOSED, runtime.accept_run(EP_B, {"turns": 1}))
         waiting = asyncio.create_task(
