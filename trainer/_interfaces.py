@@ -14,7 +14,7 @@ from typing import Any, Literal, Protocol
 
 from turnpoint.ids import EpisodeId
 from turnpoint.trainer._deadlines import Hold
-from turnpoint.trainer._manifest import TrainerRolloutState
+from turnpoint.trainer._manifest import RolloutBooks, TrainerRolloutState
 
 __all__ = ["InFlightRollout", "RolloutSide", "UnackedDecision"]
 
@@ -79,6 +79,11 @@ class RolloutSide(Protocol):
 
     def rollout_state(self) -> TrainerRolloutState:
         """Queue of finished rollouts not yet trained on, loader position, attempt ledger."""
+        ...
+
+    def rollout_books(self) -> RolloutBooks:
+        """The parts of :meth:`rollout_state` as they are now, copied and not checked
+        yet (a cut reads these while dispatch is closed and checks them after)."""
         ...
 
     async def resolve_unacknowledged(

@@ -20,7 +20,7 @@ from turnpoint.ids import EpisodeId, validate_attempt, validate_id
 from turnpoint.trainer._attempts import Attempt, AttemptPhase, Receipt, RolloutStats
 from turnpoint.trainer._deadlines import DeadlineRegistry
 from turnpoint.trainer._interfaces import InFlightRollout
-from turnpoint.trainer._manifest import JSONValue, TrainerRolloutState
+from turnpoint.trainer._manifest import JSONValue, RolloutBooks, TrainerRolloutState
 from turnpoint.trainer._rollout_values import (
     Rollout,
     RolloutClientSettings,
@@ -86,6 +86,10 @@ class LedgerState:
         """The cut (docs/spec.md section 8.7): queue of finished rollouts not yet trained
         on, loader position, attempt ledger, and every unfinished rollout with its task
         (owned or not, ``accepted`` saying which)."""
+        return self.rollout_books().state()
+
+    def rollout_books(self) -> RolloutBooks:
+        """:meth:`rollout_state`'s parts, copied and not yet checked."""
         in_flight = [
             SavedRollout(
                 attempt.describe(), attempt.budget_s, attempt.phase is AttemptPhase.OWNED
@@ -93,7 +97,7 @@ class LedgerState:
             for attempt in self._live.values()
         ]
         in_flight += [saved.to_json() for saved in self._saved.values()]
-        return TrainerRolloutState(
+        return RolloutBooks(
             queue=tuple(result.to_json() for result in self._queue.values()),
             data_loader=self._loader,
             attempts=dict(self._attempts),

@@ -56,6 +56,7 @@ __all__ = [
     "ParticipantKind",
     "PlacedEpisode",
     "PublishStep",
+    "RolloutBooks",
     "SnapshotLayout",
     "SnapshotManifest",
     "TrainerRolloutState",
@@ -375,6 +376,23 @@ class ParticipantEntry:
         )
         fields.done()
         return result
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutBooks:
+    """The parts of a :class:`TrainerRolloutState` as the trainer read them at a cut,
+    not checked yet: copies, so reading them is all a cut must do while dispatch is
+    closed; :meth:`state` checks them (a few milliseconds for a few dozen rollouts)
+    once dispatch is open again."""
+
+    queue: tuple[dict[str, JSONValue], ...] = ()
+    data_loader: JSONValue = None
+    attempts: Mapping[str, int] = field(default_factory=lambda: MappingProxyType({}))
+    in_flight: tuple[dict[str, JSONValue], ...] = ()
+
+    def state(self) -> TrainerRolloutState:
+        """The checked state; raises :class:`ManifestError` for books that break it."""
+        return TrainerRolloutState(self.queue, self.data_loader, self.attempts, self.in_flight)
 
 
 @dataclass(frozen=True, slots=True)

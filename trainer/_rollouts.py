@@ -81,7 +81,7 @@ from turnpoint.trainer._deadlines import Hold
 from turnpoint.trainer._errors import CoordinatorError
 from turnpoint.trainer._interfaces import InFlightRollout, UnackedDecision
 from turnpoint.trainer._ledger import RolloutLedger
-from turnpoint.trainer._manifest import JSONValue, TrainerRolloutState
+from turnpoint.trainer._manifest import JSONValue, RolloutBooks, TrainerRolloutState
 from turnpoint.trainer._rollout_values import (
     Rollout,
     RolloutClientSettings,
@@ -573,6 +573,11 @@ class RolloutClient:
         """Queue of finished rollouts not yet trained on, loader position, attempt ledger,
         and every unfinished rollout with its task (owned or not)."""
         return self._ledger.rollout_state()
+
+    def rollout_books(self) -> RolloutBooks:
+        """:meth:`rollout_state`'s parts as they are now, copied, checked by their
+        ``state()``: what a cut reads while dispatch is closed."""
+        return self._ledger.rollout_books()
 
     def install(self, state: TrainerRolloutState) -> tuple[SavedRollout, ...]:
         """Reinstall a snapshot's queue, ledger and loader position into a fresh client.

@@ -569,7 +569,7 @@ class SnapshotDriver:
             # prepare waited is in the queue now and must not also be continued or
             # restarted.
             in_flight = tuple(rollouts.in_flight())
-            state = rollouts.rollout_state()
+            books = rollouts.rollout_books()  # checked once dispatch is open again
             attempt.cut_version = rollouts.version
         except PrepareFailed as error:
             if error.finished_through is not None:
@@ -597,6 +597,12 @@ class SnapshotDriver:
             async with self._coordinator.held(prepared):
                 try:
                     self._set_state(attempt, _S.COMMIT)
+                    try:
+                        state = books.state()
+                    except ManifestError as error:
+                        raise _Failed(
+                            FailureReason.INVARIANT, f"the trainer's books: {error}", error=error
+                        ) from error
                     await self._commit_and_publish(attempt, prepared, in_flight, state, written)
                 except BaseException:
                     # The held checkpoint's exit resumes the same id everywhere: an abort.

@@ -52,6 +52,7 @@ from turnpoint.trainer._manifest import (
     AnchorRef,
     ArtifactRef,
     ParticipantEntry,
+    RolloutBooks,
     TrainerRolloutState,
     tree_digest,
 )
@@ -186,7 +187,10 @@ class FakeRollouts:
         return tuple(self.rollouts)
 
     def rollout_state(self) -> TrainerRolloutState:
-        return TrainerRolloutState(
+        return self.rollout_books().state()
+
+    def rollout_books(self) -> RolloutBooks:
+        return RolloutBooks(
             queue=tuple(self.queue),
             data_loader=self.data_loader,
             attempts={r.episode.rollout_id: r.episode.attempt for r in self.rollouts}

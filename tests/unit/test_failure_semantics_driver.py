@@ -34,6 +34,7 @@ from turnpoint.trainer._interfaces import InFlightRollout, UnackedDecision
 from turnpoint.trainer._manifest import (
     AnchorRef,
     ParticipantEntry,
+    RolloutBooks,
     SnapshotLayout,
     TrainerRolloutState,
     tree_digest,
@@ -159,6 +160,10 @@ class Books:
             r.episode.rollout_id: r.episode.attempt for r in self.live
         }
         return TrainerRolloutState(queue=queue, attempts=attempts, in_flight=in_flight)
+
+    def rollout_books(self) -> RolloutBooks:
+        state = self.rollout_state()
+        return RolloutBooks(state.queue, state.data_loader, state.attempts, state.in_flight)
 
     async def resolve_unacknowledged(
         self, instance: str, episode: EpisodeId, receipt_id: str

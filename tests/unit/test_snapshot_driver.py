@@ -253,6 +253,27 @@ async def test_only_abandoned_attempts_are_retired_while_dispatch_is_closed(
     assert world.rollouts.pending_session_retires() == ()
 
 
+async def test_books_that_break_the_rollout_state_fail_the_attempt_after_the_reopen(
+    tmp_path: Path,
+) -> None:
+    # The books are only copied while dispatch is closed; they are checked after it
+    # reopened, and a check that fails is a broken invariant: the id is resumed
+    # everywhere and nothing is published.
+    world = make_world(tmp_path)
+    world.rollouts.rollouts = [rollout(EP1)]
+    world.rollouts.queue = [{"rollout_id": "r9", "attempt": 0, "score": float("nan")}]
+
+    report = await world.driver.take()
+
+    assert report.outcome is SnapshotOutcome.FAILED
+    assert report.reason is FailureReason.INVARIANT and "books" in report.detail
+    ck = report.checkpoint_id
+    assert world.events.index("reopen") < world.events.index(f"resume:{ck}")
+    assert f"commit:{ck}" not in world.events
+    assert world.layout.latest() is None
+    assert world.rollouts.open and not world.rollouts.deadlines.held
+
+
 async def test_not_ready_resumes_the_same_id_and_keeps_the_previous_snapshot(
     tmp_path: Path,
 ) -> None:
