@@ -33,6 +33,7 @@ __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
     "KEEPALIVE_TIMEOUT_MS",
     "KEEPALIVE_TIME_MS",
+    "LOCAL_SUBCHANNEL_POOL",
     "MAX_RECONNECT_BACKOFF_MS",
     "ChannelOptions",
     "ChannelRole",
@@ -67,7 +68,7 @@ MAX_RECONNECT_BACKOFF_MS: Final = 5_000
 # up a shared subchannel, which is exactly what separates control from data connections.
 CHANNEL_ROLE_ARG: Final = "turnpoint.channel_role"
 # gRPC core: this channel's subchannels are its own, never shared with another channel.
-_LOCAL_SUBCHANNEL_POOL: Final = ("grpc.use_local_subchannel_pool", 1)
+LOCAL_SUBCHANNEL_POOL: Final = ("grpc.use_local_subchannel_pool", 1)
 
 
 def _check_size(max_message_bytes: int) -> int:
@@ -150,7 +151,7 @@ def control_channel(
         "control",
         credentials,
         max_message_bytes,
-        (_LOCAL_SUBCHANNEL_POOL, *extra_options),
+        (LOCAL_SUBCHANNEL_POOL, *extra_options),
     )
 
 

@@ -94,6 +94,7 @@ from tests.support.fakes import FakeAnchor, FakeClock, boundary_of, state_of
 from tests.support.participants import METADATA, TOKEN
 from tests.support.scripted import FAST, ScriptedAgent, ScriptedTools, poll, rid
 from turnpoint._convert import episode_to_proto, struct_from_mapping
+from turnpoint._keepalive import LOCAL_SUBCHANNEL_POOL, control_channel, data_channel
 from turnpoint.ids import EpisodeId
 from turnpoint.participant_sdk import (
     EpisodeContext,
@@ -201,7 +202,8 @@ class SessionAgent(ScriptedAgent):
 
     def __init__(self, tools_address: str) -> None:
         super().__init__()
-        self._channel = grpc.aio.insecure_channel(tools_address)
+        # Its own subchannels, for the reason the proxy's upstream has them.
+        self._channel = data_channel(tools_address, extra_options=[LOCAL_SUBCHANNEL_POOL])
         self._tools = rs_grpc.ResourcesServiceStub(self._channel)
 
     async def close(self) -> None:
@@ -431,7 +433,10 @@ class Proxy(grpc.GenericRpcHandler):  # type: ignore[type-arg]
         self.member = member
         self.tap = tap
         self._members = members
-        self._upstream = grpc.aio.insecure_channel(upstream)
+        # Its own subchannels and short reconnect backoff: through the global pool a new
+        # example's proxy inherits the backoff of an earlier example's channel to the same
+        # (reused) port, and its calls are refused for up to two minutes.
+        self._upstream = control_channel(upstream)
         # No SO_REUSEPORT (grpc's default): a port-0 bind could then share a port with a
         # proxy of an earlier example still closing, and connections to it be refused.
         self._server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
