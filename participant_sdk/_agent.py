@@ -42,7 +42,7 @@ from turnpoint.protocol import (
 from ._core import ActiveClock, ParticipantCore, WorkKey
 from ._generation import Generation, GenerationRequest, WeightsChange
 from ._model import GenerateChunk
-from ._records import json_copy
+from ._records import json_copy_object
 from ._shared import Shared, invalid_record, logger
 from ._store import Record
 
@@ -310,8 +310,7 @@ class EpisodeContext:
 
 def _copied_state(state: Mapping[str, Any]) -> dict[str, Any]:
     """A copy of a boundary's state that shares nothing mutable with the agent."""
-    copied: dict[str, Any] = json_copy(state if type(state) is dict else dict(state))
-    return copied
+    return json_copy_object(state)
 
 
 class _ReceiptIds:

@@ -289,13 +289,16 @@ def json_copy(value: Any, depth: int = 0) -> Any:
     return copy.deepcopy(value)
 
 
+def json_copy_object(value: Mapping[str, Any]) -> dict[str, Any]:
+    """:func:`json_copy` of a mapping, as a plain dict."""
+    copied: dict[str, Any] = json_copy(value if type(value) is dict else dict(value))
+    return copied
+
+
 def detached(record: Record) -> Record:
     """``record`` with a payload of its own: what the participant does after the
     export (a commit that releases admission) cannot change what is written."""
-    payload = record.payload
-    return Record(
-        record.episode, record.key, json_copy(payload if type(payload) is dict else dict(payload))
-    )
+    return Record(record.episode, record.key, json_copy_object(record.payload))
 
 
 def _episode_json(episode: EpisodeId) -> dict[str, Any]:

@@ -457,12 +457,9 @@ class ParticipantRuntime(ControlReads, DataPlane):
             # docs/spec.md section 4.8 item 7: nothing exported, nothing written (not a
             # byte, not an fsync); the answer says so and the snapshot manifest records
             # the participant without files.
-            result = CommitResult(job.checkpoint_id, None, (), (), job.released)
-            async with self._shared.changing() as core:
-                core.finish_commit(job.checkpoint_id, job.fingerprint, result)
-                self._shared.committed_checkpoint_id = job.checkpoint_id
-            job.stage = Stage.DONE
-            return result
+            return await self._finish_commit(
+                job, CommitResult(job.checkpoint_id, None, (), (), job.released)
+            )
         job.stage = Stage.WRITING
         ticket = job.ticket = WriteTicket()
         write = asyncio.ensure_future(
@@ -481,9 +478,15 @@ class ParticipantRuntime(ControlReads, DataPlane):
             entry = await asyncio.shield(write)
         except (OSError, StoreError, InvalidIdError) as error:
             raise storage_error(error, what) from error
-        result = CommitResult(
-            job.checkpoint_id, entry.manifest, entry.artifacts, entry.episodes, job.released
+        return await self._finish_commit(
+            job,
+            CommitResult(
+                job.checkpoint_id, entry.manifest, entry.artifacts, entry.episodes, job.released
+            ),
         )
+
+    async def _finish_commit(self, job: CommitJob, result: CommitResult) -> CommitResult:
+        """Record ``result`` as the commit's answer; GetStatus names it as written."""
         async with self._shared.changing() as core:
             core.finish_commit(job.checkpoint_id, job.fingerprint, result)
             self._shared.committed_checkpoint_id = job.checkpoint_id

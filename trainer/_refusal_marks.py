@@ -19,13 +19,19 @@ from types import MappingProxyType
 from typing import Protocol
 
 from turnpoint.ids import EpisodeId, checkpoint_sequence
-from turnpoint.trainer._manifest import MANIFEST_NAME, SnapshotManifest, TrainerRolloutState
+from turnpoint.trainer._manifest import (
+    MANIFEST_NAME,
+    RolloutBooks,
+    SnapshotManifest,
+    TrainerRolloutState,
+)
 
 __all__ = ["RefusalMarks", "RetainedNames", "rollouts_named"]
 
 
-def rollouts_named(state: TrainerRolloutState) -> frozenset[str]:
-    """Every rollout a trainer rollout state names: queued, unfinished, or in its ledger."""
+def rollouts_named(state: TrainerRolloutState | RolloutBooks) -> frozenset[str]:
+    """Every rollout a trainer rollout state (or the books it is made of) names: queued,
+    unfinished, or in its ledger."""
     named = set(state.attempts)
     for item in (*state.queue, *state.in_flight):
         rollout_id = item.get("rollout_id")

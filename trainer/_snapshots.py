@@ -205,8 +205,6 @@ class SnapshotParticipants(Protocol):
         self, checkpoint_id: str, instances: Iterable[str] | None = None
     ) -> ControlReport: ...
 
-    def released(self, checkpoint_id: str) -> frozenset[str]: ...
-
     async def retire(
         self, episodes: Mapping[str, Iterable[EpisodeId]], *, key: str | None = None
     ) -> ControlReport: ...
@@ -836,7 +834,7 @@ class SnapshotDriver:
             return
         if oldest is None:
             return
-        named = set(retained) | rollouts_named(self._rollouts.rollout_state())
+        named = set(retained) | rollouts_named(self._rollouts.rollout_books())
         for episodes in (*self._rollouts.pending_retires().values(), *self._stragglers.values()):
             named.update(episode.rollout_id for episode in episodes)
         # Every retained snapshot was cut after the retire, and none of them (nor the

@@ -313,14 +313,7 @@ def rollout(episode: EpisodeId, instance: str = "agent-0") -> InFlightRollout:
 def driver_for(
     fleet: Fleet, coordinator: Coordinator, config: CoordinatorConfig, rollouts: FakeRollouts
 ) -> SnapshotDriver:
-    return SnapshotDriver(
-        coordinator=coordinator,
-        rollouts=rollouts,
-        anchor=FakeAnchor(),
-        layout=SnapshotLayout(fleet.root),
-        config=config,
-        epoch=coordinator.identity.epoch,
-    )
+    return real_driver(coordinator, SnapshotLayout(fleet.root), config, rollouts)
 
 
 # ------------------------------------------------------------------------ discovery
@@ -940,14 +933,15 @@ def example_rollout(rollout_id: str, group: str, sibling: int, environment: str)
 def real_driver(
     coordinator: Coordinator, layout: SnapshotLayout, config: CoordinatorConfig, rollouts: Any
 ) -> SnapshotDriver:
-    """The snapshot driver of the tests on real participants (epoch 1, fake anchor)."""
+    """The snapshot driver of the tests on real participants: the coordinator's epoch,
+    a fake anchor."""
     return SnapshotDriver(
         coordinator=coordinator,
         rollouts=rollouts,
         anchor=FakeAnchor(),
         layout=layout,
         config=config,
-        epoch=1,
+        epoch=coordinator.identity.epoch,
     )
 
 

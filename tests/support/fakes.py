@@ -344,13 +344,6 @@ class FakeCoordinator:
     prepares: list[str] = field(default_factory=list)
     scopes: list[dict[str, frozenset[EpisodeId]]] = field(default_factory=list)
     during_prepare: Callable[[], None] | None = None
-    # Instances whose commit ends the checkpoint (docs/spec.md section 4.8 item 9);
-    # by default none, as participants that do not implement the release.
-    release_in_commit: frozenset[str] = frozenset()
-    ended: dict[str, set[str]] = field(default_factory=dict)
-
-    def released(self, checkpoint_id: str) -> frozenset[str]:
-        return frozenset(self.ended.get(checkpoint_id, ()))
 
     async def prepare(
         self,
@@ -389,9 +382,6 @@ class FakeCoordinator:
         self.clock.advance(1.0)
         self.scopes.append({k: frozenset(v) for k, v in scope.items()})
         failures = self.commit_script.pop(0) if self.commit_script else None
-        self.ended.setdefault(checkpoint_id, set()).update(
-            set(self.release_in_commit) - set(failures or ())
-        )
         if failures:
             raise CommitFailed(checkpoint_id, failures)
         entries = {}
@@ -419,16 +409,14 @@ class FakeCoordinator:
             if instances is not None
             else tuple(sorted(self.topology.instances))
         )
-        done = self.released(checkpoint_id)
-        chosen = tuple(name for name in chosen if name not in done)
         self.events.append(f"resume:{checkpoint_id}")
         self.resumes.append((checkpoint_id, chosen))
         self.clock.advance(0.25)
         failures = self.resume_script.pop(0) if self.resume_script else {}
         failures = {k: v for k, v in failures.items() if k in chosen}
-        succeeded = set(chosen) - set(failures)
-        self.ended.setdefault(checkpoint_id, set()).update(succeeded)
-        return ControlReport("resume", checkpoint_id, frozenset(succeeded | done), failures)
+        return ControlReport(
+            "resume", checkpoint_id, frozenset(set(chosen) - set(failures)), failures
+        )
 
     async def retire(
         self, episodes: Mapping[str, Iterable[EpisodeId]], *, key: str | None = None

@@ -228,9 +228,6 @@ class Participants:
         finally:
             checkpoint.release = await self.resume(checkpoint.checkpoint_id)
 
-    def released(self, checkpoint_id: str) -> frozenset[str]:
-        return frozenset()  # participants that stay committed until their resume
-
     async def commit(
         self, checkpoint_id: str, snapshot: str, scope: Mapping[str, Iterable[EpisodeId]]
     ) -> dict[str, ParticipantEntry]:
