@@ -275,6 +275,10 @@ class PreparingParticipant:
             if not calling.done():
                 calling.cancel()
                 await asyncio.gather(calling, return_exceptions=True)
+            elif not calling.cancelled():
+                # Cancelled just as the call failed: the failure goes unraised, but is
+                # marked as seen, or asyncio logs it when the task is collected.
+                calling.exception()
         if calling.cancelled():
             return None
         return calling.result()
