@@ -845,8 +845,13 @@ class ScriptedControlServicer(pb_grpc.CheckpointControlServiceServicer):
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted session break")
             await asyncio.gather(*serving)
         finally:
-            for task in (reader, breaker, *serving):
+            tasks = (reader, breaker, *serving)
+            for task in tasks:
                 task.cancel()
+            # Retrieve what they ended with (a write after the abort raises): a task
+            # whose exception is never retrieved is logged, traceback and all, from
+            # whichever thread collects it, which can be inside another ast.parse.
+            await asyncio.gather(*tasks, return_exceptions=True)
 
 
 class MethodLog(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
