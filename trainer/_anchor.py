@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_state_dict,
@@ -170,7 +171,12 @@ class AnchorWriter:
         state["trainer"] = _trainer_entry(step, data_loader)
         directory = _fresh_anchor_dir(Path(snapshot))
         try:
-            result = dcp_async_save(state, checkpoint_id=directory, no_dist=True)
+            # DCP would fsync its files itself; wait() fsyncs the whole tree once the
+            # write is done, which is the one fsync per file and directory it needs.
+            writer = FileSystemWriter(directory, sync_files=False)
+            result = dcp_async_save(
+                state, checkpoint_id=directory, storage_writer=writer, no_dist=True
+            )
         except (OSError, RuntimeError, CheckpointException) as error:
             raise AnchorError(
                 f"cannot start writing the anchor in {directory}: {error}", directory

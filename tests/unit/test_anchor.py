@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 from pathlib import Path
 
 import pytest
@@ -205,3 +206,24 @@ def test_the_distributed_anchor_needs_a_process_group() -> None:
     model, optimizer = _fresh()
     with pytest.raises(RuntimeError, match="init"):
         DistributedAnchor(model, optimizer, step=lambda: 0)
+
+
+def test_an_anchor_costs_one_fsync_per_file_and_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """DCP syncs its own files unless told not to; the writer syncs the tree after, so
+    each file and directory of the anchor is synced exactly once (spec 7.4, step 1)."""
+    synced: list[int] = []
+    real_fsync = os.fsync
+
+    def counting(fd: int) -> None:
+        synced.append(fd)
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", counting)
+    model, optimizer = _trained(seed=3)
+    save_anchor(tmp_path, model, optimizer, step=1)
+    directories = [path for path in (tmp_path / ANCHOR_DIR).rglob("*") if path.is_dir()]
+    files = [path for path in (tmp_path / ANCHOR_DIR).rglob("*") if path.is_file()]
+    assert files
+    assert len(synced) == len(files) + len(directories) + 1
