@@ -569,14 +569,21 @@ class SnapshotStore:
         return directory
 
     def _check_inside_root(self, path: Path, snapshot: str, instance: str) -> None:
-        # Valid ids cannot name a path outside the root, but a symlink planted under the
-        # root still could: the resolved path must be exactly where the ids say.
-        expected = self._root.resolve().joinpath(*path.relative_to(self._root).parts)
-        resolved = path.resolve()
-        if resolved != expected:
-            raise CorruptSnapshotError(
-                snapshot, instance, Corruption.PATH_ESCAPE, f"{path} resolves to {resolved}"
-            )
+        # Valid ids cannot name a path outside the root (no separators, no "..") but a
+        # symlink planted under the root still could: no component below the root may
+        # be one. An lstat per component, not a resolve of the whole path from "/":
+        # every record write checks twice.
+        current = self._root
+        for part in path.relative_to(self._root).parts:
+            current = current / part
+            try:
+                mode = os.lstat(current).st_mode
+            except FileNotFoundError:
+                return
+            if stat.S_ISLNK(mode):
+                raise CorruptSnapshotError(
+                    snapshot, instance, Corruption.PATH_ESCAPE, f"{current} is a symlink"
+                )
 
 
 # --------------------------------------------------------------------------- file helpers

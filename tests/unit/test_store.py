@@ -719,6 +719,29 @@ def test_a_symlink_under_the_root_cannot_lead_outside(tmp_path: Path) -> None:
     assert os.listdir(outside) == []
 
 
+def test_a_symlinked_instance_directory_cannot_lead_outside(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    outside = tmp_path / "outside"
+    (root / SNAP).mkdir(parents=True)
+    outside.mkdir()
+    (root / SNAP / INST).symlink_to(outside, target_is_directory=True)
+    store = SnapshotStore(root)
+    with pytest.raises(CorruptSnapshotError) as caught:
+        store.write(SNAP, INST, CKPT, sample_records())
+    assert caught.value.kind is Corruption.PATH_ESCAPE
+    assert os.listdir(outside) == []
+
+
+def test_a_symlinked_root_is_where_the_snapshots_go(tmp_path: Path) -> None:
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "root").symlink_to(real, target_is_directory=True)
+    store = SnapshotStore(tmp_path / "root")
+    store.write(SNAP, INST, CKPT, sample_records())
+    assert store.read(SNAP, INST, None)
+    assert (real / SNAP / INST).is_dir()
+
+
 def test_a_symlinked_records_file_is_refused(tmp_path: Path) -> None:
     store, entry, path = written(tmp_path / "root")
     copy = tmp_path / "copy.jsonl"
