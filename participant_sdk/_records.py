@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, NoReturn
 
-from turnpoint._json import JSONProblem, StrictJSONError, loads_strict
+from turnpoint._json import JSONProblem, StrictJSONError, dumps_indented, loads_strict
 from turnpoint.errors import Reason
 from turnpoint.ids import EpisodeId, validate_id
 from turnpoint.protocol import ArtifactRef
@@ -205,7 +205,7 @@ class Manifest:
             ],
             "episodes": [_episode_json(episode) for episode in self.episodes],
         }
-        return (json.dumps(document, indent=2, ensure_ascii=True) + "\n").encode("ascii")
+        return (dumps_indented(document) + "\n").encode("ascii")
 
 
 # --------------------------------------------------------------------------- encoding

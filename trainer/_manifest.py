@@ -20,14 +20,13 @@ is :mod:`turnpoint.trainer._layout`; :class:`~turnpoint.trainer._layout.Snapshot
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Self, TypeAlias, TypeVar
 
-from turnpoint._json import JSONProblem, StrictJSONError, loads_strict
+from turnpoint._json import JSONProblem, StrictJSONError, dumps_indented, loads_strict
 from turnpoint.errors import Reason
 from turnpoint.ids import (
     EpisodeId,
@@ -658,10 +657,7 @@ class SnapshotManifest:
 
     def to_json(self) -> bytes:
         """Canonical bytes: equal manifests serialise identically."""
-        text = json.dumps(
-            self.to_dict(), sort_keys=True, indent=2, ensure_ascii=True, allow_nan=False
-        )
-        return (text + "\n").encode("ascii")
+        return (dumps_indented(self.to_dict(), sort_keys=True) + "\n").encode("ascii")
 
     @classmethod
     def from_dict(cls, raw: object) -> Self:

@@ -1,4 +1,5 @@
-"""Strict JSON reading: the one parser for every file turnpoint reads back.
+"""Strict JSON reading: the one parser for every file turnpoint reads back; and the one
+writer of its indented documents.
 
 A file that parses in more than one way is refused rather than guessed at: a key that
 appears twice in one object (the stdlib keeps the last one silently), ``NaN``,
@@ -9,15 +10,23 @@ deep enough to exhaust the interpreter's recursion limit all raise
 The error carries why (:class:`JSONProblem`) and the offending key or constant, so each
 reader wraps it into its own error type and words it for its own users, never by
 parsing the message.
+
+:func:`dumps_indented` writes what ``json.dumps(value, indent=2, ensure_ascii=True,
+allow_nan=False)`` writes, byte for byte, at about twice its speed: with an indent the
+stdlib leaves its C encoder for a pure-Python one built of generators, and the snapshot
+manifest (docs/spec.md section 8.6: 2-space indent) is written at every publication.
 """
 
 from __future__ import annotations
 
 import enum
 import json
+import math
+from collections.abc import Callable
+from json.encoder import encode_basestring_ascii
 from typing import Any, Final, NoReturn
 
-__all__ = ["JSONProblem", "StrictJSONError", "loads_strict"]
+__all__ = ["JSONProblem", "StrictJSONError", "dumps_indented", "loads_strict"]
 
 
 class JSONProblem(enum.Enum):
@@ -79,3 +88,96 @@ def loads_strict(text: str) -> Any:
         raise StrictJSONError(JSONProblem.SYNTAX, str(error)) from None
     except RecursionError:
         raise StrictJSONError(JSONProblem.TOO_DEEP, "nested too deeply") from None
+
+
+# --------------------------------------------------------------------------- writing
+
+_INDENT: Final = "  "
+_float_repr: Final = float.__repr__
+_int_repr: Final = int.__repr__
+_escape: Final[Callable[[str], str]] = encode_basestring_ascii
+
+
+def _float_text(value: float) -> str:
+    if math.isfinite(value):
+        return _float_repr(value)
+    raise ValueError(f"Out of range float values are not JSON compliant: {value!r}")
+
+
+def _key_text(key: object) -> str:
+    # What the stdlib does with a key that is not a string.
+    if isinstance(key, str):
+        return _escape(key)
+    if isinstance(key, float):
+        return _escape(_float_text(key))
+    if key is True:
+        return '"true"'
+    if key is False:
+        return '"false"'
+    if key is None:
+        return '"null"'
+    if isinstance(key, int):
+        return _escape(_int_repr(key))
+    raise TypeError(f"keys must be str, int, float, bool or None, not {type(key).__name__}")
+
+
+def dumps_indented(value: Any, *, sort_keys: bool = False) -> str:
+    """``json.dumps(value, indent=2, ensure_ascii=True, allow_nan=False, sort_keys=...)``.
+
+    The same text, faster. Unlike the stdlib it does not look for cycles: a value that
+    contains itself ends in ``RecursionError`` (no JSON document does).
+    """
+    parts: list[str] = []
+    append = parts.append
+
+    def encode(item: Any, newline: str) -> None:
+        kind = type(item)
+        if kind is str:
+            append(_escape(item))
+        elif item is None:
+            append("null")
+        elif item is True:
+            append("true")
+        elif item is False:
+            append("false")
+        elif kind is int:
+            append(_int_repr(item))
+        elif kind is float:
+            append(_float_text(item))
+        elif kind is dict or (kind is not list and isinstance(item, dict)):
+            if not item:
+                append("{}")
+                return
+            inner = newline + _INDENT
+            separator = "{" + inner
+            for key, member in sorted(item.items()) if sort_keys else item.items():
+                append(separator)
+                append(_escape(key) if type(key) is str else _key_text(key))
+                append(": ")
+                encode(member, inner)
+                separator = "," + inner
+            append(newline)
+            append("}")
+        elif kind is list or isinstance(item, (list, tuple)):
+            if not item:
+                append("[]")
+                return
+            inner = newline + _INDENT
+            separator = "[" + inner
+            for member in item:
+                append(separator)
+                encode(member, inner)
+                separator = "," + inner
+            append(newline)
+            append("]")
+        elif isinstance(item, str):
+            append(_escape(item))
+        elif isinstance(item, int):
+            append(_int_repr(item))
+        elif isinstance(item, float):
+            append(_float_text(item))
+        else:
+            raise TypeError(f"Object of type {kind.__name__} is not JSON serializable")
+
+    encode(value, "\n")
+    return "".join(parts)

@@ -1,19 +1,25 @@
-"""The core's durable writes (turnpoint._files) and strict JSON reader (turnpoint._json).
+"""The core's durable writes (turnpoint._files), strict JSON reader and indented JSON
+writer (turnpoint._json).
 
 Every writer and reader of the project goes through these, so what they promise is
 checked here once: a failed write leaves no temporary file and the old content, an
-exclusive create never replaces, and strict JSON refuses what the stdlib would guess at.
+exclusive create never replaces, strict JSON refuses what the stdlib would guess at, and
+the indented writer writes what the stdlib writes.
 """
 
 from __future__ import annotations
 
+import enum
 import errno
 import json
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from turnpoint._files import (
     CHUNK_BYTES,
@@ -23,7 +29,7 @@ from turnpoint._files import (
     write_new,
     write_temp,
 )
-from turnpoint._json import JSONProblem, StrictJSONError, loads_strict
+from turnpoint._json import JSONProblem, StrictJSONError, dumps_indented, loads_strict
 
 
 class _Crash(Exception):
@@ -226,3 +232,73 @@ def test_strict_json_refuses_nesting_that_would_exhaust_the_stack() -> None:
         loads_strict("[" * 100_000 + "]" * 100_000)
     assert caught.value.problem is JSONProblem.TOO_DEEP
     assert str(caught.value) == "nested too deeply"
+
+
+# ------------------------------------------------------------------ indented writer
+
+
+def _stdlib(value: object, sort_keys: bool) -> str:
+    return json.dumps(value, indent=2, ensure_ascii=True, allow_nan=False, sort_keys=sort_keys)
+
+
+_json_values = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers()
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(),
+    lambda children: (
+        st.lists(children, max_size=5)
+        | st.dictionaries(st.text(max_size=8), children, max_size=5)
+        | st.lists(children, max_size=3).map(tuple)
+    ),
+    max_leaves=40,
+)
+
+
+@given(value=_json_values, sort_keys=st.booleans())
+def test_dumps_indented_writes_what_the_stdlib_writes(value: object, sort_keys: bool) -> None:
+    assert dumps_indented(value, sort_keys=sort_keys) == _stdlib(value, sort_keys)
+
+
+class _Count(enum.IntEnum):
+    TWO = 2
+
+
+class _Kind(enum.StrEnum):
+    AGENT = "AGENT"
+
+
+class _Mapping(dict[str, Any]):
+    pass
+
+
+@pytest.mark.parametrize("sort_keys", [False, True])
+def test_dumps_indented_matches_the_stdlib_on_subclasses_and_odd_keys(sort_keys: bool) -> None:
+    value = {
+        "count": _Count.TWO,
+        "kind": _Kind.AGENT,
+        "nested": _Mapping(b=[1.5, -0.0, 1e300], a={}),
+        "unicode": 'naïve \u2603 \U0001f600 "quoted"\n',
+        "empty": [[], {}, ()],
+    }
+    assert dumps_indented(value, sort_keys=sort_keys) == _stdlib(value, sort_keys)
+    odd_keys = {7: "int", 2.5: "float", None: "null", True: "true", False: "false"}
+    assert dumps_indented(odd_keys) == _stdlib(odd_keys, False)
+
+
+@pytest.mark.parametrize("number", [float("nan"), float("inf"), float("-inf")])
+def test_dumps_indented_refuses_non_finite_numbers_as_the_stdlib_does(number: float) -> None:
+    for value in ([number], {"x": number}, {number: 1}):
+        with pytest.raises(ValueError, match="not JSON compliant"):
+            _stdlib(value, False)
+        with pytest.raises(ValueError, match="not JSON compliant"):
+            dumps_indented(value)
+
+
+def test_dumps_indented_refuses_what_is_not_json() -> None:
+    for value in ({"x": {1, 2}}, [b"bytes"], {("tuple", "key"): 1}):
+        with pytest.raises(TypeError):
+            _stdlib(value, False)
+        with pytest.raises(TypeError):
+            dumps_indented(value)
