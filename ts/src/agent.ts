@@ -270,6 +270,33 @@ export class AgentHost implements KindHost {
     return new RunFollower(this, ex, boundariesSeen);
   }
 
+  /**
+   * `acceptRun`, except that with `waitForAdmission` a new attempt refused because a
+   * checkpoint holds admission waits until admission reopens, then is admitted (section
+   * 5.2 item 1). While it waits it is not in the work table: in no cut, blocking no
+   * prepare, accepted by nobody. Refused ADMISSION_CLOSED after all once it waited
+   * `runAdmissionWaitS`; `signal` (the caller leaving) ends the wait with CancelledError.
+   */
+  async admitRun(
+    episode: EpisodeId,
+    task: JsonObject,
+    options: { boundariesSeen?: number; budgetS?: number | null; waitForAdmission?: boolean } = {},
+    signal?: AbortSignal,
+  ): Promise<RunFollower> {
+    const core = this.shared.core;
+    let until: number | null = null;
+    for (;;) {
+      try {
+        return this.acceptRun(episode, task, options);
+      } catch (error) {
+        if (options.waitForAdmission !== true || !(error instanceof TurnpointError) || error.reason !== "ADMISSION_CLOSED") throw error;
+        until ??= performance.now() + this.shared.config.runAdmissionWaitS * 1000;
+        // Woken open, it tries again at once; a checkpoint that closed first refuses it again.
+        if (!(await this.shared.waitUntil(() => core.admissionOpen, Math.max(0, until - performance.now()), signal))) throw error;
+      }
+    }
+  }
+
   private attach(core: ParticipantCore, episode: EpisodeId, task: JsonObject, budgetS: number | null): Execution {
     core.checkAttempt(episode);
     const now = this.shared.now();

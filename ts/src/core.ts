@@ -558,9 +558,12 @@ export class ParticipantCore {
     this._version++;
   }
 
-  /** Record a *ready* answer: a repeat of the prepare replays it (section 4.3 item 1). */
+  /**
+   * Record a *ready* answer: a repeat of the prepare replays it (section 4.3 item 1).
+   * COMMITTED too: a prepare that committed in the same call (section 4.6 item 8).
+   */
   recordPrepareAnswer(checkpointId: string, answer: unknown): void {
-    if (this.active === checkpointId && this._phase === "PREPARED") {
+    if (this.active === checkpointId && (this._phase === "PREPARED" || this._phase === "COMMITTED")) {
       this.answers.set(`${checkpointId}\u0000prepare`, ["", answer]);
     }
   }

@@ -144,6 +144,24 @@ function checkPlain(value: unknown, depth: number): void {
   }
 }
 
+/**
+ * `record` with a payload of its own: what the participant does after the export (a
+ * commit that releases admission, section 4.8 item 9) cannot change what is written.
+ * Plain objects and arrays are copied, key order kept; anything else (or anything nested
+ * deeper than a payload may be) is kept as it is, so the write still refuses it.
+ */
+export function detached(record: Record): Record {
+  return { episode: record.episode, key: record.key, payload: copyPlain(record.payload, 0) as JsonObject };
+}
+
+function copyPlain(value: unknown, depth: number): unknown {
+  if (value === null || typeof value !== "object" || depth > MAX_PAYLOAD_DEPTH) return value;
+  if (Array.isArray(value)) return value.map((item: unknown) => copyPlain(item, depth + 1));
+  if (!isPlainObject(value)) return value;
+  // fromEntries defines own properties, so a `__proto__` key stays a key.
+  return Object.fromEntries(Object.entries(value).map(([key, item]) => [key, copyPlain(item, depth + 1)]));
+}
+
 /** Serialise every record (nothing is written if one fails) and describe the file. */
 export function encodeRecords(instance: string, records: Iterable<Record>): { data: Buffer; ref: ArtifactRef; episodes: EpisodeId[] } {
   const lines: string[] = [];

@@ -37,6 +37,7 @@ import type {
 } from "./protocol.js";
 import { PROTOCOL_VERSION } from "./protocol.js";
 import type { Record } from "./records.js";
+import { detached } from "./records.js";
 import { ResourcesHost } from "./resources.js";
 import type { ResourcesServer, Verdict } from "./resources.js";
 import type { RuntimeConfig } from "./shared.js";
@@ -71,17 +72,26 @@ export interface PrepareResult {
   readonly phase: Phase;
   readonly readiness: ReadinessReport;
   readonly leaseExpiresAt: number | null;
+  /** The prepare also committed, saved nothing, empty scope (section 4.6 item 8); phase COMMITTED. */
+  readonly committedEmpty: boolean;
 }
 export interface RenewResult {
   readonly checkpointId: string;
   readonly phase: Phase;
   readonly leaseExpiresAt: number | null;
 }
+/**
+ * `manifest` is null, and `artifacts` and `exported` are empty, exactly when the commit
+ * exported nothing and wrote no file (`savedNothing`, section 4.8 item 7).
+ */
 export interface CommitResult {
   readonly checkpointId: string;
-  readonly manifest: ArtifactRef;
+  readonly manifest: ArtifactRef | null;
   readonly artifacts: readonly ArtifactRef[];
   readonly exported: readonly EpisodeId[];
+  readonly savedNothing: boolean;
+  /** The commit also ended the checkpoint: no Resume is needed (section 4.8 item 9). */
+  readonly released: boolean;
 }
 export interface ResumeResult {
   readonly checkpointId: string;
@@ -107,6 +117,8 @@ export interface StatusResult {
   readonly admissionOpen: boolean;
   readonly leaseExpiries: number;
   readonly refusedRollouts: number;
+  /** The last checkpoint whose commit finished here (written, saved nothing, or in the prepare). */
+  readonly committedCheckpointId: string | null;
 }
 export type WatchEvent =
   | { readonly type: "readiness"; readonly phase: Phase; readonly readiness: ReadinessReport }
@@ -148,7 +160,12 @@ interface CommitJob {
   readonly exportAbort: AbortController;
   stage: Stage;
   records: Record[] | null;
+  /** The records share nothing with live state (copied for a release). */
+  detached: boolean;
   discarded: boolean;
+  /** The coordinator asked for a resume in the commit; released: admission reopened. */
+  release: boolean;
+  released: boolean;
   run: Promise<CommitResult> | null;
   failed: boolean;
   ticket: WriteTicket | null;
@@ -185,6 +202,51 @@ function settled(promise: Promise<unknown>): Promise<void> {
   );
 }
 
+/** A commit's identity (section 4.8 item 2): the snapshot and the set of the scope. */
+function commitFingerprint(snapshot: string, sortedScope: readonly EpisodeId[]): string {
+  return JSON.stringify([snapshot, sortedScope.map(episodeKey)]);
+}
+
+/** The answer of a commit that exported nothing and wrote nothing (section 4.8 item 7). */
+function savedNothing(checkpointId: string, released: boolean): CommitResult {
+  return { checkpointId, manifest: null, artifacts: [], exported: [], savedNothing: true, released };
+}
+
+function newCommitJob(
+  checkpointId: string,
+  fingerprint: string,
+  snapshot: string,
+  exportKeys: readonly WorkKey[],
+  discardKeys: readonly WorkKey[],
+): CommitJob {
+  return {
+    checkpointId,
+    fingerprint,
+    snapshot,
+    exportKeys,
+    discardKeys,
+    exportAbort: new AbortController(),
+    stage: "exporting",
+    records: null,
+    detached: false,
+    discarded: false,
+    release: false,
+    released: false,
+    run: null,
+    failed: false,
+    ticket: null,
+    write: null,
+    writeDone: false,
+  };
+}
+
+/** A Resume (or lease expiry) stopped the commit while it exported or discarded. */
+function checkNotStopped(job: CommitJob, what: string): void {
+  if (job.exportAbort.signal.aborted) {
+    throw new TurnpointError("STALE_CHECKPOINT", `${what} was stopped by a resume`, { checkpoint_id: job.checkpointId });
+  }
+}
+
 /** One participant: the control plane, the hosted kinds and their data plane. */
 export class ParticipantRuntime {
   readonly instanceName: string;
@@ -196,6 +258,9 @@ export class ParticipantRuntime {
   private readonly hosts = new Map<string, KindHost>();
   private readonly environment: string;
   private readonly commitJobs = new Map<string, CommitJob>();
+  /** Commits that ended their checkpoint (release): a repeat joins or replays them. */
+  private readonly released = new Map<string, CommitJob>();
+  private committedCheckpointId: string | null = null;
   private restoreJob: RestoreJob | null = null;
   private readonly stops = new Map<string, Promise<void>>();
   private readonly background = new Set<Promise<unknown>>();
@@ -344,21 +409,32 @@ export class ParticipantRuntime {
 
   /**
    * Close admission, let running work park, wait until ready or just before the
-   * deadline (section 4.6). Not ready in time is an answer, not an error.
+   * deadline (section 4.6). Not ready in time is an answer, not an error. With
+   * `emptyCommitSnapshot`, a participant ready with nothing but restarts commits
+   * saved-nothing under that snapshot in the same call (item 8).
    */
   prepare(
     fence: Fence,
     requestId: string,
     checkpointId: string,
-    args: { leaseS?: number | null; maxBlockers?: number } = {},
+    args: { leaseS?: number | null; maxBlockers?: number; emptyCommitSnapshot?: string | null } = {},
     options: CallOptions = {},
   ): Promise<PrepareResult> {
     const deadline = this.deadline(options);
     const cap = this.cap(args.maxBlockers ?? 0);
-    return this.control("prepare", fence, requestId, () => this.doPrepare(checkpointId, args.leaseS ?? null, cap, deadline, options.signal));
+    const snapshot = args.emptyCommitSnapshot || null;
+    if (snapshot !== null) checkedId(snapshot, "empty_commit_snapshot");
+    return this.control("prepare", fence, requestId, () => this.doPrepare(checkpointId, args.leaseS ?? null, cap, deadline, snapshot, options.signal));
   }
 
-  private async doPrepare(checkpointId: string, leaseS: number | null, cap: number, deadline: Deadline, signal?: AbortSignal): Promise<PrepareResult> {
+  private async doPrepare(
+    checkpointId: string,
+    leaseS: number | null,
+    cap: number,
+    deadline: Deadline,
+    emptyCommitSnapshot: string | null,
+    signal?: AbortSignal,
+  ): Promise<PrepareResult> {
     const shared = this.shared;
     const core = this.core;
     const start = shared.change((c) => c.beginPrepare(checkpointId, leaseS, shared.now(), c.epoch));
@@ -368,6 +444,7 @@ export class ParticipantRuntime {
       // the background (its snapshot is simply never used).
       for (const publishing of this.abandonCommit(start.superseded)) this.keepInBackground(publishing);
     }
+    if (start.opened || start.superseded !== null) this.forgetReleased();
     if (start.opened) await this.closeAdmission(checkpointId);
     await shared.waitUntil(() => core.ready || core.activeCheckpointId !== checkpointId, deadline.remainingMs(), signal);
     if (core.activeCheckpointId !== checkpointId) {
@@ -375,9 +452,41 @@ export class ParticipantRuntime {
         checkpoint_id: checkpointId,
       });
     }
-    const result: PrepareResult = { checkpointId, phase: core.phase, readiness: core.readiness(cap), leaseExpiresAt: this.leaseWall() };
+    const readiness = core.readiness(cap);
+    const committedEmpty =
+      emptyCommitSnapshot !== null &&
+      core.ready &&
+      readiness.counts.every(([state]) => state === "RESTART") &&
+      this.commitEmpty(checkpointId, emptyCommitSnapshot);
+    const result: PrepareResult = { checkpointId, phase: core.phase, readiness, leaseExpiresAt: this.leaseWall(), committedEmpty };
     if (core.ready) core.recordPrepareAnswer(checkpointId, result);
     return result;
+  }
+
+  /**
+   * Commit `checkpointId` saved-nothing with an empty scope, now (section 4.6 item 8).
+   * Only for a participant that holds restarts at most: nothing a commit could export or
+   * discard, so every scope would export nothing and the Commit's answer is known. A
+   * commit already started for this id counts only if it is this one; any other gives
+   * its own answer, and the prepare answers as a plain ready prepare.
+   */
+  private commitEmpty(checkpointId: string, snapshot: string): boolean {
+    const fingerprint = commitFingerprint(snapshot, []);
+    return this.shared.change((core) => {
+      let start;
+      try {
+        start = core.beginCommit(checkpointId, fingerprint, [], this.shared.now());
+      } catch (error) {
+        if (error instanceof TurnpointError) return false; // committed with another identity
+        throw error;
+      }
+      if (start.kind === "replay") return (start.answer as CommitResult).savedNothing;
+      if (start.kind === "join") return false; // a Commit of this id is running
+      // New, with an empty scope and no restored entry: nothing to export or discard.
+      core.finishCommit(checkpointId, fingerprint, savedNothing(checkpointId, false));
+      this.committedCheckpointId = checkpointId;
+      return true;
+    });
   }
 
   /** Run the kinds' close hooks; any failure reopens admission (section 4.6 step 5). */
@@ -420,45 +529,60 @@ export class ParticipantRuntime {
   /**
    * Export the frozen state once, write it under `<root>/<snapshot>/<instance>/`
    * (section 4.8). The same arguments (scope in any order) join the running write or
-   * replay its answer; a failed write is redone with the same records.
+   * replay its answer; a failed write is redone with the same records. With
+   * `acceptSavedNothing` an export of nothing writes nothing at all and answers
+   * `savedNothing` (item 7). With `release` the checkpoint ends as soon as the export is
+   * taken: admission reopens before the write, which goes on with records that share
+   * nothing with the live state, and the answer says `released` (item 9).
    */
-  commit(fence: Fence, requestId: string, checkpointId: string, snapshot: string, scope: readonly EpisodeId[], options: CallOptions = {}): Promise<CommitResult> {
+  commit(
+    fence: Fence,
+    requestId: string,
+    checkpointId: string,
+    snapshot: string,
+    scope: readonly EpisodeId[],
+    args: { acceptSavedNothing?: boolean; release?: boolean } = {},
+    options: CallOptions = {},
+  ): Promise<CommitResult> {
     const deadline = this.deadline(options);
-    return this.control("commit", fence, requestId, () => this.doCommit(checkpointId, snapshot, scope, deadline, options.signal));
+    return this.control("commit", fence, requestId, () => this.doCommit(checkpointId, snapshot, scope, args, deadline, options.signal));
   }
 
-  private async doCommit(checkpointId: string, snapshot: string, scope: readonly EpisodeId[], deadline: Deadline, signal?: AbortSignal): Promise<CommitResult> {
+  private async doCommit(
+    checkpointId: string,
+    snapshot: string,
+    scope: readonly EpisodeId[],
+    args: { acceptSavedNothing?: boolean; release?: boolean },
+    deadline: Deadline,
+    signal?: AbortSignal,
+  ): Promise<CommitResult> {
     checkedId(snapshot, "snapshot");
     const scopeKeys = sortedEpisodes(scope);
-    const fingerprint = JSON.stringify([snapshot, scopeKeys.map(episodeKey)]);
-    const start = this.shared.change((core) => core.beginCommit(checkpointId, fingerprint, scopeKeys, this.shared.now()));
-    if (start.kind === "replay") return start.answer as CommitResult;
-    if (start.kind === "new") {
-      this.commitJobs.set(checkpointId, {
-        checkpointId,
-        fingerprint,
-        snapshot,
-        exportKeys: start.exportKeys,
-        discardKeys: start.discardKeys,
-        exportAbort: new AbortController(),
-        stage: "exporting",
-        records: null,
-        discarded: false,
-        run: null,
-        failed: false,
-        ticket: null,
-        write: null,
-        writeDone: false,
-      });
+    const fingerprint = commitFingerprint(snapshot, scopeKeys);
+    let job = this.released.get(checkpointId);
+    if (job !== undefined) {
+      // The commit ended its checkpoint: only the same commit can come again.
+      if (job.fingerprint !== fingerprint) {
+        throw new TurnpointError("CHECKPOINT_CONFLICT", `checkpoint ${JSON.stringify(checkpointId)} was committed with other arguments`, {
+          checkpoint_id: checkpointId,
+        });
+      }
+    } else {
+      const start = this.shared.change((core) => core.beginCommit(checkpointId, fingerprint, scopeKeys, this.shared.now()));
+      if (start.kind === "replay") return start.answer as CommitResult;
+      if (start.kind === "new") this.commitJobs.set(checkpointId, newCommitJob(checkpointId, fingerprint, snapshot, start.exportKeys, start.discardKeys));
+      job = this.commitJobs.get(checkpointId);
+      if (job === undefined) throw new TurnpointError("STALE_CHECKPOINT", `the commit of ${JSON.stringify(checkpointId)} was stopped`, { checkpoint_id: checkpointId });
     }
-    const job = this.commitJobs.get(checkpointId);
-    if (job === undefined) throw new TurnpointError("STALE_CHECKPOINT", `the commit of ${JSON.stringify(checkpointId)} was stopped`, { checkpoint_id: checkpointId });
-    if (job.run === null || job.failed) {
-      job.failed = false;
-      job.run = observed(this.driveCommit(job));
-      job.run.catch(() => (job.failed = true));
+    job.release ||= args.release === true;
+    let run = job.run;
+    if (run === null || job.failed) {
+      const running = job;
+      running.failed = false;
+      run = running.run = observed(this.driveCommit(running, args.acceptSavedNothing === true));
+      run.catch(() => (running.failed = true));
     }
-    return this.awaitJob(job.run, deadline, `commit of ${JSON.stringify(checkpointId)}`, signal);
+    return this.awaitJob(run, deadline, `commit of ${JSON.stringify(checkpointId)}`, signal);
   }
 
   private async awaitJob<T>(job: Promise<T>, deadline: Deadline, what: string, signal?: AbortSignal): Promise<T> {
@@ -481,20 +605,34 @@ export class ParticipantRuntime {
     }
   }
 
-  /** Export once, drop restored state the scope leaves out, write; retried as a whole. */
-  private async driveCommit(job: CommitJob): Promise<CommitResult> {
+  /**
+   * Export once, drop restored state the scope leaves out, release if asked, write (or,
+   * saved nothing, write nothing); retried as a whole.
+   */
+  private async driveCommit(job: CommitJob, acceptSavedNothing: boolean): Promise<CommitResult> {
     const what = `commit of ${JSON.stringify(job.checkpointId)}`;
     if (job.records === null) {
       job.stage = "exporting";
       const records = await this.exportRecords(job.exportKeys, job.exportAbort.signal);
-      if (job.exportAbort.signal.aborted) {
-        throw new TurnpointError("STALE_CHECKPOINT", `${what} was stopped by a resume`, { checkpoint_id: job.checkpointId });
-      }
-      job.records = records;
+      checkNotStopped(job, what);
+      // Written after admission reopened, the records must not share the state the work
+      // then changes.
+      job.records = job.release ? records.map(detached) : records;
+      job.detached = job.release;
     }
     if (!job.discarded) {
       for (const key of job.discardKeys) await this.stopAndDrop(key);
       job.discarded = true;
+      checkNotStopped(job, what);
+    }
+    if (job.release && !job.released) {
+      await this.releaseCheckpoint(job);
+      checkNotStopped(job, what); // a Resume of the released id is an abort (section 4.9 item 6)
+    }
+    if (job.records.length === 0 && acceptSavedNothing) {
+      // Section 4.8 item 7: nothing exported, nothing written (not a directory, not a
+      // file, not an fsync); the snapshot manifest records the participant without files.
+      return this.finishCommit(job, savedNothing(job.checkpointId, job.released));
     }
     job.stage = "writing";
     const ticket = (job.ticket = new WriteTicket());
@@ -508,15 +646,57 @@ export class ParticipantRuntime {
     } catch (error) {
       throw storageError(error, what);
     }
-    const result: CommitResult = {
+    return this.finishCommit(job, {
       checkpointId: job.checkpointId,
       manifest: entry.manifest,
       artifacts: entry.artifacts,
       exported: entry.episodes,
-    };
+      savedNothing: false,
+      released: job.released,
+    });
+  }
+
+  /** Record `result` as the commit's answer; GetStatus names the checkpoint as committed. */
+  private finishCommit(job: CommitJob, result: CommitResult): CommitResult {
     this.shared.change((core) => core.finishCommit(job.checkpointId, job.fingerprint, result));
+    this.committedCheckpointId = job.checkpointId;
     job.stage = "done";
     return result;
+  }
+
+  /**
+   * Section 4.8 item 9: end the checkpoint as a Resume of it would (section 4.9 item 1),
+   * keeping this commit's write, which a Resume would stop.
+   */
+  private async releaseCheckpoint(job: CommitJob): Promise<void> {
+    if (this.core.activeCheckpointId !== job.checkpointId) return; // ended meanwhile: nothing to release
+    if (!job.detached && job.records !== null) {
+      // Asked for by a retry that joined after the export: copy before admission reopens.
+      job.records = job.records.map(detached);
+      job.detached = true;
+    }
+    this.shared.change((core) => core.resume(job.checkpointId, this.shared.now()));
+    job.released = true;
+    this.released.set(job.checkpointId, job);
+    await this.shared.exclusive(async () => {
+      for (const host of this.hosts.values()) await this.openedHook(host);
+    });
+  }
+
+  /**
+   * A newer checkpoint opened: released commits are forgotten, a repeat of one is stale
+   * (section 4.8 item 9). A write still running stays where a Resume of its id can stop
+   * it, and leaves once it settled.
+   */
+  private forgetReleased(): void {
+    for (const [checkpointId, job] of this.released) {
+      this.released.delete(checkpointId);
+      const drop = (): void => {
+        if (this.commitJobs.get(checkpointId) === job) this.commitJobs.delete(checkpointId);
+      };
+      if (job.run === null) drop();
+      else void settled(job.run).then(drop);
+    }
   }
 
   private async exportRecords(keys: readonly WorkKey[], signal: AbortSignal): Promise<Record[]> {
@@ -542,6 +722,7 @@ export class ParticipantRuntime {
    * publication already under way cannot be stopped, so the caller waits for it.
    */
   private abandonCommit(checkpointId: string): Promise<unknown>[] {
+    this.released.delete(checkpointId);
     const job = this.commitJobs.get(checkpointId);
     if (job === undefined) return [];
     if (job.stage === "exporting") job.exportAbort.abort();
@@ -618,13 +799,15 @@ export class ParticipantRuntime {
    * Install saved episodes (attempt N) as attempt N+1 into an idle, fresh participant
    * (section 4.10). Verifies every digest, validates every record before installing any;
    * all or nothing. An install that outlives the call keeps running; a retry joins it.
+   * A null `manifest` names a participant that saved nothing in the snapshot: nothing
+   * is read or installed, and the scope must be empty.
    */
   restore(
     fence: Fence,
     requestId: string,
     restoreId: string,
     snapshot: string,
-    manifest: ArtifactRef,
+    manifest: ArtifactRef | null,
     artifacts: readonly ArtifactRef[],
     scope: readonly EpisodeId[],
     args: { leaseS?: number | null } = {},
@@ -639,7 +822,7 @@ export class ParticipantRuntime {
   private async doRestore(
     restoreId: string,
     snapshot: string,
-    manifest: ArtifactRef,
+    manifest: ArtifactRef | null,
     artifacts: readonly ArtifactRef[],
     scope: readonly EpisodeId[],
     leaseS: number | null,
@@ -666,27 +849,16 @@ export class ParticipantRuntime {
   private async driveRestore(
     restoreId: string,
     snapshot: string,
-    manifest: ArtifactRef,
+    manifest: ArtifactRef | null,
     artifacts: readonly ArtifactRef[],
     scope: readonly EpisodeId[],
   ): Promise<RestoreResult> {
     // Deferred one turn, so the job exists before its first failure can clear it.
     await Promise.resolve();
     const installed: EpisodeId[] = [];
-    const wanted = new Set(scope.map(episodeKey));
     try {
-      let loaded;
-      try {
-        loaded = await this.store.read(
-          snapshot,
-          this.instanceName,
-          { manifest, ...(artifacts.length > 0 ? { artifacts } : {}) },
-          (e) => wanted.has(episodeKey(e)),
-        );
-      } catch (error) {
-        throw storageError(error, `restore ${JSON.stringify(restoreId)}`);
-      }
-      const plan = this.validateRecords(loaded.records);
+      const records = await this.readRestored(restoreId, snapshot, manifest, artifacts, scope);
+      const plan = this.validateRecords(records);
       for (const [record, host] of plan) {
         const key = await host.install(record, nextAttempt(record.episode));
         installed.push(key.episode);
@@ -705,6 +877,40 @@ export class ParticipantRuntime {
         }
       }
       throw error;
+    }
+  }
+
+  /** The selected records of the snapshot, verified whole; none for a saved-nothing entry. */
+  private async readRestored(
+    restoreId: string,
+    snapshot: string,
+    manifest: ArtifactRef | null,
+    artifacts: readonly ArtifactRef[],
+    scope: readonly EpisodeId[],
+  ): Promise<readonly Record[]> {
+    if (manifest === null) {
+      // Section 4.10 item 2: this participant saved nothing in the snapshot, so there is
+      // nothing to read and nothing it could continue.
+      if (scope.length > 0 || artifacts.length > 0) {
+        throw new TurnpointError(
+          "INVALID_CHECKPOINT_STATE",
+          `restore ${JSON.stringify(restoreId)} names no manifest but a non-empty scope or artifacts: nothing was saved here to continue`,
+          { snapshot },
+        );
+      }
+      return [];
+    }
+    const wanted = new Set(scope.map(episodeKey));
+    try {
+      const loaded = await this.store.read(
+        snapshot,
+        this.instanceName,
+        { manifest, ...(artifacts.length > 0 ? { artifacts } : {}) },
+        (e) => wanted.has(episodeKey(e)),
+      );
+      return loaded.records;
+    } catch (error) {
+      throw storageError(error, `restore ${JSON.stringify(restoreId)}`);
     }
   }
 
@@ -817,6 +1023,7 @@ export class ParticipantRuntime {
       admissionOpen: core.admissionOpen,
       leaseExpiries: core.leaseExpiries,
       refusedRollouts: core.refusedRollouts,
+      committedCheckpointId: this.committedCheckpointId,
     };
   }
 
@@ -883,6 +1090,21 @@ export class ParticipantRuntime {
   ): RunFollower {
     this.core.checkDataFence(options.fence ?? null);
     return this.agentHost().acceptRun(episode, task, options);
+  }
+
+  /**
+   * `acceptRun`, except that with `waitForAdmission` a new attempt that arrives while a
+   * checkpoint holds admission waits for resume, at most `runAdmissionWaitS`, instead
+   * of being refused at once (section 5.2 item 1). `signal` cancels the wait.
+   */
+  async admitRun(
+    episode: EpisodeId,
+    task: JsonObject,
+    options: { boundariesSeen?: number; budgetS?: number | null; fence?: Fence | null; waitForAdmission?: boolean } = {},
+    signal?: AbortSignal,
+  ): Promise<RunFollower> {
+    this.core.checkDataFence(options.fence ?? null);
+    return this.agentHost().admitRun(episode, task, options, signal);
   }
 
   acknowledge(

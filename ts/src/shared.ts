@@ -27,6 +27,11 @@ export interface RuntimeConfig {
   readonly maxAnsweredRequests: number;
   readonly modelRetryBackoffS: number;
   readonly watchQueueSize: number;
+  /**
+   * How long a Run that lets a new attempt wait for admission (`wait_for_admission`)
+   * waits before it is refused with ADMISSION_CLOSED after all (section 5.2 item 1).
+   */
+  readonly runAdmissionWaitS: number;
 }
 
 export const DEFAULT_CONFIG: RuntimeConfig = {
@@ -40,11 +45,12 @@ export const DEFAULT_CONFIG: RuntimeConfig = {
   maxAnsweredRequests: 4096,
   modelRetryBackoffS: 0.5,
   watchQueueSize: 1024,
+  runAdmissionWaitS: 5,
 };
 
 export function runtimeConfig(overrides: Partial<RuntimeConfig> = {}): RuntimeConfig {
   const config = { ...DEFAULT_CONFIG, ...overrides };
-  for (const name of ["defaultLeaseS", "defaultCallTimeoutS", "modelRetryBackoffS"] as const) {
+  for (const name of ["defaultLeaseS", "defaultCallTimeoutS", "modelRetryBackoffS", "runAdmissionWaitS"] as const) {
     if (!(config[name] > 0)) throw new RangeError(`${name} must be > 0`);
   }
   if (config.replyMarginS < 0 || !(config.replyMarginFraction >= 0 && config.replyMarginFraction < 1)) {

@@ -107,8 +107,8 @@ export class ToyTools implements ResourcesServer {
   }
 }
 
-export function runtime(root: string, options: RuntimeOptions & { instance?: string } = {}): ParticipantRuntime {
-  const rt = new ParticipantRuntime(options.instance ?? "p-0", new SnapshotStore(root), options);
+export function runtime(root: string, options: RuntimeOptions & { instance?: string; store?: SnapshotStore } = {}): ParticipantRuntime {
+  const rt = new ParticipantRuntime(options.instance ?? "p-0", options.store ?? new SnapshotStore(root), options);
   after(() => rt.close());
   return rt;
 }

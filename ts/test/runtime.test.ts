@@ -242,6 +242,7 @@ describe("resources", () => {
     await rt.prepare(fence(), "p", "ck-1");
     const committed = await rt.commit(fence(), "c", "ck-1", "ck-1", []);
     const fresh = runtime(root, { resources: new ToyTools(), instance: "tools" });
+    assert.ok(committed.manifest !== null, "a commit without accept_saved_nothing writes");
     const forged = { ...committed.manifest, sha256: "0".repeat(64) };
     const error = await refusal(fresh.restore(fence(), "x", "restore-1", "ck-1", forged, [], []));
     assert.equal(error.reason, "INVALID_CHECKPOINT_STATE");

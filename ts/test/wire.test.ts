@@ -1,9 +1,12 @@
 /**
  * The wire against a real server on 127.0.0.1:0: bearer-token auth (section 10.1), rich
  * errors in grpc-status-details-bin (9.1), the ControlSession with cancel (3.2), health,
- * Run's acceptance header (6.1), malformed bytes (10.5).
+ * Run's acceptance header (6.1), malformed bytes (10.5), and the compatible flags:
+ * commit in the prepare (4.6 item 8), saved nothing and release in the commit (4.8 items
+ * 7 and 9), GetStatus's committed checkpoint (4.13), a Run waiting for admission (5.2).
  */
 import assert from "node:assert/strict";
+import { readdirSync } from "node:fs";
 import { after, before, describe, it } from "node:test";
 
 import { create, fromBinary, toBinary } from "@bufbuild/protobuf";
@@ -14,6 +17,7 @@ import type { ServiceError } from "@grpc/grpc-js";
 import { CheckpointControlService, ParticipantServer, RolloutService, TurnpointClient, TurnpointError, episode } from "../src/index.js";
 import * as pb from "../src/gen/turnpoint/v1/checkpoint_control_service_pb.js";
 import * as health from "../src/gen/grpc/health/v1/health_pb.js";
+import * as types from "../src/gen/turnpoint/v1/types_pb.js";
 import { TokenCheck } from "../src/wire/auth.js";
 import { errorFromServiceError } from "../src/wire/status.js";
 import { Gate, ToyAgent, runtime, tempRoot } from "./helpers.js";
@@ -185,5 +189,89 @@ describe("a served agent", () => {
     await first;
     for await (const _ of running) void _;
     client.close();
+  });
+});
+
+describe("the compatible flags over the wire", () => {
+  let server: ParticipantServer;
+  let client: TurnpointClient;
+  // Made here, not in `before`: their `after` clean-ups belong to the suite.
+  const root = tempRoot();
+  const rt = runtime(root, { agent: new ToyAgent(1), instance: "agent-1" });
+  const control = CheckpointControlService;
+  const fence = { coordinatorId: "coord-w", epoch: 1n };
+
+  before(async () => {
+    server = new ParticipantServer(rt, { token: TOKEN });
+    await server.start();
+    client = new TurnpointClient(`127.0.0.1:${server.port}`, { token: TOKEN });
+  });
+  after(async () => {
+    client.close();
+    await server.drainAndStop(0);
+  });
+
+  it("commits an idle participant in the prepare; a Commit replays saved_nothing; GetStatus names it", async () => {
+    const checkpointId = "ck-000000000001";
+    const prepared = await client.unary(control, control.method.prepare, { fence, requestId: "p1", checkpointId, emptyCommitSnapshot: checkpointId });
+    assert.equal(prepared.committedEmpty, true);
+    assert.equal(prepared.phase, types.Phase.COMMITTED);
+    const committed = await client.unary(control, control.method.commit, { fence, requestId: "c1", checkpointId, snapshot: checkpointId, acceptSavedNothing: true });
+    assert.equal(committed.savedNothing, true);
+    assert.equal(committed.manifest, undefined);
+    assert.deepEqual([committed.artifacts.length, committed.exported.length, committed.released], [0, 0, false]);
+    const status = await client.unary(control, control.method.getStatus, {});
+    assert.equal(status.committedCheckpointId, checkpointId);
+    assert.equal(status.phase, types.Phase.COMMITTED);
+    await client.unary(control, control.method.resume, { fence, requestId: "r1", checkpointId });
+    assert.deepEqual(readdirSync(root), [], "saved nothing: no directory was made");
+  });
+
+  it("a Run with wait_for_admission is admitted once a releasing commit ends the checkpoint", async () => {
+    const checkpointId = "ck-000000000002";
+    const prepared = await client.unary(control, control.method.prepare, { fence, requestId: "p2", checkpointId });
+    assert.equal(prepared.phase, types.Phase.PREPARED);
+    const refused = client.serverStream(RolloutService, RolloutService.method.run, { requestId: "no-wait", episode: { rolloutId: "eager" }, task: {} });
+    await assert.rejects(
+      async () => {
+        for await (const _ of refused) void _;
+      },
+      (error: unknown) => error instanceof TurnpointError && error.reason === "ADMISSION_CLOSED",
+    );
+    const run = client.serverStream(RolloutService, RolloutService.method.run, { requestId: "waits", episode: { rolloutId: "patient" }, task: {}, waitForAdmission: true });
+    const first = run.next();
+    let answered = false;
+    void first.then(
+      () => (answered = true),
+      () => (answered = true),
+    );
+    await new Promise((resolve) => setTimeout(resolve, 100));
+    assert.equal(answered, false, "the Run waits instead of being refused");
+    const status = await client.unary(control, control.method.getStatus, {});
+    assert.equal(status.readiness?.blockerCount, 0);
+    assert.deepEqual(status.readiness?.counts, [], "a waiting Run is in no cut");
+    const committed = await client.unary(control, control.method.commit, {
+      fence,
+      requestId: "c2",
+      checkpointId,
+      snapshot: checkpointId,
+      acceptSavedNothing: true,
+      release: true,
+    });
+    assert.equal(committed.released, true);
+    assert.equal(committed.savedNothing, true);
+    const events = [(await first).value];
+    for await (const message of run) events.push(message);
+    assert.deepEqual(
+      events.map((m) => m?.event.case),
+      ["boundary", "result"],
+    );
+    const after = await client.unary(control, control.method.getStatus, {});
+    assert.equal(after.phase, types.Phase.IDLE);
+    assert.equal(after.committedCheckpointId, checkpointId);
+    const result = events.at(-1)?.event;
+    if (result?.case === "result" && result.value.receipt !== undefined) {
+      await client.unary(RolloutService, RolloutService.method.acknowledge, { requestId: "a2", receipts: [result.value.receipt] });
+    }
   });
 });

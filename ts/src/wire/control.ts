@@ -94,7 +94,8 @@ export class ControlServicer {
         const rid = requestId(r.requestId);
         const leaseS = secondsFromDuration(r.lease, "lease");
         episodesFromProto(r.expectedEpisodes, "expected_episodes"); // a hint: checked, not used
-        const result = await rt.prepare(fence, rid, checkpointId, { leaseS, maxBlockers: r.maxBlockers }, options);
+        const emptyCommitSnapshot = r.emptyCommitSnapshot ? idFromProto(r.emptyCommitSnapshot, "empty_commit_snapshot") : null;
+        const result = await rt.prepare(fence, rid, checkpointId, { leaseS, maxBlockers: r.maxBlockers, emptyCommitSnapshot }, options);
         return {
           case: operation,
           value: create(pb.PrepareResponseSchema, {
@@ -102,6 +103,7 @@ export class ControlServicer {
             phase: phase(result.phase),
             readiness: readinessToProto(result.readiness),
             checkpointId: result.checkpointId,
+            committedEmpty: result.committedEmpty,
             ...(result.leaseExpiresAt !== null ? { leaseExpiresAt: timestampFromSeconds(result.leaseExpiresAt) } : {}),
           }),
         };
@@ -128,15 +130,17 @@ export class ControlServicer {
         const checkpointId = idFromProto(r.checkpointId, "checkpoint_id");
         const snapshot = idFromProto(r.snapshot, "snapshot");
         const scope = episodesFromProto(r.scope, "scope");
-        const result = await rt.commit(fence, rid, checkpointId, snapshot, scope, options);
+        const result = await rt.commit(fence, rid, checkpointId, snapshot, scope, { acceptSavedNothing: r.acceptSavedNothing, release: r.release }, options);
         return {
           case: operation,
           value: create(pb.CommitResponseSchema, {
             header: this.header(),
             checkpointId: result.checkpointId,
-            manifest: artifactToProto(result.manifest),
+            ...(result.manifest !== null ? { manifest: artifactToProto(result.manifest) } : {}),
             artifacts: result.artifacts.map(artifactToProto),
             exported: result.exported.map(episodeToProto),
+            savedNothing: result.savedNothing,
+            released: result.released,
           }),
         };
       }
@@ -152,8 +156,13 @@ export class ControlServicer {
       }
       case "restore": {
         const r = request as pb.RestoreRequest;
-        checkListLength("entry.artifacts", r.entry?.artifacts.length ?? 0);
-        if (r.entry?.manifest === undefined) throw invalidArgument("entry.manifest is required", { field: "entry.manifest" });
+        const artifacts = r.entry?.artifacts ?? [];
+        checkListLength("entry.artifacts", artifacts.length);
+        // Section 4.10 item 2: no manifest names a participant that saved nothing.
+        const manifest = r.entry?.manifest;
+        if (manifest === undefined && artifacts.length > 0) {
+          throw invalidArgument("entry.manifest is required when entry.artifacts are named", { field: "entry.manifest" });
+        }
         const fence = fenceFromProto(r.fence);
         const rid = requestId(r.requestId);
         const result = await rt.restore(
@@ -161,8 +170,8 @@ export class ControlServicer {
           rid,
           idFromProto(r.restoreId, "restore_id"),
           idFromProto(r.snapshot, "snapshot"),
-          artifactFromProto(r.entry.manifest),
-          r.entry.artifacts.map(artifactFromProto),
+          manifest === undefined ? null : artifactFromProto(manifest),
+          artifacts.map(artifactFromProto),
           episodesFromProto(r.scope, "scope"),
           { leaseS: secondsFromDuration(r.lease, "lease") },
           options,
@@ -205,6 +214,7 @@ export class ControlServicer {
             admissionOpen: status.admissionOpen,
             leaseExpiries: BigInt(status.leaseExpiries),
             refusedRollouts: status.refusedRollouts,
+            committedCheckpointId: status.committedCheckpointId ?? "",
             ...(status.leaseExpiresAt !== null ? { leaseExpiresAt: timestampFromSeconds(status.leaseExpiresAt) } : {}),
           }),
         };

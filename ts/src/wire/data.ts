@@ -65,7 +65,14 @@ export function rolloutImplementation(runtime: ParticipantRuntime, door: Door, o
         const task = structToJson(request.task, "task");
         const budgetS = secondsFromDuration(request.budget, "budget");
         const fence = request.fence === undefined ? null : fenceFromProto(request.fence);
-        const follower = runtime.acceptRun(episode, task, { boundariesSeen: request.boundariesSeen, budgetS, fence });
+        // With wait_for_admission a new attempt waits out an open checkpoint (section 5.2
+        // item 1); the caller leaving ends the wait.
+        const follower = await runtime.admitRun(
+          episode,
+          task,
+          { boundariesSeen: request.boundariesSeen, budgetS, fence, waitForAdmission: request.waitForAdmission },
+          context.signal,
+        );
         // Closing the follower when the call ends (also by cancellation) is what
         // cancels the execution once nobody follows it (section 6.6).
         context.signal.addEventListener("abort", () => follower.close(), { once: true });
