@@ -25,7 +25,8 @@ directory that no longer exists.
 
 Publication therefore goes: every file and directory the trainer wrote in the snapshot
 is fsynced (the participants' are durable from their commit answers, docs/spec.md
-section 8.4, and are not synced again); the manifest is written to a temporary file in
+section 8.4, and the anchor's tree from its source's return, section 8.8: neither is
+synced again); the manifest is written to a temporary file in
 ``<root>`` and fsynced; it is hard-linked to ``<checkpoint_id>/MANIFEST.json``, which is
 atomic and never replaces an existing manifest (exclusive create without the risk of a
 half-written file under the final name); the snapshot directory is fsynced; then
@@ -255,14 +256,16 @@ class SnapshotLayout:
         self._verify_contents(expected, manifest, verify_artifacts=verify_artifacts)
         self._step(PublishStep.VERIFIED)
 
-        # The trainer's own parts only (anchor, rollout state): each participant's files
-        # and directory were durable before its commit answered (docs/spec.md section
-        # 8.4), and the snapshot directory itself is synced once the manifest is linked.
+        # The trainer's own parts only: each participant's files and directory were
+        # durable before its commit answered (docs/spec.md section 8.4), the anchor's
+        # before its source returned it (section 8.8), and the snapshot directory itself
+        # is synced once the manifest is linked.
+        anchor = os.path.normpath(expected / manifest.anchor.path)
         for child in sorted(expected.iterdir()):
             if child.name in manifest.instances:
                 continue
             if child.is_dir() and not child.is_symlink():
-                fsync_tree(child)
+                fsync_tree(child, durable=Path(anchor))
             elif stat.S_ISREG(child.lstat().st_mode):
                 fsync_file(child)
         self._step(PublishStep.TREE_SYNCED)

@@ -189,13 +189,24 @@ def fsync_file(path: Path) -> None:
         os.close(fd)
 
 
-def fsync_tree(directory: Path) -> None:
+def fsync_tree(directory: Path, *, durable: Path | None = None) -> None:
     """fsync every regular file and directory below ``directory`` (itself included).
 
-    Symlinks are neither followed nor synced.
+    Symlinks are neither followed nor synced. ``durable``: a subtree below ``directory``
+    that its writer already made durable; it is not synced again, though its entry in
+    its parent is (the parent's fsync covers it).
     """
-    # Children before parents, so a directory is synced after the entries it lists.
-    for current, _dirnames, filenames in os.walk(directory, topdown=False):
+    skip = None if durable is None else os.path.normpath(durable)
+    walked: list[tuple[str, list[str]]] = []
+    for current, dirnames, filenames in os.walk(directory):
+        if skip is not None:
+            dirnames[:] = [
+                d for d in dirnames if os.path.normpath(os.path.join(current, d)) != skip
+            ]
+        walked.append((current, filenames))
+    # Reversed pre-order puts every directory after all its descendants, so a directory
+    # is synced after the entries it lists.
+    for current, filenames in reversed(walked):
         for name in filenames:
             path = Path(current, name)
             if stat.S_ISREG(path.lstat().st_mode):

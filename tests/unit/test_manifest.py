@@ -348,6 +348,35 @@ def test_publish_then_load(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == [LATEST_NAME, ckpt(1)]
 
 
+def test_publish_syncs_what_no_writer_made_durable_once_and_nothing_else(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Spec 8.9: participants' files are durable from their commit answers and the
+    anchor from its source (8.8); publication syncs the rest of the trainer's tree, the
+    manifest, the snapshot directory, LATEST and the root, each once."""
+    layout = SnapshotLayout(tmp_path)
+    manifest = prepare_snapshot(layout, 1)
+    snapshot = layout.path(manifest.checkpoint_id)
+    (snapshot / "trainer" / "notes.txt").write_bytes(b"the trainer's own extra file")
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def recording(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fsync", recording)
+    layout.publish(snapshot, manifest)
+    assert not [path for path in synced if "/anchor" in path or "/agent-0" in path]
+    trainer = [path for path in synced if path.startswith(str(snapshot / "trainer"))]
+    assert sorted(trainer) == [str(snapshot / "trainer"), str(snapshot / "trainer" / "notes.txt")]
+    rest = [Path(path) for path in synced if path not in trainer]
+    # The manifest and LATEST are synced under their temporary names, before the link
+    # and the rename that give them their final ones.
+    assert [path.name.split("-")[0] for path in rest[:1]] == [".MANIFEST"]
+    assert rest[1:] == [snapshot, rest[2], tmp_path] and rest[2].name.startswith(".LATEST-")
+
+
 def test_list_published_newest_first_by_sequence(tmp_path: Path) -> None:
     layout = SnapshotLayout(tmp_path)
     for sequence in (1, 2, 10):
