@@ -18,7 +18,7 @@ from turnpoint.v1 import checkpoint_control_service_pb2 as pb
 from turnpoint.v1 import policy_service_pb2, resources_service_pb2, rollout_service_pb2, types_pb2
 
 from ._kit import HOLD_LEASE_S, CheckFailed, CheckSkipped, Kit, RunStream, episode, require, show
-from ._rules import ID_PATTERN, error_problems, phase_name, readiness_problems
+from ._rules import ID_PATTERN, error_problems, phase_name, readiness_problems, state_name
 
 __all__ = ["check_acknowledge", "check_admission", "check_readiness", "check_run_stream"]
 
@@ -258,7 +258,11 @@ async def _agent_readiness(kit: Kit) -> str:
     require(
         blocker.state == types_pb2.EPISODE_STATE_COMPLETED_UNACKED
         and blocker.receipt.receipt_id in receipts,
-        "the blocker is not a COMPLETED_UNACKED entry carrying one of the results' receipts",
+        "the blocker is not a COMPLETED_UNACKED entry carrying one of the results' receipts: "
+        f"it is {show(blocker.episode)} {state_name(blocker.state)} receipt "
+        f"{blocker.receipt.receipt_id or '(none)'!r}, of {blocked.readiness.blocker_count} "
+        f"blocker(s); the results: "
+        + ", ".join(f"{show(r.episode)} receipt {r.receipt.receipt_id!r}" for r in results),
     )
     status = await kit.status()
     require(

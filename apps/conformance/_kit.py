@@ -662,9 +662,10 @@ class Kit:
                 await self.resume(active)
                 done.append(f"resumed {active}")
         if left.receipts and self.hosts_agent:
+            owed = list(left.receipts)
             with contextlib.suppress(Refused):
-                await self.acknowledge(left.receipts)
-                done.append(f"acknowledged {len(left.receipts)} receipt(s)")
+                await self.acknowledge(owed)
+                done.append(f"acknowledged {len(owed)} receipt(s)")
         unfinished = [s.episode for s in left.runs if s.result is None]
         if unfinished:
             with contextlib.suppress(Refused):
