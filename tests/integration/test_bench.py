@@ -153,9 +153,10 @@ def test_the_json_has_every_figure_as_a_positive_number(
     assert set(durable["phases_ms"]) == {"prepare", "commit", "publish", "resume"}
     fsyncs = durable["fsyncs_per_snapshot"]
     # docs/spec.md section 4.8 item 7: participants that export nothing write nothing;
-    # the coordinator syncs the anchor tree, the manifest, the snapshot dir, LATEST, root.
+    # section 8.9: the coordinator syncs trainer/ (not the anchor's tree, durable from its
+    # source), the manifest, the snapshot directory, LATEST and the root, each once.
     assert fsyncs["participants"] == 0
-    assert fsyncs["coordinator_publish"] == 6
+    assert fsyncs["coordinator_publish"] == 5
     targets = figures["targets"]
     assert targets["durable_participant_fsyncs_exporting_nothing"]["met_must"] is True
     assert targets["control_path_64_vs_floor"]["value"] is None  # 64 was not measured
