@@ -260,12 +260,12 @@ class SnapshotLayout:
         # durable before its commit answered (docs/spec.md section 8.4), the anchor's
         # before its source returned it (section 8.8), and the snapshot directory itself
         # is synced once the manifest is linked.
-        anchor = os.path.normpath(expected / manifest.anchor.path)
+        anchor = expected / manifest.anchor.path
         for child in sorted(expected.iterdir()):
             if child.name in manifest.instances:
                 continue
             if child.is_dir() and not child.is_symlink():
-                fsync_tree(child, durable=Path(anchor))
+                fsync_tree(child, durable=anchor)
             elif stat.S_ISREG(child.lstat().st_mode):
                 fsync_file(child)
         self._step(PublishStep.TREE_SYNCED)

@@ -21,6 +21,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from tests.support.fsyncs import record_fsyncs
 from turnpoint._files import (
     CHUNK_BYTES,
     create_file,
@@ -184,25 +185,13 @@ def test_fsync_tree_syncs_files_and_skips_symlinks(tmp_path: Path) -> None:
     fsync_tree(tmp_path)  # a followed dangling symlink would raise
 
 
-def _synced_paths(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    synced: list[str] = []
-    real_fsync = os.fsync
-
-    def recording(fd: int) -> None:
-        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
-        real_fsync(fd)
-
-    monkeypatch.setattr(os, "fsync", recording)
-    return synced
-
-
 def test_fsync_tree_syncs_each_entry_once_children_before_parents(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     for name in ("a/b/f", "a/g", "c/h", "top"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_bytes(b"1")
-    synced = _synced_paths(monkeypatch)
+    synced = record_fsyncs(monkeypatch)
     fsync_tree(tmp_path)
     expected = {str(tmp_path / n) for n in ("a/b/f", "a/b", "a/g", "a", "c/h", "c", "top")}
     assert sorted(synced) == sorted(expected | {str(tmp_path)})
@@ -219,7 +208,7 @@ def test_fsync_tree_leaves_a_durable_subtree_alone_but_syncs_its_parent(
     (tmp_path / "anchor" / "deep" / "w").write_bytes(b"1")
     (tmp_path / "anchor" / "m").write_bytes(b"1")
     (tmp_path / "other").write_bytes(b"1")
-    synced = _synced_paths(monkeypatch)
+    synced = record_fsyncs(monkeypatch)
     fsync_tree(tmp_path, durable=tmp_path / "x" / ".." / "anchor")
     assert sorted(synced) == sorted([str(tmp_path / "other"), str(tmp_path)])
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.fsyncs import record_fsyncs
 from turnpoint.errors import Reason
 from turnpoint.ids import EpisodeId, make_checkpoint_id
 from turnpoint.trainer import ManifestError, SnapshotLayout, SnapshotManifest
@@ -358,14 +359,7 @@ def test_publish_syncs_what_no_writer_made_durable_once_and_nothing_else(
     manifest = prepare_snapshot(layout, 1)
     snapshot = layout.path(manifest.checkpoint_id)
     (snapshot / "trainer" / "notes.txt").write_bytes(b"the trainer's own extra file")
-    synced: list[str] = []
-    real_fsync = os.fsync
-
-    def recording(fd: int) -> None:
-        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
-        real_fsync(fd)
-
-    monkeypatch.setattr(os, "fsync", recording)
+    synced = record_fsyncs(monkeypatch)
     layout.publish(snapshot, manifest)
     assert not [path for path in synced if "/anchor" in path or "/agent-0" in path]
     trainer = [path for path in synced if path.startswith(str(snapshot / "trainer"))]
