@@ -69,7 +69,7 @@ def main() -> int:
         out = Path(tmp)
         generate(out)
         fresh = out / PACKAGE_DIR
-        committed = ROOT / PACKAGE_DIR
+        committed = ROOT / "core" / "src" / PACKAGE_DIR
         if args.check:
             names = _generated_files(fresh) | _generated_files(committed)
             stale = sorted(

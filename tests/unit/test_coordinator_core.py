@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import ast
 import logging
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from tests.support.sources import source_of
 from turnpoint.ids import EpisodeId
 from turnpoint.trainer import InFlightRollout
 from turnpoint.trainer._coordinator_core import (
@@ -53,7 +53,6 @@ from turnpoint.trainer._snapshot_attempt import (
     points_of,
 )
 
-REPO = Path(__file__).resolve().parents[2]
 S = SnapshotState
 
 AGENTS = ("agent-0", "agent-1")
@@ -80,9 +79,9 @@ IN_FLIGHT = tuple(rollout(e, AGENTS[i % 2]) for i, e in enumerate(EPISODES))
 # ------------------------------------------------------------------------- purity
 
 
-@pytest.mark.parametrize("module", ["_coordinator_core.py", "_snapshot_attempt.py"])
+@pytest.mark.parametrize("module", ["_coordinator_core", "_snapshot_attempt"])
 def test_the_core_imports_no_io_and_reads_no_clock(module: str) -> None:
-    tree = ast.parse((REPO / "trainer" / module).read_text(encoding="utf-8"))
+    tree = ast.parse(source_of(f"turnpoint.trainer.{module}"))
     imported: set[str] = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):

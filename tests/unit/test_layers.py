@@ -13,9 +13,11 @@ that a layer cannot be crossed by hiding the import.
 from __future__ import annotations
 
 import ast
+import json
 import re
 import subprocess
 import sys
+import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,28 +26,48 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 
-# Where each layer's source lives in the repository, and its import name.
-LAYER_DIRS = {
-    "core": REPO / "turnpoint",
-    "participant_sdk": REPO / "participant_sdk",
-    "server": REPO / "server",
-    "trainer": REPO / "trainer",
-    "apps": REPO / "apps",
+
+def _distributions() -> dict[str, tuple[Path, set[str]]]:
+    """Each distribution under the turnpoint namespace: its ``src/turnpoint`` folder and
+    the sibling distributions it declares as dependencies. The packaging is the map."""
+    found = {}
+    for pyproject in sorted(REPO.glob("*/pyproject.toml")):
+        project = tomllib.loads(pyproject.read_text(encoding="utf-8"))["project"]
+        depends = {
+            re.split(r"[\[=<>!~ ]", requirement, maxsplit=1)[0]
+            for requirement in project.get("dependencies", [])
+        }
+        found[project["name"]] = (
+            pyproject.parent / "src" / "turnpoint",
+            {name for name in depends if name.startswith("turnpoint-")},
+        )
+    return found
+
+
+DISTRIBUTIONS = _distributions()
+
+
+def _layer(distribution: str) -> str:
+    return distribution.removeprefix("turnpoint-").replace("-", "_")
+
+
+# Where each layer's source lives, its import name, and which layers it may import (itself
+# always allowed): all read from the distributions' own pyproject.toml files.
+LAYER_DIRS = {_layer(name): root for name, (root, _) in DISTRIBUTIONS.items()}
+PACKAGE_OF = {layer: f"turnpoint.{layer}" for layer in LAYER_DIRS if layer != "core"}
+DECLARED = {
+    _layer(name): {"core"} | {_layer(d) for d in depends} if name != "turnpoint-core" else {"core"}
+    for name, (_, depends) in DISTRIBUTIONS.items()
 }
-PACKAGE_OF = {
-    "participant_sdk": "turnpoint.participant_sdk",
-    "server": "turnpoint.server",
-    "trainer": "turnpoint.trainer",
-    "apps": "turnpoint.apps",
-}
-# Which layers each layer may import (itself always allowed).
-ALLOWED = {
+# The architecture the packaging must declare: a change here is a change of design.
+ARCHITECTURE = {
     "core": {"core"},
     "participant_sdk": {"core"},
     "server": {"core", "participant_sdk"},
     "trainer": {"core"},
     "apps": {"core", "participant_sdk", "server", "trainer"},
 }
+ALLOWED = DECLARED
 _MODULE_NAME = r"turnpoint(?:\.[A-Za-z_][A-Za-z0-9_]*)+"
 # A string that is a module name, or a command line running one (prose in docstrings
 # that merely mentions a package is not an import).
@@ -75,8 +97,7 @@ class Edge:
 def _module_name(path: Path, layer: str) -> str:
     relative = path.relative_to(LAYER_DIRS[layer]).with_suffix("")
     parts = [p for p in relative.parts if p != "__init__"]
-    base = "turnpoint" if layer == "core" else PACKAGE_OF[layer]
-    return ".".join([base, *parts])
+    return ".".join(["turnpoint", *parts])
 
 
 def _resolve(module: str, is_package: bool, node: ast.ImportFrom) -> str:
@@ -91,8 +112,8 @@ def source_files(layer: str) -> Iterator[Path]:
     root = LAYER_DIRS[layer]
     for path in sorted(root.rglob("*.py")):
         relative = path.relative_to(root)
-        if layer == "core" and (relative.parts[0] in {"v1", *PACKAGE_OF} or path.is_symlink()):
-            continue  # generated code, and the links to the other layers' folders
+        if layer == "core" and relative.parts[0] == "v1":
+            continue  # generated code
         yield path
 
 
@@ -147,17 +168,47 @@ def test_the_checker_sees_lazy_type_checking_and_string_imports() -> None:
         "CMD = ('python', '-m', 'turnpoint.apps._cli', 'serve')\n"
         "from ..server import _host\n"
     )
-    found = violations("trainer", {LAYER_DIRS["trainer"] / "_layers_probe.py": source})
+    probe = LAYER_DIRS["trainer"] / "trainer" / "_layers_probe.py"
+    found = violations("trainer", {probe: source})
     assert any("turnpoint.server" in v and "(import)" in v for v in found)
     assert any("turnpoint.apps.demo" in v for v in found)
     assert any("turnpoint.apps._cli" in v and "(string)" in v for v in found)
-    assert any(v.startswith("trainer/_layers_probe.py:7") for v in found)
+    assert any(v.startswith("trainer/src/turnpoint/trainer/_layers_probe.py:7") for v in found)
 
 
-def test_every_layer_folder_is_linked_under_the_import_name() -> None:
+def test_the_packaging_declares_the_architecture() -> None:
+    assert DECLARED == ARCHITECTURE
+    for layer, root in LAYER_DIRS.items():
+        own = {p.name for p in root.iterdir() if p.name != "__pycache__"}
+        if layer == "core":  # the namespace's own modules; every library is elsewhere
+            assert not own & {*PACKAGE_OF.values()} and not (root / "__init__.py").exists()
+        else:  # one package per distribution, under its import name
+            assert own == {layer}, (layer, own)
+
+
+def test_every_file_has_one_path() -> None:
+    """No symlinks in the tree, and each library imports from its own distribution's src/
+    folder: there is no second name under which the same file loads."""
+    tracked = subprocess.run(
+        ["git", "ls-files", "-s"], cwd=REPO, capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    assert [line for line in tracked if line.startswith("120000")] == []
+    probe = "import json, turnpoint.ids" + "".join(f", {p}" for p in PACKAGE_OF.values())
+    probe += "; print(json.dumps({m: sys.modules[m].__file__ for m in sys.modules"
+    probe += " if m.count('.') <= 1 and m.startswith('turnpoint.')}))"
+    files = json.loads(
+        subprocess.run(
+            [sys.executable, "-c", "import sys; " + probe],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=60,
+        ).stdout
+    )
     for layer, package in PACKAGE_OF.items():
-        link = REPO / "turnpoint" / package.split(".")[1]
-        assert link.is_symlink() and link.resolve() == LAYER_DIRS[layer].resolve(), link
+        assert Path(files[package]).resolve() == LAYER_DIRS[layer] / layer / "__init__.py"
+    assert Path(files["turnpoint.ids"]).resolve() == LAYER_DIRS["core"] / "ids.py"
 
 
 # What importing a library's public face may load: a trainer that embeds the coordinator

@@ -12,7 +12,6 @@ after every step.
 from __future__ import annotations
 
 import ast
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,6 +25,7 @@ from hypothesis.stateful import (
     rule,
 )
 
+from tests.support.sources import source_of
 from turnpoint.ids import EpisodeId
 from turnpoint.trainer import (
     Hold,
@@ -129,9 +129,8 @@ def saved_of(state: TrainerRolloutState) -> list[SavedRollout]:
 
 
 def test_the_ledger_modules_import_neither_grpc_nor_asyncio_nor_read_a_clock() -> None:
-    trainer = Path(__file__).resolve().parents[2] / "trainer"
-    for name in ("_ledger.py", "_attempts.py", "_rollout_values.py"):
-        tree = ast.parse((trainer / name).read_text(encoding="utf-8"))
+    for name in ("_ledger", "_attempts", "_rollout_values"):
+        tree = ast.parse(source_of(f"turnpoint.trainer.{name}"))
         imported: set[str] = set()
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):

@@ -15,14 +15,14 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 SPEC = REPO / "docs" / "spec.md"
-CODE_DIRS = ("turnpoint", "participant_sdk", "server", "trainer", "apps", "tests", "scripts")
+# Every Python file in the repository but the generated code.
+_GENERATED = REPO / "core" / "src" / "turnpoint" / "v1"
 
 _HEADING = re.compile(r"^#{2,4}\s+(\d+(?:\.\d+)*)\.?\s", re.MULTILINE)
 _CITATION = re.compile(
     r"(?P<file>docs/[\w.-]+\.md)(?:\s+sections?\s+(?P<sections>\d+(?:\.\d+)*"
     r"(?:\s*(?:-|,|and)\s*\d+(?:\.\d+)*)*))?"
 )
-_NOT_CORE = {"v1", "participant_sdk", "server", "trainer", "apps"}
 _EXTERNAL = re.compile(r"\b(?:PROTOCOL|REFERENCE|STYLE)\.md\b")
 
 
@@ -31,14 +31,12 @@ def spec_sections(text: str) -> set[str]:
 
 
 def code_files() -> list[Path]:
-    files = []
-    for folder in CODE_DIRS:
-        for path in sorted((REPO / folder).rglob("*.py")):
-            relative = path.relative_to(REPO)
-            if relative.parts[0] == "turnpoint" and relative.parts[1] in _NOT_CORE:
-                continue  # generated code, and the links to the layers' own folders
-            files.append(path)
-    return files
+    skip = {".venv", "node_modules", "build", ".git"}
+    return [
+        path
+        for path in sorted(REPO.rglob("*.py"))
+        if not skip & set(path.relative_to(REPO).parts) and _GENERATED not in path.parents
+    ]
 
 
 def broken_citations(text: str, where: str, sections: set[str]) -> list[str]:

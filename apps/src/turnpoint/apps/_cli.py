@@ -13,9 +13,11 @@ Handler = Callable[[argparse.Namespace], int]
 
 
 def _version(_: argparse.Namespace) -> int:
-    from turnpoint import PROTOCOL_VERSION, __version__
+    from importlib.metadata import version
 
-    print(f"turnpoint {__version__} ({PROTOCOL_VERSION})")
+    from turnpoint.protocol import PROTOCOL_VERSION
+
+    print(f"turnpoint {version('turnpoint-core')} ({PROTOCOL_VERSION})")
     return 0
 
 
