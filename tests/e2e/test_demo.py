@@ -32,7 +32,7 @@ from tests.support.demo import DEMO, SHORT
 from turnpoint.apps.demo import CRASH_POINTS
 from turnpoint.apps.demo._kill_switch import KillPoint
 from turnpoint.ids import checkpoint_sequence
-from turnpoint.trainer._snapshots import EPOCH_STRIDE
+from turnpoint.trainer.snapshots.driver import EPOCH_STRIDE
 
 pytestmark = pytest.mark.slow
 

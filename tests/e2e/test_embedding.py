@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from tests.support.participants import TOKEN, start_topology
-from turnpoint.trainer import SnapshotLayout
+from turnpoint.trainer.advanced import SnapshotLayout
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

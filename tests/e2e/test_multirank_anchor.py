@@ -1,4 +1,4 @@
-"""The trainer anchor across ranks (trainer/_anchor_ranks.py) through real snapshots.
+"""The trainer anchor across ranks (turnpoint.trainer.anchors.ranks) through real snapshots.
 
 Real rank processes on gloo (tests/support/multirank_trainer.py, an FSDP2 model sharded
 over the ranks) and real participants on 127.0.0.1:0. Two ranks train and snapshot; rank

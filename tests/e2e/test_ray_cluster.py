@@ -40,7 +40,8 @@ from turnpoint.server.ray import (
     Placement,
     alive_nodes,
 )
-from turnpoint.trainer import Coordinator, CoordinatorConfig, bump_epoch
+from turnpoint.trainer import CoordinatorConfig
+from turnpoint.trainer.advanced import Coordinator, bump_epoch
 
 pytestmark = pytest.mark.slow
 

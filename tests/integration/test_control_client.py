@@ -28,7 +28,7 @@ from tests.support.scripted import (
     serve_control,
 )
 from turnpoint.errors import Reason, TurnpointError
-from turnpoint.trainer._control_client import (
+from turnpoint.trainer.control.client import (
     CallTimeoutError,
     ControlRequest,
     ControlResponse,
@@ -41,7 +41,7 @@ from turnpoint.trainer._control_client import (
     TransportError,
     classify,
 )
-from turnpoint.trainer._fanout import (
+from turnpoint.trainer.control.fanout import (
     FanoutError,
     FanoutResult,
     fan_out,

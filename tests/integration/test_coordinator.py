@@ -40,34 +40,36 @@ from turnpoint.errors import Reason, TurnpointError
 from turnpoint.ids import EpisodeId
 from turnpoint.protocol import ParticipantKind, Phase, RecoveryLevel
 from turnpoint.trainer import (
+    CoordinatorConfig,
+    CoordinatorError,
+    FailureReason,
+    Rollout,
+    RolloutOutcome,
+    SnapshotFailuresError,
+    SnapshotOutcome,
+)
+from turnpoint.trainer.advanced import (
     AgentEndpoint,
     CommitFailed,
     Coordinator,
-    CoordinatorConfig,
-    CoordinatorError,
     CoordinatorMetrics,
-    FailureReason,
     InFlightRollout,
     PrepareFailed,
     RestoreFailed,
     Restorer,
-    Rollout,
     RolloutClient,
-    RolloutOutcome,
     SnapshotDriver,
-    SnapshotFailuresError,
     SnapshotLayout,
     SnapshotManifest,
-    SnapshotOutcome,
     SnapshotPhase,
     SnapshotPump,
     apply_plan,
     bump_epoch,
 )
-from turnpoint.trainer import _coordinator as coordinator_module
-from turnpoint.trainer._control_client import FailureKind
-from turnpoint.trainer._manifest import AnchorRef, TrainerRolloutState, tree_digest
-from turnpoint.trainer._restore import RerunReason
+from turnpoint.trainer.control import coordinator as coordinator_module
+from turnpoint.trainer.control.client import FailureKind
+from turnpoint.trainer.restore.restorer import RerunReason
+from turnpoint.trainer.storage.manifest import AnchorRef, TrainerRolloutState, tree_digest
 from turnpoint.v1 import checkpoint_control_service_pb2 as pb
 from turnpoint.v1 import types_pb2
 
@@ -598,7 +600,7 @@ async def test_commit_rejects_exports_outside_the_scope(fleet: Fleet) -> None:
 
 
 def restorable_manifest(ck: str = "ck-000000000001") -> SnapshotManifest:
-    from turnpoint.trainer._manifest import ArtifactRef, ParticipantEntry, PlacedEpisode
+    from turnpoint.trainer.storage.manifest import ArtifactRef, ParticipantEntry, PlacedEpisode
 
     digest = "a" * 64
     saved = EpisodeId("r1", 0)

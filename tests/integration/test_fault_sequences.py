@@ -96,6 +96,7 @@ from tests.support.participants import METADATA, TOKEN
 from tests.support.scripted import FAST, ScriptedAgent, ScriptedTools, poll, rid
 from turnpoint._convert import episode_to_proto, struct_from_mapping
 from turnpoint._keepalive import LOCAL_SUBCHANNEL_POOL, control_channel, data_channel
+from turnpoint.apps._inspect import inspect_root
 from turnpoint.ids import EpisodeId
 from turnpoint.participant_sdk import (
     EpisodeContext,
@@ -108,25 +109,26 @@ from turnpoint.participant_sdk import (
 from turnpoint.participant_sdk.testing import StoreFaults
 from turnpoint.server import HostedParticipant, ServerOptions, host_participant
 from turnpoint.trainer import (
+    CoordinatorConfig,
+    Rollout,
+    RolloutClientSettings,
+    RolloutOutcome,
+    SnapshotOutcome,
+    SnapshotReport,
+)
+from turnpoint.trainer.advanced import (
     AgentEndpoint,
     AnchorRef,
     Coordinator,
-    CoordinatorConfig,
-    PublishStep,
     RestorePlan,
     Restorer,
-    Rollout,
     RolloutClient,
-    RolloutClientSettings,
-    RolloutOutcome,
     SnapshotDriver,
     SnapshotLayout,
-    SnapshotOutcome,
-    SnapshotReport,
     apply_plan,
-    inspect_root,
     tree_digest,
 )
+from turnpoint.trainer.testing import PublishStep
 from turnpoint.v1 import checkpoint_control_service_pb2 as pb
 from turnpoint.v1 import resources_service_pb2 as rs_pb
 from turnpoint.v1 import resources_service_pb2_grpc as rs_grpc

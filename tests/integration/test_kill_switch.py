@@ -11,7 +11,8 @@ from pathlib import Path
 from tests.support.participants import TOKEN, start_topology
 from turnpoint.apps.demo._kill_switch import StatusProbe
 from turnpoint.ids import EpisodeId
-from turnpoint.trainer import Coordinator, CoordinatorConfig
+from turnpoint.trainer import CoordinatorConfig
+from turnpoint.trainer.advanced import Coordinator
 from turnpoint.v1 import types_pb2
 
 HOLDING = {types_pb2.PHASE_PREPARING, types_pb2.PHASE_PREPARED}

@@ -28,19 +28,18 @@ from turnpoint.apps.examples.guide_resources import CounterTools
 from turnpoint.ids import EpisodeId
 from turnpoint.participant_sdk import ParticipantRuntime, RuntimeConfig, SnapshotStore
 from turnpoint.server import HostedParticipant, ServerOptions, host_participant, serve_metrics
-from turnpoint.trainer import (
+from turnpoint.trainer import CoordinatorConfig, SnapshotOutcome
+from turnpoint.trainer.advanced import (
     AgentEndpoint,
     Coordinator,
-    CoordinatorConfig,
     CoordinatorMetrics,
     Restorer,
     RolloutClient,
     SnapshotDriver,
     SnapshotLayout,
-    SnapshotOutcome,
     SnapshotPump,
 )
-from turnpoint.trainer._snapshots import WrittenAnchor
+from turnpoint.trainer.snapshots.driver import WrittenAnchor
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 

@@ -20,22 +20,24 @@ from turnpoint.apps.examples.guide_resources import CounterTools
 from turnpoint.participant_sdk import ParticipantRuntime, RuntimeConfig, SnapshotStore
 from turnpoint.server import HostedParticipant, ServerOptions, host_participant
 from turnpoint.trainer import (
+    CoordinatorConfig,
+    FailureReason,
+    Rollout,
+    RolloutOutcome,
+    SnapshotOutcome,
+)
+from turnpoint.trainer.advanced import (
     AgentEndpoint,
     AnchorRef,
     Coordinator,
-    CoordinatorConfig,
-    FailureReason,
     Restorer,
-    Rollout,
     RolloutClient,
-    RolloutOutcome,
     SnapshotDriver,
     SnapshotLayout,
-    SnapshotOutcome,
     apply_plan,
 )
-from turnpoint.trainer._manifest import tree_digest
-from turnpoint.trainer._snapshots import WrittenAnchor
+from turnpoint.trainer.snapshots.driver import WrittenAnchor
+from turnpoint.trainer.storage.manifest import tree_digest
 
 TOKEN = "guide-token-123"
 BOUND_S = 20.0

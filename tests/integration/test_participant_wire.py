@@ -738,7 +738,7 @@ async def test_an_abandoned_session_call_is_cancelled_in_the_participant(root: P
     """The coordinator's client cancels a call it stopped waiting for; on the session
     door that is a cancel message, and the participant's handler sees the cancellation
     as it would on the unary door (docs/spec.md section 3.2)."""
-    from turnpoint.trainer._control_client import ParticipantControlClient
+    from turnpoint.trainer.control.client import ParticipantControlClient
 
     agent = ScriptedAgent()
     agent.close_gate = asyncio.Event()

@@ -34,19 +34,11 @@ from turnpoint.participant_sdk import (
     SnapshotStore,
 )
 from turnpoint.server import ServerOptions, host_participant
-from turnpoint.trainer import (
-    AgentEndpoint,
-    InFlightRollout,
-    ManifestError,
-    Rollout,
-    RolloutClient,
-    RolloutClientSettings,
-    RolloutOutcome,
-    RolloutResult,
-)
-from turnpoint.trainer._manifest import TrainerRolloutState
-from turnpoint.trainer._rollout_values import SavedRollout
-from turnpoint.trainer._run_stream import ACCEPTED_METADATA_KEY
+from turnpoint.trainer import Rollout, RolloutClientSettings, RolloutOutcome, RolloutResult
+from turnpoint.trainer.advanced import AgentEndpoint, InFlightRollout, ManifestError, RolloutClient
+from turnpoint.trainer.rollouts.run_stream import ACCEPTED_METADATA_KEY
+from turnpoint.trainer.rollouts.values import SavedRollout
+from turnpoint.trainer.storage.manifest import TrainerRolloutState
 from turnpoint.v1 import rollout_service_pb2 as pb
 from turnpoint.v1 import rollout_service_pb2_grpc as pb_grpc
 from turnpoint.v1 import types_pb2

@@ -37,22 +37,24 @@ from turnpoint.participant_sdk import EpisodeState
 from turnpoint.protocol import RecoveryLevel
 from turnpoint.server import HostedParticipant
 from turnpoint.trainer import (
-    AgentEndpoint,
-    Coordinator,
     CoordinatorConfig,
-    PreparedCheckpoint,
-    Restorer,
     Rollout,
-    RolloutClient,
     RolloutClientSettings,
     RolloutOutcome,
+    SnapshotOutcome,
+)
+from turnpoint.trainer.advanced import (
+    AgentEndpoint,
+    Coordinator,
+    PreparedCheckpoint,
+    Restorer,
+    RolloutClient,
     SnapshotDriver,
     SnapshotLayout,
-    SnapshotOutcome,
     apply_plan,
 )
-from turnpoint.trainer import _coordinator as coordinator_module
-from turnpoint.trainer._restore import RerunReason
+from turnpoint.trainer.control import coordinator as coordinator_module
+from turnpoint.trainer.restore.restorer import RerunReason
 from turnpoint.v1 import checkpoint_control_service_pb2 as pb
 from turnpoint.v1 import rollout_service_pb2 as ro_pb
 

@@ -26,7 +26,8 @@ import pytest
 
 from turnpoint.auth import auth_metadata
 from turnpoint.server import WorkerGroup
-from turnpoint.trainer import Coordinator, CoordinatorConfig, bump_epoch
+from turnpoint.trainer import CoordinatorConfig
+from turnpoint.trainer.advanced import Coordinator, bump_epoch
 from turnpoint.v1 import checkpoint_control_service_pb2 as pb
 from turnpoint.v1 import checkpoint_control_service_pb2_grpc as pb_grpc
 

@@ -50,9 +50,9 @@ from turnpoint.trainer import (
     SnapshotOutcome,
     TorchAnchorSource,
     torch_anchor_loader,
-    watch_liveness,
 )
-from turnpoint.trainer._fanout import FanoutResult
+from turnpoint.trainer.advanced import watch_liveness
+from turnpoint.trainer.control.fanout import FanoutResult
 from turnpoint.v1 import checkpoint_control_service_pb2 as pb
 from turnpoint.v1 import checkpoint_control_service_pb2_grpc as pb_grpc
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -29,10 +30,10 @@ from turnpoint.ids import EpisodeId
 from turnpoint.participant_sdk import EpisodeState
 from turnpoint.participant_sdk._core import ParticipantCore, WorkKey
 from turnpoint.protocol import ParticipantKind, RecoveryLevel, RecoveryMode, VerifyMode
-from turnpoint.trainer import (
+from turnpoint.trainer import CoordinatorConfig
+from turnpoint.trainer.advanced import (
     CommitFailed,
     ControlReport,
-    CoordinatorConfig,
     CoordinatorMetrics,
     DeadlineRegistry,
     Hold,
@@ -45,10 +46,11 @@ from turnpoint.trainer import (
     SnapshotPump,
     Topology,
 )
-from turnpoint.trainer._control_client import Failure, FailureKind
-from turnpoint.trainer._coordinator import UnackedResolver
-from turnpoint.trainer._interfaces import UnackedDecision
-from turnpoint.trainer._manifest import (
+from turnpoint.trainer.control.client import Failure, FailureKind
+from turnpoint.trainer.control.coordinator import UnackedResolver
+from turnpoint.trainer.rollouts.side import UnackedDecision
+from turnpoint.trainer.snapshots.driver import WrittenAnchor
+from turnpoint.trainer.storage.manifest import (
     AnchorRef,
     ArtifactRef,
     ParticipantEntry,
@@ -56,7 +58,6 @@ from turnpoint.trainer._manifest import (
     TrainerRolloutState,
     tree_digest,
 )
-from turnpoint.trainer._snapshots import WrittenAnchor
 
 # ------------------------------------------------------------------------ time
 
@@ -482,3 +483,9 @@ def make_world(
         wall_clock=lambda: 1_700_000_000.0,
     )
     return World(clock, events, rollouts, anchor, coordinator, layout, settings, driver)
+
+
+def counted_ids(prefix: str = "run") -> Callable[[], str]:
+    """A deterministic request-id source for a rollout ledger: ``run-0``, ``run-1``, ..."""
+    numbers = itertools.count()
+    return lambda: f"{prefix}-{next(numbers)}"

@@ -36,13 +36,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from turnpoint.trainer import (
-    Checkpointing,
-    CoordinatorConfig,
-    DistributedAnchor,
-    SnapshotLayout,
-    SnapshotOutcome,
-)
+from turnpoint.trainer import Checkpointing, CoordinatorConfig, DistributedAnchor, SnapshotOutcome
+from turnpoint.trainer.advanced import SnapshotLayout
 
 
 class Trainer:

@@ -11,9 +11,9 @@ import pytest
 
 from turnpoint.ids import EpisodeId
 from turnpoint.trainer import ConfigError, CoordinatorConfig, Rollout, RolloutClientSettings
-from turnpoint.trainer._attempts import Attempt
-from turnpoint.trainer._config import ConfigSection
-from turnpoint.trainer._run_stream import run_request
+from turnpoint.trainer.config import ConfigSection
+from turnpoint.trainer.rollouts.attempts import Attempt
+from turnpoint.trainer.rollouts.run_stream import run_request
 from turnpoint.v1 import types_pb2
 
 
@@ -138,7 +138,7 @@ def test_weights_change_reaches_every_run_as_the_wire_value(tmp_path: Path) -> N
     assert config.weights_change == "rerun"
     settings = RolloutClientSettings(weights_change=config.weights_change)
     spec = Rollout("r-1", "g-1", 0, 1, "env", {"x": 1}, "agent-0")
-    attempt = Attempt(spec, EpisodeId("r-1", 0), "agent-0", budget_s=None)
+    attempt = Attempt(spec, EpisodeId("r-1", 0), "agent-0", budget_s=None, request_id="run-1")
     assert run_request(attempt, None, settings.weights_change).weights_change == (
         types_pb2.WEIGHTS_CHANGE_RERUN
     )

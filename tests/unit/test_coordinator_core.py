@@ -19,8 +19,18 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from tests.support.sources import source_of
 from turnpoint.ids import EpisodeId
-from turnpoint.trainer import InFlightRollout
-from turnpoint.trainer._coordinator_core import (
+from turnpoint.trainer.advanced import InFlightRollout
+from turnpoint.trainer.snapshots.attempt import (
+    PHASES,
+    TRANSITIONS,
+    InvalidTransition,
+    PhaseTimes,
+    SnapshotAttempt,
+    SnapshotPoint,
+    SnapshotState,
+    points_of,
+)
+from turnpoint.trainer.snapshots.core import (
     MIN_ROUND_S,
     NOT_READY_BACKOFF_MAX_S,
     NOT_READY_BACKOFF_S,
@@ -41,17 +51,7 @@ from turnpoint.trainer._coordinator_core import (
     scope_commit,
     watch_after_s,
 )
-from turnpoint.trainer._manifest import PlacedEpisode, PublishStep
-from turnpoint.trainer._snapshot_attempt import (
-    PHASES,
-    TRANSITIONS,
-    InvalidTransition,
-    PhaseTimes,
-    SnapshotAttempt,
-    SnapshotPoint,
-    SnapshotState,
-    points_of,
-)
+from turnpoint.trainer.storage.manifest import PlacedEpisode, PublishStep
 
 S = SnapshotState
 
@@ -79,7 +79,7 @@ IN_FLIGHT = tuple(rollout(e, AGENTS[i % 2]) for i, e in enumerate(EPISODES))
 # ------------------------------------------------------------------------- purity
 
 
-@pytest.mark.parametrize("module", ["_coordinator_core", "_snapshot_attempt"])
+@pytest.mark.parametrize("module", ["snapshots.core", "snapshots.attempt"])
 def test_the_core_imports_no_io_and_reads_no_clock(module: str) -> None:
     tree = ast.parse(source_of(f"turnpoint.trainer.{module}"))
     imported: set[str] = set()
@@ -88,7 +88,7 @@ def test_the_core_imports_no_io_and_reads_no_clock(module: str) -> None:
             imported.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
             imported.add(node.module)
-    banned = {"asyncio", "grpc", "time", "turnpoint.v1", "turnpoint.trainer._control_client"}
+    banned = {"asyncio", "grpc", "time", "turnpoint.v1", "turnpoint.trainer.control.client"}
     assert not {name for name in imported if name.split(".")[0] in banned or name in banned}
 
 

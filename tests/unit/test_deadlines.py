@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from turnpoint.ids import EpisodeId
-from turnpoint.trainer import DeadlineRegistry, Hold
+from turnpoint.trainer.advanced import DeadlineRegistry, Hold
 
 EP_A = EpisodeId("rollout-a", 0)
 EP_B = EpisodeId("rollout-b", 0)

@@ -22,16 +22,25 @@ import grpc
 from turnpoint.errors import Reason
 from turnpoint.ids import EpisodeId, checkpoint_sequence, make_checkpoint_id
 from turnpoint.protocol import ParticipantKind, RecoveryMode, VerifyMode
-from turnpoint.trainer._config import CoordinatorConfig
-from turnpoint.trainer._control_client import Failure, FailureKind
-from turnpoint.trainer._control_outcomes import (
+from turnpoint.trainer.config import CoordinatorConfig
+from turnpoint.trainer.control.client import Failure, FailureKind
+from turnpoint.trainer.control.outcomes import (
     ControlReport,
     PreparedCheckpoint,
     PrepareFailed,
 )
-from turnpoint.trainer._deadlines import DeadlineRegistry, Hold
-from turnpoint.trainer._interfaces import InFlightRollout, UnackedDecision
-from turnpoint.trainer._manifest import (
+from turnpoint.trainer.control.topology import ParticipantInfo, Topology
+from turnpoint.trainer.rollouts.deadlines import DeadlineRegistry, Hold
+from turnpoint.trainer.rollouts.side import InFlightRollout, UnackedDecision
+from turnpoint.trainer.snapshots.driver import (
+    EPOCH_STRIDE,
+    FailureReason,
+    SnapshotDriver,
+    SnapshotOutcome,
+    WrittenAnchor,
+)
+from turnpoint.trainer.snapshots.preparing import UnackedResolver
+from turnpoint.trainer.storage.manifest import (
     AnchorRef,
     ParticipantEntry,
     RolloutBooks,
@@ -39,15 +48,6 @@ from turnpoint.trainer._manifest import (
     TrainerRolloutState,
     tree_digest,
 )
-from turnpoint.trainer._preparing import UnackedResolver
-from turnpoint.trainer._snapshots import (
-    EPOCH_STRIDE,
-    FailureReason,
-    SnapshotDriver,
-    SnapshotOutcome,
-    WrittenAnchor,
-)
-from turnpoint.trainer._topology import ParticipantInfo, Topology
 
 AGENT, TOOLS, GROUP_TOOLS, MODEL = "agent-0", "tools", "group-tools", "model-0"
 DOWN = Failure(FailureKind.TRANSIENT, None, grpc.StatusCode.UNAVAILABLE, "down")

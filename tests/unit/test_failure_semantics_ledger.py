@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import pytest
 
+from tests.support.fakes import counted_ids
 from turnpoint.ids import EpisodeId
-from turnpoint.trainer._attempts import Attempt, AttemptPhase, FinalResult
-from turnpoint.trainer._coordinator_core import MAX_SEQUENCE, FinishedProbe
-from turnpoint.trainer._ledger import RolloutLedger
-from turnpoint.trainer._rollout_values import Rollout, RolloutClientSettings, RolloutOutcome
+from turnpoint.trainer.rollouts.attempts import Attempt, AttemptPhase, FinalResult
+from turnpoint.trainer.rollouts.ledger import RolloutLedger
+from turnpoint.trainer.rollouts.values import Rollout, RolloutClientSettings, RolloutOutcome
+from turnpoint.trainer.snapshots.core import MAX_SEQUENCE, FinishedProbe
 
 AGENT = "agent-0"
 
@@ -28,6 +29,7 @@ def books(*, group_scored: tuple[str, ...] = (), **settings: object) -> RolloutL
     return RolloutLedger(
         (AGENT,),
         RolloutClientSettings(**(fields | settings)),  # type: ignore[arg-type]
+        request_ids=counted_ids(),
         group_scored=group_scored,
     )
 

@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 from turnpoint.apps._cli import main
+from turnpoint.apps._inspect import inspect_command, inspect_root
 from turnpoint.ids import EpisodeId, make_checkpoint_id
 from turnpoint.participant_sdk import ArtifactRef as StoreArtifactRef
 from turnpoint.participant_sdk import Record, SnapshotStore
-from turnpoint.trainer import SnapshotLayout, SnapshotManifest, inspect_root
-from turnpoint.trainer._inspect import inspect_command
-from turnpoint.trainer._manifest import (
+from turnpoint.trainer.advanced import SnapshotLayout, SnapshotManifest
+from turnpoint.trainer.storage.manifest import (
     LATEST_NAME,
     MANIFEST_NAME,
     AnchorRef,

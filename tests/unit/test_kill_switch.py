@@ -28,15 +28,10 @@ from turnpoint.apps.demo._kill_switch import (
     parse_kill_at,
 )
 from turnpoint.ids import EpisodeId, make_checkpoint_id
-from turnpoint.trainer import (
-    PreparedCheckpoint,
-    SnapshotDriver,
-    SnapshotLayout,
-    SnapshotOutcome,
-    SnapshotReport,
-)
-from turnpoint.trainer._manifest import ParticipantEntry, PublishStep
-from turnpoint.trainer._snapshots import EPOCH_STRIDE
+from turnpoint.trainer import SnapshotOutcome, SnapshotReport
+from turnpoint.trainer.advanced import PreparedCheckpoint, SnapshotDriver, SnapshotLayout
+from turnpoint.trainer.snapshots.driver import EPOCH_STRIDE
+from turnpoint.trainer.storage.manifest import ParticipantEntry, PublishStep
 from turnpoint.v1 import types_pb2
 
 EP1, EP2 = EpisodeId("r1", 0), EpisodeId("r2", 0)

@@ -13,13 +13,8 @@ from typing import Any
 import pytest
 
 from turnpoint.errors import Reason
-from turnpoint.trainer import (
-    CoordinatorError,
-    LivenessTracker,
-    ParticipantLostError,
-    RestartBudget,
-    watch_liveness,
-)
+from turnpoint.trainer import CoordinatorError, ParticipantLostError
+from turnpoint.trainer.advanced import LivenessTracker, RestartBudget, watch_liveness
 
 
 def test_a_participant_is_lost_only_after_silence_and_a_failing_probe() -> None:

@@ -17,8 +17,8 @@ import pytest
 from tests.support.fsyncs import record_fsyncs
 from turnpoint.errors import Reason
 from turnpoint.ids import EpisodeId, make_checkpoint_id
-from turnpoint.trainer import ManifestError, SnapshotLayout, SnapshotManifest
-from turnpoint.trainer._manifest import (
+from turnpoint.trainer.advanced import ManifestError, SnapshotLayout, SnapshotManifest
+from turnpoint.trainer.storage.manifest import (
     ANCHOR_DIR,
     LATEST_NAME,
     MANIFEST_NAME,

@@ -1,4 +1,4 @@
-"""One participant's prepare round (trainer/_preparing.py) cancelled at the edge."""
+"""One participant's prepare round (turnpoint.trainer.snapshots.preparing) cancelled at the edge."""
 
 from __future__ import annotations
 
@@ -6,9 +6,9 @@ import asyncio
 import gc
 from typing import Any
 
-from turnpoint.trainer._control_failures import CallTimeoutError
-from turnpoint.trainer._coordinator_core import ParticipantPrepare
-from turnpoint.trainer._preparing import PreparingParticipant, Readiness, Unacked
+from turnpoint.trainer.control.failures import CallTimeoutError
+from turnpoint.trainer.snapshots.core import ParticipantPrepare
+from turnpoint.trainer.snapshots.preparing import PreparingParticipant, Readiness, Unacked
 from turnpoint.v1 import checkpoint_control_service_pb2 as pb
 
 

@@ -25,16 +25,12 @@ from hypothesis.stateful import (
     rule,
 )
 
+from tests.support.fakes import counted_ids
 from tests.support.sources import source_of
 from turnpoint.ids import EpisodeId
-from turnpoint.trainer import (
-    Hold,
-    ManifestError,
-    Rollout,
-    RolloutClientSettings,
-    RolloutOutcome,
-)
-from turnpoint.trainer._attempts import (
+from turnpoint.trainer import Rollout, RolloutClientSettings, RolloutOutcome
+from turnpoint.trainer.advanced import Hold, ManifestError
+from turnpoint.trainer.rollouts.attempts import (
     Attempt,
     AttemptPhase,
     FinalResult,
@@ -42,9 +38,9 @@ from turnpoint.trainer._attempts import (
     Receipt,
     Resolve,
 )
-from turnpoint.trainer._ledger import RolloutLedger
-from turnpoint.trainer._manifest import TrainerRolloutState
-from turnpoint.trainer._rollout_values import SavedRollout
+from turnpoint.trainer.rollouts.ledger import RolloutLedger
+from turnpoint.trainer.rollouts.values import SavedRollout
+from turnpoint.trainer.storage.manifest import TrainerRolloutState
 
 AGENTS = ("agent-0", "agent-1")
 SETTINGS = RolloutClientSettings(
@@ -99,7 +95,9 @@ def ledger(**overrides: Any) -> RolloutLedger:
         "budget_grace_s": SETTINGS.budget_grace_s,
         "default_budget_s": SETTINGS.default_budget_s,
     }
-    return RolloutLedger(AGENTS, RolloutClientSettings(**(fields | overrides)))
+    return RolloutLedger(
+        AGENTS, RolloutClientSettings(**(fields | overrides)), request_ids=counted_ids()
+    )
 
 
 def started(books: RolloutLedger, item: Rollout, now: float = 0.0) -> Attempt:
@@ -129,7 +127,7 @@ def saved_of(state: TrainerRolloutState) -> list[SavedRollout]:
 
 
 def test_the_ledger_modules_import_neither_grpc_nor_asyncio_nor_read_a_clock() -> None:
-    for name in ("_ledger", "_attempts", "_rollout_values"):
+    for name in ("rollouts.ledger", "rollouts.attempts", "rollouts.values"):
         tree = ast.parse(source_of(f"turnpoint.trainer.{name}"))
         imported: set[str] = set()
         for node in ast.walk(tree):

@@ -40,20 +40,24 @@ from turnpoint.errors import Reason, TurnpointError
 from turnpoint.ids import EpisodeId, checkpoint_sequence
 from turnpoint.protocol import ParticipantKind, RecoveryLevel, RecoveryMode
 from turnpoint.trainer import (
-    CoordinatorMetrics,
     FailureReason,
-    InFlightRollout,
     SnapshotFailuresError,
     SnapshotInvariantError,
+    SnapshotOutcome,
+)
+from turnpoint.trainer.advanced import (
+    CoordinatorMetrics,
+    InFlightRollout,
     SnapshotLayout,
     SnapshotManifest,
-    SnapshotOutcome,
     SnapshotPhase,
     Topology,
     plan_restore,
 )
-from turnpoint.trainer._control_client import Failure, FailureKind, NotReadyError
-from turnpoint.trainer._manifest import (
+from turnpoint.trainer.control.client import Failure, FailureKind, NotReadyError
+from turnpoint.trainer.restore.restorer import RerunReason, RestorePlan, RestorePlanError
+from turnpoint.trainer.snapshots.driver import EPOCH_STRIDE, WrittenAnchor, failure_reason
+from turnpoint.trainer.storage.manifest import (
     AnchorRef,
     ArtifactRef,
     ParticipantEntry,
@@ -61,8 +65,6 @@ from turnpoint.trainer._manifest import (
     PublishStep,
     TrainerRolloutState,
 )
-from turnpoint.trainer._restore import RerunReason, RestorePlan, RestorePlanError
-from turnpoint.trainer._snapshots import EPOCH_STRIDE, WrittenAnchor, failure_reason
 
 EP1, EP2, EP3 = EpisodeId("r1", 0), EpisodeId("r2", 0), EpisodeId("r3", 2)
 
@@ -451,7 +453,7 @@ async def test_admission_closed_longer_than_the_interval_warns_once(
 ) -> None:
     world = make_world(tmp_path)
     world.coordinator.prepare_s = 90.0  # interval is 60 s
-    caplog.set_level(logging.WARNING, logger="turnpoint.trainer._snapshots")
+    caplog.set_level(logging.WARNING, logger="turnpoint.trainer.snapshots.driver")
 
     first = await world.driver.take()
     world.rollouts.version += 1
@@ -563,7 +565,7 @@ def test_failure_reasons(failures: Mapping[str, Failure], reason: FailureReason)
 
 
 def test_a_not_ready_error_is_classified_not_ready() -> None:
-    from turnpoint.trainer._control_client import classify
+    from turnpoint.trainer.control.client import classify
 
     assert classify(NotReadyError("a", "ck-1")).kind is FailureKind.NOT_READY
     assert classify(TurnpointError(Reason.STORAGE_UNAVAILABLE, "x")).retryable

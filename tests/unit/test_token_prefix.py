@@ -46,8 +46,8 @@ from turnpoint.participant_sdk import (
     SnapshotStore,
     WeightsChange,
 )
-from turnpoint.trainer import decide_levels
-from turnpoint.trainer._recovery import EnvironmentMember
+from turnpoint.trainer.advanced import decide_levels
+from turnpoint.trainer.snapshots.levels import EnvironmentMember
 
 T = TypeVar("T")
 

@@ -14,10 +14,11 @@ from typing import Any
 import pytest
 
 from turnpoint.protocol import PROTOCOL_VERSION
-from turnpoint.trainer import Coordinator, CoordinatorConfig
-from turnpoint.trainer._control_client import MalformedReplyError, is_group_answer
-from turnpoint.trainer._control_outcomes import OperationFailed
-from turnpoint.trainer._topology import group_workers
+from turnpoint.trainer import CoordinatorConfig
+from turnpoint.trainer.advanced import Coordinator
+from turnpoint.trainer.control.client import MalformedReplyError, is_group_answer
+from turnpoint.trainer.control.outcomes import OperationFailed
+from turnpoint.trainer.control.topology import group_workers
 from turnpoint.v1 import checkpoint_control_service_pb2 as pb
 from turnpoint.v1 import types_pb2
 

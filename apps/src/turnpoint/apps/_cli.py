@@ -22,7 +22,7 @@ def _version(_: argparse.Namespace) -> int:
 
 
 def _inspect(args: argparse.Namespace) -> int:
-    from turnpoint.trainer._inspect import inspect_command
+    from turnpoint.apps._inspect import inspect_command
 
     return inspect_command(args.root, as_json=args.json)
 

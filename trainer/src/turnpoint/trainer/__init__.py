@@ -1,179 +1,98 @@
 """The coordinator a trainer embeds: snapshots, restore, rollout deadlines, rollouts.
 
-- :class:`Coordinator` drives control operations over every participant (one
-  ``ControlSession`` stream each), fanned out under one deadline.
-- :class:`RolloutClient` dispatches rollouts, records boundaries and results,
-  acknowledges each result as it arrives and gives up only on spent active budgets.
-- :class:`SnapshotDriver` takes one snapshot (docs/spec.md section 7.4, steps 1-8) and
-  :class:`SnapshotPump` takes them periodically; :class:`Restorer` picks the newest
-  usable snapshot and plans the restore.
-- :class:`CoordinatorConfig` is the one typed configuration.
+This face is what a trainer author needs (docs/embedding.md):
+
+- the facade: :class:`Checkpointing` (open and restore, dispatch, snapshot, close),
+  :class:`Resumed`, :class:`Preempted`, :data:`Participants`;
+- its configuration: :class:`CoordinatorConfig`, :class:`ConfigError`;
+- rollouts: :class:`Rollout`, :class:`RolloutResult`, :class:`RolloutOutcome`,
+  :class:`RolloutClientSettings`, and :class:`RecoveryLevel`;
+- the trainer anchor: :class:`AnchorSource` (what a snapshot writes first),
+  :class:`FileAnchorSource` and :func:`file_anchor_loader` (no torch needed),
+  :class:`TorchAnchorSource`, :func:`torch_anchor_loader` and :class:`DistributedAnchor`
+  (torch distributed checkpoint, loaded on first use), :data:`AnchorLoader`;
+- what snapshots report: :class:`SnapshotReport`, :class:`SnapshotOutcome`,
+  :class:`FailureReason`;
+- the errors, all :class:`CoordinatorError`: :class:`NoUsableSnapshotError`,
+  :class:`SnapshotFailuresError`, :class:`SnapshotInvariantError`,
+  :class:`ParticipantLostError`, :class:`AnchorError`.
+
+Those assembling their own loop from the parts (the coordinator, the rollout client, the
+snapshot driver and pump, the restorer) import :mod:`turnpoint.trainer.advanced`; test
+and demo hooks are in :mod:`turnpoint.trainer.testing`. The implementation is organised
+by concern: ``control`` (the coordinator and its client), ``rollouts``, ``snapshots``,
+``storage`` (snapshots on disk), ``restore`` and ``anchors``.
+
+Names load on first use, so importing this package imports nothing else: a pure module
+such as :mod:`turnpoint.trainer.rollouts.ledger` imports alone, and a trainer on another
+framework never loads torch.
 """
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from turnpoint.protocol import RecoveryLevel
-from turnpoint.trainer._anchor_source import TorchAnchorSource
-from turnpoint.trainer._checkpointing import Checkpointing, Participants, Preempted, Resumed
-from turnpoint.trainer._config import ConfigError, CoordinatorConfig
-from turnpoint.trainer._control_client import ControlCallError, ParticipantControlClient
-from turnpoint.trainer._control_outcomes import (
-    CommitFailed,
-    ControlReport,
-    OperationFailed,
-    PreparedCheckpoint,
-    PrepareFailed,
-    RestoredCheckpoint,
-    RestoreFailed,
-)
-from turnpoint.trainer._coordinator import Coordinator
-from turnpoint.trainer._deadlines import DeadlineRegistry, Hold
-from turnpoint.trainer._errors import CoordinatorError
-from turnpoint.trainer._identity import COORDINATOR_FILE, CoordinatorIdentity, bump_epoch
-from turnpoint.trainer._inspect import inspect_root
-from turnpoint.trainer._interfaces import InFlightRollout, RolloutSide
-from turnpoint.trainer._liveness import (
-    LivenessTracker,
-    ParticipantLostError,
-    watch_liveness,
-)
-from turnpoint.trainer._manifest import (
-    AnchorRef,
-    ManifestError,
-    PublishStep,
-    SnapshotLayout,
-    SnapshotManifest,
-    tree_digest,
-)
-from turnpoint.trainer._metrics import CoordinatorMetrics
-from turnpoint.trainer._recovery import LevelDecision, decide_levels
-from turnpoint.trainer._restarts import RestartBudget, RestartDecision
-from turnpoint.trainer._restore import (
-    NoUsableSnapshotError,
-    Redispatch,
-    Rerun,
-    RestorePlan,
-    Restorer,
-    apply_plan,
-    plan_restore,
-    torch_anchor_loader,
-)
-from turnpoint.trainer._rollout_values import (
-    Rollout,
-    RolloutClientSettings,
-    RolloutOutcome,
-    RolloutResult,
-)
-from turnpoint.trainer._rollouts import AgentEndpoint, RolloutClient
-from turnpoint.trainer._snapshot_attempt import (
-    SnapshotPhase,
-    SnapshotPoint,
-    SnapshotState,
-    points_of,
-)
-from turnpoint.trainer._snapshot_pump import (
-    SnapshotFailuresError,
-    SnapshotInvariantError,
-    SnapshotPump,
-    SnapshotRunError,
-)
-from turnpoint.trainer._snapshot_report import FailureReason, SnapshotOutcome, SnapshotReport
-from turnpoint.trainer._snapshots import SnapshotDriver
-from turnpoint.trainer._topology import ParticipantInfo, Topology
-
-__all__ = [
-    "COORDINATOR_FILE",
-    "AgentEndpoint",
-    "AnchorError",
-    "AnchorRef",
-    "AnchorWriter",
-    "Checkpointing",
-    "CommitFailed",
-    "ConfigError",
-    "ControlCallError",
-    "ControlReport",
-    "Coordinator",
-    "CoordinatorConfig",
-    "CoordinatorError",
-    "CoordinatorIdentity",
-    "CoordinatorMetrics",
-    "DeadlineRegistry",
-    "DistributedAnchor",
-    "FailureReason",
-    "Hold",
-    "InFlightRollout",
-    "LevelDecision",
-    "LivenessTracker",
-    "ManifestError",
-    "NoUsableSnapshotError",
-    "OperationFailed",
-    "ParticipantControlClient",
-    "ParticipantInfo",
-    "ParticipantLostError",
-    "Participants",
-    "Preempted",
-    "PrepareFailed",
-    "PreparedCheckpoint",
-    "PublishStep",
-    "RecoveryLevel",
-    "Redispatch",
-    "Rerun",
-    "RestartBudget",
-    "RestartDecision",
-    "RestoreFailed",
-    "RestorePlan",
-    "RestoredCheckpoint",
-    "Restorer",
-    "Resumed",
-    "Rollout",
-    "RolloutClient",
-    "RolloutClientSettings",
-    "RolloutOutcome",
-    "RolloutResult",
-    "RolloutSide",
-    "SnapshotDriver",
-    "SnapshotFailuresError",
-    "SnapshotInvariantError",
-    "SnapshotLayout",
-    "SnapshotManifest",
-    "SnapshotOutcome",
-    "SnapshotPhase",
-    "SnapshotPoint",
-    "SnapshotPump",
-    "SnapshotReport",
-    "SnapshotRunError",
-    "SnapshotState",
-    "Topology",
-    "TorchAnchorSource",
-    "apply_plan",
-    "bump_epoch",
-    "decide_levels",
-    "inspect_root",
-    "load_anchor",
-    "plan_restore",
-    "points_of",
-    "save_anchor",
-    "torch_anchor_loader",
-    "tree_digest",
-    "watch_liveness",
-]
+from turnpoint._faces import lazy_names
 
 if TYPE_CHECKING:
-    from turnpoint.trainer._anchor import AnchorError, AnchorWriter, load_anchor, save_anchor
-    from turnpoint.trainer._anchor_ranks import DistributedAnchor
+    from turnpoint.protocol import RecoveryLevel as RecoveryLevel
+    from turnpoint.trainer.anchors.file import FileAnchorSource as FileAnchorSource
+    from turnpoint.trainer.anchors.file import file_anchor_loader as file_anchor_loader
+    from turnpoint.trainer.anchors.ranks import DistributedAnchor as DistributedAnchor
+    from turnpoint.trainer.anchors.source import AnchorError as AnchorError
+    from turnpoint.trainer.anchors.source import AnchorSource as AnchorSource
+    from turnpoint.trainer.anchors.source import TorchAnchorSource as TorchAnchorSource
+    from turnpoint.trainer.checkpointing import Checkpointing as Checkpointing
+    from turnpoint.trainer.checkpointing import Participants as Participants
+    from turnpoint.trainer.checkpointing import Preempted as Preempted
+    from turnpoint.trainer.checkpointing import Resumed as Resumed
+    from turnpoint.trainer.config import ConfigError as ConfigError
+    from turnpoint.trainer.config import CoordinatorConfig as CoordinatorConfig
+    from turnpoint.trainer.control.liveness import ParticipantLostError as ParticipantLostError
+    from turnpoint.trainer.errors import CoordinatorError as CoordinatorError
+    from turnpoint.trainer.restore.restorer import AnchorLoader as AnchorLoader
+    from turnpoint.trainer.restore.restorer import NoUsableSnapshotError as NoUsableSnapshotError
+    from turnpoint.trainer.restore.restorer import torch_anchor_loader as torch_anchor_loader
+    from turnpoint.trainer.rollouts.values import Rollout as Rollout
+    from turnpoint.trainer.rollouts.values import RolloutClientSettings as RolloutClientSettings
+    from turnpoint.trainer.rollouts.values import RolloutOutcome as RolloutOutcome
+    from turnpoint.trainer.rollouts.values import RolloutResult as RolloutResult
+    from turnpoint.trainer.snapshots.pump import SnapshotFailuresError as SnapshotFailuresError
+    from turnpoint.trainer.snapshots.pump import SnapshotInvariantError as SnapshotInvariantError
+    from turnpoint.trainer.snapshots.report import FailureReason as FailureReason
+    from turnpoint.trainer.snapshots.report import SnapshotOutcome as SnapshotOutcome
+    from turnpoint.trainer.snapshots.report import SnapshotReport as SnapshotReport
 
-# The torch-backed anchor loads on first use, so that importing the coordinator does
-# not import torch (a trainer on another framework supplies its own AnchorSource).
-_LAZY = {"AnchorError", "AnchorWriter", "load_anchor", "save_anchor"}
+# Each name and the module that owns it.
+_OWNERS = {
+    "AnchorError": "turnpoint.trainer.anchors.source",
+    "AnchorLoader": "turnpoint.trainer.restore.restorer",
+    "AnchorSource": "turnpoint.trainer.anchors.source",
+    "Checkpointing": "turnpoint.trainer.checkpointing",
+    "ConfigError": "turnpoint.trainer.config",
+    "CoordinatorConfig": "turnpoint.trainer.config",
+    "CoordinatorError": "turnpoint.trainer.errors",
+    "DistributedAnchor": "turnpoint.trainer.anchors.ranks",
+    "FailureReason": "turnpoint.trainer.snapshots.report",
+    "FileAnchorSource": "turnpoint.trainer.anchors.file",
+    "NoUsableSnapshotError": "turnpoint.trainer.restore.restorer",
+    "ParticipantLostError": "turnpoint.trainer.control.liveness",
+    "Participants": "turnpoint.trainer.checkpointing",
+    "Preempted": "turnpoint.trainer.checkpointing",
+    "RecoveryLevel": "turnpoint.protocol",
+    "Resumed": "turnpoint.trainer.checkpointing",
+    "Rollout": "turnpoint.trainer.rollouts.values",
+    "RolloutClientSettings": "turnpoint.trainer.rollouts.values",
+    "RolloutOutcome": "turnpoint.trainer.rollouts.values",
+    "RolloutResult": "turnpoint.trainer.rollouts.values",
+    "SnapshotFailuresError": "turnpoint.trainer.snapshots.pump",
+    "SnapshotInvariantError": "turnpoint.trainer.snapshots.pump",
+    "SnapshotOutcome": "turnpoint.trainer.snapshots.report",
+    "SnapshotReport": "turnpoint.trainer.snapshots.report",
+    "TorchAnchorSource": "turnpoint.trainer.anchors.source",
+    "file_anchor_loader": "turnpoint.trainer.anchors.file",
+    "torch_anchor_loader": "turnpoint.trainer.restore.restorer",
+}
 
+__all__ = sorted(_OWNERS)
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        from turnpoint.trainer import _anchor
-
-        return getattr(_anchor, name)
-    if name == "DistributedAnchor":
-        from turnpoint.trainer import _anchor_ranks
-
-        return _anchor_ranks.DistributedAnchor
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+if not TYPE_CHECKING:  # type checkers take the names from the imports above
+    __getattr__, __dir__ = lazy_names(globals(), _OWNERS)

@@ -240,7 +240,7 @@ def bench_command(args: argparse.Namespace) -> int:
     from turnpoint.apps.bench._workers import WorkerError
     from turnpoint.apps.bench._workload import WorkloadError
     from turnpoint.errors import TurnpointError
-    from turnpoint.trainer._coordinator import CoordinatorError
+    from turnpoint.trainer.control.coordinator import CoordinatorError
 
     failures = (
         BaselineError,

@@ -7,12 +7,12 @@ with every snapshot root (the participants' stores and the trainer's layout) on 
 disk's:
 
 - **turnpoint**: the real coordinator
-  (:class:`~turnpoint.trainer._coordinator.Coordinator`, ControlSession streams) drives
+  (:class:`~turnpoint.trainer.control.coordinator.Coordinator`, ControlSession streams) drives
   one snapshot of N real participants: prepare (with what the coordinator does around
   it: a WatchBoundaries stream per participant and the lease renewer), commit (nothing
   to export, so each participant answers ``saved_nothing`` and writes no file,
   docs/spec.md section 4.8), publish of the manifest
-  (:class:`~turnpoint.trainer._manifest.SnapshotLayout`, fsyncs included) and resume.
+  (:class:`~turnpoint.trainer.storage.manifest.SnapshotLayout`, fsyncs included) and resume.
   Every round uses a fresh checkpoint id. The trainer anchor is the trainer's own
   write, not control traffic: an empty anchor directory is made before the clock
   starts. The coordinator runs with its default configuration (``fanout_concurrency``
@@ -56,10 +56,10 @@ from turnpoint.apps.bench._workers import (
     fleet_job,
 )
 from turnpoint.ids import checkpoint_sequence, make_checkpoint_id
-from turnpoint.trainer import (
+from turnpoint.trainer import CoordinatorConfig
+from turnpoint.trainer.advanced import (
     AnchorRef,
     Coordinator,
-    CoordinatorConfig,
     SnapshotLayout,
     SnapshotManifest,
     SnapshotPhase,

@@ -112,7 +112,7 @@ class ScaleRow:
 
 async def _snapshot_round(coordinator: Any, layout: Any, checkpoint_id: str) -> dict[str, float]:
     from turnpoint.apps.bench._control_overhead import timed_snapshot
-    from turnpoint.trainer import AnchorRef, tree_digest
+    from turnpoint.trainer.advanced import AnchorRef, tree_digest
 
     def begin() -> tuple[Path, Any]:
         snapshot = layout.begin(checkpoint_id)
@@ -142,7 +142,8 @@ async def measure_size(
     warmup: int,
 ) -> ScaleRow:
     """One size: a coordinator over ``endpoints`` (plain addresses) and its rounds."""
-    from turnpoint.trainer import Coordinator, CoordinatorConfig, SnapshotLayout, bump_epoch
+    from turnpoint.trainer import CoordinatorConfig
+    from turnpoint.trainer.advanced import Coordinator, SnapshotLayout, bump_epoch
 
     identity = await asyncio.to_thread(bump_epoch, root, coordinator_id=_COORDINATOR_ID)
     coordinator = Coordinator(

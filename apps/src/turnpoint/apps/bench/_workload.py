@@ -24,7 +24,7 @@ process (as ``turnpoint serve`` would host each). The bench writes the
   the run goes on to the next one). The clock starts when new
   participant processes are started on the same snapshot root and stops at the first
   sign of life of a redispatched rollout (a new boundary, or its result), through a new
-  coordinator (the next epoch), the :class:`~turnpoint.trainer._restore.Restorer`
+  coordinator (the next epoch), the :class:`~turnpoint.trainer.restore.restorer.Restorer`
   (discover, verify every digest, load the anchor, restore and resume every
   participant) and a fresh rollout client.
 """
@@ -50,22 +50,20 @@ from turnpoint.apps.bench._options import WorkloadOptions
 from turnpoint.apps.bench._workers import WorkerProcess, topology_job
 from turnpoint.ids import EpisodeId
 from turnpoint.protocol import RecoveryLevel
-from turnpoint.trainer import (
+from turnpoint.trainer import CoordinatorConfig, RolloutClientSettings, torch_anchor_loader
+from turnpoint.trainer.advanced import (
     COORDINATOR_FILE,
     AgentEndpoint,
     Coordinator,
-    CoordinatorConfig,
     CoordinatorIdentity,
     ManifestError,
     Restorer,
     RolloutClient,
-    RolloutClientSettings,
     SnapshotLayout,
     Topology,
     apply_plan,
     bump_epoch,
     plan_restore,
-    torch_anchor_loader,
 )
 
 __all__ = [

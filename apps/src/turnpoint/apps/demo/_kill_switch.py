@@ -3,15 +3,15 @@
 ``turnpoint demo --crash-at POINT[:N]`` hands ``--kill-at POINT[:N]`` to the first demo
 trainer, which attaches a :class:`KillSwitch` to its snapshot driver (nothing here runs
 unless asked for). The points are the trainer's own
-(:class:`~turnpoint.trainer._snapshot_attempt.SnapshotPoint`, here :data:`KillPoint`), and the
+(:class:`~turnpoint.trainer.snapshots.attempt.SnapshotPoint`, here :data:`KillPoint`), and the
 switch only watches, it wraps nothing:
 
 - it subscribes to the driver's attempt transitions (:meth:`KillSwitch.attach`): each
-  transition passes the points :func:`~turnpoint.trainer._snapshot_attempt.points_of` names, from
+  transition passes the points :func:`~turnpoint.trainer.snapshots.attempt.points_of` names, from
   ``anchor-written`` to ``resumed``;
-- the :class:`~turnpoint.trainer._manifest.SnapshotLayout` ``after_step`` hook
+- the :class:`~turnpoint.trainer.storage.manifest.SnapshotLayout` ``after_step`` hook
   (:meth:`KillSwitch.after_publish_step`) gives one point per
-  :class:`~turnpoint.trainer._manifest.PublishStep`, from ``verified`` to
+  :class:`~turnpoint.trainer.storage.manifest.PublishStep`, from ``verified`` to
   ``latest-moved``.
 
 ``prepare-sent`` and ``commit-sent`` land while the call is under way: once some
@@ -53,15 +53,13 @@ from pathlib import Path
 from typing import Any, Final, Protocol
 
 from turnpoint.errors import TurnpointError
-from turnpoint.trainer import (
+from turnpoint.trainer.advanced import (
     ControlCallError,
     ParticipantControlClient,
-    PublishStep,
     SnapshotDriver,
-    SnapshotPoint,
     SnapshotState,
-    points_of,
 )
+from turnpoint.trainer.testing import PublishStep, SnapshotPoint, points_of
 from turnpoint.v1 import checkpoint_control_service_pb2 as pb
 from turnpoint.v1 import types_pb2
 
@@ -81,7 +79,7 @@ _PROBE_TIMEOUT_S = 2.0
 
 KillPoint = SnapshotPoint
 """Where in a snapshot the trainer dies: the trainer's snapshot points, in the order one
-attempt reaches them (spelled once, in :mod:`turnpoint.trainer._snapshot_attempt`)."""
+attempt reaches them (spelled once, in :mod:`turnpoint.trainer.snapshots.attempt`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -321,7 +319,7 @@ class KillSwitch:
     def on_transition(
         self, attempt_id: str, old: SnapshotState, new: SnapshotState, now: float
     ) -> None:
-        """A :meth:`~turnpoint.trainer._snapshots.SnapshotDriver.subscribe` callback."""
+        """A :meth:`~turnpoint.trainer.snapshots.driver.SnapshotDriver.subscribe` callback."""
         pending, self._pending = self._pending, None
         if pending is not None:
             raise pending

@@ -33,7 +33,7 @@ from turnpoint.apps.demo._report import (
     TrainStep,
     parse_event,
 )
-from turnpoint.trainer import SnapshotState
+from turnpoint.trainer.advanced import SnapshotState
 
 __all__ = [
     "CRASH_WINDOW",

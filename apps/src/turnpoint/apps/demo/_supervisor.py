@@ -98,7 +98,8 @@ from turnpoint.apps.demo._report import (
     render_report,
 )
 from turnpoint.auth import TOKEN_ENV, TOKEN_FILE_ENV
-from turnpoint.trainer import RestartBudget, SnapshotPoint
+from turnpoint.trainer.advanced import RestartBudget
+from turnpoint.trainer.testing import SnapshotPoint
 
 __all__ = [
     "CRASH_POINTS",

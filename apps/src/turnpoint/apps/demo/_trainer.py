@@ -49,28 +49,30 @@ from turnpoint.apps.examples._participants import GUESS, GUESS_GROUP, new_policy
 from turnpoint.apps.examples._task import make_prompt
 from turnpoint.auth import auth_metadata
 from turnpoint.trainer import (
-    AgentEndpoint,
     ConfigError,
-    Coordinator,
     CoordinatorConfig,
-    CoordinatorMetrics,
     ParticipantLostError,
-    RestorePlan,
-    Restorer,
     Rollout,
-    RolloutClient,
     RolloutClientSettings,
     RolloutOutcome,
     RolloutResult,
+    SnapshotReport,
+    TorchAnchorSource,
+    torch_anchor_loader,
+)
+from turnpoint.trainer.advanced import (
+    AgentEndpoint,
+    Coordinator,
+    CoordinatorMetrics,
+    RestorePlan,
+    Restorer,
+    RolloutClient,
     SnapshotDriver,
     SnapshotLayout,
     SnapshotPump,
-    SnapshotReport,
     SnapshotRunError,
-    TorchAnchorSource,
     apply_plan,
     bump_epoch,
-    torch_anchor_loader,
     watch_liveness,
 )
 

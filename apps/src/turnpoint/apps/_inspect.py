@@ -1,0 +1,257 @@
+"""``turnpoint inspect <root>``: list the published snapshots and verify their bytes.
+
+For every published snapshot under a root (newest first) the report gives its checkpoint
+id, step, creation time, participants, how many episodes it continues and restarts, and
+whether it is the one ``LATEST`` names; then it verifies every digest the manifest
+names: the trainer anchor's tree digest and, for each participant, its own manifest and
+records files (size and sha256 over the whole file). A snapshot is reported ``OK`` or
+with the first mismatch found. The command exits non-zero on any mismatch, so that it
+can guard a restore or a copy of the snapshot root in a script.
+
+The checks read everything they hash (blocking I/O): call :func:`inspect_root` from a
+thread when in async code.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import os
+import stat
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final, TextIO
+
+from turnpoint.trainer.storage.layout import SnapshotLayout, tree_digest
+from turnpoint.trainer.storage.manifest import (
+    MANIFEST_NAME,
+    ArtifactRef,
+    JSONValue,
+    ManifestError,
+    SnapshotManifest,
+)
+
+__all__ = [
+    "InspectReport",
+    "SnapshotReport",
+    "inspect_command",
+    "inspect_root",
+]
+
+_CHUNK: Final = 1 << 20
+EXIT_OK: Final = 0
+EXIT_MISMATCH: Final = 1
+EXIT_NO_ROOT: Final = 2
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotReport:
+    """One published snapshot: what its manifest says and whether its bytes match.
+
+    ``problem`` is the first mismatch found (None: every digest matched). When the
+    manifest itself cannot be read, the fields it would have filled stay empty.
+    """
+
+    checkpoint_id: str
+    latest: bool
+    step: int | None = None
+    created_at: float | None = None
+    participants: tuple[str, ...] = ()
+    continued: int = 0
+    restarts: int = 0
+    files_checked: int = 0
+    problem: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.problem is None
+
+    def to_dict(self) -> dict[str, JSONValue]:
+        return {
+            "checkpoint_id": self.checkpoint_id,
+            "latest": self.latest,
+            "step": self.step,
+            "created_at": self.created_at,
+            "participants": list(self.participants),
+            "continued": self.continued,
+            "restarts": self.restarts,
+            "files_checked": self.files_checked,
+            "ok": self.ok,
+            "problem": self.problem,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class InspectReport:
+    """Every published snapshot under ``root``, newest first.
+
+    ``latest_problem`` is set when ``LATEST`` is unreadable or names a snapshot that is
+    not published: publication never leaves it so, so it counts as a mismatch.
+    """
+
+    root: Path
+    latest: str | None
+    snapshots: tuple[SnapshotReport, ...]
+    latest_problem: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.latest_problem is None and all(snapshot.ok for snapshot in self.snapshots)
+
+    def to_dict(self) -> dict[str, JSONValue]:
+        return {
+            "root": str(self.root),
+            "latest": self.latest,
+            "latest_problem": self.latest_problem,
+            "ok": self.ok,
+            "snapshots": [snapshot.to_dict() for snapshot in self.snapshots],
+        }
+
+    def render(self) -> str:
+        """The human-readable report the command prints."""
+        lines = [f"snapshots under {self.root}"]
+        if self.latest_problem is not None:
+            lines.append(f"LATEST: MISMATCH: {self.latest_problem}")
+        if not self.snapshots:
+            lines.append("no published snapshots")
+        for snapshot in self.snapshots:
+            lines.append("")
+            lines.append(snapshot.checkpoint_id + ("  (LATEST)" if snapshot.latest else ""))
+            if snapshot.step is not None and snapshot.created_at is not None:
+                lines.append(f"  step {snapshot.step}, created {_format_time(snapshot.created_at)}")
+                names = ", ".join(snapshot.participants) or "none"
+                lines.append(f"  participants ({len(snapshot.participants)}): {names}")
+                lines.append(
+                    f"  episodes: {snapshot.continued} continued, {snapshot.restarts} restarted"
+                )
+            verdict = "OK" if snapshot.problem is None else f"MISMATCH: {snapshot.problem}"
+            lines.append(f"  digests ({snapshot.files_checked} checked): {verdict}")
+        if self.snapshots or self.latest_problem is not None:
+            failed = sum(not snapshot.ok for snapshot in self.snapshots)
+            lines.append("")
+            if self.ok:
+                lines.append(f"{len(self.snapshots)} snapshot(s), every digest matches")
+            else:
+                lines.append(
+                    f"{failed} of {len(self.snapshots)} snapshot(s) failed verification"
+                    + ("; LATEST is broken" if self.latest_problem is not None else "")
+                )
+        return "\n".join(lines)
+
+
+def _format_time(epoch_seconds: float) -> str:
+    moment = datetime.datetime.fromtimestamp(epoch_seconds, tz=datetime.UTC)
+    return moment.isoformat(timespec="seconds")
+
+
+def inspect_root(root: str | os.PathLike[str]) -> InspectReport:
+    """List the published snapshots under ``root``, newest first, verifying each.
+
+    Raises ``FileNotFoundError`` when ``root`` is not a directory.
+    """
+    path = Path(root)
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path} is not a directory")
+    layout = SnapshotLayout(path)
+    latest: str | None = None
+    latest_problem: str | None = None
+    try:
+        latest = layout.latest()
+    except ManifestError as error:
+        latest_problem = error.message
+    snapshots = tuple(
+        _inspect_snapshot(layout, checkpoint_id, checkpoint_id == latest)
+        for checkpoint_id in layout.list_published()
+    )
+    return InspectReport(path, latest, snapshots, latest_problem)
+
+
+def _inspect_snapshot(layout: SnapshotLayout, checkpoint_id: str, latest: bool) -> SnapshotReport:
+    directory = layout.path(checkpoint_id)
+    try:
+        manifest = SnapshotManifest.from_json((directory / MANIFEST_NAME).read_bytes())
+    except (OSError, ManifestError) as error:
+        return SnapshotReport(checkpoint_id, latest, problem=f"{MANIFEST_NAME}: {error}")
+    files_checked = 0
+    problem: str | None = f"{MANIFEST_NAME} describes {manifest.checkpoint_id!r}"
+    if manifest.checkpoint_id == checkpoint_id:
+        files_checked, problem = _first_mismatch(directory, manifest)
+    return SnapshotReport(
+        checkpoint_id=checkpoint_id,
+        latest=latest,
+        step=manifest.step,
+        created_at=manifest.created_at,
+        participants=tuple(entry.instance for entry in manifest.participants),
+        continued=len(manifest.continued),
+        restarts=len(manifest.restarts),
+        files_checked=files_checked,
+        problem=problem,
+    )
+
+
+def _first_mismatch(directory: Path, manifest: SnapshotManifest) -> tuple[int, str | None]:
+    """How many files were checked, and the first one whose bytes do not match."""
+    checked = 0
+    anchor = manifest.anchor
+    try:
+        digest = tree_digest(directory / anchor.path)
+    except (OSError, ManifestError) as error:
+        return checked, f"trainer anchor {anchor.path}: {error}"
+    checked += 1
+    if digest != anchor.sha256:
+        return checked, (
+            f"trainer anchor {anchor.path}: tree digest {digest}, manifest says {anchor.sha256}"
+        )
+    for entry in manifest.participants:
+        named = [] if entry.manifest is None else [entry.manifest]
+        named += entry.artifacts
+        for ref in named:
+            problem = _check_file(directory, ref)
+            checked += 1
+            if problem is not None:
+                return checked, f"{entry.instance}: {problem}"
+    return checked, None
+
+
+def _check_file(directory: Path, ref: ArtifactRef) -> str | None:
+    path = directory / ref.path
+    try:
+        # No symlinks: a snapshot names its own bytes, nothing outside it.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return f"{ref.path} is missing"
+    except OSError as error:
+        return f"{ref.path} cannot be read: {error.strerror}"
+    digest = hashlib.sha256()
+    with os.fdopen(fd, "rb") as handle:
+        info = os.fstat(handle.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            return f"{ref.path} is not a regular file"
+        if info.st_size != ref.size_bytes:
+            return f"{ref.path} has {info.st_size} bytes, manifest says {ref.size_bytes}"
+        while chunk := handle.read(_CHUNK):
+            digest.update(chunk)
+    found = digest.hexdigest()
+    if found != ref.sha256:
+        return f"{ref.path} has sha256 {found}, manifest says {ref.sha256}"
+    return None
+
+
+def inspect_command(
+    root: str | os.PathLike[str], *, as_json: bool = False, out: TextIO | None = None
+) -> int:
+    """What ``turnpoint inspect`` runs: print the report; 0 when every digest matches,
+    1 on any mismatch, 2 when ``root`` is not a directory."""
+    stream = sys.stdout if out is None else out
+    try:
+        report = inspect_root(root)
+    except FileNotFoundError as error:
+        print(f"turnpoint inspect: {error}", file=sys.stderr if out is None else stream)
+        return EXIT_NO_ROOT
+    if as_json:
+        print(json.dumps(report.to_dict(), indent=2, sort_keys=True), file=stream)
+    else:
+        print(report.render(), file=stream)
+    return EXIT_OK if report.ok else EXIT_MISMATCH

@@ -1,0 +1,343 @@
+"""The facade a training loop embeds: open, restore, dispatch, train, snapshot, close.
+
+:class:`Checkpointing` composes the pieces a trainer otherwise wires by hand (see the
+demo trainer): :class:`Coordinator` (epoch, discovery), :class:`RolloutClient`,
+:class:`SnapshotDriver` and :class:`SnapshotPump` (the failure policy), and
+:class:`Restorer` with :func:`apply_plan`. It adds only a snapshot policy (every N
+steps, every T seconds) and a preemption handler: on SIGTERM one final snapshot within
+a deadline, then :class:`Preempted`, which exits the process with status 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, replace
+from types import TracebackType
+from typing import Self
+
+from turnpoint.trainer.anchors.source import AnchorSource
+from turnpoint.trainer.config import CoordinatorConfig
+from turnpoint.trainer.control.coordinator import Coordinator
+from turnpoint.trainer.control.identity import bump_epoch
+from turnpoint.trainer.restore.restorer import AnchorLoader, Restorer, apply_plan
+from turnpoint.trainer.rollouts.client import AgentEndpoint, RolloutClient
+from turnpoint.trainer.rollouts.values import Rollout, RolloutClientSettings, RolloutResult
+from turnpoint.trainer.snapshots.driver import SnapshotDriver
+from turnpoint.trainer.snapshots.pump import SnapshotPump
+from turnpoint.trainer.snapshots.report import SnapshotOutcome, SnapshotReport
+from turnpoint.trainer.storage.manifest import JSONValue, SnapshotLayout
+
+__all__ = ["Checkpointing", "Participants", "Preempted", "Resumed"]
+
+_LOG = logging.getLogger(__name__)
+_WAKE_S = 0.25
+
+Participants = (
+    Mapping[str, str] | Callable[[], Mapping[str, str]] | Callable[[], Awaitable[Mapping[str, str]]]
+)
+"""Instance name -> control address, or a discovery callable returning that mapping."""
+
+
+class Preempted(SystemExit):
+    """The process was told to stop (SIGTERM) and its final snapshot is settled.
+
+    A :class:`SystemExit` with status 0: let it propagate and the process exits 0;
+    ``except Exception`` in the loop does not swallow it. ``report`` is the final
+    snapshot's report (``None`` if it did not finish within the deadline).
+    """
+
+    def __init__(self, report: SnapshotReport | None) -> None:
+        super().__init__(0)
+        self.report = report
+
+
+@dataclass(frozen=True, slots=True)
+class Resumed:
+    """What :meth:`Checkpointing.open` found: a fresh start or a restored snapshot.
+
+    The unfinished rollouts of a restored snapshot are already redispatched (resumed
+    from their saved turns or rerun from their prompts); the trainer only continues
+    from ``step`` and ``data_loader``.
+    """
+
+    step: int
+    checkpoint_id: str | None = None
+    data_loader: JSONValue = None
+    resumed_rollouts: int = 0
+    rerun_rollouts: int = 0
+
+    @property
+    def restored(self) -> bool:
+        return self.checkpoint_id is not None
+
+
+class Checkpointing:
+    """A coordinator a training loop embeds in a few lines.
+
+    ``anchor`` writes the trainer's state into each snapshot and ``load_anchor`` reads it
+    back on restore (:class:`TorchAnchorSource` and :func:`torch_anchor_loader` over a
+    torch model and optimizer). ``every_steps`` snapshots from :meth:`step_done`; the
+    config's ``snapshot_interval_s`` (when ``periodic``) snapshots on a timer. Train each
+    step under :attr:`step_lock` so that no snapshot cuts a step in half, and call
+    :meth:`step_done` after releasing it.
+    """
+
+    def __init__(
+        self,
+        config: CoordinatorConfig,
+        participants: Participants,
+        *,
+        token: str,
+        anchor: AnchorSource,
+        load_anchor: AnchorLoader,
+        every_steps: int | None = None,
+        periodic: bool = True,
+        rollout_settings: RolloutClientSettings | None = None,
+    ) -> None:
+        self.config = config
+        self._participants = participants
+        self._token = token
+        self._anchor = anchor
+        self._load_anchor = load_anchor
+        self._every_steps = every_steps
+        self._periodic = periodic
+        self._rollout_settings = rollout_settings or RolloutClientSettings(max_concurrency=256)
+        self.step_lock = asyncio.Lock()
+        self._snapshot_lock = asyncio.Lock()
+        self._stack = contextlib.AsyncExitStack()
+        self._coordinator: Coordinator | None = None
+        self._rollouts: RolloutClient | None = None
+        self._pump: SnapshotPump | None = None
+        self._background: list[asyncio.Task[None]] = []
+        self._stop = asyncio.Event()
+        self._preempted = asyncio.Event()
+        self._final: SnapshotReport | None = None
+        self.reports: list[SnapshotReport] = []
+        self.resumed = Resumed(step=anchor.step)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def open(self) -> Resumed:
+        """Bump the epoch, discover, restore the newest usable snapshot if any."""
+        try:
+            return await self._open()
+        except BaseException:
+            await self.aclose()
+            raise
+
+    async def _open(self) -> Resumed:
+        config = self.config
+        root = config.snapshot_root
+        identity = await asyncio.to_thread(bump_epoch, root)
+        endpoints = await self._endpoints()
+        coordinator = await self._stack.enter_async_context(
+            Coordinator(
+                endpoints,
+                token=self._token,
+                coordinator_id=identity.coordinator_id,
+                epoch=identity.epoch,
+                config=config,
+            )
+        )
+        self._coordinator = coordinator
+        topology = await coordinator.discover()
+        # The coordinator's endpoints, not the ones given: a worker group is replaced by
+        # its workers at discovery, each an agent of its own (docs/spec.md section 3.9).
+        agents = {
+            name: AgentEndpoint(coordinator.endpoints[name], token=self._token)
+            for name in topology.agents
+        }
+        rollouts = await self._stack.enter_async_context(
+            RolloutClient(
+                agents,
+                # Every Run carries the config's weights_change (docs/spec.md 5.5 item 7).
+                settings=replace(self._rollout_settings, weights_change=config.weights_change),
+                group_scored=[e for e, d in coordinator.levels.items() if d.group_scored],
+                fence=coordinator.fence,
+            )
+        )
+        self._rollouts = rollouts
+        layout = SnapshotLayout(root)
+        restorer = Restorer(coordinator, layout, config, load_anchor=self._load_anchor)
+        plan = await restorer.restore()
+        if plan is not None:
+            apply_plan(plan, rollouts)
+            rollouts.set_data_loader(plan.trainer_state.data_loader)
+            self.resumed = Resumed(
+                step=plan.step,
+                checkpoint_id=plan.checkpoint_id,
+                data_loader=plan.trainer_state.data_loader,
+                resumed_rollouts=plan.resumed,
+                rerun_rollouts=plan.rerun_count,
+            )
+        driver = SnapshotDriver(
+            coordinator=coordinator,
+            rollouts=rollouts,
+            anchor=self._anchor,
+            layout=layout,
+            config=config,
+            epoch=identity.epoch,
+            step_lock=self.step_lock,
+        )
+        driver.adopt_restore(plan)
+        self._pump = SnapshotPump(driver, config)
+        if self._periodic:
+            self._background.append(asyncio.create_task(self._tick_periodically()))
+        return self.resumed
+
+    async def _endpoints(self) -> Mapping[str, str]:
+        if not callable(self._participants):
+            return dict(self._participants)
+        found = self._participants()
+        if inspect.isawaitable(found):
+            found = await found
+        return dict(found)
+
+    async def aclose(self) -> None:
+        """Stop the pump, then close the rollout client and the coordinator."""
+        self._stop.set()
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            asyncio.get_running_loop().remove_signal_handler(signal.SIGTERM)
+        for task in self._background:
+            if task is not asyncio.current_task():
+                task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+        await self._stack.aclose()
+
+    async def __aenter__(self) -> Self:
+        await self.open()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    # ------------------------------------------------------------------ rollouts
+
+    @property
+    def rollouts(self) -> RolloutClient:
+        if self._rollouts is None:
+            raise RuntimeError("Checkpointing is not open")
+        return self._rollouts
+
+    @property
+    def coordinator(self) -> Coordinator:
+        if self._coordinator is None:
+            raise RuntimeError("Checkpointing is not open")
+        return self._coordinator
+
+    @property
+    def agents(self) -> tuple[str, ...]:
+        return self.coordinator.topology.agents
+
+    def dispatch(self, rollout: Rollout, *, data_loader: JSONValue = None) -> None:
+        """Queue one rollout; ``data_loader`` (if given) is the loader position after it,
+        saved with the next snapshot."""
+        self._check()
+        self.rollouts.dispatch(rollout)
+        if data_loader is not None:
+            self.rollouts.set_data_loader(data_loader)
+
+    async def wait_groups(self, count: int, timeout_s: float | None = None) -> bool:
+        """Wait until ``count`` prompt groups are complete; ``False`` on timeout.
+
+        Take them with :meth:`take_ready_groups` under :attr:`step_lock`, in the same
+        critical section as the step that trains on them: a snapshot between taking and
+        training would save neither the groups nor the step. Raises :class:`Preempted`
+        once a SIGTERM's final snapshot is settled, and the pump's
+        :class:`SnapshotRunError` if snapshots keep failing.
+        """
+        await asyncio.sleep(0)  # a loop that finds nothing ready still lets snapshots run
+        self._check()
+        rollouts = self.rollouts
+
+        def ready() -> bool:
+            return rollouts.ready_groups() >= count or self._must_stop()
+
+        loop = asyncio.get_running_loop()
+        until = None if timeout_s is None else loop.time() + timeout_s
+        # Short waits, so that a preemption (which changes no rollout) is seen promptly.
+        while not ready() and (until is None or loop.time() < until):
+            left = _WAKE_S if until is None else min(_WAKE_S, max(0.0, until - loop.time()))
+            with contextlib.suppress(TimeoutError):
+                await rollouts.wait_for(ready, left)
+        self._check()
+        return rollouts.ready_groups() >= count
+
+    def take_ready_groups(self, count: int | None = None) -> list[tuple[RolloutResult, ...]]:
+        return self.rollouts.take_ready_groups(count)
+
+    # ------------------------------------------------------------------ snapshots
+
+    async def snapshot_now(self) -> SnapshotReport:
+        """One snapshot now (under the pump's failure policy)."""
+        if self._pump is None:
+            raise RuntimeError("Checkpointing is not open")
+        async with self._snapshot_lock:
+            report = await self._pump.tick()
+        self.reports.append(report)
+        if report.outcome is not SnapshotOutcome.PUBLISHED:
+            _LOG.warning(
+                "snapshot %s %s: %s", report.checkpoint_id, report.outcome.value, report.detail
+            )
+        return report
+
+    async def step_done(self, step: int) -> SnapshotReport | None:
+        """Call after each training step (outside :attr:`step_lock`)."""
+        self._check()
+        if self._every_steps and step % self._every_steps == 0:
+            return await self.snapshot_now()
+        return None
+
+    async def _tick_periodically(self) -> None:
+        interval = self.config.snapshot_interval_s
+        while not self._stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), interval)
+            if not self._stop.is_set():
+                await self.snapshot_now()
+
+    # ------------------------------------------------------------------ preemption
+
+    def install_preemption_handler(self, deadline_s: float = 30.0) -> None:
+        """On SIGTERM take one final snapshot within ``deadline_s``; the loop then sees
+        :class:`Preempted` from :meth:`wait_groups`, :meth:`step_done` or :meth:`dispatch`."""
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(
+            signal.SIGTERM,
+            lambda: self._background.append(asyncio.create_task(self._preempt(deadline_s))),
+        )
+
+    async def _preempt(self, deadline_s: float) -> None:
+        if self._stop.is_set():
+            return
+        self._stop.set()  # no more periodic ticks
+        try:
+            self._final = await asyncio.wait_for(self.snapshot_now(), deadline_s)
+        except TimeoutError:
+            _LOG.warning("the final snapshot did not finish within %.1f s", deadline_s)
+        finally:
+            # Nothing new starts after the final cut; rollouts in it resume on restart.
+            self.rollouts.close_dispatch()
+            self._preempted.set()
+
+    def _must_stop(self) -> bool:
+        return self._preempted.is_set() or any(
+            t.done() and not t.cancelled() and t.exception() is not None for t in self._background
+        )
+
+    def _check(self) -> None:
+        if self._preempted.is_set():
+            raise Preempted(self._final)
+        for task in self._background:
+            if task.done() and not task.cancelled() and task.exception() is not None:
+                raise task.exception()  # type: ignore[misc]

@@ -1,0 +1,673 @@
+"""The trainer-side coordinator: every control operation, fanned out to every participant.
+
+docs/spec.md section 7. :class:`Coordinator` is the face of three layers:
+
+- :class:`~turnpoint.trainer.control.operations.ControlOperations`: fenced request ids,
+  bounded fan-outs, failure classification, and renew, resume, retire and forget;
+- :class:`~turnpoint.trainer.control.restore_operations.RestoreOperations`: restore and its cleanup;
+- this module: discovery (:meth:`Coordinator.discover`), prepare and commit.
+
+Prepare runs under ONE deadline (``prepare_timeout_s``) for all participants; each
+participant's rounds, waits and give-ups are decided by the pure core
+(:mod:`turnpoint.trainer.snapshots.core`) and driven by :mod:`._preparing`. The core
+also decides the verdict (commit only if every participant is ready; an abort resumes
+every participant, the ready ones included) and the commit scopes (restarts are in no
+scope). While anything is slow (a prepare, a commit, the trainer's own publication) the
+coordinator renews every participant's lease in the background, once right after
+prepare and then every ``renew_interval_s``.
+
+Names that moved to the modules above are re-exported here for existing imports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from contextlib import asynccontextmanager
+from types import MappingProxyType
+
+import grpc
+
+from turnpoint._convert import duration_from_seconds, episode_to_proto
+from turnpoint.errors import Reason
+from turnpoint.ids import (
+    EpisodeId,
+    InvalidIdError,
+    checkpoint_sequence,
+    make_checkpoint_id,
+    validate_id,
+)
+from turnpoint.protocol import PROTOCOL_VERSION, ParticipantKind, RecoveryLevel
+from turnpoint.trainer.config import CoordinatorConfig
+from turnpoint.trainer.control.client import (
+    FailureKind,
+    MalformedReplyError,
+    classify,
+)
+from turnpoint.trainer.control.fanout import (
+    ControlCaller,
+    FanoutResult,
+    fan_out,
+    retry_same_request,
+)
+from turnpoint.trainer.control.identity import COORDINATOR_FILE, CoordinatorIdentity, bump_epoch
+from turnpoint.trainer.control.operations import (
+    JOINING_ATTEMPTS,
+    Renewer,
+    episodes_of,
+)
+from turnpoint.trainer.control.outcomes import (
+    CommitFailed,
+    ControlReport,
+    OperationFailed,
+    PreparedCheckpoint,
+    PrepareFailed,
+    RestoredCheckpoint,
+    RestoreFailed,
+)
+from turnpoint.trainer.control.restore_operations import RestoreOperations
+from turnpoint.trainer.control.topology import ParticipantInfo, Topology, group_workers
+from turnpoint.trainer.errors import CoordinatorError
+from turnpoint.trainer.metrics import CoordinatorMetrics
+from turnpoint.trainer.snapshots.core import (
+    FinishedProbe,
+    Outcome,
+    ParticipantPrepare,
+    commit_scope_problem,
+    decide_prepare,
+    exported_problem,
+    watch_after_s,
+)
+from turnpoint.trainer.snapshots.levels import LevelDecision, decide_levels
+from turnpoint.trainer.snapshots.preparing import (
+    PreparingParticipant,
+    Readiness,
+    Unacked,
+    UnackedResolver,
+    is_ready,
+    watch_readiness,
+)
+from turnpoint.trainer.storage.manifest import ArtifactRef, ManifestError, ParticipantEntry
+from turnpoint.v1 import checkpoint_control_service_pb2 as pb
+
+__all__ = [
+    "COORDINATOR_FILE",
+    "PROTOCOL_VERSION",
+    "CommitFailed",
+    "ControlReport",
+    "Coordinator",
+    "CoordinatorError",
+    "CoordinatorIdentity",
+    "OperationFailed",
+    "ParticipantInfo",
+    "PrepareFailed",
+    "PreparedCheckpoint",
+    "RestoreFailed",
+    "RestoredCheckpoint",
+    "Topology",
+    "UnackedResolver",
+    "bump_epoch",
+]
+
+_LOG = logging.getLogger(__name__)
+
+# Prepare answers the coordinator keeps the reported restarts of, for commit's check.
+_RESTARTS_REMEMBERED = 8
+# docs/spec.md section 4.8 item 7: participants that export nothing may skip every
+# write. Tests that inject disk faults into empty commits turn it off, as an older
+# coordinator would not send it.
+ACCEPT_SAVED_NOTHING = True
+# docs/spec.md section 4.8 item 9: participants end the checkpoint in their commit, as
+# soon as the export is taken. Tests of the resume after publication turn it off, as an
+# older coordinator would not ask.
+RELEASE_IN_COMMIT = True
+# Describe at start-up: transient failures (a participant still binding, a blip) are
+# asked again this many times, this far apart, before discovery fails.
+DISCOVER_ATTEMPTS = 5
+DISCOVER_RETRY_PAUSE_S = 0.5
+
+_OUTCOMES = {
+    FailureKind.NOT_READY: Outcome.NOT_READY,
+    FailureKind.TRANSIENT: Outcome.TRANSIENT,
+    FailureKind.INVARIANT: Outcome.INVARIANT,
+}
+
+
+class Coordinator(RestoreOperations):
+    """Drives control operations on every participant of a training run.
+
+    ``endpoints`` maps each participant instance name to its control address. ``token``
+    is the bearer token sent with every call; ``channel_credentials`` enables TLS (and
+    mutual TLS when they carry a client certificate). ``coordinator_id`` and ``epoch``
+    come from :func:`bump_epoch` (the caller persists them).
+
+    Call :meth:`discover` first: commit, restore and the resume order need each
+    participant's kind. Close with :meth:`close` (or use ``async with``).
+    """
+
+    def __init__(
+        self,
+        endpoints: Mapping[str, str],
+        *,
+        token: str,
+        coordinator_id: str,
+        epoch: int,
+        config: CoordinatorConfig,
+        channel_credentials: grpc.ChannelCredentials | None = None,
+        metrics: CoordinatorMetrics | None = None,
+    ) -> None:
+        super().__init__(
+            endpoints,
+            token=token,
+            coordinator_id=coordinator_id,
+            epoch=epoch,
+            config=config,
+            channel_credentials=channel_credentials,
+            metrics=metrics,
+        )
+        # The restarts each recent prepare reported, per instance: commit refuses a
+        # scope that names one.
+        self._restarts: dict[str, Mapping[str, frozenset[EpisodeId]]] = {}
+        # Per recent checkpoint: the snapshot its prepare offered, and the instances that
+        # committed saved-nothing in the prepare (docs/spec.md 4.6 item 8); commit sends
+        # them nothing.
+        # (Values: instance -> the incarnation that answered.)
+        self._committed_empty: dict[str, tuple[str, Mapping[str, str]]] = {}
+        # Each environment's recovery level, decided at discovery (docs/spec.md 7.1).
+        self._levels: Mapping[str, LevelDecision] = MappingProxyType({})
+        self._warned_levels: dict[str, LevelDecision] = {}
+
+    def _remember_restarts(
+        self, checkpoint_id: str, restarts: Mapping[str, tuple[EpisodeId, ...]]
+    ) -> None:
+        self._restarts[checkpoint_id] = {name: frozenset(e) for name, e in restarts.items()}
+        while len(self._restarts) > _RESTARTS_REMEMBERED:
+            del self._restarts[next(iter(self._restarts))]
+
+    def _remember_committed_empty(
+        self, checkpoint_id: str, snapshot: str | None, instances: Mapping[str, str]
+    ) -> None:
+        self._committed_empty.pop(checkpoint_id, None)
+        if snapshot is not None and instances:
+            self._committed_empty[checkpoint_id] = (snapshot, instances)
+            while len(self._committed_empty) > _RESTARTS_REMEMBERED:
+                del self._committed_empty[next(iter(self._committed_empty))]
+
+    # -- describe ----------------------------------------------------------------------
+
+    async def discover(self) -> Topology:
+        """``Describe`` every participant; the result is kept as :attr:`topology`.
+
+        An endpoint where several workers answer, each its own participant, is replaced
+        by its workers, and each of them is described at its own address (docs/spec.md
+        section 3.9); :attr:`endpoints` then lists the workers. Raises
+        :class:`OperationFailed` if any participant cannot be described or its answer
+        breaks the contract (unknown kind, another protocol version).
+        """
+        result = await self._describe(self.instances)
+        responses = dict(result.responses)
+        failures = dict(result.failures)
+        durations = dict(result.durations_s)
+        groups: dict[str, dict[str, str]] = {}
+        for name, response in result.responses.items():
+            try:
+                workers = group_workers(name, response)
+            except MalformedReplyError as error:
+                failures[name] = classify(error)
+                workers = None
+            if workers is not None:
+                groups[name] = workers
+            if workers is not None or name in failures:
+                del responses[name]
+        taken = set(self._clients)
+        for group, workers in groups.items():
+            if clash := sorted(taken & set(workers)):
+                failures[group] = classify(
+                    MalformedReplyError(
+                        group, "Describe", f"workers {clash} are also given as participants"
+                    )
+                )
+            taken |= set(workers)
+        if groups and not failures:
+            for group, workers in groups.items():
+                _LOG.info("%s: %d workers, each its own participant", group, len(workers))
+                await self._replace_with_workers(group, workers)
+            described = await self._describe([w for ws in groups.values() for w in ws])
+            responses |= described.responses
+            failures |= described.failures
+            durations |= described.durations_s
+        participants: dict[str, ParticipantInfo] = {}
+        for name, response in responses.items():
+            try:
+                if response.instance_name != name:  # a worker answering for another
+                    raise MalformedReplyError(
+                        name, "Describe", f"reply names {response.instance_name!r}"
+                    )
+                participants[name] = ParticipantInfo.from_proto(name, response)
+            except MalformedReplyError as error:
+                failures[name] = classify(error)
+        self._record("describe", FanoutResult(responses, failures, durations))
+        if failures:
+            raise OperationFailed("describe", "topology", failures)
+        self._topology = Topology(participants)
+        self._decide_levels(self._topology)
+        return self._topology
+
+    async def _describe(self, instances: Sequence[str]) -> FanoutResult[pb.DescribeResponse]:
+        # A participant that just started, or a connection that blipped, is not a reason
+        # to fail the job's start: transient failures are asked again, a few times.
+        return await retry_same_request(
+            {name: self._clients[name] for name in instances},
+            {name: pb.DescribeRequest(fence=self.fence) for name in instances},
+            attempts=DISCOVER_ATTEMPTS,
+            deadline_s=DISCOVER_ATTEMPTS * self._call_deadline(),
+            per_call_timeout_s=self.config.control_timeout_s,
+            concurrency=self.config.fanout_concurrency,
+            pause_s=DISCOVER_RETRY_PAUSE_S,
+        )
+
+    def _decide_levels(self, topology: Topology) -> None:
+        """docs/spec.md sections 7.1 item 3 and 7.8: each environment's recovery level,
+        decided once from Describe, with one warning per lowered environment (a later
+        discovery that decides the same warns no more)."""
+        target = RecoveryLevel.parse(self.config.target_level)
+        self._levels = MappingProxyType(
+            decide_levels(target, topology.environments(), topology.shared_models())
+        )
+        for environment, decision in self._levels.items():
+            if decision.lowered and self._warned_levels.get(environment) != decision:
+                self._warned_levels[environment] = decision
+                _LOG.warning(decision.warning())
+
+    @property
+    def levels(self) -> Mapping[str, LevelDecision]:
+        """Each described environment's recovery level, as :meth:`discover` decided it;
+        a restore plans with these (docs/spec.md section 7.7 item 4)."""
+        return self._levels
+
+    # -- prepare -----------------------------------------------------------------------
+
+    def _prepare_request(
+        self,
+        checkpoint_id: str,
+        instance: str,
+        expected: Mapping[str, Iterable[EpisodeId]],
+        snapshot: str | None,
+    ) -> pb.PrepareRequest:
+        return pb.PrepareRequest(
+            fence=self.fence,
+            request_id=self.request_id("prepare", checkpoint_id, instance),
+            checkpoint_id=checkpoint_id,
+            lease=duration_from_seconds(self.config.lease_s),
+            max_blockers=self.config.max_blockers_listed,
+            expected_episodes=[episode_to_proto(e) for e in sorted(expected.get(instance, ()))],
+            # Committing in the prepare answers saved-nothing: only with that accepted.
+            empty_commit_snapshot=snapshot if snapshot and ACCEPT_SAVED_NOTHING else "",
+        )
+
+    async def prepare(
+        self,
+        checkpoint_id: str,
+        *,
+        expected: Mapping[str, Iterable[EpisodeId]] | None = None,
+        resolve: UnackedResolver | None = None,
+        snapshot: str | None = None,
+    ) -> PreparedCheckpoint:
+        """Prepare every participant under one deadline (``prepare_timeout_s``).
+
+        ``expected`` is the scope hint per instance (the episodes the trainer believes
+        each runs). ``resolve`` decides unacknowledged completions; without it they are
+        treated as "retire". ``snapshot``, the name the commit will use, lets a
+        participant with nothing to export commit saved-nothing in its prepare
+        (docs/spec.md section 4.6 item 8); :meth:`commit` under that name then skips it.
+        Raises :class:`PrepareFailed` (with the core's verdict); it never resumes: use
+        :meth:`prepared`, which always does.
+        """
+        renewer = Renewer(self, checkpoint_id, self.instances)
+        renewer.start()
+        try:
+            return await self._prepare(checkpoint_id, expected or {}, resolve, snapshot)
+        finally:
+            await renewer.stop()
+
+    async def _prepare(
+        self,
+        checkpoint_id: str,
+        expected: Mapping[str, Iterable[EpisodeId]],
+        resolve: UnackedResolver | None,
+        snapshot: str | None,
+    ) -> PreparedCheckpoint:
+        validate_id(checkpoint_id, "checkpoint_id")
+        if snapshot is not None:
+            validate_id(snapshot, "snapshot")
+        loop = asyncio.get_running_loop()
+        config = self.config
+        deadline = loop.time() + config.prepare_timeout_s
+        unacked = Unacked(resolve, self.metrics)
+        readiness = {name: Readiness() for name in self._clients}
+
+        def on_answer(name: str, response: pb.PrepareResponse) -> None:
+            if not is_ready(response) and self.metrics is not None:
+                self.metrics.prepare_not_ready.labels(self._kind_label(name)).inc()
+
+        callers: dict[str, ControlCaller] = {
+            name: PreparingParticipant(
+                core=ParticipantPrepare(
+                    name, deadline=deadline, round_timeout_s=config.control_timeout_s
+                ),
+                client=client,
+                readiness=readiness[name],
+                unacked=unacked,
+                on_answer=on_answer,
+            )
+            for name, client in self._clients.items()
+        }
+        watch_request = pb.WatchBoundariesRequest(
+            fence=self.fence, max_blockers=config.max_blockers_listed
+        )
+        watches: dict[str, asyncio.Task[None]] = {}
+
+        def open_watches() -> None:
+            # One timer for the whole prepare, not a waiting task per participant: most
+            # are ready within milliseconds and never cost a task or a stream.
+            for name in self._clients:
+                if readiness[name].settled.is_set():
+                    continue
+                watches[name] = asyncio.create_task(
+                    watch_readiness(
+                        name,
+                        self._clients[name],
+                        watch_request,
+                        watch_after_s=0.0,
+                        timeout_s=config.prepare_timeout_s + config.reply_grace_s,
+                        state=readiness[name],
+                        unacked=unacked,
+                    ),
+                    name=f"watch-{name}",
+                )
+
+        opener = loop.call_later(watch_after_s(config.prepare_timeout_s), open_watches)
+        try:
+            result = await fan_out(
+                callers,
+                lambda name: self._prepare_request(checkpoint_id, name, expected, snapshot),
+                deadline_s=config.prepare_timeout_s + config.reply_grace_s,
+                per_call_timeout_s=config.prepare_timeout_s + config.reply_grace_s,
+                # Every participant waits for its own work at once: a concurrency limit
+                # would leave some unprepared until others are ready.
+                concurrency=max(1, len(callers)),
+            )
+        finally:
+            opener.cancel()
+            for watch in watches.values():
+                watch.cancel()
+            ended = await asyncio.gather(*watches.values(), return_exceptions=True)
+            for name, outcome in zip(watches, ended, strict=True):
+                if isinstance(outcome, Exception):
+                    # Resolving a completion it reported failed; the prepare rounds ask
+                    # again and fail the prepare if it keeps failing.
+                    _LOG.warning("readiness watch of %s failed: %r", name, outcome)
+        self._record("prepare", result)
+        outcomes = {name: Outcome.READY for name in result.responses}
+        outcomes.update({name: _OUTCOMES[f.kind] for name, f in result.failures.items()})
+        verdict = decide_prepare(checkpoint_id, outcomes, unacked.ledger.retire)
+        if not verdict.commit:
+            _LOG.info("%s", verdict.reason)
+            stale = sorted(
+                name
+                for name, failure in result.failures.items()
+                if failure.reason is Reason.STALE_CHECKPOINT
+            )
+            finished_through = await self._finished_through(checkpoint_id, stale) if stale else None
+            raise PrepareFailed(
+                checkpoint_id, result.failures, verdict.retire, verdict, finished_through
+            )
+        responses: Mapping[str, pb.PrepareResponse] = result.responses
+        restarts = {
+            name: tuple(sorted(set(episodes_of(r.readiness.restarts, name, "Prepare"))))
+            for name, r in responses.items()
+        }
+        self._remember_restarts(checkpoint_id, restarts)
+        committed_empty = {
+            name: r.header.incarnation for name, r in responses.items() if r.committed_empty
+        }
+        self._remember_committed_empty(checkpoint_id, snapshot, committed_empty)
+        return PreparedCheckpoint(
+            checkpoint_id=checkpoint_id,
+            readiness=MappingProxyType({name: r.readiness for name, r in responses.items()}),
+            restarts=MappingProxyType(restarts),
+            durations_s=result.durations_s,
+            committed_empty=frozenset(committed_empty),
+        )
+
+    async def _finished_through(self, checkpoint_id: str, instances: Sequence[str]) -> int | None:
+        """docs/spec.md section 7.2 item 4: the highest sequence of ``checkpoint_id``'s
+        prefix that ``instances`` (which refused it STALE_CHECKPOINT) have finished,
+        found with Renew probes (:class:`FinishedProbe`); None if a probe failed."""
+        try:
+            refused = checkpoint_sequence(checkpoint_id)
+        except InvalidIdError:
+            return None
+        prefix = checkpoint_id[: checkpoint_id.rindex("-")]
+        highest = refused
+        for name in instances:
+            probe = FinishedProbe(refused)
+            while (candidate := probe.next_candidate()) is not None:
+                finished = await self._is_finished(name, make_checkpoint_id(prefix, candidate))
+                if finished is None:
+                    return None
+                probe.observe(candidate, finished)
+            highest = max(highest, probe.finished_through)
+            _LOG.warning(
+                "%s refused %s as finished: it finished %s ids up to sequence %d (%d probes)",
+                name,
+                checkpoint_id,
+                prefix,
+                probe.finished_through,
+                probe.probes,
+            )
+        return highest
+
+    async def _is_finished(self, instance: str, checkpoint_id: str) -> bool | None:
+        """Whether ``instance`` has finished ``checkpoint_id``: a Renew, which changes
+        nothing on an id that is not active, answers STALE_CHECKPOINT for a finished id
+        and INVALID_PHASE for any other (docs/spec.md section 4.7). None: it said neither."""
+        request = pb.RenewRequest(
+            fence=self.fence,
+            request_id=self.request_id("renew", checkpoint_id, instance),
+            checkpoint_id=checkpoint_id,
+            lease=duration_from_seconds(self.config.lease_s),
+        )
+        result = await fan_out(
+            {instance: self._clients[instance]},
+            lambda name: request,
+            deadline_s=self._call_deadline(),
+            per_call_timeout_s=self.config.control_timeout_s,
+            concurrency=1,
+        )
+        failure = result.failures.get(instance)
+        if failure is None:
+            return False  # it is the active id there: not finished
+        if failure.reason is Reason.STALE_CHECKPOINT:
+            return True
+        if failure.reason is Reason.INVALID_PHASE:
+            return False
+        return None
+
+    @asynccontextmanager
+    async def prepared(
+        self,
+        checkpoint_id: str,
+        *,
+        expected: Mapping[str, Iterable[EpisodeId]] | None = None,
+        resolve: UnackedResolver | None = None,
+        snapshot: str | None = None,
+    ) -> AsyncIterator[PreparedCheckpoint]:
+        """Prepare everywhere, keep the leases alive, and always resume the same id.
+
+        ``snapshot`` is offered to the participants as :meth:`prepare` says.
+
+        The resume on exit goes to every participant, the ready ones included, whether
+        the prepare or the body failed or not. After a failure the original error is
+        raised whatever the resume does (its report is attached: ``error.release`` for a
+        :class:`PrepareFailed`, else the yielded object's ``release``). After a body
+        that succeeded a resume that still fails is reported in ``release``, not raised:
+        the snapshot is published and each participant's lease reopens it anyway.
+        """
+        try:
+            checkpoint = await self.prepare(
+                checkpoint_id, expected=expected, resolve=resolve, snapshot=snapshot
+            )
+        except BaseException as error:
+            verdict = error.verdict if isinstance(error, PrepareFailed) else None
+            # The verdict resumes everyone; without one (cancelled, say) so do we.
+            report = await self.resume(checkpoint_id, verdict.resume if verdict else None)
+            if isinstance(error, PrepareFailed):
+                error.release = report
+            if not report.ok:
+                _LOG.warning(
+                    "aborting %s: %s",
+                    checkpoint_id,
+                    OperationFailed("resume", checkpoint_id, report.failures),
+                )
+            raise
+        async with self.held(checkpoint):
+            yield checkpoint
+
+    @asynccontextmanager
+    async def held(self, checkpoint: PreparedCheckpoint) -> AsyncIterator[PreparedCheckpoint]:
+        """Hold a prepared checkpoint for the body: renew every lease in the background
+        (once at once, then every ``renew_interval_s``) and resume the same id everywhere
+        on exit, whatever happens. The resume's report lands in ``checkpoint.release``;
+        a body error propagates unchanged, a failed resume after a body that succeeded is
+        logged, not raised.
+        """
+        checkpoint_id = checkpoint.checkpoint_id
+        renewer = Renewer(self, checkpoint_id, self.instances)
+        # Once right after prepare: a participant prepared early has waited for the
+        # others, and commit may be slow.
+        renewer.start(renew_now=True)
+        try:
+            yield checkpoint
+        finally:
+            await renewer.stop()
+            checkpoint.renew_failures.update(renewer.failures)
+            checkpoint.release = await self.resume(checkpoint_id)
+        if not checkpoint.release.ok:
+            _LOG.warning(
+                "releasing %s failed; the pump retries it and each lease reopens its participant: %s",
+                checkpoint_id,
+                OperationFailed("resume", checkpoint_id, checkpoint.release.failures),
+            )
+
+    # -- commit ------------------------------------------------------------------------
+
+    async def commit(
+        self,
+        checkpoint_id: str,
+        snapshot: str,
+        scope: Mapping[str, Iterable[EpisodeId]],
+    ) -> dict[str, ParticipantEntry]:
+        """Commit every participant into ``<root>/<snapshot>/<instance>/``.
+
+        ``scope`` gives each instance the episodes the trainer continues (an instance
+        left out gets an empty scope); it must not name an episode the instance reported
+        as a restart in this checkpoint's prepare. Each reply is validated: the exported
+        episodes lie within the scope and every artifact reference is well formed and
+        lies under the instance's directory. Returns the manifest entry per instance;
+        raises :class:`CommitFailed`.
+        """
+        validate_id(snapshot, "snapshot")
+        topology = self.topology
+        given = {name: frozenset(episodes) for name, episodes in scope.items()}
+        problem = commit_scope_problem(given, self._clients, self._restarts.get(checkpoint_id, {}))
+        if problem is not None:
+            raise ValueError(problem)
+        scopes = {name: given.get(name, frozenset()) for name in self._clients}
+        # docs/spec.md 4.6 item 8: who committed saved-nothing in its prepare holds
+        # nothing any scope could export; its entry is known without a call.
+        offered, done = self._committed_empty.get(checkpoint_id, ("", {}))
+        if done and offered != snapshot:
+            raise ValueError(
+                f"{checkpoint_id} was prepared for snapshot {offered!r}, not {snapshot!r}"
+            )
+        entries: dict[str, ParticipantEntry] = {
+            name: ParticipantEntry(
+                instance=name,
+                kind=topology.kind(name),
+                incarnation=incarnation,
+            )
+            for name, incarnation in sorted(done.items())
+            if name in scopes
+        }
+        requests = {
+            name: pb.CommitRequest(
+                fence=self.fence,
+                request_id=self.request_id("commit", checkpoint_id, name),
+                checkpoint_id=checkpoint_id,
+                snapshot=snapshot,
+                scope=[episode_to_proto(e) for e in sorted(episodes)],
+                accept_saved_nothing=ACCEPT_SAVED_NOTHING,
+                release=RELEASE_IN_COMMIT,
+            )
+            for name, episodes in scopes.items()
+            if name not in entries
+        }
+        result = await self._fan_out_once("commit", requests, attempts=JOINING_ATTEMPTS)
+        failures = dict(result.failures)
+        # Released even if the snapshot fails now: their admission is open again.
+        self.note_released(checkpoint_id, (n for n, r in result.responses.items() if r.released))
+        for name, response in result.responses.items():
+            try:
+                entries[name] = _entry_from_commit(
+                    name, topology.kind(name), response, scopes[name]
+                )
+            except MalformedReplyError as error:
+                failures[name] = classify(error)
+        if failures:
+            raise CommitFailed(checkpoint_id, failures)
+        return entries
+
+
+def _entry_from_commit(
+    instance: str,
+    kind: ParticipantKind,
+    response: pb.CommitResponse,
+    scope: frozenset[EpisodeId],
+) -> ParticipantEntry:
+    exported = episodes_of(response.exported, instance, "Commit")
+    problem = exported_problem(exported, scope)
+    if problem is not None:
+        raise MalformedReplyError(instance, "Commit", problem)
+    if response.saved_nothing and (
+        response.HasField("manifest") or response.artifacts or response.exported
+    ):
+        # docs/spec.md section 4.8 item 7: saved nothing means no file and no episode.
+        raise MalformedReplyError(
+            instance, "Commit", "saved_nothing with a manifest, artifacts or exported episodes"
+        )
+    try:
+        artifacts = tuple(
+            ArtifactRef(a.path, a.sha256, a.size_bytes, a.record_count) for a in response.artifacts
+        )
+        manifest = (
+            ArtifactRef(
+                response.manifest.path,
+                response.manifest.sha256,
+                response.manifest.size_bytes,
+                response.manifest.record_count,
+            )
+            if response.HasField("manifest")
+            else None
+        )
+        return ParticipantEntry(
+            instance=instance,
+            kind=kind,
+            artifacts=artifacts,
+            manifest=manifest,
+            exported=exported,
+            incarnation=response.header.incarnation,
+        )
+    except ManifestError as error:
+        raise MalformedReplyError(instance, "Commit", error.message) from None
