@@ -15,7 +15,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from turnpoint._files import fsync_tree, write_new
+from turnpoint._files import fsync_dir, write_new
 from turnpoint.trainer.anchors.source import AnchorError, WrittenAnchor
 from turnpoint.trainer.storage.layout import tree_digest
 from turnpoint.trainer.storage.manifest import ANCHOR_DIR, AnchorRef, ManifestError
@@ -57,7 +57,7 @@ def _write(directory: Path, step: int, data: bytes) -> AnchorRef:
         meta = {"format": FILE_ANCHOR_FORMAT, "step": step}
         write_new(directory / _META, json.dumps(meta, sort_keys=True).encode())
         # The files are synced as written; their directory entries are made durable here.
-        fsync_tree(directory)
+        fsync_dir(directory)
         return AnchorRef(sha256=tree_digest(directory))
     except (OSError, ManifestError) as error:
         raise AnchorError(
