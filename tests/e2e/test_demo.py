@@ -29,8 +29,8 @@ from typing import Any
 import pytest
 
 from tests.support.demo import DEMO, SHORT
-from turnpoint.apps.demo import CRASH_POINTS
 from turnpoint.apps.demo._kill_switch import KillPoint
+from turnpoint.apps.demo._supervisor import CRASH_POINTS
 from turnpoint.ids import checkpoint_sequence
 from turnpoint.trainer.snapshots.driver import EPOCH_STRIDE
 

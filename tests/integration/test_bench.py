@@ -19,15 +19,10 @@ from typing import Any
 import pytest
 
 from turnpoint.apps._cli import main
-from turnpoint.apps.bench import (
-    BenchReport,
-    OverheadRow,
-    RestoreResult,
-    ThroughputResult,
-    render_table,
-)
-from turnpoint.apps.bench._bench import Target
-from turnpoint.apps.bench._workload import RunFigures
+from turnpoint.apps.bench._bench import BenchReport, Target
+from turnpoint.apps.bench._cli import render_table
+from turnpoint.apps.bench._control_overhead import OverheadRow
+from turnpoint.apps.bench._workload import RestoreResult, RunFigures, ThroughputResult
 
 SIZES = (2, 3)
 ROW_KEYS = {

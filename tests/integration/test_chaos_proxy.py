@@ -17,7 +17,7 @@ import pytest
 
 from tests.support.participants import METADATA
 from tests.support.scripted import FENCE, ScriptedAgent, ckpt, host_scripted
-from turnpoint.apps.chaos import FaultProxy, ProxyMode
+from turnpoint.apps.chaos._proxy import FaultProxy, ProxyMode
 from turnpoint.v1 import checkpoint_control_service_pb2 as pb
 from turnpoint.v1 import checkpoint_control_service_pb2_grpc as pb_grpc
 from turnpoint.v1.types_pb2 import PHASE_PREPARED

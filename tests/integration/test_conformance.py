@@ -20,15 +20,9 @@ import pytest
 
 from tests.support.mutants import MUTANTS, Mutant, honest_mid_turn_agent
 from tests.support.participants import TOKEN, start_topology
-from turnpoint.apps.conformance import (
-    CHECKS,
-    ConformanceOptions,
-    ConformanceReport,
-    Outcome,
-    Workload,
-    render_table,
-    run_conformance,
-)
+from turnpoint.apps.conformance._kit import Workload
+from turnpoint.apps.conformance._report import ConformanceReport, Outcome, render_table
+from turnpoint.apps.conformance._runner import CHECKS, ConformanceOptions, run_conformance
 from turnpoint.apps.examples._task import make_prompt
 
 # What the example environment understands: a Run task (agents) and a session task

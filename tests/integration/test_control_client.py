@@ -29,14 +29,16 @@ from tests.support.scripted import (
 )
 from turnpoint.errors import Reason, TurnpointError
 from turnpoint.trainer.control.client import (
-    CallTimeoutError,
     ControlRequest,
     ControlResponse,
+    ParticipantControlClient,
+)
+from turnpoint.trainer.control.failures import (
+    CallTimeoutError,
     Failure,
     FailureKind,
     MalformedReplyError,
     NotReadyError,
-    ParticipantControlClient,
     SessionBrokenError,
     TransportError,
     classify,

@@ -67,9 +67,10 @@ from turnpoint.trainer.advanced import (
     bump_epoch,
 )
 from turnpoint.trainer.control import coordinator as coordinator_module
-from turnpoint.trainer.control.client import FailureKind
+from turnpoint.trainer.control.failures import FailureKind
 from turnpoint.trainer.restore.restorer import RerunReason
-from turnpoint.trainer.storage.manifest import AnchorRef, TrainerRolloutState, tree_digest
+from turnpoint.trainer.storage.layout import tree_digest
+from turnpoint.trainer.storage.manifest import AnchorRef, TrainerRolloutState
 from turnpoint.v1 import checkpoint_control_service_pb2 as pb
 from turnpoint.v1 import types_pb2
 
@@ -600,7 +601,8 @@ async def test_commit_rejects_exports_outside_the_scope(fleet: Fleet) -> None:
 
 
 def restorable_manifest(ck: str = "ck-000000000001") -> SnapshotManifest:
-    from turnpoint.trainer.storage.manifest import ArtifactRef, ParticipantEntry, PlacedEpisode
+    from turnpoint.protocol import ArtifactRef
+    from turnpoint.trainer.storage.manifest import ParticipantEntry, PlacedEpisode
 
     digest = "a" * 64
     saved = EpisodeId("r1", 0)

@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from turnpoint.apps.demo import DemoError, DemoOptions, ProcessLauncher, prepare_out_dir, run_demo
+from turnpoint.apps.demo._report import DemoError
+from turnpoint.apps.demo._supervisor import DemoOptions, ProcessLauncher, prepare_out_dir, run_demo
 
 TIMEOUT_S = 60.0
 

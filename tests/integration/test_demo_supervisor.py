@@ -25,20 +25,18 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rich.console import Console
 
 from turnpoint.apps._cli import main
-from turnpoint.apps.demo import (
-    DemoError,
+from turnpoint.apps.demo._report import DemoError
+from turnpoint.apps.demo._supervisor import (
     DemoOptions,
     DemoPaths,
+    Participant,
     ParticipantSpec,
     ProcessLauncher,
     prepare_out_dir,
     run_demo,
-    trainer_command,
-)
-from turnpoint.apps.demo._supervisor import (
-    Participant,
     start_participants,
     stop_participants,
+    trainer_command,
     write_topology,
 )
 from turnpoint.auth import auth_metadata

@@ -27,25 +27,21 @@ from turnpoint.apps.examples._task import make_prompt
 from turnpoint.ids import EpisodeId, checkpoint_sequence, make_checkpoint_id
 from turnpoint.protocol import ParticipantKind, Phase, RecoveryLevel
 from turnpoint.server import BearerTokenInterceptor
+from turnpoint.trainer.anchors.source import WrittenAnchor
 from turnpoint.trainer.config import CoordinatorConfig
 from turnpoint.trainer.control.coordinator import Coordinator
 from turnpoint.trainer.control.operations import JOINING_ATTEMPTS, JOINING_RETRY_PAUSE_S
 from turnpoint.trainer.restore.restorer import Restorer, plan_restore
 from turnpoint.trainer.rollouts.client import AgentEndpoint, RolloutClient
 from turnpoint.trainer.rollouts.values import Rollout, RolloutClientSettings, RolloutOutcome
-from turnpoint.trainer.snapshots.driver import (
-    FailureReason,
-    SnapshotDriver,
-    SnapshotOutcome,
-    WrittenAnchor,
-)
+from turnpoint.trainer.snapshots.driver import SnapshotDriver
+from turnpoint.trainer.snapshots.report import FailureReason, SnapshotOutcome
+from turnpoint.trainer.storage.layout import SnapshotLayout, tree_digest
 from turnpoint.trainer.storage.manifest import (
     AnchorRef,
     ParticipantEntry,
-    SnapshotLayout,
     SnapshotManifest,
     TrainerRolloutState,
-    tree_digest,
 )
 from turnpoint.v1 import checkpoint_control_service_pb2 as pb
 from turnpoint.v1 import checkpoint_control_service_pb2_grpc as pb_grpc

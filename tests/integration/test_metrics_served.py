@@ -39,7 +39,7 @@ from turnpoint.trainer.advanced import (
     SnapshotLayout,
     SnapshotPump,
 )
-from turnpoint.trainer.snapshots.driver import WrittenAnchor
+from turnpoint.trainer.anchors.source import WrittenAnchor
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 

@@ -36,8 +36,8 @@ from turnpoint.trainer.advanced import (
     SnapshotLayout,
     apply_plan,
 )
-from turnpoint.trainer.snapshots.driver import WrittenAnchor
-from turnpoint.trainer.storage.manifest import tree_digest
+from turnpoint.trainer.anchors.source import WrittenAnchor
+from turnpoint.trainer.storage.layout import tree_digest
 
 TOKEN = "guide-token-123"
 BOUND_S = 20.0

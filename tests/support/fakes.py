@@ -29,7 +29,7 @@ from turnpoint.errors import Reason, TurnpointError
 from turnpoint.ids import EpisodeId
 from turnpoint.participant_sdk import EpisodeState
 from turnpoint.participant_sdk._core import ParticipantCore, WorkKey
-from turnpoint.protocol import ParticipantKind, RecoveryLevel, RecoveryMode, VerifyMode
+from turnpoint.protocol import ArtifactRef, ParticipantKind, RecoveryLevel, RecoveryMode, VerifyMode
 from turnpoint.trainer import CoordinatorConfig
 from turnpoint.trainer.advanced import (
     CommitFailed,
@@ -46,17 +46,16 @@ from turnpoint.trainer.advanced import (
     SnapshotPump,
     Topology,
 )
-from turnpoint.trainer.control.client import Failure, FailureKind
-from turnpoint.trainer.control.coordinator import UnackedResolver
+from turnpoint.trainer.anchors.source import WrittenAnchor
+from turnpoint.trainer.control.failures import Failure, FailureKind
 from turnpoint.trainer.rollouts.side import UnackedDecision
-from turnpoint.trainer.snapshots.driver import WrittenAnchor
+from turnpoint.trainer.snapshots.preparing import UnackedResolver
+from turnpoint.trainer.storage.layout import tree_digest
 from turnpoint.trainer.storage.manifest import (
     AnchorRef,
-    ArtifactRef,
     ParticipantEntry,
     RolloutBooks,
     TrainerRolloutState,
-    tree_digest,
 )
 
 # ------------------------------------------------------------------------ time

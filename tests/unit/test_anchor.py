@@ -11,7 +11,8 @@ import torch
 
 from turnpoint.trainer import AnchorError
 from turnpoint.trainer.advanced import AnchorWriter, load_anchor, save_anchor
-from turnpoint.trainer.storage.manifest import ANCHOR_DIR, AnchorRef, tree_digest
+from turnpoint.trainer.storage.layout import tree_digest
+from turnpoint.trainer.storage.manifest import ANCHOR_DIR, AnchorRef
 
 # Single-process DCP says it assumes a single process; that is what we ask of it.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")

@@ -51,7 +51,8 @@ from turnpoint.trainer.snapshots.core import (
     scope_commit,
     watch_after_s,
 )
-from turnpoint.trainer.storage.manifest import PlacedEpisode, PublishStep
+from turnpoint.trainer.storage.layout import PublishStep
+from turnpoint.trainer.storage.manifest import PlacedEpisode
 
 S = SnapshotState
 

@@ -18,27 +18,23 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from turnpoint.apps.demo import (
+from turnpoint.apps.demo._progress import EventTail, ProgressState
+from turnpoint.apps.demo._report import (
     EventLogError,
-    EventTail,
-    ProgressState,
+    SupervisorEvent,
+    TokenAudit,
+    VerifierEntry,
     audit,
     build_report,
     effective_lineage,
     load_run,
     parse_events,
-    render_report,
-    render_timeline,
-)
-from turnpoint.apps.demo._report import (
-    SupervisorEvent,
-    TokenAudit,
-    VerifierEntry,
     parse_generation_entries,
     parse_verifier_entries,
     percentile,
+    render_report,
 )
-from turnpoint.apps.demo._timeline import rollouts_per_second
+from turnpoint.apps.demo._timeline import render_timeline, rollouts_per_second
 
 GROUP_SIZE = 4
 GROUPS_PER_STEP = 2

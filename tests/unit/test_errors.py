@@ -126,7 +126,7 @@ def test_every_coordinator_error_is_one_coordinator_error_with_a_reason() -> Non
 def test_the_coordinators_errors_carry_the_reason_a_caller_branches_on() -> None:
     from turnpoint.trainer import ConfigError
     from turnpoint.trainer.config import ConfigProblem
-    from turnpoint.trainer.control.client import (
+    from turnpoint.trainer.control.failures import (
         CallTimeoutError,
         MalformedReplyError,
         NotReadyError,
@@ -151,7 +151,7 @@ def test_the_coordinators_errors_carry_the_reason_a_caller_branches_on() -> None
 
 def test_a_participant_component_error_is_a_typed_error_not_a_verdict_misread() -> None:
     """The coordinator's own errors classify by what they are, not as wire refusals."""
-    from turnpoint.trainer.control.client import FailureKind, SessionBrokenError, classify
+    from turnpoint.trainer.control.failures import FailureKind, SessionBrokenError, classify
 
     failure = classify(SessionBrokenError("p", "prepare", "stream ended"))
     assert failure.kind is FailureKind.TRANSIENT and failure.reason is None

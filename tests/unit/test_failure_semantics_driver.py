@@ -22,8 +22,9 @@ import grpc
 from turnpoint.errors import Reason
 from turnpoint.ids import EpisodeId, checkpoint_sequence, make_checkpoint_id
 from turnpoint.protocol import ParticipantKind, RecoveryMode, VerifyMode
+from turnpoint.trainer.anchors.source import WrittenAnchor
 from turnpoint.trainer.config import CoordinatorConfig
-from turnpoint.trainer.control.client import Failure, FailureKind
+from turnpoint.trainer.control.failures import Failure, FailureKind
 from turnpoint.trainer.control.outcomes import (
     ControlReport,
     PreparedCheckpoint,
@@ -32,21 +33,15 @@ from turnpoint.trainer.control.outcomes import (
 from turnpoint.trainer.control.topology import ParticipantInfo, Topology
 from turnpoint.trainer.rollouts.deadlines import DeadlineRegistry, Hold
 from turnpoint.trainer.rollouts.side import InFlightRollout, UnackedDecision
-from turnpoint.trainer.snapshots.driver import (
-    EPOCH_STRIDE,
-    FailureReason,
-    SnapshotDriver,
-    SnapshotOutcome,
-    WrittenAnchor,
-)
+from turnpoint.trainer.snapshots.driver import EPOCH_STRIDE, SnapshotDriver
 from turnpoint.trainer.snapshots.preparing import UnackedResolver
+from turnpoint.trainer.snapshots.report import FailureReason, SnapshotOutcome
+from turnpoint.trainer.storage.layout import SnapshotLayout, tree_digest
 from turnpoint.trainer.storage.manifest import (
     AnchorRef,
     ParticipantEntry,
     RolloutBooks,
-    SnapshotLayout,
     TrainerRolloutState,
-    tree_digest,
 )
 
 AGENT, TOOLS, GROUP_TOOLS, MODEL = "agent-0", "tools", "group-tools", "model-0"

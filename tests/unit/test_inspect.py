@@ -15,17 +15,16 @@ from turnpoint.apps._inspect import inspect_command, inspect_root
 from turnpoint.ids import EpisodeId, make_checkpoint_id
 from turnpoint.participant_sdk import ArtifactRef as StoreArtifactRef
 from turnpoint.participant_sdk import Record, SnapshotStore
+from turnpoint.protocol import ArtifactRef, ParticipantKind
 from turnpoint.trainer.advanced import SnapshotLayout, SnapshotManifest
+from turnpoint.trainer.storage.layout import tree_digest
 from turnpoint.trainer.storage.manifest import (
     LATEST_NAME,
     MANIFEST_NAME,
     AnchorRef,
-    ArtifactRef,
     ParticipantEntry,
-    ParticipantKind,
     PlacedEpisode,
     TrainerRolloutState,
-    tree_digest,
 )
 
 CREATED_AT = 1_700_000_000.0

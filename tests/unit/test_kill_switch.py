@@ -18,7 +18,6 @@ import pytest
 
 from tests.support.fakes import NOT_READY, World, make_world, rollout
 from tests.support.scripted import poll
-from turnpoint.apps.demo import CRASH_POINTS
 from turnpoint.apps.demo._kill_switch import (
     Fired,
     KillAt,
@@ -27,11 +26,13 @@ from turnpoint.apps.demo._kill_switch import (
     append_event,
     parse_kill_at,
 )
+from turnpoint.apps.demo._supervisor import CRASH_POINTS
 from turnpoint.ids import EpisodeId, make_checkpoint_id
 from turnpoint.trainer import SnapshotOutcome, SnapshotReport
 from turnpoint.trainer.advanced import PreparedCheckpoint, SnapshotDriver, SnapshotLayout
 from turnpoint.trainer.snapshots.driver import EPOCH_STRIDE
-from turnpoint.trainer.storage.manifest import ParticipantEntry, PublishStep
+from turnpoint.trainer.storage.layout import PublishStep
+from turnpoint.trainer.storage.manifest import ParticipantEntry
 from turnpoint.v1 import types_pb2
 
 EP1, EP2 = EpisodeId("r1", 0), EpisodeId("r2", 0)

@@ -17,19 +17,17 @@ import pytest
 from tests.support.fsyncs import record_fsyncs
 from turnpoint.errors import Reason
 from turnpoint.ids import EpisodeId, make_checkpoint_id
+from turnpoint.protocol import ArtifactRef, ParticipantKind
 from turnpoint.trainer.advanced import ManifestError, SnapshotLayout, SnapshotManifest
+from turnpoint.trainer.storage.layout import PublishStep, tree_digest
 from turnpoint.trainer.storage.manifest import (
     ANCHOR_DIR,
     LATEST_NAME,
     MANIFEST_NAME,
     AnchorRef,
-    ArtifactRef,
     ParticipantEntry,
-    ParticipantKind,
     PlacedEpisode,
-    PublishStep,
     TrainerRolloutState,
-    tree_digest,
 )
 
 DIGEST = "ab" * 32

@@ -20,13 +20,13 @@ from turnpoint.apps.demo._learner import (
     group_advantages,
     policy_gradient_step,
 )
-from turnpoint.apps.examples import (
+from turnpoint.apps.examples._policy_model import TinyPolicy
+from turnpoint.apps.examples._task import (
     GROUP_WEIGHT,
     MAX_NEW_TOKENS_PER_TURN,
     VOCAB_SIZE,
     Reply,
     Task,
-    TinyPolicy,
     Token,
     ToolSession,
     Turn,

@@ -31,8 +31,9 @@ from turnpoint.participant_sdk import (
     Verdict,
 )
 from turnpoint.protocol import ParticipantKind, RecoveryMode
-from turnpoint.trainer.control.client import MalformedReplyError, check_prepare_reply
+from turnpoint.trainer.control.client import check_prepare_reply
 from turnpoint.trainer.control.coordinator import _entry_from_commit
+from turnpoint.trainer.control.failures import MalformedReplyError
 from turnpoint.v1 import checkpoint_control_service_pb2 as pb
 from turnpoint.v1 import types_pb2
 

@@ -38,7 +38,7 @@ from tests.support.fakes import (
 )
 from turnpoint.errors import Reason, TurnpointError
 from turnpoint.ids import EpisodeId, checkpoint_sequence
-from turnpoint.protocol import ParticipantKind, RecoveryLevel, RecoveryMode
+from turnpoint.protocol import ArtifactRef, ParticipantKind, RecoveryLevel, RecoveryMode
 from turnpoint.trainer import (
     FailureReason,
     SnapshotFailuresError,
@@ -54,15 +54,16 @@ from turnpoint.trainer.advanced import (
     Topology,
     plan_restore,
 )
-from turnpoint.trainer.control.client import Failure, FailureKind, NotReadyError
+from turnpoint.trainer.anchors.source import WrittenAnchor
+from turnpoint.trainer.control.failures import Failure, FailureKind, NotReadyError
 from turnpoint.trainer.restore.restorer import RerunReason, RestorePlan, RestorePlanError
-from turnpoint.trainer.snapshots.driver import EPOCH_STRIDE, WrittenAnchor, failure_reason
+from turnpoint.trainer.snapshots.driver import EPOCH_STRIDE
+from turnpoint.trainer.snapshots.report import failure_reason
+from turnpoint.trainer.storage.layout import PublishStep
 from turnpoint.trainer.storage.manifest import (
     AnchorRef,
-    ArtifactRef,
     ParticipantEntry,
     PlacedEpisode,
-    PublishStep,
     TrainerRolloutState,
 )
 
@@ -565,7 +566,7 @@ def test_failure_reasons(failures: Mapping[str, Failure], reason: FailureReason)
 
 
 def test_a_not_ready_error_is_classified_not_ready() -> None:
-    from turnpoint.trainer.control.client import classify
+    from turnpoint.trainer.control.failures import classify
 
     assert classify(NotReadyError("a", "ck-1")).kind is FailureKind.NOT_READY
     assert classify(TurnpointError(Reason.STORAGE_UNAVAILABLE, "x")).retryable

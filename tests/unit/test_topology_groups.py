@@ -16,7 +16,8 @@ import pytest
 from turnpoint.protocol import PROTOCOL_VERSION
 from turnpoint.trainer import CoordinatorConfig
 from turnpoint.trainer.advanced import Coordinator
-from turnpoint.trainer.control.client import MalformedReplyError, is_group_answer
+from turnpoint.trainer.control.client import is_group_answer
+from turnpoint.trainer.control.failures import MalformedReplyError
 from turnpoint.trainer.control.outcomes import OperationFailed
 from turnpoint.trainer.control.topology import group_workers
 from turnpoint.v1 import checkpoint_control_service_pb2 as pb

@@ -32,34 +32,6 @@ from turnpoint.protocol import (
 )
 from turnpoint.v1 import types_pb2
 
-__all__ = [
-    "artifact_from_proto",
-    "artifact_to_proto",
-    "artifacts_from_proto",
-    "bad_argument",
-    "blocker_from_proto",
-    "blocker_to_proto",
-    "check_list_length",
-    "duration_from_seconds",
-    "enum_from_proto",
-    "enum_to_proto",
-    "episode_from_proto",
-    "episode_to_proto",
-    "episodes_from_proto",
-    "fence_from_proto",
-    "fence_to_proto",
-    "id_from_proto",
-    "readiness_from_proto",
-    "readiness_to_proto",
-    "receipt_from_proto",
-    "receipt_to_proto",
-    "seconds_from_duration",
-    "struct_from_mapping",
-    "struct_to_dict",
-    "timestamp_from_seconds",
-    "weights_change_to_proto",
-]
-
 E = TypeVar("E", bound=enum.Enum)
 
 

@@ -28,19 +28,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
-__all__ = [
-    "CHUNK_BYTES",
-    "TEMP_SUFFIX",
-    "create_file",
-    "fsync_dir",
-    "fsync_file",
-    "fsync_tree",
-    "replace_file",
-    "temp_path",
-    "write_new",
-    "write_temp",
-]
-
 TEMP_SUFFIX: Final = ".tmp"
 CHUNK_BYTES: Final = 1 << 20
 

@@ -26,8 +26,6 @@ from collections.abc import Callable
 from json.encoder import encode_basestring_ascii
 from typing import Any, Final, NoReturn
 
-__all__ = ["JSONProblem", "StrictJSONError", "dumps_indented", "loads_strict"]
-
 
 class JSONProblem(enum.Enum):
     """Why a text is not strict JSON."""

@@ -28,21 +28,6 @@ from typing import Final, Literal
 
 import grpc
 
-__all__ = [
-    "CHANNEL_ROLE_ARG",
-    "DEFAULT_MAX_MESSAGE_BYTES",
-    "KEEPALIVE_TIMEOUT_MS",
-    "KEEPALIVE_TIME_MS",
-    "LOCAL_SUBCHANNEL_POOL",
-    "MAX_RECONNECT_BACKOFF_MS",
-    "ChannelOptions",
-    "ChannelRole",
-    "channel_options",
-    "control_channel",
-    "data_channel",
-    "server_options",
-]
-
 ChannelOptions = tuple[tuple[str, int | str], ...]
 ChannelRole = Literal["control", "data"]
 

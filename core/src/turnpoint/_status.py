@@ -18,17 +18,6 @@ from grpc_status import rpc_status
 from turnpoint.errors import DOMAIN, REASON_CODES, Reason, TurnpointError
 from turnpoint.v1 import types_pb2
 
-__all__ = [
-    "abort",
-    "control_error_to_error",
-    "error_from_rpc",
-    "error_to_control_error",
-    "error_to_grpc_status",
-    "grpc_code",
-    "reason_from_proto",
-    "reason_to_proto",
-]
-
 _PREFIX = "ERROR_REASON_"
 
 

@@ -11,8 +11,6 @@ from pathlib import Path
 
 import grpc
 
-__all__ = ["client_credentials", "read_pem", "server_credentials"]
-
 
 def read_pem(path: str | Path, what: str) -> bytes:
     """The bytes of a PEM file; ``what`` names it in the error (never its content)."""

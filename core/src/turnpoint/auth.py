@@ -17,18 +17,6 @@ from typing import TYPE_CHECKING, Final
 if TYPE_CHECKING:
     import grpc
 
-__all__ = [
-    "ACCEPTED_METADATA",
-    "ACCEPTED_METADATA_KEY",
-    "AUTHORIZATION_KEY",
-    "BEARER_SCHEME",
-    "TOKEN_ENV",
-    "TOKEN_FILE_ENV",
-    "auth_metadata",
-    "bearer_call_credentials",
-    "load_token",
-    "validate_token",
-]
 
 TOKEN_ENV: Final = "TURNPOINT_TOKEN"
 TOKEN_FILE_ENV: Final = "TURNPOINT_TOKEN_FILE"

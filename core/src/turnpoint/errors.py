@@ -14,14 +14,6 @@ import enum
 from collections.abc import Mapping
 from types import MappingProxyType
 
-__all__ = [
-    "DOMAIN",
-    "REASON_CODES",
-    "Reason",
-    "TurnpointError",
-    "is_transient",
-]
-
 DOMAIN = "turnpoint"
 
 

@@ -13,16 +13,6 @@ import re
 from dataclasses import dataclass
 from typing import Self
 
-__all__ = [
-    "MAX_ID_LENGTH",
-    "EpisodeId",
-    "InvalidIdError",
-    "checkpoint_sequence",
-    "make_checkpoint_id",
-    "validate_attempt",
-    "validate_id",
-]
-
 MAX_ID_LENGTH = 128
 _ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _CHECKPOINT_PATTERN = re.compile(r"(?P<prefix>[A-Za-z0-9][A-Za-z0-9._-]*?)-(?P<seq>[0-9]{1,18})")

@@ -20,23 +20,6 @@ from types import MappingProxyType
 
 from turnpoint.ids import EpisodeId, InvalidIdError, validate_id
 
-__all__ = [
-    "BLOCKING_STATES",
-    "PROTOCOL_VERSION",
-    "ArtifactRef",
-    "Blocker",
-    "CompletionReceipt",
-    "EpisodeState",
-    "Fence",
-    "ParticipantKind",
-    "Phase",
-    "ReadinessReport",
-    "RecoveryLevel",
-    "RecoveryMode",
-    "VerifyMode",
-]
-
-
 # What Describe answers and the coordinator requires; one string per wire package.
 PROTOCOL_VERSION = "turnpoint.v1"
 

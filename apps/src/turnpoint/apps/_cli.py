@@ -7,8 +7,6 @@ import importlib
 import sys
 from collections.abc import Callable, Sequence
 
-__all__ = ["main"]
-
 Handler = Callable[[argparse.Namespace], int]
 
 

@@ -24,21 +24,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, TextIO
 
+from turnpoint.protocol import ArtifactRef
 from turnpoint.trainer.storage.layout import SnapshotLayout, tree_digest
 from turnpoint.trainer.storage.manifest import (
     MANIFEST_NAME,
-    ArtifactRef,
     JSONValue,
     ManifestError,
     SnapshotManifest,
 )
-
-__all__ = [
-    "InspectReport",
-    "SnapshotReport",
-    "inspect_command",
-    "inspect_root",
-]
 
 _CHUNK: Final = 1 << 20
 EXIT_OK: Final = 0

@@ -23,8 +23,6 @@ from turnpoint.server import (
     worker_slot_from_env,
 )
 
-__all__ = ["add_serve_parser"]
-
 
 def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser(

@@ -34,12 +34,12 @@ from turnpoint._faces import lazy_names
 
 if TYPE_CHECKING:
     from turnpoint.protocol import RecoveryLevel as RecoveryLevel
+    from turnpoint.trainer.anchors.dcp import TorchAnchorSource as TorchAnchorSource
     from turnpoint.trainer.anchors.file import FileAnchorSource as FileAnchorSource
     from turnpoint.trainer.anchors.file import file_anchor_loader as file_anchor_loader
     from turnpoint.trainer.anchors.ranks import DistributedAnchor as DistributedAnchor
     from turnpoint.trainer.anchors.source import AnchorError as AnchorError
     from turnpoint.trainer.anchors.source import AnchorSource as AnchorSource
-    from turnpoint.trainer.anchors.source import TorchAnchorSource as TorchAnchorSource
     from turnpoint.trainer.checkpointing import Checkpointing as Checkpointing
     from turnpoint.trainer.checkpointing import Participants as Participants
     from turnpoint.trainer.checkpointing import Preempted as Preempted
@@ -87,7 +87,7 @@ _OWNERS = {
     "SnapshotInvariantError": "turnpoint.trainer.snapshots.pump",
     "SnapshotOutcome": "turnpoint.trainer.snapshots.report",
     "SnapshotReport": "turnpoint.trainer.snapshots.report",
-    "TorchAnchorSource": "turnpoint.trainer.anchors.source",
+    "TorchAnchorSource": "turnpoint.trainer.anchors.dcp",
     "file_anchor_loader": "turnpoint.trainer.anchors.file",
     "torch_anchor_loader": "turnpoint.trainer.restore.restorer",
 }

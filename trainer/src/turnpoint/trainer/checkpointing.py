@@ -30,9 +30,8 @@ from turnpoint.trainer.rollouts.values import Rollout, RolloutClientSettings, Ro
 from turnpoint.trainer.snapshots.driver import SnapshotDriver
 from turnpoint.trainer.snapshots.pump import SnapshotPump
 from turnpoint.trainer.snapshots.report import SnapshotOutcome, SnapshotReport
-from turnpoint.trainer.storage.manifest import JSONValue, SnapshotLayout
-
-__all__ = ["Checkpointing", "Participants", "Preempted", "Resumed"]
+from turnpoint.trainer.storage.layout import SnapshotLayout
+from turnpoint.trainer.storage.manifest import JSONValue
 
 _LOG = logging.getLogger(__name__)
 _WAKE_S = 0.25

@@ -36,13 +36,6 @@ from turnpoint.errors import Reason
 from turnpoint.protocol import RecoveryLevel
 from turnpoint.trainer.errors import CoordinatorError
 
-__all__ = [
-    "ConfigError",
-    "ConfigProblem",
-    "ConfigSection",
-    "CoordinatorConfig",
-]
-
 _RULE_ERROR_TYPE = "config_rule"
 
 # Set while the outermost section validates, so that nested sections report their

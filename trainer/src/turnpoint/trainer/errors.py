@@ -14,8 +14,6 @@ from collections.abc import Mapping
 
 from turnpoint.errors import Reason, TurnpointError
 
-__all__ = ["CoordinatorError"]
-
 
 class CoordinatorError(TurnpointError):
     """Root of every error the coordinator library raises."""

@@ -25,8 +25,6 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from turnpoint.trainer.snapshots.attempt import PhaseTimes, SnapshotState
 
-__all__ = ["CoordinatorMetrics"]
-
 # Control calls take milliseconds on loopback and up to a minute when a prepare waits
 # for slow work; snapshots take seconds to many minutes.
 _CALL_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)

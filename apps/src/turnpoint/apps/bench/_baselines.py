@@ -26,15 +26,6 @@ from aiohttp import web
 
 from turnpoint._keepalive import channel_options, server_options
 
-__all__ = [
-    "ECHO_METHOD",
-    "BaselineError",
-    "BidiEchoFanout",
-    "HttpJsonFanout",
-    "start_echo_server",
-    "start_http_server",
-]
-
 ECHO_SERVICE: Final = "turnpoint.bench.Echo"
 ECHO_METHOD: Final = f"/{ECHO_SERVICE}/Session"
 HTTP_PATH: Final = "/control"

@@ -38,8 +38,6 @@ from turnpoint.apps.bench._options import BenchOptions
 from turnpoint.apps.bench._participant_bench import bookkeeping_us
 from turnpoint.apps.bench._workload import RestoreResult, ThroughputResult, run_workload
 
-__all__ = ["BenchReport", "Target", "run_bench"]
-
 # The whole run, every part of which is bounded on its own as well.
 _RUN_TIMEOUT_S: Final = 3600.0
 # A figure fails ``--check`` only past its must-have by this factor: noise on a shared

@@ -30,7 +30,6 @@ from turnpoint.apps.bench._options import (
 if TYPE_CHECKING:
     from turnpoint.apps.bench._bench import BenchReport
 
-__all__ = ["add_bench_parser", "bench_command", "render_table"]
 
 # Long enough for at least ten snapshots 2 s apart in a run with snapshots on, on two
 # cores (the demo trainer makes 1.5 to 2.5 steps a second there), three runs a side.
@@ -240,7 +239,7 @@ def bench_command(args: argparse.Namespace) -> int:
     from turnpoint.apps.bench._workers import WorkerError
     from turnpoint.apps.bench._workload import WorkloadError
     from turnpoint.errors import TurnpointError
-    from turnpoint.trainer.control.coordinator import CoordinatorError
+    from turnpoint.trainer.errors import CoordinatorError
 
     failures = (
         BaselineError,

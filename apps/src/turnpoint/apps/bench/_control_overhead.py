@@ -67,15 +67,6 @@ from turnpoint.trainer.advanced import (
     tree_digest,
 )
 
-__all__ = [
-    "PHASES",
-    "DurableCommit",
-    "Fleet",
-    "OverheadRow",
-    "measure_control_overhead",
-    "measure_durable_commit",
-]
-
 PHASES: Final = tuple(
     phase.value
     for phase in (

@@ -29,8 +29,6 @@ from turnpoint.server import HostedParticipant, ServerOptions, host_participant
 from turnpoint.server._convert import generate_chunk_from_proto
 from turnpoint.v1 import policy_service_pb2, policy_service_pb2_grpc
 
-__all__ = ["LongAgent", "SlowPolicy", "measure_one", "token_at"]
-
 ENVIRONMENT: Final = "long"
 PROMPT: Final = (3, 1, 4, 1, 5)
 

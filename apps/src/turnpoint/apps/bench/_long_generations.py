@@ -30,15 +30,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-__all__ = [
-    "LENGTHS",
-    "LongGenerationRow",
-    "add_long_generation_arguments",
-    "long_generations_command",
-    "measure_long_generations",
-    "render_plot",
-]
-
 LENGTHS: Final = (50, 200, 800)
 TOKEN_DELAY_S: Final = 0.005
 SNAPSHOTS: Final = 5

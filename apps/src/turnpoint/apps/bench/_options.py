@@ -7,16 +7,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
-__all__ = [
-    "DURABLE_SIZE",
-    "FULL_SIZES",
-    "QUICK_SIZES",
-    "TMPFS",
-    "BenchOptions",
-    "WorkloadOptions",
-    "default_rounds",
-]
-
 FULL_SIZES: Final = (1, 8, 64, 256)
 QUICK_SIZES: Final = (1, 8, 64)
 TMPFS: Final = Path("/dev/shm")

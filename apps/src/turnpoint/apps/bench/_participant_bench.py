@@ -47,15 +47,6 @@ from turnpoint.v1 import checkpoint_control_service_pb2 as pb
 from turnpoint.v1 import checkpoint_control_service_pb2_grpc as pb_grpc
 from turnpoint.v1 import types_pb2
 
-__all__ = [
-    "BenchConfig",
-    "BenchReport",
-    "add_bench_parser",
-    "bench_participant_command",
-    "bookkeeping_us",
-    "run_participant_bench",
-]
-
 BOUNDARIES = 5
 INSTANCE = "bench-agent"
 _TIMEOUT_S = 120.0

@@ -40,20 +40,6 @@ from turnpoint.apps.bench._workers import NoopResources
 from turnpoint.ids import make_checkpoint_id
 from turnpoint.participant_sdk import ParticipantRuntime, SnapshotStore
 
-__all__ = [
-    "ACTORS_PER_NODE",
-    "NODES",
-    "NODE_RESOURCE",
-    "PHASES",
-    "SIZES",
-    "NoopParticipant",
-    "ScaleRow",
-    "measure_ray_scale",
-    "participant_names",
-    "ray_scale_command",
-    "render_plot",
-]
-
 SIZES: Final = (8, 64, 256)
 NODES: Final = 3
 ACTORS_PER_NODE: Final = 2

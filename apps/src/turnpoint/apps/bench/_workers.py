@@ -43,16 +43,6 @@ from turnpoint.ids import EpisodeId
 from turnpoint.participant_sdk import ParticipantRuntime, ResourcesServer, SnapshotStore, Verdict
 from turnpoint.server import HostedParticipant, ServerOptions, host_participant
 
-__all__ = [
-    "FsyncCount",
-    "NoopResources",
-    "WorkerError",
-    "WorkerProcess",
-    "counting_fsyncs",
-    "fleet_job",
-    "topology_job",
-]
-
 _LOG = logging.getLogger(__name__)
 
 HOST: Final = "127.0.0.1"

@@ -66,14 +66,6 @@ from turnpoint.trainer.advanced import (
     plan_restore,
 )
 
-__all__ = [
-    "MIN_SNAPSHOTS",
-    "RestoreResult",
-    "ThroughputResult",
-    "WorkloadError",
-    "run_workload",
-]
-
 _TRAINER_MODULE: Final = "turnpoint.apps.demo._trainer"
 # "No snapshots": an interval no run of the bench lasts.
 _NO_SNAPSHOTS_S: Final = 1e9

@@ -24,8 +24,6 @@ import contextlib
 import enum
 from dataclasses import dataclass, field
 
-__all__ = ["FaultProxy", "ProxyMode", "ProxyStats"]
-
 _CHUNK = 64 * 1024
 
 

@@ -13,8 +13,6 @@ from ._kit import Workload, WorkloadError
 from ._report import CheckResult, render_line, render_table, report_to_json
 from ._runner import CHECKS, ConformanceOptions, run_conformance
 
-__all__ = ["add_conformance_parser", "conformance_command"]
-
 
 def _seconds(text: str) -> float:
     try:

@@ -33,15 +33,6 @@ from ._kit import (
 from ._rules import ID_PATTERN, error_problems, phase_name, readiness_problems
 from ._wire import Refused, SessionClient, control_error, wire_error
 
-__all__ = [
-    "check_control_session",
-    "check_describe",
-    "check_errors",
-    "check_fencing_epoch",
-    "check_fencing_replay",
-    "check_watch_boundaries",
-]
-
 _KINDS = {
     types_pb2.PARTICIPANT_KIND_AGENT,
     types_pb2.PARTICIPANT_KIND_RESOURCES,

@@ -20,8 +20,6 @@ from turnpoint.v1 import policy_service_pb2, resources_service_pb2, rollout_serv
 from ._kit import HOLD_LEASE_S, CheckFailed, CheckSkipped, Kit, RunStream, episode, require, show
 from ._rules import ID_PATTERN, error_problems, phase_name, readiness_problems, state_name
 
-__all__ = ["check_acknowledge", "check_admission", "check_readiness", "check_run_stream"]
-
 T = TypeVar("T")
 
 # Nothing on the wire says "this request is waiting at the gate". A participant that

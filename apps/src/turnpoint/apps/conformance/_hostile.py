@@ -27,18 +27,6 @@ from turnpoint.v1 import (
     types_pb2,
 )
 
-__all__ = [
-    "MAX_MESSAGE_BYTES",
-    "SERVICES",
-    "Expect",
-    "Hostile",
-    "Shape",
-    "hostile_inputs",
-    "method_path",
-    "method_shape",
-    "unknown_fields",
-]
-
 # How a method streams: one request and one answer, one request and a stream, or both.
 Shape = Literal["unary", "server_stream", "bidi"]
 SERVICES = tuple(

@@ -28,18 +28,6 @@ from turnpoint.v1 import policy_service_pb2, resources_service_pb2, rollout_serv
 from ._rules import error_problems, phase_name
 from ._wire import Refused, Target, WireError, wire_error
 
-__all__ = [
-    "HOLD_LEASE_S",
-    "CheckFailed",
-    "CheckSkipped",
-    "Kit",
-    "RunStream",
-    "Workload",
-    "WorkloadError",
-    "require",
-    "require_idle",
-]
-
 T = TypeVar("T")
 
 # How far above the epoch the target held the kit starts: a live coordinator restarting

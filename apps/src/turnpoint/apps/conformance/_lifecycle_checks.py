@@ -14,15 +14,6 @@ from turnpoint.v1 import types_pb2
 from ._kit import HOLD_LEASE_S, CheckSkipped, Kit, episode, require, require_idle, show
 from ._rules import ID_PATTERN, SHA256_HEX, error_problems, phase_name
 
-__all__ = [
-    "check_commit",
-    "check_forget",
-    "check_lease",
-    "check_restore",
-    "check_resume",
-    "check_retire",
-]
-
 # Leases run on a monotonic clock and travel as wall-clock instants (section 4.2 item 4):
 # each reply maps the same expiry through a fresh reading of both clocks, so an unchanged
 # expiry may come back a few microseconds apart.

@@ -12,15 +12,6 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-__all__ = [
-    "CheckResult",
-    "ConformanceReport",
-    "Outcome",
-    "render_line",
-    "render_table",
-    "report_to_json",
-]
-
 
 class Outcome(enum.Enum):
     PASS = "pass"

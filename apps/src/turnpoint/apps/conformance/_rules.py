@@ -17,16 +17,6 @@ from turnpoint.v1 import types_pb2
 
 from ._wire import WireError
 
-__all__ = [
-    "BLOCKING_STATES",
-    "ID_PATTERN",
-    "SHA256_HEX",
-    "error_problems",
-    "phase_name",
-    "readiness_problems",
-    "state_name",
-]
-
 ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 

@@ -40,8 +40,6 @@ from ._token_checks import check_token_cut
 from ._transport_checks import check_auth, check_health_reflection, check_hostile_input
 from ._wire import Refused, Target
 
-__all__ = ["CHECKS", "Check", "ConformanceOptions", "run_conformance"]
-
 
 @dataclass(frozen=True, slots=True)
 class Check:

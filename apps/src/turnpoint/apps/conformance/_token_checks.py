@@ -18,8 +18,6 @@ from ._kit import HOLD_LEASE_S, CheckFailed, CheckSkipped, Kit, episode, require
 from ._rules import phase_name
 from ._wire import wire_error
 
-__all__ = ["check_token_cut"]
-
 
 def _generate(
     kit: Kit, e: types_pb2.EpisodeId

@@ -35,8 +35,6 @@ from ._wire import (
     wire_error,
 )
 
-__all__ = ["check_auth", "check_health_reflection", "check_hostile_input"]
-
 SERVING = health_pb2.HealthCheckResponse.SERVING
 # Codes gRPC itself answers before a handler runs (no ErrorInfo possible there).
 TRANSPORT_CODES = frozenset(

@@ -34,19 +34,6 @@ from turnpoint.v1 import (
 
 from ._hostile import Shape
 
-__all__ = [
-    "CONTROL_SERVICE",
-    "POLICY_SERVICE",
-    "RESOURCES_SERVICE",
-    "ROLLOUT_SERVICE",
-    "ErrorDetail",
-    "Metadata",
-    "Refused",
-    "SessionClient",
-    "Target",
-    "WireError",
-]
-
 Req = TypeVar("Req")
 Resp = TypeVar("Resp")
 Metadata = tuple[tuple[str, str], ...]

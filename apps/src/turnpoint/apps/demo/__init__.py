@@ -1,12 +1,13 @@
 """``turnpoint demo``: the main job, a real training run through an injected crash.
 
-:func:`demo_command` is the command; the supervisor (:mod:`._supervisor`) starts the
+:func:`demo_command` is the command (:mod:`._command`); the supervisor (:mod:`._supervisor`) starts the
 participants and the trainer, injects the crash and restarts the job; :mod:`._report`
 holds the event-log contract, the statistics and the exactly-once audit;
 :mod:`._timeline` draws the run; :mod:`._progress` shows it live; :mod:`._ray` runs the
 participants as Ray actors.
 """
 
+from turnpoint.apps.demo._command import add_demo_parser, demo_command
 from turnpoint.apps.demo._progress import EventTail, ProgressState
 from turnpoint.apps.demo._report import (
     AuditResult,
@@ -33,8 +34,6 @@ from turnpoint.apps.demo._supervisor import (
     Participant,
     ParticipantSpec,
     ProcessLauncher,
-    add_demo_parser,
-    demo_command,
     prepare_out_dir,
     run_demo,
     trainer_command,

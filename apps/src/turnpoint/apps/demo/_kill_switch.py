@@ -63,17 +63,6 @@ from turnpoint.trainer.testing import PublishStep, SnapshotPoint, points_of
 from turnpoint.v1 import checkpoint_control_service_pb2 as pb
 from turnpoint.v1 import types_pb2
 
-__all__ = [
-    "Fired",
-    "KillAt",
-    "KillPoint",
-    "KillSwitch",
-    "ParticipantProbe",
-    "StatusProbe",
-    "append_event",
-    "parse_kill_at",
-]
-
 _PROBE_INTERVAL_S = 0.001
 _PROBE_TIMEOUT_S = 2.0
 

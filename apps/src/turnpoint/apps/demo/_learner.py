@@ -22,14 +22,6 @@ from typing import Protocol
 import torch
 from torch import nn
 
-__all__ = [
-    "Sample",
-    "StepStats",
-    "TrainablePolicy",
-    "group_advantages",
-    "policy_gradient_step",
-]
-
 # Keeps the division finite for a group whose rewards are almost but not exactly equal.
 _STD_EPSILON = 1e-6
 

@@ -35,17 +35,6 @@ from turnpoint.apps.demo._report import (
 )
 from turnpoint.trainer.advanced import SnapshotState
 
-__all__ = [
-    "CRASH_WINDOW",
-    "EventTail",
-    "LiveDisplay",
-    "PlainDisplay",
-    "ProgressDisplay",
-    "ProgressState",
-    "SnapshotStateLog",
-    "open_display",
-]
-
 CRASH_WINDOW = (0.4, 0.6)
 """The share of training steps done at which the injected crash is aimed."""
 

@@ -56,8 +56,6 @@ from turnpoint.server.ray import (
     connect,
 )
 
-__all__ = ["NODE_RESOURCE", "NODE_SLOTS", "DemoBuild", "RayLauncher", "RayParticipant"]
-
 NODE_RESOURCE: Final = "turnpoint_participant"
 """The custom resource a node of ``--ray-nodes`` offers and every participant reserves."""
 NODE_SLOTS: Final = 8

@@ -81,46 +81,6 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-__all__ = [
-    "REWARD_TOLERANCE",
-    "AuditResult",
-    "DemoError",
-    "DemoReport",
-    "Done",
-    "EventLog",
-    "EventLogError",
-    "GenerationEntry",
-    "Lineage",
-    "LineageError",
-    "Progress",
-    "RecoverySummary",
-    "Restore",
-    "RewardSummary",
-    "RolloutResult",
-    "RunLogs",
-    "Snapshot",
-    "SnapshotSummary",
-    "Start",
-    "SupervisorEvent",
-    "TokenAudit",
-    "TrainStep",
-    "TrainedRollout",
-    "TrainedTurn",
-    "VerifierEntry",
-    "audit",
-    "build_report",
-    "effective_lineage",
-    "load_run",
-    "parse_event",
-    "parse_events",
-    "parse_generation_entries",
-    "parse_supervisor_events",
-    "parse_verifier_entries",
-    "percentile",
-    "read_jsonl",
-    "render_report",
-]
-
 REWARD_TOLERANCE = 1e-9
 """Trainer and verifier rewards are the same float written twice; allow only rounding."""
 

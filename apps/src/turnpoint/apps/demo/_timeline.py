@@ -27,8 +27,6 @@ from turnpoint.apps.demo._report import (
     effective_lineage,
 )
 
-__all__ = ["moving_average", "render_timeline", "rollouts_per_second"]
-
 _THROUGHPUT = "#4c72b0"
 _PUBLISHED = "#55a868"
 _FAILED = "#c44e52"

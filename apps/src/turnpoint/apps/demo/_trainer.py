@@ -76,8 +76,6 @@ from turnpoint.trainer.advanced import (
     watch_liveness,
 )
 
-__all__ = ["PARTICIPANT_LOST_STATUS", "main"]
-
 # The exit status that tells the supervisor "a participant is lost: restore the job".
 PARTICIPANT_LOST_STATUS = 4
 

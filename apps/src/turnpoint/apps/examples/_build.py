@@ -9,8 +9,6 @@ from pathlib import Path
 from turnpoint.participant_sdk import ParticipantRuntime, RuntimeConfig, SnapshotStore
 from turnpoint.participant_sdk.testing import StoreFaults
 
-__all__ = ["EXAMPLES", "ExampleSpec", "build_example"]
-
 
 @dataclass(frozen=True)
 class ExampleSpec:

@@ -13,8 +13,6 @@ from turnpoint.apps.examples._participants import GUESS, GUESS_GROUP
 from turnpoint.apps.examples._task import make_prompt
 from turnpoint.trainer import Rollout, RolloutOutcome, RolloutResult
 
-__all__ = ["guess_rollouts", "guess_sample"]
-
 
 def guess_rollouts(group: int, size: int, seed: int, agents: Sequence[str]) -> list[Rollout]:
     """The ``size`` siblings of prompt group ``group``: even groups score each sibling

@@ -77,14 +77,6 @@ if TYPE_CHECKING:
     from turnpoint.v1.policy_service_pb2_grpc import PolicyServiceAsyncStub
     from turnpoint.v1.resources_service_pb2_grpc import ResourcesServiceAsyncStub
 
-__all__ = [
-    "GroupGuessTools",
-    "GuessAgent",
-    "GuessTools",
-    "TinyPolicyServer",
-    "VerifierLog",
-    "new_policy",
-]
 
 GUESS = "guess"
 GUESS_GROUP = "guess-group"

@@ -17,8 +17,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-__all__ = ["SampledToken", "TinyPolicy"]
-
 # The weight payload carries its own format tag so a policy server refuses bytes from some
 # other model instead of failing deep inside load_state_dict.
 _STATE_FORMAT = "turnpoint.examples.TinyPolicy/1"

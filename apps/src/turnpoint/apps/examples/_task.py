@@ -28,27 +28,6 @@ from typing import Any, Self, TypeGuard
 
 from turnpoint.ids import validate_id
 
-__all__ = [
-    "GROUP_WEIGHT",
-    "MAX_NEW_TOKENS_PER_TURN",
-    "VOCAB_SIZE",
-    "Answer",
-    "Reply",
-    "Task",
-    "Token",
-    "ToolResult",
-    "ToolSession",
-    "Turn",
-    "encode_context",
-    "episode_answer",
-    "group_rewards",
-    "is_finished",
-    "make_prompt",
-    "parse_guess",
-    "per_sibling_reward",
-    "tool_call",
-]
-
 MAX_NEW_TOKENS_PER_TURN = 3
 """Tokens the agent asks the policy for in one turn; one digit is all a guess needs."""
 

@@ -21,8 +21,6 @@ from turnpoint.participant_sdk import Agent, EpisodeContext
 from turnpoint.v1 import resources_service_pb2 as rs
 from turnpoint.v1 import resources_service_pb2_grpc as rs_grpc
 
-__all__ = ["CounterAgent"]
-
 
 class CounterAgent(Agent):
     def __init__(self, tools_address: str, token: str, *, turn_delay_s: float = 0.0) -> None:

@@ -21,8 +21,6 @@ from turnpoint.participant_sdk import (
     Verdict,
 )
 
-__all__ = ["CounterTools"]
-
 Fields = Mapping[str, Any]  # a task, tool arguments, an answer or a session: plain JSON
 
 

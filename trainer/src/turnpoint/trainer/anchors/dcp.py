@@ -4,7 +4,7 @@ docs/spec.md section 7.4, step 1 (and section 8.8): a snapshot starts from a dur
 trainer anchor, written with torch distributed checkpoint (DCP) into
 ``<snapshot>/trainer/anchor/``. A single process needs no process group:
 ``no_dist=True`` runs DCP's planner locally. A trainer on many ranks writes the same
-format together, a shard per rank: :mod:`._anchor_ranks`.
+format together, a shard per rank: :mod:`turnpoint.trainer.anchors.ranks`.
 
 :class:`AnchorWriter` starts an asynchronous save with ``dcp.async_save``, which copies
 the state into CPU memory before it returns (so training may go on mutating the model)
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,18 +47,9 @@ from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_asyn
 
 from turnpoint._files import fsync_tree
 from turnpoint._json import StrictJSONError, loads_strict
-from turnpoint.trainer.anchors.source import AnchorError
+from turnpoint.trainer.anchors.source import AnchorError, WrittenAnchor
 from turnpoint.trainer.storage.layout import tree_digest
 from turnpoint.trainer.storage.manifest import ANCHOR_DIR, AnchorRef, JSONValue, ManifestError
-
-__all__ = [
-    "ANCHOR_FORMAT",
-    "AnchorError",
-    "AnchorState",
-    "AnchorWriter",
-    "load_anchor",
-    "save_anchor",
-]
 
 ANCHOR_FORMAT = 1
 
@@ -289,3 +281,46 @@ def _first_line(error: BaseException) -> str:
     # DCP wraps per-rank tracebacks into its message; the last line holds the cause.
     lines = [line for line in text.splitlines() if line.strip()]
     return lines[-1] if lines else type(error).__name__
+
+
+class TorchAnchorSource:
+    """:class:`AnchorSource` over torch distributed checkpoint
+    (:class:`AnchorWriter`).
+
+    ``step`` and ``data_loader`` are read when an anchor is written. torch is imported
+    only when this class is used. One process; a trainer on many ranks uses
+    :class:`~turnpoint.trainer.anchors.ranks.DistributedAnchor` instead.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        *,
+        step: Callable[[], int],
+        data_loader: Callable[[], JSONValue] = lambda: None,
+    ) -> None:
+        self._model = model
+        self._optimizer = optimizer
+        self._step = step
+        self._data_loader = data_loader
+        self.writer = AnchorWriter()
+
+    @property
+    def step(self) -> int:
+        return self._step()
+
+    async def write(self, snapshot: Path) -> WrittenAnchor:
+        if self.writer.pending:
+            # Finish the write already under way before anything can reference it.
+            await self.writer.wait_async()
+        step = self._step()
+        await asyncio.to_thread(
+            self.writer.start,
+            snapshot,
+            self._model,
+            self._optimizer,
+            step=step,
+            data_loader=self._data_loader(),
+        )
+        return WrittenAnchor(await self.writer.wait_async(), step)

@@ -63,7 +63,6 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 from turnpoint._json import loads_strict
 from turnpoint.trainer.anchors.dcp import (
     ANCHOR_FORMAT,
-    AnchorError,
     AnchorState,
     _apply_state,
     _empty_trainer_entry,
@@ -75,10 +74,8 @@ from turnpoint.trainer.anchors.dcp import (
     _trainer_entry,
     checked_anchor_dir,
 )
-from turnpoint.trainer.anchors.source import WrittenAnchor
+from turnpoint.trainer.anchors.source import AnchorError, WrittenAnchor
 from turnpoint.trainer.storage.manifest import AnchorRef, JSONValue, ManifestError
-
-__all__ = ["DistributedAnchor"]
 
 _LOG = logging.getLogger(__name__)
 

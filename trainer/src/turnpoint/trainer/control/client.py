@@ -38,14 +38,9 @@ from turnpoint.auth import auth_metadata
 from turnpoint.errors import TurnpointError
 from turnpoint.trainer.control.failures import (
     CallTimeoutError,
-    ControlCallError,
-    Failure,
-    FailureKind,
     MalformedReplyError,
-    NotReadyError,
     SessionBrokenError,
     TransportError,
-    classify,
 )
 from turnpoint.v1 import checkpoint_control_service_pb2 as pb
 from turnpoint.v1 import checkpoint_control_service_pb2_grpc as pb_grpc
@@ -56,23 +51,6 @@ if TYPE_CHECKING:
         CheckpointControlServiceAsyncStub,
     )
 
-__all__ = [
-    "BoundaryWatch",
-    "CallTimeoutError",
-    "ControlCallError",
-    "ControlRequest",
-    "ControlResponse",
-    "Failure",
-    "FailureKind",
-    "MalformedReplyError",
-    "NotReadyError",
-    "ParticipantControlClient",
-    "SessionBrokenError",
-    "TransportError",
-    "classify",
-    "is_group_answer",
-    "new_request_id",
-]
 
 _LOG = logging.getLogger(__name__)
 

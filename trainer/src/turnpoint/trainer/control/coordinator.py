@@ -9,14 +9,12 @@ docs/spec.md section 7. :class:`Coordinator` is the face of three layers:
 
 Prepare runs under ONE deadline (``prepare_timeout_s``) for all participants; each
 participant's rounds, waits and give-ups are decided by the pure core
-(:mod:`turnpoint.trainer.snapshots.core`) and driven by :mod:`._preparing`. The core
+(:mod:`turnpoint.trainer.snapshots.core`) and driven by :mod:`turnpoint.trainer.snapshots.preparing`. The core
 also decides the verdict (commit only if every participant is ready; an abort resumes
 every participant, the ready ones included) and the commit scopes (restarts are in no
 scope). While anything is slow (a prepare, a commit, the trainer's own publication) the
 coordinator renews every participant's lease in the background, once right after
 prepare and then every ``renew_interval_s``.
-
-Names that moved to the modules above are re-exported here for existing imports.
 """
 
 from __future__ import annotations
@@ -38,20 +36,15 @@ from turnpoint.ids import (
     make_checkpoint_id,
     validate_id,
 )
-from turnpoint.protocol import PROTOCOL_VERSION, ParticipantKind, RecoveryLevel
+from turnpoint.protocol import ArtifactRef, ParticipantKind, RecoveryLevel
 from turnpoint.trainer.config import CoordinatorConfig
-from turnpoint.trainer.control.client import (
-    FailureKind,
-    MalformedReplyError,
-    classify,
-)
+from turnpoint.trainer.control.failures import FailureKind, MalformedReplyError, classify
 from turnpoint.trainer.control.fanout import (
     ControlCaller,
     FanoutResult,
     fan_out,
     retry_same_request,
 )
-from turnpoint.trainer.control.identity import COORDINATOR_FILE, CoordinatorIdentity, bump_epoch
 from turnpoint.trainer.control.operations import (
     JOINING_ATTEMPTS,
     Renewer,
@@ -59,16 +52,12 @@ from turnpoint.trainer.control.operations import (
 )
 from turnpoint.trainer.control.outcomes import (
     CommitFailed,
-    ControlReport,
     OperationFailed,
     PreparedCheckpoint,
     PrepareFailed,
-    RestoredCheckpoint,
-    RestoreFailed,
 )
 from turnpoint.trainer.control.restore_operations import RestoreOperations
 from turnpoint.trainer.control.topology import ParticipantInfo, Topology, group_workers
-from turnpoint.trainer.errors import CoordinatorError
 from turnpoint.trainer.metrics import CoordinatorMetrics
 from turnpoint.trainer.snapshots.core import (
     FinishedProbe,
@@ -88,27 +77,8 @@ from turnpoint.trainer.snapshots.preparing import (
     is_ready,
     watch_readiness,
 )
-from turnpoint.trainer.storage.manifest import ArtifactRef, ManifestError, ParticipantEntry
+from turnpoint.trainer.storage.manifest import ManifestError, ParticipantEntry
 from turnpoint.v1 import checkpoint_control_service_pb2 as pb
-
-__all__ = [
-    "COORDINATOR_FILE",
-    "PROTOCOL_VERSION",
-    "CommitFailed",
-    "ControlReport",
-    "Coordinator",
-    "CoordinatorError",
-    "CoordinatorIdentity",
-    "OperationFailed",
-    "ParticipantInfo",
-    "PrepareFailed",
-    "PreparedCheckpoint",
-    "RestoreFailed",
-    "RestoredCheckpoint",
-    "Topology",
-    "UnackedResolver",
-    "bump_epoch",
-]
 
 _LOG = logging.getLogger(__name__)
 

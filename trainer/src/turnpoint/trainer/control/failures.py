@@ -20,19 +20,6 @@ from turnpoint.errors import Reason, TurnpointError, is_transient
 from turnpoint.trainer.errors import CoordinatorError
 from turnpoint.v1 import types_pb2
 
-__all__ = [
-    "CallTimeoutError",
-    "ControlCallError",
-    "Failure",
-    "FailureKind",
-    "MalformedReplyError",
-    "NotReadyError",
-    "SessionBrokenError",
-    "TransportError",
-    "classify",
-]
-
-
 # --------------------------------------------------------------------------- errors
 
 

@@ -23,24 +23,10 @@ from typing import Any, Generic, Protocol, TypeVar, overload
 import grpc
 
 from turnpoint.errors import Reason
-from turnpoint.trainer.control.client import (
-    ControlRequest,
-    ControlResponse,
-    Failure,
-    FailureKind,
-    classify,
-)
+from turnpoint.trainer.control.client import ControlRequest, ControlResponse
+from turnpoint.trainer.control.failures import Failure, FailureKind, classify
 from turnpoint.trainer.errors import CoordinatorError
 from turnpoint.v1 import checkpoint_control_service_pb2 as pb
-
-__all__ = [
-    "ControlCaller",
-    "FanoutError",
-    "FanoutResult",
-    "fan_out",
-    "raise_if_failed",
-    "retry_same_request",
-]
 
 R = TypeVar("R")
 

@@ -12,8 +12,6 @@ from typing import Final
 
 from turnpoint.ids import InvalidIdError, validate_id
 
-__all__ = ["COORDINATOR_FILE", "CoordinatorIdentity", "bump_epoch"]
-
 COORDINATOR_FILE: Final = "coordinator.json"
 
 

@@ -26,8 +26,6 @@ from turnpoint.trainer.control.fanout import FanoutResult
 from turnpoint.trainer.errors import CoordinatorError
 from turnpoint.v1 import checkpoint_control_service_pb2 as pb
 
-__all__ = ["LivenessTracker", "ParticipantLostError", "StatusProber", "watch_liveness"]
-
 
 class ParticipantLostError(CoordinatorError):
     """Participants answered nothing for ``participant_lost_after_s``, or answered as a

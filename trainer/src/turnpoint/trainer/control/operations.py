@@ -19,7 +19,7 @@ them. :class:`Renewer` keeps the leases of an open checkpoint or restore alive i
 background while anything is slow, on the schedule
 :class:`~turnpoint.trainer.snapshots.core.RenewalSchedule` decides; a renew that
 hangs is abandoned before the next one is due and never holds up the checkpoint.
-:mod:`._restore_ops` adds restore, :mod:`._coordinator` discovery, prepare and commit.
+:mod:`turnpoint.trainer.control.restore_operations` adds restore, :mod:`turnpoint.trainer.control.coordinator` discovery, prepare and commit.
 """
 
 from __future__ import annotations
@@ -42,11 +42,10 @@ from turnpoint.protocol import ParticipantKind
 from turnpoint.trainer.config import CoordinatorConfig
 from turnpoint.trainer.control.client import (
     ControlRequest,
-    Failure,
-    MalformedReplyError,
     ParticipantControlClient,
     new_request_id,
 )
+from turnpoint.trainer.control.failures import Failure, MalformedReplyError
 from turnpoint.trainer.control.fanout import FanoutResult, fan_out
 from turnpoint.trainer.control.fanout import retry_same_request as _retry_same_request
 from turnpoint.trainer.control.identity import CoordinatorIdentity
@@ -56,15 +55,6 @@ from turnpoint.trainer.metrics import CoordinatorMetrics
 from turnpoint.trainer.snapshots.core import RenewalSchedule
 from turnpoint.v1 import checkpoint_control_service_pb2 as pb
 from turnpoint.v1 import types_pb2
-
-__all__ = [
-    "JOINING_ATTEMPTS",
-    "JOINING_RETRY_PAUSE_S",
-    "ControlOperations",
-    "Renewer",
-    "content_key",
-    "episodes_of",
-]
 
 _LOG = logging.getLogger(__name__)
 

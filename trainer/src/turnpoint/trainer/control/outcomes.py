@@ -14,20 +14,10 @@ from types import MappingProxyType
 
 from turnpoint.errors import Reason
 from turnpoint.ids import EpisodeId
-from turnpoint.trainer.control.client import Failure, FailureKind
+from turnpoint.trainer.control.failures import Failure, FailureKind
 from turnpoint.trainer.control.fanout import FanoutError
 from turnpoint.trainer.snapshots.core import PrepareVerdict
 from turnpoint.v1 import types_pb2
-
-__all__ = [
-    "CommitFailed",
-    "ControlReport",
-    "OperationFailed",
-    "PrepareFailed",
-    "PreparedCheckpoint",
-    "RestoreFailed",
-    "RestoredCheckpoint",
-]
 
 
 class OperationFailed(FanoutError):

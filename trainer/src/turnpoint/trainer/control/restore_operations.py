@@ -15,7 +15,8 @@ from types import MappingProxyType
 
 from turnpoint._convert import duration_from_seconds, episode_to_proto
 from turnpoint.ids import EpisodeId, validate_id
-from turnpoint.trainer.control.client import Failure, MalformedReplyError, classify
+from turnpoint.protocol import ArtifactRef
+from turnpoint.trainer.control.failures import Failure, MalformedReplyError, classify
 from turnpoint.trainer.control.operations import (
     JOINING_ATTEMPTS,
     ControlOperations,
@@ -24,11 +25,9 @@ from turnpoint.trainer.control.operations import (
 )
 from turnpoint.trainer.control.outcomes import OperationFailed, RestoredCheckpoint, RestoreFailed
 from turnpoint.trainer.snapshots.core import installed_problem
-from turnpoint.trainer.storage.manifest import ArtifactRef, ParticipantEntry, SnapshotManifest
+from turnpoint.trainer.storage.manifest import ParticipantEntry, SnapshotManifest
 from turnpoint.v1 import checkpoint_control_service_pb2 as pb
 from turnpoint.v1 import types_pb2
-
-__all__ = ["RestoreOperations"]
 
 _LOG = logging.getLogger(__name__)
 

@@ -20,13 +20,12 @@ from turnpoint.protocol import (
     RecoveryMode,
     VerifyMode,
 )
-from turnpoint.trainer.control.client import MalformedReplyError, is_group_answer
+from turnpoint.trainer.control.client import is_group_answer
+from turnpoint.trainer.control.failures import MalformedReplyError
 from turnpoint.trainer.snapshots.levels import EnvironmentMember
 from turnpoint.trainer.storage.manifest import ManifestError, SnapshotManifest
 from turnpoint.v1 import checkpoint_control_service_pb2 as pb
 from turnpoint.v1 import types_pb2
-
-__all__ = ["AGENT_KINDS", "ParticipantInfo", "Topology", "group_workers"]
 
 AGENT_KINDS: Final = frozenset({ParticipantKind.AGENT, ParticipantKind.ENVIRONMENT})
 """The kinds rollouts are dispatched to."""

@@ -15,8 +15,6 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-__all__ = ["RestartBudget", "RestartDecision"]
-
 
 @dataclass(frozen=True, slots=True)
 class RestartDecision:

@@ -50,19 +50,20 @@ from turnpoint.ids import (
     validate_attempt,
     validate_id,
 )
-from turnpoint.protocol import ParticipantKind, RecoveryLevel
+from turnpoint.protocol import ArtifactRef, ParticipantKind, RecoveryLevel
 from turnpoint.trainer.config import CoordinatorConfig
-from turnpoint.trainer.control.coordinator import Coordinator, RestoreFailed, Topology
+from turnpoint.trainer.control.coordinator import Coordinator
+from turnpoint.trainer.control.outcomes import RestoreFailed
+from turnpoint.trainer.control.topology import Topology
 from turnpoint.trainer.errors import CoordinatorError
 from turnpoint.trainer.metrics import CoordinatorMetrics
 from turnpoint.trainer.rollouts.side import InFlightRollout
 from turnpoint.trainer.snapshots.levels import LevelDecision, decide_levels
+from turnpoint.trainer.storage.layout import SnapshotLayout
 from turnpoint.trainer.storage.manifest import (
     AnchorRef,
-    ArtifactRef,
     JSONValue,
     ManifestError,
-    SnapshotLayout,
     SnapshotManifest,
     TrainerRolloutState,
 )
@@ -70,23 +71,6 @@ from turnpoint.trainer.storage.manifest import (
 if TYPE_CHECKING:
     import torch
 
-__all__ = [
-    "AnchorLoader",
-    "NoUsableSnapshotError",
-    "Redispatch",
-    "Rerun",
-    "RerunReason",
-    "RestorePlan",
-    "RestorePlanError",
-    "RestoreTarget",
-    "Restorer",
-    "SelectedSnapshot",
-    "apply_plan",
-    "plan_restore",
-    "restore_id_for",
-    "torch_anchor_loader",
-    "verify_artifacts",
-]
 
 _LOG = logging.getLogger(__name__)
 

@@ -18,18 +18,6 @@ from turnpoint.ids import EpisodeId
 from turnpoint.trainer.rollouts.side import InFlightRollout
 from turnpoint.trainer.rollouts.values import Rollout, RolloutOutcome, RolloutResult
 
-__all__ = [
-    "Attempt",
-    "AttemptPhase",
-    "FinalResult",
-    "GateGeneration",
-    "NextCall",
-    "Receipt",
-    "Resolution",
-    "Resolve",
-    "RolloutStats",
-]
-
 # (global reopen count, the instance's own reopen count) when a Run was sent.
 GateGeneration = tuple[int, int]
 

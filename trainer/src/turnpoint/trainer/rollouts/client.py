@@ -82,7 +82,6 @@ from turnpoint.trainer.rollouts.attempts import (
 from turnpoint.trainer.rollouts.deadlines import Hold
 from turnpoint.trainer.rollouts.ledger import RolloutLedger
 from turnpoint.trainer.rollouts.run_stream import (
-    ACCEPTED_METADATA_KEY,
     Accepted,
     BoundarySeen,
     CallEnd,
@@ -98,7 +97,6 @@ from turnpoint.trainer.rollouts.side import InFlightRollout, UnackedDecision
 from turnpoint.trainer.rollouts.values import (
     Rollout,
     RolloutClientSettings,
-    RolloutOutcome,
     RolloutResult,
     SavedRollout,
     backoff_s,
@@ -114,18 +112,6 @@ if TYPE_CHECKING:
     from turnpoint.v1.rollout_service_pb2_grpc import RolloutServiceAsyncStub
 
 # The values and the ledger's counters are importable from here as they always were.
-__all__ = [
-    "ACCEPTED_METADATA_KEY",
-    "AcknowledgementError",
-    "AgentEndpoint",
-    "Rollout",
-    "RolloutClient",
-    "RolloutClientSettings",
-    "RolloutOutcome",
-    "RolloutResult",
-    "RolloutStats",
-    "SavedRollout",
-]
 
 _LOG = logging.getLogger(__name__)
 

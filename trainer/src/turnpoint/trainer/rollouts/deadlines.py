@@ -33,8 +33,6 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-__all__ = ["DeadlineRegistry", "Hold"]
-
 K = TypeVar("K", bound=Hashable)
 
 

@@ -66,8 +66,6 @@ from turnpoint.trainer.rollouts.values import (
 )
 from turnpoint.trainer.storage.manifest import JSONValue, TrainerRolloutState
 
-__all__ = ["ACKED_MEMORY", "RolloutLedger"]
-
 _LOG = logging.getLogger(__name__)
 
 # Receipts acknowledged recently, kept so that a prepare reporting one of them again

@@ -30,8 +30,6 @@ from turnpoint.trainer.rollouts.values import (
 )
 from turnpoint.trainer.storage.manifest import JSONValue, RolloutBooks, TrainerRolloutState
 
-__all__ = ["LedgerState"]
-
 
 def _nothing() -> None:
     return None

@@ -26,8 +26,6 @@ from turnpoint.trainer.storage.manifest import (
     TrainerRolloutState,
 )
 
-__all__ = ["RefusalMarks", "RetainedNames", "rollouts_named"]
-
 
 def rollouts_named(state: TrainerRolloutState | RolloutBooks) -> frozenset[str]:
     """Every rollout a trainer rollout state (or the books it is made of) names: queued,

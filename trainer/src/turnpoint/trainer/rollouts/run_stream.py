@@ -47,22 +47,6 @@ from turnpoint.v1 import types_pb2
 if TYPE_CHECKING:
     RunCall: TypeAlias = grpc.aio.UnaryStreamCall[pb.RunRequest, pb.RunResponse]
 
-__all__ = [
-    "ACCEPTED",
-    "ACCEPTED_METADATA_KEY",
-    "Accepted",
-    "BoundarySeen",
-    "CallEnd",
-    "MalformedRunError",
-    "ResultReceived",
-    "RunBrokenError",
-    "RunEvent",
-    "Verdict",
-    "classify",
-    "read_run",
-    "receipt_to_proto",
-    "run_request",
-]
 
 # Initial metadata an agent participant sends right after it accepted a Run; until it
 # arrives the attempt is not the participant's (docs/spec.md section 6.1 item 2).

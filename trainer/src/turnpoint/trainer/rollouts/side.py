@@ -16,8 +16,6 @@ from turnpoint.ids import EpisodeId
 from turnpoint.trainer.rollouts.deadlines import Hold
 from turnpoint.trainer.storage.manifest import RolloutBooks, TrainerRolloutState
 
-__all__ = ["InFlightRollout", "RolloutSide", "UnackedDecision"]
-
 UnackedDecision = Literal["acknowledge", "retire"]
 
 

@@ -25,16 +25,6 @@ from turnpoint.ids import EpisodeId, InvalidIdError, validate_attempt, validate_
 from turnpoint.trainer.rollouts.side import InFlightRollout
 from turnpoint.trainer.storage.manifest import JSONValue, ManifestError, TrainerRolloutState
 
-__all__ = [
-    "Rollout",
-    "RolloutClientSettings",
-    "RolloutOutcome",
-    "RolloutResult",
-    "SavedRollout",
-    "backoff_s",
-    "read_rollout_state",
-]
-
 # --------------------------------------------------------------------------- settings
 
 

@@ -41,21 +41,7 @@ from typing import Final
 
 from turnpoint.errors import Reason
 from turnpoint.trainer.errors import CoordinatorError
-from turnpoint.trainer.storage.manifest import PublishStep
-
-__all__ = [
-    "PHASES",
-    "TRANSITIONS",
-    "InvalidTransition",
-    "PhaseTimes",
-    "SnapshotAttempt",
-    "SnapshotAttemptView",
-    "SnapshotPhase",
-    "SnapshotPoint",
-    "SnapshotState",
-    "TransitionCallback",
-    "points_of",
-]
+from turnpoint.trainer.storage.layout import PublishStep
 
 _LOG = logging.getLogger(__name__)
 

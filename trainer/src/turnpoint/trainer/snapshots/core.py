@@ -4,8 +4,8 @@ docs/spec.md section 7.4, steps 4 to 7. Like the participant's core
 (:mod:`turnpoint.participant_sdk._core`), nothing here imports asyncio or grpc or reads
 a clock: every decision that depends on time takes ``now`` (seconds on the caller's
 monotonic scale), and every decision is returned as data with a reason a person can
-read (torchft's quorum style). The asyncio drivers (:mod:`._preparing`,
-:mod:`._coordinator`, :mod:`._snapshots`) send, wait and write; they ask this module
+read (torchft's quorum style). The asyncio drivers (:mod:`turnpoint.trainer.snapshots.preparing`,
+:mod:`turnpoint.trainer.control.coordinator`, :mod:`turnpoint.trainer.snapshots.driver`) send, wait and write; they ask this module
 what to do next.
 
 The prepare round:
@@ -44,35 +44,6 @@ from typing import Final
 from turnpoint.ids import EpisodeId
 from turnpoint.trainer.rollouts.side import InFlightRollout, UnackedDecision
 from turnpoint.trainer.storage.manifest import PlacedEpisode
-
-__all__ = [
-    "MAX_SEQUENCE",
-    "MIN_ROUND_FRACTION",
-    "MIN_ROUND_S",
-    "NOT_READY_BACKOFF_MAX_S",
-    "NOT_READY_BACKOFF_S",
-    "SESSION_RETRIES",
-    "WATCH_AFTER_S",
-    "Answer",
-    "Attribution",
-    "CommitScope",
-    "FinishedProbe",
-    "Outcome",
-    "ParticipantPrepare",
-    "PrepareDecision",
-    "PrepareVerdict",
-    "RenewalSchedule",
-    "Step",
-    "UnackedLedger",
-    "UnackedVerdict",
-    "attribute_commit",
-    "commit_scope_problem",
-    "decide_prepare",
-    "exported_problem",
-    "installed_problem",
-    "scope_commit",
-    "watch_after_s",
-]
 
 # docs/spec.md section 7.4 step 4.
 NOT_READY_BACKOFF_S: Final = 0.05

@@ -65,8 +65,8 @@ Releases that fail after publication are re-sent the same way at the start of ev
 :meth:`~SnapshotDriver.take`, skipped snapshots included; until then dispatch to the
 affected agent instances stays closed (their leases reopen them anyway).
 
-The pump, the anchor source and the report live in :mod:`._snapshot_pump`,
-:mod:`._anchor_source` and :mod:`._snapshot_report`; their names are re-exported here.
+The pump, the anchor source and the report live in :mod:`turnpoint.trainer.snapshots.pump`,
+:mod:`turnpoint.trainer.anchors.source` and :mod:`turnpoint.trainer.snapshots.report`.
 """
 
 from __future__ import annotations
@@ -85,9 +85,9 @@ import grpc
 from turnpoint.errors import TurnpointError
 from turnpoint.ids import EpisodeId, checkpoint_sequence, make_checkpoint_id
 from turnpoint.protocol import ParticipantKind
-from turnpoint.trainer.anchors.source import AnchorSource, TorchAnchorSource, WrittenAnchor
+from turnpoint.trainer.anchors.source import AnchorSource, WrittenAnchor
 from turnpoint.trainer.config import CoordinatorConfig
-from turnpoint.trainer.control.client import Failure, classify
+from turnpoint.trainer.control.failures import Failure, classify
 from turnpoint.trainer.control.outcomes import (
     CommitFailed,
     ControlReport,
@@ -102,7 +102,6 @@ from turnpoint.trainer.rollouts.side import InFlightRollout, RolloutSide
 from turnpoint.trainer.snapshots.attempt import (
     SnapshotAttempt,
     SnapshotAttemptView,
-    SnapshotPhase,
     SnapshotState,
     TransitionCallback,
 )
@@ -114,10 +113,10 @@ from turnpoint.trainer.snapshots.report import (
     SnapshotReport,
     failure_reason,
 )
+from turnpoint.trainer.storage.layout import SnapshotLayout
 from turnpoint.trainer.storage.manifest import (
     ManifestError,
     ParticipantEntry,
-    SnapshotLayout,
     SnapshotManifest,
     TrainerRolloutState,
 )
@@ -125,23 +124,6 @@ from turnpoint.trainer.storage.manifest import (
 if TYPE_CHECKING:
     from turnpoint.trainer.restore.restorer import RestorePlan
 
-__all__ = [
-    "EPOCH_STRIDE",
-    "AnchorSource",
-    "FailureReason",
-    "SnapshotDriver",
-    "SnapshotFailuresError",
-    "SnapshotInvariantError",
-    "SnapshotOutcome",
-    "SnapshotParticipants",
-    "SnapshotPhase",
-    "SnapshotPump",
-    "SnapshotReport",
-    "SnapshotRunError",
-    "TorchAnchorSource",
-    "WrittenAnchor",
-    "failure_reason",
-]
 
 _LOG = logging.getLogger(__name__)
 
@@ -937,12 +919,3 @@ class SnapshotDriver:
                 report.continued,
                 report.restarts,
             )
-
-
-# Re-exported for existing imports; the pump only names the driver for type checking.
-from turnpoint.trainer.snapshots.pump import (  # noqa: E402
-    SnapshotFailuresError,
-    SnapshotInvariantError,
-    SnapshotPump,
-    SnapshotRunError,
-)

@@ -18,12 +18,6 @@ from dataclasses import dataclass
 
 from turnpoint.protocol import RecoveryLevel
 
-__all__ = [
-    "EnvironmentMember",
-    "LevelDecision",
-    "decide_levels",
-]
-
 
 @dataclass(frozen=True, slots=True)
 class EnvironmentMember:

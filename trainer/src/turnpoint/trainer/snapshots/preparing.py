@@ -40,13 +40,15 @@ import grpc
 from turnpoint.errors import TurnpointError
 from turnpoint.ids import EpisodeId
 from turnpoint.trainer.control.client import (
-    ControlCallError,
     ControlRequest,
     ControlResponse,
+    ParticipantControlClient,
+)
+from turnpoint.trainer.control.failures import (
+    ControlCallError,
     FailureKind,
     MalformedReplyError,
     NotReadyError,
-    ParticipantControlClient,
     SessionBrokenError,
     TransportError,
     classify,
@@ -63,15 +65,6 @@ from turnpoint.trainer.snapshots.core import (
 )
 from turnpoint.v1 import checkpoint_control_service_pb2 as pb
 from turnpoint.v1 import types_pb2
-
-__all__ = [
-    "PreparingParticipant",
-    "Readiness",
-    "Unacked",
-    "UnackedResolver",
-    "is_ready",
-    "watch_readiness",
-]
 
 _LOG = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 docs/spec.md section 7.5. A published snapshot resets the failure count; a skipped one
 leaves it; a transient failure counts, and ``max_consecutive_failures`` of them in a row
 end the run; an invariant failure ends it at once. After a transient failure the next
-tick hands the same checkpoint id back to the driver (see :mod:`._snapshots`).
+tick hands the same checkpoint id back to the driver (see :mod:`turnpoint.trainer.snapshots.driver`).
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ from turnpoint.trainer.snapshots.report import SnapshotOutcome, SnapshotReport
 
 if TYPE_CHECKING:
     from turnpoint.trainer.snapshots.driver import SnapshotDriver
-
-__all__ = ["SnapshotFailuresError", "SnapshotInvariantError", "SnapshotPump", "SnapshotRunError"]
 
 
 class SnapshotRunError(CoordinatorError):

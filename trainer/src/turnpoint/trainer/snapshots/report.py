@@ -16,10 +16,8 @@ from typing import Final
 import grpc
 
 from turnpoint.errors import Reason
-from turnpoint.trainer.control.client import Failure, FailureKind
+from turnpoint.trainer.control.failures import Failure, FailureKind
 from turnpoint.trainer.snapshots.attempt import SnapshotPhase, SnapshotState
-
-__all__ = ["FailureReason", "SnapshotOutcome", "SnapshotReport", "failure_reason"]
 
 
 class SnapshotOutcome(enum.Enum):

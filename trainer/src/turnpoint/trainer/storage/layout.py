@@ -76,8 +76,6 @@ from turnpoint.trainer.storage.manifest import (
     check_id,
 )
 
-__all__ = ["PublishStep", "SnapshotLayout", "tree_digest"]
-
 _MANIFEST_PREFIX = ".MANIFEST-"
 _LATEST_PREFIX = ".LATEST-"
 _TMP_PREFIXES = (_MANIFEST_PREFIX, _LATEST_PREFIX)

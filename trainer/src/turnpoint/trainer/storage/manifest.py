@@ -24,7 +24,7 @@ import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Self, TypeAlias, TypeVar
+from typing import Any, Self, TypeAlias, TypeVar
 
 from turnpoint._json import JSONProblem, StrictJSONError, dumps_indented, loads_strict
 from turnpoint.errors import Reason
@@ -38,30 +38,6 @@ from turnpoint.ids import (
 from turnpoint.protocol import ArtifactRef, ParticipantKind
 from turnpoint.trainer.errors import CoordinatorError
 
-if TYPE_CHECKING:
-    from turnpoint.trainer.storage.layout import PublishStep, SnapshotLayout, tree_digest
-
-__all__ = [
-    "ANCHOR_DIR",
-    "LATEST_NAME",
-    "MANIFEST_NAME",
-    "SCHEMA_VERSION",
-    "TRAINER_DIR",
-    "AnchorRef",
-    "ArtifactRef",
-    "JSONValue",
-    "ManifestError",
-    "ParticipantEntry",
-    "ParticipantKind",
-    "PlacedEpisode",
-    "PublishStep",
-    "RolloutBooks",
-    "SnapshotLayout",
-    "SnapshotManifest",
-    "TrainerRolloutState",
-    "tree_digest",
-]
-
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "MANIFEST.json"
 LATEST_NAME = "LATEST"
@@ -69,25 +45,10 @@ TRAINER_DIR = "trainer"
 ANCHOR_DIR = f"{TRAINER_DIR}/anchor"
 
 _HEX = frozenset("0123456789abcdef")
-_MOVED_TO_LAYOUT = frozenset({"PublishStep", "SnapshotLayout", "tree_digest"})
 
 _T = TypeVar("_T")
 
 JSONValue: TypeAlias = "bool | int | float | str | list[JSONValue] | dict[str, JSONValue] | None"
-
-
-# PublishStep, SnapshotLayout and tree_digest moved to _layout, which imports this
-# module: they are served on first use, so the old import path works without an import
-# cycle. mypy takes them from the TYPE_CHECKING import instead, and so still reports a
-# misspelled name rather than typing it as whatever __getattr__ returns.
-if not TYPE_CHECKING:
-
-    def __getattr__(name: str) -> object:
-        if name in _MOVED_TO_LAYOUT:
-            from turnpoint.trainer.storage import layout as _layout
-
-            return getattr(_layout, name)
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class ManifestError(CoordinatorError):

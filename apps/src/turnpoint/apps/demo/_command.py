@@ -1,0 +1,313 @@
+"""``turnpoint demo``: its options on the command line, and the command that runs the job
+with the process launcher or, with ``--ray``, the Ray launcher (:mod:`._ray`)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import importlib.machinery
+import importlib.util
+import sys
+
+from rich.console import Console
+
+from turnpoint.apps.demo._report import (
+    DemoError,
+)
+from turnpoint.apps.demo._supervisor import (
+    CRASH_POINTS,
+    DEFAULT_AGENTS,
+    DEFAULT_GROUP_SIZE,
+    DEFAULT_GROUPS_PER_STEP,
+    DEFAULT_OUT,
+    DEFAULT_SNAPSHOT_INTERVAL_S,
+    DEFAULT_STEPS,
+    LEVELS,
+    MAX_RESTARTS,
+    STALL_TIMEOUT_S,
+    START_TIMEOUT_S,
+    TRAINER_MODULE,
+    DemoOptions,
+    Launcher,
+    ProcessLauncher,
+    prepare_out_dir,
+    run_demo,
+)
+
+
+def add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = sub.add_parser(
+        "demo",
+        help="run the main job: a real training run through an injected crash, then an audit",
+        description=(
+            "Start the example participants (policy, tools, group-tools, agents) as separate "
+            "servers, train through a crash of the trainer and one agent, restore from the "
+            "latest snapshot and audit that every prompt group was trained exactly once "
+            "with the rewards the verifiers returned. Exits 1 if the audit fails."
+        ),
+    )
+    parser.add_argument(
+        "--steps", type=int, default=DEFAULT_STEPS, help="training steps (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--agents", type=int, default=DEFAULT_AGENTS, help="agent servers (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--agent-workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help="worker processes per agent server, sharing its port; each worker is an agent "
+        "of its own, found through the server's Describe (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--group-size",
+        type=int,
+        default=DEFAULT_GROUP_SIZE,
+        help="sibling rollouts per prompt (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--groups-per-step",
+        type=int,
+        default=DEFAULT_GROUPS_PER_STEP,
+        help="prompt groups per training step (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--snapshot-interval",
+        type=float,
+        default=DEFAULT_SNAPSHOT_INTERVAL_S,
+        metavar="SECONDS",
+        help="period of the snapshot pump (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help=(
+            "serve the coordinator's Prometheus metrics (docs/spec.md section 7.10) on "
+            "127.0.0.1:PORT from the trainer; 0 picks a free port, kept across restarts"
+        ),
+    )
+    parser.add_argument(
+        "--turn-delay",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help=(
+            "simulated latency of every agent turn, as a real model call has; longer "
+            "episodes mean more of them are cut mid-way by each snapshot (default: 0)"
+        ),
+    )
+    parser.add_argument(
+        "--token-delay",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help=(
+            "long generations: the policy's simulated time per token; without "
+            "--cut-generations every snapshot waits for the generations in flight (default: 0)"
+        ),
+    )
+    parser.add_argument(
+        "--cut-generations",
+        action="store_true",
+        help=(
+            "agents let the policy cut generations at a snapshot and continue them from "
+            "their token prefix (docs/spec.md section 5.5; pair with --target-level token)"
+        ),
+    )
+    parser.add_argument(
+        "--crash",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="kill the trainer and one agent mid-run, then restart the job",
+    )
+    parser.add_argument(
+        "--crash-at",
+        metavar="POINT[:N]",
+        help=(
+            "crash at a named point of a snapshot instead of mid-run: the trainer kills "
+            "itself at POINT of its N-th snapshot, counting only snapshots that cut rollouts "
+            f"in flight (N defaults to 1); POINT is one of {', '.join(CRASH_POINTS)}"
+        ),
+    )
+    parser.add_argument(
+        "--target-level",
+        default="turn",
+        metavar="LEVEL",
+        help=f"finest recovery level wanted: {', '.join(LEVELS)} (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--out", default=DEFAULT_OUT, help="output directory (wiped at start; default: %(default)s)"
+    )
+    parser.add_argument("--ray", action="store_true", help="run every participant as a Ray actor")
+    parser.add_argument(
+        "--ray-address", metavar="ADDRESS", help="join this Ray cluster (implies --ray)"
+    )
+    parser.add_argument(
+        "--ray-nodes",
+        type=int,
+        metavar="N",
+        help="start a Ray cluster of a head and N-1 more nodes on this machine and spread "
+        "the participants over them (implies --ray)",
+    )
+    parser.add_argument(
+        "--lose-node",
+        action="store_true",
+        help="with --ray-nodes: instead of the crash, remove the node hosting an agent "
+        "mid-run; the job restores from the last published snapshot onto the other nodes",
+    )
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seeds the policy and the data (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--no-progress",
+        dest="progress",
+        action="store_false",
+        help="plain progress lines instead of the live display",
+    )
+    parser.add_argument(
+        "--start-timeout",
+        type=float,
+        default=START_TIMEOUT_S,
+        metavar="SECONDS",
+        help=argparse.SUPPRESS,
+    )
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=MAX_RESTARTS,
+        metavar="N",
+        help="unplanned job restarts allowed per hour: a participant that dies or a trainer "
+        "that dies or stalls restores the job from the last published snapshot onto fresh "
+        f"processes (default: {MAX_RESTARTS})",
+    )
+    parser.add_argument(
+        "--participant-command",
+        action="append",
+        default=[],
+        metavar="INSTANCE=COMMAND",
+        help="run INSTANCE (tools, group-tools, policy, agent-N) with COMMAND instead of "
+        "'turnpoint serve': any program that takes its arguments and prints its serving "
+        "line, e.g. tools='node ts/dist/examples/guess-resources.js' (repeatable)",
+    )
+    parser.add_argument(
+        "--chaos",
+        type=int,
+        default=0,
+        metavar="N",
+        help="inject N unplanned faults at random times (SIGKILL or SIGSTOP of any process, "
+        "trainer included); the run recovers from each and the audit checks nothing was "
+        "lost or trained twice (needs --max-restarts N or more)",
+    )
+    parser.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=STALL_TIMEOUT_S,
+        metavar="SECONDS",
+        help=f"a trainer silent this long is stuck or paused (default: {STALL_TIMEOUT_S:g})",
+    )
+    parser.set_defaults(handler=demo_command)
+
+
+def _trainer_installed() -> bool:
+    # find_spec(TRAINER_MODULE) would import the trainer package, and with it torch:
+    # seconds for every run. Looking the module up on the package's path imports nothing.
+    package = TRAINER_MODULE.rpartition(".")[0]
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.submodule_search_locations is None:
+        return False
+    locations = list(spec.submodule_search_locations)
+    return importlib.machinery.PathFinder.find_spec(TRAINER_MODULE, locations) is not None
+
+
+def demo_command(args: argparse.Namespace) -> int:
+    try:
+        options = DemoOptions.from_args(args)
+    except DemoError as error:
+        print(f"turnpoint demo: {error}", file=sys.stderr)
+        return 2
+    problems = options.problems()
+    if problems:
+        for problem in problems:
+            print(f"turnpoint demo: {problem}", file=sys.stderr)
+        return 2
+    if not _trainer_installed():
+        print(
+            f"turnpoint demo: the trainer module {TRAINER_MODULE} is not installed",
+            file=sys.stderr,
+        )
+        return 1
+    console = Console()
+    if options.metrics_port is not None:
+        options = _with_metrics_port(options, console)
+    try:
+        paths, token = prepare_out_dir(options.out)
+    except (DemoError, OSError) as error:
+        print(f"turnpoint demo: {error}", file=sys.stderr)
+        return 2
+    ray_launcher = None
+    if options.ray:
+        from turnpoint.apps.demo._ray import RayLauncher
+
+        # ray.init installs handlers and starts processes: do it before the event loop.
+        try:
+            ray_launcher = RayLauncher(
+                paths,
+                address=options.ray_address,
+                nodes=options.ray_nodes,
+                start_timeout_s=options.start_timeout_s,
+            )
+        except (ConnectionError, RuntimeError, ValueError, TimeoutError) as error:
+            where = (
+                f"join the Ray cluster at {options.ray_address}"
+                if options.ray_address
+                else "start Ray"
+            )
+            print(f"turnpoint demo: cannot {where}: {error}", file=sys.stderr)
+            return 1
+        launcher: Launcher = ray_launcher
+    else:
+        launcher = ProcessLauncher(
+            paths,
+            token,
+            start_timeout_s=options.start_timeout_s,
+            commands=options.participant_commands,
+        )
+    try:
+        return asyncio.run(run_demo(options, paths, token, launcher, console))
+    except DemoError as error:
+        console.print(
+            f"turnpoint demo: FAILED: {error}", markup=False, highlight=False, soft_wrap=True
+        )
+        console.print(f"logs: {paths.logs}", markup=False, highlight=False, soft_wrap=True)
+        return 1
+    except KeyboardInterrupt:
+        console.print("turnpoint demo: interrupted", markup=False, highlight=False, soft_wrap=True)
+        return 130
+    finally:
+        if ray_launcher is not None:
+            with contextlib.suppress(Exception):
+                ray_launcher.shutdown()
+
+
+def _with_metrics_port(options: DemoOptions, console: Console) -> DemoOptions:
+    """Fix the metrics port once (0: a free one), so every trainer restart serves the same
+    address, and print it (docs/spec.md section 7.10)."""
+    import dataclasses
+    import socket
+
+    port = options.metrics_port or 0
+    if port == 0:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = int(probe.getsockname()[1])
+    console.print(
+        f"metrics: http://127.0.0.1:{port}/metrics (the coordinator's, served by the trainer)",
+        markup=False,
+        highlight=False,
+        soft_wrap=True,
+    )
+    return dataclasses.replace(options, metrics_port=port)
