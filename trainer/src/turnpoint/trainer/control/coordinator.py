@@ -1,15 +1,20 @@
 """The trainer-side coordinator: every control operation, fanned out to every participant.
 
-docs/spec.md section 7. :class:`Coordinator` is the face of three layers:
+docs/spec.md section 7. One class, in three parts:
 
-- :class:`~turnpoint.trainer.control.operations.ControlOperations`: fenced request ids,
-  bounded fan-outs, failure classification, and renew, resume, retire and forget;
-- :class:`~turnpoint.trainer.control.restore_operations.RestoreOperations`: restore and its cleanup;
-- this module: discovery (:meth:`Coordinator.discover`), prepare and commit.
+- the plumbing every operation shares: one client per participant, fenced request ids
+  (:mod:`turnpoint.trainer.control.operations`), bounded fan-outs, failure
+  classification, and renew, resume, retire and forget, which report failures instead
+  of raising them;
+- restore and its cleanup (section 7.7): a restore that fails on any participant has an
+  uncertain outcome on all of them, so the replacement attempts are retired everywhere
+  and every participant is resumed;
+- discovery (:meth:`Coordinator.discover`), prepare and commit.
 
 Prepare runs under ONE deadline (``prepare_timeout_s``) for all participants; each
 participant's rounds, waits and give-ups are decided by the pure core
-(:mod:`turnpoint.trainer.snapshots.core`) and driven by :mod:`turnpoint.trainer.snapshots.preparing`. The core
+(:mod:`turnpoint.trainer.snapshots.core`) and driven by
+:mod:`turnpoint.trainer.snapshots.preparing`. The core
 also decides the verdict (commit only if every participant is ready; an abort resumes
 every participant, the ready ones included) and the commit scopes (restarts are in no
 scope). While anything is slow (a prepare, a commit, the trainer's own publication) the
@@ -23,7 +28,8 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
-from types import MappingProxyType
+from types import MappingProxyType, TracebackType
+from typing import Any, Self
 
 import grpc
 
@@ -38,25 +44,38 @@ from turnpoint.ids import (
 )
 from turnpoint.protocol import ArtifactRef, ParticipantKind, RecoveryLevel
 from turnpoint.trainer.config import CoordinatorConfig
-from turnpoint.trainer.control.failures import FailureKind, MalformedReplyError, classify
+from turnpoint.trainer.control.client import (
+    ControlRequest,
+    ParticipantControlClient,
+)
+from turnpoint.trainer.control.failures import Failure, FailureKind, MalformedReplyError, classify
 from turnpoint.trainer.control.fanout import (
     ControlCaller,
     FanoutResult,
     fan_out,
     retry_same_request,
 )
+from turnpoint.trainer.control.fanout import retry_same_request as _retry_same_request
+from turnpoint.trainer.control.identity import CoordinatorIdentity
 from turnpoint.trainer.control.operations import (
+    _RELEASED_REMEMBERED,
+    _RESUME_ORDER,
     JOINING_ATTEMPTS,
+    JOINING_RETRY_PAUSE_S,
     Renewer,
+    _RequestIds,
+    content_key,
     episodes_of,
 )
 from turnpoint.trainer.control.outcomes import (
     CommitFailed,
+    ControlReport,
     OperationFailed,
     PreparedCheckpoint,
     PrepareFailed,
+    RestoredCheckpoint,
+    RestoreFailed,
 )
-from turnpoint.trainer.control.restore_operations import RestoreOperations
 from turnpoint.trainer.control.topology import ParticipantInfo, Topology, group_workers
 from turnpoint.trainer.metrics import CoordinatorMetrics
 from turnpoint.trainer.snapshots.core import (
@@ -66,6 +85,7 @@ from turnpoint.trainer.snapshots.core import (
     commit_scope_problem,
     decide_prepare,
     exported_problem,
+    installed_problem,
     watch_after_s,
 )
 from turnpoint.trainer.snapshots.levels import LevelDecision, decide_levels
@@ -77,8 +97,9 @@ from turnpoint.trainer.snapshots.preparing import (
     is_ready,
     watch_readiness,
 )
-from turnpoint.trainer.storage.manifest import ManifestError, ParticipantEntry
+from turnpoint.trainer.storage.manifest import ManifestError, ParticipantEntry, SnapshotManifest
 from turnpoint.v1 import checkpoint_control_service_pb2 as pb
+from turnpoint.v1 import types_pb2
 
 _LOG = logging.getLogger(__name__)
 
@@ -104,7 +125,7 @@ _OUTCOMES = {
 }
 
 
-class Coordinator(RestoreOperations):
+class Coordinator:
     """Drives control operations on every participant of a training run.
 
     ``endpoints`` maps each participant instance name to its control address. ``token``
@@ -127,15 +148,24 @@ class Coordinator(RestoreOperations):
         channel_credentials: grpc.ChannelCredentials | None = None,
         metrics: CoordinatorMetrics | None = None,
     ) -> None:
-        super().__init__(
-            endpoints,
-            token=token,
-            coordinator_id=coordinator_id,
-            epoch=epoch,
-            config=config,
-            channel_credentials=channel_credentials,
-            metrics=metrics,
-        )
+        if not endpoints:
+            raise ValueError("a coordinator needs at least one participant endpoint")
+        for name in endpoints:
+            validate_id(name, "instance name")
+        self.identity = CoordinatorIdentity(coordinator_id, epoch)
+        self.config = config
+        self.metrics = metrics
+        self._fence = types_pb2.Fence(coordinator_id=coordinator_id, epoch=epoch)
+        self._token = token
+        self._channel_credentials = channel_credentials
+        self._clients: dict[str, ParticipantControlClient] = {
+            name: self._new_client(name, address) for name, address in sorted(endpoints.items())
+        }
+        self._request_ids = _RequestIds()
+        self._topology: Topology | None = None
+        # Per recent checkpoint: the participants that ended it already (a commit that
+        # released, a resume that succeeded); a resume of it skips them.
+        self._released: dict[str, set[str]] = {}
         # The restarts each recent prepare reported, per instance: commit refuses a
         # scope that names one.
         self._restarts: dict[str, Mapping[str, frozenset[EpisodeId]]] = {}
@@ -147,6 +177,410 @@ class Coordinator(RestoreOperations):
         # Each environment's recovery level, decided at discovery (docs/spec.md 7.1).
         self._levels: Mapping[str, LevelDecision] = MappingProxyType({})
         self._warned_levels: dict[str, LevelDecision] = {}
+
+    def _new_client(self, name: str, address: str) -> ParticipantControlClient:
+        return ParticipantControlClient(
+            address,
+            token=self._token,
+            participant_name=name,
+            channel_credentials=self._channel_credentials,
+            reply_grace_s=self.config.reply_grace_s,
+        )
+
+    async def _replace_with_workers(self, group: str, workers: Mapping[str, str]) -> None:
+        """Address the workers of ``group`` instead of the group's shared endpoint
+        (docs/spec.md section 3.9); the caller checked that no worker name is taken."""
+        await self._clients.pop(group).close()
+        for name, address in workers.items():
+            self._clients[name] = self._new_client(name, address)
+        self._clients = dict(sorted(self._clients.items()))
+
+    @property
+    def instances(self) -> tuple[str, ...]:
+        return tuple(self._clients)
+
+    @property
+    def endpoints(self) -> Mapping[str, str]:
+        """Each participant's control address, worker groups replaced by their workers
+        once :meth:`discover` found them: where the trainer sends each one's rollouts."""
+        return MappingProxyType({name: c.address for name, c in self._clients.items()})
+
+    @property
+    def topology(self) -> Topology:
+        if self._topology is None:
+            raise RuntimeError("call discover() before any operation that needs the topology")
+        return self._topology
+
+    @property
+    def fence(self) -> types_pb2.Fence:
+        return types_pb2.Fence(coordinator_id=self._fence.coordinator_id, epoch=self._fence.epoch)
+
+    def request_id(self, operation: str, key: str, instance: str) -> str:
+        """The request id of ``operation`` for ``key`` on ``instance`` (stable on retries)."""
+        return self._request_ids.get(operation, key, instance)
+
+    async def close(self) -> None:
+        for client in self._clients.values():
+            await client.close()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    def _call_deadline(self) -> float:
+        return self.config.control_timeout_s + self.config.reply_grace_s
+
+    def _kind_label(self, instance: str) -> str:
+        topology = self._topology
+        if topology is None or instance not in topology.participants:
+            return "unknown"
+        return topology.kind(instance).value.lower()
+
+    def _record(self, operation: str, result: FanoutResult[Any]) -> None:
+        metrics = self.metrics
+        for name, failure in result.failures.items():
+            if failure.reason is not None and metrics is not None:
+                metrics.refused(operation, failure.reason.name)
+            if failure.reason is Reason.STALE_CHECKPOINT and operation in ("renew", "commit"):
+                # The participant finished the checkpoint on its own: its lease ran out.
+                if metrics is not None:
+                    metrics.lease_expiries.inc()
+                _LOG.warning(
+                    "%s: %s found the checkpoint finished (lease expired?)", operation, name
+                )
+        if metrics is None:
+            return
+        for name, seconds in result.durations_s.items():
+            failed = result.failures.get(name)
+            outcome = "ok" if failed is None else failed.kind.value
+            metrics.observe_call(operation, self._kind_label(name), outcome, seconds)
+
+    async def _fan_out_once(
+        self,
+        operation: str,
+        requests: Mapping[str, ControlRequest],
+        *,
+        attempts: int = 1,
+        pause_s: float = JOINING_RETRY_PAUSE_S,
+    ) -> FanoutResult[Any]:
+        """One operation, the same requests re-sent up to ``attempts`` times to the
+        participants whose failure was transient, ``pause_s`` apart."""
+        clients = {name: self._clients[name] for name in requests}
+        result: FanoutResult[Any] = await _retry_same_request(
+            clients,
+            requests,
+            attempts=attempts,
+            deadline_s=self._call_deadline(),
+            per_call_timeout_s=self.config.control_timeout_s,
+            concurrency=self.config.fanout_concurrency,
+            pause_s=pause_s,
+        )
+        self._record(operation, result)
+        return result
+
+    def _checked(self, instances: Iterable[str] | None) -> tuple[str, ...]:
+        if instances is None:
+            return self.instances
+        chosen = tuple(sorted(set(instances)))
+        unknown = sorted(set(chosen) - set(self._clients))
+        if unknown:
+            raise ValueError(f"unknown participant instance(s): {', '.join(unknown)}")
+        return chosen
+
+    async def renew_round(
+        self, checkpoint_id: str, instances: Sequence[str], window_s: float
+    ) -> FanoutResult[Any]:
+        """One renew of ``instances``, abandoned after ``window_s``."""
+        requests = {
+            name: pb.RenewRequest(
+                fence=self.fence,
+                request_id=self.request_id("renew", checkpoint_id, name),
+                checkpoint_id=checkpoint_id,
+                lease=duration_from_seconds(self.config.lease_s),
+            )
+            for name in instances
+        }
+        result = await fan_out(
+            {name: self._clients[name] for name in instances},
+            requests.__getitem__,
+            deadline_s=window_s,
+            per_call_timeout_s=window_s,
+            concurrency=self.config.fanout_concurrency,
+        )
+        self._record("renew", result)
+        return result
+
+    async def renew(
+        self, checkpoint_id: str, instances: Iterable[str] | None = None
+    ) -> ControlReport:
+        """Extend the lease of ``checkpoint_id`` on every (or the given) participant."""
+        chosen = self._checked(instances)
+        # Abandoned before the next renewal is due, so a hung renew delays nothing.
+        window_s = min(self.config.control_timeout_s, self.config.renew_interval_s)
+        result = await self.renew_round(checkpoint_id, chosen, window_s)
+        return ControlReport(
+            "renew",
+            checkpoint_id,
+            frozenset(result.responses),
+            result.failures,
+            result.durations_s,
+        )
+
+    def _resume_groups(self, instances: Sequence[str]) -> list[tuple[str, ...]]:
+        topology = self._topology
+        if topology is None:
+            return [tuple(instances)]
+        groups: list[tuple[str, ...]] = []
+        placed: set[str] = set()
+        for kinds in _RESUME_ORDER:
+            group = tuple(
+                n for n in instances if n in topology.participants and topology.kind(n) in kinds
+            )
+            placed.update(group)
+            groups.append(group)
+        # Not described (yet): reopened last, with the agents.
+        groups[-1] = groups[-1] + tuple(n for n in instances if n not in placed)
+        return [group for group in groups if group]
+
+    async def resume(
+        self, checkpoint_id: str, instances: Iterable[str] | None = None
+    ) -> ControlReport:
+        """Resume (also: abort) ``checkpoint_id``: resources, then models, then agents.
+
+        Each kind is retried ``resume_attempts`` times on transient failures, with the
+        same request ids. Never raises for a participant's failure: the report says who
+        is still closed (each participant's lease reopens it anyway).
+        """
+        chosen = self._checked(instances)
+        done = self._released.get(checkpoint_id, set()) & set(chosen)
+        reports = [ControlReport("resume", checkpoint_id, frozenset(done), {})]
+        for group in self._resume_groups(tuple(n for n in chosen if n not in done)):
+            requests = {
+                name: pb.ResumeRequest(
+                    fence=self.fence,
+                    request_id=self.request_id("resume", checkpoint_id, name),
+                    checkpoint_id=checkpoint_id,
+                )
+                for name in group
+            }
+            result = await self._fan_out_once(
+                "resume",
+                requests,
+                attempts=self.config.resume_attempts,
+                pause_s=self.config.resume_retry_pause_s,
+            )
+            reports.append(
+                ControlReport(
+                    "resume",
+                    checkpoint_id,
+                    frozenset(result.responses),
+                    result.failures,
+                    result.durations_s,
+                )
+            )
+        merged = ControlReport.merge("resume", checkpoint_id, reports)
+        self.note_released(checkpoint_id, merged.succeeded)
+        return merged
+
+    def note_released(self, checkpoint_id: str, instances: Iterable[str]) -> None:
+        """``instances`` ended ``checkpoint_id``: later resumes of it skip them."""
+        names = set(instances)
+        if not names:
+            return
+        self._released.setdefault(checkpoint_id, set()).update(names)
+        while len(self._released) > _RELEASED_REMEMBERED:
+            del self._released[next(iter(self._released))]
+
+    def released(self, checkpoint_id: str) -> frozenset[str]:
+        """The participants known to have ended ``checkpoint_id``."""
+        return frozenset(self._released.get(checkpoint_id, ()))
+
+    async def retire(
+        self, episodes: Mapping[str, Iterable[EpisodeId]], *, key: str | None = None
+    ) -> ControlReport:
+        """Retire attempts per instance; only while the participants are idle or restored.
+
+        Each reply comes only after the attempts stopped and their state is freed.
+        ``key`` (a restore id, say) names the request ids; by default they derive from
+        the content, so retrying the same retire re-sends the same ids.
+        """
+        chosen = {name: tuple(sorted(set(e))) for name, e in episodes.items()}
+        chosen = {name: e for name, e in chosen.items() if e}
+        self._checked(chosen)
+        if not chosen:
+            return ControlReport("retire", key or "nothing", frozenset(), {})
+        key = key or content_key("retire", chosen)
+        requests = {
+            name: pb.RetireRequest(
+                fence=self.fence,
+                request_id=self.request_id("retire", key, name),
+                episodes=[episode_to_proto(e) for e in items],
+            )
+            for name, items in chosen.items()
+        }
+        result = await self._fan_out_once("retire", requests, attempts=JOINING_ATTEMPTS)
+        return ControlReport(
+            "retire", key, frozenset(result.responses), result.failures, result.durations_s
+        )
+
+    async def forget(self, rollout_ids: Mapping[str, Iterable[str]]) -> ControlReport:
+        """Drop the refusal marks of retired rollouts, per instance, once nothing of them
+        can arrive any more."""
+        chosen = {name: tuple(sorted(set(ids))) for name, ids in rollout_ids.items()}
+        chosen = {name: ids for name, ids in chosen.items() if ids}
+        self._checked(chosen)
+        if not chosen:
+            return ControlReport("forget", "nothing", frozenset(), {})
+        key = content_key("forget", chosen)
+        requests = {
+            name: pb.ForgetRequest(
+                fence=self.fence,
+                request_id=self.request_id("forget", key, name),
+                rollout_ids=list(ids),
+            )
+            for name, ids in chosen.items()
+        }
+        result = await self._fan_out_once("forget", requests, attempts=JOINING_ATTEMPTS)
+        return ControlReport(
+            "forget", key, frozenset(result.responses), result.failures, result.durations_s
+        )
+
+    async def status_round(self, timeout_s: float) -> FanoutResult[pb.GetStatusResponse]:
+        """Ask every participant for its status once, each call bounded by ``timeout_s``:
+        the liveness watch's probe (docs/spec.md section 7.11). Not recorded as an
+        operation in the metrics: it runs all the time and says nothing of snapshots."""
+        clients = {name: self._clients[name] for name in self.instances}
+
+        def request(_name: str) -> pb.GetStatusRequest:
+            return pb.GetStatusRequest()
+
+        return await fan_out(
+            clients,
+            request,
+            deadline_s=timeout_s,
+            per_call_timeout_s=timeout_s,
+            concurrency=self.config.fanout_concurrency,
+        )
+
+    # -- restore (docs/spec.md section 7.7) --------------------------------------------
+
+    async def restore(
+        self,
+        restore_id: str,
+        snapshot: str,
+        manifest: SnapshotManifest,
+        scope: Mapping[str, Iterable[EpisodeId]],
+    ) -> dict[str, tuple[EpisodeId, ...]]:
+        """Restore every participant from ``<root>/<snapshot>/`` as ``manifest`` describes.
+
+        ``scope`` gives each instance the saved episodes (attempt N) to continue; each
+        must install exactly their attempt N+1 and stay closed until :meth:`resume`.
+        Raises :class:`RestoreFailed` (nothing cleaned up; :meth:`restored` does that).
+        """
+        validate_id(restore_id, "restore_id")
+        validate_id(snapshot, "snapshot")
+        self.topology.check_manifest(manifest)
+        unknown = sorted(set(scope) - set(self._clients))
+        if unknown:
+            raise ValueError(f"restore scope names unknown instance(s): {', '.join(unknown)}")
+        scopes = {name: tuple(sorted(set(scope.get(name, ())))) for name in self._clients}
+        requests = {
+            name: pb.RestoreRequest(
+                fence=self.fence,
+                request_id=self.request_id("restore", restore_id, name),
+                restore_id=restore_id,
+                snapshot=snapshot,
+                entry=_manifest_entry(manifest.participant(name)),
+                scope=[episode_to_proto(e) for e in episodes],
+                lease=duration_from_seconds(self.config.lease_s),
+            )
+            for name, episodes in scopes.items()
+        }
+        result = await self._fan_out_once("restore", requests, attempts=JOINING_ATTEMPTS)
+        failures = dict(result.failures)
+        installed: dict[str, tuple[EpisodeId, ...]] = {}
+        for name, response in result.responses.items():
+            try:
+                installed[name] = _check_installed(name, response, scopes[name])
+            except MalformedReplyError as error:
+                failures[name] = classify(error)
+        if failures:
+            replacements = {e.next_attempt() for episodes in scopes.values() for e in episodes}
+            raise RestoreFailed(restore_id, failures, replacements)
+        return installed
+
+    async def _discard_restore(
+        self, restore_id: str, replacements: Sequence[EpisodeId]
+    ) -> dict[str, Failure]:
+        """Retire the replacement attempts everywhere, then resume everywhere."""
+        failures: dict[str, Failure] = {}
+        if replacements:
+            retired = await self.retire(
+                {name: replacements for name in self._clients}, key=f"{restore_id}-discard"
+            )
+            failures.update(retired.failures)
+        resumed = await self.resume(restore_id)
+        for name, failure in resumed.failures.items():
+            failures.setdefault(name, failure)
+        if failures:
+            _LOG.warning(
+                "cleaning up restore %s left %d participant(s) to their leases: %s",
+                restore_id,
+                len(failures),
+                OperationFailed("cleanup", restore_id, failures),
+            )
+        return failures
+
+    @asynccontextmanager
+    async def restored(
+        self,
+        restore_id: str,
+        snapshot: str,
+        manifest: SnapshotManifest,
+        scope: Mapping[str, Iterable[EpisodeId]],
+    ) -> AsyncIterator[RestoredCheckpoint]:
+        """Restore everywhere for the body, then always reopen every participant once.
+
+        A restore that fails on ANY participant has an uncertain outcome on all of them:
+        the replacement attempts (N+1) are retired everywhere, every participant is
+        resumed, and :class:`RestoreFailed` tells the caller to start those rollouts over
+        from their prompts. A body that fails could not take the restored attempts
+        over: they are retired everywhere before the participants reopen, and the body's
+        error propagates.
+        """
+        replacements = tuple(
+            sorted({e.next_attempt() for episodes in scope.values() for e in episodes})
+        )
+        renewer = Renewer(self, restore_id, self.instances)
+        renewer.start()
+        try:
+            installed = await self.restore(restore_id, snapshot, manifest, scope)
+        except RestoreFailed as error:
+            await renewer.stop()
+            cleanup = await self._discard_restore(restore_id, replacements)
+            raise RestoreFailed(restore_id, error.failures, replacements, cleanup) from error
+        except BaseException:
+            await renewer.stop()
+            await self._discard_restore(restore_id, replacements)
+            raise
+        restored = RestoredCheckpoint(restore_id, MappingProxyType(installed))
+        try:
+            yield restored
+        except BaseException:
+            await renewer.stop()
+            await self._discard_restore(restore_id, replacements)
+            raise
+        await renewer.stop()
+        restored.release = await self.resume(restore_id)
+
+    # -- discovery, prepare and commit -------------------------------------------------
 
     def _remember_restarts(
         self, checkpoint_id: str, restarts: Mapping[str, tuple[EpisodeId, ...]]
@@ -163,8 +597,6 @@ class Coordinator(RestoreOperations):
             self._committed_empty[checkpoint_id] = (snapshot, instances)
             while len(self._committed_empty) > _RESTARTS_REMEMBERED:
                 del self._committed_empty[next(iter(self._committed_empty))]
-
-    # -- describe ----------------------------------------------------------------------
 
     async def discover(self) -> Topology:
         """``Describe`` every participant; the result is kept as :attr:`topology`.
@@ -255,8 +687,6 @@ class Coordinator(RestoreOperations):
         """Each described environment's recovery level, as :meth:`discover` decided it;
         a restore plans with these (docs/spec.md section 7.7 item 4)."""
         return self._levels
-
-    # -- prepare -----------------------------------------------------------------------
 
     def _prepare_request(
         self,
@@ -531,8 +961,6 @@ class Coordinator(RestoreOperations):
                 OperationFailed("resume", checkpoint_id, checkpoint.release.failures),
             )
 
-    # -- commit ------------------------------------------------------------------------
-
     async def commit(
         self,
         checkpoint_id: str,
@@ -641,3 +1069,32 @@ def _entry_from_commit(
         )
     except ManifestError as error:
         raise MalformedReplyError(instance, "Commit", error.message) from None
+
+
+def _manifest_entry(entry: ParticipantEntry) -> pb.ManifestEntry:
+    def ref(artifact: ArtifactRef) -> types_pb2.ArtifactRef:
+        return types_pb2.ArtifactRef(
+            path=artifact.path,
+            sha256=artifact.sha256,
+            size_bytes=artifact.size_bytes,
+            record_count=artifact.record_count,
+        )
+
+    message = pb.ManifestEntry(artifacts=[ref(a) for a in entry.artifacts])
+    if entry.manifest is not None:
+        message.manifest.CopyFrom(ref(entry.manifest))
+    return message
+
+
+def _check_installed(
+    instance: str, response: pb.RestoreResponse, scope: Sequence[EpisodeId]
+) -> tuple[EpisodeId, ...]:
+    installed = episodes_of(response.installed, instance, "Restore")
+    problem = installed_problem(installed, scope)
+    if problem is not None:
+        raise MalformedReplyError(instance, "Restore", problem)
+    if response.phase != types_pb2.PHASE_RESTORED:
+        raise MalformedReplyError(
+            instance, "Restore", f"restore answered phase {types_pb2.Phase.Name(response.phase)}"
+        )
+    return tuple(sorted(installed))
