@@ -17,7 +17,6 @@ from tests.support.sources import source_of
 
 PURE_CORES = (
     "turnpoint.trainer.rollouts.ledger",
-    "turnpoint.trainer.rollouts.ledger_state",
     "turnpoint.trainer.rollouts.attempts",
     "turnpoint.trainer.rollouts.values",
     "turnpoint.trainer.rollouts.refusal_marks",
