@@ -51,6 +51,7 @@ from turnpoint.trainer.advanced import (
     SnapshotLayout,
     SnapshotManifest,
     SnapshotPhase,
+    SnapshotState,
     Topology,
     plan_restore,
 )
@@ -121,6 +122,33 @@ async def test_a_snapshot_runs_the_steps_in_order_and_publishes(tmp_path: Path) 
     assert report.admission_closed_s == pytest.approx(0.5 + 3.0)
     # Three participants held from prepare to the end of the resume.
     assert report.participant_seconds == pytest.approx(3 * (3.0 + 1.0 + 0.25))
+
+
+async def test_watchers_are_told_after_each_move_a_broken_one_is_logged_a_kill_propagates(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    class Killed(BaseException):
+        pass
+
+    def broken(*args: object) -> None:
+        raise ValueError("display broke")
+
+    def kill(checkpoint_id: str, old: SnapshotState, new: SnapshotState, now: float) -> None:
+        if new is SnapshotState.ANCHOR:
+            raise Killed
+
+    world = make_world(tmp_path)
+    seen: list[SnapshotState] = []
+    world.driver.subscribe(broken)
+    world.driver.subscribe(kill)
+    stop_seeing = world.driver.subscribe(lambda *args: seen.append(args[2]))
+    with caplog.at_level(logging.ERROR), pytest.raises(Killed):
+        await world.driver.take()
+    assert "a watcher of snapshot" in caplog.text and "failed on new -> release" in caplog.text
+    # The watchers after the killer were not told of the move it died on (the driver's
+    # cleanup moves on to abort, which they see).
+    assert seen[0] is SnapshotState.RELEASE and SnapshotState.ANCHOR not in seen
+    stop_seeing()  # from the next attempt on
 
 
 async def test_a_result_that_arrives_during_prepare_is_queued_not_continued(

@@ -10,9 +10,12 @@ imports neither asyncio nor grpc and reads no clock: every change takes ``now``.
 - :data:`TRANSITIONS` is every move an attempt may make; :class:`SnapshotAttempt` refuses any
   other (:class:`InvalidTransition`: a bug in the driver, never a participant's fault).
 - :meth:`SnapshotAttempt.set_state` is the one place an attempt's state changes (Ray Train's
-  ``_set_state``). It tells every subscriber ``(attempt id, old state, new state, now)``:
-  the metrics, the demo's progress display and the demo's kill switch all watch
-  attempts this way instead of wrapping the driver's collaborators.
+  ``_set_state``). It returns the move as data, a :class:`Transition`; it calls
+  nobody. The driver, the attempt's one writer, tells its watchers (the metrics, the
+  demo's progress display and kill switch) once the move is made.
+- The facts an attempt's report needs change only through it, each in the state where
+  it is learned: the anchor's step, the cut's version, the commit's attribution,
+  publication; entering prepare marks the id exposed.
 - :class:`SnapshotPoint` names the instants an attempt passes, in order (the demo's
   ``--crash-at`` points): :func:`points_of` says which transition passes which point,
   :meth:`SnapshotPoint.after` maps the publication's own steps (they happen inside the
@@ -34,7 +37,7 @@ from __future__ import annotations
 
 import enum
 import logging
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Final
@@ -192,7 +195,27 @@ class InvalidTransition(CoordinatorError):
         self.new = new
 
 
-TransitionCallback = Callable[[str, SnapshotState, SnapshotState, float], None]
+class InvalidFact(CoordinatorError):
+    """A fact recorded in a state where it cannot be learned: a driver bug."""
+
+    def __init__(self, attempt_id: str, state: SnapshotState, fact: str) -> None:
+        super().__init__(
+            Reason.PROTOCOL_VIOLATION,
+            f"snapshot attempt {attempt_id}: {fact} recorded in state {state.value}",
+            {"attempt_id": attempt_id, "state": state.value, "fact": fact},
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """One move of one attempt, as :meth:`SnapshotAttempt.set_state` made it."""
+
+    checkpoint_id: str
+    old: SnapshotState
+    new: SnapshotState
+    now: float
+
+
 """``(attempt id, old state, new state, now)``; ``now`` is on the driver's clock."""
 
 
@@ -273,60 +296,96 @@ class SnapshotAttempt:
     """One snapshot attempt: its state, its phase times and the facts its report needs.
 
     Created in :attr:`SnapshotState.NEW` at ``now``; :meth:`set_state` is the only way it
-    moves. ``subscribers`` are told of every transition, in order, after it happened. A
-    subscriber that raises an ``Exception`` is logged and skipped (a broken display must
-    not fail a snapshot); a ``BaseException`` that is not an ``Exception`` (a test's
-    simulated SIGKILL, a cancellation) propagates to whoever moved the attempt, where the
-    attempt then ends.
+    moves, and the methods below the only way its facts change, each allowed only in the
+    state where the fact is learned (:class:`InvalidTransition` otherwise: a driver bug).
     """
 
-    def __init__(
-        self, checkpoint_id: str, now: float, subscribers: Iterable[TransitionCallback] = ()
-    ) -> None:
+    def __init__(self, checkpoint_id: str, now: float) -> None:
         self.checkpoint_id = checkpoint_id
         self._state = SnapshotState.NEW
-        self._subscribers = tuple(subscribers)
         self.times = PhaseTimes(now)
-        self.history: list[tuple[SnapshotState, SnapshotState, float]] = []
-        # What the report and the watchers read; the driver fills them in as it learns.
-        self.exposed = False  # some participant may have seen the id (prepare was sent)
-        self.published = False
-        self.continued = 0
-        self.restarts = 0
-        self.cut_version: int | None = None
-        self.step: int | None = None
+        self.history: list[Transition] = []
+        self._exposed = False  # some participant may have seen the id (prepare was sent)
+        self._published = False
+        self._continued = 0
+        self._restarts = 0
+        self._cut_version: int | None = None
+        self._step: int | None = None
 
     @property
     def state(self) -> SnapshotState:
         return self._state
 
-    def set_state(self, new: SnapshotState, now: float) -> None:
-        """Move to ``new`` at ``now``; raise :class:`InvalidTransition` if not allowed."""
+    def set_state(self, new: SnapshotState, now: float) -> Transition:
+        """Move to ``new`` at ``now`` and return the move; raise
+        :class:`InvalidTransition` if it is not allowed (nothing changes then)."""
         old = self._state
         if new not in TRANSITIONS[old]:
             raise InvalidTransition(self.checkpoint_id, old, new)
         self._state = new
+        if new is SnapshotState.PREPARE:
+            self._exposed = True
         self.times.record(old, new, now)
-        self.history.append((old, new, now))
-        for subscriber in self._subscribers:
-            try:
-                subscriber(self.checkpoint_id, old, new, now)
-            # A watcher's bug must not become the snapshot's failure; BaseExceptions
-            # (a simulated kill, cancellation) are not caught and end the attempt here.
-            except Exception:  # noqa: BLE001
-                _LOG.exception(
-                    "a watcher of snapshot %s failed on %s -> %s",
-                    self.checkpoint_id,
-                    old.value,
-                    new.value,
-                )
+        transition = Transition(self.checkpoint_id, old, new, now)
+        self.history.append(transition)
+        return transition
+
+    # -- facts, each learned in one state ----------------------------------------------
+
+    def _require(self, state: SnapshotState, fact: str) -> None:
+        if self._state is not state:
+            raise InvalidFact(self.checkpoint_id, self._state, fact)
+
+    def anchor_written(self, step: int) -> None:
+        """The trainer anchor is durable and holds ``step`` (in ANCHOR)."""
+        self._require(SnapshotState.ANCHOR, "anchor written")
+        self._step = step
+
+    def cut_read(self, version: int) -> None:
+        """The trainer's books were read with every participant parked (in PREPARE)."""
+        self._require(SnapshotState.PREPARE, "cut read")
+        self._cut_version = version
+
+    def commit_attributed(self, *, continued: int, restarts: int) -> None:
+        """How many unfinished rollouts the cut continues and restarts (in COMMIT)."""
+        self._require(SnapshotState.COMMIT, "commit attributed")
+        self._continued, self._restarts = continued, restarts
+
+    def publication_durable(self) -> None:
+        """The manifest is published (in PUBLISH): whatever fails later, it stays."""
+        self._require(SnapshotState.PUBLISH, "published")
+        self._published = True
+
+    @property
+    def exposed(self) -> bool:
+        return self._exposed
+
+    @property
+    def published(self) -> bool:
+        return self._published
+
+    @property
+    def continued(self) -> int:
+        return self._continued
+
+    @property
+    def restarts(self) -> int:
+        return self._restarts
+
+    @property
+    def cut_version(self) -> int | None:
+        return self._cut_version
+
+    @property
+    def step(self) -> int | None:
+        return self._step
 
     def view(self) -> SnapshotAttemptView:
         return SnapshotAttemptView(
             checkpoint_id=self.checkpoint_id,
             state=self._state,
-            exposed=self.exposed,
-            published=self.published,
-            continued=self.continued,
-            restarts=self.restarts,
+            exposed=self._exposed,
+            published=self._published,
+            continued=self._continued,
+            restarts=self._restarts,
         )

@@ -103,7 +103,7 @@ from turnpoint.trainer.snapshots.attempt import (
     SnapshotAttempt,
     SnapshotAttemptView,
     SnapshotState,
-    TransitionCallback,
+    Transition,
 )
 from turnpoint.trainer.snapshots.core import attribute_commit, scope_commit
 from turnpoint.trainer.snapshots.preparing import UnackedResolver
@@ -126,6 +126,9 @@ if TYPE_CHECKING:
 
 
 _LOG = logging.getLogger(__name__)
+
+# A watcher of attempts: (checkpoint id, old state, new state, now), after each move.
+TransitionCallback = Callable[[str, SnapshotState, SnapshotState, float], None]
 
 EPOCH_STRIDE: Final = 10**9
 """Checkpoint sequences of epoch ``e`` start above ``e * EPOCH_STRIDE``."""
@@ -280,6 +283,8 @@ class SnapshotDriver:
         self._warned_admission = False
         self._busy = asyncio.Lock()
         self._subscribers: list[TransitionCallback] = []
+        # The subscribers when the current attempt began: they watch it to its end.
+        self._watchers: tuple[TransitionCallback, ...] = ()
         self._attempt: SnapshotAttempt | None = None
         if metrics is not None:
             self.subscribe(metrics.on_transition)
@@ -308,8 +313,24 @@ class SnapshotDriver:
         return self._attempt.view() if self._attempt is not None else None
 
     def _set_state(self, attempt: SnapshotAttempt, state: SnapshotState) -> None:
-        """The one place an attempt moves (:data:`~turnpoint.trainer.snapshots.attempt.TRANSITIONS`)."""
-        attempt.set_state(state, self._clock())
+        """The one place an attempt moves
+        (:data:`~turnpoint.trainer.snapshots.attempt.TRANSITIONS`); its watchers are told
+        once the move is made."""
+        self._tell(attempt.set_state(state, self._clock()))
+
+    def _tell(self, transition: Transition) -> None:
+        for subscriber in self._watchers:
+            try:
+                subscriber(transition.checkpoint_id, transition.old, transition.new, transition.now)
+            # A watcher's bug must not become the snapshot's failure; BaseExceptions
+            # (a simulated kill, cancellation) are not caught and end the attempt here.
+            except Exception:  # noqa: BLE001
+                _LOG.exception(
+                    "a watcher of snapshot %s failed on %s -> %s",
+                    transition.checkpoint_id,
+                    transition.old.value,
+                    transition.new.value,
+                )
 
     # -- ids ---------------------------------------------------------------------------
 
@@ -371,7 +392,8 @@ class SnapshotDriver:
         if self._metrics is not None and (requested or retry_of):
             self._metrics.retried_snapshot(same_id=retry_of is None)
         checkpoint_id = requested or await self.next_checkpoint_id()
-        attempt = self._attempt = SnapshotAttempt(checkpoint_id, self._clock(), self._subscribers)
+        attempt = self._attempt = SnapshotAttempt(checkpoint_id, self._clock())
+        self._watchers = tuple(self._subscribers)
         self._set_state(attempt, _S.RELEASE)
         await self.release_pending()
         if self._last_published is not None and self._last_published == (
@@ -508,7 +530,7 @@ class SnapshotDriver:
             raise _Failed(FailureReason.INVARIANT, str(error), error=error) from error
         except (OSError, TurnpointError) as error:
             raise _Failed(FailureReason.STORAGE, f"trainer anchor: {error}", error=error) from error
-        attempt.step = written.step
+        attempt.anchor_written(written.step)
         return written
 
     async def _cut(
@@ -534,7 +556,6 @@ class SnapshotDriver:
         for rollout in rollouts.in_flight():
             expected.setdefault(rollout.instance, []).append(rollout.episode)
         self._expose(checkpoint_id)
-        attempt.exposed = True
         try:
             self._set_state(attempt, _S.PREPARE)
             prepared = await self._coordinator.prepare(
@@ -550,7 +571,7 @@ class SnapshotDriver:
             # restarted.
             in_flight = tuple(rollouts.in_flight())
             books = rollouts.rollout_books()  # checked once dispatch is open again
-            attempt.cut_version = rollouts.version
+            attempt.cut_read(rollouts.version)
         except PrepareFailed as error:
             if error.finished_through is not None:
                 self._move_past(error.finished_through)
@@ -633,8 +654,9 @@ class SnapshotDriver:
         attribution = attribute_commit(
             scope, in_flight, {name: entry.exported for name, entry in entries.items()}
         )
-        attempt.continued = len(attribution.continued)
-        attempt.restarts = len(attribution.restarted)
+        attempt.commit_attributed(
+            continued=len(attribution.continued), restarts=len(attribution.restarted)
+        )
         self._set_state(attempt, _S.PUBLISH)
         try:
             manifest = SnapshotManifest(
@@ -650,7 +672,7 @@ class SnapshotDriver:
             await asyncio.to_thread(
                 self._layout.publish, self._layout.path(checkpoint_id), manifest
             )
-            attempt.published = True
+            attempt.publication_durable()
             self._named.remember(checkpoint_id, state)
             try:
                 await asyncio.to_thread(self._housekeeping)
