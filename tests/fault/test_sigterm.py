@@ -13,7 +13,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from turnpoint.server import CONTROL_SERVICE
+from turnpoint.server.advanced import CONTROL_SERVICE
 
 TIMEOUT = 30.0
 TOKEN = "sigterm-test-token"

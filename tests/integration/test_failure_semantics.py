@@ -26,7 +26,7 @@ from tests.support.participants import Topology as RealTopology
 from turnpoint.apps.examples._task import make_prompt
 from turnpoint.ids import EpisodeId, checkpoint_sequence, make_checkpoint_id
 from turnpoint.protocol import ParticipantKind, Phase, RecoveryLevel
-from turnpoint.server import BearerTokenInterceptor
+from turnpoint.server.advanced import BearerTokenInterceptor
 from turnpoint.trainer._config import CoordinatorConfig
 from turnpoint.trainer._control_ops import JOINING_ATTEMPTS, JOINING_RETRY_PAUSE_S
 from turnpoint.trainer._coordinator import Coordinator

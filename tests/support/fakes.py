@@ -26,9 +26,14 @@ import grpc
 
 from turnpoint.errors import Reason, TurnpointError
 from turnpoint.ids import EpisodeId
-from turnpoint.participant_sdk import EpisodeState
 from turnpoint.participant_sdk._core import ParticipantCore, WorkKey
-from turnpoint.protocol import ParticipantKind, RecoveryLevel, RecoveryMode, VerifyMode
+from turnpoint.protocol import (
+    EpisodeState,
+    ParticipantKind,
+    RecoveryLevel,
+    RecoveryMode,
+    VerifyMode,
+)
 from turnpoint.trainer import (
     CommitFailed,
     ControlReport,

@@ -12,8 +12,8 @@ import pytest
 
 from turnpoint.apps._cli import main
 from turnpoint.ids import EpisodeId, make_checkpoint_id
-from turnpoint.participant_sdk import ArtifactRef as StoreArtifactRef
 from turnpoint.participant_sdk import Record, SnapshotStore
+from turnpoint.protocol import ArtifactRef as StoreArtifactRef
 from turnpoint.trainer import SnapshotLayout, SnapshotManifest, inspect_root
 from turnpoint.trainer._inspect import inspect_command
 from turnpoint.trainer._manifest import (

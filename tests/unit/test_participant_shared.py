@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 
 from turnpoint.ids import EpisodeId
-from turnpoint.participant_sdk import EpisodeState, RuntimeConfig
+from turnpoint.participant_sdk import RuntimeConfig
 from turnpoint.participant_sdk._core import ParticipantCore, WorkKey
 from turnpoint.participant_sdk._shared import Shared
+from turnpoint.protocol import EpisodeState
 
 
 def make_shared() -> Shared:

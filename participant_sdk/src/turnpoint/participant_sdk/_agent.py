@@ -40,21 +40,10 @@ from turnpoint.protocol import (
 )
 
 from ._core import ActiveClock, ParticipantCore, WorkKey
-from ._generation import Generation, GenerationRequest, WeightsChange
 from ._model import GenerateChunk
-from ._records import json_copy_object
 from ._shared import Shared, invalid_record, logger
-from ._store import Record
-
-__all__ = [
-    "Agent",
-    "AgentHost",
-    "BoundaryReport",
-    "EpisodeContext",
-    "RunOutcome",
-    "RunResult",
-    "SavedTurn",
-]
+from ._store_format import Record, json_copy_object
+from ._token_prefix import Generation, GenerationRequest, WeightsChange
 
 T = TypeVar("T")
 

@@ -46,24 +46,6 @@ from turnpoint.protocol import (
     ReadinessReport,
 )
 
-__all__ = [
-    "ActiveClock",
-    "AnswerLog",
-    "CommitStart",
-    "CoreEvent",
-    "EntryView",
-    "FinishedCheckpoints",
-    "ParticipantCore",
-    "PrepareStart",
-    "RecordedAnswer",
-    "RestoreStart",
-    "ResumeOutcome",
-    "StartKind",
-    "WorkKey",
-    "checked_id",
-    "supersedes",
-]
-
 
 def checked_id(value: object, field: str) -> str:
     """Validate a protocol id, reporting a bad one as INVALID_ARGUMENT (nothing changes)."""

@@ -25,8 +25,6 @@ from ._core import CoreEvent, ParticipantCore
 from ._results import BoundaryEvent, Description, Header, ReadinessUpdate, StatusResult, WatchEvent
 from ._shared import KindHost, RuntimeConfig, Shared
 
-__all__ = ["ControlReads"]
-
 
 class ControlReads:
     """Describe, status and watch over the state a :class:`ParticipantRuntime` holds."""

@@ -19,7 +19,7 @@ because they bound real waits.
 This module holds the fenced control operations (docs/spec.md sections 4.6-4.12).
 The reads (Describe, GetStatus, WatchBoundaries) are in :mod:`._reads`, the data plane
 in :mod:`._dataplane`, the commit and restore jobs in :mod:`._jobs`, and the reply types
-in :mod:`._results`; the names are re-exported here.
+in :mod:`._results`.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 
 from turnpoint.errors import Reason, TurnpointError
 from turnpoint.ids import EpisodeId, InvalidIdError
-from turnpoint.protocol import EpisodeState, Fence, Phase
+from turnpoint.protocol import ArtifactRef, EpisodeState, Fence, Phase
 
 from ._agent import Agent, AgentHost
 from ._core import ParticipantCore, StartKind, WorkKey, checked_id, supersedes
@@ -42,53 +42,19 @@ from ._dataplane import DataPlane
 from ._jobs import CommitJob, RestoreJob, Stage, retrieve, slot_of, storage_error
 from ._model import ModelHost, PolicyModel
 from ._reads import ControlReads
-from ._records import detached
 from ._resources import ResourcesHost, ResourcesServer
 from ._results import (
-    AcknowledgeResult,
-    BoundaryEvent,
     CommitResult,
-    Description,
     ForgetResult,
-    Header,
     PrepareResult,
-    ReadinessUpdate,
     RenewResult,
     RestoreResult,
     ResumeResult,
     RetireResult,
-    StatusResult,
-    WatchEvent,
 )
 from ._shared import Deadline, KindHost, RuntimeConfig, Shared, invalid_record, logger
-from ._store import (
-    ArtifactRef,
-    CorruptSnapshotError,
-    Record,
-    SnapshotEntry,
-    SnapshotStore,
-    StoreError,
-    WriteState,
-    WriteTicket,
-)
-
-__all__ = [
-    "AcknowledgeResult",
-    "BoundaryEvent",
-    "CommitResult",
-    "Description",
-    "ForgetResult",
-    "Header",
-    "ParticipantRuntime",
-    "PrepareResult",
-    "ReadinessUpdate",
-    "RenewResult",
-    "RestoreResult",
-    "ResumeResult",
-    "RetireResult",
-    "StatusResult",
-    "WatchEvent",
-]
+from ._store import SnapshotStore, WriteState, WriteTicket
+from ._store_format import CorruptSnapshotError, Record, SnapshotEntry, StoreError, detached
 
 T = TypeVar("T")
 

@@ -23,15 +23,7 @@ from turnpoint.ids import EpisodeId
 from turnpoint.protocol import ParticipantKind, RecoveryMode
 
 from ._core import CoreEvent, ParticipantCore, WorkKey
-from ._store import Record
-
-__all__ = [
-    "Deadline",
-    "KindHost",
-    "RuntimeConfig",
-    "Shared",
-    "invalid_record",
-]
+from ._store_format import Record
 
 logger = logging.getLogger("turnpoint.participant_sdk")
 

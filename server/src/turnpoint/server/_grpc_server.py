@@ -46,20 +46,6 @@ from turnpoint.v1 import (
     rollout_service_pb2,
 )
 
-__all__ = [
-    "CONTROL_SERVICE",
-    "DATA_PLANE_SERVICES",
-    "DEFAULT_MAX_LIST_LENGTH",
-    "HEALTH_SERVICE",
-    "REFLECTION_SERVICES",
-    "DrainHook",
-    "ParticipantServer",
-    "RegisterServicers",
-    "ServerOptions",
-    "ServerState",
-    "check_list_length",
-]
-
 _log = logging.getLogger(__name__)
 
 CONTROL_SERVICE: Final[str] = checkpoint_control_service_pb2.DESCRIPTOR.services_by_name[
@@ -108,7 +94,7 @@ class ServerOptions:
     server's Prometheus metrics over HTTP on 127.0.0.1 (``server/_metrics.py``,
     docs/spec.md section 7.10); read the address back from
     :attr:`ParticipantServer.metrics_address`. ``shared_port`` (a worker of a group,
-    ``server/_workers.py``) also listens on that port, which every worker of the group
+    :mod:`turnpoint.server._worker_group`) also listens on that port, which every worker of the group
     binds with ``SO_REUSEPORT``; ``port`` stays the worker's own (docs/spec.md section
     3.9).
     """
