@@ -835,8 +835,7 @@ class AgentHost:
     async def _after_refusal(self) -> None:
         """The model refused with ADMISSION_CLOSED: stay parked, retry after (our) resume."""
         shared = self._shared
-        async with shared.cond:
-            core = shared.core
+        async with shared.locked() as core:
             if core.admission_open:
                 # Our own admission is open: the model's checkpoint is not in step with
                 # ours, so back off a little (or until ours closes too) before retrying.
@@ -862,7 +861,7 @@ class AgentHost:
 
     async def admission_closed(self) -> None:
         now = self._shared.now()
-        core = self._shared.core
+        core = self._shared.view
         for execution in self._executions.values():
             if core.state_of(execution.key) is EpisodeState.AWAITING_MODEL:
                 execution.clock.pause(now)
@@ -870,7 +869,7 @@ class AgentHost:
 
     async def admission_opened(self) -> None:
         now = self._shared.now()
-        core = self._shared.core
+        core = self._shared.view
         for execution in self._executions.values():
             if core.state_of(execution.key) is EpisodeState.AWAITING_MODEL:
                 execution.clock.resume(now)

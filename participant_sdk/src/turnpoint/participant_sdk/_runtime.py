@@ -238,7 +238,7 @@ class ParticipantRuntime(ControlReads, DataPlane):
                     publishing.add_done_callback(self._background.discard)
             if start.opened:
                 self._forget_released()
-                await self._close_admission(checkpoint_id)
+                await self._close_admission(core, checkpoint_id)
             await self._shared.wait_until(
                 lambda: core.ready or core.active_checkpoint_id != checkpoint_id,
                 deadline.remaining(),
@@ -280,7 +280,7 @@ class ParticipantRuntime(ControlReads, DataPlane):
         self._shared.committed_checkpoint_id = checkpoint_id
         return True
 
-    async def _close_admission(self, checkpoint_id: str) -> None:
+    async def _close_admission(self, core: ParticipantCore, checkpoint_id: str) -> None:
         """Run the kinds' close hooks (lock held); any failure reopens admission."""
         closed: list[KindHost] = []
         try:
@@ -288,7 +288,7 @@ class ParticipantRuntime(ControlReads, DataPlane):
                 await host.admission_closed()
                 closed.append(host)
         except BaseException:
-            self._shared.core.abort_prepare(checkpoint_id)
+            core.abort_prepare(checkpoint_id)
             for host in closed:
                 await self._opened_hook(host)
             raise
@@ -588,8 +588,8 @@ class ParticipantRuntime(ControlReads, DataPlane):
 
         The background lease task calls this; tests with a fake clock call it directly.
         """
-        async with self._shared.cond:
-            expired = self._shared.core.lease_expired(self._shared.now())
+        async with self._shared.locked() as core:
+            expired = core.lease_expired(self._shared.now())
         if expired is None:
             return None
         result = await self._resume(expired, Deadline.never(), expired=True)
@@ -598,8 +598,8 @@ class ParticipantRuntime(ControlReads, DataPlane):
     async def _lease_loop(self) -> None:
         shared = self._shared
         while True:
-            async with shared.cond:
-                expires = shared.core.lease_expires_at
+            async with shared.locked() as core:
+                expires = core.lease_expires_at
                 delay = None if expires is None else expires - shared.now()
                 # Every lease change is published under this lock: cleared here, the
                 # event is set by any renew or resume from now on, and only by those
