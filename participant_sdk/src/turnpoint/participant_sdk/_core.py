@@ -2,7 +2,7 @@
 
 No asyncio, no grpc, no wall clock: every method that depends on time takes ``now``
 (seconds on any monotonic scale the caller picks), so a test drives hours of leases in
-microseconds. The asyncio runtime (``_runtime.py``) holds one lock around this object
+microseconds. The asyncio runtime (:mod:`turnpoint.participant_sdk._runtime`) holds one lock around this object
 and turns its decisions into waits, tasks and file writes.
 
 What it keeps:

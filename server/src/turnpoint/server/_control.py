@@ -441,8 +441,8 @@ def _hook_failed(operation: str, error: Exception) -> TurnpointError:
     """A failure below the protocol (a participant's hook raised), as a typed error.
 
     Neither door answers it UNKNOWN: the coordinator gets a reason it can act on
-    (participant_sdk/_failures.py has the table) and the exception's text stays here, in
-    the log, never on the wire (docs/spec.md section 9.1).
+    (:mod:`turnpoint.participant_sdk._failures` has the table) and the exception's text
+    stays here, in the log, never on the wire (docs/spec.md section 9.1).
     """
     mapped = hook_failure(error, operation)
     if mapped is not error:

@@ -91,12 +91,12 @@ class ServerOptions:
     not known here). TLS needs ``tls_cert_file`` and ``tls_key_file``;
     ``tls_client_ca_file`` turns on mutual TLS: every client must present a certificate
     that CA signed. ``metrics_port`` (None: off; 0 lets the OS pick) serves the
-    server's Prometheus metrics over HTTP on 127.0.0.1 (``server/_metrics.py``,
+    server's Prometheus metrics over HTTP on 127.0.0.1 (:mod:`turnpoint.server._metrics`,
     docs/spec.md section 7.10); read the address back from
     :attr:`ParticipantServer.metrics_address`. ``shared_port`` (a worker of a group,
-    :mod:`turnpoint.server._worker_group`) also listens on that port, which every worker of the group
-    binds with ``SO_REUSEPORT``; ``port`` stays the worker's own (docs/spec.md section
-    3.9).
+    :mod:`turnpoint.server._worker_group`) also listens on that port, which every worker
+    of the group binds with ``SO_REUSEPORT``; ``port`` stays the worker's own
+    (docs/spec.md section 3.9).
     """
 
     host: str = "127.0.0.1"

@@ -54,7 +54,7 @@ def register_runtime(
     ``roster`` (a worker of a group) is listed in every ``Describe`` answer."""
 
     def register(server: grpc.aio.Server) -> Sequence[str]:
-        # Each servicer parses its own request bytes (server/_typed.py), so a malformed
+        # Each servicer parses its own request bytes (turnpoint.server._typed), so a malformed
         # message is INVALID_ARGUMENT with an ErrorInfo instead of grpc's UNKNOWN.
         services = [CONTROL_SERVICE]
         add_servicer(
