@@ -13,7 +13,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from turnpoint.server import CONTROL_SERVICE
+from turnpoint.server.advanced import CONTROL_SERVICE
 
 TIMEOUT = 30.0
 TOKEN = "sigterm-test-token"
@@ -23,7 +23,9 @@ TOKEN = "sigterm-test-token"
 # grace was cut short by what the test did, not waited out.
 _CHILD = """
 import asyncio, sys
-from turnpoint.server import CONTROL_SERVICE, ParticipantServer, ServerOptions, load_token
+from turnpoint.auth import load_token
+from turnpoint.server import ServerOptions
+from turnpoint.server.advanced import CONTROL_SERVICE, ParticipantServer
 from turnpoint.v1 import checkpoint_control_service_pb2_grpc as pb_grpc
 
 def register(server):

@@ -26,7 +26,7 @@ from tests.support.participants import Topology as RealTopology
 from turnpoint.apps.examples._task import make_prompt
 from turnpoint.ids import EpisodeId, checkpoint_sequence, make_checkpoint_id
 from turnpoint.protocol import ParticipantKind, Phase, RecoveryLevel
-from turnpoint.server import BearerTokenInterceptor
+from turnpoint.server.advanced import BearerTokenInterceptor
 from turnpoint.trainer.anchors.source import WrittenAnchor
 from turnpoint.trainer.config import CoordinatorConfig
 from turnpoint.trainer.control.coordinator import Coordinator

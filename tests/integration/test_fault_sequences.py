@@ -98,15 +98,9 @@ from turnpoint._convert import episode_to_proto, struct_from_mapping
 from turnpoint._keepalive import LOCAL_SUBCHANNEL_POOL, control_channel, data_channel
 from turnpoint.apps._inspect import inspect_root
 from turnpoint.ids import EpisodeId
-from turnpoint.participant_sdk import (
-    EpisodeContext,
-    EpisodeState,
-    FaultPoint,
-    ParticipantRuntime,
-    Phase,
-    SnapshotStore,
-)
-from turnpoint.participant_sdk.testing import StoreFaults
+from turnpoint.participant_sdk import EpisodeContext, ParticipantRuntime, SnapshotStore
+from turnpoint.participant_sdk.testing import FaultPoint, StoreFaults
+from turnpoint.protocol import EpisodeState, Phase
 from turnpoint.server import HostedParticipant, ServerOptions, host_participant
 from turnpoint.trainer import (
     CoordinatorConfig,

@@ -33,18 +33,16 @@ from turnpoint._keepalive import (
 )
 from turnpoint._status import error_from_rpc
 from turnpoint._tls import client_credentials
+from turnpoint.auth import auth_metadata, bearer_call_credentials, load_token
 from turnpoint.errors import Reason, TurnpointError
-from turnpoint.server import (
+from turnpoint.server import ServerOptions
+from turnpoint.server._grpc_server import check_list_length
+from turnpoint.server.advanced import (
     CONTROL_SERVICE,
     HEALTH_SERVICE,
     BearerTokenInterceptor,
     DrainHook,
     ParticipantServer,
-    ServerOptions,
-    auth_metadata,
-    bearer_call_credentials,
-    check_list_length,
-    load_token,
 )
 from turnpoint.v1 import checkpoint_control_service_pb2 as pb
 from turnpoint.v1 import checkpoint_control_service_pb2_grpc as pb_grpc

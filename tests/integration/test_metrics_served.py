@@ -27,7 +27,8 @@ from turnpoint.apps.examples.guide_agent import CounterAgent
 from turnpoint.apps.examples.guide_resources import CounterTools
 from turnpoint.ids import EpisodeId
 from turnpoint.participant_sdk import ParticipantRuntime, RuntimeConfig, SnapshotStore
-from turnpoint.server import HostedParticipant, ServerOptions, host_participant, serve_metrics
+from turnpoint.server import HostedParticipant, ServerOptions, host_participant
+from turnpoint.server.advanced import serve_metrics
 from turnpoint.trainer import CoordinatorConfig, SnapshotOutcome
 from turnpoint.trainer.advanced import (
     AgentEndpoint,

@@ -52,15 +52,9 @@ from tests.support.scripted import (
 from turnpoint._convert import struct_to_dict
 from turnpoint.errors import Reason, TurnpointError
 from turnpoint.ids import EpisodeId, make_checkpoint_id
-from turnpoint.participant_sdk import (
-    ArtifactRef,
-    EpisodeState,
-    ParticipantRuntime,
-    Phase,
-    RuntimeConfig,
-    SnapshotStore,
-)
+from turnpoint.participant_sdk import ParticipantRuntime, RuntimeConfig, SnapshotStore
 from turnpoint.participant_sdk.testing import StoreFaults
+from turnpoint.protocol import ArtifactRef, EpisodeState, Phase
 from turnpoint.server import HostedParticipant, ServerOptions, host_participant
 from turnpoint.v1 import checkpoint_control_service_pb2 as pb
 from turnpoint.v1 import rollout_service_pb2 as ro_pb

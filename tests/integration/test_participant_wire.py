@@ -41,20 +41,14 @@ from tests.support.scripted import (
     rid,
     wire_to,
 )
-from turnpoint._convert import episode_to_proto
+from turnpoint._convert import enum_from_proto, episode_to_proto
 from turnpoint._status import error_from_rpc
 from turnpoint.errors import Reason, TurnpointError
 from turnpoint.ids import EpisodeId
-from turnpoint.participant_sdk import (
-    ArtifactRef,
-    EpisodeState,
-    FaultPoint,
-    SnapshotStore,
-    TransientError,
-)
-from turnpoint.participant_sdk._store import MANIFEST_NAME
-from turnpoint.participant_sdk.testing import StoreFaults
-from turnpoint.server._convert import enum_from_proto
+from turnpoint.participant_sdk import SnapshotStore, TransientError
+from turnpoint.participant_sdk._store_format import MANIFEST_NAME
+from turnpoint.participant_sdk.testing import FaultPoint, StoreFaults
+from turnpoint.protocol import ArtifactRef, EpisodeState
 from turnpoint.v1 import checkpoint_control_service_pb2 as pb
 from turnpoint.v1 import rollout_service_pb2 as ro_pb
 from turnpoint.v1 import types_pb2

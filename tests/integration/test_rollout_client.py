@@ -25,14 +25,8 @@ from turnpoint._convert import episode_from_proto, episode_to_proto, struct_from
 from turnpoint._status import error_to_grpc_status
 from turnpoint.errors import Reason, TurnpointError
 from turnpoint.ids import EpisodeId
-from turnpoint.participant_sdk import (
-    Agent,
-    EpisodeContext,
-    EpisodeState,
-    Fence,
-    ParticipantRuntime,
-    SnapshotStore,
-)
+from turnpoint.participant_sdk import Agent, EpisodeContext, ParticipantRuntime, SnapshotStore
+from turnpoint.protocol import EpisodeState, Fence
 from turnpoint.server import ServerOptions, host_participant
 from turnpoint.trainer import Rollout, RolloutClientSettings, RolloutOutcome, RolloutResult
 from turnpoint.trainer.advanced import AgentEndpoint, InFlightRollout, ManifestError, RolloutClient

@@ -33,8 +33,8 @@ from tests.support.token_prefix import (
 from turnpoint._convert import episode_to_proto
 from turnpoint.auth import auth_metadata
 from turnpoint.ids import EpisodeId
-from turnpoint.participant_sdk import Fence, ParticipantRuntime, SnapshotStore
-from turnpoint.protocol import RecoveryLevel
+from turnpoint.participant_sdk import ParticipantRuntime, SnapshotStore
+from turnpoint.protocol import Fence, RecoveryLevel
 from turnpoint.server import HostedParticipant, ServerOptions, host_participant
 from turnpoint.trainer import (
     Checkpointing,

@@ -33,8 +33,7 @@ from tests.support.scripted import (
 )
 from turnpoint.apps.examples._task import make_prompt
 from turnpoint.ids import EpisodeId
-from turnpoint.participant_sdk import EpisodeState
-from turnpoint.protocol import RecoveryLevel
+from turnpoint.protocol import EpisodeState, RecoveryLevel
 from turnpoint.server import HostedParticipant
 from turnpoint.trainer import (
     CoordinatorConfig,

@@ -27,9 +27,15 @@ import grpc
 
 from turnpoint.errors import Reason, TurnpointError
 from turnpoint.ids import EpisodeId
-from turnpoint.participant_sdk import EpisodeState
 from turnpoint.participant_sdk._core import ParticipantCore, WorkKey
-from turnpoint.protocol import ArtifactRef, ParticipantKind, RecoveryLevel, RecoveryMode, VerifyMode
+from turnpoint.protocol import (
+    ArtifactRef,
+    EpisodeState,
+    ParticipantKind,
+    RecoveryLevel,
+    RecoveryMode,
+    VerifyMode,
+)
 from turnpoint.trainer import CoordinatorConfig
 from turnpoint.trainer.advanced import (
     CommitFailed,

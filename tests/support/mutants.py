@@ -40,22 +40,18 @@ from turnpoint.apps.examples._participants import GuessTools
 from turnpoint.participant_sdk import (
     Agent,
     EpisodeContext,
-    EpisodeState,
-    Fence,
     ParticipantRuntime,
-    Phase,
-    PrepareResult,
     RuntimeConfig,
     SnapshotStore,
 )
-from turnpoint.server import (
+from turnpoint.participant_sdk.advanced import PrepareResult
+from turnpoint.protocol import EpisodeState, Fence, Phase
+from turnpoint.server import HostedParticipant, ServerOptions, host_participant
+from turnpoint.server.advanced import (
     CONTROL_SERVICE,
     ControlServicer,
-    HostedParticipant,
     ParticipantServer,
     ResourcesServicer,
-    ServerOptions,
-    host_participant,
 )
 from turnpoint.v1 import (
     checkpoint_control_service_pb2_grpc,

@@ -33,6 +33,7 @@ from google.protobuf import duration_pb2
 from tests.support.fakes import state_of
 from tests.support.participants import METADATA, TOKEN, ControlDoor
 from turnpoint._convert import (
+    artifact_to_proto,
     duration_from_seconds,
     episode_to_proto,
     struct_from_mapping,
@@ -43,7 +44,6 @@ from turnpoint.errors import Reason, TurnpointError
 from turnpoint.ids import EpisodeId, make_checkpoint_id
 from turnpoint.participant_sdk import (
     Agent,
-    ArtifactRef,
     EpisodeContext,
     ParticipantRuntime,
     ResourcesServer,
@@ -55,14 +55,9 @@ from turnpoint.participant_sdk import (
 )
 from turnpoint.participant_sdk._core import ParticipantCore
 from turnpoint.participant_sdk.testing import StoreFaults
-from turnpoint.protocol import RecoveryMode
-from turnpoint.server import (
-    BearerTokenInterceptor,
-    HostedParticipant,
-    ServerOptions,
-    host_participant,
-)
-from turnpoint.server._convert import artifact_to_proto
+from turnpoint.protocol import ArtifactRef, RecoveryMode
+from turnpoint.server import HostedParticipant, ServerOptions, host_participant
+from turnpoint.server.advanced import BearerTokenInterceptor
 from turnpoint.v1 import checkpoint_control_service_pb2 as pb
 from turnpoint.v1 import checkpoint_control_service_pb2_grpc as pb_grpc
 from turnpoint.v1 import resources_service_pb2 as rs_pb

@@ -33,7 +33,7 @@ from turnpoint.participant_sdk import (
     PolicyModel,
     WeightsChange,
 )
-from turnpoint.server._convert import generate_chunk_from_proto
+from turnpoint.server import generate_chunk_from_proto
 from turnpoint.v1 import policy_service_pb2, policy_service_pb2_grpc
 
 EOS = 0

@@ -19,14 +19,12 @@ from turnpoint.ids import EpisodeId, make_checkpoint_id
 from turnpoint.participant_sdk import (
     Agent,
     EpisodeContext,
-    EpisodeState,
-    Fence,
     ParticipantRuntime,
-    Phase,
     SavedTurn,
     SnapshotStore,
 )
 from turnpoint.participant_sdk._agent import _copied_state
+from turnpoint.protocol import EpisodeState, Fence, Phase
 
 FENCE = Fence("coord", 1)
 EPISODE = EpisodeId("rollout-a", 0)

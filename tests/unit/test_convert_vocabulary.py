@@ -75,16 +75,25 @@ def test_readiness_round_trip() -> None:
     assert _convert.readiness_from_proto(_convert.readiness_to_proto(report)) == report
 
 
-def test_the_server_module_re_exports_the_core_conversions() -> None:
-    for name in (
-        "artifact_from_proto",
-        "artifact_to_proto",
-        "artifacts_from_proto",
-        "enum_from_proto",
-        "enum_to_proto",
-        "fence_from_proto",
-        "readiness_to_proto",
-        "receipt_from_proto",
-        "receipt_to_proto",
+def test_the_servicers_convert_the_vocabulary_with_the_core_conversions() -> None:
+    # One conversion table, shared with the trainer: the servicers use the core's
+    # functions themselves and the server keeps no copy (or re-export) of its own.
+    from turnpoint.server import _control, _data
+
+    for module, names in (
+        (
+            _control,
+            (
+                "artifact_from_proto",
+                "artifact_to_proto",
+                "artifacts_from_proto",
+                "enum_to_proto",
+                "fence_from_proto",
+                "readiness_to_proto",
+            ),
+        ),
+        (_data, ("enum_from_proto", "enum_to_proto", "receipt_from_proto", "receipt_to_proto")),
     ):
-        assert getattr(server_convert, name) is getattr(_convert, name)
+        for name in names:
+            assert getattr(module, name) is getattr(_convert, name)
+            assert not hasattr(server_convert, name)

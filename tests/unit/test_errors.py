@@ -167,8 +167,8 @@ def test_every_participant_sdk_error_is_one_participant_error_with_a_reason() ->
         ParticipantError,
         SnapshotConflictError,
     )
-    from turnpoint.participant_sdk._records import Corruption
     from turnpoint.participant_sdk._store import WriteCancelled
+    from turnpoint.participant_sdk._store_format import Corruption
 
     exceptions = _public_exceptions("turnpoint.participant_sdk")
     assert len(exceptions) >= 7

@@ -13,9 +13,9 @@ import pytest
 from turnpoint.apps._cli import main
 from turnpoint.apps._inspect import inspect_command, inspect_root
 from turnpoint.ids import EpisodeId, make_checkpoint_id
-from turnpoint.participant_sdk import ArtifactRef as StoreArtifactRef
 from turnpoint.participant_sdk import Record, SnapshotStore
 from turnpoint.protocol import ArtifactRef, ParticipantKind
+from turnpoint.protocol import ArtifactRef as StoreArtifactRef
 from turnpoint.trainer.advanced import SnapshotLayout, SnapshotManifest
 from turnpoint.trainer.storage.layout import tree_digest
 from turnpoint.trainer.storage.manifest import (

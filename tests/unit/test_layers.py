@@ -163,10 +163,10 @@ def test_the_checker_sees_lazy_type_checking_and_string_imports() -> None:
     """Guard the guard: each way of hiding an import is still an edge."""
     source = (
         "from typing import TYPE_CHECKING\n"
-        "if TYPE_CHECKING:\n    from turnpoint.server import ParticipantServer\n"
+        "if TYPE_CHECKING:\n    from turnpoint.server.advanced import ParticipantServer\n"
         "def f():\n    import turnpoint.apps.demo\n"
         "CMD = ('python', '-m', 'turnpoint.apps._cli', 'serve')\n"
-        "from ..server import _host\n"
+        "from ..server import _hosted_participant\n"
     )
     probe = LAYER_DIRS["trainer"] / "trainer" / "_layers_probe.py"
     found = violations("trainer", {probe: source})

@@ -27,36 +27,39 @@ from turnpoint.errors import Reason, TurnpointError
 from turnpoint.ids import EpisodeId, make_checkpoint_id, validate_id
 from turnpoint.participant_sdk import (
     Agent,
-    ArtifactRef,
-    BoundaryEvent,
-    BoundaryReport,
-    CommitResult,
     ConfigurationError,
     EpisodeContext,
-    EpisodeState,
-    FaultPoint,
-    Fence,
     GenerateChunk,
     GenerateRequest,
-    ParticipantKind,
     ParticipantRuntime,
-    Phase,
     PolicyModel,
-    PrepareResult,
-    ReadinessUpdate,
-    RecoveryLevel,
     RecoveryMode,
     ResourcesServer,
-    RunOutcome,
-    RunResult,
     RuntimeConfig,
     SavedTurn,
     SnapshotStore,
     Verdict,
     VerifyMode,
+)
+from turnpoint.participant_sdk.advanced import (
+    BoundaryEvent,
+    BoundaryReport,
+    CommitResult,
+    PrepareResult,
+    ReadinessUpdate,
+    RunOutcome,
+    RunResult,
     WatchEvent,
 )
-from turnpoint.participant_sdk.testing import StoreFaults
+from turnpoint.participant_sdk.testing import FaultPoint, StoreFaults
+from turnpoint.protocol import (
+    ArtifactRef,
+    EpisodeState,
+    Fence,
+    ParticipantKind,
+    Phase,
+    RecoveryLevel,
+)
 
 T = TypeVar("T")
 

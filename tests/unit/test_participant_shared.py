@@ -5,9 +5,10 @@ from __future__ import annotations
 import asyncio
 
 from turnpoint.ids import EpisodeId
-from turnpoint.participant_sdk import EpisodeState, RuntimeConfig
+from turnpoint.participant_sdk import RuntimeConfig
 from turnpoint.participant_sdk._core import ParticipantCore, WorkKey
 from turnpoint.participant_sdk._shared import Shared
+from turnpoint.protocol import EpisodeState
 
 
 def make_shared() -> Shared:
@@ -28,7 +29,7 @@ async def admit(shared: Shared, name: str) -> None:
 async def test_a_watcher_receives_the_changes_made_while_it_watches_and_no_others() -> None:
     shared = make_shared()
     await admit(shared, "before")
-    assert not shared.core.record_events
+    assert not shared.view.record_events
     first = shared.add_watcher()
     await admit(shared, "watched")
     assert [event.episode.rollout_id for event in first.events] == ["watched"]
@@ -64,3 +65,20 @@ async def test_a_waiter_for_admission_wakes_when_it_opens_and_not_before() -> No
         core.resume(checkpoint, shared.now())
     async with asyncio.timeout(5):
         await waiter
+
+
+def test_the_core_is_changed_only_inside_changing() -> None:
+    # One writer: the shared state hands the mutable core out only with the lock held
+    # (changing); what everyone else gets, with or without the lock, is a view.
+    shared = make_shared()
+    assert not hasattr(shared, "core")
+    for mutator in ("admit", "set_state", "begin_prepare", "resume", "observe_fence", "forget"):
+        assert not hasattr(shared.view, mutator)
+
+
+async def test_locked_reads_the_core_under_the_lock_without_publishing() -> None:
+    shared = make_shared()
+    async with shared.locked() as view:
+        assert shared.cond.locked()
+        assert view is shared.view and view.admission_open
+    assert not shared.cond.locked()

@@ -33,14 +33,9 @@ from tests.unit.test_participant_runtime import (
     start_episode,
 )
 from turnpoint.errors import Reason
-from turnpoint.participant_sdk import (
-    EpisodeState,
-    ParticipantRuntime,
-    Phase,
-    RuntimeConfig,
-    SnapshotStore,
-)
+from turnpoint.participant_sdk import ParticipantRuntime, RuntimeConfig, SnapshotStore
 from turnpoint.participant_sdk.testing import StoreFaults
+from turnpoint.protocol import EpisodeState, Phase
 
 
 def written_states(store: SnapshotStore, snapshot: str) -> dict[str, object]:

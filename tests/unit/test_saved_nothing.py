@@ -22,15 +22,13 @@ from tests.support.fakes import expect
 from turnpoint.errors import Reason
 from turnpoint.ids import EpisodeId, make_checkpoint_id
 from turnpoint.participant_sdk import (
-    Fence,
     ParticipantRuntime,
-    Phase,
     Record,
     ResourcesServer,
     SnapshotStore,
     Verdict,
 )
-from turnpoint.protocol import ParticipantKind, RecoveryMode
+from turnpoint.protocol import Fence, ParticipantKind, Phase, RecoveryMode
 from turnpoint.trainer.control.client import check_prepare_reply
 from turnpoint.trainer.control.coordinator import _entry_from_commit
 from turnpoint.trainer.control.failures import MalformedReplyError

@@ -18,23 +18,20 @@ import pytest
 
 from turnpoint.ids import EpisodeId, InvalidIdError
 from turnpoint.participant_sdk import (
-    ArtifactRef,
     CorruptSnapshotError,
-    FaultPoint,
     Record,
     SnapshotConflictError,
     SnapshotEntry,
     SnapshotStore,
 )
-from turnpoint.participant_sdk._store import (
+from turnpoint.participant_sdk._store import WriteCancelled, WriteState, WriteTicket
+from turnpoint.participant_sdk._store_format import (
     MANIFEST_NAME,
     Corruption,
     UnserialisableRecordError,
-    WriteCancelled,
-    WriteState,
-    WriteTicket,
 )
-from turnpoint.participant_sdk.testing import StoreFaults
+from turnpoint.participant_sdk.testing import FaultPoint, StoreFaults
+from turnpoint.protocol import ArtifactRef
 
 T = TypeVar("T")
 

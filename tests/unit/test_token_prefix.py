@@ -34,18 +34,14 @@ from tests.support.token_prefix import (
 )
 from turnpoint.ids import EpisodeId, make_checkpoint_id
 from turnpoint.participant_sdk import (
-    CommitResult,
-    EpisodeState,
-    Fence,
     GenerateRequest,
     Generation,
     ParticipantRuntime,
-    Phase,
-    RecoveryLevel,
-    RunResult,
     SnapshotStore,
     WeightsChange,
 )
+from turnpoint.participant_sdk.advanced import CommitResult, RunResult
+from turnpoint.protocol import EpisodeState, Fence, Phase, RecoveryLevel
 from turnpoint.trainer.advanced import decide_levels
 from turnpoint.trainer.snapshots.levels import EnvironmentMember
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from turnpoint.server import GroupMember, GroupRoster, WorkerGroup, WorkerSlot, worker_name
-from turnpoint.server._group import WORKER_SLOT_ENV
-from turnpoint.server._workers import worker_slot_from_env
+from turnpoint.server import WorkerGroup, WorkerSlot
+from turnpoint.server._worker_group import worker_slot_from_env
+from turnpoint.server._worker_slot import WORKER_SLOT_ENV, worker_name
+from turnpoint.server.advanced import GroupMember, GroupRoster
 
 
 def slot(index: int = 1) -> WorkerSlot:

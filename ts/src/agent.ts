@@ -1,6 +1,6 @@
 /**
  * Agents: episodes that run turn by turn and park at their turn boundaries (docs/spec.md
- * sections 5.2, 6). A port of participant_sdk/_agent.py.
+ * sections 5.2, 6). A port of turnpoint.participant_sdk._agent.
  *
  * A Gym agent server implements `Agent.run`. The SDK runs each episode as one
  * execution, streams a BoundaryReport each time the episode seals a turn

@@ -1,6 +1,6 @@
 /**
  * The participant's control core: the protocol as plain state, decided in one place.
- * A port of the Python reference (participant_sdk/_core.py), rule for rule.
+ * A port of the Python reference (turnpoint.participant_sdk._core), rule for rule.
  *
  * No timers, no I/O, no wall clock: every method that depends on time takes `now`
  * (seconds on any monotonic scale the caller picks), so a test drives hours of leases

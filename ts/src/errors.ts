@@ -30,7 +30,7 @@ export type GrpcCodeName = keyof typeof GrpcCode;
 
 /**
  * The table of docs/spec.md section 9.3: reason -> gRPC code. HOOK_FAILED (18) is in
- * types.proto and the Python reference (participant_sdk/_failures.py) but not yet in
+ * types.proto and the Python reference (turnpoint.participant_sdk._failures) but not yet in
  * the spec's table; it travels as INTERNAL like the reference.
  */
 export const REASON_CODES = {
@@ -104,7 +104,7 @@ const MAX_OPERATION_CHARS = 64;
 
 /**
  * The typed error the caller sees for something a participant's hook threw while
- * serving `operation` (participant_sdk/_failures.py): a TurnpointError keeps its reason;
+ * serving `operation` (turnpoint.participant_sdk._failures): a TurnpointError keeps its reason;
  * a connection or timeout failure is UNAVAILABLE; anything else HOOK_FAILED. The
  * exception's text never goes on the wire (it may hold paths or secrets).
  */

@@ -1,6 +1,6 @@
 /**
  * What the runtime needs from each kind it hosts (agent, resources). A port of the
- * Python `KindHost` protocol (participant_sdk/_shared.py).
+ * Python `KindHost` protocol (turnpoint.participant_sdk._shared).
  */
 import type { WorkKey } from "./core.js";
 import type { EpisodeId } from "./ids.js";

@@ -1,6 +1,6 @@
 /**
  * The snapshot store's on-disk format (docs/spec.md sections 8.2, 8.3, 8.5), the same
- * bytes as the Python reference (participant_sdk/_records.py): records files as ASCII
+ * bytes as the Python reference (turnpoint.participant_sdk._store_format): records files as ASCII
  * JSON Lines, participant manifests as indented ASCII JSON. Pure functions over bytes.
  */
 import { createHash } from "node:crypto";

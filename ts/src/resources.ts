@@ -1,6 +1,6 @@
 /**
  * Resources servers: tools, sandboxes and verifiers, one session per episode
- * (docs/spec.md section 5.3). A port of participant_sdk/_resources.py.
+ * (docs/spec.md section 5.3). A port of turnpoint.participant_sdk._resources.
  *
  * Data requests (seed, call, verify) wait out an open checkpoint instead of being
  * refused; a request in flight blocks prepare (except a REPLAY verify); closing a

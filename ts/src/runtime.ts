@@ -1,6 +1,6 @@
 /**
  * The runtime around the pure core: what the gRPC adapters call, one method per RPC
- * (docs/spec.md sections 4, 5, 6). A port of participant_sdk/_runtime.py and _reads.py.
+ * (docs/spec.md sections 4, 5, 6). A port of turnpoint.participant_sdk._runtime and _reads.py.
  *
  * Every control method takes the request's fence and request id and the time left on
  * the caller's deadline (null: none), and answers before that deadline with a reply

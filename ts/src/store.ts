@@ -1,6 +1,6 @@
 /**
  * The participant's snapshot store (docs/spec.md sections 8.1 to 8.5), writing what the
- * Python reference writes (participant_sdk/_store.py), so that the Python coordinator
+ * Python reference writes (turnpoint.participant_sdk._store), so that the Python coordinator
  * verifies and a restarted participant restores it:
  *
  *     <root>/<snapshot>/<instance>/records-<sha256>.jsonl

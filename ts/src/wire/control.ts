@@ -3,7 +3,7 @@
  * sections 3.2, 3.3). Every operation has one handler that converts the request, calls
  * the runtime and converts the answer; the unary methods turn a TurnpointError into a
  * rich status, the ControlSession calls the very same handler per message and answers
- * a ControlError instead. A port of server/_control.py.
+ * a ControlError instead. A port of turnpoint.server._control.
  */
 import { create } from "@bufbuild/protobuf";
 import type { MessageShape } from "@bufbuild/protobuf";

@@ -1,6 +1,6 @@
 /**
  * The data-plane servicers: RolloutService (agents) and ResourcesService (resources).
- * Thin adapters over the runtime like the control servicer (server/_data.py).
+ * Thin adapters over the runtime like the control servicer (turnpoint.server._data).
  */
 import { create } from "@bufbuild/protobuf";
 import { Metadata } from "@grpc/grpc-js";

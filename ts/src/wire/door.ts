@@ -70,7 +70,7 @@ export function encode<Desc extends DescMessage>(schema: Desc, message: MessageS
 /**
  * The protocol error to answer for whatever a handler threw; null for a cancellation
  * (its caller is gone, nothing is answered). A hook's own failure is logged here, and
- * the caller sees HOOK_FAILED or UNAVAILABLE without its text (participant_sdk/_failures.py).
+ * the caller sees HOOK_FAILED or UNAVAILABLE without its text (turnpoint.participant_sdk._failures).
  */
 export function protocolError(error: unknown, operation: string): TurnpointError | null {
   if (error instanceof TurnpointError) return error;

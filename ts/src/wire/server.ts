@@ -3,7 +3,7 @@
  * reference's keepalive and message limits, bearer-token auth, optional (mutual) TLS,
  * grpc.health.v1, binding without port reuse, and a graceful drain (health NOT_SERVING,
  * long-lived streams ended, then a grace period for calls in flight; a second signal
- * cuts it short), and server reflection. A port of server/_hosting.py.
+ * cuts it short), and server reflection. A port of turnpoint.server._grpc_server.
  */
 import type { EventEmitter } from "node:events";
 import { readFileSync } from "node:fs";

@@ -142,7 +142,7 @@ def _serve_command(args: argparse.Namespace) -> int:
 
 async def _serve_group(args: argparse.Namespace, options: ServerOptions) -> int:
     """The parent of ``--workers N``: it serves nothing itself; each worker runs this very
-    command again, as one participant of the group (server/_workers.py)."""
+    command again, as one participant of the group (turnpoint.server._worker_group)."""
     group_name = args.instance or f"{args.kind}-{secrets.token_hex(3)}"
     group = WorkerGroup(
         group_name,

@@ -1,118 +1,71 @@
 """The participant SDK: what a Gym server links to take part in turnpoint checkpoints.
 
-Implement a kind (:class:`Agent`, :class:`ResourcesServer` or :class:`PolicyModel`) and
-host it in a :class:`ParticipantRuntime`; the wire adapters in ``turnpoint.server`` call
-the runtime's methods one to one. Everything here speaks plain dataclasses; errors are
-``turnpoint.errors.TurnpointError`` carrying a :class:`turnpoint.errors.Reason`.
+Implement a kind, host it in a :class:`ParticipantRuntime` and serve the runtime with
+``turnpoint.server.host_participant``. Everything here speaks plain dataclasses.
+
+The kinds (subclass one and implement its hooks):
+
+- :class:`Agent`: episodes that run turn by turn; :class:`EpisodeContext` is what
+  ``Agent.run`` gets, :class:`SavedTurn` where a restored attempt continues.
+- :class:`ResourcesServer`: tools, sandboxes, verifiers; ``verify`` returns a
+  :class:`Verdict`. :class:`RecoveryMode` and :class:`VerifyMode` (from
+  :mod:`turnpoint.protocol`) say what a checkpoint may do with its sessions.
+- :class:`PolicyModel`: generations under admission control, a
+  :class:`GenerateRequest` in, :class:`GenerateChunk` out.
+
+Token-prefix recovery (docs/spec.md section 5.5): :class:`Generation`,
+:class:`GenerationRequest`, :class:`WeightsChange`.
+
+Hosting: :class:`ParticipantRuntime` with its :class:`RuntimeConfig`, and the
+:class:`SnapshotStore` it writes :class:`Record` s to (:class:`SnapshotEntry` is what
+one participant's part of a snapshot holds).
+
+Errors (all :class:`turnpoint.errors.TurnpointError` carrying a
+:class:`turnpoint.errors.Reason`): :class:`ParticipantError`, :class:`TransientError`
+(a hook's "try again"), :class:`ConfigurationError`, and the store's
+:class:`StoreError`, :class:`CorruptSnapshotError`, :class:`SnapshotConflictError`.
+
+Elsewhere: what a wire adapter of the runtime needs (its replies, the hook failure
+mapping) is :mod:`turnpoint.participant_sdk.advanced`; the deterministic store fault
+injector for tests is :mod:`turnpoint.participant_sdk.testing`; the protocol's
+vocabulary (phases, fences, readiness, receipts) is :mod:`turnpoint.protocol`.
 """
 
-from turnpoint.protocol import (
-    Blocker,
-    CompletionReceipt,
-    EpisodeState,
-    Fence,
-    ParticipantKind,
-    Phase,
-    ReadinessReport,
-    RecoveryLevel,
-    RecoveryMode,
-    VerifyMode,
-)
+from turnpoint.protocol import RecoveryMode, VerifyMode
 
-from ._agent import (
-    Agent,
-    BoundaryReport,
-    EpisodeContext,
-    RunOutcome,
-    RunResult,
-    SavedTurn,
-)
-from ._failures import ParticipantError, TransientError, hook_failure
-from ._generation import Generation, GenerationRequest, WeightsChange
+from ._agent import Agent, EpisodeContext, SavedTurn
+from ._failures import ParticipantError, TransientError
 from ._model import GenerateChunk, GenerateRequest, PolicyModel
 from ._resources import ConfigurationError, ResourcesServer, Verdict
-from ._runtime import (
-    AcknowledgeResult,
-    BoundaryEvent,
-    CommitResult,
-    Description,
-    ForgetResult,
-    Header,
-    ParticipantRuntime,
-    PrepareResult,
-    ReadinessUpdate,
-    RenewResult,
-    RestoreResult,
-    ResumeResult,
-    RetireResult,
-    StatusResult,
-    WatchEvent,
-)
+from ._runtime import ParticipantRuntime
 from ._shared import RuntimeConfig
-from ._store import (
-    ArtifactRef,
-    CorruptSnapshotError,
-    FaultHook,
-    FaultPoint,
-    Record,
-    SnapshotConflictError,
-    SnapshotEntry,
-    SnapshotStore,
-    StoreError,
-)
+from ._store import SnapshotConflictError, SnapshotStore
+from ._store_format import CorruptSnapshotError, Record, SnapshotEntry, StoreError
+from ._token_prefix import Generation, GenerationRequest, WeightsChange
 
 __all__ = [
-    "AcknowledgeResult",
     "Agent",
-    "ArtifactRef",
-    "Blocker",
-    "BoundaryEvent",
-    "BoundaryReport",
-    "CommitResult",
-    "CompletionReceipt",
     "ConfigurationError",
     "CorruptSnapshotError",
-    "Description",
     "EpisodeContext",
-    "EpisodeState",
-    "FaultHook",
-    "FaultPoint",
-    "Fence",
-    "ForgetResult",
     "GenerateChunk",
     "GenerateRequest",
     "Generation",
     "GenerationRequest",
-    "Header",
     "ParticipantError",
-    "ParticipantKind",
     "ParticipantRuntime",
-    "Phase",
     "PolicyModel",
-    "PrepareResult",
-    "ReadinessReport",
-    "ReadinessUpdate",
     "Record",
-    "RecoveryLevel",
     "RecoveryMode",
-    "RenewResult",
     "ResourcesServer",
-    "RestoreResult",
-    "ResumeResult",
-    "RetireResult",
-    "RunOutcome",
-    "RunResult",
     "RuntimeConfig",
     "SavedTurn",
     "SnapshotConflictError",
     "SnapshotEntry",
     "SnapshotStore",
-    "StatusResult",
     "StoreError",
     "TransientError",
     "Verdict",
     "VerifyMode",
-    "WatchEvent",
     "WeightsChange",
-    "hook_failure",
 ]

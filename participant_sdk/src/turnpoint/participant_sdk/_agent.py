@@ -40,21 +40,10 @@ from turnpoint.protocol import (
 )
 
 from ._core import ActiveClock, ParticipantCore, WorkKey
-from ._generation import Generation, GenerationRequest, WeightsChange
 from ._model import GenerateChunk
-from ._records import json_copy_object
 from ._shared import Shared, invalid_record, logger
-from ._store import Record
-
-__all__ = [
-    "Agent",
-    "AgentHost",
-    "BoundaryReport",
-    "EpisodeContext",
-    "RunOutcome",
-    "RunResult",
-    "SavedTurn",
-]
+from ._store_format import Record, json_copy_object
+from ._token_prefix import Generation, GenerationRequest, WeightsChange
 
 T = TypeVar("T")
 
@@ -846,8 +835,7 @@ class AgentHost:
     async def _after_refusal(self) -> None:
         """The model refused with ADMISSION_CLOSED: stay parked, retry after (our) resume."""
         shared = self._shared
-        async with shared.cond:
-            core = shared.core
+        async with shared.locked() as core:
             if core.admission_open:
                 # Our own admission is open: the model's checkpoint is not in step with
                 # ours, so back off a little (or until ours closes too) before retrying.
@@ -873,7 +861,7 @@ class AgentHost:
 
     async def admission_closed(self) -> None:
         now = self._shared.now()
-        core = self._shared.core
+        core = self._shared.view
         for execution in self._executions.values():
             if core.state_of(execution.key) is EpisodeState.AWAITING_MODEL:
                 execution.clock.pause(now)
@@ -881,7 +869,7 @@ class AgentHost:
 
     async def admission_opened(self) -> None:
         now = self._shared.now()
-        core = self._shared.core
+        core = self._shared.view
         for execution in self._executions.values():
             if core.state_of(execution.key) is EpisodeState.AWAITING_MODEL:
                 execution.clock.resume(now)

@@ -2,7 +2,7 @@
 
 No asyncio, no grpc, no wall clock: every method that depends on time takes ``now``
 (seconds on any monotonic scale the caller picks), so a test drives hours of leases in
-microseconds. The asyncio runtime (``_runtime.py``) holds one lock around this object
+microseconds. The asyncio runtime (:mod:`turnpoint.participant_sdk._runtime`) holds one lock around this object
 and turns its decisions into waits, tasks and file writes.
 
 What it keeps:
@@ -45,24 +45,6 @@ from turnpoint.protocol import (
     Phase,
     ReadinessReport,
 )
-
-__all__ = [
-    "ActiveClock",
-    "AnswerLog",
-    "CommitStart",
-    "CoreEvent",
-    "EntryView",
-    "FinishedCheckpoints",
-    "ParticipantCore",
-    "PrepareStart",
-    "RecordedAnswer",
-    "RestoreStart",
-    "ResumeOutcome",
-    "StartKind",
-    "WorkKey",
-    "checked_id",
-    "supersedes",
-]
 
 
 def checked_id(value: object, field: str) -> str:
@@ -1091,3 +1073,104 @@ def _view(entry: _Entry) -> EntryView:
         entry.turn_index,
         entry.blocks,
     )
+
+
+class CoreView:
+    """The reads of a :class:`ParticipantCore` and none of its changes.
+
+    What the runtime hands out for looking without the lock (its ``phase``, a status
+    gauge, a test's assertion): every value is read from the core at the moment it is
+    asked for, and nothing here can change the core, so every change still happens
+    under the one lock (``Shared.changing``).
+    """
+
+    __slots__ = ("_core",)
+
+    def __init__(self, core: ParticipantCore) -> None:
+        self._core = core
+
+    @property
+    def phase(self) -> Phase:
+        return self._core.phase
+
+    @property
+    def admission_open(self) -> bool:
+        return self._core.admission_open
+
+    @property
+    def active_checkpoint_id(self) -> str | None:
+        return self._core.active_checkpoint_id
+
+    @property
+    def lease_expires_at(self) -> float | None:
+        return self._core.lease_expires_at
+
+    @property
+    def lease_expiries(self) -> int:
+        return self._core.lease_expiries
+
+    @property
+    def fence(self) -> Fence | None:
+        return self._core.fence
+
+    @property
+    def epoch(self) -> int:
+        return self._core.epoch
+
+    @property
+    def fresh(self) -> bool:
+        return self._core.fresh
+
+    @property
+    def restoring(self) -> bool:
+        return self._core.restoring
+
+    @property
+    def ready(self) -> bool:
+        return self._core.ready
+
+    @property
+    def blocker_count(self) -> int:
+        return self._core.blocker_count
+
+    @property
+    def version(self) -> int:
+        return self._core.version
+
+    @property
+    def record_events(self) -> bool:
+        return self._core.record_events
+
+    @property
+    def refused_rollouts(self) -> int:
+        return self._core.refused_rollouts
+
+    def refusal_mark(self, rollout_id: str) -> int | None:
+        return self._core.refusal_mark(rollout_id)
+
+    def is_finished(self, checkpoint_id: str) -> bool:
+        return self._core.is_finished(checkpoint_id)
+
+    def entry(self, key: WorkKey) -> EntryView | None:
+        return self._core.entry(key)
+
+    def state_of(self, key: WorkKey) -> EpisodeState | None:
+        return self._core.state_of(key)
+
+    def entries(self) -> Iterator[EntryView]:
+        return self._core.entries()
+
+    def keys_of(self, rollout_id: str) -> tuple[WorkKey, ...]:
+        return self._core.keys_of(rollout_id)
+
+    def is_restart(self, key: WorkKey) -> bool:
+        return self._core.is_restart(key)
+
+    def readiness(self, max_blockers: int) -> ReadinessReport:
+        return self._core.readiness(max_blockers)
+
+    def recount(self) -> tuple[int, dict[EpisodeState, int]]:
+        return self._core.recount()
+
+    def lease_expired(self, now: float) -> str | None:
+        return self._core.lease_expired(now)

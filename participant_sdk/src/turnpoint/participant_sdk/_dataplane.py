@@ -15,13 +15,11 @@ from turnpoint.ids import EpisodeId
 from turnpoint.protocol import CompletionReceipt, Fence
 
 from ._agent import AgentHost, BoundaryReport, RunResult
-from ._generation import WeightsChange
 from ._model import GenerateChunk, GenerateRequest, ModelHost
 from ._resources import ResourcesHost, Verdict
 from ._results import AcknowledgeResult
 from ._shared import Shared
-
-__all__ = ["DataPlane"]
+from ._token_prefix import WeightsChange
 
 
 class DataPlane:

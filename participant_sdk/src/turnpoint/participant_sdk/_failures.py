@@ -29,8 +29,6 @@ from collections.abc import Mapping
 
 from turnpoint.errors import Reason, TurnpointError
 
-__all__ = ["ParticipantError", "TransientError", "hook_failure"]
-
 _MAX_OPERATION_CHARS = 64
 
 

@@ -17,18 +17,9 @@ from turnpoint.errors import Reason, TurnpointError
 from turnpoint.ids import EpisodeId, InvalidIdError
 
 from ._core import WorkKey
-from ._records import CorruptSnapshotError, Record, SnapshotEntry, UnserialisableRecordError
 from ._results import CommitResult, RestoreResult
 from ._store import SnapshotConflictError, WriteCancelled, WriteTicket
-
-__all__ = [
-    "CommitJob",
-    "RestoreJob",
-    "Stage",
-    "retrieve",
-    "slot_of",
-    "storage_error",
-]
+from ._store_format import CorruptSnapshotError, Record, SnapshotEntry, UnserialisableRecordError
 
 
 class Stage(enum.Enum):

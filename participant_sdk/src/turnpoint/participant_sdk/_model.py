@@ -27,9 +27,7 @@ from turnpoint.protocol import EpisodeState, ParticipantKind, RecoveryMode
 
 from ._core import WorkKey
 from ._shared import Shared, invalid_record
-from ._store import Record
-
-__all__ = ["GenerateChunk", "GenerateRequest", "ModelHost", "PolicyModel"]
+from ._store_format import Record
 
 SLOT = "generate"
 

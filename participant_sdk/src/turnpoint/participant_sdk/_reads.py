@@ -21,11 +21,9 @@ from turnpoint.protocol import (
     VerifyMode,
 )
 
-from ._core import CoreEvent, ParticipantCore
+from ._core import CoreEvent, CoreView
 from ._results import BoundaryEvent, Description, Header, ReadinessUpdate, StatusResult, WatchEvent
 from ._shared import KindHost, RuntimeConfig, Shared
-
-__all__ = ["ControlReads"]
 
 
 class ControlReads:
@@ -60,26 +58,26 @@ class ControlReads:
 
     @property
     def phase(self) -> Phase:
-        return self._shared.core.phase
+        return self._shared.view.phase
 
     @property
-    def core(self) -> ParticipantCore:
-        """The pure core, for inspection (tests, metrics). Never change it directly."""
-        return self._shared.core
+    def core(self) -> CoreView:
+        """The pure core's reads, for inspection (tests, tools); it cannot change the core."""
+        return self._shared.view
 
     async def wait_until(
-        self, predicate: Callable[[ParticipantCore], bool], timeout_s: float | None = None
+        self, predicate: Callable[[CoreView], bool], timeout_s: float | None = None
     ) -> bool:
         """Wait until ``predicate(core)`` holds (re-checked at every state change).
 
         For tests and tools; returns False if ``timeout_s`` passed first.
         """
         shared = self._shared
-        async with shared.cond:
-            return await shared.wait_until(lambda: predicate(shared.core), timeout_s)
+        async with shared.locked() as core:
+            return await shared.wait_until(lambda: predicate(core), timeout_s)
 
     def header(self) -> Header:
-        return Header(self._instance, self._incarnation, self._shared.core.epoch)
+        return Header(self._instance, self._incarnation, self._shared.view.epoch)
 
     async def describe(self, fence: Fence | None = None) -> Description:
         async with self._shared.changing() as core:
@@ -116,8 +114,7 @@ class ControlReads:
     async def status(self, max_blockers: int = 0) -> StatusResult:
         """GetStatus: read-only."""
         cap = self._cap(max_blockers)
-        async with self._shared.cond:
-            core = self._shared.core
+        async with self._shared.locked() as core:
             return StatusResult(
                 phase=core.phase,
                 active_checkpoint_id=core.active_checkpoint_id,
@@ -152,15 +149,15 @@ class ControlReads:
                 watcher.wake.clear()
                 events = list(watcher.events)
                 watcher.events.clear()
-                core = shared.core
+                view = shared.view
                 for event in events:
-                    yield self._boundary_event(event, core.phase)
-                report = core.readiness(cap)
-                signature = _signature(core.phase, report)
+                    yield self._boundary_event(event, view.phase)
+                report = view.readiness(cap)
+                signature = _signature(view.phase, report)
                 if signature != last or watcher.lagged:
                     watcher.lagged = False
                     last = signature
-                    yield ReadinessUpdate(core.phase, report)
+                    yield ReadinessUpdate(view.phase, report)
         finally:
             shared.remove_watcher(watcher)
 
@@ -186,7 +183,7 @@ class ControlReads:
         return min(cap, self._config.max_blockers_limit)
 
     def _lease_wall(self) -> float | None:
-        return self._shared.to_wall(self._shared.core.lease_expires_at)
+        return self._shared.to_wall(self._shared.view.lease_expires_at)
 
 
 def _signature(phase: Phase, report: ReadinessReport) -> tuple[object, ...]:

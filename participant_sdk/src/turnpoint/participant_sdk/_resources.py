@@ -32,14 +32,7 @@ from turnpoint.protocol import EpisodeState, ParticipantKind, RecoveryMode, Veri
 from ._core import ParticipantCore, WorkKey
 from ._failures import ParticipantError
 from ._shared import Shared, invalid_record
-from ._store import Record
-
-__all__ = [
-    "ConfigurationError",
-    "ResourcesHost",
-    "ResourcesServer",
-    "Verdict",
-]
+from ._store_format import Record
 
 T = TypeVar("T")
 

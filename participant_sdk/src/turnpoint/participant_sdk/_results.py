@@ -23,23 +23,6 @@ from turnpoint.protocol import (
     VerifyMode,
 )
 
-__all__ = [
-    "AcknowledgeResult",
-    "BoundaryEvent",
-    "CommitResult",
-    "Description",
-    "ForgetResult",
-    "Header",
-    "PrepareResult",
-    "ReadinessUpdate",
-    "RenewResult",
-    "RestoreResult",
-    "ResumeResult",
-    "RetireResult",
-    "StatusResult",
-    "WatchEvent",
-]
-
 
 @dataclass(frozen=True, slots=True)
 class Header:

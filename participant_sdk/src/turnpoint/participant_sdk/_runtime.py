@@ -19,7 +19,7 @@ because they bound real waits.
 This module holds the fenced control operations (docs/spec.md sections 4.6-4.12).
 The reads (Describe, GetStatus, WatchBoundaries) are in :mod:`._reads`, the data plane
 in :mod:`._dataplane`, the commit and restore jobs in :mod:`._jobs`, and the reply types
-in :mod:`._results`; the names are re-exported here.
+in :mod:`._results`.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 
 from turnpoint.errors import Reason, TurnpointError
 from turnpoint.ids import EpisodeId, InvalidIdError
-from turnpoint.protocol import EpisodeState, Fence, Phase
+from turnpoint.protocol import ArtifactRef, EpisodeState, Fence, Phase
 
 from ._agent import Agent, AgentHost
 from ._core import ParticipantCore, StartKind, WorkKey, checked_id, supersedes
@@ -42,53 +42,19 @@ from ._dataplane import DataPlane
 from ._jobs import CommitJob, RestoreJob, Stage, retrieve, slot_of, storage_error
 from ._model import ModelHost, PolicyModel
 from ._reads import ControlReads
-from ._records import detached
 from ._resources import ResourcesHost, ResourcesServer
 from ._results import (
-    AcknowledgeResult,
-    BoundaryEvent,
     CommitResult,
-    Description,
     ForgetResult,
-    Header,
     PrepareResult,
-    ReadinessUpdate,
     RenewResult,
     RestoreResult,
     ResumeResult,
     RetireResult,
-    StatusResult,
-    WatchEvent,
 )
 from ._shared import Deadline, KindHost, RuntimeConfig, Shared, invalid_record, logger
-from ._store import (
-    ArtifactRef,
-    CorruptSnapshotError,
-    Record,
-    SnapshotEntry,
-    SnapshotStore,
-    StoreError,
-    WriteState,
-    WriteTicket,
-)
-
-__all__ = [
-    "AcknowledgeResult",
-    "BoundaryEvent",
-    "CommitResult",
-    "Description",
-    "ForgetResult",
-    "Header",
-    "ParticipantRuntime",
-    "PrepareResult",
-    "ReadinessUpdate",
-    "RenewResult",
-    "RestoreResult",
-    "ResumeResult",
-    "RetireResult",
-    "StatusResult",
-    "WatchEvent",
-]
+from ._store import SnapshotStore, WriteState, WriteTicket
+from ._store_format import CorruptSnapshotError, Record, SnapshotEntry, StoreError, detached
 
 T = TypeVar("T")
 
@@ -272,7 +238,7 @@ class ParticipantRuntime(ControlReads, DataPlane):
                     publishing.add_done_callback(self._background.discard)
             if start.opened:
                 self._forget_released()
-                await self._close_admission(checkpoint_id)
+                await self._close_admission(core, checkpoint_id)
             await self._shared.wait_until(
                 lambda: core.ready or core.active_checkpoint_id != checkpoint_id,
                 deadline.remaining(),
@@ -314,7 +280,7 @@ class ParticipantRuntime(ControlReads, DataPlane):
         self._shared.committed_checkpoint_id = checkpoint_id
         return True
 
-    async def _close_admission(self, checkpoint_id: str) -> None:
+    async def _close_admission(self, core: ParticipantCore, checkpoint_id: str) -> None:
         """Run the kinds' close hooks (lock held); any failure reopens admission."""
         closed: list[KindHost] = []
         try:
@@ -322,7 +288,7 @@ class ParticipantRuntime(ControlReads, DataPlane):
                 await host.admission_closed()
                 closed.append(host)
         except BaseException:
-            self._shared.core.abort_prepare(checkpoint_id)
+            core.abort_prepare(checkpoint_id)
             for host in closed:
                 await self._opened_hook(host)
             raise
@@ -622,8 +588,8 @@ class ParticipantRuntime(ControlReads, DataPlane):
 
         The background lease task calls this; tests with a fake clock call it directly.
         """
-        async with self._shared.cond:
-            expired = self._shared.core.lease_expired(self._shared.now())
+        async with self._shared.locked() as core:
+            expired = core.lease_expired(self._shared.now())
         if expired is None:
             return None
         result = await self._resume(expired, Deadline.never(), expired=True)
@@ -632,8 +598,8 @@ class ParticipantRuntime(ControlReads, DataPlane):
     async def _lease_loop(self) -> None:
         shared = self._shared
         while True:
-            async with shared.cond:
-                expires = shared.core.lease_expires_at
+            async with shared.locked() as core:
+                expires = core.lease_expires_at
                 delay = None if expires is None else expires - shared.now()
                 # Every lease change is published under this lock: cleared here, the
                 # event is set by any renew or resume from now on, and only by those

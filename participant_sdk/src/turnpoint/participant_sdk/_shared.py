@@ -3,7 +3,9 @@
 Every state change of a participant happens inside :meth:`Shared.changing`: it holds
 the one lock, hands out the pure core, and on the way out passes the core's events to
 watchers (if any watch) and wakes the waiters, which then re-check their own predicate
-under the lock. Waiters for admission to open (parked episodes, held model replies)
+under the lock. The core is reachable only there; :meth:`Shared.locked` holds the lock to
+read several values at one instant and :attr:`Shared.view` reads without it, both
+through a :class:`~._core.CoreView`, which cannot change the core. Waiters for admission to open (parked episodes, held model replies)
 are woken only when it is open; every other waiter (a waiting prepare, a run's
 followers, a budget) on every change.
 """
@@ -22,16 +24,8 @@ from turnpoint.errors import Reason, TurnpointError
 from turnpoint.ids import EpisodeId
 from turnpoint.protocol import ParticipantKind, RecoveryMode
 
-from ._core import CoreEvent, ParticipantCore, WorkKey
-from ._store import Record
-
-__all__ = [
-    "Deadline",
-    "KindHost",
-    "RuntimeConfig",
-    "Shared",
-    "invalid_record",
-]
+from ._core import CoreEvent, CoreView, ParticipantCore, WorkKey
+from ._store_format import Record
 
 logger = logging.getLogger("turnpoint.participant_sdk")
 
@@ -137,7 +131,7 @@ class _Changing:
 
     async def __aenter__(self) -> ParticipantCore:
         await self._shared.cond.acquire()
-        return self._shared.core
+        return self._shared._core
 
     async def __aexit__(self, *exc: object) -> None:
         try:
@@ -145,6 +139,22 @@ class _Changing:
             self._shared.publish(force=True)
         finally:
             self._shared.cond.release()
+
+
+class _Locked:
+    """What :meth:`Shared.locked` returns: the lock held around a look, nothing published."""
+
+    __slots__ = ("_shared",)
+
+    def __init__(self, shared: Shared) -> None:
+        self._shared = shared
+
+    async def __aenter__(self) -> CoreView:
+        await self._shared.cond.acquire()
+        return self._shared.view
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._shared.cond.release()
 
 
 class Shared:
@@ -157,7 +167,9 @@ class Shared:
         clock: Callable[[], float],
         wall_clock: Callable[[], float],
     ) -> None:
-        self.core = core
+        # Only changing() hands it out, with the lock held: the one writer.
+        self._core = core
+        self.view = CoreView(core)
         self.config = config
         self.clock = clock
         self.wall_clock = wall_clock
@@ -179,6 +191,7 @@ class Shared:
         self.lease_moved = asyncio.Event()
         self._published_lease: float | None = None
         self._changing = _Changing(self)
+        self._locked = _Locked(self)
         # The core's events only reach watchers: it records them only while one watches.
         core.record_events = False
 
@@ -199,26 +212,34 @@ class Shared:
         """
         return self._changing
 
+    def locked(self) -> _Locked:
+        """Hold the lock to read the core at one instant, publishing nothing.
+
+        ``async with shared.locked() as core:`` gives the read-only view; the waits
+        below may be called inside. Changes are made in :meth:`changing` only.
+        """
+        return self._locked
+
     def publish(self, *, force: bool = False) -> None:
         """Hand the core's events to watchers and wake waiters; the lock must be held.
 
         Unforced, it does nothing unless the core changed since the last publication, so
         that waiters re-checking their predicate never wake each other in a loop.
         """
-        lease = self.core.lease_expires_at
+        lease = self._core.lease_expires_at
         if lease != self._published_lease:
             self._published_lease = lease
             self.lease_moved.set()
-        version = self.core.version
+        version = self._core.version
         if not force and version == self._published_version:
             return
         self._published_version = version
         if self._watchers:
-            events = self.core.drain_events()
+            events = self._core.drain_events()
             for watcher in self._watchers:
                 watcher.push(events)
         self.cond.notify_all()
-        if self._admission_waiters and self.core.admission_open:
+        if self._admission_waiters and self._core.admission_open:
             self._admission_opened.notify_all()
 
     async def wait_for(self, predicate: Callable[[], bool]) -> None:
@@ -237,12 +258,12 @@ class Shared:
 
         Woken only by changes that leave admission open (see ``_admission_opened``).
         """
-        if self.core.admission_open:
+        if self._core.admission_open:
             return
         self.publish()
         self._admission_waiters += 1
         try:
-            while not self.core.admission_open:
+            while not self._core.admission_open:
                 await self._admission_opened.wait()
         finally:
             self._admission_waiters -= 1
@@ -272,13 +293,13 @@ class Shared:
         """A new watcher: it receives the events of the changes made from now on."""
         watcher = _Watcher(self.config.watch_queue_size)
         self._watchers.add(watcher)
-        self.core.record_events = True
+        self._core.record_events = True
         return watcher
 
     def remove_watcher(self, watcher: _Watcher) -> None:
         self._watchers.discard(watcher)
         if not self._watchers:
-            self.core.record_events = False
+            self._core.record_events = False
 
 
 def invalid_record(record: Record, why: str) -> TurnpointError:

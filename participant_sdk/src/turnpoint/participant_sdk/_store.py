@@ -21,7 +21,7 @@ loser can never delete a records file that the winner's manifest names.
 A read verifies the manifest, then the size, digest and record count of the whole
 records file before it returns any record.
 
-The bytes themselves (encoding, strict decoding) are :mod:`._records`; the durable
+The bytes themselves (encoding, strict decoding) are :mod:`._store_format`; the durable
 write steps are the core's :mod:`turnpoint._files`. Everything here is blocking file
 I/O and plain threading: the asyncio runtime calls it through ``asyncio.to_thread``.
 It imports neither grpc nor asyncio.
@@ -47,11 +47,9 @@ from turnpoint.errors import Reason
 from turnpoint.ids import EpisodeId, validate_id
 from turnpoint.protocol import ArtifactRef
 
-from ._records import (
+from ._store_format import (
     MANIFEST_NAME,
-    MAX_PAYLOAD_DEPTH,
     RECORDS_NAME,
-    SCHEMA_VERSION,
     Corruption,
     CorruptSnapshotError,
     LoadedSnapshot,
@@ -59,33 +57,11 @@ from ._records import (
     Record,
     SnapshotEntry,
     StoreError,
-    UnserialisableRecordError,
     decode_records,
     encode_records,
     entry_of,
     parse_manifest,
 )
-
-__all__ = [
-    "MANIFEST_NAME",
-    "MAX_PAYLOAD_DEPTH",
-    "SCHEMA_VERSION",
-    "ArtifactRef",
-    "CorruptSnapshotError",
-    "Corruption",
-    "FaultHook",
-    "FaultPoint",
-    "LoadedSnapshot",
-    "Record",
-    "SnapshotConflictError",
-    "SnapshotEntry",
-    "SnapshotStore",
-    "StoreError",
-    "UnserialisableRecordError",
-    "WriteCancelled",
-    "WriteState",
-    "WriteTicket",
-]
 
 # A manifest lists one file and the exported episodes (~60 bytes each); this bounds
 # what a tampered manifest can make a reader allocate.

@@ -1,9 +1,10 @@
 """Deterministic fault injection for the participant SDK's tests and fault drills.
 
 Nothing in the SDK imports this module: a :class:`~turnpoint.participant_sdk.SnapshotStore`
-takes an optional fault hook, and :class:`StoreFaults` is the named, deterministic one
-(torchft's ``fail_at(participant, phase)`` shape) that tests and ``turnpoint serve
---faults`` hand it.
+takes an optional :class:`FaultHook` that it calls at each :class:`FaultPoint` of a
+write, and :class:`StoreFaults` is the named, deterministic one (torchft's
+``fail_at(participant, phase)`` shape) that tests and ``turnpoint serve --faults`` hand
+it.
 """
 
 from __future__ import annotations
@@ -15,9 +16,9 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from turnpoint.participant_sdk._store import FaultPoint
+from turnpoint.participant_sdk._store import FaultHook, FaultPoint
 
-__all__ = ["FaultPoint", "StoreFaults"]
+__all__ = ["FaultHook", "FaultPoint", "StoreFaults"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,8 +26,6 @@ from turnpoint._status import error_to_grpc_status
 from turnpoint.auth import AUTHORIZATION_KEY, BEARER_SCHEME, validate_token
 from turnpoint.errors import Reason, TurnpointError
 
-__all__ = ["BearerTokenInterceptor"]
-
 _log = logging.getLogger(__name__)
 
 _AUTHORIZATION: Final = AUTHORIZATION_KEY

@@ -18,34 +18,30 @@ from typing import Any
 import grpc
 
 from turnpoint._convert import (
+    artifact_from_proto,
+    artifact_to_proto,
+    artifacts_from_proto,
     bad_argument,
     check_list_length,
+    enum_to_proto,
     episode_to_proto,
     episodes_from_proto,
+    fence_from_proto,
     id_from_proto,
+    readiness_to_proto,
     seconds_from_duration,
     timestamp_from_seconds,
 )
 from turnpoint._status import abort, error_to_control_error
 from turnpoint.errors import TurnpointError
 from turnpoint.ids import InvalidIdError
-from turnpoint.participant_sdk import ParticipantRuntime, hook_failure
-from turnpoint.participant_sdk._runtime import BoundaryEvent, ReadinessUpdate
-from turnpoint.server._convert import (
-    artifact_from_proto,
-    artifact_to_proto,
-    artifacts_from_proto,
-    enum_to_proto,
-    fence_from_proto,
-    header_to_proto,
-    readiness_to_proto,
-)
-from turnpoint.server._group import GroupRoster
+from turnpoint.participant_sdk import ParticipantRuntime
+from turnpoint.participant_sdk.advanced import BoundaryEvent, ReadinessUpdate, hook_failure
+from turnpoint.server._convert import header_to_proto
+from turnpoint.server._worker_slot import GroupRoster
 from turnpoint.v1 import checkpoint_control_service_pb2 as pb
 from turnpoint.v1 import checkpoint_control_service_pb2_grpc as pb_grpc
 from turnpoint.v1 import types_pb2
-
-__all__ = ["ControlServicer"]
 
 logger = logging.getLogger(__name__)
 
@@ -445,8 +441,8 @@ def _hook_failed(operation: str, error: Exception) -> TurnpointError:
     """A failure below the protocol (a participant's hook raised), as a typed error.
 
     Neither door answers it UNKNOWN: the coordinator gets a reason it can act on
-    (participant_sdk/_failures.py has the table) and the exception's text stays here, in
-    the log, never on the wire (docs/spec.md section 9.1).
+    (:mod:`turnpoint.participant_sdk._failures` has the table) and the exception's text
+    stays here, in the log, never on the wire (docs/spec.md section 9.1).
     """
     mapped = hook_failure(error, operation)
     if mapped is not error:

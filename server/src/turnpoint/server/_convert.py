@@ -1,40 +1,17 @@
-"""SDK dataclasses <-> turnpoint.v1 messages, for the servicers.
+"""SDK dataclasses <-> turnpoint.v1 messages that only a participant's wire speaks.
 
 The protocol vocabulary (enums, fence, readiness, receipts, artifacts) converts in the
-core, :mod:`turnpoint._convert`, which the trainer shares; it is re-exported here for
-the servicers. What stays is what only a participant server sends: the response header
-built from the runtime's :class:`~turnpoint.participant_sdk.Header`.
+core, :mod:`turnpoint._convert`, which the trainer shares. What is here: the response
+header a servicer builds from the runtime's
+:class:`~turnpoint.participant_sdk.advanced.Header`, and the chunk an agent reads from a
+policy it calls over the wire.
 """
 
 from __future__ import annotations
 
-from turnpoint._convert import (
-    artifact_from_proto,
-    artifact_to_proto,
-    artifacts_from_proto,
-    enum_from_proto,
-    enum_to_proto,
-    fence_from_proto,
-    readiness_to_proto,
-    receipt_from_proto,
-    receipt_to_proto,
-)
-from turnpoint.participant_sdk import GenerateChunk, Header
+from turnpoint.participant_sdk import GenerateChunk
+from turnpoint.participant_sdk.advanced import Header
 from turnpoint.v1 import policy_service_pb2, types_pb2
-
-__all__ = [
-    "artifact_from_proto",
-    "artifact_to_proto",
-    "artifacts_from_proto",
-    "enum_from_proto",
-    "enum_to_proto",
-    "fence_from_proto",
-    "generate_chunk_from_proto",
-    "header_to_proto",
-    "readiness_to_proto",
-    "receipt_from_proto",
-    "receipt_to_proto",
-]
 
 
 def header_to_proto(header: Header) -> types_pb2.ResponseHeader:

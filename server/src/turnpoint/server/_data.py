@@ -18,9 +18,13 @@ from turnpoint._convert import (
     bad_argument,
     check_list_length,
     duration_from_seconds,
+    enum_from_proto,
+    enum_to_proto,
     episode_from_proto,
     episode_to_proto,
     fence_from_proto,
+    receipt_from_proto,
+    receipt_to_proto,
     seconds_from_duration,
     struct_from_mapping,
     struct_to_dict,
@@ -30,21 +34,9 @@ from turnpoint._status import abort
 from turnpoint.auth import ACCEPTED_METADATA
 from turnpoint.errors import TurnpointError
 from turnpoint.ids import InvalidIdError
-from turnpoint.participant_sdk import (
-    BoundaryReport,
-    GenerateRequest,
-    ParticipantRuntime,
-    RunResult,
-    WeightsChange,
-    hook_failure,
-)
-from turnpoint.server._convert import (
-    enum_from_proto,
-    enum_to_proto,
-    header_to_proto,
-    receipt_from_proto,
-    receipt_to_proto,
-)
+from turnpoint.participant_sdk import GenerateRequest, ParticipantRuntime, WeightsChange
+from turnpoint.participant_sdk.advanced import BoundaryReport, RunResult, hook_failure
+from turnpoint.server._convert import header_to_proto
 from turnpoint.v1 import (
     policy_service_pb2,
     policy_service_pb2_grpc,
@@ -54,8 +46,6 @@ from turnpoint.v1 import (
     rollout_service_pb2_grpc,
     types_pb2,
 )
-
-__all__ = ["DEFAULT_MAX_NEW_TOKENS", "PolicyServicer", "ResourcesServicer", "RolloutServicer"]
 
 # Initial metadata a Run sends the moment the participant owns the attempt, before the
 # first boundary: the trainer counts an attempt as dispatched only from then on.

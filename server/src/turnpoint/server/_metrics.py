@@ -43,8 +43,6 @@ from turnpoint.v1 import checkpoint_control_service_pb2 as pb
 from turnpoint.v1 import checkpoint_control_service_pb2_grpc as pb_grpc
 from turnpoint.v1 import types_pb2
 
-__all__ = ["MetricsEndpoint", "ParticipantMetrics", "serve_metrics"]
-
 logger = logging.getLogger(__name__)
 
 _CONTROL_PREFIX: Final = "/turnpoint.v1.CheckpointControlService/"

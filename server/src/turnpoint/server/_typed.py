@@ -26,8 +26,6 @@ from google.protobuf.descriptor import MethodDescriptor, ServiceDescriptor
 from turnpoint._status import abort
 from turnpoint.errors import Reason, TurnpointError
 
-__all__ = ["add_servicer", "malformed_request"]
-
 _Context = grpc.aio.ServicerContext[Any, Any]
 
 

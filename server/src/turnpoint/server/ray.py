@@ -51,8 +51,8 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from turnpoint.auth import load_token
 from turnpoint.participant_sdk import ParticipantRuntime
-from turnpoint.server._host import HostedParticipant, host_participant
-from turnpoint.server._hosting import ServerOptions
+from turnpoint.server._grpc_server import ServerOptions
+from turnpoint.server._hosted_participant import HostedParticipant, host_participant
 
 __all__ = [
     "ActorReport",

@@ -25,8 +25,12 @@ from turnpoint.participant_sdk import (
     PolicyModel,
     SnapshotStore,
 )
-from turnpoint.server import HostedParticipant, ServerOptions, host_participant
-from turnpoint.server._convert import generate_chunk_from_proto
+from turnpoint.server import (
+    HostedParticipant,
+    ServerOptions,
+    generate_chunk_from_proto,
+    host_participant,
+)
 from turnpoint.v1 import policy_service_pb2, policy_service_pb2_grpc
 
 ENVIRONMENT: Final = "long"

@@ -36,12 +36,12 @@ from turnpoint.ids import EpisodeId, make_checkpoint_id
 from turnpoint.participant_sdk import (
     Agent,
     EpisodeContext,
-    EpisodeState,
     ParticipantRuntime,
     Record,
-    RunResult,
     SnapshotStore,
 )
+from turnpoint.participant_sdk.advanced import RunResult
+from turnpoint.protocol import EpisodeState
 from turnpoint.server import ServerOptions, host_participant
 from turnpoint.v1 import checkpoint_control_service_pb2 as pb
 from turnpoint.v1 import checkpoint_control_service_pb2_grpc as pb_grpc

@@ -15,8 +15,7 @@ from turnpoint.participant_sdk import (
 )
 from turnpoint.server._control import ControlServicer
 from turnpoint.server._data import PolicyServicer, ResourcesServicer, RolloutServicer
-from turnpoint.server._group import GroupRoster
-from turnpoint.server._hosting import (
+from turnpoint.server._grpc_server import (
     CONTROL_SERVICE,
     DEFAULT_MAX_LIST_LENGTH,
     ParticipantServer,
@@ -24,21 +23,13 @@ from turnpoint.server._hosting import (
     ServerOptions,
 )
 from turnpoint.server._typed import add_servicer
+from turnpoint.server._worker_slot import GroupRoster
 from turnpoint.v1 import (
     checkpoint_control_service_pb2,
     policy_service_pb2,
     resources_service_pb2,
     rollout_service_pb2,
 )
-
-__all__ = [
-    "POLICY_SERVICE",
-    "RESOURCES_SERVICE",
-    "ROLLOUT_SERVICE",
-    "HostedParticipant",
-    "host_participant",
-    "register_runtime",
-]
 
 logger = logging.getLogger(__name__)
 
@@ -63,7 +54,7 @@ def register_runtime(
     ``roster`` (a worker of a group) is listed in every ``Describe`` answer."""
 
     def register(server: grpc.aio.Server) -> Sequence[str]:
-        # Each servicer parses its own request bytes (server/_typed.py), so a malformed
+        # Each servicer parses its own request bytes (turnpoint.server._typed), so a malformed
         # message is INVALID_ARGUMENT with an ErrorInfo instead of grpc's UNKNOWN.
         services = [CONTROL_SERVICE]
         add_servicer(

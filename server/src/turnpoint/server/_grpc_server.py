@@ -46,20 +46,6 @@ from turnpoint.v1 import (
     rollout_service_pb2,
 )
 
-__all__ = [
-    "CONTROL_SERVICE",
-    "DATA_PLANE_SERVICES",
-    "DEFAULT_MAX_LIST_LENGTH",
-    "HEALTH_SERVICE",
-    "REFLECTION_SERVICES",
-    "DrainHook",
-    "ParticipantServer",
-    "RegisterServicers",
-    "ServerOptions",
-    "ServerState",
-    "check_list_length",
-]
-
 _log = logging.getLogger(__name__)
 
 CONTROL_SERVICE: Final[str] = checkpoint_control_service_pb2.DESCRIPTOR.services_by_name[
@@ -105,12 +91,12 @@ class ServerOptions:
     not known here). TLS needs ``tls_cert_file`` and ``tls_key_file``;
     ``tls_client_ca_file`` turns on mutual TLS: every client must present a certificate
     that CA signed. ``metrics_port`` (None: off; 0 lets the OS pick) serves the
-    server's Prometheus metrics over HTTP on 127.0.0.1 (``server/_metrics.py``,
+    server's Prometheus metrics over HTTP on 127.0.0.1 (:mod:`turnpoint.server._metrics`,
     docs/spec.md section 7.10); read the address back from
     :attr:`ParticipantServer.metrics_address`. ``shared_port`` (a worker of a group,
-    ``server/_workers.py``) also listens on that port, which every worker of the group
-    binds with ``SO_REUSEPORT``; ``port`` stays the worker's own (docs/spec.md section
-    3.9).
+    :mod:`turnpoint.server._worker_group`) also listens on that port, which every worker
+    of the group binds with ``SO_REUSEPORT``; ``port`` stays the worker's own
+    (docs/spec.md section 3.9).
     """
 
     host: str = "127.0.0.1"

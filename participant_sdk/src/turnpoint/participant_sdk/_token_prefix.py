@@ -19,12 +19,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-__all__ = [
-    "Generation",
-    "GenerationRequest",
-    "WeightsChange",
-]
-
 _FIELDS = frozenset(
     {
         "prompt_token_ids",

@@ -3,7 +3,7 @@
 Several worker processes share one endpoint; each is its own participant. A worker's
 :class:`WorkerSlot` names its group, its own port, the shared port and every member of
 the group, so that ``Describe`` on any worker lists them all. The parent
-(:class:`~turnpoint.server._workers.WorkerGroup`) hands the slot to the worker in an
+(:class:`~turnpoint.server._worker_group.WorkerGroup`) hands the slot to the worker in an
 environment variable, as JSON; a restarted worker gets the very same slot, so its own
 port, and the address the coordinator holds for it, stay valid.
 """
@@ -16,8 +16,6 @@ from dataclasses import dataclass
 from typing import Final, Self
 
 from turnpoint.ids import validate_id
-
-__all__ = ["WORKER_SLOT_ENV", "GroupMember", "GroupRoster", "WorkerSlot", "worker_name"]
 
 WORKER_SLOT_ENV: Final = "TURNPOINT_WORKER_SLOT"
 """The environment variable carrying a worker's :class:`WorkerSlot` as JSON."""

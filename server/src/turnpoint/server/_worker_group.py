@@ -14,7 +14,7 @@ worker).
 port before any worker starts (sockets bound with ``SO_REUSEPORT`` and never listening:
 they receive no connection, but no server that binds alone can take the port while a
 worker restarts), so the roster is complete from the first worker on. It starts each
-worker as a child process with its :class:`~turnpoint.server._group.WorkerSlot` in
+worker as a child process with its :class:`~turnpoint.server._worker_slot.WorkerSlot` in
 ``$TURNPOINT_WORKER_SLOT``, waits for its ready line, and restarts a worker that dies on
 the same own port, as a fresh incarnation. Stopping the parent drains every worker;
 a parent that dies takes its workers with it (each asks the kernel for SIGKILL when its
@@ -41,25 +41,15 @@ from typing import Final
 
 from turnpoint.ids import validate_id
 from turnpoint.participant_sdk import ParticipantRuntime
-from turnpoint.server._group import (
+from turnpoint.server._grpc_server import ParticipantServer, ServerOptions
+from turnpoint.server._hosted_participant import HostedParticipant, register_runtime
+from turnpoint.server._worker_slot import (
     WORKER_SLOT_ENV,
     GroupMember,
     GroupRoster,
     WorkerSlot,
     worker_name,
 )
-from turnpoint.server._host import HostedParticipant, register_runtime
-from turnpoint.server._hosting import ParticipantServer, ServerOptions
-
-__all__ = [
-    "READY_PREFIX",
-    "WORKER_SLOT_ENV",
-    "WorkerGroup",
-    "announce_ready",
-    "die_with_parent",
-    "host_worker",
-    "worker_slot_from_env",
-]
 
 _log = logging.getLogger(__name__)
 

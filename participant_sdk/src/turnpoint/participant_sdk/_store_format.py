@@ -30,25 +30,6 @@ from turnpoint.protocol import ArtifactRef
 
 from ._failures import ParticipantError
 
-__all__ = [
-    "MANIFEST_NAME",
-    "MAX_PAYLOAD_DEPTH",
-    "RECORDS_NAME",
-    "SCHEMA_VERSION",
-    "CorruptSnapshotError",
-    "Corruption",
-    "LoadedSnapshot",
-    "Manifest",
-    "Record",
-    "SnapshotEntry",
-    "StoreError",
-    "UnserialisableRecordError",
-    "decode_records",
-    "encode_records",
-    "entry_of",
-    "parse_manifest",
-]
-
 SCHEMA_VERSION: Final = 1
 MANIFEST_NAME: Final = "MANIFEST.json"
 # Deep enough for any real turn state, shallow enough that neither our encoder nor the

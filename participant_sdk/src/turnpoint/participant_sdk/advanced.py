@@ -1,0 +1,54 @@
+"""For whoever adapts a :class:`~turnpoint.participant_sdk.ParticipantRuntime` to a wire.
+
+``turnpoint.server`` is one such adapter; a Gym server that hosts the runtime its own
+way (another RPC stack, another process model) needs the same names:
+
+- the runtime's replies, one frozen dataclass per control operation
+  (:class:`PrepareResult`, :class:`CommitResult`, ... :class:`StatusResult`), the
+  :class:`Header` every reply carries and the :class:`Description` of ``Describe``;
+- what ``watch`` yields (:data:`WatchEvent`: a :class:`ReadinessUpdate` or a
+  :class:`BoundaryEvent`) and what ``run_episode`` streams (:class:`BoundaryReport`
+  then one :class:`RunResult` with its :class:`RunOutcome`);
+- :func:`hook_failure`: how an exception a hook raised becomes the protocol error the
+  caller sees (docs/spec.md section 5.1).
+"""
+
+from ._agent import BoundaryReport, RunOutcome, RunResult
+from ._failures import hook_failure
+from ._results import (
+    AcknowledgeResult,
+    BoundaryEvent,
+    CommitResult,
+    Description,
+    ForgetResult,
+    Header,
+    PrepareResult,
+    ReadinessUpdate,
+    RenewResult,
+    RestoreResult,
+    ResumeResult,
+    RetireResult,
+    StatusResult,
+    WatchEvent,
+)
+
+__all__ = [
+    "AcknowledgeResult",
+    "BoundaryEvent",
+    "BoundaryReport",
+    "CommitResult",
+    "Description",
+    "ForgetResult",
+    "Header",
+    "PrepareResult",
+    "ReadinessUpdate",
+    "RenewResult",
+    "RestoreResult",
+    "ResumeResult",
+    "RetireResult",
+    "RunOutcome",
+    "RunResult",
+    "StatusResult",
+    "WatchEvent",
+    "hook_failure",
+]
