@@ -128,7 +128,7 @@ while step < args.steps:
         open(latest, "w").write("1")
         emit("snapshot", checkpoint_id="ckpt-1", outcome="published", reason=None,
              t_start=time.time() - 0.2, t_end=time.time(), admission_closed_s=0.2,
-             phases={"prepare": 0.1, "commit": 0.1})
+             phases={"prepare": 0.1, "commit": 0.1}, continued=2, restarts=0)
     if not args.resume and step >= 2:
         events.write('{"t": 1, "type": "progr')  # torn by the coming SIGKILL
         events.flush()

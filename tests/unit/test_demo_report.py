@@ -109,7 +109,13 @@ class _Run:
         )
 
     def snapshot(
-        self, checkpoint_id: str, outcome: str = "published", reason: str | None = None
+        self,
+        checkpoint_id: str,
+        outcome: str = "published",
+        reason: str | None = None,
+        *,
+        continued: int = 3,
+        restarts: int = 1,
     ) -> None:
         t_start = self.tick()
         t_end = self.tick(0.4)
@@ -122,6 +128,8 @@ class _Run:
             t_end=t_end,
             admission_closed_s=round(t_end - t_start, 6),
             phases={"anchor": 0.1, "prepare": 0.2, "commit": 0.1},
+            continued=continued,
+            restarts=restarts,
         )
 
     def crash(self) -> None:
@@ -670,6 +678,27 @@ def test_the_crash_is_due_after_a_published_snapshot_with_rollouts_in_flight() -
     assert 4 <= state.step < 10
 
 
+def test_the_crash_waits_for_a_published_snapshot_that_cut_rollouts_in_flight() -> None:
+    """A snapshot taken between groups cuts nothing: crashing after it would show no
+    recovery of in-flight work, so the crash waits for one that cut some."""
+    run = _Run()
+    run.start()
+    state = ProgressState(total_steps=10)
+    for step in range(1, 6):
+        run.train(step)
+    run.snapshot("ckpt-0005", continued=0, restarts=0)
+    for event in run.events:
+        state.apply(event)
+    assert state.published_this_incarnation == 1 and state.in_flight > 0
+    assert state.step >= 4 and not state.crash_due()
+    run.snapshot("ckpt-0006", continued=0, restarts=2)  # rerun from their prompts
+    state.apply(run.events[-1])
+    assert state.crash_due()
+    run.snapshot("ckpt-0007", continued=0, restarts=0)  # the newest is what a restore takes
+    state.apply(run.events[-1])
+    assert not state.crash_due()
+
+
 def test_the_crash_is_never_due_without_a_published_snapshot() -> None:
     state = ProgressState(total_steps=10)
     for event in _good_run().events:
@@ -932,6 +961,8 @@ def _token_run(*, continue_after_restore: bool = True) -> _TokenRun:
         t_end=t_end,
         admission_closed_s=0.1,
         phases={},
+        continued=1,
+        restarts=0,
     )
     run.generate("g2-s0", 0, [2, 2, 0, 3, 4], [5, EOS])  # after the snapshot: lost
     run.crash()

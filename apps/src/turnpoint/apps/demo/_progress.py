@@ -111,6 +111,9 @@ class ProgressState:
     rollouts: int = 0
     published: int = 0
     published_this_incarnation: int = 0
+    newest_published_cut: int = 0
+    """Rollouts in flight the newest published snapshot of this incarnation cut (continued
+    or restarted): what a restore of it would recover."""
     failed: int = 0
     crashed_at_step: int | None = None
     restarted: bool = False
@@ -140,6 +143,7 @@ class ProgressState:
             self.incarnation = event.incarnation
             self.step = event.step
             self.published_this_incarnation = 0
+            self.newest_published_cut = 0
             self.in_flight = 0
             self.admission_closed = False
             # The trainer may log its restore before or after its start.
@@ -167,6 +171,7 @@ class ProgressState:
             if event.outcome == "published":
                 self.published += 1
                 self.published_this_incarnation += 1
+                self.newest_published_cut = event.continued + event.restarts
             elif event.outcome == "failed":
                 self.failed += 1
         elif isinstance(event, Restore):
@@ -207,9 +212,10 @@ class ProgressState:
     def crash_due(self) -> bool:
         """Whether the injected crash should land now.
 
-        Only once: when a snapshot of this incarnation is published (so there is one to
-        restore), rollouts are in flight (so some are cut mid-episode), and 40-60% of the
-        steps are done. A run whose window passes without both conditions still crashes
+        Only once: when the newest snapshot this incarnation published cut rollouts in
+        flight (so its restore recovers work mid-episode, not only finished groups),
+        rollouts are in flight now (so the crash cuts some), and 40-60% of the steps are
+        done. A run whose window passes without both conditions still crashes
         at the first moment they hold, up to the last step. Never with ``crash_point``:
         the trainer kills itself there.
         """
@@ -222,6 +228,7 @@ class ProgressState:
         earliest = math.ceil(CRASH_WINDOW[0] * self.total_steps)
         return (
             self.published_this_incarnation > 0
+            and self.newest_published_cut > 0
             and self.in_flight > 0
             and earliest <= self.step < self.total_steps
         )

@@ -181,6 +181,9 @@ class Snapshot:
     t_end: float
     admission_closed_s: float | None
     phases: Mapping[str, float]
+    # Unfinished rollouts the cut continues from a saved turn, and restarts from prompt.
+    continued: int
+    restarts: int
 
     @property
     def attempted(self) -> bool:
@@ -462,6 +465,8 @@ def parse_event(raw: Mapping[str, Any], where: str = "event") -> Event | None:
             fields.number("t_end"),
             fields.optional_number("admission_closed_s"),
             phases,
+            fields.integer("continued"),
+            fields.integer("restarts"),
         )
     if kind == "restore":
         return Restore(
