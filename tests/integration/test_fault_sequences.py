@@ -94,9 +94,9 @@ from hypothesis.stateful import (
 from tests.support.fakes import FakeAnchor, FakeClock, boundary_of, state_of
 from tests.support.participants import METADATA, TOKEN
 from tests.support.scripted import FAST, ScriptedAgent, ScriptedTools, poll, rid
-from turnpoint._convert import episode_to_proto, struct_from_mapping
 from turnpoint._keepalive import LOCAL_SUBCHANNEL_POOL, control_channel, data_channel
 from turnpoint.apps._inspect import inspect_root
+from turnpoint.convert import episode_to_proto, struct_from_mapping
 from turnpoint.ids import EpisodeId
 from turnpoint.participant_sdk import EpisodeContext, ParticipantRuntime, SnapshotStore
 from turnpoint.participant_sdk.testing import FaultPoint, StoreFaults

@@ -49,7 +49,7 @@ from tests.support.scripted import (
     restore_id,
     wire_to,
 )
-from turnpoint._convert import struct_to_dict
+from turnpoint.convert import struct_to_dict
 from turnpoint.errors import Reason, TurnpointError
 from turnpoint.ids import EpisodeId, make_checkpoint_id
 from turnpoint.participant_sdk import ParticipantRuntime, RuntimeConfig, SnapshotStore

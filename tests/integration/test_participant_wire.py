@@ -41,8 +41,8 @@ from tests.support.scripted import (
     rid,
     wire_to,
 )
-from turnpoint._convert import enum_from_proto, episode_to_proto
 from turnpoint._status import error_from_rpc
+from turnpoint.convert import enum_from_proto, episode_to_proto
 from turnpoint.errors import Reason, TurnpointError
 from turnpoint.ids import EpisodeId
 from turnpoint.participant_sdk import SnapshotStore, TransientError

@@ -21,8 +21,8 @@ import grpc
 import pytest
 
 from tests.support.fakes import FakeClock
-from turnpoint._convert import episode_from_proto, episode_to_proto, struct_from_mapping
 from turnpoint._status import error_to_grpc_status
+from turnpoint.convert import episode_from_proto, episode_to_proto, struct_from_mapping
 from turnpoint.errors import Reason, TurnpointError
 from turnpoint.ids import EpisodeId
 from turnpoint.participant_sdk import Agent, EpisodeContext, ParticipantRuntime, SnapshotStore

@@ -30,8 +30,8 @@ from tests.support.token_prefix import (
     OverGrpc,
     expected_completion,
 )
-from turnpoint._convert import episode_to_proto
 from turnpoint.auth import auth_metadata
+from turnpoint.convert import episode_to_proto
 from turnpoint.ids import EpisodeId
 from turnpoint.participant_sdk import ParticipantRuntime, SnapshotStore
 from turnpoint.protocol import Fence, RecoveryLevel

@@ -20,10 +20,10 @@ from typing import Any
 
 import grpc
 
-from turnpoint._convert import duration_from_seconds
 from turnpoint._status import control_error_to_error, error_from_rpc
 from turnpoint.apps.examples._build import ExampleSpec, build_example
 from turnpoint.auth import auth_metadata
+from turnpoint.convert import duration_from_seconds
 from turnpoint.participant_sdk import ParticipantRuntime
 from turnpoint.server import HostedParticipant, ServerOptions, host_participant
 from turnpoint.v1 import checkpoint_control_service_pb2 as pb

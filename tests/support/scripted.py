@@ -32,14 +32,14 @@ from google.protobuf import duration_pb2
 
 from tests.support.fakes import state_of
 from tests.support.participants import METADATA, TOKEN, ControlDoor
-from turnpoint._convert import (
+from turnpoint._status import error_from_rpc, error_to_control_error, error_to_grpc_status
+from turnpoint.convert import (
     artifact_to_proto,
     duration_from_seconds,
     episode_to_proto,
     struct_from_mapping,
     struct_to_dict,
 )
-from turnpoint._status import error_from_rpc, error_to_control_error, error_to_grpc_status
 from turnpoint.errors import Reason, TurnpointError
 from turnpoint.ids import EpisodeId, make_checkpoint_id
 from turnpoint.participant_sdk import (

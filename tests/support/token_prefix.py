@@ -20,8 +20,8 @@ from typing import Any
 
 import grpc
 
-from turnpoint._convert import episode_to_proto
 from turnpoint.auth import auth_metadata
+from turnpoint.convert import episode_to_proto
 from turnpoint.ids import EpisodeId
 from turnpoint.participant_sdk import (
     Agent,

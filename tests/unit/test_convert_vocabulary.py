@@ -6,7 +6,7 @@ from types import MappingProxyType
 
 import pytest
 
-from turnpoint import _convert
+from turnpoint import convert
 from turnpoint.errors import Reason, TurnpointError
 from turnpoint.ids import EpisodeId
 from turnpoint.protocol import (
@@ -28,36 +28,36 @@ ARTIFACT = ArtifactRef("agent-0/records-" + "ab" * 32 + ".jsonl", "ab" * 32, 10,
 
 
 def test_enums_map_by_name_both_ways() -> None:
-    number = _convert.enum_to_proto(types_pb2.Phase, Phase.PREPARED)
+    number = convert.enum_to_proto(types_pb2.Phase, Phase.PREPARED)
     assert number == types_pb2.PHASE_PREPARED
-    assert _convert.enum_from_proto(types_pb2.Phase, Phase, number, "phase") is Phase.PREPARED
-    assert _convert.enum_from_proto(types_pb2.RecoveryLevel, RecoveryLevel, 0, "level") is None
+    assert convert.enum_from_proto(types_pb2.Phase, Phase, number, "phase") is Phase.PREPARED
+    assert convert.enum_from_proto(types_pb2.RecoveryLevel, RecoveryLevel, 0, "level") is None
 
 
 def test_an_unknown_enum_value_is_invalid_argument() -> None:
     with pytest.raises(TurnpointError) as caught:
-        _convert.enum_from_proto(types_pb2.Phase, Phase, 999, "phase")
+        convert.enum_from_proto(types_pb2.Phase, Phase, 999, "phase")
     assert caught.value.reason is Reason.INVALID_ARGUMENT
 
 
 def test_fence_round_trip_and_an_absent_fence() -> None:
     fence = Fence("coord-1", 7)
-    message = _convert.fence_to_proto(fence)
-    assert _convert.fence_from_proto(message, present=True) == fence
-    assert _convert.fence_from_proto(types_pb2.Fence(), present=False) == Fence("", 0)
+    message = convert.fence_to_proto(fence)
+    assert convert.fence_from_proto(message, present=True) == fence
+    assert convert.fence_from_proto(types_pb2.Fence(), present=False) == Fence("", 0)
 
 
 def test_receipt_and_artifact_round_trip() -> None:
-    assert _convert.receipt_from_proto(_convert.receipt_to_proto(RECEIPT)) == RECEIPT
-    assert _convert.artifact_from_proto(_convert.artifact_to_proto(ARTIFACT)) == ARTIFACT
-    assert _convert.artifacts_from_proto([_convert.artifact_to_proto(ARTIFACT)]) == [ARTIFACT]
+    assert convert.receipt_from_proto(convert.receipt_to_proto(RECEIPT)) == RECEIPT
+    assert convert.artifact_from_proto(convert.artifact_to_proto(ARTIFACT)) == ARTIFACT
+    assert convert.artifacts_from_proto([convert.artifact_to_proto(ARTIFACT)]) == [ARTIFACT]
 
 
 def test_a_bad_artifact_is_invalid_argument() -> None:
-    message = _convert.artifact_to_proto(ARTIFACT)
+    message = convert.artifact_to_proto(ARTIFACT)
     message.path = "../escape"
     with pytest.raises(TurnpointError) as caught:
-        _convert.artifact_from_proto(message)
+        convert.artifact_from_proto(message)
     assert caught.value.reason is Reason.INVALID_ARGUMENT
 
 
@@ -72,7 +72,7 @@ def test_readiness_round_trip() -> None:
         counts=MappingProxyType({EpisodeState.RUNNING: 1, EpisodeState.COMPLETED_UNACKED: 1}),
         restarts=(EpisodeId("r3", 1),),
     )
-    assert _convert.readiness_from_proto(_convert.readiness_to_proto(report)) == report
+    assert convert.readiness_from_proto(convert.readiness_to_proto(report)) == report
 
 
 def test_the_servicers_convert_the_vocabulary_with_the_core_conversions() -> None:
@@ -95,5 +95,5 @@ def test_the_servicers_convert_the_vocabulary_with_the_core_conversions() -> Non
         (_data, ("enum_from_proto", "enum_to_proto", "receipt_from_proto", "receipt_to_proto")),
     ):
         for name in names:
-            assert getattr(module, name) is getattr(_convert, name)
+            assert getattr(module, name) is getattr(convert, name)
             assert not hasattr(server_convert, name)

@@ -5,7 +5,7 @@ participant kinds, recovery modes and levels, verify modes, phases, episode stat
 fence, readiness reports, completion receipts and artifact references. The participant
 SDK, the servers and the coordinator all take these from here.
 
-Nothing here imports grpc or protobuf; ``turnpoint._convert`` converts to and from the
+Nothing here imports grpc or protobuf; ``turnpoint.convert`` converts to and from the
 generated messages at the edge. Enum members carry the proto value names minus their
 prefix (``Phase.PREPARED`` is ``PHASE_PREPARED``).
 """

@@ -17,7 +17,8 @@ from typing import Any
 
 import grpc
 
-from turnpoint._convert import (
+from turnpoint._status import abort, error_to_control_error
+from turnpoint.convert import (
     artifact_from_proto,
     artifact_to_proto,
     artifacts_from_proto,
@@ -32,7 +33,6 @@ from turnpoint._convert import (
     seconds_from_duration,
     timestamp_from_seconds,
 )
-from turnpoint._status import abort, error_to_control_error
 from turnpoint.errors import TurnpointError
 from turnpoint.ids import InvalidIdError
 from turnpoint.participant_sdk import ParticipantRuntime

@@ -1,7 +1,7 @@
 """SDK dataclasses <-> turnpoint.v1 messages that only a participant's wire speaks.
 
 The protocol vocabulary (enums, fence, readiness, receipts, artifacts) converts in the
-core, :mod:`turnpoint._convert`, which the trainer shares. What is here: the response
+core, :mod:`turnpoint.convert`, which the trainer shares. What is here: the response
 header a servicer builds from the runtime's
 :class:`~turnpoint.participant_sdk.advanced.Header`, and the chunk an agent reads from a
 policy it calls over the wire.

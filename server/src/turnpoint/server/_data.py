@@ -14,7 +14,9 @@ from typing import Any
 
 import grpc
 
-from turnpoint._convert import (
+from turnpoint._status import abort
+from turnpoint.auth import ACCEPTED_METADATA
+from turnpoint.convert import (
     bad_argument,
     check_list_length,
     duration_from_seconds,
@@ -30,8 +32,6 @@ from turnpoint._convert import (
     struct_to_dict,
     timestamp_from_seconds,
 )
-from turnpoint._status import abort
-from turnpoint.auth import ACCEPTED_METADATA
 from turnpoint.errors import TurnpointError
 from turnpoint.ids import InvalidIdError
 from turnpoint.participant_sdk import GenerateRequest, ParticipantRuntime, WeightsChange

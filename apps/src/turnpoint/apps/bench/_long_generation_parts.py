@@ -11,9 +11,9 @@ from collections.abc import AsyncGenerator, AsyncIterator, Mapping
 from pathlib import Path
 from typing import Any, Final
 
-from turnpoint._convert import episode_to_proto
 from turnpoint._keepalive import data_channel
 from turnpoint.auth import auth_metadata
+from turnpoint.convert import episode_to_proto
 from turnpoint.ids import EpisodeId
 from turnpoint.participant_sdk import (
     Agent,

@@ -30,8 +30,8 @@ from typing import Any
 
 import grpc
 
-from turnpoint._convert import duration_from_seconds, episode_to_proto
 from turnpoint.auth import auth_metadata
+from turnpoint.convert import duration_from_seconds, episode_to_proto
 from turnpoint.ids import EpisodeId, make_checkpoint_id
 from turnpoint.participant_sdk import (
     Agent,

@@ -31,7 +31,6 @@ from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping, Se
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from turnpoint._convert import episode_to_proto, struct_from_mapping, struct_to_dict
 from turnpoint._keepalive import data_channel
 from turnpoint.apps.examples._task import (
     MAX_NEW_TOKENS_PER_TURN,
@@ -49,6 +48,7 @@ from turnpoint.apps.examples._task import (
     tool_call,
 )
 from turnpoint.auth import auth_metadata
+from turnpoint.convert import episode_to_proto, struct_from_mapping, struct_to_dict
 from turnpoint.errors import Reason
 from turnpoint.ids import EpisodeId
 from turnpoint.participant_sdk import (

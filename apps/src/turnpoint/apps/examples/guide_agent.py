@@ -15,8 +15,8 @@ from typing import Any
 
 import grpc
 
-from turnpoint._convert import episode_to_proto, struct_from_mapping, struct_to_dict
 from turnpoint.auth import auth_metadata
+from turnpoint.convert import episode_to_proto, struct_from_mapping, struct_to_dict
 from turnpoint.participant_sdk import Agent, EpisodeContext
 from turnpoint.v1 import resources_service_pb2 as rs
 from turnpoint.v1 import resources_service_pb2_grpc as rs_grpc

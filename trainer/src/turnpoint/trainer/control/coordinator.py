@@ -33,7 +33,7 @@ from typing import Any, Self
 
 import grpc
 
-from turnpoint._convert import duration_from_seconds, episode_to_proto
+from turnpoint.convert import duration_from_seconds, episode_to_proto
 from turnpoint.errors import Reason
 from turnpoint.ids import (
     EpisodeId,

@@ -25,7 +25,9 @@ from typing import TYPE_CHECKING, Final, TypeAlias
 
 import grpc
 
-from turnpoint._convert import (
+from turnpoint._status import error_from_rpc
+from turnpoint.auth import ACCEPTED_METADATA
+from turnpoint.convert import (
     duration_from_seconds,
     episode_from_proto,
     episode_to_proto,
@@ -34,8 +36,6 @@ from turnpoint._convert import (
     struct_to_dict,
     weights_change_to_proto,
 )
-from turnpoint._status import error_from_rpc
-from turnpoint.auth import ACCEPTED_METADATA
 from turnpoint.errors import Reason
 from turnpoint.ids import EpisodeId
 from turnpoint.trainer.errors import CoordinatorError

@@ -1,4 +1,10 @@
-"""Conversions at the wire edge, shared by the servers and the coordinator.
+"""Conversions at the wire edge: the protocol's values to and from their messages.
+
+Public for anyone who talks to a participant over the wire from Python (an agent calling
+a resources server, a test client): episode ids, structured values
+(:func:`struct_from_mapping`, and :func:`struct_to_dict`, which gives back as ``int``
+the whole numbers protobuf's ``Struct`` carries as floats), durations, fences, receipts,
+readiness, artifact references. The servers and the coordinator use the same functions.
 
 Everything that comes off the wire passes through here before the pure cores see it,
 so that a bad id or a negative duration becomes ``INVALID_ARGUMENT`` and changes no
