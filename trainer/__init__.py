@@ -7,6 +7,8 @@
 - :class:`SnapshotDriver` takes one snapshot (docs/spec.md section 7.4, steps 1-8) and
   :class:`SnapshotPump` takes them periodically; :class:`Restorer` picks the newest
   usable snapshot and plans the restore.
+- :class:`WeightSync` pushes new policy weights to every policy server, retried under
+  one request id per (epoch, version, server) (docs/spec.md section 5.4 item 4).
 - :class:`CoordinatorConfig` is the one typed configuration.
 """
 
@@ -80,6 +82,8 @@ from turnpoint.trainer._snapshot_pump import (
 from turnpoint.trainer._snapshot_report import FailureReason, SnapshotOutcome, SnapshotReport
 from turnpoint.trainer._snapshots import SnapshotDriver
 from turnpoint.trainer._topology import ParticipantInfo, Topology
+from turnpoint.trainer._weight_sync import WeightSync, WeightSyncReport
+from turnpoint.trainer._weight_sync_core import WeightSyncError, WeightSyncSettings
 
 __all__ = [
     "COORDINATOR_FILE",
@@ -145,6 +149,10 @@ __all__ = [
     "SnapshotState",
     "Topology",
     "TorchAnchorSource",
+    "WeightSync",
+    "WeightSyncError",
+    "WeightSyncReport",
+    "WeightSyncSettings",
     "apply_plan",
     "bump_epoch",
     "decide_levels",
