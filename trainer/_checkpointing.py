@@ -6,7 +6,7 @@ demo trainer): :class:`Coordinator` (epoch, discovery), :class:`RolloutClient`,
 :class:`Restorer` with :func:`apply_plan`, and :class:`WeightSync`. It adds a snapshot
 policy (every N steps, every T seconds), the weight sync's bookkeeping (the version of
 the trainer's weights is recorded in each snapshot and pushed again after a restore,
-docs/spec.md section 5.4 item 4) and a preemption handler: on SIGTERM one final snapshot
+docs/spec.md section 6.11) and a preemption handler: on SIGTERM one final snapshot
 within a deadline, then :class:`Preempted`, which exits the process with status 0.
 """
 

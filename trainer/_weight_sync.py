@@ -1,10 +1,10 @@
 """The trainer's weight sync: a new policy version onto every policy server.
 
-docs/spec.md section 5.4 item 4. :class:`WeightSync` sends ``UpdateWeights`` to every
-policy model server of the topology at once, each with the one request id of (epoch,
-version, server) (:func:`~._weight_sync_core.weights_request_id`), so that a retry
-after a lost reply is answered from the server's record and never installs twice.
-Transient failures (a lost reply, a broken connection, a deadline, a transient
+docs/spec.md section 6.11. :class:`WeightSync` sends ``UpdateWeights`` to every policy
+model server of the topology at once, each with the one request id of (epoch, version,
+server) (:func:`~._weight_sync_core.weights_request_id`), so that a retry after a lost
+reply is answered from the server's record and never installs twice (section 5.4 item
+4). Transient failures (a lost reply, a broken connection, a deadline, a transient
 protocol reason) are retried with backoff within the bounds of
 :class:`~._weight_sync_core.WeightSyncSettings`; they are told from refusals by
 :func:`~._control_failures.classify`, from reasons and gRPC codes only. A server whose

@@ -2,7 +2,7 @@
 
 Pure: no grpc, no asyncio, no clock of its own (``now`` is an argument), so that a test
 drives minutes of retries in microseconds. :class:`~._weight_sync.WeightSync` adapts it
-to the wire (docs/spec.md section 5.4 item 4).
+to the wire (docs/spec.md section 6.11).
 """
 
 from __future__ import annotations
