@@ -244,11 +244,6 @@ class ModelHost:
             end = _End(error)
         queue.put_nowait(end)
 
-    @property
-    def installed_version(self) -> int | None:
-        """The weights version the last successful update installed; None before any."""
-        return self._installed
-
     async def update_weights(self, weights_version: int, state: bytes, request_id: str = "") -> int:
         """docs/spec.md section 5.4 item 4: install once per request id and per version.
 

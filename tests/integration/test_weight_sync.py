@@ -13,7 +13,7 @@ onto fresh policy servers pushes the restored weights at that version.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -61,7 +61,7 @@ class RecordingPolicy(PolicyModel):
 
     async def generate(
         self, episode: EpisodeId, request: GenerateRequest
-    ) -> AsyncIterator[GenerateChunk]:
+    ) -> AsyncGenerator[GenerateChunk, None]:
         yield GenerateChunk((), (), True, self.installed_version)
 
     @property
