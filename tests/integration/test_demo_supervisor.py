@@ -390,6 +390,10 @@ async def test_a_trainer_that_keeps_failing_is_restored_max_restarts_times_then_
     crashes = [e for e in events if e["type"] == "crash"]
     assert [e["incarnation"] for e in crashes] == [1, 2]
     assert all(e["unplanned"] and "exited with status 3" in e["cause"] for e in crashes)
+    # The supervisor's log keeps why: the trainer's stderr tail follows the status line.
+    assert all(
+        "its stderr ends with:\n    boom: the fake trainer failed" in e["cause"] for e in crashes
+    )
     assert [e["incarnation"] for e in events if e["type"] == "restart"] == [2, 3]
 
 

@@ -26,6 +26,7 @@ PURE_CORES = (
     "turnpoint.trainer.snapshots.levels",
     "turnpoint.trainer.restore.restarts",
     "turnpoint.trainer.storage.manifest",
+    "turnpoint.trainer.weights.core",
 )
 # What a pure core may not load, even indirectly.
 WIRE_AND_LOOP = ("grpc", "asyncio", "google.protobuf", "turnpoint.v1")

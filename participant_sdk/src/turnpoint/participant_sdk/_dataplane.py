@@ -120,6 +120,7 @@ class DataPlane:
         """PolicyService.Generate, under admission control (close it when done)."""
         return self._model().generate(episode, request)
 
-    async def update_weights(self, weights_version: int, state: bytes) -> int:
-        """PolicyService.UpdateWeights: the trainer's weight sync."""
-        return await self._model().update_weights(weights_version, state)
+    async def update_weights(self, weights_version: int, state: bytes, request_id: str = "") -> int:
+        """PolicyService.UpdateWeights: the trainer's weight sync, idempotent by request
+        id and by version (docs/spec.md section 5.4 item 4)."""
+        return await self._model().update_weights(weights_version, state, request_id)

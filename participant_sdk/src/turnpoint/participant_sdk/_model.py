@@ -17,9 +17,10 @@ import abc
 import asyncio
 import contextlib
 import itertools
+from collections import OrderedDict
 from collections.abc import AsyncGenerator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from turnpoint.errors import Reason, TurnpointError
 from turnpoint.ids import EpisodeId
@@ -30,6 +31,9 @@ from ._shared import Shared, invalid_record
 from ._store_format import Record
 
 SLOT = "generate"
+# UpdateWeights request ids remembered for replay: a trainer pushes one version at a
+# time and retries only its latest, so a few suffice (docs/spec.md section 5.4 item 4).
+UPDATES_REMEMBERED = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,6 +140,12 @@ class ModelHost:
         self._pumps: dict[WorkKey, asyncio.Task[None]] = {}
         # Generations a checkpoint may cut, each with the event that asks it to stop.
         self._cuts: dict[WorkKey, asyncio.Event] = {}
+        # The weight sync's books: the version the last update installed (None before
+        # any), and each recent request id's update, running or done, so that a retry
+        # joins or replays it instead of installing twice.
+        self._installed: int | None = None
+        self._updates: OrderedDict[str, asyncio.Task[int]] = OrderedDict()
+        self._update_lock = asyncio.Lock()
 
     def describe(self) -> Mapping[str, object]:
         return {
@@ -232,8 +242,51 @@ class ModelHost:
             end = _End(error)
         queue.put_nowait(end)
 
-    async def update_weights(self, weights_version: int, state: bytes) -> int:
-        return await self._model.update_weights(weights_version, state)
+    async def update_weights(self, weights_version: int, state: bytes, request_id: str = "") -> int:
+        """docs/spec.md section 5.4 item 4: install once per request id and per version.
+
+        A request id seen before joins its update if it still runs, and gets its answer
+        if it succeeded (a failed one runs again). The update runs as a task of its own:
+        a caller that goes away (a lost connection) does not stop an install half done,
+        and its retry joins it. A version equal to the installed one is answered as
+        installed without calling the model again; a lower one is refused.
+        """
+        if not request_id:
+            return await asyncio.shield(self._start_install(weights_version, state))
+        update = self._updates.get(request_id)
+        if update is not None and update.done() and (update.cancelled() or update.exception()):
+            update = None  # it failed: a retry tries again
+        if update is None:
+            update = self._start_install(weights_version, state)
+            self._updates[request_id] = update
+            self._updates.move_to_end(request_id)
+            while len(self._updates) > UPDATES_REMEMBERED:
+                oldest_id, oldest = next(iter(self._updates.items()))
+                if not oldest.done():
+                    break  # still running: a retry may yet join it
+                del self._updates[oldest_id]
+        return await asyncio.shield(update)
+
+    def _start_install(self, weights_version: int, state: bytes) -> asyncio.Task[int]:
+        update = asyncio.create_task(self._install(weights_version, state))
+        # Its caller may be gone (the failure then reaches nobody): retrieve it here.
+        update.add_done_callback(lambda done: done.cancelled() or done.exception())
+        return update
+
+    async def _install(self, weights_version: int, state: bytes) -> int:
+        async with self._update_lock:
+            installed = self._installed
+            if installed is not None and weights_version == installed:
+                return installed  # a re-push of what is installed: nothing to do
+            if installed is not None and weights_version < installed:
+                raise TurnpointError(
+                    Reason.INVALID_ARGUMENT,
+                    f"weights version {weights_version} is below the installed version {installed}",
+                    {"field": "weights_version", "installed_version": str(installed)},
+                )
+            answered = await self._model.update_weights(weights_version, state)
+            self._installed = weights_version
+            return answered
 
     # ------------------------------------------------------------------ kind hooks
 
@@ -261,8 +314,11 @@ class ModelHost:
             await asyncio.wait([pump])
 
     async def aclose(self) -> None:
-        pumps = [pump for pump in self._pumps.values() if not pump.done()]
-        for pump in pumps:
-            pump.cancel()
-        if pumps:
-            await asyncio.wait(pumps)
+        tasks: list[asyncio.Task[Any]] = [
+            *(pump for pump in self._pumps.values() if not pump.done()),
+            *(update for update in self._updates.values() if not update.done()),
+        ]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks)

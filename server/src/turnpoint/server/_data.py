@@ -150,6 +150,8 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
 # A bound on one generation's length: one request must not be able to stream for long
 # enough to make every snapshot wait on it (docs/spec.md section 10.5).
 DEFAULT_MAX_NEW_TOKENS = 8192
+# docs/spec.md section 2.4: a request id is at most 256 characters.
+_MAX_REQUEST_ID = 256
 
 
 class PolicyServicer(policy_service_pb2_grpc.PolicyServiceServicer):
@@ -210,7 +212,15 @@ class PolicyServicer(policy_service_pb2_grpc.PolicyServiceServicer):
         self, request: policy_service_pb2.UpdateWeightsRequest, context: Context
     ) -> policy_service_pb2.UpdateWeightsResponse:
         async with _errors(context, "UpdateWeights"):
-            version = await self._runtime.update_weights(request.weights_version, request.state)
+            if len(request.request_id) > _MAX_REQUEST_ID:
+                raise bad_argument(
+                    f"request_id is longer than {_MAX_REQUEST_ID} characters",
+                    field="request_id",
+                    limit=str(_MAX_REQUEST_ID),
+                )
+            version = await self._runtime.update_weights(
+                request.weights_version, request.state, request.request_id
+            )
             return policy_service_pb2.UpdateWeightsResponse(
                 header=header_to_proto(self._runtime.header()), weights_version=version
             )

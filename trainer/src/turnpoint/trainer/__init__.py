@@ -11,11 +11,14 @@ This face is what a trainer author needs (docs/embedding.md):
   :class:`FileAnchorSource` and :func:`file_anchor_loader` (no torch needed),
   :class:`TorchAnchorSource`, :func:`torch_anchor_loader` and :class:`DistributedAnchor`
   (torch distributed checkpoint, loaded on first use), :data:`AnchorLoader`;
+- the weight sync: :class:`WeightSync` (also through
+  :meth:`Checkpointing.push_weights`), :class:`WeightSyncSettings`,
+  :class:`WeightSyncReport`, :class:`WeightSyncError`;
 - what snapshots report: :class:`SnapshotReport`, :class:`SnapshotOutcome`,
   :class:`FailureReason`;
 - the errors, all :class:`CoordinatorError`: :class:`NoUsableSnapshotError`,
   :class:`SnapshotFailuresError`, :class:`SnapshotInvariantError`,
-  :class:`ParticipantLostError`, :class:`AnchorError`.
+  :class:`ParticipantLostError`, :class:`AnchorError`, :class:`WeightSyncError`.
 
 Those assembling their own loop from the parts (the coordinator, the rollout client, the
 snapshot driver and pump, the restorer) import :mod:`turnpoint.trainer.advanced`; test
@@ -60,6 +63,10 @@ if TYPE_CHECKING:
     from turnpoint.trainer.snapshots.report import FailureReason as FailureReason
     from turnpoint.trainer.snapshots.report import SnapshotOutcome as SnapshotOutcome
     from turnpoint.trainer.snapshots.report import SnapshotReport as SnapshotReport
+    from turnpoint.trainer.weights.core import WeightSyncError as WeightSyncError
+    from turnpoint.trainer.weights.core import WeightSyncSettings as WeightSyncSettings
+    from turnpoint.trainer.weights.sync import WeightSync as WeightSync
+    from turnpoint.trainer.weights.sync import WeightSyncReport as WeightSyncReport
 
 # Each name and the module that owns it.
 _OWNERS = {
@@ -88,6 +95,10 @@ _OWNERS = {
     "SnapshotOutcome": "turnpoint.trainer.snapshots.report",
     "SnapshotReport": "turnpoint.trainer.snapshots.report",
     "TorchAnchorSource": "turnpoint.trainer.anchors.dcp",
+    "WeightSync": "turnpoint.trainer.weights.sync",
+    "WeightSyncError": "turnpoint.trainer.weights.core",
+    "WeightSyncReport": "turnpoint.trainer.weights.sync",
+    "WeightSyncSettings": "turnpoint.trainer.weights.core",
     "file_anchor_loader": "turnpoint.trainer.anchors.file",
     "torch_anchor_loader": "turnpoint.trainer.restore.restorer",
 }

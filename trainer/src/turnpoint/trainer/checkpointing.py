@@ -3,9 +3,11 @@
 :class:`Checkpointing` composes the pieces a trainer otherwise wires by hand (see the
 demo trainer): :class:`Coordinator` (epoch, discovery), :class:`RolloutClient`,
 :class:`SnapshotDriver` and :class:`SnapshotPump` (the failure policy), and
-:class:`Restorer` with :func:`apply_plan`. It adds only a snapshot policy (every N
-steps, every T seconds) and a preemption handler: on SIGTERM one final snapshot within
-a deadline, then :class:`Preempted`, which exits the process with status 0.
+:class:`Restorer` with :func:`apply_plan`, and :class:`WeightSync`. It adds a snapshot
+policy (every N steps, every T seconds), the weight sync's bookkeeping (the version of
+the trainer's weights is recorded in each snapshot and pushed again after a restore,
+docs/spec.md section 6.11) and a preemption handler: on SIGTERM one final snapshot
+within a deadline, then :class:`Preempted`, which exits the process with status 0.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from dataclasses import dataclass, replace
 from types import TracebackType
 from typing import Self
 
+from turnpoint.protocol import ParticipantKind
 from turnpoint.trainer.anchors.source import AnchorSource
 from turnpoint.trainer.config import CoordinatorConfig
 from turnpoint.trainer.control.coordinator import Coordinator
@@ -32,6 +35,8 @@ from turnpoint.trainer.snapshots.pump import SnapshotPump
 from turnpoint.trainer.snapshots.report import SnapshotOutcome, SnapshotReport
 from turnpoint.trainer.storage.layout import SnapshotLayout
 from turnpoint.trainer.storage.manifest import JSONValue
+from turnpoint.trainer.weights.core import WeightSyncSettings
+from turnpoint.trainer.weights.sync import WeightSync, WeightSyncReport
 
 _LOG = logging.getLogger(__name__)
 _WAKE_S = 0.25
@@ -61,7 +66,9 @@ class Resumed:
 
     The unfinished rollouts of a restored snapshot are already redispatched (resumed
     from their saved turns or rerun from their prompts); the trainer only continues
-    from ``step`` and ``data_loader``.
+    from ``step`` and ``data_loader``. ``weights_version`` is the version of the
+    trainer's weights the snapshot recorded (``None``: a fresh start, or a snapshot
+    taken before any weights were pushed).
     """
 
     step: int
@@ -69,6 +76,7 @@ class Resumed:
     data_loader: JSONValue = None
     resumed_rollouts: int = 0
     rerun_rollouts: int = 0
+    weights_version: int | None = None
 
     @property
     def restored(self) -> bool:
@@ -84,6 +92,12 @@ class Checkpointing:
     config's ``snapshot_interval_s`` (when ``periodic``) snapshots on a timer. Train each
     step under :attr:`step_lock` so that no snapshot cuts a step in half, and call
     :meth:`step_done` after releasing it.
+
+    ``weights``, if given, serialises the trainer's current weights (blocking: it runs
+    in a thread) for the policy servers: :meth:`open` pushes them once the restore is
+    done (at the restored snapshot's weights version, else ``initial_weights_version``),
+    and :meth:`push_weights` without ``state`` uses it. ``weight_sync`` bounds the
+    retries of each push.
     """
 
     def __init__(
@@ -97,6 +111,9 @@ class Checkpointing:
         every_steps: int | None = None,
         periodic: bool = True,
         rollout_settings: RolloutClientSettings | None = None,
+        weights: Callable[[], bytes] | None = None,
+        initial_weights_version: int = 0,
+        weight_sync: WeightSyncSettings | None = None,
     ) -> None:
         self.config = config
         self._participants = participants
@@ -106,6 +123,10 @@ class Checkpointing:
         self._every_steps = every_steps
         self._periodic = periodic
         self._rollout_settings = rollout_settings or RolloutClientSettings(max_concurrency=256)
+        self._weights = weights
+        self._initial_weights_version = initial_weights_version
+        self._weight_sync_settings = weight_sync
+        self._weight_sync: WeightSync | None = None
         self.step_lock = asyncio.Lock()
         self._snapshot_lock = asyncio.Lock()
         self._stack = contextlib.AsyncExitStack()
@@ -164,6 +185,19 @@ class Checkpointing:
         layout = SnapshotLayout(root)
         restorer = Restorer(coordinator, layout, config, load_anchor=self._load_anchor)
         plan = await restorer.restore()
+        sync = WeightSync(
+            {
+                # The data-plane address if the server described one (spec section 3.1).
+                name: topology.participants[name].data_plane_address or coordinator.endpoints[name]
+                for name in topology.of_kind(ParticipantKind.MODEL)
+            },
+            token=self._token,
+            epoch=identity.epoch,
+            settings=self._weight_sync_settings,
+            rollouts=rollouts,
+        )
+        self._weight_sync = sync
+        restored_version = sync.adopt_restore(plan)
         if plan is not None:
             apply_plan(plan, rollouts)
             rollouts.set_data_loader(plan.trainer_state.data_loader)
@@ -173,6 +207,7 @@ class Checkpointing:
                 data_loader=plan.trainer_state.data_loader,
                 resumed_rollouts=plan.resumed,
                 rerun_rollouts=plan.rerun_count,
+                weights_version=restored_version,
             )
         driver = SnapshotDriver(
             coordinator=coordinator,
@@ -182,8 +217,15 @@ class Checkpointing:
             config=config,
             epoch=identity.epoch,
             step_lock=self.step_lock,
+            manifest_extra=sync.snapshot_extra,
         )
         driver.adopt_restore(plan)
+        if self._weights is not None:
+            # Fresh policy servers (a restore needs fresh participants, spec section
+            # 4.10) get the restored weights at their recorded version; a server that
+            # holds that version already answers without installing again.
+            version = sync.version
+            await self.push_weights(self._initial_weights_version if version is None else version)
         self._pump = SnapshotPump(driver, config)
         if self._periodic:
             self._background.append(asyncio.create_task(self._tick_periodically()))
@@ -274,6 +316,41 @@ class Checkpointing:
 
     def take_ready_groups(self, count: int | None = None) -> list[tuple[RolloutResult, ...]]:
         return self.rollouts.take_ready_groups(count)
+
+    # ------------------------------------------------------------------ weights
+
+    @property
+    def weight_sync(self) -> WeightSync:
+        if self._weight_sync is None:
+            raise RuntimeError("Checkpointing is not open")
+        return self._weight_sync
+
+    @property
+    def weights_version(self) -> int | None:
+        """The version of the trainer's current weights (restored, or the newest pushed);
+        each snapshot records it."""
+        return self.weight_sync.version
+
+    async def push_weights(self, version: int, state: bytes | None = None) -> WeightSyncReport:
+        """Install the trainer's weights as ``version`` on every policy server.
+
+        ``state`` defaults to the ``weights`` callable's bytes. Versions never go down.
+        Lost replies and other transient failures are retried under the same request
+        ids (a server installs each version once); rollout deadlines are held meanwhile.
+        Raises :class:`WeightSyncError` when a server's push fails for good.
+
+        The version a snapshot records is the newest one handed to this method when
+        the snapshot's anchor was written: call it right after the step that produced
+        the weights (or under :attr:`step_lock`).
+        """
+        self._check()
+        sync = self.weight_sync
+        sync.declare(version)
+        if state is None:
+            if self._weights is None:
+                raise ValueError("push_weights needs state: no weights callable was given")
+            state = await asyncio.to_thread(self._weights)
+        return await sync.push(version, state)
 
     # ------------------------------------------------------------------ snapshots
 

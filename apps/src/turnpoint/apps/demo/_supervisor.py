@@ -1202,7 +1202,9 @@ class _Supervisor:
             step=self.state.step,
             killed=["trainer", *sorted(self.participants)],
             unplanned=True,
-            cause=str(cause).splitlines()[0],
+            # The whole message: its first line ends "its stderr ends with:" and the
+            # tail that says why follows on the next lines.
+            cause=str(cause),
         )
         await self.trainer.kill()
         await self.read_events()

@@ -5,8 +5,9 @@ Run by the demo supervisor as ``python -m turnpoint.apps.demo._trainer --topolog
 
 - the policy (:func:`~turnpoint.apps.examples._participants.new_policy`) is trained with
   a group-baseline policy-gradient step on the rewards the verifiers return, and every
-  step's weights are pushed to the policy server (a weight sync that holds rollout
-  deadlines, like a snapshot does);
+  step's weights are pushed to the policy server through the library's
+  :class:`~turnpoint.trainer.WeightSync` (rollout deadlines held, transient failures
+  retried under the same request ids, the version recorded in each snapshot);
 - prompt groups come from a deterministic loader (group index ``g`` -> prompt ``g``), half
   of them scored per sibling (``guess``), half group-scored (``guess-group``);
 - a :class:`SnapshotPump` takes snapshots every ``--snapshot-interval`` seconds while
@@ -47,10 +48,11 @@ from turnpoint.apps.demo._learner import Sample, policy_gradient_step
 from turnpoint.apps.demo._progress import SnapshotStateLog
 from turnpoint.apps.examples._participants import GUESS, GUESS_GROUP, new_policy
 from turnpoint.apps.examples._task import make_prompt
-from turnpoint.auth import auth_metadata
+from turnpoint.protocol import ParticipantKind
 from turnpoint.trainer import (
     ConfigError,
     CoordinatorConfig,
+    NoUsableSnapshotError,
     ParticipantLostError,
     Rollout,
     RolloutClientSettings,
@@ -58,6 +60,8 @@ from turnpoint.trainer import (
     RolloutResult,
     SnapshotReport,
     TorchAnchorSource,
+    WeightSync,
+    WeightSyncError,
     torch_anchor_loader,
 )
 from turnpoint.trainer.advanced import (
@@ -76,8 +80,14 @@ from turnpoint.trainer.advanced import (
     watch_liveness,
 )
 
-# The exit status that tells the supervisor "a participant is lost: restore the job".
+# Exit statuses, each with one line on stderr (README.md, "What the demo shows"): 2 the
+# topology, token or snapshot root is unusable; 3 the snapshot pump ended the run;
+# PARTICIPANT_LOST_STATUS a participant is lost (the supervisor restores the job);
+# NO_USABLE_SNAPSHOT_STATUS snapshots were published but none passes its checks;
+# WEIGHT_SYNC_STATUS a weight push ran out of retries.
 PARTICIPANT_LOST_STATUS = 4
+NO_USABLE_SNAPSHOT_STATUS = 5
+WEIGHT_SYNC_STATUS = 6
 
 _LOG = logging.getLogger("turnpoint.demo.trainer")
 LEARNING_RATE = 1e-2
@@ -164,35 +174,12 @@ class DemoTrainer:
             }
         )
 
-    def _addresses(self, kind: str) -> dict[str, str]:
-        return {p["instance"]: p["address"] for p in self.participants if p["kind"] == kind}
-
-    async def _push_weights(self, rollouts: RolloutClient | None) -> None:
-        """The weight sync: rollout deadlines are held while the policy swaps weights."""
-        from turnpoint._keepalive import data_channel
-        from turnpoint.v1 import policy_service_pb2, policy_service_pb2_grpc
-
-        hold = rollouts.hold_deadlines("weight-sync") if rollouts is not None else None
-        try:
-            state = await asyncio.to_thread(self.model.state_bytes)
-            for address in self._addresses("model").values():
-                channel = data_channel(address)
-                try:
-                    stub = policy_service_pb2_grpc.PolicyServiceStub(channel)
-                    await stub.UpdateWeights(
-                        policy_service_pb2.UpdateWeightsRequest(
-                            request_id=f"weights-{self.events.incarnation}-{self.step}",
-                            weights_version=self.step,
-                            state=state,
-                        ),
-                        metadata=auth_metadata(self.token),
-                        timeout=30,
-                    )
-                finally:
-                    await channel.close(None)
-        finally:
-            if rollouts is not None and hold is not None:
-                rollouts.release_deadlines(hold)
+    async def _push_weights(self, weights: WeightSync, state: bytes) -> None:
+        """The weight sync, version = training step: retried through lost replies and
+        other transient faults, installed once per version (docs/spec.md section 5.4)."""
+        pushed = await weights.push(self.step, state)
+        if pushed.retried:
+            self.events.write("weights", version=pushed.version, retried=pushed.retried)
 
     # ------------------------------------------------------------------ rollouts
 
@@ -414,17 +401,28 @@ class DemoTrainer:
                 # Runs and acknowledgements carry this coordinator's fence (spec 6.9).
                 fence=coordinator.fence,
             )
+            weights = WeightSync(
+                {
+                    name: coordinator.endpoints[name]
+                    for name in topology.of_kind(ParticipantKind.MODEL)
+                },
+                token=self.token,
+                epoch=identity.epoch,
+                rollouts=rollouts,
+            )
             async with rollouts:
                 plan = None
                 if self.args.resume:
                     plan = await self._restore(coordinator, layout, config, metrics, rollouts)
+                weights.adopt_restore(plan)
                 self.events.write(
                     "start",
                     restored_from=plan.checkpoint_id if plan else None,
                     step=self.step,
                     coordinator_epoch=identity.epoch,
                 )
-                await self._push_weights(rollouts)
+                # The fresh policy servers get the trainer's (restored) weights.
+                await self._push_weights(weights, await asyncio.to_thread(self.model.state_bytes))
                 anchor = TorchAnchorSource(
                     self.model,
                     self.optimizer,
@@ -440,6 +438,7 @@ class DemoTrainer:
                     epoch=identity.epoch,
                     metrics=metrics,
                     step_lock=self.step_lock,
+                    manifest_extra=weights.snapshot_extra,
                 )
                 driver.adopt_restore(plan)
                 driver.subscribe(SnapshotStateLog(self.events.write))
@@ -454,7 +453,7 @@ class DemoTrainer:
                     asyncio.create_task(self._watch_liveness(coordinator, config, stop)),
                 ]
                 try:
-                    await self._train_loop(rollouts, agents, background)
+                    await self._train_loop(rollouts, agents, background, weights)
                 except BaseException:
                     # Ending on a failure (a lost participant, the pump giving up): do not
                     # wait for a snapshot in progress against a participant that is gone.
@@ -477,6 +476,7 @@ class DemoTrainer:
         rollouts: RolloutClient,
         agents: Sequence[str],
         background: Sequence[asyncio.Task[None]],
+        weights: WeightSync,
     ) -> None:
         per_step = self.args.groups_per_step
         while self.step < self.args.steps:
@@ -493,6 +493,10 @@ class DemoTrainer:
                 self._log_results([r for group in groups for r in group])
                 stats = await asyncio.to_thread(self._train, groups)
                 self.step += 1
+                # Under the step lock: a snapshot's anchor holds these weights, and the
+                # version it records with them is this one, pushed or not yet.
+                weights.declare(self.step)
+                state = await asyncio.to_thread(self.model.state_bytes)
             self.events.write(
                 "train_step",
                 step=self.step,
@@ -509,7 +513,7 @@ class DemoTrainer:
                 ],
                 mean_reward=stats["mean_reward"],
             )
-            await self._push_weights(rollouts)
+            await self._push_weights(weights, state)
 
     async def _restore(
         self,
@@ -647,6 +651,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ParticipantLostError as error:
         print(f"trainer: {error}", file=sys.stderr)
         return PARTICIPANT_LOST_STATUS
+    except NoUsableSnapshotError as error:
+        # Snapshots exist but none passes its checks: starting over would lose the run.
+        print(f"trainer: cannot restore: {error}", file=sys.stderr)
+        return NO_USABLE_SNAPSHOT_STATUS
+    except WeightSyncError as error:
+        print(f"trainer: the weight sync failed: {error}", file=sys.stderr)
+        return WEIGHT_SYNC_STATUS
     finally:
         trainer.events.close()
 

@@ -193,6 +193,9 @@ class RestorePlan:
     # Participants whose resume of the restore id did not succeed (docs/spec.md section
     # 7.7 item 9): still closed, until the snapshot driver's release retry or their lease.
     unreleased: frozenset[str] = frozenset()
+    # The manifest's ``extra`` (docs/spec.md section 8.6): what the application kept
+    # beside the anchor, the facade's weights version among it.
+    extra: Mapping[str, JSONValue] = field(default_factory=lambda: MappingProxyType({}))
 
     @property
     def resumed(self) -> int:
@@ -439,6 +442,7 @@ def plan_restore(
         sealed_siblings_discarded=sealed_discarded,
         saved_turns_discarded=turns_discarded,
         restore_failed=restore_failed,
+        extra=manifest.extra,
     )
 
 

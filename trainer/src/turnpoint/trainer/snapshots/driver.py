@@ -115,6 +115,7 @@ from turnpoint.trainer.snapshots.report import (
 )
 from turnpoint.trainer.storage.layout import SnapshotLayout
 from turnpoint.trainer.storage.manifest import (
+    JSONValue,
     ManifestError,
     ParticipantEntry,
     SnapshotManifest,
@@ -233,6 +234,9 @@ class SnapshotDriver:
     the recorded queue exactly the one the anchor's step left. ``clock`` times the
     attempts' transitions; ``wall_clock`` stamps manifests. ``metrics``, if given,
     watches every attempt's transitions (:meth:`subscribe`) and every report.
+    ``manifest_extra``, if given, is read with the anchor (under ``step_lock``) and
+    becomes the manifest's ``extra`` (docs/spec.md section 8.6): the facade keeps the
+    weights version there.
     """
 
     def __init__(
@@ -249,6 +253,7 @@ class SnapshotDriver:
         step_lock: asyncio.Lock | None = None,
         clock: Callable[[], float] = time.monotonic,
         wall_clock: Callable[[], float] = time.time,
+        manifest_extra: Callable[[], Mapping[str, JSONValue]] | None = None,
     ) -> None:
         if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 1:
             raise ValueError(f"epoch must be an integer >= 1, got {epoch!r}")
@@ -264,6 +269,7 @@ class SnapshotDriver:
         self._step_lock = step_lock
         self._clock = clock
         self._wall_clock = wall_clock
+        self._manifest_extra = manifest_extra
         self._sequence: int | None = None
         self._exposed: deque[str] = deque(maxlen=_EXPOSED_REMEMBERED)
         # checkpoint id -> participants whose resume of it has not succeeded yet.
@@ -443,10 +449,13 @@ class SnapshotDriver:
             self._set_state(attempt, _S.ANCHOR)
             await step_lock.acquire()
             written = await self._write_anchor(attempt)
+            # Read with the anchor, under the step lock: what the application keeps
+            # beside it (the weights version) describes the same step.
+            extra = dict(self._manifest_extra()) if self._manifest_extra is not None else {}
             self._set_state(attempt, _S.CLOSE)
             self._rollouts.close_dispatch()
             hold = self._rollouts.hold_deadlines(f"snapshot {attempt.checkpoint_id}")
-            await self._cut(attempt, written, step_lock)
+            await self._cut(attempt, written, step_lock, extra)
         finally:
             step_lock.release()
             if hold is not None:
@@ -534,7 +543,11 @@ class SnapshotDriver:
         return written
 
     async def _cut(
-        self, attempt: SnapshotAttempt, written: WrittenAnchor, step_lock: _LockHold
+        self,
+        attempt: SnapshotAttempt,
+        written: WrittenAnchor,
+        step_lock: _LockHold,
+        extra: Mapping[str, JSONValue],
     ) -> None:
         rollouts = self._rollouts
         checkpoint_id = attempt.checkpoint_id
@@ -604,7 +617,9 @@ class SnapshotDriver:
                         raise _Failed(
                             FailureReason.INVARIANT, f"the trainer's books: {error}", error=error
                         ) from error
-                    await self._commit_and_publish(attempt, prepared, in_flight, state, written)
+                    await self._commit_and_publish(
+                        attempt, prepared, in_flight, state, written, extra
+                    )
                 except BaseException:
                     # The held checkpoint's exit resumes the same id everywhere: an abort.
                     self._set_state(attempt, _S.ABORT)
@@ -620,6 +635,7 @@ class SnapshotDriver:
         in_flight: Sequence[InFlightRollout],
         state: TrainerRolloutState,
         written: WrittenAnchor,
+        extra: Mapping[str, JSONValue],
     ) -> None:
         checkpoint_id = attempt.checkpoint_id
         topology = self._coordinator.topology
@@ -668,6 +684,7 @@ class SnapshotDriver:
                 continued=attribution.continued,
                 restarts=attribution.restarted,
                 rollout_state=state,
+                extra=extra,
             )
             await asyncio.to_thread(
                 self._layout.publish, self._layout.path(checkpoint_id), manifest
