@@ -161,9 +161,13 @@ class UpdateWeightsRequest(_message.Message):
     WEIGHTS_VERSION_FIELD_NUMBER: _builtins.int
     STATE_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
-    """Idempotency key."""
+    """Idempotency key: a repeated id joins the install under way or gets its recorded
+    answer, never installs twice (docs/spec.md section 5.4 item 4).
+    """
     weights_version: _builtins.int
-    """Version of these weights; must be higher than the installed one."""
+    """Version of these weights: higher than the installed one installs; equal is answered
+    as installed without installing again; lower is refused with INVALID_ARGUMENT.
+    """
     state: _builtins.bytes
     """Serialized state dict (torch.save format for the example policy)."""
     def __init__(

@@ -167,14 +167,16 @@ export const GenerationCutSchema: GenMessage<GenerationCut> = /*@__PURE__*/
  */
 export type UpdateWeightsRequest = Message<"turnpoint.v1.UpdateWeightsRequest"> & {
   /**
-   * Idempotency key.
+   * Idempotency key: a repeated id joins the install under way or gets its recorded
+   * answer, never installs twice (docs/spec.md section 5.4 item 4).
    *
    * @generated from field: string request_id = 1;
    */
   requestId: string;
 
   /**
-   * Version of these weights; must be higher than the installed one.
+   * Version of these weights: higher than the installed one installs; equal is answered
+   * as installed without installing again; lower is refused with INVALID_ARGUMENT.
    *
    * @generated from field: uint64 weights_version = 2;
    */
