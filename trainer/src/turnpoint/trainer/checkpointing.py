@@ -1,9 +1,10 @@
 """The facade a training loop embeds: open, restore, dispatch, train, snapshot, close.
 
-:class:`Checkpointing` composes the pieces a trainer otherwise wires by hand (see the
-demo trainer): :class:`Coordinator` (epoch, discovery), :class:`RolloutClient`,
-:class:`SnapshotDriver` and :class:`SnapshotPump` (the failure policy), and
-:class:`Restorer` with :func:`apply_plan`, and :class:`WeightSync`. It adds a snapshot
+:class:`Checkpointing` is the one way to assemble a trainer (the demo trainer and the
+embedded example are built on it). It composes :class:`Coordinator` (epoch,
+discovery), :class:`RolloutClient`, :class:`SnapshotDriver` and :class:`SnapshotPump`
+(the failure policy), :class:`Restorer` with :func:`apply_plan`, :class:`WeightSync`
+and the liveness watch. It adds a snapshot
 policy (every N steps, every T seconds), the weight sync's bookkeeping (the version of
 the trainer's weights is recorded in each snapshot and pushed again after a restore,
 docs/spec.md section 6.11) and a preemption handler: on SIGTERM one final snapshot
