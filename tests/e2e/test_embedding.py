@@ -2,8 +2,11 @@
 
 The participants are real gRPC servers hosted in the test process on 127.0.0.1:0; the
 trainer is a real process. One test SIGKILLs it mid-run and runs it again: it must resume
-from a snapshot and train every prompt group exactly once. The other sends SIGTERM: the
-trainer snapshots once more and exits 0, and the next run restores that snapshot.
+from a snapshot and train every prompt group exactly once. Another sends SIGTERM: the
+trainer snapshots once more and exits 0, and the next run restores that snapshot. The
+chaos test loses every reply of the policy server to the trainer for two seconds
+mid-run (through the loopback fault proxy): the weight pushes are retried, the run ends
+without a restart, every group trained once and every weights version installed once.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from typing import Any
 import pytest
 
 from tests.support.participants import TOKEN, start_topology
+from turnpoint.apps.chaos._proxy import FaultProxy, ProxyMode
+from turnpoint.apps.examples._participants import TinyPolicyServer
 from turnpoint.trainer.advanced import SnapshotLayout
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -80,6 +85,13 @@ class Job:
         return [e for e in read_log(self.log) if e["type"] == kind]
 
 
+def assert_every_group_trained_once(entries: list[dict[str, Any]]) -> None:
+    groups = trained_lineage(entries)
+    counts = Counter(groups)
+    assert all(n == 1 for n in counts.values()), counts
+    assert set(groups) == {f"g{g:05d}" for g in range(STEPS * GROUPS_PER_STEP)}
+
+
 def trained_lineage(entries: list[dict[str, Any]]) -> list[str]:
     """The groups the final model was trained on: each restart discards the steps after
     the step it resumed from (they were trained into a model that was thrown away)."""
@@ -117,10 +129,7 @@ async def test_sigkill_mid_run_resumes_and_trains_every_group_once(tmp_path: Pat
         assert starts[1]["step"] > 0
         resumed_training = [e for e in job.entries("train")[trained_before:]]
         print(f"SIGKILL -> first resumed step: {resumed_training[0]['t'] - killed_at:.2f} s")
-        groups = trained_lineage(read_log(job.log))
-        counts = Counter(groups)
-        assert all(n == 1 for n in counts.values()), counts
-        assert set(groups) == {f"g{g:05d}" for g in range(STEPS * GROUPS_PER_STEP)}
+        assert_every_group_trained_once(read_log(job.log))
         assert job.entries("done")
 
 
@@ -147,3 +156,46 @@ async def test_sigterm_takes_a_final_snapshot_exits_0_and_the_next_run_restores_
         assert starts[1]["restored_from"] == final
         groups = trained_lineage(read_log(job.log))
         assert sorted(Counter(groups).values()) == [1] * STEPS * GROUPS_PER_STEP
+
+
+LOST_REPLIES_S = 2.0
+
+
+async def test_chaos_policy_replies_lost_for_two_seconds_cost_retries_not_a_restart(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The trainer reaches the policy server only through the fault proxy (its control
+    calls and its weight pushes; the agents reach it directly), and the proxy loses
+    every reply for two seconds once training is under way."""
+    installed: list[int] = []
+    install = TinyPolicyServer.update_weights
+
+    async def recording_install(self: TinyPolicyServer, weights_version: int, state: bytes) -> int:
+        # The SDK calls the model only to install (a replayed request id is answered
+        # from its record): each call is one install.
+        answered = await install(self, weights_version, state)
+        installed.append(weights_version)
+        return answered
+
+    monkeypatch.setattr(TinyPolicyServer, "update_weights", recording_install)
+    async with (
+        start_topology(tmp_path / "p", agents=2, group_size=GROUP_SIZE) as topology,
+        FaultProxy(topology.policy.address) as proxy,
+    ):
+        addresses = {n: h.address for n, h in topology.participants.items()}
+        addresses[topology.policy.runtime.instance_name] = proxy.address
+        job = Job(tmp_path, topology.root, addresses)
+        trainer = await job.start()
+        await poll(lambda: len(job.entries("train")) >= 8, 120, "eight steps")
+        proxy.set_mode(ProxyMode.DROP_REPLIES)
+        # The fault's length, not a wait for something to happen: the run goes on.
+        asyncio.get_running_loop().call_later(LOST_REPLIES_S, proxy.set_mode, ProxyMode.PASS)
+        assert await asyncio.wait_for(trainer.wait(), 180) == 0
+        assert proxy.stats.cut > 0, "no reply was lost"
+    assert len(job.entries("start")) == 1, "the trainer restarted"
+    assert_every_group_trained_once(read_log(job.log))
+    pushes = job.entries("weights")
+    assert [p["version"] for p in pushes] == list(range(1, STEPS + 1))
+    assert sum(p["retried"] for p in pushes) > 0, "no push met the lost replies"
+    # Version 0 is the open's push of the initial weights; each step's version after it.
+    assert installed == list(range(STEPS + 1)), Counter(installed)

@@ -15,7 +15,10 @@ This face is what a trainer author needs (docs/embedding.md):
   :meth:`Checkpointing.push_weights`), :class:`WeightSyncSettings`,
   :class:`WeightSyncReport`, :class:`WeightSyncError`;
 - what snapshots report: :class:`SnapshotReport`, :class:`SnapshotOutcome`,
-  :class:`FailureReason`;
+  :class:`FailureReason`, and the states an attempt passes through,
+  :class:`SnapshotState` (``Checkpointing(on_transition=...)``);
+- the coordinator's Prometheus metrics: :class:`CoordinatorMetrics`
+  (``Checkpointing(metrics=...)``);
 - the errors, all :class:`CoordinatorError`: :class:`NoUsableSnapshotError`,
   :class:`SnapshotFailuresError`, :class:`SnapshotInvariantError`,
   :class:`ParticipantLostError`, :class:`AnchorError`, :class:`WeightSyncError`.
@@ -51,6 +54,7 @@ if TYPE_CHECKING:
     from turnpoint.trainer.config import CoordinatorConfig as CoordinatorConfig
     from turnpoint.trainer.control.liveness import ParticipantLostError as ParticipantLostError
     from turnpoint.trainer.errors import CoordinatorError as CoordinatorError
+    from turnpoint.trainer.metrics import CoordinatorMetrics as CoordinatorMetrics
     from turnpoint.trainer.restore.restorer import AnchorLoader as AnchorLoader
     from turnpoint.trainer.restore.restorer import NoUsableSnapshotError as NoUsableSnapshotError
     from turnpoint.trainer.restore.restorer import torch_anchor_loader as torch_anchor_loader
@@ -58,6 +62,7 @@ if TYPE_CHECKING:
     from turnpoint.trainer.rollouts.values import RolloutClientSettings as RolloutClientSettings
     from turnpoint.trainer.rollouts.values import RolloutOutcome as RolloutOutcome
     from turnpoint.trainer.rollouts.values import RolloutResult as RolloutResult
+    from turnpoint.trainer.snapshots.attempt import SnapshotState as SnapshotState
     from turnpoint.trainer.snapshots.pump import SnapshotFailuresError as SnapshotFailuresError
     from turnpoint.trainer.snapshots.pump import SnapshotInvariantError as SnapshotInvariantError
     from turnpoint.trainer.snapshots.report import FailureReason as FailureReason
@@ -77,6 +82,7 @@ _OWNERS = {
     "ConfigError": "turnpoint.trainer.config",
     "CoordinatorConfig": "turnpoint.trainer.config",
     "CoordinatorError": "turnpoint.trainer.errors",
+    "CoordinatorMetrics": "turnpoint.trainer.metrics",
     "DistributedAnchor": "turnpoint.trainer.anchors.ranks",
     "FailureReason": "turnpoint.trainer.snapshots.report",
     "FileAnchorSource": "turnpoint.trainer.anchors.file",
@@ -94,6 +100,7 @@ _OWNERS = {
     "SnapshotInvariantError": "turnpoint.trainer.snapshots.pump",
     "SnapshotOutcome": "turnpoint.trainer.snapshots.report",
     "SnapshotReport": "turnpoint.trainer.snapshots.report",
+    "SnapshotState": "turnpoint.trainer.snapshots.attempt",
     "TorchAnchorSource": "turnpoint.trainer.anchors.dcp",
     "WeightSync": "turnpoint.trainer.weights.sync",
     "WeightSyncError": "turnpoint.trainer.weights.core",

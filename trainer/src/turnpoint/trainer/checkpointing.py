@@ -1,13 +1,21 @@
 """The facade a training loop embeds: open, restore, dispatch, train, snapshot, close.
 
-:class:`Checkpointing` composes the pieces a trainer otherwise wires by hand (see the
-demo trainer): :class:`Coordinator` (epoch, discovery), :class:`RolloutClient`,
-:class:`SnapshotDriver` and :class:`SnapshotPump` (the failure policy), and
-:class:`Restorer` with :func:`apply_plan`, and :class:`WeightSync`. It adds a snapshot
+:class:`Checkpointing` is the one way to assemble a trainer (the demo trainer and the
+embedded example are built on it). It composes :class:`Coordinator` (epoch,
+discovery), :class:`RolloutClient`, :class:`SnapshotDriver` and :class:`SnapshotPump`
+(the failure policy), :class:`Restorer` with :func:`apply_plan`, :class:`WeightSync`
+and the liveness watch. It adds a snapshot
 policy (every N steps, every T seconds), the weight sync's bookkeeping (the version of
 the trainer's weights is recorded in each snapshot and pushed again after a restore,
 docs/spec.md section 6.11) and a preemption handler: on SIGTERM one final snapshot
 within a deadline, then :class:`Preempted`, which exits the process with status 0.
+
+What a trainer watches goes through options of the facade, never around it: each
+snapshot's report (``on_snapshot``), each attempt's transitions (``on_transition``),
+the coordinator's metrics (``metrics``), the liveness watch (``watch_liveness``,
+``on_participant_lost``) and what a restore did (:class:`Resumed`). The demo trainer is
+built on it; the hooks of its deterministic crashes come from
+:mod:`turnpoint.trainer.testing` (``testing_hooks``).
 """
 
 from __future__ import annotations
@@ -17,26 +25,32 @@ import contextlib
 import inspect
 import logging
 import signal
+import time
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, replace
-from types import TracebackType
-from typing import Self
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType, TracebackType
+from typing import TYPE_CHECKING, Self
 
 from turnpoint.protocol import ParticipantKind
 from turnpoint.trainer.anchors.source import AnchorSource
 from turnpoint.trainer.config import CoordinatorConfig
 from turnpoint.trainer.control.coordinator import Coordinator
 from turnpoint.trainer.control.identity import bump_epoch
-from turnpoint.trainer.restore.restorer import AnchorLoader, Restorer, apply_plan
+from turnpoint.trainer.control.liveness import ParticipantLostError, watch_liveness
+from turnpoint.trainer.restore.restorer import AnchorLoader, RestorePlan, Restorer, apply_plan
 from turnpoint.trainer.rollouts.client import AgentEndpoint, RolloutClient
 from turnpoint.trainer.rollouts.values import Rollout, RolloutClientSettings, RolloutResult
-from turnpoint.trainer.snapshots.driver import SnapshotDriver
+from turnpoint.trainer.snapshots.driver import SnapshotDriver, TransitionCallback
 from turnpoint.trainer.snapshots.pump import SnapshotPump
 from turnpoint.trainer.snapshots.report import SnapshotOutcome, SnapshotReport
 from turnpoint.trainer.storage.layout import SnapshotLayout
 from turnpoint.trainer.storage.manifest import JSONValue
 from turnpoint.trainer.weights.core import WeightSyncSettings
 from turnpoint.trainer.weights.sync import WeightSync, WeightSyncReport
+
+if TYPE_CHECKING:
+    from turnpoint.trainer.metrics import CoordinatorMetrics
+    from turnpoint.trainer.snapshots.hooks import SnapshotHooks
 
 _LOG = logging.getLogger(__name__)
 _WAKE_S = 0.25
@@ -69,6 +83,14 @@ class Resumed:
     from ``step`` and ``data_loader``. ``weights_version`` is the version of the
     trainer's weights the snapshot recorded (``None``: a fresh start, or a snapshot
     taken before any weights were pushed).
+
+    What the restore did, for a trainer's log: ``resumed_by_instance`` names, per agent
+    instance that saved them, the rollouts that continue from a saved turn;
+    ``rerun_by_instance``, per agent instance that held them at the cut (``""`` for
+    those still waiting at the trainer's gate), the rollouts that start over from their
+    prompts; ``groups_retried_whole`` counts the prompt groups rerun whole;
+    ``restore_s`` is how long the restore took. ``weights_pushed`` is the report of the
+    push :meth:`Checkpointing.open` made (``None`` without a ``weights`` callable).
     """
 
     step: int
@@ -77,10 +99,50 @@ class Resumed:
     resumed_rollouts: int = 0
     rerun_rollouts: int = 0
     weights_version: int | None = None
+    groups_retried_whole: int = 0
+    restore_s: float = 0.0
+    resumed_by_instance: Mapping[str, tuple[str, ...]] = field(
+        default_factory=lambda: MappingProxyType({})
+    )
+    rerun_by_instance: Mapping[str, tuple[str, ...]] = field(
+        default_factory=lambda: MappingProxyType({})
+    )
+    weights_pushed: WeightSyncReport | None = None
 
     @property
     def restored(self) -> bool:
         return self.checkpoint_id is not None
+
+    @property
+    def resumed_rollout_ids(self) -> frozenset[str]:
+        """The rollouts that continue from a saved turn (as attempt N+1)."""
+        return frozenset(r for ids in self.resumed_by_instance.values() for r in ids)
+
+
+def _by_instance(pairs: list[tuple[str, str]]) -> Mapping[str, tuple[str, ...]]:
+    grouped: dict[str, list[str]] = {}
+    for instance, rollout_id in pairs:
+        grouped.setdefault(instance, []).append(rollout_id)
+    return MappingProxyType({name: tuple(ids) for name, ids in grouped.items()})
+
+
+def _resumed_from(plan: RestorePlan, *, weights_version: int | None, restore_s: float) -> Resumed:
+    return Resumed(
+        step=plan.step,
+        checkpoint_id=plan.checkpoint_id,
+        data_loader=plan.trainer_state.data_loader,
+        resumed_rollouts=plan.resumed,
+        rerun_rollouts=plan.rerun_count,
+        weights_version=weights_version,
+        groups_retried_whole=plan.groups_retried_whole,
+        restore_s=restore_s,
+        resumed_by_instance=_by_instance(
+            [(action.instance, action.rollout.episode.rollout_id) for action in plan.redispatch]
+        ),
+        rerun_by_instance=_by_instance(
+            [(rerun.rollout.instance, rerun.rollout.episode.rollout_id) for rerun in plan.rerun]
+        ),
+    )
 
 
 class Checkpointing:
@@ -98,6 +160,18 @@ class Checkpointing:
     done (at the restored snapshot's weights version, else ``initial_weights_version``),
     and :meth:`push_weights` without ``state`` uses it. ``weight_sync`` bounds the
     retries of each push.
+
+    Watching (all optional): ``on_snapshot(report)`` after every snapshot, whoever
+    asked for it; ``on_transition(attempt id, old state, new state, now)`` on every
+    transition of every attempt (quick, non-blocking: it runs inside the snapshot);
+    ``metrics`` (a :class:`CoordinatorMetrics`) fed by the coordinator, the restore and
+    every snapshot. ``watch_liveness`` probes the participants every
+    ``config.liveness_interval_s`` and ends the run with :class:`ParticipantLostError`
+    (raised from :meth:`wait_groups`, :meth:`step_done` and :meth:`dispatch`) once one
+    is silent for ``config.participant_lost_after_s``; ``on_participant_lost(error)`` is
+    called first, at once (a process that exits there skips winding down calls to a
+    participant that is gone). ``testing_hooks`` is for tests and the demo's
+    deterministic crashes only (:class:`turnpoint.trainer.testing.SnapshotHooks`).
     """
 
     def __init__(
@@ -114,6 +188,12 @@ class Checkpointing:
         weights: Callable[[], bytes] | None = None,
         initial_weights_version: int = 0,
         weight_sync: WeightSyncSettings | None = None,
+        metrics: CoordinatorMetrics | None = None,
+        on_snapshot: Callable[[SnapshotReport], None] | None = None,
+        on_transition: TransitionCallback | None = None,
+        watch_liveness: bool = False,
+        on_participant_lost: Callable[[ParticipantLostError], None] | None = None,
+        testing_hooks: SnapshotHooks | None = None,
     ) -> None:
         self.config = config
         self._participants = participants
@@ -127,6 +207,12 @@ class Checkpointing:
         self._initial_weights_version = initial_weights_version
         self._weight_sync_settings = weight_sync
         self._weight_sync: WeightSync | None = None
+        self._metrics = metrics
+        self._on_snapshot = on_snapshot
+        self._on_transition = on_transition
+        self._watch_liveness = watch_liveness
+        self._on_participant_lost = on_participant_lost
+        self._testing_hooks = testing_hooks
         self.step_lock = asyncio.Lock()
         self._snapshot_lock = asyncio.Lock()
         self._stack = contextlib.AsyncExitStack()
@@ -134,6 +220,7 @@ class Checkpointing:
         self._rollouts: RolloutClient | None = None
         self._pump: SnapshotPump | None = None
         self._background: list[asyncio.Task[None]] = []
+        self._ticker: asyncio.Task[None] | None = None
         self._stop = asyncio.Event()
         self._preempted = asyncio.Event()
         self._final: SnapshotReport | None = None
@@ -147,7 +234,7 @@ class Checkpointing:
         try:
             return await self._open()
         except BaseException:
-            await self.aclose()
+            await self._close(finish_snapshot=False)
             raise
 
     async def _open(self) -> Resumed:
@@ -162,6 +249,7 @@ class Checkpointing:
                 coordinator_id=identity.coordinator_id,
                 epoch=identity.epoch,
                 config=config,
+                metrics=self._metrics,
             )
         )
         self._coordinator = coordinator
@@ -182,8 +270,12 @@ class Checkpointing:
             )
         )
         self._rollouts = rollouts
-        layout = SnapshotLayout(root)
-        restorer = Restorer(coordinator, layout, config, load_anchor=self._load_anchor)
+        hooks = self._testing_hooks
+        layout = SnapshotLayout(root, after_step=hooks.after_publish_step if hooks else None)
+        restorer = Restorer(
+            coordinator, layout, config, load_anchor=self._load_anchor, metrics=self._metrics
+        )
+        restore_started = time.monotonic()
         plan = await restorer.restore()
         sync = WeightSync(
             {
@@ -201,13 +293,10 @@ class Checkpointing:
         if plan is not None:
             apply_plan(plan, rollouts)
             rollouts.set_data_loader(plan.trainer_state.data_loader)
-            self.resumed = Resumed(
-                step=plan.step,
-                checkpoint_id=plan.checkpoint_id,
-                data_loader=plan.trainer_state.data_loader,
-                resumed_rollouts=plan.resumed,
-                rerun_rollouts=plan.rerun_count,
+            self.resumed = _resumed_from(
+                plan,
                 weights_version=restored_version,
+                restore_s=time.monotonic() - restore_started,
             )
         driver = SnapshotDriver(
             coordinator=coordinator,
@@ -216,19 +305,30 @@ class Checkpointing:
             layout=layout,
             config=config,
             epoch=identity.epoch,
+            metrics=self._metrics,
             step_lock=self.step_lock,
             manifest_extra=sync.snapshot_extra,
         )
         driver.adopt_restore(plan)
+        if self._on_transition is not None:
+            driver.subscribe(self._on_transition)
+        if hooks is not None:
+            hooks.attach(driver)
         if self._weights is not None:
             # Fresh policy servers (a restore needs fresh participants, spec section
             # 4.10) get the restored weights at their recorded version; a server that
             # holds that version already answers without installing again.
             version = sync.version
-            await self.push_weights(self._initial_weights_version if version is None else version)
+            pushed = await self.push_weights(
+                self._initial_weights_version if version is None else version
+            )
+            self.resumed = replace(self.resumed, weights_pushed=pushed)
         self._pump = SnapshotPump(driver, config)
         if self._periodic:
-            self._background.append(asyncio.create_task(self._tick_periodically()))
+            self._ticker = asyncio.create_task(self._tick_periodically())
+            self._background.append(self._ticker)
+        if self._watch_liveness:
+            self._background.append(asyncio.create_task(self._watch_participants()))
         return self.resumed
 
     async def _endpoints(self) -> Mapping[str, str]:
@@ -240,15 +340,26 @@ class Checkpointing:
         return dict(found)
 
     async def aclose(self) -> None:
-        """Stop the pump, then close the rollout client and the coordinator."""
+        """Stop the pump, then close the rollout client and the coordinator.
+
+        A snapshot under way is finished first; if it ended the run (the pump's
+        :class:`SnapshotRunError`), that is raised once everything is closed.
+        """
+        await self._close(finish_snapshot=True)
+
+    async def _close(self, *, finish_snapshot: bool) -> None:
         self._stop.set()
         with contextlib.suppress(NotImplementedError, RuntimeError):
             asyncio.get_running_loop().remove_signal_handler(signal.SIGTERM)
+        ticker = self._ticker if finish_snapshot else None
         for task in self._background:
-            if task is not asyncio.current_task():
+            if task is not asyncio.current_task() and task is not ticker:
                 task.cancel()
+        # The ticker sees the stop at once between snapshots, and after the one under way.
         await asyncio.gather(*self._background, return_exceptions=True)
         await self._stack.aclose()
+        if ticker is not None and not ticker.cancelled() and ticker.exception() is not None:
+            raise ticker.exception()  # type: ignore[misc]
 
     async def __aenter__(self) -> Self:
         await self.open()
@@ -260,7 +371,9 @@ class Checkpointing:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        await self.aclose()
+        # Leaving on an error (a lost participant, the pump giving up, a preemption):
+        # do not wait for a snapshot under way against a participant that may be gone.
+        await self._close(finish_snapshot=exc_type is None)
 
     # ------------------------------------------------------------------ rollouts
 
@@ -361,6 +474,8 @@ class Checkpointing:
         async with self._snapshot_lock:
             report = await self._pump.tick()
         self.reports.append(report)
+        if self._on_snapshot is not None:
+            self._on_snapshot(report)
         if report.outcome is not SnapshotOutcome.PUBLISHED:
             _LOG.warning(
                 "snapshot %s %s: %s", report.checkpoint_id, report.outcome.value, report.detail
@@ -381,6 +496,18 @@ class Checkpointing:
                 await asyncio.wait_for(self._stop.wait(), interval)
             if not self._stop.is_set():
                 await self.snapshot_now()
+
+    async def _watch_participants(self) -> None:
+        try:
+            await watch_liveness(
+                self.coordinator,
+                interval_s=self.config.liveness_interval_s,
+                lost_after_s=self.config.participant_lost_after_s,
+            )
+        except ParticipantLostError as error:
+            if self._on_participant_lost is not None:
+                self._on_participant_lost(error)
+            raise
 
     # ------------------------------------------------------------------ preemption
 

@@ -1,20 +1,26 @@
 """The trainer process of ``turnpoint demo``: real RL training that snapshots and restores.
 
 Run by the demo supervisor as ``python -m turnpoint.apps.demo._trainer --topology F
---out DIR ...``. It embeds the coordinator the way a real trainer would:
+--out DIR ...``. It embeds the coordinator the way any trainer does, through
+:class:`~turnpoint.trainer.Checkpointing` (docs/embedding.md), and watches it through
+the facade's options (snapshot reports, attempt transitions, metrics, the liveness
+watch, the restore report):
 
 - the policy (:func:`~turnpoint.apps.examples._participants.new_policy`) is trained with
   a group-baseline policy-gradient step on the rewards the verifiers return, and every
-  step's weights are pushed to the policy server through the library's
-  :class:`~turnpoint.trainer.WeightSync` (rollout deadlines held, transient failures
-  retried under the same request ids, the version recorded in each snapshot);
+  step's weights are pushed to the policy server with
+  :meth:`~turnpoint.trainer.Checkpointing.push_weights` (rollout deadlines held,
+  transient failures retried under the same request ids, the version recorded in each
+  snapshot);
 - prompt groups come from a deterministic loader (group index ``g`` -> prompt ``g``), half
   of them scored per sibling (``guess``), half group-scored (``guess-group``);
-- a :class:`SnapshotPump` takes snapshots every ``--snapshot-interval`` seconds while
-  rollouts are in flight;
-- with ``--resume`` it restores the newest usable snapshot first: the trainer anchor
-  (model, optimizer, step), its queue, loader position and attempt ledger, and the
-  unfinished rollouts, which continue as attempt N+1 from their saved turns.
+- the facade takes snapshots every ``--snapshot-interval`` seconds while rollouts are in
+  flight;
+- it restores the newest usable snapshot first, if the snapshot root holds one (the
+  supervisor passes ``--resume`` to every trainer after the first, whose root is
+  fresh): the trainer anchor (model, optimizer, step), its queue, loader position and
+  attempt ledger, and the unfinished rollouts, which continue as attempt N+1 from their
+  saved turns.
 
 Everything the audit needs goes to ``<out>/events.jsonl`` (see ``server/demo``).
 """
@@ -48,37 +54,24 @@ from turnpoint.apps.demo._learner import Sample, policy_gradient_step
 from turnpoint.apps.demo._progress import SnapshotStateLog
 from turnpoint.apps.examples._participants import GUESS, GUESS_GROUP, new_policy
 from turnpoint.apps.examples._task import make_prompt
-from turnpoint.protocol import ParticipantKind
 from turnpoint.trainer import (
+    Checkpointing,
     ConfigError,
     CoordinatorConfig,
+    CoordinatorMetrics,
     NoUsableSnapshotError,
     ParticipantLostError,
+    Resumed,
     Rollout,
-    RolloutClientSettings,
     RolloutOutcome,
     RolloutResult,
     SnapshotReport,
     TorchAnchorSource,
-    WeightSync,
     WeightSyncError,
+    WeightSyncReport,
     torch_anchor_loader,
 )
-from turnpoint.trainer.advanced import (
-    AgentEndpoint,
-    Coordinator,
-    CoordinatorMetrics,
-    RestorePlan,
-    Restorer,
-    RolloutClient,
-    SnapshotDriver,
-    SnapshotLayout,
-    SnapshotPump,
-    SnapshotRunError,
-    apply_plan,
-    bump_epoch,
-    watch_liveness,
-)
+from turnpoint.trainer.advanced import RolloutClient, SnapshotRunError
 
 # Exit statuses, each with one line on stderr (README.md, "What the demo shows"): 2 the
 # topology, token or snapshot root is unusable; 3 the snapshot pump ended the run;
@@ -151,7 +144,6 @@ class DemoTrainer:
         self.resumed: set[str] = set()
         self.logged: set[tuple[str, int]] = set()
         self.published = 0
-        self.step_lock = asyncio.Lock()
 
     # ------------------------------------------------------------------ set-up
 
@@ -174,10 +166,10 @@ class DemoTrainer:
             }
         )
 
-    async def _push_weights(self, weights: WeightSync, state: bytes) -> None:
-        """The weight sync, version = training step: retried through lost replies and
-        other transient faults, installed once per version (docs/spec.md section 5.4)."""
-        pushed = await weights.push(self.step, state)
+    def _log_push(self, pushed: WeightSyncReport) -> None:
+        """The weight sync, version = training step, is retried through lost replies and
+        other transient faults, installed once per version (docs/spec.md section 5.4):
+        a push that needed retries is logged."""
         if pushed.retried:
             self.events.write("weights", version=pushed.version, retried=pushed.retried)
 
@@ -204,15 +196,19 @@ class DemoTrainer:
             budget_s=self.args.rollout_budget,
         )
 
-    def _fill_pipeline(self, rollouts: RolloutClient, agents: Sequence[str]) -> None:
+    def _fill_pipeline(self, ckpt: Checkpointing) -> None:
         total = self.args.steps * self.args.groups_per_step
         trained = self.step * self.args.groups_per_step
         window = self.args.groups_per_step * 2
+        size = self.args.group_size
         while self.next_group < total and self.next_group - trained < window:
-            for sibling in range(self.args.group_size):
-                rollouts.dispatch(self._rollout(self.next_group, sibling, agents))
+            for sibling in range(size):
+                rollout = self._rollout(self.next_group, sibling, ckpt.agents)
+                last = sibling == size - 1  # the loader moves past the group with it
+                ckpt.dispatch(
+                    rollout, data_loader={"next_group": self.next_group + 1} if last else None
+                )
             self.next_group += 1
-            rollouts.set_data_loader({"next_group": self.next_group})
 
     def _log_results(self, results: Sequence[RolloutResult]) -> None:
         for result in results:
@@ -302,48 +298,15 @@ class DemoTrainer:
             restarts=report.restarts,
         )
 
-    async def _pump(self, pump: SnapshotPump, interval: float, stop: asyncio.Event) -> None:
-        while not stop.is_set():
-            try:
-                await asyncio.wait_for(stop.wait(), interval)
-                return
-            except TimeoutError:
-                pass
-            self._on_snapshot(await pump.tick())
-
-    async def _watch_liveness(
-        self, coordinator: Coordinator, config: CoordinatorConfig, stop: asyncio.Event
-    ) -> None:
-        """A participant that is gone ends this incarnation at once, raising
-        ParticipantLostError; the supervisor restores the job onto fresh ones (spec
-        section 7.11). Ends quietly when the run does."""
-        watch = asyncio.create_task(
-            watch_liveness(
-                coordinator,
-                interval_s=config.liveness_interval_s,
-                lost_after_s=config.participant_lost_after_s,
-            )
-        )
-        stopped = asyncio.create_task(stop.wait())
-        try:
-            await asyncio.wait({watch, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stopped.cancel()
-            if not watch.done():
-                watch.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await watch
-        if watch.done() and not watch.cancelled():
-            try:
-                watch.result()
-            except ParticipantLostError as error:
-                # This incarnation is abandoned: the job restores from the last published
-                # snapshot onto fresh participants, exactly as after a crash. Exit now
-                # rather than wind down calls to a participant that is gone (an abort
-                # would wait out its resume attempts against the lost participant).
-                print(f"trainer: {error}", file=sys.stderr, flush=True)
-                self.events.close()
-                os._exit(PARTICIPANT_LOST_STATUS)
+    def _participant_lost(self, error: ParticipantLostError) -> None:
+        """The facade's liveness watch found a participant gone: this incarnation is
+        abandoned, and the supervisor restores the job onto fresh participants from the
+        last published snapshot, exactly as after a crash (spec section 7.11). Exit now
+        rather than wind down calls to a participant that is gone (an abort would wait
+        out its resume attempts against the lost participant)."""
+        print(f"trainer: {error}", file=sys.stderr, flush=True)
+        self.events.close()
+        os._exit(PARTICIPANT_LOST_STATUS)
 
     def _record_kill(self, fired: Fired) -> None:
         # Also called from the publishing thread: one O_APPEND write, not self.events.
@@ -354,7 +317,6 @@ class DemoTrainer:
 
     async def run(self) -> int:
         config = self._config()
-        identity = await asyncio.to_thread(bump_epoch, self.snapshot_root)
         endpoints = {p["instance"]: p["address"] for p in self.participants}
         metrics = CoordinatorMetrics(_registry())
         if self.args.metrics_port is not None:
@@ -367,135 +329,92 @@ class DemoTrainer:
                 probe=StatusProbe(endpoints, token=self.token),
                 on_fire=self._record_kill,
             )
-        layout = SnapshotLayout(
-            self.snapshot_root, after_step=kill.after_publish_step if kill else None
-        )
-        async with Coordinator(
+        checkpointing = Checkpointing(
+            config,
             endpoints,
             token=self.token,
-            coordinator_id=identity.coordinator_id,
-            epoch=identity.epoch,
-            config=config,
+            anchor=TorchAnchorSource(
+                self.model,
+                self.optimizer,
+                step=lambda: self.step,
+                data_loader=lambda: {"next_group": self.next_group},
+            ),
+            load_anchor=torch_anchor_loader(self.model, self.optimizer),
+            # The fresh policy servers get the trainer's (restored) weights on open.
+            weights=self.model.state_bytes,
             metrics=metrics,
-        ) as coordinator:
-            topology = await coordinator.discover()
-            # As discovered: an agent running as a group of workers is several agents,
-            # each at its own address (docs/spec.md section 3.9).
-            agents = topology.agents
-            rollouts = RolloutClient(
-                {
-                    name: AgentEndpoint(coordinator.endpoints[name], token=self.token)
-                    for name in agents
-                },
-                # Every Run carries the config's weights_change (docs/spec.md 5.5 item 7).
-                settings=RolloutClientSettings(
-                    max_concurrency=256, weights_change=config.weights_change
-                ),
-                # A live failure of a group-scored sibling retries its whole group
-                # (docs/spec.md section 6.10 item 8), as discovery decided per environment.
-                group_scored=[
-                    environment
-                    for environment, decision in coordinator.levels.items()
-                    if decision.group_scored
-                ],
-                # Runs and acknowledgements carry this coordinator's fence (spec 6.9).
-                fence=coordinator.fence,
-            )
-            weights = WeightSync(
-                {
-                    name: coordinator.endpoints[name]
-                    for name in topology.of_kind(ParticipantKind.MODEL)
-                },
-                token=self.token,
-                epoch=identity.epoch,
-                rollouts=rollouts,
-            )
-            async with rollouts:
-                plan = None
-                if self.args.resume:
-                    plan = await self._restore(coordinator, layout, config, metrics, rollouts)
-                weights.adopt_restore(plan)
-                self.events.write(
-                    "start",
-                    restored_from=plan.checkpoint_id if plan else None,
-                    step=self.step,
-                    coordinator_epoch=identity.epoch,
-                )
-                # The fresh policy servers get the trainer's (restored) weights.
-                await self._push_weights(weights, await asyncio.to_thread(self.model.state_bytes))
-                anchor = TorchAnchorSource(
-                    self.model,
-                    self.optimizer,
-                    step=lambda: self.step,
-                    data_loader=lambda: {"next_group": self.next_group},
-                )
-                driver = SnapshotDriver(
-                    coordinator=coordinator,
-                    rollouts=rollouts,
-                    anchor=anchor,
-                    layout=layout,
-                    config=config,
-                    epoch=identity.epoch,
-                    metrics=metrics,
-                    step_lock=self.step_lock,
-                    manifest_extra=weights.snapshot_extra,
-                )
-                driver.adopt_restore(plan)
-                driver.subscribe(SnapshotStateLog(self.events.write))
-                if kill is not None:
-                    kill.attach(driver)
-                pump = SnapshotPump(driver, config)
+            on_snapshot=self._on_snapshot,
+            on_transition=SnapshotStateLog(self.events.write),
+            watch_liveness=True,
+            on_participant_lost=self._participant_lost,
+            testing_hooks=kill,
+        )
+        try:
+            async with checkpointing as ckpt:
+                self._start(ckpt)
                 stop = asyncio.Event()
                 background = [
-                    asyncio.create_task(self._progress(rollouts, stop)),
-                    asyncio.create_task(self._watch_results(rollouts, stop)),
-                    asyncio.create_task(self._pump(pump, config.snapshot_interval_s, stop)),
-                    asyncio.create_task(self._watch_liveness(coordinator, config, stop)),
+                    asyncio.create_task(self._progress(ckpt.rollouts, stop)),
+                    asyncio.create_task(self._watch_results(ckpt.rollouts, stop)),
                 ]
                 try:
-                    await self._train_loop(rollouts, agents, background, weights)
+                    await self._train_loop(ckpt)
                 except BaseException:
-                    # Ending on a failure (a lost participant, the pump giving up): do not
-                    # wait for a snapshot in progress against a participant that is gone.
                     for task in background:
                         task.cancel()
                     raise
                 finally:
                     stop.set()
-                    results = await asyncio.gather(*background, return_exceptions=True)
-                    if kill is not None:
-                        await kill.aclose()
-                for result in results:
-                    if isinstance(result, BaseException):
-                        raise result
-                self.events.write("done", step=self.step)
+                    await asyncio.gather(*background, return_exceptions=True)
+            # Closed: the snapshot under way at the end was finished first.
+        finally:
+            if kill is not None:
+                await kill.aclose()
+        self.events.write("done", step=self.step)
         return 0
 
-    async def _train_loop(
-        self,
-        rollouts: RolloutClient,
-        agents: Sequence[str],
-        background: Sequence[asyncio.Task[None]],
-        weights: WeightSync,
-    ) -> None:
+    def _start(self, ckpt: Checkpointing) -> None:
+        """Log what :meth:`Checkpointing.open` did: the restore, the start, the push."""
+        resumed = ckpt.resumed
+        if resumed.restored:
+            self._adopt(resumed)
+        self.events.write(
+            "start",
+            restored_from=resumed.checkpoint_id,
+            step=self.step,
+            coordinator_epoch=ckpt.coordinator.identity.epoch,
+        )
+        if resumed.weights_pushed is not None:
+            self._log_push(resumed.weights_pushed)
+
+    def _adopt(self, resumed: Resumed) -> None:
+        self.step = resumed.step
+        loader = resumed.data_loader
+        position = loader.get("next_group", 0) if isinstance(loader, Mapping) else 0
+        self.next_group = position if isinstance(position, int) else 0
+        self.resumed = set(resumed.resumed_rollout_ids)
+        self.events.write(
+            "restore",
+            checkpoint_id=resumed.checkpoint_id,
+            resumed_from_turn=resumed.resumed_rollouts,
+            rerun_from_prompt=resumed.rerun_rollouts,
+            groups_retried_whole=resumed.groups_retried_whole,
+            seconds=resumed.restore_s,
+            by_instance=_restored_by_instance(resumed),
+        )
+
+    async def _train_loop(self, ckpt: Checkpointing) -> None:
         per_step = self.args.groups_per_step
         while self.step < self.args.steps:
-            self._fill_pipeline(rollouts, agents)
-            for task in background:
-                if task.done():
-                    task.result()  # a pump that ended the run raises here
-            try:
-                await rollouts.wait_for(lambda: rollouts.ready_groups() >= per_step, 1.0)
-            except TimeoutError:
+            self._fill_pipeline(ckpt)
+            # Raises what ended the run: the pump giving up, a lost participant.
+            if not await ckpt.wait_groups(per_step, timeout_s=1.0):
                 continue
-            async with self.step_lock:
-                groups = rollouts.take_ready_groups(per_step)
+            async with ckpt.step_lock:
+                groups = ckpt.take_ready_groups(per_step)
                 self._log_results([r for group in groups for r in group])
                 stats = await asyncio.to_thread(self._train, groups)
                 self.step += 1
-                # Under the step lock: a snapshot's anchor holds these weights, and the
-                # version it records with them is this one, pushed or not yet.
-                weights.declare(self.step)
                 state = await asyncio.to_thread(self.model.state_bytes)
             self.events.write(
                 "train_step",
@@ -513,44 +432,10 @@ class DemoTrainer:
                 ],
                 mean_reward=stats["mean_reward"],
             )
-            await self._push_weights(weights, state)
-
-    async def _restore(
-        self,
-        coordinator: Coordinator,
-        layout: SnapshotLayout,
-        config: CoordinatorConfig,
-        metrics: CoordinatorMetrics,
-        rollouts: RolloutClient,
-    ) -> RestorePlan | None:
-        started = time.time()
-        restorer = Restorer(
-            coordinator,
-            layout,
-            config,
-            load_anchor=torch_anchor_loader(self.model, self.optimizer),
-            metrics=metrics,
-        )
-        plan = await restorer.restore()
-        if plan is None:
-            return None
-        self.step = plan.step
-        loader = plan.trainer_state.data_loader
-        position = loader.get("next_group", 0) if isinstance(loader, Mapping) else 0
-        self.next_group = position if isinstance(position, int) else 0
-        self.resumed = {action.rollout.episode.rollout_id for action in plan.redispatch}
-        apply_plan(plan, rollouts)
-        rollouts.set_data_loader({"next_group": self.next_group})
-        self.events.write(
-            "restore",
-            checkpoint_id=plan.checkpoint_id,
-            resumed_from_turn=plan.resumed,
-            rerun_from_prompt=plan.rerun_count,
-            groups_retried_whole=plan.groups_retried_whole,
-            seconds=time.time() - started,
-            by_instance=_restored_by_instance(plan),
-        )
-        return plan
+            # No await since the step lock: push_weights names this version before it
+            # yields, so a snapshot's anchor holds these weights and records this
+            # version with them, pushed or not yet.
+            self._log_push(await ckpt.push_weights(self.step, state))
 
 
 def _trained_turns(result: RolloutResult) -> list[dict[str, list[int]]]:
@@ -566,15 +451,15 @@ def _trained_turns(result: RolloutResult) -> list[dict[str, list[int]]]:
     ]
 
 
-def _restored_by_instance(plan: RestorePlan) -> dict[str, dict[str, int]]:
+def _restored_by_instance(resumed: Resumed) -> dict[str, dict[str, int]]:
     """Per agent instance that held them at the cut, the unfinished rollouts that resume
     from a saved turn and those that rerun from the prompt (not accepted at the cut:
     under the empty name)."""
     counts: dict[str, dict[str, int]] = {}
-    for action in plan.redispatch:
-        counts.setdefault(action.instance, {"resumed": 0, "rerun": 0})["resumed"] += 1
-    for rerun in plan.rerun:
-        counts.setdefault(rerun.rollout.instance, {"resumed": 0, "rerun": 0})["rerun"] += 1
+    for instance, ids in resumed.resumed_by_instance.items():
+        counts.setdefault(instance, {"resumed": 0, "rerun": 0})["resumed"] += len(ids)
+    for instance, ids in resumed.rerun_by_instance.items():
+        counts.setdefault(instance, {"resumed": 0, "rerun": 0})["rerun"] += len(ids)
     return counts
 
 
@@ -611,7 +496,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--rollout-budget", type=float, default=None)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--resume", action="store_true")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="a restart of the job: the trainer restores whenever the snapshot root holds "
+        "a published snapshot, and the first trainer's root is fresh",
+    )
     parser.add_argument("--metrics-port", type=int, default=None, metavar="PORT")
     parser.add_argument(
         "--kill-at",

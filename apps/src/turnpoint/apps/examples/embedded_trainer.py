@@ -1,8 +1,8 @@
 """A complete RL trainer that embeds turnpoint through :class:`Checkpointing` alone.
 
 It trains TinyPolicy with a group-baseline policy-gradient step on the verifiers'
-rewards, snapshots every few steps and seconds, restores on start, and on SIGTERM
-snapshots once and exits 0. docs/embedding.md says how to run it and which lines are ours.
+rewards, pushes each step's weights to the policy server, snapshots every few steps
+and seconds, restores on start, and on SIGTERM snapshots once and exits 0. docs/embedding.md says how to run it and which lines are ours.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ async def train(args: argparse.Namespace, participants: dict[str, str], token: s
         anchor=TorchAnchorSource(model, optimizer, step=lambda: state["step"]),
         load_anchor=torch_anchor_loader(model, optimizer),
         every_steps=args.every_steps,
-    ) as ckpt:
+        weights=model.state_bytes,  # what the policy servers install (run in a thread)
+    ) as ckpt:  # restored, and the policy servers hold the (restored) weights
         ckpt.install_preemption_handler(deadline_s=20.0)
         state["step"] = ckpt.resumed.step  # 0, or the restored snapshot's
         if isinstance(position := ckpt.resumed.data_loader, int):  # None on a fresh start
@@ -66,6 +67,8 @@ async def train(args: argparse.Namespace, participants: dict[str, str], token: s
                 state["step"] += 1
                 ids = [g[0].prompt_group_id for g in groups]
                 record("train", step=state["step"], groups=ids, reward=stats.mean_reward)
+            pushed = await ckpt.push_weights(state["step"])  # retried, installed once
+            record("weights", version=pushed.version, retried=pushed.retried)
             await ckpt.step_done(state["step"])
         record("done", step=state["step"])
 
