@@ -69,10 +69,13 @@ LEASE_S = 60.0
 MAX_EPISODES = 6
 DOORS = st.sampled_from(["unary", "session"])
 PICK = st.integers(min_value=0, max_value=MAX_EPISODES - 1)
-# Answer at a tenth of the deadline: a not-ready prepare waits 20 ms and its answer still
-# has 180 ms to come back before the caller's deadline, however loaded the machine.
-CONFIG = RuntimeConfig(model_retry_backoff_s=0.01, reply_margin_fraction=0.9)
-NOT_READY_TIMEOUT_S = 0.2
+# A not-ready prepare is answered 20 ms after it arrives, and its answer then has almost
+# two seconds to come back before the caller's deadline. The budget for the way back was
+# 180 ms, and one CI run (all 1,289 tests in one process, a large heap) missed it once:
+# DEADLINE_EXCEEDED, which hypothesis's replay could not reproduce. The participant's
+# wait is what the machine checks; the slack only has to outlast any pause of the loop.
+CONFIG = RuntimeConfig(model_retry_backoff_s=0.01, reply_margin_s=1.98, reply_margin_fraction=0.99)
+NOT_READY_TIMEOUT_S = 2.0
 BOUND_S = 20.0
 
 
