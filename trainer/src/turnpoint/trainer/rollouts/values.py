@@ -98,11 +98,19 @@ def _check_budget(value: float | None, name: str) -> float | None:
     return float(value)
 
 
+def doubling_pause_s(initial_s: float, max_s: float, count: int) -> float:
+    """The pause before the ``count``-th retry (1-based): ``initial_s`` doubling up to
+    ``max_s``; a long run of failures stays at ``max_s`` (2.0**1100 is no float)."""
+    exponent = max(0, count - 1)
+    if exponent >= 64:
+        return max_s
+    return min(max_s, initial_s * 2.0**exponent)
+
+
 def backoff_s(settings: RolloutClientSettings, failures: int) -> float:
     """The pause before the ``failures``-th retry: doubling from ``retry_backoff_s`` up to
     ``max_retry_backoff_s`` (docs/spec.md section 6.10 item 3)."""
-    growth: float = 2.0 ** max(failures - 1, 0)
-    return min(settings.retry_backoff_s * growth, settings.max_retry_backoff_s)
+    return doubling_pause_s(settings.retry_backoff_s, settings.max_retry_backoff_s, failures)
 
 
 # --------------------------------------------------------------------------- values

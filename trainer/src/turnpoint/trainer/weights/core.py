@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from turnpoint.errors import Reason
 from turnpoint.trainer.errors import CoordinatorError
+from turnpoint.trainer.rollouts.values import doubling_pause_s
 
 _MAX_REQUEST_ID = 256
 
@@ -82,11 +83,7 @@ class RetryDecision:
 
 def backoff_s(settings: WeightSyncSettings, attempts_made: int) -> float:
     """The pause after the ``attempts_made``-th failed attempt (1-based)."""
-    exponent = max(0, attempts_made - 1)
-    # Capped before it can overflow: 2**1100 is no float.
-    if exponent >= 64:
-        return settings.backoff_max_s
-    return min(settings.backoff_max_s, settings.backoff_initial_s * 2.0**exponent)
+    return doubling_pause_s(settings.backoff_initial_s, settings.backoff_max_s, attempts_made)
 
 
 def decide_retry(
