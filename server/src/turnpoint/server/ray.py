@@ -40,6 +40,7 @@ import itertools
 import logging
 import os
 import secrets
+import signal
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -47,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any, Final, TypeAlias
 
 import ray
+from ray._private import ray_constants
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from turnpoint.auth import load_token
@@ -651,6 +653,38 @@ def connect(address: str | None = None, *, num_cpus: int | None = None) -> None:
     ray.init(address=address, **_quiet())
 
 
+def _wait_node_dead(node_id: str, timeout_s: float = 60.0) -> None:
+    """Block until the cluster counts ``node_id`` dead: a lost node's actors die at once,
+    but the cluster learns of it only when the node's health checks fail."""
+    deadline = time.monotonic() + timeout_s
+    while node_id in alive_nodes():
+        if time.monotonic() > deadline:
+            raise FleetError(f"node {node_id} still counts as alive after {timeout_s:g}s")
+        time.sleep(0.2)
+
+
+def _descendants(root: int) -> list[int]:
+    """Every process below ``root``, from ``/proc`` (a local cluster runs on Linux)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", encoding="utf-8") as stat:
+                # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
+                ppid = int(stat.read().rpartition(")")[2].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue  # gone since the listing
+        children.setdefault(ppid, []).append(int(entry))
+    found: list[int] = []
+    queue = [root]
+    while queue:
+        for child in children.get(queue.pop(), []):
+            found.append(child)
+            queue.append(child)
+    return found
+
+
 class LocalCluster:
     """A head and ``nodes - 1`` more Ray nodes on this machine, every one on loopback,
     each offering ``resources``; small on purpose (a CPU and an 80 MiB object store per
@@ -694,24 +728,26 @@ class LocalCluster:
         """Make this process the cluster's driver."""
         connect(self.address)
 
-    def remove_node(self, node_id: str, *, timeout_s: float = 60.0) -> None:
+    def remove_node(self, node_id: str, *, wait: bool = True, timeout_s: float = 60.0) -> None:
         """Take a node (not the head) away, as if its machine went down: its raylet and
-        every worker process on it are killed at once. Returns once the cluster counts
-        it dead (within ``timeout_s``)."""
+        every process it started (the workers, and the actors' servers in them) are
+        killed at once. With ``wait``, returns once the cluster counts the node dead
+        (within ``timeout_s``); until then Ray may still place a new actor there."""
         for node in self._workers:
             if node.node_id == node_id:
-                self._cluster.remove_node(node, allow_graceful=False)
-                self._workers.remove(node)
                 break
         else:
             raise ValueError(f"{node_id} is not a removable node of this cluster")
-        # Its actors die at once, but the cluster learns that the node is gone only when
-        # its health checks fail: until then a new actor could still be placed there.
-        deadline = time.monotonic() + timeout_s
-        while node_id in alive_nodes():
-            if time.monotonic() > deadline:
-                raise FleetError(f"node {node_id} still counts as alive after {timeout_s:g}s")
-            time.sleep(0.2)
+        # Ray's own removal kills the raylet alone; its workers notice a second or more
+        # later, and serve every call in between, so a machine loss would not be one.
+        (raylet,) = node.all_processes[ray_constants.PROCESS_TYPE_RAYLET]
+        for pid in _descendants(raylet.process.pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self._cluster.remove_node(node, allow_graceful=False)
+        self._workers.remove(node)
+        if wait:
+            _wait_node_dead(node_id, timeout_s)
 
     def worker_node_ids(self) -> list[str]:
         return [str(node.node_id) for node in self._workers]

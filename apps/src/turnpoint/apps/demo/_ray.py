@@ -166,13 +166,20 @@ class RayLauncher:
         self._generation = 0
         self._turn = 0
         self._started: dict[str, RayParticipant] = {}
+        # Nodes --lose-node removed: dead at once, though the cluster counts them alive
+        # until their health checks fail.
+        self._removed: set[str] = set()
 
     def _node_for(self, generation: int, avoid: set[str]) -> str:
         # One node after the other over the nodes alive when the job (re)starts, the head
         # last; every generation starts over from the first one.
         if generation != self._generation:
             self._generation, self._turn = generation, 0
-        nodes = [n for n in alive_nodes(resources=self._placement.resources) if n not in avoid]
+        nodes = [
+            n
+            for n in alive_nodes(resources=self._placement.resources)
+            if n not in avoid and n not in self._removed
+        ]
         if not nodes:
             raise DemoError("no alive Ray node can host a participant")
         node = nodes[self._turn % len(nodes)]
@@ -229,7 +236,10 @@ class RayLauncher:
                     for name, participant in self._started.items()
                     if participant.node_id == node and participant.exit_status() is None
                 )
-                await asyncio.to_thread(self._cluster.remove_node, node)
+                # Not waiting for the cluster to count it dead: every process on it is
+                # already, and the trainer must lose them mid-run, not after its end.
+                await asyncio.to_thread(self._cluster.remove_node, node, wait=False)
+                self._removed.add(node)
                 return {"node_id": node, "instances": on_node}
         raise DemoError("no agent runs on a node that can be removed (only the head)")
 

@@ -1061,7 +1061,7 @@ class _Supervisor:
                 continue
             if self.state.crash_due() and self.node_lost is None:
                 if self.options.lose_node:
-                    await self.lose_node()
+                    await self.recover(await self.lose_node())
                 else:
                     await self.crash_and_restart()
 
@@ -1236,11 +1236,10 @@ class _Supervisor:
         )
         return agents[self.options.seed % len(agents)]
 
-    async def lose_node(self) -> None:
-        """``--lose-node``: remove the Ray node hosting an agent. Nothing else is done
-        here: its participants die with it, and the supervisor's ordinary path finds
-        them lost and restores the job onto the remaining nodes (docs/spec.md section
-        7.12)."""
+    async def lose_node(self) -> DemoError:
+        """``--lose-node``: remove the Ray node hosting an agent, every process on it
+        killed at once; returns the loss, which the supervisor's ordinary path restores
+        the job from onto the remaining nodes (docs/spec.md section 7.12)."""
         remover = getattr(self.launcher, "remove_node_of", None)
         if remover is None:
             raise DemoError("--lose-node needs participants on Ray nodes (--ray-nodes)")
@@ -1248,12 +1247,16 @@ class _Supervisor:
         agents = [victim] + [
             p for p in self.participants.values() if p.spec.kind == "agent" and p is not victim
         ]
-        self.node_lost = await remover(agents)
+        lost = await remover(agents)
+        self.node_lost = lost
         await self.record(
             "node_lost",
             incarnation=self.trainer.incarnation if self.trainer else 0,
             step=self.state.step,
-            **self.node_lost,
+            **lost,
+        )
+        return DemoError(
+            f"Ray node {lost['node_id']} was lost, and with it {', '.join(lost['instances'])}"
         )
 
     async def crash_and_restart(self) -> None:
