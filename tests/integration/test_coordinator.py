@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import logging
 from collections.abc import AsyncGenerator, AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,7 @@ from tests.support.scripted import (
     ControlHandler,
     ScriptedControl,
     hang,
+    poll,
     serve_control,
 )
 from turnpoint.apps.examples._task import make_prompt
@@ -1089,3 +1091,56 @@ async def test_idle_real_participants_commit_in_their_prepare_and_get_no_commit(
         "MANIFEST.json",
         "trainer",
     ]
+
+
+async def test_a_renew_that_crosses_a_commit_or_resume_is_no_lease_expiry(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A renew that reaches a participant after the commit or resume this coordinator
+    # sent has ended the checkpoint there finds it finished: expected, not a lease that
+    # ran out. Only a participant that ended it on its own counts as an expiry.
+    config = CoordinatorConfig(
+        snapshot_root=tmp_path, control_timeout_s=1.0, lease_s=1.0, renew_interval_s=0.3
+    )
+    metrics = CoordinatorMetrics(CollectorRegistry())
+    async with start_topology(tmp_path, lease_s=1.0) as topology:
+        coordinator = Coordinator(
+            {name: hosted.address for name, hosted in topology.participants.items()},
+            token=REAL_TOKEN,
+            coordinator_id="coord-real",
+            epoch=1,
+            config=config,
+            metrics=metrics,
+        )
+        everyone = set(topology.participants)
+        async with coordinator, asyncio.timeout(BOUND_S):
+            await coordinator.discover()
+            with caplog.at_level(logging.DEBUG, logger=coordinator_module.__name__):
+                committed = "ck-000000000001"
+                await coordinator.prepare(committed)
+                await coordinator.commit(committed, committed, {})
+                crossed_commit = await coordinator.renew(committed)
+
+                resumed = "ck-000000000002"
+                await coordinator.prepare(resumed)
+                assert (await coordinator.resume(resumed)).ok
+                crossed_resume = await coordinator.renew(resumed)
+
+            for report in (crossed_commit, crossed_resume):
+                assert set(report.failures) == everyone
+                assert {f.reason for f in report.failures.values()} == {Reason.STALE_CHECKPOINT}
+            assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+            assert metrics.lease_expiries._value.get() == 0
+
+            # Left prepared with nobody renewing: every lease runs out on its own.
+            expired = "ck-000000000003"
+            await coordinator.prepare(expired)
+            await poll(
+                lambda: {h.runtime.phase for h in topology.participants.values()} == {Phase.IDLE}
+            )
+            await coordinator.renew(expired)
+    warned = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert sorted(warned) == sorted(
+        f"renew: {name} found the checkpoint finished (lease expired?)" for name in everyone
+    )
+    assert metrics.lease_expiries._value.get() == len(everyone)

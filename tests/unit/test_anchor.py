@@ -14,9 +14,9 @@ from turnpoint.trainer.advanced import AnchorWriter, load_anchor, save_anchor
 from turnpoint.trainer.storage.layout import tree_digest
 from turnpoint.trainer.storage.manifest import ANCHOR_DIR, AnchorRef
 
-# Single-process DCP says it assumes a single process; that is what we ask of it.
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
-
+# The anchor is single-process DCP by design: DCP's warning that it assumes a single
+# process must not reach the trainer's log on every save and load.
+pytestmark = pytest.mark.filterwarnings("error:torch.distributed is disabled:UserWarning")
 
 def _trained(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)

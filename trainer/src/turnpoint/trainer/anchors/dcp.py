@@ -26,8 +26,10 @@ before DCP reads a byte, because DCP's metadata file is a pickle.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +62,17 @@ class AnchorState:
 
     step: int
     data_loader: JSONValue
+
+
+@contextlib.contextmanager
+def _single_process() -> Iterator[None]:
+    """DCP warns on every save and load without a process group, ``no_dist`` or not;
+    this anchor is the single-process one by design, so the warning says nothing."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings(
+            "ignore", message="torch.distributed is disabled", category=UserWarning
+        )
+        yield
 
 
 def _anchor_dir(snapshot: Path) -> Path:
@@ -151,9 +164,10 @@ class AnchorWriter:
             # DCP would fsync its files itself; wait() fsyncs the whole tree once the
             # write is done, which is the one fsync per file and directory it needs.
             writer = FileSystemWriter(directory, sync_files=False)
-            result = dcp_async_save(
-                state, checkpoint_id=directory, storage_writer=writer, no_dist=True
-            )
+            with _single_process():
+                result = dcp_async_save(
+                    state, checkpoint_id=directory, storage_writer=writer, no_dist=True
+                )
         except (OSError, RuntimeError, CheckpointException) as error:
             raise AnchorError(
                 f"cannot start writing the anchor in {directory}: {error}", directory
@@ -209,7 +223,8 @@ def load_anchor(
     state = _state_dict(model, optimizer)
     state["trainer"] = _empty_trainer_entry()
     try:
-        dcp_load(state, checkpoint_id=directory, no_dist=True)
+        with _single_process():
+            dcp_load(state, checkpoint_id=directory, no_dist=True)
     except (OSError, RuntimeError, ValueError, EOFError, CheckpointException) as error:
         raise AnchorError(
             f"cannot load the trainer anchor in {directory}: {_first_line(error)}", directory

@@ -166,6 +166,12 @@ class Coordinator:
         # Per recent checkpoint: the participants that ended it already (a commit that
         # released, a resume that succeeded); a resume of it skips them.
         self._released: dict[str, set[str]] = {}
+        # Sent a resume (answered or not): their leases need no renewing.
+        self._resuming: dict[str, set[str]] = {}
+        # Sent a releasing commit: the commit ends the checkpoint there once its export is
+        # taken, and a renew that crosses it finds the checkpoint finished, which is no
+        # lease running out.
+        self._committing: dict[str, set[str]] = {}
         # The restarts each recent prepare reported, per instance: commit refuses a
         # scope that names one.
         self._restarts: dict[str, Mapping[str, frozenset[EpisodeId]]] = {}
@@ -243,12 +249,19 @@ class Coordinator:
             return "unknown"
         return topology.kind(instance).value.lower()
 
-    def _record(self, operation: str, result: FanoutResult[Any]) -> None:
+    def _record(
+        self, operation: str, result: FanoutResult[Any], *, ended: frozenset[str] = frozenset()
+    ) -> None:
+        """Metrics and logs of one fan-out. ``ended``: participants this coordinator
+        itself told to end the checkpoint, for whom finding it finished is expected."""
         metrics = self.metrics
         for name, failure in result.failures.items():
             if failure.reason is not None and metrics is not None:
                 metrics.refused(operation, failure.reason.name)
             if failure.reason is Reason.STALE_CHECKPOINT and operation in ("renew", "commit"):
+                if name in ended:
+                    _LOG.debug("%s: %s had already resumed", operation, name)
+                    continue
                 # The participant finished the checkpoint on its own: its lease ran out.
                 if metrics is not None:
                     metrics.lease_expiries.inc()
@@ -314,7 +327,8 @@ class Coordinator:
             per_call_timeout_s=window_s,
             concurrency=self.config.fanout_concurrency,
         )
-        self._record("renew", result)
+        told = self.ending(checkpoint_id) | self._committing.get(checkpoint_id, set())
+        self._record("renew", result, ended=told)
         return result
 
     async def renew(
@@ -362,6 +376,7 @@ class Coordinator:
         done = self._released.get(checkpoint_id, set()) & set(chosen)
         reports = [ControlReport("resume", checkpoint_id, frozenset(done), {})]
         for group in self._resume_groups(tuple(n for n in chosen if n not in done)):
+            _remember(self._resuming, checkpoint_id, group)
             requests = {
                 name: pb.ResumeRequest(
                     fence=self.fence,
@@ -391,16 +406,16 @@ class Coordinator:
 
     def note_released(self, checkpoint_id: str, instances: Iterable[str]) -> None:
         """``instances`` ended ``checkpoint_id``: later resumes of it skip them."""
-        names = set(instances)
-        if not names:
-            return
-        self._released.setdefault(checkpoint_id, set()).update(names)
-        while len(self._released) > _RELEASED_REMEMBERED:
-            del self._released[next(iter(self._released))]
+        _remember(self._released, checkpoint_id, instances)
 
     def released(self, checkpoint_id: str) -> frozenset[str]:
         """The participants known to have ended ``checkpoint_id``."""
         return frozenset(self._released.get(checkpoint_id, ()))
+
+    def ending(self, checkpoint_id: str) -> frozenset[str]:
+        """The participants that ended ``checkpoint_id`` or were told to: no lease of
+        theirs needs renewing."""
+        return self.released(checkpoint_id) | self._resuming.get(checkpoint_id, set())
 
     async def retire(
         self, episodes: Mapping[str, Iterable[EpisodeId]], *, key: str | None = None
@@ -1012,6 +1027,7 @@ class Coordinator:
             for name, episodes in scopes.items()
             if name not in entries
         }
+        _remember(self._committing, checkpoint_id, requests)
         result = await self._fan_out_once("commit", requests, attempts=JOINING_ATTEMPTS)
         failures = dict(result.failures)
         # Released even if the snapshot fails now: their admission is open again.
@@ -1098,3 +1114,13 @@ def _check_installed(
             instance, "Restore", f"restore answered phase {types_pb2.Phase.Name(response.phase)}"
         )
     return tuple(sorted(installed))
+
+
+def _remember(by_checkpoint: dict[str, set[str]], checkpoint_id: str, names: Iterable[str]) -> None:
+    """Add ``names`` under ``checkpoint_id``, keeping the last few checkpoints only."""
+    added = set(names)
+    if not added:
+        return
+    by_checkpoint.setdefault(checkpoint_id, set()).update(added)
+    while len(by_checkpoint) > _RELEASED_REMEMBERED:
+        del by_checkpoint[next(iter(by_checkpoint))]

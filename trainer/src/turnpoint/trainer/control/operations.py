@@ -113,7 +113,7 @@ class Renewing(Protocol):
     @property
     def config(self) -> CoordinatorConfig: ...
 
-    def released(self, checkpoint_id: str) -> frozenset[str]: ...
+    def ending(self, checkpoint_id: str) -> frozenset[str]: ...
 
     async def renew_round(
         self, checkpoint_id: str, instances: Sequence[str], window_s: float
@@ -165,11 +165,12 @@ class Renewer:
             self._kick.clear()
             if not schedule.due(loop.time()):
                 continue
-            # Who ended the checkpoint in its commit holds no lease any more.
-            released = self._operations.released(self._checkpoint_id)
+            # Who ended the checkpoint in its commit, or was told to resume, holds no
+            # lease any more.
+            ending = self._operations.ending(self._checkpoint_id)
             result = await self._operations.renew_round(
                 self._checkpoint_id,
-                tuple(n for n in self._instances if n not in released),
+                tuple(n for n in self._instances if n not in ending),
                 schedule.window_s,
             )
             schedule.renewed(loop.time())
