@@ -292,6 +292,30 @@ def _bad_requests() -> list[tuple[str, str, Any, grpc.StatusCode]]:
             ),
             bad,
         ),
+        # What no model can take, and what this one says it cannot: refused by the SDK
+        # before the model's hook runs (a hook's own ValueError would be INTERNAL).
+        (
+            "policy",
+            generate,
+            policy_service_pb2.GenerateRequest(episode=episode, max_new_tokens=4),
+            bad,
+        ),
+        (
+            "policy",
+            generate,
+            policy_service_pb2.GenerateRequest(
+                episode=episode, prompt_token_ids=[1] * 16_384, max_new_tokens=4
+            ),
+            bad,
+        ),
+        (
+            "policy",
+            generate,
+            policy_service_pb2.GenerateRequest(
+                episode=episode, prompt_token_ids=[1, 2, 64], max_new_tokens=4
+            ),
+            bad,
+        ),
         (
             "policy",
             "/turnpoint.v1.PolicyService/UpdateWeights",

@@ -91,6 +91,11 @@ class PolicyModel(abc.ABC):
     # ``generate`` between two chunks (it closes the generator) without harm. The SDK
     # then cuts generations whose caller accepts cuts when a checkpoint closes admission.
     can_cut: ClassVar[bool] = False
+    # What the model can take, if it says: the SDK refuses a prompt with a token at or
+    # above ``vocab_size``, or whose length plus ``max_new_tokens`` passes
+    # ``max_context_tokens``, with INVALID_ARGUMENT before ``generate`` runs.
+    vocab_size: ClassVar[int | None] = None
+    max_context_tokens: ClassVar[int | None] = None
 
     @abc.abstractmethod
     def generate(
@@ -115,6 +120,39 @@ class PolicyModel(abc.ABC):
     async def admission_opened(self) -> None:
         """Admission reopened; may come without a preceding close (after a restore)."""
         return None
+
+
+def check_request(model: PolicyModel, request: GenerateRequest) -> None:
+    """Refuse what no model can take (no prompt, no token to generate) and what this
+    one says it cannot (docs/spec.md section 5.5): a caller's mistake is
+    INVALID_ARGUMENT naming the field, never a hook's crash."""
+    prompt = request.prompt_token_ids
+    if not prompt:
+        raise _bad("a generation needs a prompt: prompt_token_ids is empty", "prompt_token_ids")
+    if request.max_new_tokens < 1:
+        raise _bad("max_new_tokens must be at least 1", "max_new_tokens")
+    if min(prompt) < 0:
+        raise _bad("prompt_token_ids must be >= 0", "prompt_token_ids")
+    vocab = model.vocab_size
+    if vocab is not None and max(prompt) >= vocab:
+        raise _bad(
+            f"prompt_token_ids must be below the vocabulary size {vocab}, got {max(prompt)}",
+            "prompt_token_ids",
+            vocab,
+        )
+    context = model.max_context_tokens
+    if context is not None and len(prompt) + request.max_new_tokens > context:
+        raise _bad(
+            f"the prompt's {len(prompt)} tokens plus max_new_tokens {request.max_new_tokens} "
+            f"pass the model's context of {context} tokens",
+            "max_new_tokens",
+            context,
+        )
+
+
+def _bad(message: str, field: str, limit: int | None = None) -> TurnpointError:
+    metadata = {"field": field} if limit is None else {"field": field, "limit": str(limit)}
+    return TurnpointError(Reason.INVALID_ARGUMENT, message, metadata)
 
 
 class _End:
@@ -156,6 +194,7 @@ class ModelHost:
     async def generate(
         self, episode: EpisodeId, request: GenerateRequest
     ) -> AsyncGenerator[GenerateChunk, None]:
+        check_request(self._model, request)
         shared = self._shared
         cuttable = request.accept_cut and self._model.can_cut
         async with shared.changing() as core:

@@ -98,6 +98,9 @@ class TinyPolicyServer(PolicyModel):
     """
 
     can_cut = True
+    vocab_size = VOCAB_SIZE
+    # The GRU has no window of its own; this bounds what one generation may hold.
+    max_context_tokens = 16_384
 
     def __init__(
         self,
@@ -126,12 +129,7 @@ class TinyPolicyServer(PolicyModel):
     ) -> AsyncGenerator[GenerateChunk, None]:
         import torch  # loaded with the policy already
 
-        if any(token >= VOCAB_SIZE for token in request.prompt_token_ids):
-            raise ParticipantError(
-                Reason.INVALID_ARGUMENT,
-                f"prompt_token_ids must be below the vocabulary size {VOCAB_SIZE}",
-                {"field": "prompt_token_ids", "limit": str(VOCAB_SIZE)},
-            )
+        # The SDK refused prompts outside the vocabulary (``vocab_size``) already.
         async with self._changed:
             await self._changed.wait_for(lambda: not self._swapping)
             self._streaming += 1
