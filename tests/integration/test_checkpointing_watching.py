@@ -56,7 +56,10 @@ async def test_every_snapshot_is_reported_its_transitions_told_and_counted(
             first = await ckpt.snapshot_now()
             assert await ckpt.wait_groups(1, timeout_s=BOUND_S)
             second = await ckpt.snapshot_now()
-    assert reports == [first, second] == ckpt.reports
+    # The two asked for, then the final one of a clean exit (nothing changed since the
+    # second: skipped), each reported the same way.
+    assert reports == ckpt.reports and reports[:2] == [first, second] and len(reports) == 3
+    assert reports[2].outcome is SnapshotOutcome.SKIPPED, reports[2]
     assert first.outcome is SnapshotOutcome.PUBLISHED, first
     for report in reports:
         told = [(old, new) for attempt, old, new in transitions if attempt == report.checkpoint_id]

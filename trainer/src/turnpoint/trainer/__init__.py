@@ -20,6 +20,7 @@ This face is what a trainer author needs (docs/embedding.md):
 - the coordinator's Prometheus metrics: :class:`CoordinatorMetrics`
   (``Checkpointing(metrics=...)``);
 - the errors, all :class:`CoordinatorError`: :class:`NoUsableSnapshotError`,
+  :class:`RestoreRefusedError`,
   :class:`SnapshotFailuresError`, :class:`SnapshotInvariantError`,
   :class:`ParticipantLostError`, :class:`AnchorError`, :class:`WeightSyncError`.
 
@@ -57,6 +58,7 @@ if TYPE_CHECKING:
     from turnpoint.trainer.metrics import CoordinatorMetrics as CoordinatorMetrics
     from turnpoint.trainer.restore.restorer import AnchorLoader as AnchorLoader
     from turnpoint.trainer.restore.restorer import NoUsableSnapshotError as NoUsableSnapshotError
+    from turnpoint.trainer.restore.restorer import RestoreRefusedError as RestoreRefusedError
     from turnpoint.trainer.restore.restorer import torch_anchor_loader as torch_anchor_loader
     from turnpoint.trainer.rollouts.values import Rollout as Rollout
     from turnpoint.trainer.rollouts.values import RolloutClientSettings as RolloutClientSettings
@@ -91,6 +93,7 @@ _OWNERS = {
     "Participants": "turnpoint.trainer.checkpointing",
     "Preempted": "turnpoint.trainer.checkpointing",
     "RecoveryLevel": "turnpoint.protocol",
+    "RestoreRefusedError": "turnpoint.trainer.restore.restorer",
     "Resumed": "turnpoint.trainer.checkpointing",
     "Rollout": "turnpoint.trainer.rollouts.values",
     "RolloutClientSettings": "turnpoint.trainer.rollouts.values",

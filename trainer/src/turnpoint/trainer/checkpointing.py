@@ -31,12 +31,14 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType, TracebackType
 from typing import TYPE_CHECKING, Self
 
+from turnpoint.errors import Reason
 from turnpoint.protocol import ParticipantKind
 from turnpoint.trainer.anchors.source import AnchorSource
 from turnpoint.trainer.config import CoordinatorConfig
 from turnpoint.trainer.control.coordinator import Coordinator
 from turnpoint.trainer.control.identity import bump_epoch
 from turnpoint.trainer.control.liveness import ParticipantLostError, watch_liveness
+from turnpoint.trainer.errors import CoordinatorError
 from turnpoint.trainer.restore.restorer import AnchorLoader, RestorePlan, Restorer, apply_plan
 from turnpoint.trainer.rollouts.client import AgentEndpoint, RolloutClient
 from turnpoint.trainer.rollouts.values import Rollout, RolloutClientSettings, RolloutResult
@@ -172,6 +174,12 @@ class Checkpointing:
     called first, at once (a process that exits there skips winding down calls to a
     participant that is gone). ``testing_hooks`` is for tests and the demo's
     deterministic crashes only (:class:`turnpoint.trainer.testing.SnapshotHooks`).
+
+    Failing fast: :meth:`open` raises :class:`RestoreRefusedError` when a participant
+    refuses or fails the restore (most often: it is not fresh, the trainer restarted
+    alone); ``allow_degraded_restore`` starts instead, every saved rollout over from its
+    prompt. :meth:`dispatch` refuses a rollout for an unknown agent or environment.
+    Leaving cleanly takes a final snapshot (``final_snapshot``, on by default).
     """
 
     def __init__(
@@ -193,6 +201,8 @@ class Checkpointing:
         on_transition: TransitionCallback | None = None,
         watch_liveness: bool = False,
         on_participant_lost: Callable[[ParticipantLostError], None] | None = None,
+        allow_degraded_restore: bool = False,
+        final_snapshot: bool = True,
         testing_hooks: SnapshotHooks | None = None,
     ) -> None:
         self.config = config
@@ -212,6 +222,8 @@ class Checkpointing:
         self._on_transition = on_transition
         self._watch_liveness = watch_liveness
         self._on_participant_lost = on_participant_lost
+        self._allow_degraded_restore = allow_degraded_restore
+        self._final_snapshot = final_snapshot
         self._testing_hooks = testing_hooks
         self.step_lock = asyncio.Lock()
         self._snapshot_lock = asyncio.Lock()
@@ -273,7 +285,12 @@ class Checkpointing:
         hooks = self._testing_hooks
         layout = SnapshotLayout(root, after_step=hooks.after_publish_step if hooks else None)
         restorer = Restorer(
-            coordinator, layout, config, load_anchor=self._load_anchor, metrics=self._metrics
+            coordinator,
+            layout,
+            config,
+            load_anchor=self._load_anchor,
+            metrics=self._metrics,
+            allow_degraded=self._allow_degraded_restore,
         )
         restore_started = time.monotonic()
         plan = await restorer.restore()
@@ -340,10 +357,14 @@ class Checkpointing:
         return dict(found)
 
     async def aclose(self) -> None:
-        """Stop the pump, then close the rollout client and the coordinator.
+        """Stop the pump, take the final snapshot, then close the rollout client and the
+        coordinator.
 
         A snapshot under way is finished first; if it ended the run (the pump's
-        :class:`SnapshotRunError`), that is raised once everything is closed.
+        :class:`SnapshotRunError`), that is raised once everything is closed. Then, with
+        ``final_snapshot`` (the default), dispatch closes and one last snapshot saves the
+        rollouts still unfinished, so that a later run continues from the very end of
+        this one, not from the last periodic snapshot.
         """
         await self._close(finish_snapshot=True)
 
@@ -357,9 +378,22 @@ class Checkpointing:
                 task.cancel()
         # The ticker sees the stop at once between snapshots, and after the one under way.
         await asyncio.gather(*self._background, return_exceptions=True)
-        await self._stack.aclose()
-        if ticker is not None and not ticker.cancelled() and ticker.exception() is not None:
-            raise ticker.exception()  # type: ignore[misc]
+        try:
+            if ticker is not None and not ticker.cancelled() and ticker.exception() is not None:
+                raise ticker.exception()  # type: ignore[misc]
+            if finish_snapshot and self._final_snapshot and self._pump is not None:
+                await self._snapshot_at_exit()
+        finally:
+            await self._stack.aclose()
+
+    async def _snapshot_at_exit(self) -> None:
+        if self._preempted.is_set():
+            return  # the preemption took the final snapshot already
+        # Nothing new starts after the final cut; what it holds continues on restart.
+        self.rollouts.close_dispatch()
+        report = await self.snapshot_now()
+        self._final = report
+        _LOG.info("final snapshot %s %s", report.checkpoint_id, report.outcome.value)
 
     async def __aenter__(self) -> Self:
         await self.open()
@@ -395,8 +429,18 @@ class Checkpointing:
 
     def dispatch(self, rollout: Rollout, *, data_loader: JSONValue = None) -> None:
         """Queue one rollout; ``data_loader`` (if given) is the loader position after it,
-        saved with the next snapshot."""
+        saved with the next snapshot. Raises :class:`CoordinatorError`
+        (``INVALID_ARGUMENT``) for an instance that is no agent, or an environment no
+        participant describes, naming the known ones."""
         self._check()
+        problem = self.coordinator.topology.rollout_problem(rollout.environment, rollout.instance)
+        if problem is not None:
+            field_name, message = problem
+            raise CoordinatorError(
+                Reason.INVALID_ARGUMENT,
+                f"rollout {rollout.rollout_id!r}: {message}",
+                {"rollout_id": rollout.rollout_id, "field": field_name},
+            )
         self.rollouts.dispatch(rollout)
         if data_loader is not None:
             self.rollouts.set_data_loader(data_loader)
@@ -476,14 +520,17 @@ class Checkpointing:
         self.reports.append(report)
         if self._on_snapshot is not None:
             self._on_snapshot(report)
-        if report.outcome is not SnapshotOutcome.PUBLISHED:
-            _LOG.warning(
-                "snapshot %s %s: %s", report.checkpoint_id, report.outcome.value, report.detail
-            )
+        if report.outcome is SnapshotOutcome.FAILED:
+            _LOG.warning("snapshot %s failed: %s", report.checkpoint_id, report.detail)
+        elif report.outcome is SnapshotOutcome.SKIPPED:
+            _LOG.debug("snapshot %s skipped: nothing changed", report.checkpoint_id)
         return report
 
     async def step_done(self, step: int) -> SnapshotReport | None:
-        """Call after each training step (outside :attr:`step_lock`)."""
+        """Call after each training step (outside :attr:`step_lock`). Returns the report
+        of the snapshot it took (every ``every_steps`` steps), else ``None``. Every
+        snapshot's report, whoever took it (this, the timer, :meth:`snapshot_now`, the
+        final one), goes the same way: to ``on_snapshot`` and to :attr:`reports`."""
         self._check()
         if self._every_steps and step % self._every_steps == 0:
             return await self.snapshot_now()

@@ -347,6 +347,10 @@ class DemoTrainer:
             on_transition=SnapshotStateLog(self.events.write),
             watch_liveness=True,
             on_participant_lost=self._participant_lost,
+            # The supervisor starts every participant fresh before each restore; what
+            # can still fail it is a --chaos fault that lands during the restore, and
+            # the demo then reruns the saved rollouts rather than spend a job restart.
+            allow_degraded_restore=True,
             testing_hooks=kill,
         )
         try:

@@ -184,6 +184,25 @@ class Topology:
                 grouped.setdefault(info.environment, []).append(info.member())
         return {name: tuple(members) for name, members in sorted(grouped.items())}
 
+    def rollout_problem(self, environment: str, instance: str) -> tuple[str, str] | None:
+        """Why a rollout of ``environment`` on ``instance`` cannot run here, as (field,
+        message naming the known ones), or None (docs/spec.md section 6.1 item 3): the
+        instance must be an agent, and once any participant describes an environment,
+        the rollout's must be one of those described."""
+        agents = self.agents
+        if instance not in agents:
+            return "instance", (
+                f"unknown agent instance {instance!r}; the agents are: "
+                f"{', '.join(agents) or '(none)'}"
+            )
+        described = sorted(self.environments())
+        if described and environment not in described:
+            return "environment", (
+                f"unknown environment {environment!r}; the participants describe: "
+                f"{', '.join(described)}"
+            )
+        return None
+
     def shared_models(self) -> tuple[EnvironmentMember, ...]:
         """Policy models of no environment: any environment's agents may call them."""
         return tuple(

@@ -121,6 +121,28 @@ class NoUsableSnapshotError(CoordinatorError):
         return (type(self), (self.rejected,))
 
 
+class RestoreRefusedError(CoordinatorError):
+    """Restoring ``checkpoint_id`` failed on some participant (``failures``, by
+    instance), and a degraded start, every saved rollout over from its prompt, was not
+    allowed. Most often a participant is not fresh: the trainer restarted alone."""
+
+    def __init__(self, checkpoint_id: str, cause: RestoreFailed) -> None:
+        super().__init__(
+            cause.reason,
+            f"restoring snapshot {checkpoint_id} failed: {cause}. A restore needs fresh "
+            "participants (docs/spec.md section 4.10): restart them with the trainer, or "
+            "allow a degraded start, where every saved rollout starts over from its prompt "
+            "(Checkpointing(allow_degraded_restore=True))",
+            {"checkpoint_id": checkpoint_id},
+        )
+        self.checkpoint_id = checkpoint_id
+        self.cause = cause
+        self.failures = dict(cause.failures)
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.checkpoint_id, self.cause))
+
+
 # ---------------------------------------------------------------------------- plan
 
 
@@ -532,7 +554,9 @@ class Restorer:
     """Runs a restore (see the module docstring).
 
     ``load_anchor`` restores the trainer's model and optimizer in place
-    (:func:`torch_anchor_loader`); it runs in a thread.
+    (:func:`torch_anchor_loader`); it runs in a thread. When a participant refuses or
+    fails the restore, ``allow_degraded`` starts every saved rollout over from its
+    prompt (a warning); without it :meth:`restore` raises :class:`RestoreRefusedError`.
     """
 
     def __init__(
@@ -543,12 +567,14 @@ class Restorer:
         *,
         load_anchor: AnchorLoader,
         metrics: CoordinatorMetrics | None = None,
+        allow_degraded: bool = True,
     ) -> None:
         self._coordinator = coordinator
         self._layout = layout
         self._config = config
         self._load_anchor = load_anchor
         self._metrics = metrics
+        self._allow_degraded = allow_degraded
 
     async def select(self, topology: Topology) -> SelectedSnapshot | None:
         """The newest published snapshot that passes every check; ``None`` if none was
@@ -611,6 +637,8 @@ class Restorer:
             if restored.release is not None and restored.release.failures:
                 plan = replace(plan, unreleased=frozenset(restored.release.failures))
         except RestoreFailed as error:
+            if not self._allow_degraded:
+                raise RestoreRefusedError(selected.checkpoint_id, error) from error
             _LOG.warning(
                 "restore %s of %s failed; every continuation starts over from its prompt: %s",
                 restore_id,

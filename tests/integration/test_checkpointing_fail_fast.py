@@ -1,0 +1,112 @@
+"""The facade fails fast, and only when it matters (docs/spec.md section 6.1 item 3 and
+docs/embedding.md), against real participants on 127.0.0.1:0: a rollout for an unknown
+agent or environment is refused at dispatch, naming the known ones; a restore the
+participants refuse (the trainer restarted alone) ends the start unless a degraded start
+is allowed; and leaving cleanly takes a final snapshot of the rollouts still running."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.support.participants import TOKEN, Topology, start_topology
+from turnpoint.apps.examples._guess_jobs import guess_rollouts
+from turnpoint.errors import Reason
+from turnpoint.trainer import (
+    Checkpointing,
+    CoordinatorConfig,
+    CoordinatorError,
+    RestoreRefusedError,
+    SnapshotOutcome,
+    TorchAnchorSource,
+    torch_anchor_loader,
+)
+from turnpoint.trainer.advanced import SnapshotLayout
+
+GROUP_SIZE = 2
+
+
+def _facade(topology: Topology, **options: Any) -> Checkpointing:
+    model = torch.nn.Linear(2, 2)
+    return Checkpointing(
+        CoordinatorConfig(snapshot_root=topology.root, control_timeout_s=10.0),
+        {n: h.address for n, h in topology.participants.items()},
+        token=TOKEN,
+        anchor=TorchAnchorSource(model, None, step=lambda: 0),
+        load_anchor=torch_anchor_loader(model, None),
+        periodic=False,
+        **options,
+    )
+
+
+def _parked(agents: tuple[str, ...]) -> Any:
+    # Group 1 is group-scored: one sibling alone waits for the other at its verify, so it
+    # is unfinished whenever the run ends, whatever the timing.
+    return guess_rollouts(1, GROUP_SIZE, 0, agents)[0]
+
+
+async def test_a_rollout_for_an_unknown_agent_or_environment_is_refused_naming_the_known(
+    tmp_path: Path,
+) -> None:
+    async with (
+        start_topology(tmp_path / "p", agents=1, group_size=GROUP_SIZE) as topology,
+        _facade(topology, final_snapshot=False) as ckpt,
+    ):
+        rollout = guess_rollouts(0, GROUP_SIZE, 0, ckpt.agents)[0]
+        with pytest.raises(CoordinatorError) as wrong_agent:
+            ckpt.dispatch(dataclasses.replace(rollout, instance="agent-9"))
+        with pytest.raises(CoordinatorError) as wrong_environment:
+            ckpt.dispatch(dataclasses.replace(rollout, environment="gues"))
+        assert ckpt.rollouts.stats().dispatched == 0
+        ckpt.dispatch(rollout)  # the same rollout, spelled right, runs
+        assert ckpt.rollouts.stats().dispatched == 1
+    assert wrong_agent.value.reason is Reason.INVALID_ARGUMENT
+    assert wrong_agent.value.metadata["field"] == "instance"
+    assert "'agent-9'" in str(wrong_agent.value) and "agent-0" in str(wrong_agent.value)
+    assert wrong_environment.value.metadata["field"] == "environment"
+    assert "guess, guess-group" in str(wrong_environment.value)
+
+
+async def test_leaving_cleanly_saves_the_unfinished_rollouts_and_a_lone_trainer_restart_is_refused(
+    tmp_path: Path,
+) -> None:
+    async with start_topology(tmp_path / "p", agents=1, group_size=GROUP_SIZE) as topology:
+        layout = SnapshotLayout(topology.root)
+        async with _facade(topology) as ckpt:
+            parked = _parked(ckpt.agents)
+            ckpt.dispatch(parked)
+            await ckpt.rollouts.wait_for(
+                lambda: any(r.boundaries_seen >= 1 for r in ckpt.rollouts.in_flight()), 60.0
+            )
+        (final,) = ckpt.reports
+        assert final.outcome is SnapshotOutcome.PUBLISHED, final
+        assert layout.latest() == final.checkpoint_id
+        saved = layout.load(final.checkpoint_id)
+        assert [r["rollout_id"] for r in saved.rollout_state.in_flight] == [parked.rollout_id]
+
+        # The trainer restarts alone: the participants still hold the first run's
+        # episodes, so they refuse the restore, and the start ends there...
+        with pytest.raises(RestoreRefusedError) as refused:
+            async with _facade(topology, final_snapshot=False):
+                raise AssertionError("a refused restore must not start the run")
+        assert refused.value.checkpoint_id == final.checkpoint_id
+        assert refused.value.failures
+        assert "allow_degraded_restore" in str(refused.value)
+
+        # ...unless a degraded start is allowed: the saved rollout starts over.
+        async with _facade(topology, allow_degraded_restore=True, final_snapshot=False) as ckpt:
+            assert ckpt.resumed.checkpoint_id == final.checkpoint_id
+            assert ckpt.resumed.resumed_rollouts == 0
+            assert ckpt.resumed.rerun_rollouts == 1
+
+
+async def test_no_final_snapshot_when_asked_not_to(tmp_path: Path) -> None:
+    async with start_topology(tmp_path / "p", agents=1, group_size=GROUP_SIZE) as topology:
+        async with _facade(topology, final_snapshot=False) as ckpt:
+            ckpt.dispatch(_parked(ckpt.agents))
+        assert ckpt.reports == []
+        assert SnapshotLayout(topology.root).latest() is None
