@@ -18,6 +18,7 @@ from turnpoint.trainer.storage.manifest import ANCHOR_DIR, AnchorRef
 # process must not reach the trainer's log on every save and load.
 pytestmark = pytest.mark.filterwarnings("error:torch.distributed is disabled:UserWarning")
 
+
 def _trained(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
