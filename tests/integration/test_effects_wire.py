@@ -237,3 +237,28 @@ async def test_a_continued_attempt_after_a_restore_gets_the_recorded_reply(tmp_p
             await client.aclose()
     assert again == dealt
     assert fresh["card"] != dealt["card"] and fresh["held"] == 2
+
+
+def _guide_example() -> str:
+    """The tool-client example of docs/participant.md, as the reader sees it."""
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "participant.md").read_text()
+    section = guide.split("## Calling tools from the agent", 1)[1]
+    return section.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+async def test_the_guides_tool_client_example_deals_each_card_once(tmp_path: Path) -> None:
+    namespace: dict[str, Any] = {"Agent": Agent}
+    exec(compile(_guide_example(), "docs/participant.md", "exec"), namespace)
+    dealer = Dealer()
+    async with host_scripted(tmp_path / "tools", instance="tools-0", resources=dealer) as tools:
+        player = namespace["DealerAgent"](tools.address, TOKEN)
+        try:
+            async with (
+                host_scripted(tmp_path / "agent", agent=player) as agent,
+                wire_to(agent, "unary") as wire,
+            ):
+                result = await wire.run(EP, {"cards": 2, "seed": 5}).done()
+        finally:
+            await player.dealer.aclose()
+    assert result.outcome == ro_pb.RUN_OUTCOME_COMPLETED, result
+    assert len(dealer.executions) == 2 and dealer.verifies == 1

@@ -118,7 +118,12 @@ class ResourcesServer(abc.ABC):
 
     @abc.abstractmethod
     async def verify(self, episode: EpisodeId, answer: Mapping[str, Any]) -> Verdict:
-        """Score the episode's final answer (the session ends afterwards)."""
+        """Score the episode's final answer.
+
+        An EXPORTED session is not freed here: it stays, sealed, exported with every cut
+        until retired (docs/spec.md section 5.3 item 3), and a restore may ask this
+        verify again on the saved session. Free state in ``close`` / ``retire_session``.
+        """
 
     @abc.abstractmethod
     async def close(self, episode: EpisodeId) -> None:
