@@ -43,7 +43,11 @@ export interface ResourcesServer {
   seed(episode: EpisodeId, task: JsonObject, signal: AbortSignal): Promise<void>;
   /** Run one tool call in the episode's session. */
   call(episode: EpisodeId, tool: string, args: JsonObject, signal: AbortSignal): Promise<JsonObject>;
-  /** Score the episode's final answer (the session ends afterwards). */
+  /**
+   * Score the episode's final answer. An EXPORTED session is not freed here: it stays
+   * sealed, exported with every cut, until retired (spec 5.3 item 3), and a restore may
+   * ask this verify again on the saved session; free state in close / retireSession.
+   */
   verify(episode: EpisodeId, answer: JsonObject, signal: AbortSignal): Promise<Verdict>;
   /** End the session and free its state. */
   close(episode: EpisodeId): Promise<void>;

@@ -103,7 +103,10 @@ class CallRequest(_message.Message):
     TOOL_FIELD_NUMBER: _builtins.int
     ARGUMENTS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
-    """Idempotency key."""
+    """The call key (docs/spec.md section 6.12): the session runs the tool once per key and
+    answers a repeated key from its record; the same key with another tool or other
+    arguments is refused with INVALID_ARGUMENT. Empty: the tool runs on every request.
+    """
     tool: _builtins.str
     """Tool name."""
     @_builtins.property
@@ -170,7 +173,7 @@ class VerifyRequest(_message.Message):
     EPISODE_FIELD_NUMBER: _builtins.int
     ANSWER_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
-    """Idempotency key."""
+    """The call key, as CallRequest.request_id (docs/spec.md section 6.12)."""
     @_builtins.property
     def episode(self) -> _types_pb2.EpisodeId:
         """The episode."""

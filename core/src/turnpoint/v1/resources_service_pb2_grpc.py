@@ -81,15 +81,18 @@ class ResourcesServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Call(self, request, context):
-        """Call runs one tool call in the episode's session.
+        """Call runs one tool call in the episode's session, once per request_id: a request id
+        the session holds is answered from its reply record (docs/spec.md section 6.12).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Verify(self, request, context):
-        """Verify scores the episode's final answer and ends its session. For a group-scored
-        environment it waits for every sibling of the prompt group.
+        """Verify scores the episode's final answer, once per request_id like Call. It ends the
+        session of a server that does not export sessions; an exported session is sealed
+        instead (kept until retired, section 5.3 item 3). For a group-scored environment it
+        waits for every sibling of the prompt group.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -43,10 +43,14 @@ class ResourcesServiceStub:
     SeedSession: _grpc.UnaryUnaryMultiCallable[_resources_service_pb2.SeedSessionRequest, _resources_service_pb2.SeedSessionResponse]
     """SeedSession creates the episode's session."""
     Call: _grpc.UnaryUnaryMultiCallable[_resources_service_pb2.CallRequest, _resources_service_pb2.CallResponse]
-    """Call runs one tool call in the episode's session."""
+    """Call runs one tool call in the episode's session, once per request_id: a request id
+    the session holds is answered from its reply record (docs/spec.md section 6.12).
+    """
     Verify: _grpc.UnaryUnaryMultiCallable[_resources_service_pb2.VerifyRequest, _resources_service_pb2.VerifyResponse]
-    """Verify scores the episode's final answer and ends its session. For a group-scored
-    environment it waits for every sibling of the prompt group.
+    """Verify scores the episode's final answer, once per request_id like Call. It ends the
+    session of a server that does not export sessions; an exported session is sealed
+    instead (kept until retired, section 5.3 item 3). For a group-scored environment it
+    waits for every sibling of the prompt group.
     """
     CloseSession: _grpc.UnaryUnaryMultiCallable[_resources_service_pb2.CloseSessionRequest, _resources_service_pb2.CloseSessionResponse]
     """CloseSession ends the episode's session and stops its running work."""
@@ -66,10 +70,14 @@ class ResourcesServiceAsyncStub(ResourcesServiceStub):
     SeedSession: _aio.UnaryUnaryMultiCallable[_resources_service_pb2.SeedSessionRequest, _resources_service_pb2.SeedSessionResponse]  # type: ignore[assignment]
     """SeedSession creates the episode's session."""
     Call: _aio.UnaryUnaryMultiCallable[_resources_service_pb2.CallRequest, _resources_service_pb2.CallResponse]  # type: ignore[assignment]
-    """Call runs one tool call in the episode's session."""
+    """Call runs one tool call in the episode's session, once per request_id: a request id
+    the session holds is answered from its reply record (docs/spec.md section 6.12).
+    """
     Verify: _aio.UnaryUnaryMultiCallable[_resources_service_pb2.VerifyRequest, _resources_service_pb2.VerifyResponse]  # type: ignore[assignment]
-    """Verify scores the episode's final answer and ends its session. For a group-scored
-    environment it waits for every sibling of the prompt group.
+    """Verify scores the episode's final answer, once per request_id like Call. It ends the
+    session of a server that does not export sessions; an exported session is sealed
+    instead (kept until retired, section 5.3 item 3). For a group-scored environment it
+    waits for every sibling of the prompt group.
     """
     CloseSession: _aio.UnaryUnaryMultiCallable[_resources_service_pb2.CloseSessionRequest, _resources_service_pb2.CloseSessionResponse]  # type: ignore[assignment]
     """CloseSession ends the episode's session and stops its running work."""
@@ -98,7 +106,9 @@ class ResourcesServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _resources_service_pb2.CallRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_resources_service_pb2.CallResponse, _abc.Awaitable[_resources_service_pb2.CallResponse]]:
-        """Call runs one tool call in the episode's session."""
+        """Call runs one tool call in the episode's session, once per request_id: a request id
+        the session holds is answered from its reply record (docs/spec.md section 6.12).
+        """
 
     @_abc_1.abstractmethod
     def Verify(
@@ -106,8 +116,10 @@ class ResourcesServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _resources_service_pb2.VerifyRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_resources_service_pb2.VerifyResponse, _abc.Awaitable[_resources_service_pb2.VerifyResponse]]:
-        """Verify scores the episode's final answer and ends its session. For a group-scored
-        environment it waits for every sibling of the prompt group.
+        """Verify scores the episode's final answer, once per request_id like Call. It ends the
+        session of a server that does not export sessions; an exported session is sealed
+        instead (kept until retired, section 5.3 item 3). For a group-scored environment it
+        waits for every sibling of the prompt group.
         """
 
     @_abc_1.abstractmethod

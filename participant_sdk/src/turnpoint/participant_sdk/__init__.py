@@ -6,7 +6,11 @@ Implement a kind, host it in a :class:`ParticipantRuntime` and serve the runtime
 The kinds (subclass one and implement its hooks):
 
 - :class:`Agent`: episodes that run turn by turn; :class:`EpisodeContext` is what
-  ``Agent.run`` gets, :class:`SavedTurn` where a restored attempt continues.
+  ``Agent.run`` gets, :class:`SavedTurn` where a restored attempt continues. Its tool
+  calls (``ctx.call``, ``ctx.verify``) go through a :class:`ResourcesConnection`
+  (``turnpoint.server.ResourcesClient`` over gRPC), keyed so that each runs once
+  across retries and restores (:class:`EffectConflictError` when a key is re-sent
+  with another call).
 - :class:`ResourcesServer`: tools, sandboxes, verifiers; ``verify`` returns a
   :class:`Verdict`. :class:`RecoveryMode` and :class:`VerifyMode` (from
   :mod:`turnpoint.protocol`) say what a checkpoint may do with its sessions.
@@ -34,6 +38,7 @@ vocabulary (phases, fences, readiness, receipts) is :mod:`turnpoint.protocol`.
 from turnpoint.protocol import RecoveryMode, VerifyMode
 
 from ._agent import Agent, EpisodeContext, SavedTurn
+from ._effects import EffectConflictError
 from ._failures import ParticipantError, TransientError
 from ._model import GenerateChunk, GenerateRequest, PolicyModel
 from ._resources import ConfigurationError, ResourcesServer, Verdict
@@ -42,11 +47,13 @@ from ._shared import RuntimeConfig
 from ._store import SnapshotConflictError, SnapshotStore
 from ._store_format import CorruptSnapshotError, Record, SnapshotEntry, StoreError
 from ._token_prefix import Generation, GenerationRequest, WeightsChange
+from ._tool_client import ResourcesConnection
 
 __all__ = [
     "Agent",
     "ConfigurationError",
     "CorruptSnapshotError",
+    "EffectConflictError",
     "EpisodeContext",
     "GenerateChunk",
     "GenerateRequest",
@@ -57,6 +64,7 @@ __all__ = [
     "PolicyModel",
     "Record",
     "RecoveryMode",
+    "ResourcesConnection",
     "ResourcesServer",
     "RuntimeConfig",
     "SavedTurn",

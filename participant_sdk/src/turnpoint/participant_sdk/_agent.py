@@ -40,10 +40,19 @@ from turnpoint.protocol import (
 )
 
 from ._core import ActiveClock, ParticipantCore, WorkKey
+from ._effects import CallPosition, effect_key
 from ._model import GenerateChunk
+from ._resources import Verdict
 from ._shared import Shared, invalid_record, logger
 from ._store_format import Record, json_copy_object
 from ._token_prefix import Generation, GenerationRequest, WeightsChange
+from ._tool_client import (
+    RETRIED_REASONS,
+    TOOL_RETRIES,
+    TOOL_RETRY_FIRST_DELAY_S,
+    TOOL_RETRY_MAX_DELAY_S,
+    ResourcesConnection,
+)
 
 T = TypeVar("T")
 
@@ -193,6 +202,18 @@ class _Execution:
         self.result: RunResult | None = None
         self.followers = 0
         self.stop: _Stop | None = None
+        # Keyed calls made since the last boundary (docs/spec.md section 6.12).
+        self.calls_after_boundary = 0
+
+    def next_call_position(self) -> CallPosition:
+        """The position of the next keyed call: the last boundary's turn, its index."""
+        if self._sealed is not None:
+            turn: int | None = self._sealed[1]
+        else:
+            turn = None if self._saved is None else self._saved.turn_index
+        position = CallPosition(turn, self.calls_after_boundary)
+        self.calls_after_boundary += 1
+        return position
 
     @property
     def saved(self) -> SavedTurn | None:
@@ -217,6 +238,7 @@ class _Execution:
         """Make a new boundary, one past the last, the saved turn; returns its index."""
         self.boundary_index += 1
         self._sealed = (self.boundary_index, turn_index, state)
+        self.calls_after_boundary = 0
         return self.boundary_index
 
     @property
@@ -287,6 +309,42 @@ class EpisodeContext:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         return await self._host._generate(self._ex, tuple(prompt_token_ids), max_new_tokens, stream)
+
+    async def seed(self, resources: ResourcesConnection, task: Mapping[str, Any]) -> bool:
+        """Create this episode's session on ``resources`` (a parked call, retried on a
+        transient fault: seeding is idempotent). True when it already existed."""
+        episode = self.episode
+        return await self._host._tool_call(self._ex, lambda: resources.seed(episode, task))
+
+    async def call(
+        self, resources: ResourcesConnection, tool: str, arguments: Mapping[str, Any]
+    ) -> Mapping[str, Any]:
+        """Run a tool on ``resources``, exactly once across retries and restores.
+
+        The call's key derives from the rollout, the last boundary's turn and the call's
+        index after that boundary (docs/spec.md section 6.12): a restored attempt that
+        continues from the boundary re-sends the same keys, and the resources server
+        answers each one it already ran from the session's record. So make the same
+        calls, in the same order, with the same arguments after each boundary; a key
+        re-sent with other arguments fails with
+        :class:`~turnpoint.participant_sdk.EffectConflictError`. A parked call like
+        :meth:`model_call`; a transient fault (the reply lost, the server unreachable)
+        is retried with the same key, at most 3 times.
+        """
+        episode = self.episode
+        key = effect_key(episode.rollout_id, self._ex.next_call_position())
+        return await self._host._tool_call(
+            self._ex, lambda: resources.call(episode, tool, arguments, request_id=key)
+        )
+
+    async def verify(self, resources: ResourcesConnection, answer: Mapping[str, Any]) -> Verdict:
+        """Score the final answer on ``resources``: keyed, parked and retried like
+        :meth:`call` (a group-scored REPLAY verify included)."""
+        episode = self.episode
+        key = effect_key(episode.rollout_id, self._ex.next_call_position())
+        return await self._host._tool_call(
+            self._ex, lambda: resources.verify(episode, answer, request_id=key)
+        )
 
     async def mark_restart(self) -> None:
         """This episode cannot be captured (it starts over after a restore).
@@ -831,6 +889,24 @@ class AgentHost:
     async def _running(self, execution: _Execution) -> None:
         async with self._shared.changing() as core:
             core.set_state(execution.key, EpisodeState.RUNNING, self._shared.now())
+
+    async def _tool_call(self, execution: _Execution, factory: Callable[[], Awaitable[T]]) -> T:
+        """A keyed call, parked like a model call, retried on a lost reply or connection."""
+
+        async def with_retries() -> T:
+            delay = TOOL_RETRY_FIRST_DELAY_S
+            for retry in range(TOOL_RETRIES + 1):
+                try:
+                    return await factory()
+                except TurnpointError as error:
+                    if error.reason not in RETRIED_REASONS or retry == TOOL_RETRIES:
+                        raise
+                    logger.debug("tool call of %s retried: %s", execution.episode, error.reason)
+                await asyncio.sleep(delay)  # a backoff, not a synchronisation
+                delay = min(delay * 2, TOOL_RETRY_MAX_DELAY_S)
+            raise AssertionError("unreachable")
+
+        return await self._model_call(execution, with_retries)
 
     async def _after_refusal(self) -> None:
         """The model refused with ADMISSION_CLOSED: stay parked, retry after (our) resume."""

@@ -104,12 +104,17 @@ class DataPlane:
         return await self._resources().seed(episode, task)
 
     async def call_tool(
-        self, episode: EpisodeId, tool: str, arguments: Mapping[str, Any]
+        self, episode: EpisodeId, tool: str, arguments: Mapping[str, Any], request_id: str = ""
     ) -> Mapping[str, Any]:
-        return await self._resources().call(episode, tool, arguments)
+        """ResourcesService.Call; a ``request_id`` runs the tool once per session
+        (docs/spec.md section 6.12)."""
+        return await self._resources().call(episode, tool, arguments, request_id)
 
-    async def verify(self, episode: EpisodeId, answer: Mapping[str, Any]) -> Verdict:
-        return await self._resources().verify(episode, answer)
+    async def verify(
+        self, episode: EpisodeId, answer: Mapping[str, Any], request_id: str = ""
+    ) -> Verdict:
+        """ResourcesService.Verify, deduplicated by ``request_id`` like a call."""
+        return await self._resources().verify(episode, answer, request_id)
 
     async def close_session(self, episode: EpisodeId) -> bool:
         return await self._resources().close(episode)

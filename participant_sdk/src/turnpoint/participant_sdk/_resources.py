@@ -30,6 +30,13 @@ from turnpoint.ids import EpisodeId
 from turnpoint.protocol import EpisodeState, ParticipantKind, RecoveryMode, VerifyMode
 
 from ._core import ParticipantCore, WorkKey
+from ._effects import (
+    EFFECTS_FIELD,
+    EffectRecord,
+    call_fingerprint,
+    check_same_call,
+    split_payload,
+)
 from ._failures import ParticipantError
 from ._shared import Shared, invalid_record
 from ._store_format import Record
@@ -111,7 +118,12 @@ class ResourcesServer(abc.ABC):
 
     @abc.abstractmethod
     async def verify(self, episode: EpisodeId, answer: Mapping[str, Any]) -> Verdict:
-        """Score the episode's final answer (the session ends afterwards)."""
+        """Score the episode's final answer.
+
+        An EXPORTED session is not freed here: it stays, sealed, exported with every cut
+        until retired (docs/spec.md section 5.3 item 3), and a restore may ask this
+        verify again on the saved session. Free state in ``close`` / ``retire_session``.
+        """
 
     @abc.abstractmethod
     async def close(self, episode: EpisodeId) -> None:
@@ -184,6 +196,10 @@ class _Session:
     # Set once a verify succeeded on an exported session: the session is sealed (kept,
     # exported with each cut, answering a repeated verify with this) until retired.
     verdict: Verdict | None = None
+    # docs/spec.md section 6.12: each keyed call's reply, exported with the session.
+    replies: EffectRecord = field(default_factory=EffectRecord)
+    # Keyed calls running now: key -> (operation, tool, fingerprint, done).
+    pending: dict[str, tuple[str, str, str, asyncio.Future[None]]] = field(default_factory=dict)
 
 
 class ResourcesHost:
@@ -248,13 +264,70 @@ class ResourcesHost:
         return False
 
     async def call(
-        self, episode: EpisodeId, tool: str, arguments: Mapping[str, Any]
+        self,
+        episode: EpisodeId,
+        tool: str,
+        arguments: Mapping[str, Any],
+        request_id: str = "",
     ) -> Mapping[str, Any]:
+        """Run one tool call; a ``request_id`` the session holds answers from its record."""
+        if not request_id:
+            return await self._request(
+                episode, lambda: self._server.call(episode, tool, arguments), replayable=False
+            )
+        fingerprint = call_fingerprint("call", tool, arguments)
         return await self._request(
-            episode, lambda: self._server.call(episode, tool, arguments), replayable=False
+            episode,
+            lambda: self._once(
+                episode,
+                request_id,
+                ("call", tool, fingerprint),
+                lambda: self._server.call(episode, tool, arguments),
+                dict,
+                dict,
+            ),
+            replayable=False,
         )
 
-    async def verify(self, episode: EpisodeId, answer: Mapping[str, Any]) -> Verdict:
+    async def _once(
+        self,
+        episode: EpisodeId,
+        request_id: str,
+        call: tuple[str, str, str],
+        run: Callable[[], Awaitable[T]],
+        encode: Callable[[T], Mapping[str, Any]],
+        decode: Callable[[Mapping[str, Any]], T],
+    ) -> T:
+        """Run a keyed call at most once per session (docs/spec.md section 6.12).
+
+        Runs as the request in flight: the session is registered and admitted. A key
+        already recorded answers from the record; one running now is waited for (and
+        run here if that run failed, since a failure records nothing).
+        """
+        operation, tool, fingerprint = call
+        session = self._sessions[episode]
+        while True:
+            recorded = session.replies.lookup(request_id, operation, tool, fingerprint)
+            if recorded is not None:
+                return decode(recorded)
+            running = session.pending.get(request_id)
+            if running is None:
+                break
+            check_same_call(request_id, *running[:3], operation, tool, fingerprint)
+            await asyncio.wait([running[3]])
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        session.pending[request_id] = (operation, tool, fingerprint, done)
+        try:
+            reply = await run()
+            session.replies.record(request_id, operation, tool, fingerprint, encode(reply))
+            return reply
+        finally:
+            del session.pending[request_id]
+            done.set_result(None)
+
+    async def verify(
+        self, episode: EpisodeId, answer: Mapping[str, Any], request_id: str = ""
+    ) -> Verdict:
         """Score the answer; a successful verify seals (exported mode) or ends the session.
 
         docs/spec.md section 5.3 item 3. An exported session is kept, sealed, until the
@@ -265,18 +338,28 @@ class ResourcesHost:
         open replies after resume: its session belongs to the frozen cut.
         """
         replayable = self._server.verify_mode is VerifyMode.REPLAY
-        if self.recovery_mode is not RecoveryMode.EXPORTED:
-            verdict = await self._request(
-                episode, lambda: self._server.verify(episode, answer), replayable=replayable
+
+        def scored() -> Awaitable[Verdict]:
+            if not request_id:
+                return self._server.verify(episode, answer)
+            fingerprint = call_fingerprint("verify", "", answer)
+            return self._once(
+                episode,
+                request_id,
+                ("verify", "", fingerprint),
+                lambda: self._server.verify(episode, answer),
+                _verdict_to_json,
+                _verdict_from_json,
             )
+
+        if self.recovery_mode is not RecoveryMode.EXPORTED:
+            verdict = await self._request(episode, scored, replayable=replayable)
             await self.close(episode)
             return verdict
         sealed = await self._sealed_verdict(episode)
         if sealed is not None:
             return sealed
-        verdict = await self._request(
-            episode, lambda: self._server.verify(episode, answer), replayable=replayable
-        )
+        verdict = await self._request(episode, scored, replayable=replayable)
         shared = self._shared
         async with shared.changing() as core:
             session = self._sessions.get(episode)
@@ -434,18 +517,36 @@ class ResourcesHost:
                     f"the resources server's export left out the session of {episode}",
                     {"episode": str(episode)},
                 )
-            records.append(Record(episode, SLOT, states[episode]))
+            records.append(Record(episode, SLOT, self._with_replies(episode, states[episode])))
         return records
+
+    def _with_replies(self, episode: EpisodeId, state: Mapping[str, Any]) -> Mapping[str, Any]:
+        """The session's payload: the server's state plus its reply record, if any."""
+        if EFFECTS_FIELD in state:
+            raise TurnpointError(
+                Reason.INVALID_CHECKPOINT_STATE,
+                f"the resources server's export of {episode} uses the reserved field "
+                f"{EFFECTS_FIELD!r}",
+                {"episode": str(episode), "field": EFFECTS_FIELD},
+            )
+        session = self._sessions.get(episode)
+        if session is None or not len(session.replies):
+            return state
+        return {**state, EFFECTS_FIELD: session.replies.to_json()}
 
     def validate(self, record: Record) -> None:
         try:
-            self._server.validate_session(record.episode, record.payload)
+            state, _ = split_payload(record.payload)
+            self._server.validate_session(record.episode, state)
         except (ValueError, TypeError, KeyError) as error:
             raise invalid_record(record, str(error)) from error
 
     async def install(self, record: Record, episode: EpisodeId) -> WorkKey:
-        await self._server.restore_session(record.episode, episode, record.payload)
+        state, replies = split_payload(record.payload)
+        await self._server.restore_session(record.episode, episode, state)
         session = _Session(episode, WorkKey(episode, SLOT))
+        if replies is not None:
+            session.replies = replies
         async with self._shared.changing() as core:
             core.install_restored(session.key, 0, 0, self._shared.now())
             self._sessions[episode] = session
@@ -460,3 +561,11 @@ class ResourcesHost:
             request.cancel()
         if requests:
             await asyncio.wait(requests)
+
+
+def _verdict_to_json(verdict: Verdict) -> Mapping[str, Any]:
+    return {"reward": verdict.reward, "details": dict(verdict.details)}
+
+
+def _verdict_from_json(recorded: Mapping[str, Any]) -> Verdict:
+    return Verdict(float(recorded["reward"]), dict(recorded["details"]))

@@ -12,7 +12,8 @@ a :class:`WorkerGroup`; each worker reads its :class:`WorkerSlot` with
 :func:`host_worker` and tells the parent with :func:`announce_ready`.
 
 An agent that calls a policy over the wire reads each streamed reply with
-:func:`generate_chunk_from_proto`.
+:func:`generate_chunk_from_proto`; its tool calls go to a :class:`ResourcesClient`
+through ``ctx.call`` / ``ctx.verify`` (keyed: each runs once, docs/spec.md section 6.12).
 
 Elsewhere: assembling your own hosting (the server without the runtime wiring, the
 servicers, the auth interceptor, metrics) is :mod:`turnpoint.server.advanced`; the
@@ -24,6 +25,7 @@ is :mod:`turnpoint.server.ray`. The example Gym servers live with the applicatio
 from turnpoint.server._convert import generate_chunk_from_proto
 from turnpoint.server._grpc_server import ServerOptions
 from turnpoint.server._hosted_participant import HostedParticipant, host_participant
+from turnpoint.server._resources_client import ResourcesClient
 from turnpoint.server._worker_group import (
     WorkerGroup,
     announce_ready,
@@ -35,6 +37,7 @@ from turnpoint.server._worker_slot import WorkerSlot
 
 __all__ = [
     "HostedParticipant",
+    "ResourcesClient",
     "ServerOptions",
     "WorkerGroup",
     "WorkerSlot",

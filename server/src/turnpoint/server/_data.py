@@ -154,6 +154,17 @@ DEFAULT_MAX_NEW_TOKENS = 8192
 _MAX_REQUEST_ID = 256
 
 
+def _request_id(value: str) -> str:
+    """A data-plane request id, bounded (docs/spec.md section 2.8)."""
+    if len(value) > _MAX_REQUEST_ID:
+        raise bad_argument(
+            f"request_id is longer than {_MAX_REQUEST_ID} characters",
+            field="request_id",
+            limit=str(_MAX_REQUEST_ID),
+        )
+    return value
+
+
 class PolicyServicer(policy_service_pb2_grpc.PolicyServiceServicer):
     def __init__(
         self,
@@ -256,6 +267,7 @@ class ResourcesServicer(resources_service_pb2_grpc.ResourcesServiceServicer):
                 episode_from_proto(request.episode),
                 request.tool,
                 struct_to_dict(request.arguments, "arguments"),
+                _request_id(request.request_id),
             )
             return resources_service_pb2.CallResponse(
                 header=self._header(), output=struct_from_mapping(output)
@@ -267,7 +279,9 @@ class ResourcesServicer(resources_service_pb2_grpc.ResourcesServiceServicer):
     ) -> resources_service_pb2.VerifyResponse:
         async with _errors(context, "Verify"):
             verdict = await self._runtime.verify(
-                episode_from_proto(request.episode), struct_to_dict(request.answer, "answer")
+                episode_from_proto(request.episode),
+                struct_to_dict(request.answer, "answer"),
+                _request_id(request.request_id),
             )
             return resources_service_pb2.VerifyResponse(
                 header=self._header(),

@@ -106,7 +106,9 @@ export const SeedSessionResponseSchema: GenMessage<SeedSessionResponse> = /*@__P
  */
 export type CallRequest = Message<"turnpoint.v1.CallRequest"> & {
   /**
-   * Idempotency key.
+   * The call key (docs/spec.md section 6.12): the session runs the tool once per key and
+   * answers a repeated key from its record; the same key with another tool or other
+   * arguments is refused with INVALID_ARGUMENT. Empty: the tool runs on every request.
    *
    * @generated from field: string request_id = 1;
    */
@@ -176,7 +178,7 @@ export const CallResponseSchema: GenMessage<CallResponse> = /*@__PURE__*/
  */
 export type VerifyRequest = Message<"turnpoint.v1.VerifyRequest"> & {
   /**
-   * Idempotency key.
+   * The call key, as CallRequest.request_id (docs/spec.md section 6.12).
    *
    * @generated from field: string request_id = 1;
    */
@@ -318,7 +320,8 @@ export const ResourcesService: GenService<{
     output: typeof SeedSessionResponseSchema;
   },
   /**
-   * Call runs one tool call in the episode's session.
+   * Call runs one tool call in the episode's session, once per request_id: a request id
+   * the session holds is answered from its reply record (docs/spec.md section 6.12).
    *
    * @generated from rpc turnpoint.v1.ResourcesService.Call
    */
@@ -328,8 +331,10 @@ export const ResourcesService: GenService<{
     output: typeof CallResponseSchema;
   },
   /**
-   * Verify scores the episode's final answer and ends its session. For a group-scored
-   * environment it waits for every sibling of the prompt group.
+   * Verify scores the episode's final answer, once per request_id like Call. It ends the
+   * session of a server that does not export sessions; an exported session is sealed
+   * instead (kept until retired, section 5.3 item 3). For a group-scored environment it
+   * waits for every sibling of the prompt group.
    *
    * @generated from rpc turnpoint.v1.ResourcesService.Verify
    */
