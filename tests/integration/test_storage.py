@@ -80,7 +80,8 @@ def test_a_failing_put_is_retried_then_typed_transient(moto_endpoint: str) -> No
     storage = open_storage(f"s3://{make_bucket(moto_endpoint)}/p")
     failed = fail_next_puts(storage, 1)
     storage.put("a", b"x")  # boto3's standard retry absorbs one 503
-    assert failed() == 1
+    assert failed.failed == 1
+    failed.stop()
     assert storage.get("a") == b"x"
     failed = fail_next_puts(storage, 100)
     with pytest.raises(TransientStorageError) as error:

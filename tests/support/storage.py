@@ -9,8 +9,9 @@ a shared mount) and ``s3`` (a fresh bucket on the moto server).
 
 from __future__ import annotations
 
+import logging
 import secrets
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,8 @@ _ENVIRONMENT = {
     "AWS_ACCESS_KEY_ID": "testing",
     "AWS_SECRET_ACCESS_KEY": "testing",
     "AWS_DEFAULT_REGION": "us-east-1",
+    # One retry: enough to show a retried put, short of boto3's longer backoffs.
+    "AWS_MAX_ATTEMPTS": "2",
 }
 
 
@@ -33,6 +36,8 @@ def moto_server() -> Iterator[str]:
     """A moto S3 server on loopback; yields its endpoint URL."""
     from moto.server import ThreadedMotoServer
 
+    # One line per request otherwise, in every failing test's captured log.
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
     try:
@@ -94,36 +99,41 @@ def storage(storage_location: str) -> Storage:
     return opened
 
 
-def fail_next_puts(storage: Storage, count: int, status: int = 503) -> Callable[[], int]:
+class PutFaults:
+    """Injected put failures on one S3 storage; see :func:`fail_next_puts`."""
+
+    def __init__(self, storage: Storage, count: int, status: int) -> None:
+        from botocore.awsrequest import AWSResponse
+
+        self.failed = 0
+        code = "SlowDown" if status == 503 else "InternalError"
+        body = f"<Error><Code>{code}</Code><Message>injected</Message></Error>".encode()
+
+        class _Raw:
+            def stream(self, **_: Any) -> Iterator[bytes]:
+                yield body
+
+            def read(self, *_: Any) -> bytes:
+                return body
+
+        def before_send(request: Any, **_: Any) -> AWSResponse | None:
+            if request.method != "PUT" or self.failed >= count:
+                return None
+            self.failed += 1
+            return AWSResponse(request.url, status, {}, _Raw())
+
+        self._handler = before_send
+        self._events = getattr(storage, "client").meta.events  # noqa: B009 - S3Storage only
+        self._events.register("before-send.s3.PutObject", before_send)
+
+    def stop(self) -> None:
+        self._events.unregister("before-send.s3.PutObject", self._handler)
+
+
+def fail_next_puts(storage: Storage, count: int, status: int = 503) -> PutFaults:
     """Make the next ``count`` HTTP puts of an S3 storage answer ``status``.
 
     The failure is injected where boto3 sends the request (its ``before-send`` event),
-    so its retry logic and error parsing run as against a real failing store. Returns
-    a function that tells how many puts were failed.
+    so its retry logic and error parsing run as against a real failing store.
     """
-    from botocore.awsrequest import AWSResponse
-
-    failed = 0
-    code = "SlowDown" if status == 503 else "InternalError"
-    body = f"<Error><Code>{code}</Code><Message>injected</Message></Error>".encode()
-
-    class _Raw:
-        def __init__(self) -> None:
-            self._body = body
-
-        def stream(self, **_: Any) -> Iterator[bytes]:
-            yield self._body
-
-        def read(self, *_: Any) -> bytes:
-            return self._body
-
-    def before_send(request: Any, **_: Any) -> AWSResponse | None:
-        nonlocal failed
-        if request.method != "PUT" or failed >= count:
-            return None
-        failed += 1
-        return AWSResponse(request.url, status, {}, _Raw())
-
-    client: Any = getattr(storage, "client")  # noqa: B009 - only S3Storage has one
-    client.meta.events.register("before-send.s3.PutObject", before_send)
-    return lambda: failed
+    return PutFaults(storage, count, status)

@@ -49,9 +49,6 @@ _ACCESS: Final = frozenset(
 _THROTTLED: Final = frozenset(
     {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "RequestLimitExceeded"}
 )
-# A few tries with boto3's own backoff; what still fails is a TransientStorageError and
-# the snapshot is retried whole (docs/spec.md section 7.5).
-_ATTEMPTS: Final = 3
 
 
 class S3Storage:
@@ -180,7 +177,10 @@ def _make_client(endpoint_url: str | None) -> BaseClient:
             "s3://", "s3:// storage needs boto3: install turnpoint-core[s3]"
         ) from None
     config = Config(
-        retries={"max_attempts": _ATTEMPTS, "mode": "standard"},
+        # boto3's standard retries (3 tries with backoff, AWS_MAX_ATTEMPTS to change);
+        # what still fails is a TransientStorageError and the snapshot is retried whole
+        # (docs/spec.md section 7.5).
+        retries={"mode": "standard"},
         # Ask for a checksum only where the call carries one (ChecksumSHA256 on puts).
         request_checksum_calculation="when_required",
         response_checksum_validation="when_required",
