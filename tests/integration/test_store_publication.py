@@ -226,3 +226,34 @@ def test_a_store_failing_puts_publishes_nothing_and_the_retry_does(
     # The snapshot is retried: a new attempt, as the driver's next round makes.
     publish(layout, 3)
     assert layout.latest() == ckpt(3)
+
+
+def test_the_trainer_is_configured_by_url(storage_location: str, tmp_path: Path) -> None:
+    from turnpoint.trainer.advanced import bump_epoch
+    from turnpoint.trainer.config import CoordinatorConfig
+    from turnpoint.trainer.storage.layout import SnapshotLayout
+    from turnpoint.trainer.storage.objects import open_layout
+
+    config = CoordinatorConfig(snapshot_root=storage_location)
+    expected = Path if "://" not in storage_location else str
+    assert isinstance(config.snapshot_root, expected)
+    assert bump_epoch(config.snapshot_root).epoch == 1
+    assert bump_epoch(config.snapshot_root).epoch == 2
+    layout = open_layout(config.snapshot_root)
+    assert isinstance(layout, SnapshotLayout if expected is Path else StoreLayout)
+
+
+def test_refused_credentials_stop_the_trainer_at_startup(
+    moto_endpoint: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from moto import settings
+
+    from turnpoint.storage import StorageAccessError
+    from turnpoint.trainer.storage.objects import open_layout
+
+    url = f"s3://{make_bucket(moto_endpoint)}/job"
+    monkeypatch.setattr(settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "not-the-secret")
+    with pytest.raises(StorageAccessError) as error:
+        open_layout(url)
+    assert "not-the-secret" not in str(error.value)

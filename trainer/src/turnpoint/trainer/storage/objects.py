@@ -38,8 +38,8 @@ from pathlib import Path
 
 from turnpoint.ids import InvalidIdError, checkpoint_sequence
 from turnpoint.protocol import ArtifactRef
-from turnpoint.storage import ObjectExistsError, ObjectMissingError, Storage
-from turnpoint.trainer.storage.layout import PublishStep, tree_digest
+from turnpoint.storage import ObjectExistsError, ObjectMissingError, Storage, open_storage
+from turnpoint.trainer.storage.layout import PublishStep, SnapshotLayout, tree_digest
 from turnpoint.trainer.storage.manifest import (
     ANCHOR_DIR,
     LATEST_NAME,
@@ -270,6 +270,10 @@ class StoreLayout:
         found.sort(reverse=True)
         return [name for _, name in found]
 
+    def manifest_bytes(self, checkpoint_id: str) -> bytes:
+        """The published manifest's bytes, unchecked (``ObjectMissingError`` if none)."""
+        return self.storage.get(_manifest_key(checkpoint_id), limit=_MAX_MANIFEST_BYTES)
+
     def load(self, checkpoint_id: str) -> SnapshotManifest:
         """Read and parse the manifest, fetch the anchor into the cache, check its digest."""
         key = _manifest_key(checkpoint_id)
@@ -387,3 +391,19 @@ def _sequence_or_none(name: str) -> int | None:
         return checkpoint_sequence(name)
     except InvalidIdError:
         return None
+
+
+def open_layout(
+    root: str | os.PathLike[str],
+    *,
+    after_step: Callable[[PublishStep], None] | None = None,
+) -> SnapshotLayout | StoreLayout:
+    """The layout for ``snapshot_root``: a plain path keeps :class:`SnapshotLayout`
+    (section 8.9, unchanged); a URL gets a :class:`StoreLayout` on its storage, checked
+    once (:class:`~turnpoint.storage.StorageAccessError` for refused credentials).
+    Blocking."""
+    if not (isinstance(root, str) and "://" in root):
+        return SnapshotLayout(Path(root), after_step=after_step)
+    storage = open_storage(root)
+    storage.check()
+    return StoreLayout(storage, after_step=after_step)
