@@ -257,3 +257,22 @@ def test_refused_credentials_stop_the_trainer_at_startup(
     with pytest.raises(StorageAccessError) as error:
         open_layout(url)
     assert "not-the-secret" not in str(error.value)
+
+
+def test_inspect_verifies_every_digest_from_the_url_alone(
+    layout: StoreLayout, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from turnpoint.apps._cli import main
+
+    publish(layout, 1)
+    publish(layout, 2)
+    url = layout.storage.url
+    assert main(["inspect", url]) == 0
+    out = capsys.readouterr().out
+    assert ckpt(1) in out and ckpt(2) in out
+    _flip_byte(layout.storage, f"{ckpt(1)}/agent-0/records-1.jsonl")
+    assert main(["inspect", url]) == 1
+    assert "agent-0: agent-0/records-1.jsonl has sha256" in capsys.readouterr().out
+    layout.storage.delete(f"{ckpt(2)}/{ANCHOR_DIR}/weights.bin")
+    assert main(["inspect", url, "--json"]) == 1
+    assert "trainer anchor" in capsys.readouterr().out

@@ -92,7 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="List the published snapshots under ROOT, newest first, and verify "
         "every digest they name. Exits 1 on any mismatch.",
     )
-    inspect.add_argument("root", metavar="ROOT", help="the snapshot root directory")
+    inspect.add_argument(
+        "root",
+        metavar="ROOT",
+        help="the snapshot root: a directory or a storage URL (s3://bucket/prefix)",
+    )
     inspect.add_argument("--json", action="store_true", help="print the report as JSON")
     inspect.set_defaults(handler=_inspect)
     for register in _APPLICATIONS:
