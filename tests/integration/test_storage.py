@@ -109,3 +109,16 @@ def test_refused_credentials_are_a_clear_error_at_check(
 def test_a_missing_bucket_is_a_clear_error_at_check(moto_endpoint: str) -> None:
     with pytest.raises(StorageAccessError):
         open_storage("s3://no-such-bucket-here/p").check()
+
+
+def test_bench_storage_prints_both_storages_and_their_ratio(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from turnpoint.apps._cli import main
+
+    assert main(["bench-storage", "--sizes", "2", "--records", "2"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    assert [row[:2] for row in rows] == [["2", "local"], ["2", "s3"]]
+    # Same snapshot on both: 2 records + 2 manifests, the anchor, the manifest, LATEST.
+    assert rows[0][4] == rows[1][4] == "7"
+    assert len(rows[1]) == 8

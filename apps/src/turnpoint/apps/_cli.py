@@ -30,6 +30,7 @@ _APPLICATIONS = (
     ("turnpoint.apps._serve", "add_serve_parser", "demo"),
     ("turnpoint.apps.bench._participant_bench", "add_bench_parser", "demo"),
     ("turnpoint.apps.bench._cli", "add_bench_parser", "demo"),
+    ("turnpoint.apps.bench._storage_bench", "add_bench_parser", "demo"),
     ("turnpoint.apps.demo", "add_demo_parser", "demo"),
     ("turnpoint.apps.conformance", "add_conformance_parser", "demo"),
 )
@@ -38,6 +39,7 @@ _COMMANDS = {
     "turnpoint.apps._serve": ("serve",),
     "turnpoint.apps.bench._participant_bench": ("bench-participant",),
     "turnpoint.apps.bench._cli": ("bench",),
+    "turnpoint.apps.bench._storage_bench": ("bench-storage",),
     "turnpoint.apps.demo": ("demo",),
     "turnpoint.apps.conformance": ("conformance",),
 }
