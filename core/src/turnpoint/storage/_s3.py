@@ -16,6 +16,7 @@ refused by the store rather than stored.
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 from typing import TYPE_CHECKING, Any, Final
 
@@ -171,6 +172,7 @@ class S3Storage:
 def _make_client(endpoint_url: str | None) -> BaseClient:
     try:
         import boto3
+        import botocore.session
         from botocore.config import Config
     except ImportError:
         raise StorageError(
@@ -185,5 +187,16 @@ def _make_client(endpoint_url: str | None) -> BaseClient:
         request_checksum_calculation="when_required",
         response_checksum_validation="when_required",
     )
-    session = boto3.session.Session()
+    # A fresh session per storage, so each reads the environment's credentials as they
+    # are now; one shared loader, so the service model is parsed once per process.
+    core = botocore.session.Session()
+    core.register_component("data_loader", _loader())
+    session = boto3.session.Session(botocore_session=core)
     return session.client("s3", endpoint_url=endpoint_url, config=config)
+
+
+@functools.cache
+def _loader() -> Any:
+    from botocore.loaders import create_loader
+
+    return create_loader()
