@@ -7,6 +7,9 @@ from collections.abc import Iterator
 
 import pytest
 
+# The storage fixtures (a moto S3 server on loopback), for every suite that asks.
+pytest_plugins = ["tests.support.storage"]
+
 
 @pytest.fixture(autouse=True)
 def _grad_mode_is_left_enabled() -> Iterator[None]:

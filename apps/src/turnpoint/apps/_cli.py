@@ -30,6 +30,7 @@ _APPLICATIONS = (
     ("turnpoint.apps._serve", "add_serve_parser", "demo"),
     ("turnpoint.apps.bench._participant_bench", "add_bench_parser", "demo"),
     ("turnpoint.apps.bench._cli", "add_bench_parser", "demo"),
+    ("turnpoint.apps.bench._storage_bench", "add_bench_parser", "demo"),
     ("turnpoint.apps.demo", "add_demo_parser", "demo"),
     ("turnpoint.apps.conformance", "add_conformance_parser", "demo"),
 )
@@ -38,6 +39,7 @@ _COMMANDS = {
     "turnpoint.apps._serve": ("serve",),
     "turnpoint.apps.bench._participant_bench": ("bench-participant",),
     "turnpoint.apps.bench._cli": ("bench",),
+    "turnpoint.apps.bench._storage_bench": ("bench-storage",),
     "turnpoint.apps.demo": ("demo",),
     "turnpoint.apps.conformance": ("conformance",),
 }
@@ -92,7 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="List the published snapshots under ROOT, newest first, and verify "
         "every digest they name. Exits 1 on any mismatch.",
     )
-    inspect.add_argument("root", metavar="ROOT", help="the snapshot root directory")
+    inspect.add_argument(
+        "root",
+        metavar="ROOT",
+        help="the snapshot root: a directory or a storage URL (s3://bucket/prefix)",
+    )
     inspect.add_argument("--json", action="store_true", help="print the report as JSON")
     inspect.set_defaults(handler=_inspect)
     for register in _APPLICATIONS:

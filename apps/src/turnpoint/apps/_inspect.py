@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Final, TextIO
 
 from turnpoint.protocol import ArtifactRef
+from turnpoint.storage import ObjectMissingError, Storage, StorageError, open_storage
 from turnpoint.trainer.storage.layout import SnapshotLayout, tree_digest
 from turnpoint.trainer.storage.manifest import (
     MANIFEST_NAME,
@@ -32,6 +33,7 @@ from turnpoint.trainer.storage.manifest import (
     ManifestError,
     SnapshotManifest,
 )
+from turnpoint.trainer.storage.objects import StoreLayout
 
 _CHUNK: Final = 1 << 20
 EXIT_OK: Final = 0
@@ -84,7 +86,7 @@ class InspectReport:
     not published: publication never leaves it so, so it counts as a mismatch.
     """
 
-    root: Path
+    root: Path | str
     latest: str | None
     snapshots: tuple[SnapshotReport, ...]
     latest_problem: str | None = None
@@ -142,8 +144,13 @@ def _format_time(epoch_seconds: float) -> str:
 def inspect_root(root: str | os.PathLike[str]) -> InspectReport:
     """List the published snapshots under ``root``, newest first, verifying each.
 
-    Raises ``FileNotFoundError`` when ``root`` is not a directory.
+    ``root`` may be a storage URL (``s3://bucket/prefix``, docs/spec.md section 8.12):
+    then every object is read from the store and hashed here. Raises
+    ``FileNotFoundError`` when ``root`` is not a directory, and
+    :class:`~turnpoint.storage.StorageError` when the storage cannot be reached.
     """
+    if isinstance(root, str) and "://" in root:
+        return _inspect_store(root)
     path = Path(root)
     if not path.is_dir():
         raise FileNotFoundError(f"{path} is not a directory")
@@ -232,6 +239,82 @@ def _check_file(directory: Path, ref: ArtifactRef) -> str | None:
     return None
 
 
+def _inspect_store(url: str) -> InspectReport:
+    storage = open_storage(url)
+    storage.check()
+    layout = StoreLayout(storage)
+    try:
+        latest: str | None = None
+        latest_problem: str | None = None
+        try:
+            latest = layout.latest()
+        except ManifestError as error:
+            latest_problem = error.message
+        snapshots = tuple(
+            _inspect_stored_snapshot(layout, checkpoint_id, checkpoint_id == latest)
+            for checkpoint_id in layout.list_published()
+        )
+    finally:
+        layout.close()
+    return InspectReport(storage.url, latest, snapshots, latest_problem)
+
+
+def _inspect_stored_snapshot(
+    layout: StoreLayout, checkpoint_id: str, latest: bool
+) -> SnapshotReport:
+    try:
+        manifest = SnapshotManifest.from_json(layout.manifest_bytes(checkpoint_id))
+    except (StorageError, ManifestError) as error:
+        return SnapshotReport(checkpoint_id, latest, problem=f"{MANIFEST_NAME}: {error}")
+    checked = 0
+    problem: str | None = f"{MANIFEST_NAME} describes {manifest.checkpoint_id!r}"
+    if manifest.checkpoint_id == checkpoint_id:
+        problem = None
+        try:
+            # Fetches the anchor's objects and checks their tree digest.
+            layout.load(checkpoint_id)
+        except (StorageError, ManifestError) as error:
+            problem = f"trainer anchor {manifest.anchor.path}: {error}"
+        checked += 1
+        for entry in manifest.participants if problem is None else ():
+            named = [] if entry.manifest is None else [entry.manifest]
+            for ref in [*named, *entry.artifacts]:
+                checked += 1
+                problem = _check_object(layout.storage, f"{checkpoint_id}/{ref.path}", ref)
+                if problem is not None:
+                    problem = f"{entry.instance}: {problem}"
+                    break
+            if problem is not None:
+                break
+    return SnapshotReport(
+        checkpoint_id=checkpoint_id,
+        latest=latest,
+        step=manifest.step,
+        created_at=manifest.created_at,
+        participants=tuple(entry.instance for entry in manifest.participants),
+        continued=len(manifest.continued),
+        restarts=len(manifest.restarts),
+        files_checked=checked,
+        problem=problem,
+    )
+
+
+def _check_object(storage: Storage, key: str, ref: ArtifactRef) -> str | None:
+    try:
+        data = storage.get(key, limit=ref.size_bytes)
+    except ObjectMissingError:
+        return f"{ref.path} is missing"
+    except StorageError as error:
+        return f"{ref.path} cannot be read: {error.message}"
+    if len(data) != ref.size_bytes:
+        more = "more than " if len(data) > ref.size_bytes else ""
+        return f"{ref.path} has {more}{len(data)} bytes, manifest says {ref.size_bytes}"
+    found = hashlib.sha256(data).hexdigest()
+    if found != ref.sha256:
+        return f"{ref.path} has sha256 {found}, manifest says {ref.sha256}"
+    return None
+
+
 def inspect_command(
     root: str | os.PathLike[str], *, as_json: bool = False, out: TextIO | None = None
 ) -> int:
@@ -240,7 +323,7 @@ def inspect_command(
     stream = sys.stdout if out is None else out
     try:
         report = inspect_root(root)
-    except FileNotFoundError as error:
+    except (FileNotFoundError, StorageError) as error:
         print(f"turnpoint inspect: {error}", file=sys.stderr if out is None else stream)
         return EXIT_NO_ROOT
     if as_json:

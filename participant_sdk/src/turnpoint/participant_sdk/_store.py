@@ -34,6 +34,7 @@ import errno
 import fcntl
 import hashlib
 import os
+import secrets
 import shutil
 import stat
 import threading
@@ -46,6 +47,7 @@ from turnpoint._files import create_file, fsync_dir, write_temp
 from turnpoint.errors import Reason
 from turnpoint.ids import EpisodeId, validate_id
 from turnpoint.protocol import ArtifactRef
+from turnpoint.storage import open_storage
 
 from ._store_format import (
     MANIFEST_NAME,
@@ -62,6 +64,7 @@ from ._store_format import (
     entry_of,
     parse_manifest,
 )
+from ._store_objects import ObjectRecords
 
 # A manifest lists one file and the exported episodes (~60 bytes each); this bounds
 # what a tampered manifest can make a reader allocate.
@@ -224,11 +227,32 @@ class FaultHook(Protocol):
 
 
 class SnapshotStore:
-    """Writes and reads participant snapshots under one configured root directory."""
+    """Writes and reads participant snapshots under one configured root.
+
+    ``root`` is a directory, or a storage URL (``file:///path?mount=shared``,
+    ``s3://bucket/prefix``; docs/spec.md section 8.12) whose objects
+    :mod:`._store_objects` writes and reads instead of files.
+    """
 
     def __init__(self, root: str | os.PathLike[str], *, faults: FaultHook | None = None) -> None:
+        self._objects: ObjectRecords | None = None
+        if isinstance(root, str) and "://" in root:
+            self._objects = ObjectRecords(open_storage(root))
+            root = f"/nonexistent-turnpoint-objects/{secrets.token_hex(4)}"
         self._root = Path(root)
         self._faults = faults
+
+    @property
+    def url(self) -> str:
+        """Where the records go: the storage URL, or the root directory as a file URL."""
+        if self._objects is not None:
+            return self._objects.storage.url
+        return self._root.absolute().as_uri()
+
+    def check(self) -> None:
+        """Reach the storage once (a clear error for refused credentials); blocking."""
+        if self._objects is not None:
+            self._objects.storage.check()
 
     @property
     def root(self) -> Path:
@@ -244,6 +268,10 @@ class SnapshotStore:
 
     def exists(self, snapshot: str, instance: str) -> bool:
         """Whether a manifest is published for this instance (its content is not checked)."""
+        if self._objects is not None:
+            return self._objects.exists(
+                validate_id(snapshot, "snapshot"), validate_id(instance, "instance")
+            )
         directory = self._checked_dir(snapshot, instance)
         return (directory / MANIFEST_NAME).exists()
 
@@ -292,6 +320,19 @@ class SnapshotStore:
     ) -> SnapshotEntry:
         data, ref, episodes = encode_records(instance, records)
         manifest = Manifest(checkpoint_id, instance, (ref,), episodes)
+        if self._objects is not None:
+            return self._objects.write(
+                snapshot,
+                instance,
+                data,
+                ref,
+                manifest,
+                ticket,
+                self._faults,
+                FaultPoint,
+                WriteCancelled(snapshot, instance, checkpoint_id),
+                _MAX_MANIFEST_BYTES,
+            )
         manifest_bytes = manifest.to_bytes()
         directory = self._make_dir(snapshot, instance)
 
@@ -489,6 +530,8 @@ class SnapshotStore:
     def _load_manifest(
         self, snapshot: str, instance: str, directory: Path
     ) -> tuple[Manifest, bytes]:
+        if self._objects is not None:
+            return self._objects.load_manifest(snapshot, instance, _MAX_MANIFEST_BYTES)
         data = _read_file(snapshot, instance, directory / MANIFEST_NAME, _MAX_MANIFEST_BYTES)
         if len(data) > _MAX_MANIFEST_BYTES:
             raise CorruptSnapshotError(
@@ -501,7 +544,11 @@ class SnapshotStore:
     ) -> bytes:
         path = directory / _file_name(ref.path)
         # One byte more than promised, so a file that grew is caught without reading it all.
-        data = _read_file(snapshot, instance, path, ref.size_bytes)
+        if self._objects is not None:
+            key = f"{snapshot}/{instance}/{_file_name(ref.path)}"
+            data = self._objects.get(snapshot, instance, key, ref.size_bytes)
+        else:
+            data = _read_file(snapshot, instance, path, ref.size_bytes)
         if len(data) != ref.size_bytes:
             raise CorruptSnapshotError(
                 snapshot,
@@ -528,6 +575,8 @@ class SnapshotStore:
         For retention of old snapshots; the caller makes sure nothing writes into it.
         """
         validate_id(snapshot, "snapshot")
+        if self._objects is not None:
+            return self._objects.delete_snapshot(snapshot)
         path = self._root / snapshot
         self._check_inside_root(path, snapshot, "*")
         try:
@@ -545,6 +594,8 @@ class SnapshotStore:
         return directory
 
     def _check_inside_root(self, path: Path, snapshot: str, instance: str) -> None:
+        if self._objects is not None:
+            return  # keys are ids only: nothing can be planted outside the prefix
         # Valid ids cannot name a path outside the root (no separators, no "..") but a
         # symlink planted under the root still could: no component below the root may
         # be one. An lstat per component, not a resolve of the whole path from "/":

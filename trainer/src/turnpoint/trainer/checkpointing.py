@@ -45,8 +45,8 @@ from turnpoint.trainer.rollouts.values import Rollout, RolloutClientSettings, Ro
 from turnpoint.trainer.snapshots.driver import SnapshotDriver, TransitionCallback
 from turnpoint.trainer.snapshots.pump import SnapshotPump
 from turnpoint.trainer.snapshots.report import SnapshotOutcome, SnapshotReport
-from turnpoint.trainer.storage.layout import SnapshotLayout
 from turnpoint.trainer.storage.manifest import JSONValue
+from turnpoint.trainer.storage.objects import StoreLayout, open_layout
 from turnpoint.trainer.weights.core import WeightSyncSettings
 from turnpoint.trainer.weights.sync import WeightSync, WeightSyncReport
 
@@ -283,7 +283,11 @@ class Checkpointing:
         )
         self._rollouts = rollouts
         hooks = self._testing_hooks
-        layout = SnapshotLayout(root, after_step=hooks.after_publish_step if hooks else None)
+        layout = await asyncio.to_thread(
+            open_layout, root, after_step=hooks.after_publish_step if hooks else None
+        )
+        if isinstance(layout, StoreLayout):
+            self._stack.callback(layout.close)
         restorer = Restorer(
             coordinator,
             layout,

@@ -28,7 +28,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Self
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from turnpoint._json import JSONProblem, StrictJSONError, loads_strict
@@ -202,8 +209,17 @@ class CoordinatorConfig(ConfigSection):
     version (docs/spec.md section 5.5 item 7): ``keep`` it, or ``rerun`` it from its
     prompt. Sent to the agents on every Run."""
 
-    snapshot_root: Path = Field(strict=False)
-    """Directory that holds the published snapshots and ``LATEST``."""
+    snapshot_root: Path | str
+    """Where the published snapshots and ``LATEST`` live: a directory, or a storage URL
+    (``file:///path?mount=shared``, ``s3://bucket/prefix``; docs/spec.md section 8.12)."""
+
+    @field_validator("snapshot_root", mode="before")
+    @classmethod
+    def _root_path_or_url(cls, value: object) -> object:
+        # A URL stays a string (Path would fold its "//"); anything else is a path.
+        if isinstance(value, str) and "://" in value:
+            return value
+        return Path(value) if isinstance(value, str) else value
 
     def _derive_defaults(self) -> None:
         self._set_derived("reply_grace_s", min(self.control_timeout_s, 5.0))
@@ -277,7 +293,7 @@ class CoordinatorConfig(ConfigSection):
                 source,
             )
         root = raw.get("snapshot_root")
-        if isinstance(root, str) and root and not Path(root).is_absolute():
+        if isinstance(root, str) and root and "://" not in root and not Path(root).is_absolute():
             raw = {**raw, "snapshot_root": str(path.parent / root)}
         return cls.from_mapping(raw, source=source)
 

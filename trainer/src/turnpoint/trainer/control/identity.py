@@ -33,13 +33,17 @@ def _read_identity(path: Path) -> CoordinatorIdentity | None:
         text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         return None
+    return _parse_identity(str(path), text)
+
+
+def _parse_identity(where: str, text: str) -> CoordinatorIdentity:
     try:
         raw = json.loads(text)
         if not isinstance(raw, dict) or set(raw) != {"coordinator_id", "epoch"}:
             raise ValueError("expected exactly the keys coordinator_id and epoch")
         return CoordinatorIdentity(raw["coordinator_id"], raw["epoch"])
     except (ValueError, InvalidIdError) as error:
-        raise ValueError(f"{path} is not a coordinator identity file: {error}") from None
+        raise ValueError(f"{where} is not a coordinator identity file: {error}") from None
 
 
 def bump_epoch(
@@ -54,6 +58,8 @@ def bump_epoch(
     crash leaves the old epoch or the new one, never a torn file. Blocking: from async
     code run it with ``asyncio.to_thread``.
     """
+    if isinstance(snapshot_root, str) and "://" in snapshot_root:
+        return _bump_on_storage(snapshot_root, coordinator_id)
     root = Path(snapshot_root)
     root.mkdir(parents=True, exist_ok=True)
     path = root / COORDINATOR_FILE
@@ -78,4 +84,26 @@ def bump_epoch(
         os.fsync(fd)
     finally:
         os.close(fd)
+    return identity
+
+
+def _bump_on_storage(url: str, coordinator_id: str | None) -> CoordinatorIdentity:
+    """:func:`bump_epoch` on a storage URL (docs/spec.md section 8.12): one put, which
+    is whole or not at all, so a crash leaves the old epoch or the new one."""
+    from turnpoint.storage import ObjectMissingError, open_storage
+
+    storage = open_storage(url)
+    storage.check()
+    try:
+        text = storage.get(COORDINATOR_FILE, limit=4096).decode("utf-8")
+    except ObjectMissingError:
+        stored = None
+    else:
+        stored = _parse_identity(f"{url}/{COORDINATOR_FILE}", text)
+    chosen = coordinator_id or (
+        stored.coordinator_id if stored else f"coord-{secrets.token_hex(6)}"
+    )
+    identity = CoordinatorIdentity(chosen, (stored.epoch if stored else 0) + 1)
+    data = json.dumps({"coordinator_id": identity.coordinator_id, "epoch": identity.epoch})
+    storage.put(COORDINATOR_FILE, (data + "\n").encode("utf-8"))
     return identity

@@ -67,6 +67,7 @@ from turnpoint.trainer.storage.manifest import (
     SnapshotManifest,
     TrainerRolloutState,
 )
+from turnpoint.trainer.storage.objects import StoreLayout
 
 if TYPE_CHECKING:
     import torch
@@ -504,11 +505,14 @@ def _file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def verify_artifacts(layout: SnapshotLayout, manifest: SnapshotManifest) -> None:
+def verify_artifacts(layout: SnapshotLayout | StoreLayout, manifest: SnapshotManifest) -> None:
     """Check every participant file the manifest names: present, its size, its sha256.
 
     Blocking (it reads every byte). Raises :class:`ManifestError` at the first mismatch.
     """
+    if isinstance(layout, StoreLayout):
+        layout.verify_artifacts(manifest)
+        return
     snapshot = layout.path(manifest.checkpoint_id)
     for entry in manifest.participants:
         named: list[ArtifactRef] = list(entry.artifacts)
@@ -562,7 +566,7 @@ class Restorer:
     def __init__(
         self,
         coordinator: Coordinator,
-        layout: SnapshotLayout,
+        layout: SnapshotLayout | StoreLayout,
         config: CoordinatorConfig,
         *,
         load_anchor: AnchorLoader,

@@ -14,13 +14,11 @@ once per published snapshot, the rollout ids it names.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from pathlib import Path
 from types import MappingProxyType
 from typing import Protocol
 
 from turnpoint.ids import EpisodeId, checkpoint_sequence
 from turnpoint.trainer.storage.manifest import (
-    MANIFEST_NAME,
     RolloutBooks,
     SnapshotManifest,
     TrainerRolloutState,
@@ -41,7 +39,7 @@ def rollouts_named(state: TrainerRolloutState | RolloutBooks) -> frozenset[str]:
 class _Layout(Protocol):
     def list_published(self) -> list[str]: ...
 
-    def path(self, checkpoint_id: str) -> Path: ...
+    def manifest_bytes(self, checkpoint_id: str) -> bytes: ...
 
 
 class RefusalMarks:
@@ -116,7 +114,7 @@ class RetainedNames:
         for checkpoint_id in published:
             ids = self._named.get(checkpoint_id)
             if ids is None:
-                data = (layout.path(checkpoint_id) / MANIFEST_NAME).read_bytes()
+                data = layout.manifest_bytes(checkpoint_id)
                 ids = rollouts_named(SnapshotManifest.from_json(data).rollout_state)
                 self._named[checkpoint_id] = ids
             named.update(ids)

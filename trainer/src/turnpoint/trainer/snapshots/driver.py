@@ -85,6 +85,7 @@ import grpc
 from turnpoint.errors import TurnpointError
 from turnpoint.ids import EpisodeId, checkpoint_sequence, make_checkpoint_id
 from turnpoint.protocol import ParticipantKind
+from turnpoint.storage import StorageError
 from turnpoint.trainer.anchors.source import AnchorSource, WrittenAnchor
 from turnpoint.trainer.config import CoordinatorConfig
 from turnpoint.trainer.control.failures import Failure, classify
@@ -121,6 +122,7 @@ from turnpoint.trainer.storage.manifest import (
     SnapshotManifest,
     TrainerRolloutState,
 )
+from turnpoint.trainer.storage.objects import StoreLayout
 
 if TYPE_CHECKING:
     from turnpoint.trainer.restore.restorer import RestorePlan
@@ -245,7 +247,7 @@ class SnapshotDriver:
         coordinator: SnapshotParticipants,
         rollouts: RolloutSide,
         anchor: AnchorSource,
-        layout: SnapshotLayout,
+        layout: SnapshotLayout | StoreLayout,
         config: CoordinatorConfig,
         epoch: int,
         id_prefix: str = "ck",
@@ -693,12 +695,14 @@ class SnapshotDriver:
             self._named.remember(checkpoint_id, state)
             try:
                 await asyncio.to_thread(self._housekeeping)
-            except (OSError, ManifestError) as error:
+            except (OSError, ManifestError, StorageError) as error:
                 # Published is published: old snapshots are removed by a later attempt.
                 _LOG.warning("retention after %s failed: %s", checkpoint_id, error)
         except ManifestError as error:
             raise _Failed(FailureReason.INVARIANT, str(error), error=error) from error
-        except OSError as error:
+        except (OSError, StorageError) as error:
+            # A store that failed a put (docs/spec.md section 8.12 item 6): nothing is
+            # published, the snapshot fails and the next attempt retries.
             raise _Failed(FailureReason.STORAGE, f"publishing: {error}", error=error) from error
 
     def _housekeeping(self) -> None:
@@ -850,7 +854,7 @@ class SnapshotDriver:
             return
         try:
             retained, oldest = await asyncio.to_thread(self._named.read, self._layout)
-        except (OSError, ManifestError) as error:
+        except (OSError, ManifestError, StorageError) as error:
             _LOG.warning("not forgetting retired rollouts this time: %s", error)
             return
         if oldest is None:
@@ -883,7 +887,7 @@ class SnapshotDriver:
             return
         try:
             await asyncio.to_thread(self._layout.discard, attempt.checkpoint_id)
-        except (OSError, ManifestError) as error:
+        except (OSError, ManifestError, StorageError) as error:
             _LOG.warning("could not remove the partial %s: %s", attempt.checkpoint_id, error)
 
     # -- reporting ---------------------------------------------------------------------

@@ -403,6 +403,10 @@ class SnapshotLayout:
         found.sort(reverse=True)
         return [name for _, name in found]
 
+    def manifest_bytes(self, checkpoint_id: str) -> bytes:
+        """The published manifest's bytes, unchecked (``FileNotFoundError`` if none)."""
+        return (self.path(checkpoint_id) / MANIFEST_NAME).read_bytes()
+
     def load(self, checkpoint_id: str) -> SnapshotManifest:
         """Parse a published manifest strictly and verify the trainer anchor digest."""
         snapshot = self.path(checkpoint_id)

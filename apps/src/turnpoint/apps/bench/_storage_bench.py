@@ -1,0 +1,197 @@
+"""``turnpoint bench-storage``: a durable commit on local disk vs an object store.
+
+For each participant count, one snapshot as the protocol writes it: every participant's
+records and manifest through its :class:`~turnpoint.participant_sdk.SnapshotStore`
+(the commit phase, participants writing in parallel threads), then the trainer's
+publication (anchor, manifest, ``LATEST``), first on a local directory (section 8.9,
+fsyncs included) and then on an S3 endpoint (section 8.13): moto's server on loopback,
+started here, or the one ``--s3-url`` names (boto3's environment gives its endpoint and
+credentials). Same run, same records, same sizes; the figure is the ratio object store
+over local disk per phase, with the objects and bytes one snapshot writes.
+
+Loopback moto is an in-process Python server: the ratio measures the protocol's request
+count and the client's cost, not a real store's latency (add that per request).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import secrets
+import tempfile
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from turnpoint.ids import EpisodeId, make_checkpoint_id
+from turnpoint.participant_sdk import Record, SnapshotStore
+from turnpoint.protocol import ParticipantKind
+from turnpoint.storage import open_storage
+from turnpoint.trainer.storage.layout import SnapshotLayout, tree_digest
+from turnpoint.trainer.storage.manifest import (
+    ANCHOR_DIR,
+    AnchorRef,
+    ParticipantEntry,
+    SnapshotManifest,
+)
+from turnpoint.trainer.storage.objects import StoreLayout
+
+_SIZES = (8, 64, 256)
+_THREADS = 16
+_ANCHOR_BYTES = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Figure:
+    storage: str
+    participants: int
+    commit_s: float
+    publish_s: float
+    objects: int
+    bytes_written: int
+
+
+def _records(instance: int, count: int) -> list[Record]:
+    return [
+        Record(EpisodeId(f"r{instance}-{n}", 0), "turn-1", {"tokens": list(range(32)), "n": n})
+        for n in range(count)
+    ]
+
+
+def _one_snapshot(root: str, participants: int, records: int, sequence: int) -> Figure:
+    is_url = "://" in root
+    layout: SnapshotLayout | StoreLayout = (
+        StoreLayout(open_storage(root)) if is_url else SnapshotLayout(Path(root))
+    )
+    checkpoint_id = make_checkpoint_id("bench", sequence)
+    staged = layout.begin(checkpoint_id)
+    anchor = staged / ANCHOR_DIR
+    anchor.mkdir(parents=True)
+    (anchor / "model.bin").write_bytes(os.urandom(_ANCHOR_BYTES))
+    work = [(f"p-{n}", _records(n, records)) for n in range(participants)]
+    started = time.perf_counter()
+    store = SnapshotStore(root)
+    with ThreadPoolExecutor(_THREADS) as pool:
+        written = list(
+            pool.map(lambda job: store.write(checkpoint_id, job[0], "c-000000000001", job[1]), work)
+        )
+    commit_s = time.perf_counter() - started
+    entries = tuple(
+        ParticipantEntry(
+            instance=name,
+            kind=ParticipantKind.RESOURCES,
+            artifacts=entry.artifacts,
+            manifest=entry.manifest,
+            exported=entry.episodes,
+        )
+        for (name, _), entry in zip(work, written, strict=True)
+    )
+    manifest = SnapshotManifest(
+        checkpoint_id=checkpoint_id,
+        step=sequence,
+        created_at=0.0,
+        anchor=AnchorRef(sha256=tree_digest(anchor)),
+        participants=entries,
+    )
+    started = time.perf_counter()
+    layout.publish(staged, manifest)
+    publish_s = time.perf_counter() - started
+    record_bytes = sum(a.size_bytes for e in written for a in e.artifacts)
+    manifests = sum(e.manifest.size_bytes for e in written)
+    bytes_written = record_bytes + manifests + _ANCHOR_BYTES + len(manifest.to_json())
+    if isinstance(layout, StoreLayout):
+        layout.close()
+    # records + manifest per participant, the anchor file, the manifest, LATEST
+    return Figure(
+        "s3" if root.startswith("s3://") else "local",
+        participants,
+        commit_s,
+        publish_s,
+        2 * participants + 3,
+        bytes_written,
+    )
+
+
+@contextlib.contextmanager
+def _loopback_s3() -> Iterator[str]:
+    """moto's S3 server on 127.0.0.1 (a free port), boto3 pointed at it; yields a URL."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request otherwise
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    saved = {name: os.environ.get(name) for name in _MOTO_ENV}
+    try:
+        host, port = server.get_host_and_port()
+        os.environ.update(_MOTO_ENV | {"AWS_ENDPOINT_URL_S3": f"http://{host}:{port}"})
+        bucket = f"bench-{secrets.token_hex(4)}"
+        boto3.client("s3").create_bucket(Bucket=bucket)
+        yield f"s3://{bucket}/snapshots"
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        server.stop()
+
+
+_MOTO_ENV = {
+    "AWS_ACCESS_KEY_ID": "bench",
+    "AWS_SECRET_ACCESS_KEY": "bench",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_ENDPOINT_URL_S3": "",
+}
+
+
+def bench_storage_command(args: argparse.Namespace) -> int:
+    sizes = tuple(int(size) for size in args.sizes.split(","))
+    with contextlib.ExitStack() as stack:
+        local_root = args.root or stack.enter_context(tempfile.TemporaryDirectory())
+        s3_url = args.s3_url or stack.enter_context(_loopback_s3())
+        print(
+            f"local: {local_root}   object store: {s3_url}   records per participant: "
+            f"{args.records}",
+            flush=True,
+        )
+        print(
+            f"{'participants':>12} {'storage':>7} {'commit s':>9} {'publish s':>9} "
+            f"{'objects':>7} {'MiB':>7} {'commit x':>8} {'publish x':>9}"
+        )
+        for sequence, participants in enumerate(sizes, start=1):
+            local = _one_snapshot(str(local_root), participants, args.records, sequence)
+            remote = _one_snapshot(s3_url, participants, args.records, sequence)
+            for figure in (local, remote):
+                ratio = figure is remote
+                print(
+                    f"{figure.participants:>12} {figure.storage:>7} {figure.commit_s:>9.3f} "
+                    f"{figure.publish_s:>9.3f} {figure.objects:>7} "
+                    f"{figure.bytes_written / 2**20:>7.2f} "
+                    + (
+                        f"{remote.commit_s / local.commit_s:>8.1f} "
+                        f"{remote.publish_s / local.publish_s:>9.1f}"
+                        if ratio
+                        else f"{'':>8} {'':>9}"
+                    ),
+                    flush=True,
+                )
+    return 0
+
+
+def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = sub.add_parser(
+        "bench-storage",
+        help="a durable commit on local disk vs an S3 object store, by participant count",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--sizes", default=",".join(map(str, _SIZES)), help="e.g. 8,64,256")
+    parser.add_argument("--records", type=int, default=20, help="records per participant")
+    parser.add_argument("--root", help="local snapshot root (default: a temp dir)")
+    parser.add_argument("--s3-url", help="s3://bucket/prefix (default: moto on loopback)")
+    parser.set_defaults(handler=bench_storage_command)

@@ -1,0 +1,409 @@
+"""Snapshots on storage without rename: a shared mount or an object store.
+
+docs/spec.md section 8.13. The same snapshot layout as :mod:`.layout` (section 8.1),
+kept as objects of a :class:`turnpoint.storage.Storage` under keys
+``<checkpoint_id>/...``, published in an order that needs no rename and no directory
+fsync:
+
+1. every participant object the manifest names is there with its size (a HEAD per
+   object, never a listing: a listing may lag on some stores) and the anchor's tree
+   matches its digest (``VERIFIED``);
+2. every file of the anchor, which its source wrote into a local staging directory, is
+   put under ``<checkpoint_id>/trainer/anchor/`` (``TREE_SYNCED``);
+3. the manifest is created with the store's commit write, which never replaces
+   (``MANIFEST_STAGED`` just before it, ``MANIFEST_LINKED`` and ``SNAPSHOT_SYNCED``
+   after it): its presence is the commit;
+4. ``LATEST`` is put when it is missing, unreadable or older (``LATEST_STAGED`` before,
+   ``LATEST_MOVED`` after).
+
+A crash anywhere leaves objects without a manifest (a partial, removed by
+:meth:`StoreLayout.clean_partial`) or a manifest whose every object is whole;
+``LATEST`` only ever names a snapshot whose manifest was created before it. Readers
+select by manifest (section 7.7): a manifest newer than ``LATEST`` is trusted, ``LATEST``
+is a pointer for people and tools.
+
+Restore reads the anchor back into a local cache directory and checks its tree digest
+there before the anchor's loader sees it, so the loaders work on files as before.
+Everything here blocks: the async side calls it through ``asyncio.to_thread``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from turnpoint.ids import InvalidIdError, checkpoint_sequence
+from turnpoint.protocol import ArtifactRef
+from turnpoint.storage import ObjectExistsError, ObjectMissingError, Storage, open_storage
+from turnpoint.trainer.storage.layout import PublishStep, SnapshotLayout, tree_digest
+from turnpoint.trainer.storage.manifest import (
+    ANCHOR_DIR,
+    LATEST_NAME,
+    MANIFEST_NAME,
+    TRAINER_DIR,
+    ManifestError,
+    SnapshotManifest,
+    check_id,
+)
+
+# A snapshot manifest of a few thousand participants stays far below this; it bounds
+# what a tampered object can make a reader allocate.
+_MAX_MANIFEST_BYTES = 256 * 1024 * 1024
+
+
+class StoreLayout:
+    """Publishes, lists, loads and retires snapshots kept in a :class:`Storage`.
+
+    ``staging`` is a local directory for the anchor a source writes before it is put
+    and for anchors read back by a restore (default: a fresh temporary directory,
+    removed by :meth:`close`). ``after_step`` is the crash-injection hook of
+    :class:`~turnpoint.trainer.storage.layout.SnapshotLayout`, at the same named steps.
+    """
+
+    def __init__(
+        self,
+        storage: Storage,
+        *,
+        staging: str | os.PathLike[str] | None = None,
+        after_step: Callable[[PublishStep], None] | None = None,
+    ) -> None:
+        self.storage = storage
+        self._owns_staging = staging is None
+        self.staging = Path(
+            tempfile.mkdtemp(prefix="turnpoint-staging-") if staging is None else staging
+        )
+        self._after_step = after_step
+        self._in_progress: str | None = None
+
+    @property
+    def root(self) -> str:
+        """The storage's URL."""
+        return self.storage.url
+
+    def close(self) -> None:
+        if self._owns_staging:
+            shutil.rmtree(self.staging, ignore_errors=True)
+
+    # -- paths -------------------------------------------------------------------------
+
+    def path(self, checkpoint_id: str) -> Path:
+        """The local staging (or restore cache) directory of ``checkpoint_id``."""
+        return self.staging / check_id(checkpoint_id, "checkpoint_id")
+
+    def trainer_dir(self, checkpoint_id: str) -> Path:
+        return self.path(checkpoint_id) / TRAINER_DIR
+
+    def anchor_dir(self, checkpoint_id: str) -> Path:
+        return self.path(checkpoint_id) / ANCHOR_DIR
+
+    def is_published(self, checkpoint_id: str) -> bool:
+        return self.storage.size(_manifest_key(checkpoint_id)) is not None
+
+    @property
+    def in_progress(self) -> str | None:
+        return self._in_progress
+
+    # -- writing -----------------------------------------------------------------------
+
+    def begin(self, checkpoint_id: str) -> Path:
+        """As :meth:`SnapshotLayout.begin`; returns the local staging directory."""
+        sequence = _sequence_of(checkpoint_id)
+        if self.is_published(checkpoint_id):
+            raise ManifestError(
+                f"snapshot {checkpoint_id!r} is already published", checkpoint_id=checkpoint_id
+            )
+        newest = self.list_published()
+        if newest and sequence <= checkpoint_sequence(newest[0]):
+            raise ManifestError(
+                f"checkpoint id {checkpoint_id!r} is not newer than the published "
+                f"{newest[0]!r}: checkpoint sequences must increase",
+                checkpoint_id=checkpoint_id,
+            )
+        self._delete_prefix(checkpoint_id)
+        snapshot = self.path(checkpoint_id)
+        shutil.rmtree(snapshot, ignore_errors=True)
+        (snapshot / TRAINER_DIR).mkdir(parents=True)
+        self._in_progress = checkpoint_id
+        return snapshot
+
+    def discard(self, checkpoint_id: str) -> bool:
+        if self.is_published(checkpoint_id):
+            raise ManifestError(
+                f"snapshot {checkpoint_id!r} is published; use retain() to delete snapshots",
+                checkpoint_id=checkpoint_id,
+            )
+        if self._in_progress == checkpoint_id:
+            self._in_progress = None
+        staged = self.path(checkpoint_id)
+        had_staging = staged.exists()
+        shutil.rmtree(staged, ignore_errors=True)
+        return self._delete_prefix(checkpoint_id) > 0 or had_staging
+
+    def publish(
+        self, snapshot: Path, manifest: SnapshotManifest, *, verify_artifacts: bool = False
+    ) -> Path:
+        """Upload the anchor, create the manifest (the commit), then move ``LATEST``."""
+        checkpoint_id = manifest.checkpoint_id
+        staged = self.path(checkpoint_id)
+        if Path(snapshot).resolve() != staged.resolve():
+            raise ManifestError(
+                f"manifest for {checkpoint_id!r} cannot be published from {snapshot}; "
+                f"its staging directory is {staged}",
+                checkpoint_id=checkpoint_id,
+            )
+        if self.is_published(checkpoint_id):
+            raise ManifestError(
+                f"snapshot {checkpoint_id!r} is already published", checkpoint_id=checkpoint_id
+            )
+        anchor = staged / manifest.anchor.path
+        digest = tree_digest(anchor)
+        if digest != manifest.anchor.sha256:
+            raise ManifestError(
+                f"snapshot {checkpoint_id!r}: trainer anchor digest is {digest}, "
+                f"manifest says {manifest.anchor.sha256}",
+                checkpoint_id=checkpoint_id,
+                field="anchor.sha256",
+            )
+        self.verify_artifacts(manifest, digests=verify_artifacts)
+        self._step(PublishStep.VERIFIED)
+
+        for relative, path in _files_below(staged):
+            self.storage.put(f"{checkpoint_id}/{relative}", path.read_bytes())
+        self._step(PublishStep.TREE_SYNCED)
+
+        self._step(PublishStep.MANIFEST_STAGED)
+        try:
+            self.storage.create(_manifest_key(checkpoint_id), manifest.to_json())
+        except ObjectExistsError:
+            raise ManifestError(
+                f"snapshot {checkpoint_id!r} was published concurrently",
+                checkpoint_id=checkpoint_id,
+            ) from None
+        self._step(PublishStep.MANIFEST_LINKED)
+        if self._in_progress == checkpoint_id:
+            self._in_progress = None
+        self._step(PublishStep.SNAPSHOT_SYNCED)
+
+        current = self._read_latest_leniently()
+        if current is None or checkpoint_sequence(current) < manifest.sequence:
+            self._step(PublishStep.LATEST_STAGED)
+            self.storage.put(LATEST_NAME, f"{checkpoint_id}\n".encode("ascii"))
+            self._step(PublishStep.LATEST_MOVED)
+        return staged
+
+    def verify_artifacts(self, manifest: SnapshotManifest, *, digests: bool = True) -> None:
+        """Every participant object the manifest names: there, its size, its sha256.
+
+        With ``digests=False`` the sizes only (one HEAD per object). Raises
+        :class:`ManifestError` at the first mismatch.
+        """
+        checkpoint_id = manifest.checkpoint_id
+        for artifact in _named(manifest):
+            key = f"{checkpoint_id}/{artifact.path}"
+
+            def fail(why: str, artifact: ArtifactRef = artifact) -> ManifestError:
+                return ManifestError(
+                    f"snapshot {checkpoint_id!r}: {artifact.path} {why}",
+                    checkpoint_id=checkpoint_id,
+                    field="participants",
+                )
+
+            if not digests:
+                size = self.storage.size(key)
+                if size is None:
+                    raise fail("is missing")
+                if size != artifact.size_bytes:
+                    raise fail(f"has {size} bytes, manifest says {artifact.size_bytes}")
+                continue
+            try:
+                data = self.storage.get(key, limit=artifact.size_bytes)
+            except ObjectMissingError:
+                raise fail("is missing") from None
+            if len(data) != artifact.size_bytes:
+                raise fail(f"has {len(data)} bytes, manifest says {artifact.size_bytes}")
+            if hashlib.sha256(data).hexdigest() != artifact.sha256:
+                raise fail("does not match its sha256")
+
+    def _step(self, step: PublishStep) -> None:
+        if self._after_step is not None:
+            self._after_step(step)
+
+    # -- reading -----------------------------------------------------------------------
+
+    def latest(self) -> str | None:
+        """The id ``LATEST`` names, or ``None``; a bad ``LATEST`` is reported."""
+        try:
+            text = self.storage.get(LATEST_NAME, limit=256)
+        except ObjectMissingError:
+            return None
+        where = f"{self.root}/{LATEST_NAME}"
+        try:
+            checkpoint_id = text.decode("ascii").strip()
+            _sequence_of(checkpoint_id)
+        except (UnicodeDecodeError, ManifestError):
+            raise ManifestError(f"{where}: does not hold a checkpoint id: {text!r}") from None
+        if not self.is_published(checkpoint_id):
+            raise ManifestError(
+                f"{where} names {checkpoint_id!r}, which is not a published snapshot",
+                checkpoint_id=checkpoint_id,
+            )
+        return checkpoint_id
+
+    def _read_latest_leniently(self) -> str | None:
+        try:
+            return self.latest()
+        except ManifestError:
+            return None
+
+    def list_published(self) -> list[str]:
+        """Published snapshot ids (a manifest object exists), newest first."""
+        found: list[tuple[int, str]] = []
+        for info in self.storage.list():
+            name, _, rest = info.key.partition("/")
+            sequence = _sequence_or_none(name)
+            if rest == MANIFEST_NAME and sequence is not None:
+                found.append((sequence, name))
+        found.sort(reverse=True)
+        return [name for _, name in found]
+
+    def manifest_bytes(self, checkpoint_id: str) -> bytes:
+        """The published manifest's bytes, unchecked (``ObjectMissingError`` if none)."""
+        return self.storage.get(_manifest_key(checkpoint_id), limit=_MAX_MANIFEST_BYTES)
+
+    def load(self, checkpoint_id: str) -> SnapshotManifest:
+        """Read and parse the manifest, fetch the anchor into the cache, check its digest."""
+        key = _manifest_key(checkpoint_id)
+        try:
+            data = self.storage.get(key, limit=_MAX_MANIFEST_BYTES)
+        except ObjectMissingError:
+            raise ManifestError(
+                f"snapshot {checkpoint_id!r} is not published (no {MANIFEST_NAME})",
+                checkpoint_id=checkpoint_id,
+            ) from None
+        manifest = SnapshotManifest.from_json(data)
+        if manifest.checkpoint_id != checkpoint_id:
+            raise ManifestError(
+                f"{self.root}/{key} describes {manifest.checkpoint_id!r}, not {checkpoint_id!r}",
+                checkpoint_id=checkpoint_id,
+                field="checkpoint_id",
+            )
+        cache = self.path(checkpoint_id)
+        shutil.rmtree(cache, ignore_errors=True)
+        prefix = f"{checkpoint_id}/{manifest.anchor.path}/"
+        for info in self.storage.list(prefix):
+            target = cache / info.key.partition("/")[2]
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(self.storage.get(info.key))
+        anchor = cache / manifest.anchor.path
+        digest = tree_digest(anchor) if anchor.is_dir() else "(no anchor objects)"
+        if digest != manifest.anchor.sha256:
+            raise ManifestError(
+                f"snapshot {checkpoint_id!r}: trainer anchor does not match its digest "
+                f"(found {digest}, manifest says {manifest.anchor.sha256})",
+                checkpoint_id=checkpoint_id,
+                field="anchor.sha256",
+            )
+        return manifest
+
+    # -- housekeeping ------------------------------------------------------------------
+
+    def retain(self, keep: int) -> list[str]:
+        """Delete published snapshots beyond the newest ``keep`` (``LATEST``'s kept).
+
+        Each deletion removes the manifest first, so a crash midway leaves a partial.
+        Every key a manifest names lies under its own ``<checkpoint_id>/``, so removing
+        a doomed snapshot's prefix deletes nothing a retained manifest names.
+        """
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"keep must be an integer >= 1, got {keep!r}")
+        published = self.list_published()
+        protected = set(published[:keep])
+        latest = self._read_latest_leniently()
+        if latest is not None:
+            protected.add(latest)
+        doomed = [checkpoint_id for checkpoint_id in published if checkpoint_id not in protected]
+        for checkpoint_id in reversed(doomed):
+            self.storage.delete(_manifest_key(checkpoint_id))
+            self._delete_prefix(checkpoint_id)
+            shutil.rmtree(self.path(checkpoint_id), ignore_errors=True)
+        return doomed
+
+    def clean_partial(self) -> list[str]:
+        """Delete every snapshot's objects that no manifest publishes (not the one in
+        progress); names that are not checkpoint ids are never touched."""
+        by_snapshot: dict[str, bool] = {}
+        for info in self.storage.list():
+            name, _, rest = info.key.partition("/")
+            if rest and _sequence_or_none(name) is not None:
+                by_snapshot[name] = by_snapshot.get(name, False) or rest == MANIFEST_NAME
+        removed = []
+        for name, published in sorted(by_snapshot.items()):
+            if published or name == self._in_progress:
+                continue
+            self._delete_prefix(name)
+            removed.append(name)
+        return removed
+
+    def _delete_prefix(self, checkpoint_id: str) -> int:
+        objects = self.storage.list(f"{check_id(checkpoint_id, 'checkpoint_id')}/")
+        for info in objects:
+            self.storage.delete(info.key)
+        return len(objects)
+
+
+def _manifest_key(checkpoint_id: str) -> str:
+    return f"{check_id(checkpoint_id, 'checkpoint_id')}/{MANIFEST_NAME}"
+
+
+def _named(manifest: SnapshotManifest) -> Iterable[ArtifactRef]:
+    for entry in manifest.participants:
+        yield from entry.artifacts
+        if entry.manifest is not None:
+            yield entry.manifest
+
+
+def _files_below(directory: Path) -> list[tuple[str, Path]]:
+    found = []
+    for current, dirnames, filenames in os.walk(directory):
+        dirnames.sort()
+        for name in filenames:
+            path = Path(current, name)
+            found.append((path.relative_to(directory).as_posix(), path))
+    return sorted(found)
+
+
+def _sequence_of(checkpoint_id: str) -> int:
+    check_id(checkpoint_id, "checkpoint_id")
+    try:
+        return checkpoint_sequence(checkpoint_id)
+    except InvalidIdError as error:
+        raise ManifestError(
+            f"checkpoint id {checkpoint_id!r}: {error.why}", checkpoint_id=checkpoint_id
+        ) from None
+
+
+def _sequence_or_none(name: str) -> int | None:
+    try:
+        return checkpoint_sequence(name)
+    except InvalidIdError:
+        return None
+
+
+def open_layout(
+    root: str | os.PathLike[str],
+    *,
+    after_step: Callable[[PublishStep], None] | None = None,
+) -> SnapshotLayout | StoreLayout:
+    """The layout for ``snapshot_root``: a plain path keeps :class:`SnapshotLayout`
+    (section 8.9, unchanged); a URL gets a :class:`StoreLayout` on its storage, checked
+    once (:class:`~turnpoint.storage.StorageAccessError` for refused credentials).
+    Blocking."""
+    if not (isinstance(root, str) and "://" in root):
+        return SnapshotLayout(Path(root), after_step=after_step)
+    storage = open_storage(root)
+    storage.check()
+    return StoreLayout(storage, after_step=after_step)
