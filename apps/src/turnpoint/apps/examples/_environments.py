@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from turnpoint.apps.examples._blackjack import BlackjackStateError, Hand
+from turnpoint.apps.examples._participants import VerifierLog
 from turnpoint.apps.examples._workplace import (
     ToolInputError,
     WorkplaceStateError,
@@ -92,6 +93,17 @@ def _missing(episode: EpisodeId) -> ParticipantError:
     )
 
 
+def _logged(name: str, log: VerifierLog, episode: EpisodeId, verdict: Verdict) -> Verdict:
+    """The demo's reward audit: every reward a verifier returned, one line each."""
+    log.write(
+        verifier=name,
+        rollout_id=episode.rollout_id,
+        attempt=episode.attempt,
+        reward=verdict.reward,
+    )
+    return verdict
+
+
 # --------------------------------------------------------------------------- counter
 
 
@@ -109,7 +121,8 @@ class CounterTools(ResourcesServer):
     verify_mode: ClassVar[VerifyMode] = VerifyMode.WAIT
     environment: ClassVar[str] = COUNTER
 
-    def __init__(self) -> None:
+    def __init__(self, name: str = COUNTER, log: VerifierLog | None = None) -> None:
+        self.name, self.log = name, log or VerifierLog(None)
         self.sessions: dict[EpisodeId, dict[str, Any]] = {}
         self.targets: dict[EpisodeId, int] = {}
 
@@ -139,7 +152,8 @@ class CounterTools(ResourcesServer):
         session = self.sessions.get(episode)
         if session is None:
             raise _missing(episode)
-        return Verdict(1.0 if session["count"] == self.targets[episode] else 0.0)
+        reward = 1.0 if session["count"] == self.targets[episode] else 0.0
+        return _logged(self.name, self.log, episode, Verdict(reward))
 
     async def close(self, episode: EpisodeId) -> None:
         self.sessions.pop(episode, None)
@@ -190,7 +204,8 @@ class BlackjackTools(ResourcesServer):
     verify_mode: ClassVar[VerifyMode] = VerifyMode.WAIT
     environment: ClassVar[str] = BLACKJACK
 
-    def __init__(self) -> None:
+    def __init__(self, name: str = BLACKJACK, log: VerifierLog | None = None) -> None:
+        self.name, self.log = name, log or VerifierLog(None)
         self.tables: dict[EpisodeId, _Table] = {}
 
     async def seed(self, episode: EpisodeId, task: Mapping[str, Any]) -> None:
@@ -230,7 +245,8 @@ class BlackjackTools(ResourcesServer):
 
     async def verify(self, episode: EpisodeId, answer: Mapping[str, Any]) -> Verdict:
         hand = self._table(episode).hand
-        return Verdict(hand.reward(), {"outcome": hand.outcome()})
+        verdict = Verdict(hand.reward(), {"outcome": hand.outcome()})
+        return _logged(self.name, self.log, episode, verdict)
 
     async def close(self, episode: EpisodeId) -> None:
         self.tables.pop(episode, None)
@@ -295,7 +311,8 @@ class WorkplaceTools(ResourcesServer):
     verify_mode: ClassVar[VerifyMode] = VerifyMode.WAIT
     environment: ClassVar[str] = WORKPLACE
 
-    def __init__(self) -> None:
+    def __init__(self, name: str = WORKPLACE, log: VerifierLog | None = None) -> None:
+        self.name, self.log = name, log or VerifierLog(None)
         self.offices: dict[EpisodeId, _Office] = {}
 
     async def seed(self, episode: EpisodeId, task: Mapping[str, Any]) -> None:
@@ -358,7 +375,7 @@ class WorkplaceTools(ResourcesServer):
         office = self._office(episode)
         async with office.lock:
             reward = await asyncio.to_thread(verify_goal, office.database, office.goal)
-        return Verdict(reward, {"goal": dict(office.goal)})
+        return _logged(self.name, self.log, episode, Verdict(reward, {"goal": dict(office.goal)}))
 
     async def close(self, episode: EpisodeId) -> None:
         office = self.offices.pop(episode, None)
@@ -409,3 +426,10 @@ class WorkplaceTools(ResourcesServer):
 
     async def retire_session(self, episode: EpisodeId) -> None:
         await self.close(episode)
+
+
+ENVIRONMENTS: dict[str, type[CounterTools] | type[BlackjackTools] | type[WorkplaceTools]] = {
+    COUNTER: CounterTools,
+    BLACKJACK: BlackjackTools,
+    WORKPLACE: WorkplaceTools,
+}
