@@ -1,0 +1,192 @@
+"""The conformance kit's equivalence check (docs/spec.md section 5.6) against real servers.
+
+The three environments and the guessing game pass: a session restored at any turn
+boundary into a fresh server answers every remaining call and the verify exactly as an
+uninterrupted one. Servers whose restore is not exact fail, each named by its first
+diverging call; a server whose export or restore does nothing fails too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.env_mutants import (
+    BlobsAsTextWorkplace,
+    HollowExport,
+    ReseededBlackjack,
+    RestoresNothing,
+    attempt_blind_pair,
+)
+from tests.support.participants import TOKEN
+from turnpoint.apps.conformance._kit import Workload
+from turnpoint.apps.conformance._report import ConformanceReport, Outcome, render_table
+from turnpoint.apps.conformance._runner import ConformanceOptions, run_conformance
+from turnpoint.apps.examples._environments import BlackjackTools, CounterTools, WorkplaceTools
+from turnpoint.apps.examples._participants import GuessTools
+from turnpoint.apps.examples._task import make_prompt
+from turnpoint.apps.examples._workplace import seed_database
+from turnpoint.participant_sdk import ParticipantRuntime, ResourcesServer, SnapshotStore
+from turnpoint.server import ServerOptions, host_participant
+
+
+def _blob_owner(seed: int) -> str:
+    row = (
+        seed_database(seed)
+        .execute("SELECT name FROM customers WHERE avatar IS NOT NULL ORDER BY rowid")
+        .fetchone()
+    )
+    return str(row[0])
+
+
+WORKLOADS: dict[str, dict[str, Any]] = {
+    "counter": {
+        "task": {"start": 1, "target": 6},
+        "calls": [{"tool": "add", "arguments": {"amount": a}} for a in (2, 3, 0)],
+    },
+    "blackjack": {
+        "task": {"seed": 8},
+        "calls": [
+            {"tool": "look", "arguments": {}},
+            {"tool": "hit", "arguments": {}},
+            {"tool": "hit", "arguments": {}},
+            {"tool": "stand", "arguments": {}},
+        ],
+    },
+    "workplace": {
+        "task": {"seed": 4},
+        "calls": [
+            {"tool": "send_email", "arguments": {"recipient": "ada", "subject": "hello"}},
+            {"tool": "find_customer", "arguments": {"name": _blob_owner(4)}},
+            {"tool": "set_balance", "arguments": {"name": "bo", "balance": -0.5}},
+            {"tool": "list_day", "arguments": {"day": 1}},
+            {"tool": "find_customer", "arguments": {"name": "cy"}},
+        ],
+    },
+    "guess": {
+        "task": {"task": make_prompt(0, 0).to_dict()},
+        "calls": [
+            {"tool": "check", "arguments": {"guess": g, "turn": t}} for t, g in enumerate((0, 9, 5))
+        ],
+    },
+}
+
+
+@contextlib.asynccontextmanager
+async def _pair(
+    root: Path, make: Callable[[], tuple[ResourcesServer, ResourcesServer]]
+) -> AsyncIterator[tuple[str, str]]:
+    """The target and a fresh restore target: one instance name, one snapshot root."""
+    servers = make()
+    hosted = [
+        host_participant(
+            ParticipantRuntime("tools", SnapshotStore(root), resources=server),
+            ServerOptions(port=0, token=TOKEN),
+        )
+        for server in servers
+    ]
+    for each in hosted:
+        await each.start()
+    try:
+        yield hosted[0].address, hosted[1].address
+    finally:
+        for each in hosted:
+            await each.stop(0)
+
+
+async def _equivalence(
+    root: Path, workload: str, make: Callable[[], tuple[ResourcesServer, ResourcesServer]]
+) -> ConformanceReport:
+    async with _pair(root, make) as (target, fresh):
+        options = ConformanceOptions(
+            target,
+            TOKEN,
+            workload=Workload.from_mapping(WORKLOADS[workload]),
+            only=("equivalence",),
+            restore_target=fresh,
+            snapshot_root=root,
+        )
+        return await run_conformance(options)
+
+
+def _two(cls: Callable[[], ResourcesServer]) -> Callable[[], tuple[ResourcesServer, ...]]:
+    return lambda: (cls(), cls())
+
+
+@pytest.mark.parametrize(
+    ("workload", "cls"),
+    [
+        ("counter", CounterTools),
+        ("blackjack", BlackjackTools),
+        ("workplace", WorkplaceTools),
+        ("guess", GuessTools),
+    ],
+)
+async def test_the_environments_restore_exactly(tmp_path: Path, workload: str, cls: Any) -> None:
+    report = await _equivalence(tmp_path, workload, _two(cls))
+    result = report.result("equivalence")
+    assert result.outcome is Outcome.PASS, render_table(report)
+    assert "truncated states refused" in result.detail
+
+
+@pytest.mark.parametrize(
+    ("workload", "make", "diverging"),
+    [
+        # Re-seeded: the first hit after the cut deals the shoe's fifth card again.
+        ("blackjack", _two(ReseededBlackjack), "restored at boundary 2: first diverging call #3"),
+        # The blob comes back as text: the first read of it after the cut differs.
+        (
+            "workplace",
+            _two(BlobsAsTextWorkplace),
+            "restored at boundary 0: first diverging call #2",
+        ),
+        # Attempt N's late call moved the shared count under attempt N+1.
+        ("counter", attempt_blind_pair, "restored at boundary 0: first diverging call #1"),
+    ],
+    ids=["rng-reseeded", "codec-loses-blob-type", "restore-ignores-attempt"],
+)
+async def test_inexact_restores_fail_at_their_first_diverging_call(
+    tmp_path: Path, workload: str, make: Any, diverging: str
+) -> None:
+    report = await _equivalence(tmp_path, workload, make)
+    result = report.result("equivalence")
+    assert result.outcome is Outcome.FAIL, render_table(report)
+    assert diverging in result.detail, result.detail
+
+
+@pytest.mark.parametrize(
+    ("cls", "refused"),
+    [
+        (
+            HollowExport,
+            "sessions in scope was refused Commit: DATA_LOSS (INVALID_CHECKPOINT_STATE)",
+        ),
+        (RestoresNothing, "installed nothing"),
+    ],
+    ids=["export-returns-nothing", "restore-installs-nothing"],
+)
+async def test_a_hollow_export_or_restore_fails(tmp_path: Path, cls: Any, refused: str) -> None:
+    report = await _equivalence(tmp_path, "counter", _two(cls))
+    result = report.result("equivalence")
+    assert result.outcome is Outcome.FAIL, render_table(report)
+    assert refused in result.detail, result.detail
+
+
+async def test_without_calls_or_a_restore_target_it_says_what_it_did_not_try(
+    tmp_path: Path,
+) -> None:
+    async with _pair(tmp_path, _two(CounterTools)) as (target, _):
+        options = ConformanceOptions(
+            target,
+            TOKEN,
+            workload=Workload.from_mapping({"task": WORKLOADS["counter"]["task"]}),
+            only=("equivalence",),
+        )
+        report = await run_conformance(options)
+    result = report.result("equivalence")
+    assert result.outcome is Outcome.SKIP
+    assert "--equivalence FILE" in result.detail and "--restore-target" in result.detail
