@@ -8,7 +8,10 @@ diverging call; a server whose export or restore does nothing fails too.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
+import sys
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -32,6 +35,9 @@ from turnpoint.apps.examples._task import make_prompt
 from turnpoint.apps.examples._workplace import seed_database
 from turnpoint.participant_sdk import ParticipantRuntime, ResourcesServer, SnapshotStore
 from turnpoint.server import ServerOptions, host_participant
+
+# A safety bound on the command as a subprocess; never a synchronisation device.
+BOUND_S = 120.0
 
 
 def _blob_owner(seed: int) -> str:
@@ -190,3 +196,84 @@ async def test_without_calls_or_a_restore_target_it_says_what_it_did_not_try(
     result = report.result("equivalence")
     assert result.outcome is Outcome.SKIP
     assert "--equivalence FILE" in result.detail and "--restore-target" in result.detail
+
+
+async def test_the_kit_fails_the_hollow_exported_server_with_a_plain_workload(
+    tmp_path: Path,
+) -> None:
+    # Issue 28 item 5: a task and an answer, no calls. The kit seeds, commits with the
+    # sessions in scope and expects one record each; the empty export cannot give them.
+    plain = {"task": WORKLOADS["counter"]["task"], "answer": {}}
+    async with _pair(tmp_path, _two(HollowExport)) as (target, fresh):
+        options = ConformanceOptions(
+            target,
+            TOKEN,
+            workload=Workload.from_mapping(plain),
+            only=("exported-sessions", "equivalence"),
+            restore_target=fresh,
+        )
+        report = await run_conformance(options)
+    assert report.failed() == ["exported-sessions", "equivalence"], render_table(report)
+    assert "was refused" in report.result("exported-sessions").detail
+
+
+async def test_an_honest_exported_server_passes_with_a_plain_workload(tmp_path: Path) -> None:
+    plain = {"task": WORKLOADS["counter"]["task"], "answer": {}}
+    async with _pair(tmp_path, _two(CounterTools)) as (target, fresh):
+        options = ConformanceOptions(
+            target,
+            TOKEN,
+            workload=Workload.from_mapping(plain),
+            only=("exported-sessions", "equivalence"),
+            restore_target=fresh,
+        )
+        report = await run_conformance(options)
+    assert report.failed() == [], render_table(report)
+    assert "no calls in the workload" in report.result("exported-sessions").detail
+
+
+async def _command(*args: str) -> tuple[int, str, str]:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "turnpoint.apps._cli",
+        "conformance",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        stdout, stderr = await asyncio.wait_for(process.communicate(), BOUND_S)
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
+    assert process.returncode is not None
+    return process.returncode, stdout.decode(), stderr.decode()
+
+
+async def test_the_command_runs_the_equivalence_check(tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN, encoding="ascii")
+    workload = tmp_path / "blackjack.json"
+    workload.write_text(json.dumps(WORKLOADS["blackjack"]), encoding="utf-8")
+    no_calls = tmp_path / "no-calls.json"
+    no_calls.write_text(json.dumps({"task": {"seed": 1}}), encoding="utf-8")
+    root = tmp_path / "snapshots"
+    async with _pair(root, _two(BlackjackTools)) as (target, fresh):
+        common = ("--target", target, "--token-file", str(token_file), "--only", "equivalence")
+        code, out, err = await _command(
+            *common,
+            "--equivalence",
+            str(workload),
+            "--restore-target",
+            fresh,
+            "--snapshot-root",
+            str(root),
+            "--json",
+        )
+        assert code == 0, out + err
+        (result,) = json.loads(out)["checks"]
+        assert (result["name"], result["result"]) == ("equivalence", "pass")
+        code, _, err = await _command(*common, "--equivalence", str(no_calls))
+        assert code == 2 and "non-empty 'calls'" in err

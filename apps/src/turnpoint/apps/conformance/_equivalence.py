@@ -20,6 +20,7 @@ over the same snapshot root), the kit:
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
@@ -141,19 +142,13 @@ async def check_equivalence(kit: Kit) -> str:
     task = kit.need_task()
     calls: Sequence[tuple[str, Mapping[str, Any]]] = kit.workload.calls
     fresh = kit.fresh
-    missing = [
-        what
-        for what, absent in (
-            ("a workload with calls (--equivalence FILE)", not calls),
-            ("a fresh second target (--restore-target HOST:PORT)", fresh is None),
-        )
-        if absent
-    ]
-    if missing:
-        raise CheckSkipped(
-            f"needs {' and '.join(missing)}: the calls, commit in scope, repeated Verify, "
-            "restore into a fresh target and replay were not tried"
-        )
+    if kit.description.recovery_mode != types_pb2.RECOVERY_MODE_EXPORTED:
+        raise CheckSkipped("the target does not export sessions: nothing is restored")
+    if fresh is None:
+        untried = "the restore into a fresh target and the replay were not tried"
+        if not calls:
+            untried += "; the workload has no calls (--equivalence FILE) to replay"
+        raise CheckSkipped(f"needs a fresh second target (--restore-target HOST:PORT): {untried}")
     assert fresh is not None
     await fresh.discover()
     require(
@@ -198,7 +193,11 @@ async def check_equivalence(kit: Kit) -> str:
     )
     kit.notes.append(f"a committed snapshot directory {checkpoint}/{kit.instance}/ under its root")
     entry = pb.ManifestEntry(manifest=committed.manifest, artifacts=list(committed.artifacts))
-    done = [f"{n} call(s) replayed from each of {len(cut)} turn boundaries"]
+    done = [
+        f"{n} call(s) replayed from each of {len(cut)} turn boundaries"
+        if n
+        else "no calls in the workload: only the seeded session was restored and verified"
+    ]
     if kit.snapshot_root is not None:
         copy = kit.checkpoint_id()
         bad = _truncated_copy(kit.snapshot_root, checkpoint, copy, kit.instance, entry)
@@ -264,3 +263,57 @@ async def check_equivalence(kit: Kit) -> str:
                 f"{where}: Verify answered {verdict.reward!r}, uninterrupted {reference.reward!r}",
             )
     return "; ".join(done) + f"; every reply and the reward {reference.reward!r} matched"
+
+
+async def check_exported_sessions(kit: Kit) -> str:
+    """Section 5.3 items 1 and 3: with a workload, an exported session that was seeded and
+    called is in the commit (one record per session in scope), and a repeated Verify
+    answers the same verdict."""
+    if not kit.hosts_resources:
+        raise CheckSkipped("the target serves no resources")
+    task = kit.need_task()
+    exported_mode = kit.description.recovery_mode == types_pb2.RECOVERY_MODE_EXPORTED
+    d = kit.description
+    # A group-scored verify waits for every sibling: seed a whole group then.
+    size = max(2, d.group_size) if d.group_scored else 2
+    group = kit.rollout("group") if d.group_scored else ""
+    sessions = [episode(kit.rollout("sessions"), 0) for _ in range(size)]
+    for index, e in enumerate(sessions):
+        await kit.seed(e, task=task, group=group, sibling=index, size=size if group else 1)
+        for tool, args in kit.workload.calls:
+            await kit.call(e, tool, args)
+    checkpoint = kit.checkpoint_id()
+    await kit.prepare(checkpoint, lease_s=HOLD_LEASE_S)
+    try:
+        committed = await kit.commit(checkpoint, checkpoint, sessions)
+    except Refused as refusal:
+        raise CheckFailed(
+            f"the commit with {len(sessions)} seeded sessions in scope was refused "
+            f"{refusal.error.summary()} {refusal.error.message[:120]!r}"
+        ) from None
+    await kit.resume(checkpoint)
+    kit.notes.append(f"a committed snapshot directory {checkpoint}/{kit.instance}/ under its root")
+    records = sum(ref.record_count for ref in committed.artifacts)
+    expected = len(sessions) if exported_mode else 0
+    require(
+        records == expected,
+        f"the commit with {len(sessions)} sessions in scope wrote {records} record(s), "
+        f"expected {expected} ({'one per session' if exported_mode else 'not exported'})",
+    )
+    firsts = await asyncio.gather(*(kit.verify(e) for e in sessions))
+    agains = await asyncio.gather(*(kit.verify(e) for e in sessions))
+    for e, first, again in zip(sessions, firsts, agains, strict=True):
+        require(
+            first.reward == again.reward,
+            f"Verify of {show(e)} answered {first.reward!r}, then {again.reward!r}",
+        )
+    first = firsts[0]
+    untried = [] if kit.workload.calls else ["no calls in the workload: none sent"]
+    if kit.fresh is None and exported_mode:
+        untried.append("no --restore-target: the state was not restored (equivalence check)")
+    note = f" ({'; '.join(untried)})" if untried else ""
+    return (
+        f"seeded {len(sessions)} sessions and sent {len(kit.workload.calls)} call(s) each; "
+        f"the commit wrote {records} record(s); a repeated Verify answered {first.reward!r} "
+        f"again{note}"
+    )

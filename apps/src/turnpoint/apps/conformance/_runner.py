@@ -27,7 +27,7 @@ from ._control_checks import (
     check_watch_boundaries,
 )
 from ._data_checks import check_acknowledge, check_admission, check_readiness, check_run_stream
-from ._equivalence import check_equivalence
+from ._equivalence import check_equivalence, check_exported_sessions
 from ._kit import CheckFailed, CheckSkipped, Kit, Workload
 from ._lifecycle_checks import (
     check_commit,
@@ -72,6 +72,7 @@ CHECKS: tuple[Check, ...] = (
     Check("readiness", "4.1, 4.6", check_readiness),
     Check("run-stream", "6.1-6.6", check_run_stream),
     Check("acknowledge", "6.4", check_acknowledge),
+    Check("exported-sessions", "5.3", check_exported_sessions),
     Check("equivalence", "5.6", check_equivalence),
     Check("hostile-input", "10.5", check_hostile_input),
 )
