@@ -1,7 +1,7 @@
 """The counter, Blackjack and the workplace served over gRPC, played by the play agent.
 
 The agent's choices come from the tiny policy; each episode runs to its verifier, whose
-reward the result carries and the verifier log records.
+reward the result carries and (Blackjack, the workplace) the verifier log records.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from turnpoint.convert import struct_to_dict
 from turnpoint.v1 import rollout_service_pb2
 
 TASKS = {
-    "counter": {"start": 1, "target": 4},
+    "counter": {"target": 4},
     "blackjack": {"seed": 5},
     "workplace": {"seed": 3},
 }
@@ -52,8 +52,9 @@ async def test_the_play_agent_plays_each_environment_to_its_verifier(
         assert result.outcome == rollout_service_pb2.RUN_OUTCOME_COMPLETED, result.error_message
         output = struct_to_dict(result.result)
         assert 1 <= len(output["turns"]) == len(output["prompts"]) <= 3
-        logged = [json.loads(line) for line in log.read_text().splitlines()]
-        assert [(e["rollout_id"], e["reward"]) for e in logged] == [("r-1", output["reward"])]
+        if environment != "counter":  # the guide's counter keeps no reward log
+            logged = [json.loads(line) for line in log.read_text().splitlines()]
+            assert [(e["rollout_id"], e["reward"]) for e in logged] == [("r-1", output["reward"])]
     finally:
         await target.close()
         for hosted in (agent, tools, policy):

@@ -29,10 +29,11 @@ from tests.support.participants import TOKEN
 from turnpoint.apps.conformance._kit import Workload
 from turnpoint.apps.conformance._report import ConformanceReport, Outcome, render_table
 from turnpoint.apps.conformance._runner import ConformanceOptions, run_conformance
-from turnpoint.apps.examples._environments import BlackjackTools, CounterTools, WorkplaceTools
+from turnpoint.apps.examples._environments import BlackjackTools, WorkplaceTools
 from turnpoint.apps.examples._participants import GuessTools
 from turnpoint.apps.examples._task import make_prompt
 from turnpoint.apps.examples._workplace import seed_database
+from turnpoint.apps.examples.guide_resources import CounterTools
 from turnpoint.participant_sdk import ParticipantRuntime, ResourcesServer, SnapshotStore
 from turnpoint.server import ServerOptions, host_participant
 
@@ -51,8 +52,11 @@ def _blob_owner(seed: int) -> str:
 
 WORKLOADS: dict[str, dict[str, Any]] = {
     "counter": {
-        "task": {"start": 1, "target": 6},
-        "calls": [{"tool": "add", "arguments": {"amount": a}} for a in (2, 3, 0)],
+        "task": {"target": 5},
+        "calls": [
+            {"tool": "add", "arguments": {"add": a, "turn": t}} for t, a in enumerate((2, 3, 0))
+        ],
+        "answer": {"total": 5},
     },
     "blackjack": {
         "task": {"seed": 8},
@@ -150,8 +154,9 @@ async def test_the_environments_restore_exactly(tmp_path: Path, workload: str, c
             _two(BlobsAsTextWorkplace),
             "restored at boundary 0: first diverging call #2",
         ),
-        # Attempt N's late call moved the shared count under attempt N+1.
-        ("counter", attempt_blind_pair, "restored at boundary 0: first diverging call #1"),
+        # Attempt N's late hit dealt from the shared shoe under attempt N+1 (its late
+        # call at boundary 0 was a look, which changes nothing).
+        ("blackjack", attempt_blind_pair, "restored at boundary 1: first diverging call #2"),
     ],
     ids=["rng-reseeded", "codec-loses-blob-type", "restore-ignores-attempt"],
 )
@@ -203,7 +208,7 @@ async def test_the_kit_fails_the_hollow_exported_server_with_a_plain_workload(
 ) -> None:
     # Issue 28 item 5: a task and an answer, no calls. The kit seeds, commits with the
     # sessions in scope and expects one record each; the empty export cannot give them.
-    plain = {"task": WORKLOADS["counter"]["task"], "answer": {}}
+    plain = {"task": WORKLOADS["counter"]["task"], "answer": {"total": 0}}
     async with _pair(tmp_path, _two(HollowExport)) as (target, fresh):
         options = ConformanceOptions(
             target,
@@ -218,7 +223,7 @@ async def test_the_kit_fails_the_hollow_exported_server_with_a_plain_workload(
 
 
 async def test_an_honest_exported_server_passes_with_a_plain_workload(tmp_path: Path) -> None:
-    plain = {"task": WORKLOADS["counter"]["task"], "answer": {}}
+    plain = {"task": WORKLOADS["counter"]["task"], "answer": {"total": 0}}
     async with _pair(tmp_path, _two(CounterTools)) as (target, fresh):
         options = ConformanceOptions(
             target,

@@ -12,7 +12,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from turnpoint.apps.examples._blackjack import Hand
-from turnpoint.apps.examples._environments import BlackjackTools, CounterTools, WorkplaceTools
+from turnpoint.apps.examples._environments import BlackjackTools, WorkplaceTools
+from turnpoint.apps.examples.guide_resources import CounterTools
 from turnpoint.ids import EpisodeId
 from turnpoint.participant_sdk import RecoveryMode, ResourcesServer, Verdict
 
@@ -87,19 +88,22 @@ class _ByRollout(dict[Any, Any]):
     def pop(self, key: EpisodeId, default: Any = None) -> Any:  # type: ignore[override]
         return super().pop(key.rollout_id, default)
 
+    def setdefault(self, key: EpisodeId, default: Any = None) -> Any:  # type: ignore[override]
+        return super().setdefault(key.rollout_id, default)
 
-class AttemptBlindCounter(CounterTools):
-    """Keeps its sessions in a store shared by every server, keyed by rollout id: the
+
+class AttemptBlindBlackjack(BlackjackTools):
+    """Keeps its tables in a store shared by every server, keyed by rollout id: the
     restore ignores the attempt number, so attempt N's late calls change attempt N+1."""
 
-    def __init__(self, sessions: _ByRollout, targets: _ByRollout) -> None:
+    def __init__(self, tables: _ByRollout) -> None:
         super().__init__()
-        self.sessions, self.targets = sessions, targets
+        self.tables = tables
 
 
-def attempt_blind_pair() -> tuple[AttemptBlindCounter, AttemptBlindCounter]:
-    sessions, targets = _ByRollout(), _ByRollout()
-    return AttemptBlindCounter(sessions, targets), AttemptBlindCounter(sessions, targets)
+def attempt_blind_pair() -> tuple[AttemptBlindBlackjack, AttemptBlindBlackjack]:
+    tables = _ByRollout()
+    return AttemptBlindBlackjack(tables), AttemptBlindBlackjack(tables)
 
 
 class HollowExport(ResourcesServer):

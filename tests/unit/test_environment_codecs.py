@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from turnpoint.apps.examples._blackjack import BlackjackStateError, Hand, export_rng, import_rng
-from turnpoint.apps.examples._environments import BlackjackTools, CounterTools, WorkplaceTools
+from turnpoint.apps.examples._environments import BlackjackTools, WorkplaceTools
 from turnpoint.apps.examples._workplace import (
     WorkplaceStateError,
     decode_cell,
@@ -29,6 +29,7 @@ from turnpoint.apps.examples._workplace import (
     new_connection,
     seed_database,
 )
+from turnpoint.apps.examples.guide_resources import CounterTools
 from turnpoint.ids import EpisodeId
 from turnpoint.participant_sdk import ParticipantError
 
@@ -204,7 +205,11 @@ def _run(coroutine: Any) -> Any:
 @pytest.mark.parametrize(
     ("server", "task", "calls"),
     [
-        (CounterTools, {"target": 5}, [("add", {"amount": 2}), ("add", {"amount": 3})]),
+        (
+            CounterTools,
+            {"target": 5},
+            [("add", {"add": 2, "turn": 0}), ("add", {"add": 3, "turn": 1})],
+        ),
         (BlackjackTools, {"seed": 11}, [("hit", {}), ("hit", {}), ("stand", {})]),
         (
             WorkplaceTools,
@@ -226,7 +231,8 @@ def test_a_session_restored_at_each_call_answers_like_an_uninterrupted_one(
         straight = server()
         await straight.seed(saved, task)
         expected = [await straight.call(saved, tool, args) for tool, args in calls]
-        expected_reward = (await straight.verify(saved, {})).reward
+        answer = {"total": 5}  # the counter's verifier reads it; the others read the session
+        expected_reward = (await straight.verify(saved, answer)).reward
         for cut in range(len(calls) + 1):
             first, second = server(), server()
             await first.seed(saved, task)
@@ -241,7 +247,7 @@ def test_a_session_restored_at_each_call_answers_like_an_uninterrupted_one(
                 await first.call(saved, *calls[cut])
             answers = [await second.call(nxt, tool, args) for tool, args in calls[cut:]]
             assert answers == expected[cut:]
-            assert (await second.verify(nxt, {})).reward == expected_reward
+            assert (await second.verify(nxt, answer)).reward == expected_reward
 
     _run(scenario())
 
@@ -249,6 +255,7 @@ def test_a_session_restored_at_each_call_answers_like_an_uninterrupted_one(
 @pytest.mark.parametrize(
     ("server", "task"),
     [(CounterTools, {"target": 1}), (BlackjackTools, {"seed": 3}), (WorkplaceTools, {"seed": 1})],
+    ids=["counter", "blackjack", "workplace"],
 )
 def test_truncated_session_state_is_refused_before_install(server: Any, task: Any) -> None:
     async def scenario() -> None:

@@ -80,9 +80,9 @@ def build_example(
         runtime = ParticipantRuntime(spec.instance, store, resources=resources, config=config)
         return runtime, closers
     if kind == "resources" and example in ("counter", "blackjack", "workplace"):
-        from turnpoint.apps.examples._environments import ENVIRONMENTS
+        from turnpoint.apps.examples._environments import build_environment
 
-        served = ENVIRONMENTS[example](spec.instance, VerifierLog(spec.verifier_log))
+        served = build_environment(example, spec.instance, VerifierLog(spec.verifier_log))
         runtime = ParticipantRuntime(spec.instance, store, resources=served, config=config)
         return runtime, closers
     if kind == "agent" and example == "play":

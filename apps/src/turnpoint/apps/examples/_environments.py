@@ -1,7 +1,7 @@
 """Three environments on the participant SDK, each with exported sessions.
 
-- :class:`CounterTools` (environment ``counter``): the smallest; a session is one number.
-  The guide's example of exported state.
+- ``counter``: the smallest, the guide's :class:`.guide_resources.CounterTools` (its
+  example of exported state, docs/participant.md).
 - :class:`BlackjackTools` (``blackjack``): a hand against a seeded shoe; the state carries
   the generator's exact position (:mod:`._blackjack`).
 - :class:`WorkplaceTools` (``workplace``): one SQLite database per episode, tools that
@@ -38,6 +38,7 @@ from turnpoint.apps.examples._workplace import (
     seed_database,
     verify_goal,
 )
+from turnpoint.apps.examples.guide_resources import CounterTools
 from turnpoint.errors import Reason
 from turnpoint.ids import EpisodeId
 from turnpoint.participant_sdk import (
@@ -48,7 +49,6 @@ from turnpoint.participant_sdk import (
     VerifyMode,
 )
 
-COUNTER = "counter"
 BLACKJACK = "blackjack"
 WORKPLACE = "workplace"
 
@@ -102,86 +102,6 @@ def _logged(name: str, log: VerifierLog, episode: EpisodeId, verdict: Verdict) -
         reward=verdict.reward,
     )
     return verdict
-
-
-# --------------------------------------------------------------------------- counter
-
-
-_COUNTER_FIELDS = frozenset(("count", "turn", "before"))
-
-
-class CounterTools(ResourcesServer):
-    """``add(amount)`` to a per-episode count; the verifier pays 1 if it hit the target.
-
-    The whole exported state of a session is ``{"count", "turn", "before"}``: the count,
-    the calls applied, and the count before the last call (see the module docstring).
-    """
-
-    recovery_mode: ClassVar[RecoveryMode] = RecoveryMode.EXPORTED
-    verify_mode: ClassVar[VerifyMode] = VerifyMode.WAIT
-    environment: ClassVar[str] = COUNTER
-
-    def __init__(self, name: str = COUNTER, log: VerifierLog | None = None) -> None:
-        self.name, self.log = name, log or VerifierLog(None)
-        self.sessions: dict[EpisodeId, dict[str, Any]] = {}
-        self.targets: dict[EpisodeId, int] = {}
-
-    async def seed(self, episode: EpisodeId, task: Mapping[str, Any]) -> None:
-        with bad_input("task", COUNTER):
-            start, target = _int(task.get("start", 0), "start"), _int(task["target"], "target")
-        if episode not in self.sessions:
-            self.sessions[episode] = {"count": start, "turn": 0, "before": start}
-            self.targets[episode] = target
-
-    async def call(
-        self, episode: EpisodeId, tool: str, arguments: Mapping[str, Any]
-    ) -> Mapping[str, Any]:
-        session = self.sessions.get(episode)
-        if session is None:
-            raise _missing(episode)
-        with bad_input("arguments", COUNTER):
-            if tool != "add":
-                raise ValueError(f"unknown tool {tool!r}; the counter has 'add'")
-            amount = _int(arguments["amount"], "amount")
-            turn = call_turn(arguments, session["turn"])
-        base = session["count"] if turn == session["turn"] else session["before"]
-        session.update(count=base + amount, turn=turn + 1, before=base)
-        return {"count": session["count"]}
-
-    async def verify(self, episode: EpisodeId, answer: Mapping[str, Any]) -> Verdict:
-        session = self.sessions.get(episode)
-        if session is None:
-            raise _missing(episode)
-        reward = 1.0 if session["count"] == self.targets[episode] else 0.0
-        return _logged(self.name, self.log, episode, Verdict(reward))
-
-    async def close(self, episode: EpisodeId) -> None:
-        self.sessions.pop(episode, None)
-        self.targets.pop(episode, None)
-
-    async def export_sessions(
-        self, episodes: Sequence[EpisodeId]
-    ) -> Mapping[EpisodeId, Mapping[str, Any]]:
-        return {
-            e: {**self.sessions[e], "target": self.targets[e]}
-            for e in episodes
-            if e in self.sessions
-        }
-
-    def validate_session(self, episode: EpisodeId, state: Mapping[str, Any]) -> None:
-        _strict(state, _COUNTER_FIELDS | {"target"}, "a counter session")
-        for name in ("count", "turn", "before", "target"):
-            if not isinstance(state[name], int) or isinstance(state[name], bool):
-                raise ValueError(f"{name} must be an integer")
-
-    async def restore_session(
-        self, saved: EpisodeId, episode: EpisodeId, state: Mapping[str, Any]
-    ) -> None:
-        self.sessions[episode] = {name: state[name] for name in _COUNTER_FIELDS}
-        self.targets[episode] = state["target"]
-
-    async def retire_session(self, episode: EpisodeId) -> None:
-        await self.close(episode)
 
 
 # --------------------------------------------------------------------------- blackjack
@@ -428,8 +348,12 @@ class WorkplaceTools(ResourcesServer):
         await self.close(episode)
 
 
-ENVIRONMENTS: dict[str, type[CounterTools] | type[BlackjackTools] | type[WorkplaceTools]] = {
-    COUNTER: CounterTools,
-    BLACKJACK: BlackjackTools,
-    WORKPLACE: WorkplaceTools,
-}
+def build_environment(environment: str, name: str, log: VerifierLog) -> ResourcesServer:
+    """The resources server of ``environment`` (``counter``, ``blackjack``, ``workplace``)."""
+    if environment == "counter":
+        return CounterTools()
+    if environment == BLACKJACK:
+        return BlackjackTools(name, log)
+    if environment == WORKPLACE:
+        return WorkplaceTools(name, log)
+    raise ValueError(f"no environment {environment!r}: counter, blackjack or workplace")

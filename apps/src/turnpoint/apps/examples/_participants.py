@@ -692,8 +692,9 @@ class PlayAgent(Agent):
         steps = [Step.from_dict(s) for s in saved.state["steps"]] if saved else []
         versions: list[int] = list(saved.state.get("versions", [])) if saved else []
         shown: Mapping[str, Any] = saved.state.get("shown", {}) if saved else {}
+        last: Mapping[str, Any] = saved.state.get("last", {}) if saved else {}
         if saved is None:
-            await ctx.boundary(0, {"steps": [], "versions": [], "shown": {}})
+            await ctx.boundary(0, {"steps": [], "versions": [], "shown": {}, "last": {}})
         await ctx.model_call(lambda: self._seed(resources, episode, task, inner))
         look = play.look(inner)
         if look is not None and not steps:
@@ -704,17 +705,16 @@ class PlayAgent(Agent):
                 functools.partial(self._generate, episode, len(steps), context)
             )
             tool, arguments = play.action(inner, completion, len(steps))
-            reply = await ctx.model_call(
+            last = await ctx.model_call(
                 functools.partial(self._call, resources, episode, tool, arguments)
             )
-            steps.append(Step(tuple(completion), tool, play.reply_token(inner, reply)))
+            steps.append(Step(tuple(completion), tool, play.reply_token(inner, last)))
             versions.append(version)
-            await ctx.boundary(
-                len(steps),
-                {"steps": [s.to_dict() for s in steps], "versions": versions, "shown": shown},
-            )
+            state = {"steps": [s.to_dict() for s in steps], "versions": versions}
+            await ctx.boundary(len(steps), {**state, "shown": shown, "last": last})
         prompts = [play.context(inner, shown, steps[:k]) for k in range(len(steps))]
-        reward = await ctx.model_call(lambda: self._verify(resources, episode))
+        answer = play.answer(inner, last)
+        reward = await ctx.model_call(lambda: self._verify(resources, episode, answer))
         return {
             "environment": environment,
             "prompt_group_id": str(task.get("prompt_group_id", "")),
@@ -790,12 +790,14 @@ class PlayAgent(Agent):
         )
         return struct_to_dict(answer.output)
 
-    async def _verify(self, resources: ResourcesServiceAsyncStub, episode: EpisodeId) -> float:
+    async def _verify(
+        self, resources: ResourcesServiceAsyncStub, episode: EpisodeId, answer: Mapping[str, Any]
+    ) -> float:
         response = await resources.Verify(
             resources_service_pb2.VerifyRequest(
                 request_id=f"verify-{episode.rollout_id}-{episode.attempt}",
                 episode=episode_to_proto(episode),
-                answer=struct_from_mapping({}),
+                answer=struct_from_mapping(answer),
             ),
             metadata=self._metadata,
             timeout=300,

@@ -4,7 +4,8 @@ The policy speaks the guessing game's vocabulary (:class:`._task.Token`); each
 environment here maps its observations into that vocabulary and the first digit of a
 completion into one tool call:
 
-- counter: the context shows the start and the target; digit ``d`` is ``add(d)``.
+- counter (the guide's): the context shows the target; digit ``d`` is ``add(d)``, and
+  the answer is the last total.
 - blackjack: the context shows the player's total above 11 and the dealer's up card; an
   even digit hits, anything else stands (the last turn always stands).
 - workplace: the context shows the goal's day; a digit ``d < 5`` books the goal's customer
@@ -82,6 +83,10 @@ class Play:
     def finished(self, steps: Sequence[Step]) -> bool:
         return len(steps) >= MAX_TURNS or (bool(steps) and steps[-1].reply_token == Token.CORRECT)
 
+    def answer(self, task: Mapping[str, Any], last: Mapping[str, Any]) -> dict[str, Any]:
+        """What the verify gets, from the last tool reply (most verifiers read the tables)."""
+        return {}
+
 
 class CounterPlay(Play):
     environment = "counter"
@@ -89,18 +94,21 @@ class CounterPlay(Play):
     def context(
         self, task: Mapping[str, Any], shown: Mapping[str, Any], steps: Sequence[Step]
     ) -> list[int]:
-        return _context([_digit(int(task.get("start", 0))), _digit(int(task["target"]))], steps)
+        return _context([_digit(0), _digit(int(task["target"]))], steps)
 
     def action(
         self, task: Mapping[str, Any], completion: Sequence[int], turn: int
     ) -> tuple[str, dict[str, Any]]:
-        return "add", {"amount": parse_guess(completion) or 0, "turn": turn}
+        return "add", {"add": parse_guess(completion) or 0, "turn": turn}
 
     def reply_token(self, task: Mapping[str, Any], reply: Mapping[str, Any]) -> int:
-        count, target = int(reply["count"]), int(task["target"])
-        if count == target:
+        total, target = int(reply["total"]), int(task["target"])
+        if total == target:
             return int(Token.CORRECT)
-        return int(Token.HIGHER if count < target else Token.LOWER)
+        return int(Token.HIGHER if total < target else Token.LOWER)
+
+    def answer(self, task: Mapping[str, Any], last: Mapping[str, Any]) -> dict[str, Any]:
+        return {"total": int(last.get("total", 0))}
 
 
 class BlackjackPlay(Play):
