@@ -77,7 +77,7 @@ class Workload:
     the checks that need an episode are skipped. ``answer`` is the Verify answer.
     ``generate`` is the prompt and length of a Generate (models). ``calls`` is a recorded
     episode of a resources server, ``[{"tool": NAME, "arguments": {...}}, ...]``, sent in
-    order after the seed: what the equivalence check replays (docs/spec.md section 11).
+    order after the seed: what the equivalence check replays (docs/spec.md section 5.6).
     """
 
     task: Mapping[str, Any] | None = None
