@@ -12,6 +12,8 @@ import math
 import random
 import sqlite3
 import struct
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -133,25 +135,28 @@ def _tables(draw: st.DrawFn) -> sqlite3.Connection:
     connection = new_connection()
     for number in range(draw(st.integers(1, 3))):
         types = draw(_COLUMNS)
-        columns = ", ".join(f"c{i} {t}" for i, t in enumerate(types))
-        connection.execute(f"CREATE TABLE t{number} ({columns})")
+        # Any identifier survives, a double quote in a table or column name included.
+        table = draw(st.sampled_from([f"t{number}", f'"we""ird {number}"']))
+        columns = ", ".join(f'"c""{i}" {t}' for i, t in enumerate(types))
+        connection.execute(f"CREATE TABLE {table} ({columns})")
         values = (
             st.none() | st.integers(-(2**63), 2**63 - 1) | st.floats() | st.text() | st.binary()
         )
         rows = draw(st.lists(st.tuples(*[values] * len(types)), max_size=8))
         marks = ", ".join("?" * len(types))
-        connection.executemany(f"INSERT INTO t{number} VALUES ({marks})", rows)
+        connection.executemany(f"INSERT INTO {table} VALUES ({marks})", rows)
         # Deleting rows leaves gaps in the rowids: the restore must keep them.
-        connection.execute(f"DELETE FROM t{number} WHERE rowid % 3 = 0")
+        connection.execute(f"DELETE FROM {table} WHERE rowid % 3 = 0")
     return connection
 
 
 def _contents(connection: sqlite3.Connection) -> list[Any]:
     # Python's sqlite3 gives each cell back as its storage class (int, float, str, bytes).
     names = [r[0] for r in connection.execute("SELECT name FROM sqlite_master WHERE type='table'")]
+    quoted = ['"' + name.replace('"', '""') + '"' for name in names]
     return [
         connection.execute(f"SELECT rowid, * FROM {name} ORDER BY rowid").fetchall()
-        for name in names
+        for name in quoted
     ]
 
 
@@ -298,3 +303,18 @@ def test_a_failing_workplace_tool_changes_nothing() -> None:
         await tools.close(episode)
 
     _run(scenario())
+
+
+def test_the_environment_cores_import_without_the_wire_or_the_loop() -> None:
+    # The games, the table codec and the plays are plain Python a test drives alone; the
+    # servers in _environments adapt them to the SDK (and put SQLite on threads).
+    cores = "_blackjack, _workplace, _plays"
+    probe = (
+        f"import sys\nfrom turnpoint.apps.examples import {cores}\n"
+        "print(' '.join(sorted(sys.modules)))"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
+    ).stdout.split()
+    banned = ("grpc", "asyncio", "turnpoint.v1", "turnpoint.participant_sdk", "torch")
+    assert sorted(m for m in loaded if m.split(".")[0] in banned or m.startswith(banned)) == []

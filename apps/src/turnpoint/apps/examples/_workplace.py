@@ -6,7 +6,7 @@ from the task's seed. The goal, also drawn from the seed, asks the agent to emai
 customer and to book a meeting with them on one day; the verifier checks the final
 tables for both.
 
-The codec (:func:`dump_database` / :func:`load_database`) saves every table's ``CREATE``
+The codec (:func:`dump_database` / :func:`load_database`, for rowid tables) saves every table's ``CREATE``
 statement, its rows in rowid order with their rowids, and every cell with its storage
 class: ``null``, ``{"int": "<decimal>"}``, ``{"real": "<16 hex digits of the IEEE
 double>"}`` (bit-exact: infinities, -0.0 and NaN payloads survive; SQLite itself turns a
@@ -114,7 +114,9 @@ def dump_database(connection: sqlite3.Connection) -> dict[str, Any]:
         if kind == "index":
             indexes.append(sql)
         elif kind == "table":
-            rows = connection.execute(f'SELECT rowid, * FROM "{name}" ORDER BY rowid').fetchall()
+            rows = connection.execute(
+                f"SELECT rowid, * FROM {_quoted(name)} ORDER BY rowid"
+            ).fetchall()
             tables.append(
                 {"sql": sql, "rows": [[encode_cell(cell) for cell in row] for row in rows]}
             )
@@ -163,14 +165,14 @@ def load_database(state: Mapping[str, Any]) -> sqlite3.Connection:
             ).fetchone()[0]
             if rows:
                 width = len(rows[0])
-                columns = len(connection.execute(f'PRAGMA table_info("{name}")').fetchall())
+                columns = len(connection.execute(f"PRAGMA table_info({_quoted(name)})").fetchall())
                 if width != columns + 1:
                     raise WorkplaceStateError(
                         f"table {name!r}: rows of {width - 1} values for {columns} columns"
                     )
                 marks = ", ".join("?" * width)
                 connection.executemany(
-                    f'INSERT INTO "{name}" (rowid, {_column_list(connection, name)}) '
+                    f"INSERT INTO {_quoted(name)} (rowid, {_column_list(connection, name)}) "
                     f"VALUES ({marks})",
                     rows,
                 )
@@ -186,9 +188,14 @@ def load_database(state: Mapping[str, Any]) -> sqlite3.Connection:
     return connection
 
 
+def _quoted(identifier: str) -> str:
+    """An SQL identifier quoted, whatever it holds (names come from saved schemas)."""
+    return '"' + identifier.replace('"', '""') + '"'
+
+
 def _column_list(connection: sqlite3.Connection, table: str) -> str:
-    columns = connection.execute(f'PRAGMA table_info("{table}")').fetchall()
-    return ", ".join(f'"{column[1]}"' for column in columns)
+    columns = connection.execute(f"PRAGMA table_info({_quoted(table)})").fetchall()
+    return ", ".join(_quoted(column[1]) for column in columns)
 
 
 def new_connection() -> sqlite3.Connection:
