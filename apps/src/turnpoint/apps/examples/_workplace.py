@@ -6,12 +6,13 @@ from the task's seed. The goal, also drawn from the seed, asks the agent to emai
 customer and to book a meeting with them on one day; the verifier checks the final
 tables for both.
 
-The codec (:func:`dump_database` / :func:`load_database`, for rowid tables) saves every table's ``CREATE``
-statement, its rows in rowid order with their rowids, and every cell with its storage
-class: ``null``, ``{"int": "<decimal>"}``, ``{"real": "<16 hex digits of the IEEE
-double>"}`` (bit-exact: infinities, -0.0 and NaN payloads survive; SQLite itself turns a
-NaN it is given into NULL), ``{"text": "..."}`` and ``{"blob": "<hex>"}``. Decoding checks
-everything before it creates anything, so a damaged state installs nothing.
+The codec (:func:`dump_database` / :func:`load_database`, for rowid tables) saves every
+table's ``CREATE`` statement, its rows in rowid order with their rowids, and every cell
+with its storage class: ``null``, ``{"int": "<decimal>"}``, ``{"real": "<16 hex digits
+of the IEEE double>"}`` (bit-exact: infinities, -0.0 and NaN payloads survive; SQLite
+itself turns a NaN it is given into NULL), ``{"text": "..."}`` and ``{"blob": "<hex>"}``.
+Decoding checks everything before it creates anything, so a damaged state installs
+nothing.
 """
 
 from __future__ import annotations
