@@ -140,6 +140,23 @@ def test_the_short_demo_crashes_restores_and_passes_the_audit(tmp_path: Path) ->
     assert run.only("done", 2)["step"] == 8
 
 
+@pytest.mark.parametrize("environment", ["blackjack", "workplace"])
+def test_each_environment_trains_through_its_crash_and_passes_the_audit(
+    tmp_path: Path, environment: str
+) -> None:
+    """Issue 28: the play agent on Blackjack and on the workplace, one resources server of
+    exported sessions each, through a crash and the restore. The short run with one
+    agent; the crash is the deterministic one, right after the first
+    snapshot that cut rollouts in flight was published, so their sessions continue."""
+    flags = ("--env", environment, "--agents", "1")
+    run = run_demo(tmp_path / "out", *flags, "--crash-at", "published:1")
+
+    assert [event["type"] for event in run.supervisor] == ["crash", "restart"]
+    assert_restored_and_continued(run, run.only("kill")["checkpoint_id"])
+    assert {event["environment"] for event in run.of("rollout")} == {environment}
+    assert run.only("done", 2)["step"] == 8
+
+
 def test_long_generations_cut_at_each_snapshot_pass_the_token_audit(tmp_path: Path) -> None:
     """docs/spec.md section 5.5: the policy cuts generations at every snapshot, the agents
     continue them, and the token audit finds each cut prefix trained once, never

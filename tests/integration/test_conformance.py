@@ -45,6 +45,9 @@ CAUGHT_BY = {
 AGENT_ONLY = {"run-stream", "acknowledge"}
 # Checked only on a policy model that cuts (docs/spec.md section 5.5): the example does.
 CUTTING_MODEL_ONLY = {"token-cut"}
+# Needs recorded calls and a fresh restore target (tests/integration/test_equivalence.py).
+EQUIVALENCE = {"equivalence"}
+RESOURCES_ONLY = {"exported-sessions"}
 
 
 async def _check(address: str) -> ConformanceReport:
@@ -76,10 +79,10 @@ async def test_the_example_participants_pass_every_check(tmp_path: Path, instanc
     skipped = {name for name, outcome in outcomes.items() if outcome is Outcome.SKIP}
     # An agent runs every check but the cutting model's; the others skip what belongs to
     # agents, and the resources servers the cutting model's check too.
-    expected = (
-        CUTTING_MODEL_ONLY
+    expected = EQUIVALENCE | (
+        CUTTING_MODEL_ONLY | RESOURCES_ONLY
         if instance.startswith("agent")
-        else AGENT_ONLY
+        else AGENT_ONLY | RESOURCES_ONLY
         if instance == "policy"
         else AGENT_ONLY | CUTTING_MODEL_ONLY
     )

@@ -370,6 +370,17 @@ export class ResourcesHost implements KindHost {
 
   async install(record: Record, episode: EpisodeId): Promise<WorkKey> {
     await (this.server.restoreSession as NonNullable<ResourcesServer["restoreSession"]>)(record.episode, episode, record.payload);
+    // docs/spec.md section 5.6 item 4: a restore hook that installs nothing would let the
+    // episode continue against an empty session; the server's own export must hold it.
+    const present = await (this.server.exportSessions as NonNullable<ResourcesServer["exportSessions"]>)([episode]);
+    if (!present.has(episodeKey(episode))) {
+      await (this.server.retireSession as NonNullable<ResourcesServer["retireSession"]>)(episode);
+      throw new TurnpointError(
+        "INVALID_CHECKPOINT_STATE",
+        `restoreSession installed nothing for ${episodeKey(episode)}: exportSessions does not hold the session afterwards`,
+        { episode: episodeKey(episode) },
+      );
+    }
     const session = new Session(episode);
     this.shared.change((core) => {
       core.installRestored(session.key, 0, 0, this.shared.now());

@@ -48,6 +48,14 @@ def add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         ),
     )
     parser.add_argument(
+        "--env",
+        default="guess",
+        choices=["guess", "blackjack", "workplace"],
+        help="the environment to train on: the guessing game (per-sibling and group-scored "
+        "tools), Blackjack on a seeded shoe, or the workplace on per-episode SQLite tables "
+        "(default: %(default)s)",
+    )
+    parser.add_argument(
         "--steps", type=int, default=DEFAULT_STEPS, help="training steps (default: %(default)s)"
     )
     parser.add_argument(

@@ -129,6 +129,8 @@ POLL_INTERVAL_S = 0.25
 
 GUESS = "guess"
 GUESS_GROUP = "guess-group"
+# What --env offers: the guessing game, and the exported environments the play agent plays.
+ENVIRONMENTS = (GUESS, "blackjack", "workplace")
 OUT_MARKER = ".turnpoint-demo"
 _SERVING = re.compile(r"^turnpoint: serving (?P<kind>\S+) (?P<instance>\S+) on (?P<address>\S+)$")
 _STDERR_TAIL_LINES = 15
@@ -171,6 +173,9 @@ class DemoOptions:
     participant_commands: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     chaos_steps: tuple[int, int] = (2, 5)
     metrics_port: int | None = None
+    # The environment trained on: the guessing game (tools and group-tools) or one of
+    # the exported environments of turnpoint.apps.examples._environments (tools only).
+    environment: str = GUESS
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DemoOptions:
@@ -201,6 +206,7 @@ class DemoOptions:
             chaos_faults=args.chaos,
             participant_commands=_participant_commands(args.participant_command),
             metrics_port=getattr(args, "metrics_port", None),
+            environment=getattr(args, "env", GUESS),
         )
 
     def problems(self) -> list[str]:
@@ -251,7 +257,12 @@ class DemoOptions:
                 f"--chaos {self.chaos_faults} can lose up to {self.chaos_faults} job "
                 f"incarnations: raise --max-restarts to at least {self.chaos_faults}"
             )
-        known = {"policy", "tools", "group-tools", *(f"agent-{i}" for i in range(self.agents))}
+        if self.environment not in ENVIRONMENTS:
+            problems.append(
+                f"unknown --env {self.environment!r}: choose one of {', '.join(ENVIRONMENTS)}"
+            )
+        tools = ("tools", "group-tools") if self.environment == GUESS else ("tools",)
+        known = {"policy", *tools, *(f"agent-{i}" for i in range(self.agents))}
         for instance in sorted(set(self.participant_commands) - known):
             problems.append(
                 f"--participant-command names {instance!r}, which is not a participant of "
@@ -475,16 +486,27 @@ class ParticipantSpec:
 
 
 def server_specs(options: DemoOptions, paths: DemoPaths) -> list[ParticipantSpec]:
-    """The participants agents depend on: the policy and the two resources servers."""
+    """The participants agents depend on: the policy and the resources servers (two for
+    the guessing game, per sibling and group-scored; one for the other environments)."""
+    policy = ParticipantSpec(
+        instance="policy",
+        kind="model",
+        example="tiny-policy",
+        seed=options.seed,
+        token_delay_s=options.token_delay_s,
+        generation_log=paths.generation_log("policy"),
+    )
+    if options.environment != GUESS:
+        tools = ParticipantSpec(
+            instance="tools",
+            kind="resources",
+            example=options.environment,
+            environment=options.environment,
+            verifier_log=paths.verifier_log("tools"),
+        )
+        return [policy, tools]
     return [
-        ParticipantSpec(
-            instance="policy",
-            kind="model",
-            example="tiny-policy",
-            seed=options.seed,
-            token_delay_s=options.token_delay_s,
-            generation_log=paths.generation_log("policy"),
-        ),
+        policy,
         ParticipantSpec(
             instance="tools",
             kind="resources",
@@ -514,7 +536,7 @@ def agent_specs(options: DemoOptions, servers: Mapping[str, Participant]) -> lis
         ParticipantSpec(
             instance=f"agent-{index}",
             kind="agent",
-            example=GUESS,
+            example=GUESS if options.environment == GUESS else "play",
             policy_address=servers["policy"].address,
             resources=resources,
             turn_delay_s=options.turn_delay_s,
@@ -842,6 +864,8 @@ def trainer_command(
         "--seed",
         str(options.seed),
     ]
+    if options.environment != GUESS:
+        command += ["--env", options.environment]
     if resume:
         command.append("--resume")
     if kill_at is not None:

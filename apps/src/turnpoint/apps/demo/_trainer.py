@@ -177,7 +177,11 @@ class DemoTrainer:
 
     def _rollout(self, group: int, sibling: int, agents: Sequence[str]) -> Rollout:
         size = self.args.group_size
-        environment = GUESS if group % 2 == 0 else GUESS_GROUP
+        environment = self.args.env
+        inner = {"seed": _env_seed(self.args.seed, group)}
+        if environment == GUESS:
+            environment = GUESS if group % 2 == 0 else GUESS_GROUP
+            inner = make_prompt(group, self.args.seed).to_dict()
         group_id = _group_id(group)
         return Rollout(
             rollout_id=f"{group_id}-s{sibling}",
@@ -186,7 +190,7 @@ class DemoTrainer:
             group_size=size,
             environment=environment,
             task={
-                "task": make_prompt(group, self.args.seed).to_dict(),
+                "task": inner,
                 "environment": environment,
                 "prompt_group_id": group_id,
                 "sibling_index": sibling,
@@ -442,6 +446,12 @@ class DemoTrainer:
             self._log_push(await ckpt.push_weights(self.step, state))
 
 
+def _env_seed(seed: int, group: int) -> int:
+    """The task seed of prompt group ``group``: every sibling of a group plays the same
+    shoe or the same tables, each group another one."""
+    return seed * 1_000_003 + group
+
+
 def _trained_turns(result: RolloutResult) -> list[dict[str, list[int]]]:
     """The tokens training took from one rollout: each turn's prompt and completion, as
     :meth:`DemoTrainer._train` reads them (the demo's token audit)."""
@@ -500,6 +510,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--rollout-budget", type=float, default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--env", default=GUESS, choices=[GUESS, "blackjack", "workplace"])
     parser.add_argument(
         "--resume",
         action="store_true",

@@ -36,8 +36,8 @@ class ExampleSpec:
 
 EXAMPLES: dict[str, tuple[str, ...]] = {
     "model": ("tiny-policy",),
-    "resources": ("guess", "guess-group"),
-    "agent": ("guess",),
+    "resources": ("guess", "guess-group", "counter", "blackjack", "workplace"),
+    "agent": ("guess", "play"),
 }
 
 
@@ -50,6 +50,7 @@ def build_example(
         GroupGuessTools,
         GuessAgent,
         GuessTools,
+        PlayAgent,
         TinyPolicyServer,
         VerifierLog,
         new_policy,
@@ -78,6 +79,27 @@ def build_example(
         )
         runtime = ParticipantRuntime(spec.instance, store, resources=resources, config=config)
         return runtime, closers
+    if kind == "resources" and example in ("counter", "blackjack", "workplace"):
+        from turnpoint.apps.examples._environments import build_environment
+
+        served = build_environment(example, spec.instance, VerifierLog(spec.verifier_log))
+        runtime = ParticipantRuntime(spec.instance, store, resources=served, config=config)
+        return runtime, closers
+    if kind == "agent" and example == "play":
+        if not spec.policy_address or not spec.resources:
+            raise ValueError(
+                "the play agent needs --policy ADDRESS and --resources ENV=ADDRESS "
+                "(one per environment it serves: counter, blackjack, workplace)"
+            )
+        player = PlayAgent(
+            spec.policy_address,
+            spec.resources,
+            spec.token,
+            temperature=spec.temperature,
+            turn_delay_s=spec.turn_delay_s,
+        )
+        closers.append(player.aclose)
+        return ParticipantRuntime(spec.instance, store, agent=player, config=config), closers
     if kind == "agent" and example == "guess":
         if not spec.policy_address or not spec.resources:
             raise ValueError(

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import pickle
@@ -633,6 +634,168 @@ class GuessAgent(Agent):
                 request_id=f"verify-{episode.rollout_id}-{episode.attempt}",
                 episode=episode_to_proto(episode),
                 answer=struct_from_mapping({"guesses": guesses}),
+            ),
+            metadata=self._metadata,
+            timeout=300,
+        )
+        return float(response.reward)
+
+    async def aclose(self) -> None:
+        for channel in self._channels:
+            await channel.close(None)
+
+
+class PlayAgent(Agent):
+    """Plays the counter, Blackjack or the workplace (:mod:`._plays`) with the policy.
+
+    Shaped like :class:`GuessAgent`: boundary 0 on acceptance, then each turn one model
+    call and one tool call inside ``ctx.model_call``, then a sealed boundary; finally a
+    verify. Each tool call names its turn, so one the resources server applied before the
+    cut is answered from the state before it when a continued attempt sends it again.
+    """
+
+    def __init__(
+        self,
+        policy_address: str,
+        resources_addresses: Mapping[str, str],
+        token: str | None,
+        *,
+        temperature: float = 1.0,
+        turn_delay_s: float = 0.0,
+    ) -> None:
+        if not turn_delay_s >= 0:
+            raise ValueError(f"turn_delay_s must be >= 0, got {turn_delay_s}")
+        self._metadata = auth_metadata(token) if token else ()
+        self._policy_channel = data_channel(policy_address)
+        self._policy: PolicyServiceAsyncStub = policy_service_pb2_grpc.PolicyServiceStub(
+            self._policy_channel
+        )
+        self._channels = [self._policy_channel]
+        self._resources: dict[str, ResourcesServiceAsyncStub] = {}
+        for environment, address in resources_addresses.items():
+            channel = data_channel(address)
+            self._channels.append(channel)
+            self._resources[environment] = resources_service_pb2_grpc.ResourcesServiceStub(channel)
+        self._temperature = temperature
+        self._turn_delay_s = turn_delay_s
+
+    async def run(self, ctx: EpisodeContext, task: Mapping[str, Any]) -> Mapping[str, Any]:
+        from turnpoint.apps.examples._plays import PLAYS, Step
+
+        episode = ctx.episode
+        environment = str(task["environment"])
+        play, resources = PLAYS[environment], self._resources[environment]
+        inner: Mapping[str, Any] = task["task"]
+        saved = ctx.restored
+        steps = [Step.from_dict(s) for s in saved.state["steps"]] if saved else []
+        versions: list[int] = list(saved.state.get("versions", [])) if saved else []
+        shown: Mapping[str, Any] = saved.state.get("shown", {}) if saved else {}
+        last: Mapping[str, Any] = saved.state.get("last", {}) if saved else {}
+        if saved is None:
+            await ctx.boundary(0, {"steps": [], "versions": [], "shown": {}, "last": {}})
+        await ctx.model_call(lambda: self._seed(resources, episode, task, inner))
+        look = play.look(inner)
+        if look is not None and not steps:
+            shown = await ctx.model_call(lambda: self._call(resources, episode, *look))
+        while not play.finished(steps):
+            context = play.context(inner, shown, steps)
+            completion, version = await ctx.model_call(
+                functools.partial(self._generate, episode, len(steps), context)
+            )
+            tool, arguments = play.action(inner, completion, len(steps))
+            last = await ctx.model_call(
+                functools.partial(self._call, resources, episode, tool, arguments)
+            )
+            steps.append(Step(tuple(completion), tool, play.reply_token(inner, last)))
+            versions.append(version)
+            state = {"steps": [s.to_dict() for s in steps], "versions": versions}
+            await ctx.boundary(len(steps), {**state, "shown": shown, "last": last})
+        prompts = [play.context(inner, shown, steps[:k]) for k in range(len(steps))]
+        answer = play.answer(inner, last)
+        reward = await ctx.model_call(lambda: self._verify(resources, episode, answer))
+        return {
+            "environment": environment,
+            "prompt_group_id": str(task.get("prompt_group_id", "")),
+            "sibling_index": int(task.get("sibling_index", 0)),
+            "turns": [s.to_dict() for s in steps],
+            "prompts": prompts,
+            "weights_versions": versions,
+            "reward": reward,
+        }
+
+    async def _seed(
+        self,
+        resources: ResourcesServiceAsyncStub,
+        episode: EpisodeId,
+        task: Mapping[str, Any],
+        inner: Mapping[str, Any],
+    ) -> None:
+        await resources.SeedSession(
+            resources_service_pb2.SeedSessionRequest(
+                request_id=f"seed-{episode.rollout_id}-{episode.attempt}",
+                episode=episode_to_proto(episode),
+                prompt_group_id=str(task.get("prompt_group_id", "")),
+                sibling_index=int(task.get("sibling_index", 0)),
+                group_size=int(task.get("group_size", 1)),
+                task=struct_from_mapping(inner),
+            ),
+            metadata=self._metadata,
+            timeout=120,
+        )
+
+    async def _generate(
+        self, episode: EpisodeId, turn: int, context: Sequence[int]
+    ) -> tuple[list[int], int]:
+        if self._turn_delay_s:
+            # A real model's latency: the episode waits parked at its boundary.
+            await asyncio.sleep(self._turn_delay_s)
+        completion: list[int] = []
+        version = 0
+        call = self._policy.Generate(
+            policy_service_pb2.GenerateRequest(
+                request_id=f"gen-{episode.rollout_id}-{episode.attempt}-{turn}",
+                episode=episode_to_proto(episode),
+                prompt_token_ids=list(context),
+                max_new_tokens=MAX_NEW_TOKENS_PER_TURN,
+                temperature=self._temperature,
+                seed=hash((episode.rollout_id, episode.attempt, turn)) & 0x7FFFFFFF,
+            ),
+            metadata=self._metadata,
+            timeout=120,
+        )
+        async for chunk in call:
+            completion.extend(chunk.token_ids)
+            version = chunk.weights_version
+        return completion, version
+
+    async def _call(
+        self,
+        resources: ResourcesServiceAsyncStub,
+        episode: EpisodeId,
+        tool: str,
+        arguments: Mapping[str, Any],
+    ) -> dict[str, Any]:
+        answer = await resources.Call(
+            resources_service_pb2.CallRequest(
+                request_id=f"call-{episode.rollout_id}-{episode.attempt}-{tool}-"
+                f"{arguments.get('turn', 'look')}",
+                episode=episode_to_proto(episode),
+                tool=tool,
+                arguments=struct_from_mapping(arguments),
+            ),
+            metadata=self._metadata,
+            timeout=120,
+        )
+        return struct_to_dict(answer.output)
+
+    async def _verify(
+        self, resources: ResourcesServiceAsyncStub, episode: EpisodeId, answer: Mapping[str, Any]
+    ) -> float:
+        response = await resources.Verify(
+            resources_service_pb2.VerifyRequest(
+                request_id=f"verify-{episode.rollout_id}-{episode.attempt}",
+                episode=episode_to_proto(episode),
+                answer=struct_from_mapping(answer),
             ),
             metadata=self._metadata,
             timeout=300,
