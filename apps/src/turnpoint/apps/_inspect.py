@@ -15,25 +15,22 @@ thread when in async code.
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 import os
-import stat
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, TextIO
 
-from turnpoint.protocol import ArtifactRef
-from turnpoint.trainer.storage.layout import SnapshotLayout, tree_digest
+from turnpoint.trainer.storage.layout import SnapshotLayout
 from turnpoint.trainer.storage.manifest import (
     MANIFEST_NAME,
     JSONValue,
     ManifestError,
     SnapshotManifest,
 )
+from turnpoint.trainer.storage.verify import first_mismatch
 
-_CHUNK: Final = 1 << 20
 EXIT_OK: Final = 0
 EXIT_MISMATCH: Final = 1
 EXIT_NO_ROOT: Final = 2
@@ -170,7 +167,7 @@ def _inspect_snapshot(layout: SnapshotLayout, checkpoint_id: str, latest: bool) 
     files_checked = 0
     problem: str | None = f"{MANIFEST_NAME} describes {manifest.checkpoint_id!r}"
     if manifest.checkpoint_id == checkpoint_id:
-        files_checked, problem = _first_mismatch(directory, manifest)
+        files_checked, problem = first_mismatch(directory, manifest)
     return SnapshotReport(
         checkpoint_id=checkpoint_id,
         latest=latest,
@@ -182,54 +179,6 @@ def _inspect_snapshot(layout: SnapshotLayout, checkpoint_id: str, latest: bool) 
         files_checked=files_checked,
         problem=problem,
     )
-
-
-def _first_mismatch(directory: Path, manifest: SnapshotManifest) -> tuple[int, str | None]:
-    """How many files were checked, and the first one whose bytes do not match."""
-    checked = 0
-    anchor = manifest.anchor
-    try:
-        digest = tree_digest(directory / anchor.path)
-    except (OSError, ManifestError) as error:
-        return checked, f"trainer anchor {anchor.path}: {error}"
-    checked += 1
-    if digest != anchor.sha256:
-        return checked, (
-            f"trainer anchor {anchor.path}: tree digest {digest}, manifest says {anchor.sha256}"
-        )
-    for entry in manifest.participants:
-        named = [] if entry.manifest is None else [entry.manifest]
-        named += entry.artifacts
-        for ref in named:
-            problem = _check_file(directory, ref)
-            checked += 1
-            if problem is not None:
-                return checked, f"{entry.instance}: {problem}"
-    return checked, None
-
-
-def _check_file(directory: Path, ref: ArtifactRef) -> str | None:
-    path = directory / ref.path
-    try:
-        # No symlinks: a snapshot names its own bytes, nothing outside it.
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return f"{ref.path} is missing"
-    except OSError as error:
-        return f"{ref.path} cannot be read: {error.strerror}"
-    digest = hashlib.sha256()
-    with os.fdopen(fd, "rb") as handle:
-        info = os.fstat(handle.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            return f"{ref.path} is not a regular file"
-        if info.st_size != ref.size_bytes:
-            return f"{ref.path} has {info.st_size} bytes, manifest says {ref.size_bytes}"
-        while chunk := handle.read(_CHUNK):
-            digest.update(chunk)
-    found = digest.hexdigest()
-    if found != ref.sha256:
-        return f"{ref.path} has sha256 {found}, manifest says {ref.sha256}"
-    return None
 
 
 def inspect_command(
