@@ -32,7 +32,11 @@ BOUND_S = 60.0
 
 
 def facade(
-    root: Path, participants: Mapping[str, str], model: torch.nn.Module, **options: Any
+    root: Path,
+    participants: Mapping[str, str],
+    model: torch.nn.Module,
+    reward: list[float] | None = None,
+    **options: Any,
 ) -> Checkpointing:
     return Checkpointing(
         CoordinatorConfig(
@@ -45,7 +49,7 @@ def facade(
         periodic=False,
         metrics=CoordinatorMetrics(CollectorRegistry()),
         status_port=0,
-        snapshot_metrics=lambda: {"mean_reward": 0.5},
+        snapshot_metrics=lambda: {"mean_reward": reward[0]} if reward else {},
     )
 
 
@@ -69,7 +73,8 @@ async def test_history_failure_and_restore_are_served_beside_the_metrics(
         aiohttp.ClientSession() as session,
     ):
         participants = {n: h.address for n, h in topology.participants.items()}
-        async with facade(root, participants, model) as ckpt:
+        reward = [0.5]
+        async with facade(root, participants, model, reward) as ckpt:
             base = ckpt.status_address
             assert base is not None and base.startswith("http://127.0.0.1:")
             for rollout in guess_rollouts(0, GROUP_SIZE, 0, ckpt.agents):
@@ -108,6 +113,7 @@ async def test_history_failure_and_restore_are_served_beside_the_metrics(
             assert [e["kind"] for e in job["events"]] == ["fresh_start"]
 
             status, body = await get(session, base + "api/snapshots?verify=1")
+            assert status == 200
             assert [s["checkpoint_id"] for s in body["snapshots"]] == [published.checkpoint_id]
             assert body["snapshots"][0]["verified"]["ok"] is True
             assert body["snapshots"][0]["metrics"] == {"mean_reward": 0.5}
@@ -119,13 +125,21 @@ async def test_history_failure_and_restore_are_served_beside_the_metrics(
             async with session.get(base) as response:
                 assert response.status == 200 and "<title>" in await response.text()
 
-    # Fresh participants on the same root: the next trainer restores, and says from what.
+            # A newer snapshot with a worse reward: the latest, but not the best.
+            reward[0] = 0.1
+            for rollout in guess_rollouts(1, GROUP_SIZE, 0, ckpt.agents):
+                ckpt.dispatch(rollout, data_loader=2)
+            newer = await ckpt.snapshot_now()
+            assert newer.outcome is SnapshotOutcome.PUBLISHED, newer
+
+    # Fresh participants on the same root: the next trainer restores the best snapshot
+    # by the reward it recorded (not the latest), and says where it came from.
     async with (
         start_topology(root, agents=1, group_size=GROUP_SIZE) as topology,
         aiohttp.ClientSession() as session,
     ):
         participants = {n: h.address for n, h in topology.participants.items()}
-        async with facade(root, participants, model) as ckpt:
+        async with facade(root, participants, model, restore_from="best:mean_reward") as ckpt:
             assert ckpt.resumed.checkpoint_id == published.checkpoint_id
             status, body = await get(session, f"{ckpt.status_address}api/job")
             job = body["job"]
@@ -133,6 +147,11 @@ async def test_history_failure_and_restore_are_served_beside_the_metrics(
             assert job["overview"]["counts"]["restored"] == 1
             assert job["events"][0]["kind"] == "restore"
             assert job["epoch"] == 2
+            status, body = await get(session, f"{ckpt.status_address}api/snapshots")
+            assert body["restore"] == {
+                "restore_from": "best:mean_reward",
+                "order": [published.checkpoint_id, newer.checkpoint_id],
+            }
 
 
 @pytest.mark.parametrize(

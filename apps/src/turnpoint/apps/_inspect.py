@@ -6,7 +6,10 @@ whether it is the one ``LATEST`` names; then it verifies every digest the manife
 names: the trainer anchor's tree digest and, for each participant, its own manifest and
 records files (size and sha256 over the whole file). A snapshot is reported ``OK`` or
 with the first mismatch found. The command exits non-zero on any mismatch, so that it
-can guard a restore or a copy of the snapshot root in a script.
+can guard a restore or a copy of the snapshot root in a script. It ends with the restore
+candidates: the metrics each snapshot recorded and the order a restore by
+``--restore-from`` (latest, a named snapshot, the best by a metric) tries them in
+(docs/spec.md section 7.14), computed as the restorer computes it.
 
 The checks read everything they hash (blocking I/O): call :func:`inspect_root` from a
 thread when in async code.
@@ -22,6 +25,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, TextIO
 
+from turnpoint.trainer.restore.choice import (
+    RestoreChoice,
+    RestoreChoiceError,
+    metrics_of,
+    rank_candidates,
+)
+from turnpoint.trainer.restore.restorer import published_candidates
 from turnpoint.trainer.storage.layout import SnapshotLayout
 from turnpoint.trainer.storage.manifest import (
     MANIFEST_NAME,
@@ -53,6 +63,7 @@ class SnapshotReport:
     restarts: int = 0
     files_checked: int = 0
     problem: str | None = None
+    metrics: tuple[tuple[str, float], ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -70,6 +81,7 @@ class SnapshotReport:
             "files_checked": self.files_checked,
             "ok": self.ok,
             "problem": self.problem,
+            "metrics": dict(self.metrics),
         }
 
 
@@ -85,6 +97,8 @@ class InspectReport:
     latest: str | None
     snapshots: tuple[SnapshotReport, ...]
     latest_problem: str | None = None
+    restore_from: str = "latest"
+    restore_order: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -97,6 +111,7 @@ class InspectReport:
             "latest_problem": self.latest_problem,
             "ok": self.ok,
             "snapshots": [snapshot.to_dict() for snapshot in self.snapshots],
+            "restore": {"restore_from": self.restore_from, "order": list(self.restore_order)},
         }
 
     def render(self) -> str:
@@ -116,8 +131,15 @@ class InspectReport:
                 lines.append(
                     f"  episodes: {snapshot.continued} continued, {snapshot.restarts} restarted"
                 )
+            if snapshot.metrics:
+                shown = ", ".join(f"{name}={value:g}" for name, value in snapshot.metrics)
+                lines.append(f"  metrics: {shown}")
             verdict = "OK" if snapshot.problem is None else f"MISMATCH: {snapshot.problem}"
             lines.append(f"  digests ({snapshot.files_checked} checked): {verdict}")
+        if self.snapshots:
+            lines.append("")
+            order = ", ".join(self.restore_order) or "none matches: a restore would fail"
+            lines.append(f"restore candidates (restore_from = {self.restore_from}): {order}")
         if self.snapshots or self.latest_problem is not None:
             failed = sum(not snapshot.ok for snapshot in self.snapshots)
             lines.append("")
@@ -136,11 +158,16 @@ def _format_time(epoch_seconds: float) -> str:
     return moment.isoformat(timespec="seconds")
 
 
-def inspect_root(root: str | os.PathLike[str]) -> InspectReport:
-    """List the published snapshots under ``root``, newest first, verifying each.
+def inspect_root(
+    root: str | os.PathLike[str], restore_from: RestoreChoice | None = None
+) -> InspectReport:
+    """List the published snapshots under ``root``, newest first, verifying each, and
+    the order a restore by ``restore_from`` (default: latest) would try them in
+    (docs/spec.md section 7.14).
 
     Raises ``FileNotFoundError`` when ``root`` is not a directory.
     """
+    choice = restore_from or RestoreChoice()
     path = Path(root)
     if not path.is_dir():
         raise FileNotFoundError(f"{path} is not a directory")
@@ -155,7 +182,9 @@ def inspect_root(root: str | os.PathLike[str]) -> InspectReport:
         _inspect_snapshot(layout, checkpoint_id, checkpoint_id == latest)
         for checkpoint_id in layout.list_published()
     )
-    return InspectReport(path, latest, snapshots, latest_problem)
+    candidates, _unreadable = published_candidates(layout)
+    order = tuple(c.checkpoint_id for c in rank_candidates(choice, candidates))
+    return InspectReport(path, latest, snapshots, latest_problem, str(choice), order)
 
 
 def _inspect_snapshot(layout: SnapshotLayout, checkpoint_id: str, latest: bool) -> SnapshotReport:
@@ -178,17 +207,27 @@ def _inspect_snapshot(layout: SnapshotLayout, checkpoint_id: str, latest: bool) 
         restarts=len(manifest.restarts),
         files_checked=files_checked,
         problem=problem,
+        metrics=tuple(sorted(metrics_of(manifest.extra).items())),
     )
 
 
 def inspect_command(
-    root: str | os.PathLike[str], *, as_json: bool = False, out: TextIO | None = None
+    root: str | os.PathLike[str],
+    *,
+    as_json: bool = False,
+    out: TextIO | None = None,
+    restore_from: str = "latest",
 ) -> int:
     """What ``turnpoint inspect`` runs: print the report; 0 when every digest matches,
-    1 on any mismatch, 2 when ``root`` is not a directory."""
+    1 on any mismatch, 2 when ``root`` is not a directory or the choice is malformed."""
     stream = sys.stdout if out is None else out
     try:
-        report = inspect_root(root)
+        choice = RestoreChoice.parse(restore_from)
+    except RestoreChoiceError as error:
+        print(f"turnpoint inspect: {error}", file=sys.stderr if out is None else stream)
+        return EXIT_NO_ROOT
+    try:
+        report = inspect_root(root, choice)
     except FileNotFoundError as error:
         print(f"turnpoint inspect: {error}", file=sys.stderr if out is None else stream)
         return EXIT_NO_ROOT
