@@ -519,12 +519,19 @@ def verify_artifacts(layout: SnapshotLayout, manifest: SnapshotManifest) -> None
                 )
 
 
-def published_candidates(layout: SnapshotLayout) -> tuple[list[Candidate], list[tuple[str, str]]]:
+def published_candidates(
+    layout: SnapshotLayout, known: Mapping[str, Candidate] | None = None
+) -> tuple[list[Candidate], list[tuple[str, str]]]:
     """Every published snapshot as a restore candidate, newest first, and those whose
-    manifest cannot be read (with why). Blocking: call it from a thread."""
+    manifest cannot be read (with why). ``known`` candidates are taken as they are (a
+    published manifest never changes) instead of read again. Blocking: call it from a
+    thread."""
     candidates: list[Candidate] = []
     unreadable: list[tuple[str, str]] = []
     for checkpoint_id in layout.list_published():
+        if known is not None and checkpoint_id in known:
+            candidates.append(known[checkpoint_id])
+            continue
         try:
             manifest = layout.load(checkpoint_id)
         except (ManifestError, OSError) as error:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Final
 from aiohttp import web
 
 from turnpoint.ids import InvalidIdError, validate_id
-from turnpoint.trainer.restore.choice import RestoreChoice, rank_candidates
+from turnpoint.trainer.restore.choice import Candidate, RestoreChoice, rank_candidates
 from turnpoint.trainer.restore.restorer import published_candidates
 from turnpoint.trainer.status.history import IN_PROGRESS, CheckpointHistory
 from turnpoint.trainer.storage.layout import SnapshotLayout
@@ -146,6 +146,8 @@ class StatusApi:
         self.sources = sources
         self._files = _page_files()
         self._verifying = asyncio.Lock()
+        # Published manifests never change: each is read once (the listing thread's).
+        self._candidates: dict[str, Candidate] = {}
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[_errors_as_json], client_max_size=1024)
@@ -326,7 +328,8 @@ class StatusApi:
             latest = layout.latest()
         except ManifestError:
             latest = None
-        candidates, unreadable = published_candidates(layout)
+        candidates, unreadable = published_candidates(layout, dict(self._candidates))
+        self._candidates = {c.checkpoint_id: c for c in candidates}
         choice = RestoreChoice.parse(self.sources.config.restore_from)
         snapshots: list[dict[str, JSONValue]] = [
             {
