@@ -145,8 +145,23 @@ async def test_history_failure_and_restore_are_served_beside_the_metrics(
             job = body["job"]
             assert job["overview"]["latest"]["restored"] == published.checkpoint_id
             assert job["overview"]["counts"]["restored"] == 1
-            assert job["events"][0]["kind"] == "restore"
+            # The first trainer's start, then this one's restore (docs/spec.md 7.13.5).
+            assert [(e["kind"], e["epoch"]) for e in job["events"]] == [
+                ("fresh_start", 1),
+                ("restore", 2),
+            ]
             assert job["epoch"] == 2
+            status, body = await get(session, f"{ckpt.status_address}api/checkpoints")
+            shown = [(r["checkpoint_id"], r["status"], r["epoch"]) for r in body["checkpoints"]]
+            assert shown == [
+                (newer.checkpoint_id, "published", 1),
+                (published.checkpoint_id, "published", 1),
+                (failed.checkpoint_id, "failed", 1),
+            ]
+            status, body = await get(
+                session, f"{ckpt.status_address}api/checkpoints/{failed.checkpoint_id}"
+            )
+            assert body["checkpoint"]["participants"]["tools"]["caused_failure"] is True
             status, body = await get(session, f"{ckpt.status_address}api/snapshots")
             assert body["restore"] == {
                 "restore_from": "best:mean_reward",

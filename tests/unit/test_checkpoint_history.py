@@ -86,8 +86,8 @@ def test_a_published_attempt_has_its_phases_participants_and_sizes() -> None:
     }
     overview = history.overview()
     assert overview["counts"] == {
-        "triggered": 1, "published": 1, "skipped": 0, "failed": 0, "in_progress": 0,
-        "restored": 0,
+        "triggered": 1, "published": 1, "skipped": 0, "failed": 0, "interrupted": 0,
+        "in_progress": 0, "restored": 0,
     }  # fmt: skip
     assert overview["latest"] == {
         "published": "ck-1", "failed": None, "skipped": None, "restored": None,
@@ -226,3 +226,39 @@ def test_choices_round_trip_and_metrics_ignore_non_numbers() -> None:
         assert str(RestoreChoice.parse(text)) == text
     assert metrics_of({"metrics": {"a": 1, "b": True, "c": "x", "d": 2.5}}) == {"a": 1.0, "d": 2.5}
     assert metrics_of({"metrics": [1]}) == {}
+
+
+def test_an_earlier_process_shows_its_rows_and_an_attempt_it_never_finished() -> None:
+    before = CheckpointHistory(wall_offset_s=OFFSET, epoch=1)
+    records = []
+    walk(before, "ck-a", PUBLISHED_PATH, 0.0)
+    records += [before.started_record("ck-a"), before.finished_record("ck-a", now=20.0)]
+    before.on_transition("ck-b", S.NEW, S.RELEASE, 30.0)
+    records.append(before.started_record("ck-b"))  # the process dies in ck-b
+    assert before.finished_record("ck-b", now=31.0) is None
+    before.on_restore(now=0.5, checkpoint_id=None)
+    records.append(before.event_record(before.events[0]))
+
+    after = CheckpointHistory(wall_offset_s=OFFSET, epoch=2)
+    torn = '{"history_version": 1, "kind": "chec'
+    taken = after.load_past([*records, torn, {"history_version": 99, "kind": "event"}, 7])
+    assert taken == len(records)
+    after.on_restore(now=1.0, checkpoint_id="ck-a")
+    walk(after, "ck-c", (S.NEW, S.RELEASE, S.SKIPPED), 2.0)
+    shown = after.rows_json(now=10.0)
+    assert [(r["checkpoint_id"], r["status"], r["epoch"]) for r in shown] == [
+        ("ck-c", "skipped", 2),
+        ("ck-b", "interrupted", 1),
+        ("ck-a", "published", 1),
+    ]
+    assert "participants" not in shown[2]
+    past = after.get_json("ck-a", now=10.0)
+    assert past is not None and past["triggered_at"] == OFFSET + 1.0
+    overview = after.overview()
+    assert overview["counts"]["interrupted"] == 1  # type: ignore[index]
+    assert overview["counts"]["triggered"] == 3  # type: ignore[index]
+    assert overview["latest"] == {
+        "published": "ck-a", "failed": None, "skipped": "ck-c", "restored": "ck-a",
+    }  # fmt: skip
+    assert [e["kind"] for e in after.events_json()] == ["fresh_start", "restore"]  # type: ignore[index]
+    assert after.summary()["published"] == 1

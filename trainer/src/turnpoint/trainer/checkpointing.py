@@ -41,10 +41,12 @@ from turnpoint.trainer.restore.choice import METRICS_KEY
 from turnpoint.trainer.restore.restorer import AnchorLoader, RestorePlan, Restorer, apply_plan
 from turnpoint.trainer.rollouts.client import AgentEndpoint, RolloutClient
 from turnpoint.trainer.rollouts.values import Rollout, RolloutClientSettings, RolloutResult
+from turnpoint.trainer.snapshots.attempt import SnapshotState
 from turnpoint.trainer.snapshots.driver import SnapshotDriver, TransitionCallback
 from turnpoint.trainer.snapshots.pump import SnapshotPump
 from turnpoint.trainer.snapshots.report import SnapshotOutcome, SnapshotReport
-from turnpoint.trainer.status.history import CheckpointHistory
+from turnpoint.trainer.status.history import HISTORY_FILE, CheckpointHistory
+from turnpoint.trainer.status.log import HistoryLog, read_history
 from turnpoint.trainer.storage.layout import SnapshotLayout
 from turnpoint.trainer.storage.manifest import JSONValue
 from turnpoint.trainer.weights.core import WeightSyncSettings
@@ -216,6 +218,7 @@ class Checkpointing:
         self._snapshot_metrics = snapshot_metrics
         self._status: StatusServer | None = None
         self.history = CheckpointHistory(wall_offset_s=time.time() - time.monotonic())
+        self._history_log: HistoryLog | None = None
         self._participants = participants
         self._token = token
         self._anchor = anchor
@@ -262,6 +265,12 @@ class Checkpointing:
         root = config.snapshot_root
         identity = await asyncio.to_thread(bump_epoch, root)
         self.history.epoch = identity.epoch
+        # Earlier processes' attempts and restores, then this one's appended after them.
+        history_path = root / HISTORY_FILE
+        self.history.load_past(await asyncio.to_thread(read_history, history_path))
+        log = self._history_log = HistoryLog(history_path)
+        log.start()
+        self._stack.push_async_callback(log.aclose)
         hooks = self._testing_hooks
         layout = SnapshotLayout(root, after_step=hooks.after_publish_step if hooks else None)
         if self._status_port is not None:
@@ -332,6 +341,7 @@ class Checkpointing:
             resumed_rollouts=resumed.resumed_rollouts,
             rerun_rollouts=resumed.rerun_rollouts,
         )
+        log.append(self.history.event_record(self.history.events[-1]))
         driver = SnapshotDriver(
             coordinator=coordinator,
             rollouts=rollouts,
@@ -345,6 +355,7 @@ class Checkpointing:
         )
         driver.adopt_restore(plan)
         driver.subscribe(self.history.on_transition)
+        driver.subscribe(self._log_started)
         if self._on_transition is not None:
             driver.subscribe(self._on_transition)
         if hooks is not None:
@@ -385,6 +396,12 @@ class Checkpointing:
     def status_address(self) -> str | None:
         """The status page's address (``http://host:port/``), once :meth:`open` started it."""
         return None if self._status is None else self._status.address
+
+    def _log_started(
+        self, attempt: str, old: SnapshotState, _new: SnapshotState, _now: float
+    ) -> None:
+        if old is SnapshotState.NEW and self._history_log is not None:
+            self._history_log.append(self.history.started_record(attempt))
 
     def _manifest_extra(self, sync: WeightSync) -> dict[str, JSONValue]:
         extra = sync.snapshot_extra()
@@ -539,6 +556,10 @@ class Checkpointing:
             report = await self._pump.tick()
         self.reports.append(report)
         self.history.on_report(report)
+        if self._history_log is not None:
+            self._history_log.append(
+                self.history.finished_record(report.checkpoint_id, now=time.monotonic())
+            )
         if self._on_snapshot is not None:
             self._on_snapshot(report)
         if report.outcome is not SnapshotOutcome.PUBLISHED:
@@ -571,6 +592,8 @@ class Checkpointing:
             )
         except ParticipantLostError as error:
             self.history.on_lost(error.lost, time.monotonic(), error.message)
+            if self._history_log is not None:
+                self._history_log.append(self.history.event_record(self.history.events[-1]))
             if self._on_participant_lost is not None:
                 self._on_participant_lost(error)
             raise

@@ -14,8 +14,16 @@ for people (``wall = now + wall_offset_s``, fixed when the history is made).
 - each attempt's report (:meth:`on_report`): outcome, reason, detail, who caused it;
 - the restore at open (:meth:`on_restore`) and participants lost (:meth:`on_lost`).
 
-It keeps the newest ``keep`` rows; the counts cover the whole job. Rendering is
-:meth:`overview`, :meth:`rows`, :meth:`row` and :meth:`summary`, plain JSON values.
+It keeps the newest ``keep`` rows; the counts cover the whole process. Rendering is
+:meth:`overview`, :meth:`rows_json`, :meth:`get_json`, :meth:`summary` and
+:meth:`events_json`, plain JSON values.
+
+Across restarts (docs/spec.md section 7.13.5) the trainer appends what this history
+gives it as records (:meth:`started_record`, :meth:`finished_record`,
+:meth:`event_record`) to :data:`HISTORY_FILE` under the snapshot root, and the next
+process loads them (:meth:`load_past`): earlier processes' rows and events are shown
+after this one's, and an attempt that started but never finished (the process ended in
+it: a crash) is shown ``interrupted``.
 """
 
 from __future__ import annotations
@@ -35,6 +43,12 @@ if TYPE_CHECKING:
 # The control operations whose per-participant times a row keeps (docs/spec.md 7.13.2).
 TIMED_OPERATIONS: Final = ("prepare", "commit", "resume")
 IN_PROGRESS: Final = "in_progress"
+INTERRUPTED: Final = "interrupted"
+STATUSES: Final = frozenset({IN_PROGRESS, "published", "skipped", "failed", INTERRUPTED})
+HISTORY_FILE: Final = "history.jsonl"
+"""Under the snapshot root: one record per line (docs/spec.md section 7.13.5)."""
+HISTORY_VERSION: Final = 1
+_PAST_EVENTS: Final = 200
 _S = SnapshotState
 
 
@@ -57,6 +71,7 @@ class CheckpointRow:
 
     checkpoint_id: str
     triggered_at: float  # monotonic
+    epoch: int = 0
     state: SnapshotState = _S.NEW
     state_since: float = 0.0
     phases: dict[str, float] = field(default_factory=dict)
@@ -125,6 +140,9 @@ class CheckpointHistory:
         self.admission_open = True
         self.admission_since: float | None = None
         self._open_attempt: str | None = None
+        # Earlier processes' rows (rendered, oldest first) and events.
+        self._past: OrderedDict[str, dict[str, JSONValue]] = OrderedDict()
+        self._past_events: list[dict[str, JSONValue]] = []
 
     # -- feeding -------------------------------------------------------------------------
 
@@ -134,7 +152,7 @@ class CheckpointHistory:
         """One transition of one attempt (the driver's subscriber signature)."""
         row = self._rows.get(attempt_id)
         if old is _S.NEW or row is None:
-            row = CheckpointRow(attempt_id, triggered_at=now, state_since=now)
+            row = CheckpointRow(attempt_id, triggered_at=now, epoch=self.epoch, state_since=now)
             self._rows[attempt_id] = row
             self._rows.move_to_end(attempt_id)
             self._counts["triggered"] += 1
@@ -260,21 +278,57 @@ class CheckpointHistory:
     def get(self, checkpoint_id: str) -> CheckpointRow | None:
         return self._rows.get(checkpoint_id)
 
+    def get_json(self, checkpoint_id: str, *, now: float) -> dict[str, JSONValue] | None:
+        """One attempt with its participants: this process's, else an earlier one's."""
+        row = self._rows.get(checkpoint_id)
+        if row is not None:
+            return self.row_json(row, now=now, participants=True)
+        past = self._past.get(checkpoint_id)
+        return None if past is None else dict(past)
+
     def overview(self) -> dict[str, JSONValue]:
-        restores = [e for e in self.events if e.kind == "restore"]
-        counts: dict[str, JSONValue] = dict(self._counts)
-        counts["in_progress"] = 0 if self._open_attempt is None else 1
-        counts["restored"] = len(restores)
-        latest: dict[str, JSONValue] = {
-            status: self._latest.get(status) for status in ("published", "failed", "skipped")
-        }
-        latest["restored"] = restores[-1].checkpoint_id if restores else None
-        return {"counts": counts, "latest": latest}
+        restores = [e.checkpoint_id for e in self.events if e.kind == "restore"]
+        past_restores = [
+            e.get("checkpoint_id") for e in self._past_events if e.get("kind") == "restore"
+        ]
+        counts: dict[str, int] = dict(self._counts)
+        counts[INTERRUPTED] = 0
+        for past in self._past.values():
+            counts["triggered"] += 1
+            status = str(past.get("status"))
+            if status in counts:
+                counts[status] += 1
+        latest: dict[str, JSONValue] = {}
+        for status in ("published", "failed", "skipped"):
+            found: JSONValue = self._latest.get(status)
+            if found is None:
+                found = next(
+                    (k for k, v in reversed(self._past.items()) if v.get("status") == status),
+                    None,
+                )
+            latest[status] = found
+        every_restore = [*past_restores, *restores]
+        latest["restored"] = every_restore[-1] if every_restore else None
+        shown: dict[str, JSONValue] = dict(counts)
+        shown["in_progress"] = 0 if self._open_attempt is None else 1
+        shown["restored"] = len(every_restore)
+        return {"counts": shown, "latest": latest}
 
     def rows(self, *, status: str | None = None, limit: int | None = None) -> list[CheckpointRow]:
-        """Newest first; ``status`` one of the statuses (``in_progress`` included)."""
+        """This process's rows, newest first; ``status`` one of :data:`STATUSES`."""
         chosen = [row for row in reversed(self._rows.values()) if status in (None, row.status)]
         return chosen if limit is None else chosen[:limit]
+
+    def rows_json(
+        self, *, now: float, status: str | None = None, limit: int | None = None
+    ) -> list[dict[str, JSONValue]]:
+        """Every row without its participants, newest first: this process's, then the
+        earlier ones'."""
+        shown = [self.row_json(r, now=now, participants=False) for r in self.rows(status=status)]
+        for past in reversed(self._past.values()):
+            if status in (None, past.get("status")):
+                shown.append({k: v for k, v in past.items() if k != "participants"})
+        return shown if limit is None else shown[:limit]
 
     def row_json(
         self, row: CheckpointRow, *, now: float, participants: bool
@@ -287,6 +341,7 @@ class CheckpointHistory:
         answered = [p.answered_at for p in row.participants.values() if p.answered_at is not None]
         out: dict[str, JSONValue] = {
             "checkpoint_id": row.checkpoint_id,
+            "epoch": row.epoch,
             "status": row.status,
             "state": row.state.value,
             "reason": row.reason,
@@ -324,37 +379,146 @@ class CheckpointHistory:
         return out
 
     def summary(self) -> dict[str, JSONValue]:
-        """Minimum, average and maximum over the published rows kept."""
-        published = [row for row in self._rows.values() if row.state is _S.PUBLISHED]
+        """Minimum, average and maximum over the published rows kept (every process's)."""
+        published = [
+            row
+            for row in self.rows_json(now=0.0, status="published")
+            if isinstance(row.get("duration_s"), int | float)
+        ]
         measures: dict[str, list[float]] = {
-            "duration_s": [row.total_s or 0.0 for row in published],
-            "admission_closed_s": [row.admission_closed_s for row in published],
-            "bytes_written": [float(row.bytes_written) for row in published],
-            "episodes_exported": [float(row.episodes_exported) for row in published],
+            name: [_number(row.get(name)) for row in published]
+            for name in ("duration_s", "admission_closed_s", "bytes_written", "episodes_exported")
         }
         for row in published:
-            for phase, seconds in row.phases.items():
-                measures.setdefault(f"phase_{phase}_s", []).append(seconds)
+            phases = row.get("phases_s")
+            if isinstance(phases, dict):
+                for phase, seconds in phases.items():
+                    if isinstance(seconds, int | float):
+                        measures.setdefault(f"phase_{phase}_s", []).append(float(seconds))
         return {
             "published": len(published),
             "measures": {name: _min_avg_max(values) for name, values in measures.items()},
         }
 
     def events_json(self) -> list[JSONValue]:
-        return [
-            {
-                "kind": event.kind,
-                "at": self.wall(event.at),
-                "epoch": event.epoch,
-                "checkpoint_id": event.checkpoint_id,
-                "restore_s": event.restore_s,
-                "resumed_rollouts": event.resumed_rollouts,
-                "rerun_rollouts": event.rerun_rollouts,
-                "participants": list(event.participants),
-                "detail": event.detail,
-            }
-            for event in self.events
-        ]
+        past: list[JSONValue] = [dict(e) for e in self._past_events]
+        return past + [self._event_json(event) for event in self.events]
+
+    def _event_json(self, event: RestoreEvent) -> dict[str, JSONValue]:
+        return {
+            "kind": event.kind,
+            "at": self.wall(event.at),
+            "epoch": event.epoch,
+            "checkpoint_id": event.checkpoint_id,
+            "restore_s": event.restore_s,
+            "resumed_rollouts": event.resumed_rollouts,
+            "rerun_rollouts": event.rerun_rollouts,
+            "participants": list(event.participants),
+            "detail": event.detail,
+        }
+
+    # -- across restarts -----------------------------------------------------------------
+
+    def started_record(self, checkpoint_id: str) -> dict[str, JSONValue] | None:
+        """What to append when an attempt starts: shown interrupted if nothing follows."""
+        row = self._rows.get(checkpoint_id)
+        if row is None:
+            return None
+        return {
+            "history_version": HISTORY_VERSION,
+            "kind": "started",
+            "checkpoint_id": checkpoint_id,
+            "epoch": row.epoch,
+            "triggered_at": self.wall(row.triggered_at),
+        }
+
+    def finished_record(self, checkpoint_id: str, *, now: float) -> dict[str, JSONValue] | None:
+        """What to append once an attempt's report is in: its row with participants."""
+        row = self._rows.get(checkpoint_id)
+        if row is None or not row.state.final:
+            return None
+        return {
+            "history_version": HISTORY_VERSION,
+            "kind": "checkpoint",
+            "checkpoint": self.row_json(row, now=now, participants=True),
+        }
+
+    def event_record(self, event: RestoreEvent) -> dict[str, JSONValue]:
+        return {
+            "history_version": HISTORY_VERSION,
+            "kind": "event",
+            "event": self._event_json(event),
+        }
+
+    def load_past(self, records: Iterable[object]) -> int:
+        """Earlier processes' records, oldest first; what is not a record of this
+        version is skipped (a torn last line, a later version). Returns how many were
+        taken."""
+        taken = 0
+        for record in records:
+            if not isinstance(record, dict) or record.get("history_version") != HISTORY_VERSION:
+                continue
+            kind = record.get("kind")
+            if kind == "started":
+                name, epoch = record.get("checkpoint_id"), record.get("epoch")
+                if not isinstance(name, str) or not isinstance(epoch, int):
+                    continue
+                triggered = record.get("triggered_at")
+                self._past.pop(name, None)
+                self._past[name] = _interrupted(
+                    name, epoch, triggered if isinstance(triggered, int | float) else None
+                )
+            elif kind == "checkpoint":
+                row = record.get("checkpoint")
+                if not isinstance(row, dict) or not isinstance(row.get("checkpoint_id"), str):
+                    continue
+                if row.get("status") not in STATUSES:
+                    continue
+                # An attempt that started keeps its place (where it started).
+                self._past[str(row["checkpoint_id"])] = dict(row)
+            elif kind == "event":
+                event = record.get("event")
+                if not isinstance(event, dict):
+                    continue
+                self._past_events.append(dict(event))
+            else:
+                continue
+            taken += 1
+        while len(self._past) > self._keep:
+            del self._past[next(iter(self._past))]
+        del self._past_events[:-_PAST_EVENTS]
+        return taken
+
+
+def _interrupted(
+    checkpoint_id: str, epoch: int, triggered_at: float | None
+) -> dict[str, JSONValue]:
+    return {
+        "checkpoint_id": checkpoint_id,
+        "epoch": epoch,
+        "status": INTERRUPTED,
+        "state": None,
+        "reason": None,
+        "detail": "the trainer process ended during this attempt (a crash or a kill)",
+        "caused_by": [],
+        "retry_of": None,
+        "triggered_at": triggered_at,
+        "latest_acknowledgement_at": None,
+        "ended_at": None,
+        "duration_s": None,
+        "phases_s": {},
+        "admission_closed_s": 0.0,
+        "bytes_written": 0,
+        "records_written": 0,
+        "episodes_exported": 0,
+        "continued": 0,
+        "restarts": 0,
+        "participants": {},
+    }
+
+
+def _number(value: JSONValue) -> float:
+    return float(value) if isinstance(value, int | float) else 0.0
 
 
 def _min_avg_max(values: list[float]) -> JSONValue:

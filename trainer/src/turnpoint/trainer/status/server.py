@@ -29,7 +29,7 @@ from aiohttp import web
 from turnpoint.ids import InvalidIdError, validate_id
 from turnpoint.trainer.restore.choice import Candidate, RestoreChoice, rank_candidates
 from turnpoint.trainer.restore.restorer import published_candidates
-from turnpoint.trainer.status.history import IN_PROGRESS, CheckpointHistory
+from turnpoint.trainer.status.history import STATUSES, CheckpointHistory
 from turnpoint.trainer.storage.layout import SnapshotLayout
 from turnpoint.trainer.storage.manifest import JSONValue, ManifestError
 from turnpoint.trainer.storage.verify import first_mismatch
@@ -44,7 +44,6 @@ _LOG = logging.getLogger(__name__)
 
 API_VERSION: Final = 1
 MAX_LIMIT: Final = 1000
-STATUSES: Final = frozenset({IN_PROGRESS, "published", "skipped", "failed"})
 _TRUE: Final = {"1": True, "true": True, "0": False, "false": False}
 _TYPES: Final = {
     ".html": "text/html",
@@ -278,23 +277,18 @@ class StatusApi:
             limit = int(raw)
         history = self.sources.history
         now = time.monotonic()
-        rows = history.rows(status=status, limit=limit)
+        rows: list[JSONValue] = list(history.rows_json(now=now, status=status, limit=limit))
         return _ok(
-            {
-                "overview": history.overview(),
-                "summary": history.summary(),
-                "checkpoints": [history.row_json(r, now=now, participants=False) for r in rows],
-            }
+            {"overview": history.overview(), "summary": history.summary(), "checkpoints": rows}
         )
 
     async def checkpoint(self, request: web.Request) -> web.StreamResponse:
         _query(request, frozenset())
         checkpoint_id = _snapshot_name(request.match_info["checkpoint_id"])
-        history = self.sources.history
-        row = history.get(checkpoint_id)
+        row = self.sources.history.get_json(checkpoint_id, now=time.monotonic())
         if row is None:
-            raise web.HTTPNotFound(reason=f"no checkpoint {checkpoint_id} in this run's history")
-        return _ok({"checkpoint": history.row_json(row, now=time.monotonic(), participants=True)})
+            raise web.HTTPNotFound(reason=f"no checkpoint {checkpoint_id} in the job's history")
+        return _ok({"checkpoint": row})
 
     # -- what is on storage ------------------------------------------------------------
 

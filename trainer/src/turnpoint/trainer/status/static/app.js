@@ -69,7 +69,8 @@ function drawOverview(job) {
   const cards = [
     ["triggered", counts.triggered], ["in progress", counts.in_progress],
     ["published", counts.published], ["failed", counts.failed],
-    ["skipped", counts.skipped], ["restored", counts.restored],
+    ["skipped", counts.skipped], ["interrupted", counts.interrupted],
+    ["restored", counts.restored],
   ].map(([name, value]) => {
     const card = el("div", null, "card");
     card.dataset.count = name;
@@ -162,16 +163,17 @@ function drawHistory(body) {
     if (row.checkpoint_id === selected) tr.className = "selected";
     tr.append(
       el("td", row.checkpoint_id),
+      el("td", row.epoch),
       el("td", row.status.replace("_", " "), "status-" + row.status),
       el("td", row.reason ? row.reason + (row.caused_by.length ? " (" + row.caused_by.join(", ") + ")" : "") : ""),
       el("td", clock(row.triggered_at)),
       el("td", clock(row.latest_acknowledgement_at)),
       el("td", seconds(row.duration_s)),
-      el("td", seconds(row.admission_closed_s)),
+      el("td", row.status === "interrupted" ? "" : seconds(row.admission_closed_s)),
       el("td", bytes(row.bytes_written)),
       el("td", row.records_written),
       el("td", row.episodes_exported),
-      phaseBar(row.phases_s, row.duration_s),
+      phaseBar(row.phases_s, row.duration_s || 0),
     );
     tr.addEventListener("click", () => select(row.checkpoint_id));
     return tr;
