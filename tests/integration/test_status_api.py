@@ -5,6 +5,7 @@ storage verify, and bad input gets a 4xx JSON answer, never a traceback or a fil
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,8 @@ def facade(
     participants: Mapping[str, str],
     model: torch.nn.Module,
     reward: list[float] | None = None,
+    *,
+    watch_liveness: bool = False,
     **options: Any,
 ) -> Checkpointing:
     return Checkpointing(
@@ -49,6 +52,7 @@ def facade(
         periodic=False,
         metrics=CoordinatorMetrics(CollectorRegistry()),
         status_port=0,
+        watch_liveness=watch_liveness,
         snapshot_metrics=lambda: {"mean_reward": reward[0]} if reward else {},
     )
 
@@ -167,6 +171,41 @@ async def test_history_failure_and_restore_are_served_beside_the_metrics(
                 "restore_from": "best:mean_reward",
                 "order": [published.checkpoint_id, newer.checkpoint_id],
             }
+
+
+async def test_the_job_shows_each_participant_s_phase_lease_and_admission(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "p"
+    model = torch.nn.Linear(2, 2)
+    async with (
+        start_topology(root, agents=1, group_size=GROUP_SIZE) as topology,
+        aiohttp.ClientSession() as session,
+    ):
+        participants = {n: h.address for n, h in topology.participants.items()}
+        async with facade(
+            root,
+            participants,
+            model,
+            watch_liveness=True,
+            liveness_interval_s=0.2,
+            participant_lost_after_s=30.0,
+        ) as ckpt:
+            url = f"{ckpt.status_address}api/job"
+            # Poll (bounded) until the liveness watch's first round has answered.
+            async with asyncio.timeout(BOUND_S):
+                while True:
+                    code, body = await get(session, url)
+                    assert code == 200, body
+                    shown = body["job"]["participants"]
+                    if all(p["status"] is not None for p in shown.values()):
+                        break
+                    await asyncio.sleep(0.05)
+    assert set(shown) == set(participants)
+    for participant in shown.values():
+        assert participant["status"]["phase"] == "idle"
+        assert participant["status"]["admission_open"] is True
+        assert participant["status"]["lease_expires_at"] is None
 
 
 @pytest.mark.parametrize(

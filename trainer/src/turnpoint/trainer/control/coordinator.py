@@ -154,6 +154,19 @@ class PrepareProgress:
     waiting: Mapping[str, ReadinessReport | None]
 
 
+@dataclass(frozen=True, slots=True)
+class ParticipantStatus:
+    """A participant's latest answer to the liveness watch's ``GetStatus`` (section 7.11):
+    its phase, the id it has open, its lease and its admission, when it answered."""
+
+    phase: str
+    active_checkpoint_id: str
+    lease_expires_at: float | None  # wall-clock seconds; None when idle
+    admission_open: bool
+    lease_expiries: int
+    answered_at: float  # monotonic
+
+
 class Coordinator:
     """Drives control operations on every participant of a training run.
 
@@ -207,6 +220,7 @@ class Coordinator:
         self._levels: Mapping[str, LevelDecision] = MappingProxyType({})
         self._warned_levels: dict[str, LevelDecision] = {}
         self._watchers: list[ControlWatcher] = []
+        self._statuses: dict[str, ParticipantStatus] = {}
         # The prepare under way (its id, start and each participant's readiness).
         self._preparing: tuple[str, float, Mapping[str, Readiness]] | None = None
 
@@ -538,13 +552,31 @@ class Coordinator:
         def request(_name: str) -> pb.GetStatusRequest:
             return pb.GetStatusRequest()
 
-        return await fan_out(
+        result: FanoutResult[pb.GetStatusResponse] = await fan_out(
             clients,
             request,
             deadline_s=timeout_s,
             per_call_timeout_s=timeout_s,
             concurrency=self.config.fanout_concurrency,
         )
+        now = time.monotonic()
+        for name, response in result.responses.items():
+            if isinstance(response, pb.GetStatusResponse):
+                self._statuses[name] = ParticipantStatus(
+                    phase=types_pb2.Phase.Name(response.phase).removeprefix("PHASE_").lower(),
+                    active_checkpoint_id=response.active_checkpoint_id,
+                    lease_expires_at=response.lease_expires_at.ToNanoseconds() / 1e9
+                    if response.HasField("lease_expires_at")
+                    else None,
+                    admission_open=response.admission_open,
+                    lease_expiries=response.lease_expiries,
+                    answered_at=now,
+                )
+        return result
+
+    def statuses(self) -> Mapping[str, ParticipantStatus]:
+        """Each participant's latest status answer (the liveness watch's), if any."""
+        return MappingProxyType(dict(self._statuses))
 
     # -- restore (docs/spec.md section 7.7) --------------------------------------------
 

@@ -197,13 +197,25 @@ class StatusApi:
                 "epoch": coordinator.identity.epoch,
             }
             topology = coordinator.discovered
+            statuses = coordinator.statuses()
             for name, address in sorted(coordinator.endpoints.items()):
                 info = topology.participants.get(name) if topology is not None else None
+                seen = statuses.get(name)
                 participants[name] = {
                     "address": address,
                     "kind": info.kind.value.lower() if info is not None else None,
                     "incarnation": info.incarnation if info is not None else None,
                     "environment": info.environment if info is not None else None,
+                    "status": None
+                    if seen is None
+                    else {
+                        "phase": seen.phase,
+                        "active_checkpoint_id": seen.active_checkpoint_id or None,
+                        "lease_expires_at": seen.lease_expires_at,
+                        "admission_open": seen.admission_open,
+                        "lease_expiries": seen.lease_expiries,
+                        "answered_at": history.wall(seen.answered_at),
+                    },
                 }
         config = sources.config
         return _ok(

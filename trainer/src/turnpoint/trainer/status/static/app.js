@@ -90,6 +90,19 @@ function drawOverview(job) {
     "rollout admission " + (admission.open ? "open" : "CLOSED") +
     (admission.since ? " since " + clock(admission.since) : "");
   const participants = Object.keys(job.participants);
+  fill(document.querySelector("#participants tbody"), participants.map((name) => {
+    const p = job.participants[name];
+    const status = p.status || {};
+    const tr = el("tr");
+    tr.dataset.participant = name;
+    tr.append(
+      el("td", name), el("td", p.kind || "–"), el("td", status.phase || "not probed"),
+      el("td", status.active_checkpoint_id || ""), el("td", clock(status.lease_expires_at)),
+      el("td", status.admission_open === undefined ? "–" : status.admission_open ? "open" : "closed"),
+      el("td", status.lease_expiries ?? "–"), el("td", clock(status.answered_at)), el("td", p.address),
+    );
+    return tr;
+  }));
   document.getElementById("job-line").textContent =
     "epoch " + job.epoch + " · " + participants.length + " participant(s) · " +
     "restore from " + job.restore_from;
