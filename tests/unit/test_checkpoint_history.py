@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 from types import MappingProxyType
 
 import pytest
 
 from turnpoint.ids import EpisodeId
 from turnpoint.protocol import ArtifactRef, ParticipantKind
+from turnpoint.trainer.config import ConfigError, CoordinatorConfig
 from turnpoint.trainer.restore.choice import (
     Candidate,
     RestoreChoice,
@@ -262,3 +264,10 @@ def test_an_earlier_process_shows_its_rows_and_an_attempt_it_never_finished() ->
     }  # fmt: skip
     assert [e["kind"] for e in after.events_json()] == ["fresh_start", "restore"]  # type: ignore[index]
     assert after.summary()["published"] == 1
+
+
+def test_a_bad_restore_choice_is_a_configuration_error_naming_the_key(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="restore_from: restore choice 'newest'"):
+        CoordinatorConfig(snapshot_root=tmp_path, restore_from="newest")
+    chosen = CoordinatorConfig(snapshot_root=tmp_path, restore_from="best:-loss")
+    assert RestoreChoice.parse(chosen.restore_from).lowest

@@ -17,7 +17,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final, Literal
 
+from turnpoint.errors import Reason
 from turnpoint.ids import InvalidIdError, validate_id
+from turnpoint.trainer.errors import CoordinatorError
 from turnpoint.trainer.storage.manifest import JSONValue
 
 METRICS_KEY: Final = "metrics"
@@ -26,8 +28,18 @@ METRICS_KEY: Final = "metrics"
 _METRIC_NAME_MAX: Final = 64
 
 
-class RestoreChoiceError(ValueError):
+class RestoreChoiceError(CoordinatorError):
     """A restore choice that cannot be parsed (a configuration or request error)."""
+
+    def __init__(self, text: str, why: str) -> None:
+        self.text = text
+        self.why = why
+        super().__init__(
+            Reason.INVALID_ARGUMENT, f"restore choice {text!r}: {why}", {"restore_from": text}
+        )
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.text, self.why))
 
 
 @dataclass(frozen=True, slots=True)
@@ -48,7 +60,7 @@ class RestoreChoice:
             try:
                 validate_id(rest, "snapshot")
             except InvalidIdError as error:
-                raise RestoreChoiceError(f"restore choice {text!r}: {error}") from None
+                raise RestoreChoiceError(text, str(error)) from None
             return cls("snapshot", snapshot=rest)
         if sep and kind == "best":
             lowest = rest.startswith("-")
@@ -59,13 +71,12 @@ class RestoreChoice:
                 or not all(c.isalnum() or c in "_.-" for c in name)
             ):
                 raise RestoreChoiceError(
-                    f"restore choice {text!r}: the metric must be 1-{_METRIC_NAME_MAX} "
-                    "letters, digits, '_', '.' or '-'"
+                    text,
+                    f"the metric must be 1-{_METRIC_NAME_MAX} letters, digits, '_', '.' or '-'",
                 )
             return cls("best", metric=name, lowest=lowest)
         raise RestoreChoiceError(
-            f"restore choice {text!r}: use 'latest', 'snapshot:<id>', 'best:<metric>' "
-            "or 'best:-<metric>'"
+            text, "use 'latest', 'snapshot:<id>', 'best:<metric>' or 'best:-<metric>'"
         )
 
     def __str__(self) -> str:

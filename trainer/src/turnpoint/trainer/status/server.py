@@ -86,7 +86,7 @@ def _ok(body: dict[str, JSONValue]) -> web.Response:
     )
 
 
-class BadRequest(Exception):
+class _BadRequest(Exception):
     """A request the API refuses (400), with what to change."""
 
 
@@ -97,7 +97,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 async def _errors_as_json(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
-    except BadRequest as error:
+    except _BadRequest as error:
         return _error(400, str(error))
     except web.HTTPException as error:
         if error.status < 400:
@@ -114,20 +114,20 @@ async def _errors_as_json(request: web.Request, handler: Handler) -> web.StreamR
 def _query(request: web.Request, allowed: frozenset[str]) -> Mapping[str, str]:
     unknown = sorted(set(request.query) - allowed)
     if unknown:
-        raise BadRequest(
+        raise _BadRequest(
             f"unknown query parameter(s) {', '.join(unknown)}; allowed: "
             + (", ".join(sorted(allowed)) or "none")
         )
     for name in request.query:
         if len(request.query.getall(name)) > 1:
-            raise BadRequest(f"query parameter {name} given more than once")
+            raise _BadRequest(f"query parameter {name} given more than once")
     return request.query
 
 
 def _flag(query: Mapping[str, str], name: str) -> bool:
     raw = query.get(name, "0")
     if raw not in _TRUE:
-        raise BadRequest(f"{name} must be 0, 1, true or false, got {raw[:32]!r}")
+        raise _BadRequest(f"{name} must be 0, 1, true or false, got {raw[:32]!r}")
     return _TRUE[raw]
 
 
@@ -135,7 +135,7 @@ def _snapshot_name(raw: str) -> str:
     try:
         return validate_id(raw, "snapshot")
     except InvalidIdError as error:
-        raise BadRequest(str(error)[:300]) from None
+        raise _BadRequest(str(error)[:300]) from None
 
 
 class StatusApi:
@@ -278,14 +278,14 @@ class StatusApi:
         query = _query(request, frozenset({"status", "limit"}))
         status = query.get("status")
         if status is not None and status not in STATUSES:
-            raise BadRequest(
+            raise _BadRequest(
                 f"status must be one of {', '.join(sorted(STATUSES))}, got {status[:32]!r}"
             )
         limit = 100
         if "limit" in query:
             raw = query["limit"]
             if not raw.isdigit() or len(raw) > 6 or not 1 <= int(raw) <= MAX_LIMIT:
-                raise BadRequest(f"limit must be an integer from 1 to {MAX_LIMIT}")
+                raise _BadRequest(f"limit must be an integer from 1 to {MAX_LIMIT}")
             limit = int(raw)
         history = self.sources.history
         now = time.monotonic()
