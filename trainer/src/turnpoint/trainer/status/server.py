@@ -399,9 +399,8 @@ class StatusServer:
             await runner.cleanup()
             raise
         self._runner = runner
-        server = site._server  # aiohttp keeps the listening sockets here
-        sockets = getattr(server, "sockets", None) or ()
-        self.port = int(sockets[0].getsockname()[1]) if sockets else self._port
+        # The bound port (port 0 picks a free one).
+        self.port = int(runner.addresses[0][1])
         return self.address
 
     async def close(self) -> None:
