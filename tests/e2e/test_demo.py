@@ -155,10 +155,16 @@ def assert_the_status_history_shows_the_crash_and_every_snapshot(run: Run) -> No
         for checkpoint_id in published(run, incarnation):
             assert rows[checkpoint_id]["status"] == "published", rows.get(checkpoint_id)
             assert rows[checkpoint_id]["epoch"] == incarnation
-    restores = [e for e in history.events_json() if e["kind"] == "restore"]  # type: ignore[index]
-    assert [(e["epoch"], e["checkpoint_id"]) for e in restores] == [  # type: ignore[index]
-        (2, run.only("restore", 2)["checkpoint_id"])
+    events = [(e["kind"], e["epoch"]) for e in history.events_json()]  # type: ignore[index]
+    # The crash of the first trainer, the second's restore and its clean close.
+    assert events == [
+        ("fresh_start", 1),
+        ("trainer_ended", 1),
+        ("restore", 2),
+        ("trainer_closed", 2),
     ]
+    restore = next(e for e in history.events_json() if e["kind"] == "restore")  # type: ignore[index]
+    assert restore["checkpoint_id"] == run.only("restore", 2)["checkpoint_id"]  # type: ignore[index]
 
 
 def test_long_generations_cut_at_each_snapshot_pass_the_token_audit(tmp_path: Path) -> None:

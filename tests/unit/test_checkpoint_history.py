@@ -262,7 +262,8 @@ def test_an_earlier_process_shows_its_rows_and_an_attempt_it_never_finished() ->
     assert overview["latest"] == {
         "published": "ck-a", "failed": None, "skipped": "ck-c", "restored": "ck-a",
     }  # fmt: skip
-    assert [e["kind"] for e in after.events_json()] == ["fresh_start", "restore"]  # type: ignore[index]
+    kinds = [(e["kind"], e["epoch"]) for e in after.events_json()]  # type: ignore[index]
+    assert kinds == [("fresh_start", 1), ("trainer_ended", 1), ("restore", 2)]
     assert after.summary()["published"] == 1
 
 
@@ -271,3 +272,21 @@ def test_a_bad_restore_choice_is_a_configuration_error_naming_the_key(tmp_path: 
         CoordinatorConfig(snapshot_root=tmp_path, restore_from="newest")
     chosen = CoordinatorConfig(snapshot_root=tmp_path, restore_from="best:-loss")
     assert RestoreChoice.parse(chosen.restore_from).lowest
+
+
+def test_a_trainer_that_closed_is_not_reported_as_a_crash_and_one_that_did_not_is() -> None:
+    first = CheckpointHistory(wall_offset_s=0.0, epoch=1)
+    first.on_restore(now=1.0, checkpoint_id=None)
+    records = [first.event_record(first.events[-1]), first.closed_record(now=2.0)]
+    second = CheckpointHistory(wall_offset_s=0.0, epoch=2)
+    second.on_restore(now=3.0, checkpoint_id="ck-1")
+    records.append(second.event_record(second.events[-1]))  # then it crashes
+    third = CheckpointHistory(wall_offset_s=0.0, epoch=3)
+    third.load_past(records)
+    shown = [(e["kind"], e["epoch"]) for e in third.events_json()]  # type: ignore[index]
+    assert shown == [
+        ("fresh_start", 1),
+        ("trainer_closed", 1),
+        ("restore", 2),
+        ("trainer_ended", 2),
+    ]

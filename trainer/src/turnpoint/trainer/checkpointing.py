@@ -438,6 +438,9 @@ class Checkpointing:
                 task.cancel()
         # The ticker sees the stop at once between snapshots, and after the one under way.
         await asyncio.gather(*self._background, return_exceptions=True)
+        if self._history_log is not None and (finish_snapshot or self._preempted.is_set()):
+            # A clean close: the next trainer does not report this one as a crash.
+            self._history_log.append(self.history.closed_record(now=time.monotonic()))
         await self._stack.aclose()
         if ticker is not None and not ticker.cancelled() and ticker.exception() is not None:
             raise ticker.exception()  # type: ignore[misc]

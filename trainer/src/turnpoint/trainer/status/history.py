@@ -443,6 +443,15 @@ class CheckpointHistory:
             "checkpoint": self.row_json(row, now=now, participants=True),
         }
 
+    def closed_record(self, *, now: float) -> dict[str, JSONValue]:
+        """What to append when the trainer closes cleanly: a process whose last record
+        is not this one ended in a crash, a kill or a lost participant."""
+        return {
+            "history_version": HISTORY_VERSION,
+            "kind": "event",
+            "event": {"kind": "trainer_closed", "at": self.wall(now), "epoch": self.epoch},
+        }
+
     def event_record(self, event: RestoreEvent) -> dict[str, JSONValue]:
         return {
             "history_version": HISTORY_VERSION,
@@ -455,6 +464,9 @@ class CheckpointHistory:
         version is skipped (a torn last line, a later version). Returns how many were
         taken."""
         taken = 0
+        last_epoch: int | None = None
+        last_at: JSONValue = None
+        closed = False
         for record in records:
             if not isinstance(record, dict) or record.get("history_version") != HISTORY_VERSION:
                 continue
@@ -484,10 +496,50 @@ class CheckpointHistory:
             else:
                 continue
             taken += 1
+            epoch, at = _epoch_and_time(record)
+            if epoch is None:
+                continue
+            if epoch != last_epoch:
+                if last_epoch is not None and not closed:
+                    self._past_events.insert(
+                        -1 if kind == "event" else len(self._past_events),
+                        _ended(last_epoch, last_at),
+                    )
+                closed = False
+            last_epoch, last_at = epoch, at if at is not None else last_at
+            closed = closed or (kind == "event" and _kind_of(record) == "trainer_closed")
+        if last_epoch is not None and not closed:
+            # The last process left no clean close behind it.
+            self._past_events.append(_ended(last_epoch, last_at))
         while len(self._past) > self._keep:
             del self._past[next(iter(self._past))]
         del self._past_events[:-_PAST_EVENTS]
         return taken
+
+
+def _ended(epoch: int, at: JSONValue) -> dict[str, JSONValue]:
+    return {
+        "kind": "trainer_ended",
+        "at": at,
+        "epoch": epoch,
+        "detail": f"the trainer of epoch {epoch} ended without closing: a crash, a kill or "
+        "a lost participant",
+    }
+
+
+def _kind_of(record: Mapping[str, JSONValue]) -> JSONValue:
+    event = record.get("event")
+    return event.get("kind") if isinstance(event, dict) else None
+
+
+def _epoch_and_time(record: Mapping[str, JSONValue]) -> tuple[int | None, JSONValue]:
+    """The epoch a record belongs to and its latest time, whatever its kind."""
+    inner = record.get("checkpoint") or record.get("event") or record
+    if not isinstance(inner, dict):
+        return None, None
+    epoch = inner.get("epoch")
+    at = inner.get("ended_at") or inner.get("at") or inner.get("triggered_at")
+    return (epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else None), at
 
 
 def _interrupted(

@@ -114,6 +114,10 @@ function drawOverview(job) {
         " (" + event.resumed_rollouts + " resumed, " + event.rerun_rollouts + " rerun)";
     } else if (event.kind === "fresh_start") {
       text += "fresh start (nothing published yet)";
+    } else if (event.kind === "trainer_closed") {
+      text += "the trainer closed";
+    } else if (event.kind === "trainer_ended") {
+      text += "CRASH: " + event.detail;
     } else {
       text += "participant(s) lost: " + event.participants.join(", ") + " — " + event.detail;
     }
