@@ -6,9 +6,10 @@ attached as a trainer attaches it (the checkpoint history watching the coordinat
 API reading the history, the prepare under way and the snapshot root), in blocks of
 :data:`BLOCK` back-to-back rounds of two kinds, interleaved (quiet, polled, polled,
 quiet, quiet, polled, ...: drift of the machine's load falls on both kinds alike):
-**quiet** (nobody asks the server anything) and **polled** (a client thread asks
+**quiet** (nobody asks the server anything) and **polled** (a client asks
 ``/api/job``, ``/api/checkpoints`` and ``/api/snapshots`` every 100 ms the whole block
-through, more than the page does: it asks for the snapshots every 5 s). A round is
+through from another process, as a browser would, more than the page does: it asks for
+the snapshots every 5 s). A round is
 with its pause about as long as the polling interval, so nearly every polled round
 overlaps one round of requests. The figure is the median polled round over the median
 quiet round, a ratio taken within one run; the ratio of the means is reported beside
@@ -19,9 +20,8 @@ from __future__ import annotations
 
 import asyncio
 import statistics
-import threading
+import sys
 import time
-import urllib.request
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -79,41 +79,64 @@ class StatusPolling:
         }
 
 
+# The client: another process, as a browser is, so that only the server's work lands in
+# the trainer's process. It prints how many requests it has made after each round.
+_POLLER: Final = """
+import sys, time, urllib.request
+base, interval, paths = sys.argv[1], float(sys.argv[2]), sys.argv[3:]
+made = 0
+while True:
+    for path in paths:
+        with urllib.request.urlopen(base + path, timeout=10) as reply:
+            reply.read()
+        made += 1
+    print(made, flush=True)
+    time.sleep(interval)
+"""
+
+
 class _Poller:
-    """A client thread asking every path of the API each :data:`POLL_S` while on."""
+    """A client process asking every path of the API each :data:`POLL_S` while on."""
 
     def __init__(self, base: str) -> None:
         self._base = base
         self.requests = 0
-        self.failures: list[str] = []
 
     @asynccontextmanager
     async def polling(self) -> AsyncIterator[None]:
-        stop = threading.Event()
-        asked = threading.Event()
-        thread = threading.Thread(target=self._run, args=(stop, asked), daemon=True)
-        thread.start()
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-c",
+            _POLLER,
+            self._base,
+            str(POLL_S),
+            *PATHS,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        assert process.stdout is not None
+        made = 0
         try:
-            # The round starts once the server has answered a first round of requests
-            # (the loop must keep running meanwhile: it is the server's).
-            await asyncio.to_thread(asked.wait, _ROUND_TIMEOUT_S)
+            # The block starts once the server has answered a first round of requests.
+            first = await asyncio.wait_for(process.stdout.readline(), _ROUND_TIMEOUT_S)
+            if not first:
+                raise RuntimeError(f"the status API poller failed: {await _stderr(process)}")
+            made = int(first)
             yield
+            if process.returncode is not None:
+                raise RuntimeError(f"the status API poller failed: {await _stderr(process)}")
         finally:
-            stop.set()
-            await asyncio.to_thread(thread.join, _ROUND_TIMEOUT_S)
+            if process.returncode is None:
+                process.terminate()
+            rest, _ = await asyncio.wait_for(process.communicate(), _ROUND_TIMEOUT_S)
+            counts = [int(line) for line in rest.split()]
+            self.requests += counts[-1] if counts else made
 
-    def _run(self, stop: threading.Event, asked: threading.Event) -> None:
-        while True:
-            for path in PATHS:
-                try:
-                    with urllib.request.urlopen(self._base + path, timeout=10) as reply:
-                        reply.read()
-                    self.requests += 1
-                except OSError as error:
-                    self.failures.append(f"{path}: {error}")
-            asked.set()
-            if stop.wait(POLL_S):
-                return
+
+async def _stderr(process: asyncio.subprocess.Process) -> str:
+    assert process.stderr is not None
+    return (await process.stderr.read()).decode(errors="replace")[-500:]
 
 
 async def measure_status_polling(
@@ -165,8 +188,6 @@ async def measure_status_polling(
         finally:
             await server.close()
             await coordinator.close()
-    if poller.failures:
-        raise RuntimeError(f"the status API failed while polled: {poller.failures[0]}")
     result = StatusPolling(
         participants=n,
         rounds=rounds,
