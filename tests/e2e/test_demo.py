@@ -33,6 +33,8 @@ from turnpoint.apps.demo._kill_switch import KillPoint
 from turnpoint.apps.demo._supervisor import CRASH_POINTS
 from turnpoint.ids import checkpoint_sequence
 from turnpoint.trainer.snapshots.driver import EPOCH_STRIDE
+from turnpoint.trainer.status.history import HISTORY_FILE, CheckpointHistory
+from turnpoint.trainer.status.log import read_history
 
 pytestmark = pytest.mark.slow
 
@@ -138,6 +140,31 @@ def test_the_short_demo_crashes_restores_and_passes_the_audit(tmp_path: Path) ->
     assert [event["type"] for event in run.supervisor] == ["crash", "restart"]
     assert_restored_the_newest_published(run)
     assert run.only("done", 2)["step"] == 8
+    assert_the_status_history_shows_the_crash_and_every_snapshot(run)
+
+
+def assert_the_status_history_shows_the_crash_and_every_snapshot(run: Run) -> None:
+    """docs/spec.md section 7.13.5: the page's address was printed at start, and the
+    history both trainers kept (what the page shows) holds every snapshot of both and
+    the second trainer's restore of what the first published."""
+    assert "status page: http://127.0.0.1:" in run.stdout
+    history = CheckpointHistory(wall_offset_s=0.0, epoch=3)
+    history.load_past(read_history(run.out / "snapshots" / HISTORY_FILE))
+    rows = {row["checkpoint_id"]: row for row in history.rows_json(now=0.0)}
+    for incarnation in (1, 2):
+        for checkpoint_id in published(run, incarnation):
+            assert rows[checkpoint_id]["status"] == "published", rows.get(checkpoint_id)
+            assert rows[checkpoint_id]["epoch"] == incarnation
+    events = [(e["kind"], e["epoch"]) for e in history.events_json()]  # type: ignore[index]
+    # The crash of the first trainer, the second's restore and its clean close.
+    assert events == [
+        ("fresh_start", 1),
+        ("trainer_ended", 1),
+        ("restore", 2),
+        ("trainer_closed", 2),
+    ]
+    restore = next(e for e in history.events_json() if e["kind"] == "restore")  # type: ignore[index]
+    assert restore["checkpoint_id"] == run.only("restore", 2)["checkpoint_id"]  # type: ignore[index]
 
 
 @pytest.mark.parametrize("environment", ["blackjack", "workplace"])

@@ -6,7 +6,10 @@ whether it is the one ``LATEST`` names; then it verifies every digest the manife
 names: the trainer anchor's tree digest and, for each participant, its own manifest and
 records files (size and sha256 over the whole file). A snapshot is reported ``OK`` or
 with the first mismatch found. The command exits non-zero on any mismatch, so that it
-can guard a restore or a copy of the snapshot root in a script.
+can guard a restore or a copy of the snapshot root in a script. It ends with the restore
+candidates: the metrics each snapshot recorded and the order a restore by
+``--restore-from`` (latest, a named snapshot, the best by a metric) tries them in
+(docs/spec.md section 7.14), computed as the restorer computes it.
 
 The checks read everything they hash (blocking I/O): call :func:`inspect_root` from a
 thread when in async code.
@@ -18,7 +21,6 @@ import datetime
 import hashlib
 import json
 import os
-import stat
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +28,14 @@ from typing import Final, TextIO
 
 from turnpoint.protocol import ArtifactRef
 from turnpoint.storage import ObjectMissingError, Storage, StorageError, open_storage
-from turnpoint.trainer.storage.layout import SnapshotLayout, tree_digest
+from turnpoint.trainer.restore.choice import (
+    RestoreChoice,
+    RestoreChoiceError,
+    metrics_of,
+    rank_candidates,
+)
+from turnpoint.trainer.restore.restorer import published_candidates
+from turnpoint.trainer.storage.layout import SnapshotLayout
 from turnpoint.trainer.storage.manifest import (
     MANIFEST_NAME,
     JSONValue,
@@ -34,8 +43,8 @@ from turnpoint.trainer.storage.manifest import (
     SnapshotManifest,
 )
 from turnpoint.trainer.storage.objects import StoreLayout
+from turnpoint.trainer.storage.verify import first_mismatch
 
-_CHUNK: Final = 1 << 20
 EXIT_OK: Final = 0
 EXIT_MISMATCH: Final = 1
 EXIT_NO_ROOT: Final = 2
@@ -58,6 +67,7 @@ class SnapshotReport:
     restarts: int = 0
     files_checked: int = 0
     problem: str | None = None
+    metrics: tuple[tuple[str, float], ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -75,6 +85,7 @@ class SnapshotReport:
             "files_checked": self.files_checked,
             "ok": self.ok,
             "problem": self.problem,
+            "metrics": dict(self.metrics),
         }
 
 
@@ -90,6 +101,8 @@ class InspectReport:
     latest: str | None
     snapshots: tuple[SnapshotReport, ...]
     latest_problem: str | None = None
+    restore_from: str = "latest"
+    restore_order: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -102,6 +115,7 @@ class InspectReport:
             "latest_problem": self.latest_problem,
             "ok": self.ok,
             "snapshots": [snapshot.to_dict() for snapshot in self.snapshots],
+            "restore": {"restore_from": self.restore_from, "order": list(self.restore_order)},
         }
 
     def render(self) -> str:
@@ -121,8 +135,15 @@ class InspectReport:
                 lines.append(
                     f"  episodes: {snapshot.continued} continued, {snapshot.restarts} restarted"
                 )
+            if snapshot.metrics:
+                shown = ", ".join(f"{name}={value:g}" for name, value in snapshot.metrics)
+                lines.append(f"  metrics: {shown}")
             verdict = "OK" if snapshot.problem is None else f"MISMATCH: {snapshot.problem}"
             lines.append(f"  digests ({snapshot.files_checked} checked): {verdict}")
+        if self.snapshots:
+            lines.append("")
+            order = ", ".join(self.restore_order) or "none matches: a restore would fail"
+            lines.append(f"restore candidates (restore_from = {self.restore_from}): {order}")
         if self.snapshots or self.latest_problem is not None:
             failed = sum(not snapshot.ok for snapshot in self.snapshots)
             lines.append("")
@@ -141,16 +162,18 @@ def _format_time(epoch_seconds: float) -> str:
     return moment.isoformat(timespec="seconds")
 
 
-def inspect_root(root: str | os.PathLike[str]) -> InspectReport:
-    """List the published snapshots under ``root``, newest first, verifying each.
+def inspect_root(
+    root: str | os.PathLike[str], restore_from: RestoreChoice | None = None
+) -> InspectReport:
+    """List the published snapshots under ``root``, newest first, verifying each, and
+    the order a restore by ``restore_from`` (default: latest) would try them in
+    (docs/spec.md section 7.14).
 
-    ``root`` may be a storage URL (``s3://bucket/prefix``, docs/spec.md section 8.12):
-    then every object is read from the store and hashed here. Raises
-    ``FileNotFoundError`` when ``root`` is not a directory, and
-    :class:`~turnpoint.storage.StorageError` when the storage cannot be reached.
+    Raises ``FileNotFoundError`` when ``root`` is not a directory.
     """
+    choice = restore_from or RestoreChoice()
     if isinstance(root, str) and "://" in root:
-        return _inspect_store(root)
+        return _inspect_store(root, choice)
     path = Path(root)
     if not path.is_dir():
         raise FileNotFoundError(f"{path} is not a directory")
@@ -165,7 +188,9 @@ def inspect_root(root: str | os.PathLike[str]) -> InspectReport:
         _inspect_snapshot(layout, checkpoint_id, checkpoint_id == latest)
         for checkpoint_id in layout.list_published()
     )
-    return InspectReport(path, latest, snapshots, latest_problem)
+    candidates, _unreadable = published_candidates(layout)
+    order = tuple(c.checkpoint_id for c in rank_candidates(choice, candidates))
+    return InspectReport(path, latest, snapshots, latest_problem, str(choice), order)
 
 
 def _inspect_snapshot(layout: SnapshotLayout, checkpoint_id: str, latest: bool) -> SnapshotReport:
@@ -177,7 +202,7 @@ def _inspect_snapshot(layout: SnapshotLayout, checkpoint_id: str, latest: bool) 
     files_checked = 0
     problem: str | None = f"{MANIFEST_NAME} describes {manifest.checkpoint_id!r}"
     if manifest.checkpoint_id == checkpoint_id:
-        files_checked, problem = _first_mismatch(directory, manifest)
+        files_checked, problem = first_mismatch(directory, manifest)
     return SnapshotReport(
         checkpoint_id=checkpoint_id,
         latest=latest,
@@ -188,58 +213,11 @@ def _inspect_snapshot(layout: SnapshotLayout, checkpoint_id: str, latest: bool) 
         restarts=len(manifest.restarts),
         files_checked=files_checked,
         problem=problem,
+        metrics=tuple(sorted(metrics_of(manifest.extra).items())),
     )
 
 
-def _first_mismatch(directory: Path, manifest: SnapshotManifest) -> tuple[int, str | None]:
-    """How many files were checked, and the first one whose bytes do not match."""
-    checked = 0
-    anchor = manifest.anchor
-    try:
-        digest = tree_digest(directory / anchor.path)
-    except (OSError, ManifestError) as error:
-        return checked, f"trainer anchor {anchor.path}: {error}"
-    checked += 1
-    if digest != anchor.sha256:
-        return checked, (
-            f"trainer anchor {anchor.path}: tree digest {digest}, manifest says {anchor.sha256}"
-        )
-    for entry in manifest.participants:
-        named = [] if entry.manifest is None else [entry.manifest]
-        named += entry.artifacts
-        for ref in named:
-            problem = _check_file(directory, ref)
-            checked += 1
-            if problem is not None:
-                return checked, f"{entry.instance}: {problem}"
-    return checked, None
-
-
-def _check_file(directory: Path, ref: ArtifactRef) -> str | None:
-    path = directory / ref.path
-    try:
-        # No symlinks: a snapshot names its own bytes, nothing outside it.
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return f"{ref.path} is missing"
-    except OSError as error:
-        return f"{ref.path} cannot be read: {error.strerror}"
-    digest = hashlib.sha256()
-    with os.fdopen(fd, "rb") as handle:
-        info = os.fstat(handle.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            return f"{ref.path} is not a regular file"
-        if info.st_size != ref.size_bytes:
-            return f"{ref.path} has {info.st_size} bytes, manifest says {ref.size_bytes}"
-        while chunk := handle.read(_CHUNK):
-            digest.update(chunk)
-    found = digest.hexdigest()
-    if found != ref.sha256:
-        return f"{ref.path} has sha256 {found}, manifest says {ref.sha256}"
-    return None
-
-
-def _inspect_store(url: str) -> InspectReport:
+def _inspect_store(url: str, choice: RestoreChoice) -> InspectReport:
     storage = open_storage(url)
     storage.check()
     layout = StoreLayout(storage)
@@ -254,9 +232,11 @@ def _inspect_store(url: str) -> InspectReport:
             _inspect_stored_snapshot(layout, checkpoint_id, checkpoint_id == latest)
             for checkpoint_id in layout.list_published()
         )
+        candidates, _unreadable = published_candidates(layout)
+        order = tuple(c.checkpoint_id for c in rank_candidates(choice, candidates))
     finally:
         layout.close()
-    return InspectReport(storage.url, latest, snapshots, latest_problem)
+    return InspectReport(storage.url, latest, snapshots, latest_problem, str(choice), order)
 
 
 def _inspect_stored_snapshot(
@@ -296,6 +276,7 @@ def _inspect_stored_snapshot(
         restarts=len(manifest.restarts),
         files_checked=checked,
         problem=problem,
+        metrics=tuple(sorted(metrics_of(manifest.extra).items())),
     )
 
 
@@ -316,13 +297,22 @@ def _check_object(storage: Storage, key: str, ref: ArtifactRef) -> str | None:
 
 
 def inspect_command(
-    root: str | os.PathLike[str], *, as_json: bool = False, out: TextIO | None = None
+    root: str | os.PathLike[str],
+    *,
+    as_json: bool = False,
+    out: TextIO | None = None,
+    restore_from: str = "latest",
 ) -> int:
     """What ``turnpoint inspect`` runs: print the report; 0 when every digest matches,
-    1 on any mismatch, 2 when ``root`` is not a directory."""
+    1 on any mismatch, 2 when ``root`` is not a directory or the choice is malformed."""
     stream = sys.stdout if out is None else out
     try:
-        report = inspect_root(root)
+        choice = RestoreChoice.parse(restore_from)
+    except RestoreChoiceError as error:
+        print(f"turnpoint inspect: {error}", file=sys.stderr if out is None else stream)
+        return EXIT_NO_ROOT
+    try:
+        report = inspect_root(root, choice)
     except (FileNotFoundError, StorageError) as error:
         print(f"turnpoint inspect: {error}", file=sys.stderr if out is None else stream)
         return EXIT_NO_ROOT

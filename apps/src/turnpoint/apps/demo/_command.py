@@ -91,11 +91,12 @@ def add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument(
         "--metrics-port",
         type=int,
-        default=None,
+        default=0,
         metavar="PORT",
         help=(
-            "serve the coordinator's Prometheus metrics (docs/spec.md section 7.10) on "
-            "127.0.0.1:PORT from the trainer; 0 picks a free port, kept across restarts"
+            "the trainer's status page, its REST API (docs/spec.md section 7.13) and the "
+            "coordinator's Prometheus metrics (section 7.10) on 127.0.0.1:PORT; 0 (the "
+            "default) picks a free port, kept across restarts"
         ),
     )
     parser.add_argument(
@@ -302,8 +303,8 @@ def demo_command(args: argparse.Namespace) -> int:
 
 
 def _with_metrics_port(options: DemoOptions, console: Console) -> DemoOptions:
-    """Fix the metrics port once (0: a free one), so every trainer restart serves the same
-    address, and print it (docs/spec.md section 7.10)."""
+    """Fix the status port once (0: a free one), so every trainer restart serves the same
+    address, and print the page's and the metrics' addresses (docs/spec.md 7.13)."""
     import dataclasses
     import socket
 
@@ -313,7 +314,8 @@ def _with_metrics_port(options: DemoOptions, console: Console) -> DemoOptions:
             probe.bind(("127.0.0.1", 0))
             port = int(probe.getsockname()[1])
     console.print(
-        f"metrics: http://127.0.0.1:{port}/metrics (the coordinator's, served by the trainer)",
+        f"status page: http://127.0.0.1:{port}/ (snapshots, participants, restore points); "
+        f"metrics: http://127.0.0.1:{port}/metrics",
         markup=False,
         highlight=False,
         soft_wrap=True,

@@ -141,6 +141,9 @@ class DemoTrainer:
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=LEARNING_RATE)
         self.step = 0
         self.next_group = 0
+        # The last step's training figures, recorded in each snapshot's manifest
+        # (docs/spec.md section 7.14: restore_from = "best:mean_reward" picks by them).
+        self.last_stats: dict[str, float] = {}
         self.resumed: set[str] = set()
         self.logged: set[tuple[str, int]] = set()
         self.published = 0
@@ -323,8 +326,6 @@ class DemoTrainer:
         config = self._config()
         endpoints = {p["instance"]: p["address"] for p in self.participants}
         metrics = CoordinatorMetrics(_registry())
-        if self.args.metrics_port is not None:
-            _serve_metrics(metrics, self.args.metrics_port)
         kill = None
         if self.args.kill_at is not None:
             # Test-only fault injection (turnpoint demo --crash-at).
@@ -356,9 +357,14 @@ class DemoTrainer:
             # the demo then reruns the saved rollouts rather than spend a job restart.
             allow_degraded_restore=True,
             testing_hooks=kill,
+            # The status page, its API and /metrics on one port (docs/spec.md 7.13).
+            status_port=self.args.metrics_port,
+            snapshot_metrics=lambda: dict(self.last_stats),
         )
         try:
             async with checkpointing as ckpt:
+                if ckpt.status_address is not None:
+                    print(f"status: {ckpt.status_address}", flush=True)
                 self._start(ckpt)
                 stop = asyncio.Event()
                 background = [
@@ -422,6 +428,7 @@ class DemoTrainer:
                 groups = ckpt.take_ready_groups(per_step)
                 self._log_results([r for group in groups for r in group])
                 stats = await asyncio.to_thread(self._train, groups)
+                self.last_stats = {name: float(value) for name, value in stats.items()}
                 self.step += 1
                 state = await asyncio.to_thread(self.model.state_bytes)
             self.events.write(
@@ -487,14 +494,6 @@ def _registry() -> Any:
     from prometheus_client import CollectorRegistry
 
     return CollectorRegistry()
-
-
-def _serve_metrics(metrics: CoordinatorMetrics, port: int) -> None:
-    """The coordinator's metrics over HTTP on 127.0.0.1 (docs/spec.md section 7.10)."""
-    from prometheus_client import start_http_server
-
-    server, _thread = start_http_server(port, addr="127.0.0.1", registry=metrics.registry)
-    print(f"metrics: http://127.0.0.1:{server.server_port}/metrics", flush=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
