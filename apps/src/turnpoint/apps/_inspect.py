@@ -22,9 +22,10 @@ import hashlib
 import json
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final, TextIO
+from typing import Any, Final, TextIO
 
 from turnpoint.protocol import ArtifactRef
 from turnpoint.storage import ObjectMissingError, Storage, StorageError, open_storage
@@ -169,15 +170,32 @@ def inspect_root(
     the order a restore by ``restore_from`` (default: latest) would try them in
     (docs/spec.md section 7.14).
 
-    Raises ``FileNotFoundError`` when ``root`` is not a directory.
+    ``root`` may be a storage URL (``s3://bucket/prefix``, docs/spec.md section 8.12):
+    then every object is read from the store and hashed here. Raises
+    ``FileNotFoundError`` when ``root`` is not a directory, and
+    :class:`~turnpoint.storage.StorageError` when the storage cannot be reached.
     """
     choice = restore_from or RestoreChoice()
     if isinstance(root, str) and "://" in root:
-        return _inspect_store(root, choice)
+        storage = open_storage(root)
+        storage.check()
+        store = StoreLayout(storage)
+        try:
+            return _inspect_layout(store, storage.url, choice, _check_stored)
+        finally:
+            store.close()
     path = Path(root)
     if not path.is_dir():
         raise FileNotFoundError(f"{path} is not a directory")
-    layout = SnapshotLayout(path)
+    return _inspect_layout(SnapshotLayout(path), path, choice, _check_local)
+
+
+_Checker = Callable[[Any, str, SnapshotManifest], tuple[int, str | None]]
+
+
+def _inspect_layout(
+    layout: SnapshotLayout | StoreLayout, root: Path | str, choice: RestoreChoice, check: _Checker
+) -> InspectReport:
     latest: str | None = None
     latest_problem: str | None = None
     try:
@@ -185,24 +203,25 @@ def inspect_root(
     except ManifestError as error:
         latest_problem = error.message
     snapshots = tuple(
-        _inspect_snapshot(layout, checkpoint_id, checkpoint_id == latest)
+        _inspect_snapshot(layout, checkpoint_id, checkpoint_id == latest, check)
         for checkpoint_id in layout.list_published()
     )
     candidates, _unreadable = published_candidates(layout)
     order = tuple(c.checkpoint_id for c in rank_candidates(choice, candidates))
-    return InspectReport(path, latest, snapshots, latest_problem, str(choice), order)
+    return InspectReport(root, latest, snapshots, latest_problem, str(choice), order)
 
 
-def _inspect_snapshot(layout: SnapshotLayout, checkpoint_id: str, latest: bool) -> SnapshotReport:
-    directory = layout.path(checkpoint_id)
+def _inspect_snapshot(
+    layout: SnapshotLayout | StoreLayout, checkpoint_id: str, latest: bool, check: _Checker
+) -> SnapshotReport:
     try:
-        manifest = SnapshotManifest.from_json((directory / MANIFEST_NAME).read_bytes())
-    except (OSError, ManifestError) as error:
+        manifest = SnapshotManifest.from_json(layout.manifest_bytes(checkpoint_id))
+    except (OSError, StorageError, ManifestError) as error:
         return SnapshotReport(checkpoint_id, latest, problem=f"{MANIFEST_NAME}: {error}")
     files_checked = 0
     problem: str | None = f"{MANIFEST_NAME} describes {manifest.checkpoint_id!r}"
     if manifest.checkpoint_id == checkpoint_id:
-        files_checked, problem = first_mismatch(directory, manifest)
+        files_checked, problem = check(layout, checkpoint_id, manifest)
     return SnapshotReport(
         checkpoint_id=checkpoint_id,
         latest=latest,
@@ -217,67 +236,29 @@ def _inspect_snapshot(layout: SnapshotLayout, checkpoint_id: str, latest: bool) 
     )
 
 
-def _inspect_store(url: str, choice: RestoreChoice) -> InspectReport:
-    storage = open_storage(url)
-    storage.check()
-    layout = StoreLayout(storage)
-    try:
-        latest: str | None = None
-        latest_problem: str | None = None
-        try:
-            latest = layout.latest()
-        except ManifestError as error:
-            latest_problem = error.message
-        snapshots = tuple(
-            _inspect_stored_snapshot(layout, checkpoint_id, checkpoint_id == latest)
-            for checkpoint_id in layout.list_published()
-        )
-        candidates, _unreadable = published_candidates(layout)
-        order = tuple(c.checkpoint_id for c in rank_candidates(choice, candidates))
-    finally:
-        layout.close()
-    return InspectReport(storage.url, latest, snapshots, latest_problem, str(choice), order)
+def _check_local(
+    layout: SnapshotLayout, checkpoint_id: str, manifest: SnapshotManifest
+) -> tuple[int, str | None]:
+    return first_mismatch(layout.path(checkpoint_id), manifest)
 
 
-def _inspect_stored_snapshot(
-    layout: StoreLayout, checkpoint_id: str, latest: bool
-) -> SnapshotReport:
+def _check_stored(
+    layout: StoreLayout, checkpoint_id: str, manifest: SnapshotManifest
+) -> tuple[int, str | None]:
     try:
-        manifest = SnapshotManifest.from_json(layout.manifest_bytes(checkpoint_id))
+        # Fetches the anchor's objects and checks their tree digest.
+        layout.load(checkpoint_id)
     except (StorageError, ManifestError) as error:
-        return SnapshotReport(checkpoint_id, latest, problem=f"{MANIFEST_NAME}: {error}")
-    checked = 0
-    problem: str | None = f"{MANIFEST_NAME} describes {manifest.checkpoint_id!r}"
-    if manifest.checkpoint_id == checkpoint_id:
-        problem = None
-        try:
-            # Fetches the anchor's objects and checks their tree digest.
-            layout.load(checkpoint_id)
-        except (StorageError, ManifestError) as error:
-            problem = f"trainer anchor {manifest.anchor.path}: {error}"
-        checked += 1
-        for entry in manifest.participants if problem is None else ():
-            named = [] if entry.manifest is None else [entry.manifest]
-            for ref in [*named, *entry.artifacts]:
-                checked += 1
-                problem = _check_object(layout.storage, f"{checkpoint_id}/{ref.path}", ref)
-                if problem is not None:
-                    problem = f"{entry.instance}: {problem}"
-                    break
+        return 1, f"trainer anchor {manifest.anchor.path}: {error}"
+    checked = 1
+    for entry in manifest.participants:
+        named = [] if entry.manifest is None else [entry.manifest]
+        for ref in [*named, *entry.artifacts]:
+            checked += 1
+            problem = _check_object(layout.storage, f"{checkpoint_id}/{ref.path}", ref)
             if problem is not None:
-                break
-    return SnapshotReport(
-        checkpoint_id=checkpoint_id,
-        latest=latest,
-        step=manifest.step,
-        created_at=manifest.created_at,
-        participants=tuple(entry.instance for entry in manifest.participants),
-        continued=len(manifest.continued),
-        restarts=len(manifest.restarts),
-        files_checked=checked,
-        problem=problem,
-        metrics=tuple(sorted(metrics_of(manifest.extra).items())),
-    )
+                return checked, f"{entry.instance}: {problem}"
+    return checked, None
 
 
 def _check_object(storage: Storage, key: str, ref: ArtifactRef) -> str | None:
