@@ -53,6 +53,9 @@ def facade(
         metrics=CoordinatorMetrics(CollectorRegistry()),
         status_port=0,
         watch_liveness=watch_liveness,
+        # Each snapshot here is one the test takes; a final one at exit could make
+        # retention drop the snapshot a restore by metric must find.
+        final_snapshot=False,
         snapshot_metrics=lambda: {"mean_reward": reward[0]} if reward else {},
     )
 
@@ -149,9 +152,11 @@ async def test_history_failure_and_restore_are_served_beside_the_metrics(
             job = body["job"]
             assert job["overview"]["latest"]["restored"] == published.checkpoint_id
             assert job["overview"]["counts"]["restored"] == 1
-            # The first trainer's start, then this one's restore (docs/spec.md 7.13.5).
+            # The first trainer's start and clean close, then this one's restore
+            # (docs/spec.md 7.13.5).
             assert [(e["kind"], e["epoch"]) for e in job["events"]] == [
                 ("fresh_start", 1),
+                ("trainer_closed", 1),
                 ("restore", 2),
             ]
             assert job["epoch"] == 2
