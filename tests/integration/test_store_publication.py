@@ -53,6 +53,9 @@ def prepare(layout: StoreLayout, sequence: int) -> SnapshotManifest:
     (anchor / "optim").mkdir(parents=True)
     (anchor / "weights.bin").write_bytes(b"w" * 100 + bytes([sequence % 256]))
     (anchor / "optim" / "state.bin").write_bytes(b"o" * 10)
+    # Names as DCP writes them, which are not valid key components: stored escaped.
+    (anchor / ".metadata").write_bytes(b"m" * 5)
+    (anchor / "__0_0.distcp").write_bytes(b"d" * 7)
     records = _put(
         layout.storage, f"{checkpoint_id}/agent-0/records-1.jsonl", b'{"a": 1}\n{"b": 2}\n'
     )
@@ -97,6 +100,8 @@ def test_publish_then_load_elsewhere(layout: StoreLayout, tmp_path: Path) -> Non
     assert other.load(ckpt(1)) == manifest
     # The anchor is back on local disk, whole, for the anchor's own loader.
     assert (other.anchor_dir(ckpt(1)) / "optim" / "state.bin").read_bytes() == b"o" * 10
+    assert (other.anchor_dir(ckpt(1)) / ".metadata").read_bytes() == b"m" * 5
+    assert other.storage.size(f"{ckpt(1)}/{ANCHOR_DIR}/x--_5F_5F0_5F0.distcp") == 7
     assert other.storage.get(f"{ckpt(1)}/{MANIFEST_NAME}") == manifest.to_json()
     assert other.storage.get(LATEST_NAME) == f"{ckpt(1)}\n".encode()
     other.verify_artifacts(manifest)
@@ -167,6 +172,7 @@ CORRUPTIONS: dict[str, Callable[[Storage, str], None]] = {
     "flipped byte in the anchor": lambda s, c: _flip_byte(s, f"{c}/{ANCHOR_DIR}/weights.bin"),
     "missing record": lambda s, c: s.delete(f"{c}/agent-0/records-1.jsonl"),
     "missing anchor file": lambda s, c: s.delete(f"{c}/{ANCHOR_DIR}/optim/state.bin"),
+    "missing escaped anchor file": lambda s, c: s.delete(f"{c}/{ANCHOR_DIR}/x--.metadata"),
     "truncated manifest": lambda s, c: _truncate(s, f"{c}/{MANIFEST_NAME}"),
     "flipped byte in the manifest": lambda s, c: _flip_byte(s, f"{c}/{MANIFEST_NAME}"),
 }

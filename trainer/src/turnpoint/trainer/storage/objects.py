@@ -38,7 +38,13 @@ from pathlib import Path
 
 from turnpoint.ids import InvalidIdError, checkpoint_sequence
 from turnpoint.protocol import ArtifactRef
-from turnpoint.storage import ObjectExistsError, ObjectMissingError, Storage, open_storage
+from turnpoint.storage import (
+    ObjectExistsError,
+    ObjectMissingError,
+    Storage,
+    check_key,
+    open_storage,
+)
 from turnpoint.trainer.storage.layout import PublishStep, SnapshotLayout, tree_digest
 from turnpoint.trainer.storage.manifest import (
     ANCHOR_DIR,
@@ -160,6 +166,13 @@ class StoreLayout:
                 f"snapshot {checkpoint_id!r} is already published", checkpoint_id=checkpoint_id
             )
         anchor = staged / manifest.anchor.path
+        for relative, _ in _files_below(staged):
+            try:
+                object_key(relative)
+            except ValueError as error:
+                raise ManifestError(
+                    f"snapshot {checkpoint_id!r}: {error}", checkpoint_id=checkpoint_id
+                ) from None
         digest = tree_digest(anchor)
         if digest != manifest.anchor.sha256:
             raise ManifestError(
@@ -172,7 +185,7 @@ class StoreLayout:
         self._step(PublishStep.VERIFIED)
 
         for relative, path in _files_below(staged):
-            self.storage.put(f"{checkpoint_id}/{relative}", path.read_bytes())
+            self.storage.put(f"{checkpoint_id}/{object_key(relative)}", path.read_bytes())
         self._step(PublishStep.TREE_SYNCED)
 
         self._step(PublishStep.MANIFEST_STAGED)
@@ -295,7 +308,12 @@ class StoreLayout:
         shutil.rmtree(cache, ignore_errors=True)
         prefix = f"{checkpoint_id}/{manifest.anchor.path}/"
         for info in self.storage.list(prefix):
-            target = cache / info.key.partition("/")[2]
+            try:
+                target = cache / file_path(info.key.partition("/")[2])
+            except ValueError:
+                # Not a name publication writes: a stray object under the prefix (the
+                # tree digest below then fails if the anchor lacks a file).
+                continue
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(self.storage.get(info.key))
         anchor = cache / manifest.anchor.path
@@ -353,6 +371,65 @@ class StoreLayout:
         for info in objects:
             self.storage.delete(info.key)
         return len(objects)
+
+
+# An anchor's files have whatever names its source gives them (DCP writes ``.metadata``
+# and ``__0_0.distcp``), and a key component must be a valid id (section 8.12): a name
+# that is not one, or that starts with the escape mark, is written as the mark followed
+# by the name with every byte outside [A-Za-z0-9.-] as ``_XX`` (hex).
+_ESCAPED = "x--"
+_PLAIN = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789.-")
+
+
+def object_key(relative: str) -> str:
+    """The key (below ``<checkpoint_id>/``) of the staged file at POSIX path ``relative``.
+
+    docs/spec.md section 8.13: a component that is a valid id and does not start with
+    ``x--`` is kept; any other is escaped. ``ValueError`` for a name too long to escape.
+    """
+    parts = []
+    for part in relative.split("/"):
+        if _is_key_component(part) and not part.startswith(_ESCAPED):
+            parts.append(part)
+            continue
+        escaped = _ESCAPED + "".join(
+            chr(byte) if chr(byte) in _PLAIN else f"_{byte:02X}" for byte in part.encode()
+        )
+        if not _is_key_component(escaped):
+            raise ValueError(f"file name {part!r} is too long to be stored as an object")
+        parts.append(escaped)
+    return "/".join(parts)
+
+
+def file_path(key: str) -> str:
+    """The relative path :func:`object_key` turned into ``key``; ``ValueError`` if none."""
+    parts = []
+    for part in check_key(key).split("/"):
+        if not part.startswith(_ESCAPED):
+            parts.append(part)
+            continue
+        body, raw = part[len(_ESCAPED) :], bytearray()
+        index = 0
+        while index < len(body):
+            if body[index] == "_":
+                raw.append(int(body[index + 1 : index + 3], 16))
+                index += 3
+            else:
+                raw.append(ord(body[index]))
+                index += 1
+        name = raw.decode()
+        if name in ("", ".", "..") or "/" in name or "\0" in name:
+            raise ValueError(f"key component {part!r} does not name a file")
+        parts.append(name)
+    return "/".join(parts)
+
+
+def _is_key_component(part: str) -> bool:
+    try:
+        check_key(part)
+    except ValueError:
+        return False
+    return True
 
 
 def _manifest_key(checkpoint_id: str) -> str:
