@@ -47,7 +47,12 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         help="run N worker processes sharing the port, each its own participant "
         "<instance>-w<i> (docs/spec.md section 3.9; default: 1, one process)",
     )
-    parser.add_argument("--root", default="snapshots", help="snapshot root directory")
+    parser.add_argument(
+        "--root",
+        default="snapshots",
+        help="snapshot root: a directory or a storage URL (file:///path[?mount=shared], "
+        "s3://bucket/prefix; boto3's environment gives the endpoint and credentials)",
+    )
     parser.add_argument("--token-file", help="file holding the bearer token")
     parser.add_argument("--insecure-no-auth", action="store_true")
     parser.add_argument("--tls-cert", help="server certificate (PEM)")
@@ -176,7 +181,7 @@ async def _serve(
     instance = args.instance or f"{args.kind}-{secrets.token_hex(3)}"
     spec = ExampleSpec(
         instance=instance,
-        root=Path(args.root),
+        root=args.root,
         token=token,
         policy_address=args.policy,
         resources=resources,

@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import logging
 import os
-import secrets
 import tempfile
 import time
 from collections.abc import Iterator
@@ -27,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from turnpoint.apps._object_store import loopback_s3
 from turnpoint.ids import EpisodeId, make_checkpoint_id
 from turnpoint.participant_sdk import Record, SnapshotStore
 from turnpoint.protocol import ParticipantKind
@@ -118,35 +117,18 @@ def _one_snapshot(root: str, participants: int, records: int, sequence: int) -> 
 
 @contextlib.contextmanager
 def _loopback_s3() -> Iterator[str]:
-    """moto's S3 server on 127.0.0.1 (a free port), boto3 pointed at it; yields a URL."""
-    import boto3
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request otherwise
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    saved = {name: os.environ.get(name) for name in _MOTO_ENV}
-    try:
-        host, port = server.get_host_and_port()
-        os.environ.update(_MOTO_ENV | {"AWS_ENDPOINT_URL_S3": f"http://{host}:{port}"})
-        bucket = f"bench-{secrets.token_hex(4)}"
-        boto3.client("s3").create_bucket(Bucket=bucket)
-        yield f"s3://{bucket}/snapshots"
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        server.stop()
-
-
-_MOTO_ENV = {
-    "AWS_ACCESS_KEY_ID": "bench",
-    "AWS_SECRET_ACCESS_KEY": "bench",
-    "AWS_DEFAULT_REGION": "us-east-1",
-    "AWS_ENDPOINT_URL_S3": "",
-}
+    """moto's S3 server on loopback, boto3 in this process pointed at it; yields a URL."""
+    with loopback_s3() as store:
+        saved = {name: os.environ.get(name) for name in store.environment}
+        os.environ.update(store.environment)
+        try:
+            yield store.url
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
 
 
 def bench_storage_command(args: argparse.Namespace) -> int:
