@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from turnpoint.storage import Storage, open_storage
+from turnpoint.storage import ObjectInfo, Storage, open_storage
 
 STORAGE_KINDS = ("local", "shared", "s3")
 
@@ -137,3 +137,50 @@ def fail_next_puts(storage: Storage, count: int, status: int = 503) -> PutFaults
     so its retry logic and error parsing run as against a real failing store.
     """
     return PutFaults(storage, count, status)
+
+
+class LaggingListing:
+    """A storage whose listing lags: ``list`` misses the ``hidden`` objects written
+    last (the eventual consistency of LIST some stores have), while every read of a
+    named object (``get``, ``size``) sees it at once, as S3 guarantees. Wraps any
+    :class:`Storage`; everything else is passed through."""
+
+    def __init__(self, storage: Storage, hidden: int = 0) -> None:
+        self.inner = storage
+        self.hidden = hidden
+        self._written: list[str] = []
+
+    @property
+    def url(self) -> str:
+        return self.inner.url
+
+    def check(self) -> None:
+        self.inner.check()
+
+    def put(self, key: str, data: bytes) -> None:
+        self.inner.put(key, data)
+        self._wrote(key)
+
+    def create(self, key: str, data: bytes) -> None:
+        self.inner.create(key, data)
+        self._wrote(key)
+
+    def _wrote(self, key: str) -> None:
+        if key in self._written:
+            self._written.remove(key)
+        self._written.append(key)
+
+    def get(self, key: str, *, limit: int | None = None) -> bytes:
+        return self.inner.get(key, limit=limit)
+
+    def size(self, key: str) -> int | None:
+        return self.inner.size(key)
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        unseen = set(self._written[-self.hidden :]) if self.hidden else set()
+        return [info for info in self.inner.list(prefix) if info.key not in unseen]
+
+    def delete(self, key: str) -> bool:
+        if key in self._written:
+            self._written.remove(key)
+        return self.inner.delete(key)

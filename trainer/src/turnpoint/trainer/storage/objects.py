@@ -352,7 +352,8 @@ class StoreLayout:
 
     def clean_partial(self) -> list[str]:
         """Delete every snapshot's objects that no manifest publishes (not the one in
-        progress); names that are not checkpoint ids are never touched."""
+        progress); names that are not checkpoint ids are never touched. The listing only
+        nominates: a snapshot is partial once a read of its manifest key finds none."""
         by_snapshot: dict[str, bool] = {}
         for info in self.storage.list():
             name, _, rest = info.key.partition("/")
@@ -360,7 +361,9 @@ class StoreLayout:
                 by_snapshot[name] = by_snapshot.get(name, False) or rest == MANIFEST_NAME
         removed = []
         for name, published in sorted(by_snapshot.items()):
-            if published or name == self._in_progress:
+            # A listing may lag and miss the manifest, the newest object of a
+            # publication: only a read of the manifest's own key says it is not there.
+            if published or name == self._in_progress or self.is_published(name):
                 continue
             self._delete_prefix(name)
             removed.append(name)
