@@ -2,22 +2,26 @@
 :class:`Checkpointing` with ``snapshot_root="s3://..."`` (moto on loopback) takes real
 snapshot rounds with real participants whose stores get the same URL, and a second
 trainer with fresh participants, started in an empty directory, restores from the URL
-alone: the anchor, the saved rollouts and the group-scored group that was half done."""
+alone: the DCP anchor, the saved rollouts and the group-scored group that was half done.
+A slow store slows a snapshot, a stalled one fails it, and neither ever holds the loop."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.support.participants import TOKEN, Topology, start_topology
-from tests.support.storage import make_bucket
+from tests.support.storage import SlowStore, make_bucket
 from turnpoint.apps.examples._guess_jobs import guess_rollouts
 from turnpoint.storage import open_storage
 from turnpoint.trainer import (
     Checkpointing,
     CoordinatorConfig,
+    FailureReason,
     SnapshotOutcome,
     TorchAnchorSource,
     torch_anchor_loader,
@@ -28,9 +32,11 @@ GROUP_SIZE = 2
 BOUND_S = 60.0
 
 
-def _facade(topology: Topology, url: str, model: torch.nn.Module) -> Checkpointing:
+def _facade(
+    topology: Topology, url: str, model: torch.nn.Module, control_timeout_s: float = 10.0
+) -> Checkpointing:
     return Checkpointing(
-        CoordinatorConfig(snapshot_root=url, control_timeout_s=10.0),
+        CoordinatorConfig(snapshot_root=url, control_timeout_s=control_timeout_s),
         {n: h.address for n, h in topology.participants.items()},
         token=TOKEN,
         anchor=TorchAnchorSource(model, None, step=lambda: 0),
@@ -105,3 +111,49 @@ async def test_snapshot_rounds_on_s3_and_a_restore_from_the_url_alone(
         assert {r.rollout_id for r in group} == {waiting.rollout_id, held_back.rollout_id}
     assert ckpt.reports[-1].outcome is SnapshotOutcome.PUBLISHED
     assert list(second_run.iterdir()) == []
+
+
+async def test_a_slow_store_slows_a_snapshot_and_a_stalled_one_fails_it_never_the_loop(
+    slow_store: SlowStore, moto_endpoint: str
+) -> None:
+    """docs/spec.md section 8.12 item 6: every store call runs in a thread; a slow store
+    makes a slower snapshot, one that stalls past the commit deadline fails it (typed,
+    transient) and the next one publishes."""
+    url = f"s3://{make_bucket(moto_endpoint)}/job"
+    loop_thread = threading.get_ident()
+    slow_store.delay_s = 0.02
+    async with (
+        start_topology(url, agents=1, group_size=GROUP_SIZE) as topology,
+        _facade(topology, url, torch.nn.Linear(2, 2), control_timeout_s=2.0) as ckpt,
+    ):
+        # A sibling of a group-scored group waits at its verify for the whole test:
+        # every snapshot cuts it, so every participant commit writes to the store.
+        waiting, _ = guess_rollouts(1, GROUP_SIZE, 0, ckpt.agents)
+        ckpt.dispatch(waiting, data_loader=1)
+        await ckpt.rollouts.wait_for(
+            lambda: any(r.boundaries_seen >= 1 for r in ckpt.rollouts.in_flight()), BOUND_S
+        )
+        slow = await ckpt.snapshot_now()
+        assert slow.outcome is SnapshotOutcome.PUBLISHED, slow
+
+        ckpt.dispatch(guess_rollouts(2, GROUP_SIZE, 0, ckpt.agents)[0], data_loader=2)
+        slow_store.hold()
+        stalled = asyncio.create_task(ckpt.snapshot_now())
+        # A participant's commit write is stuck in the store; the loop goes on.
+        assert await asyncio.to_thread(slow_store.held.wait, BOUND_S)
+        assert not stalled.done()
+        failed = await stalled
+        slow_store.release()
+        assert failed.outcome is SnapshotOutcome.FAILED, failed
+        assert failed.reason is FailureReason.TIMEOUT, failed
+
+        ckpt.dispatch(guess_rollouts(4, GROUP_SIZE, 0, ckpt.agents)[0], data_loader=3)
+        again = await ckpt.snapshot_now()
+        assert again.outcome is SnapshotOutcome.PUBLISHED, again
+    assert slow_store.senders and loop_thread not in slow_store.senders
+    store = StoreLayout(open_storage(url))
+    published = store.list_published()
+    assert again.checkpoint_id in published and failed.checkpoint_id not in published
+    for checkpoint_id in published:
+        store.verify_artifacts(store.load(checkpoint_id))
+    store.close()
