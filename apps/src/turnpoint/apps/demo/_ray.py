@@ -161,6 +161,8 @@ class RayLauncher:
             server=ServerOptions(grace_seconds=_GRACE_S),
             token_file=str(paths.token_file),
             start_timeout_s=start_timeout_s,
+            # --storage s3: the store's endpoint and dummy credentials, as for processes.
+            environment=paths.store.environment if paths.store is not None else {},
         )
         self._generation = 0
         self._turn = 0
