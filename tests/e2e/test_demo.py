@@ -264,6 +264,30 @@ def test_a_kill_at_each_point_restores_the_last_published_snapshot(
     assert_restored_and_continued(run, expected)
 
 
+def test_the_demo_on_an_object_store_crashes_half_way_through_a_publication(
+    tmp_path: Path,
+) -> None:
+    """docs/spec.md sections 8.12-8.13: ``--storage s3`` runs every snapshot on an S3
+    server on loopback. The trainer dies with every object of its second cutting
+    snapshot in the store and no manifest: the restore, on fresh participants that have
+    only the URL and the environment, falls back to the last published snapshot and
+    continues its cut rollouts; nothing of the snapshots is on local disk."""
+    point = KillPoint.MANIFEST_STAGED
+    run = run_demo(tmp_path / "out", "--storage", "s3", "--crash-at", f"{point.value}:2")
+
+    kill = run.only("kill")
+    before = published(run, 1)
+    assert kill["checkpoint_id"] not in before and kill["newest_published"] == before[-1]
+    assert_restored_and_continued(run, before[-1])
+    assert published(run, 2), "the second trainer published nothing on the store"
+    # The trainer is told the URL; the endpoint and credentials went through the
+    # environment, never into a file.
+    topology = json.loads((run.out / "topology.json").read_text())
+    assert set(topology) == {"token_file", "snapshot_root", "participants"}
+    assert topology["snapshot_root"].startswith("s3://")
+    assert not (run.out / "snapshots").exists()
+
+
 # ---------------------------------------------------------------------- bad configurations
 
 

@@ -450,6 +450,16 @@ def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
     assert len(problems) == 3
 
 
+def test_storage_flags_that_cannot_work_are_refused(tmp_path: Path) -> None:
+    assert _options(tmp_path, storage="s3").problems() == []
+    assert _options(tmp_path, storage="nfs").problems() == [
+        "unknown --storage 'nfs': choose one of local, s3"
+    ]
+    typescript = {"tools": ("node", "guess-resources.js")}
+    (problem,) = _options(tmp_path, storage="s3", participant_commands=typescript).problems()
+    assert "drop --storage s3 or --participant-command" in problem
+
+
 def test_a_foreign_out_dir_is_never_wiped(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

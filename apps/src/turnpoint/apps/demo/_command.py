@@ -27,8 +27,10 @@ from turnpoint.apps.demo._supervisor import (
     MAX_RESTARTS,
     STALL_TIMEOUT_S,
     START_TIMEOUT_S,
+    STORAGE_KINDS,
     TRAINER_MODULE,
     DemoOptions,
+    DemoPaths,
     Launcher,
     ProcessLauncher,
     prepare_out_dir,
@@ -151,6 +153,13 @@ def add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument(
         "--out", default=DEFAULT_OUT, help="output directory (wiped at start; default: %(default)s)"
     )
+    parser.add_argument(
+        "--storage",
+        choices=STORAGE_KINDS,
+        default="local",
+        help="where snapshots go: local (<out>/snapshots) or s3 (an S3 server started on "
+        "loopback, moto's; docs/spec.md section 8.12) (default: %(default)s)",
+    )
     parser.add_argument("--ray", action="store_true", help="run every participant as a Ray actor")
     parser.add_argument(
         "--ray-address", metavar="ADDRESS", help="join this Ray cluster (implies --ray)"
@@ -252,11 +261,29 @@ def demo_command(args: argparse.Namespace) -> int:
     console = Console()
     if options.metrics_port is not None:
         options = _with_metrics_port(options, console)
-    try:
-        paths, token = prepare_out_dir(options.out)
-    except (DemoError, OSError) as error:
-        print(f"turnpoint demo: {error}", file=sys.stderr)
-        return 2
+    with contextlib.ExitStack() as stack:
+        store = None
+        if options.storage == "s3":
+            from turnpoint.apps._object_store import loopback_s3
+
+            # Started before Ray and the event loop, stopped after the run's last step.
+            store = stack.enter_context(loopback_s3())
+            console.print(
+                f"snapshots: {store.url} (moto's S3 server on "
+                f"{store.environment['AWS_ENDPOINT_URL_S3']})",
+                markup=False,
+                highlight=False,
+                soft_wrap=True,
+            )
+        try:
+            paths, token = prepare_out_dir(options.out, store)
+        except (DemoError, OSError) as error:
+            print(f"turnpoint demo: {error}", file=sys.stderr)
+            return 2
+        return _run(options, paths, token, console)
+
+
+def _run(options: DemoOptions, paths: DemoPaths, token: str, console: Console) -> int:
     ray_launcher = None
     if options.ray:
         from turnpoint.apps.demo._ray import RayLauncher

@@ -7,7 +7,10 @@ servers ``tools`` (environment ``guess``, a per-sibling verifier) and ``group-to
 (``guess-group``, group-scored), and agents ``agent-0`` .. ``agent-{N-1}`` that serve both
 environments. They share one bearer token (a fresh one per run, in ``<out>/token``, mode
 0600; the children get it as ``$TURNPOINT_TOKEN``) and one snapshot root
-``<out>/snapshots``; each verifier appends the rewards it returns to
+``<out>/snapshots`` (with ``--storage s3``: ``s3://<bucket>/snapshots`` on moto's S3
+server, which the supervisor runs on loopback in its own process; the children get its
+endpoint and dummy credentials in boto3's environment variables, and every other file of
+the run stays in ``<out>``); each verifier appends the rewards it returns to
 ``<out>/verifier-<instance>.jsonl``. The supervisor writes ``<out>/topology.json``::
 
     {"token_file": "<out>/token", "snapshot_root": "<out>/snapshots",
@@ -81,6 +84,7 @@ from rich.console import Console
 from rich.text import Text
 
 from turnpoint._files import create_file, replace_file
+from turnpoint.apps._object_store import ObjectStore, loopback_s3_available
 from turnpoint.apps.chaos._proxy import FaultProxy, ProxyMode
 from turnpoint.apps.demo._progress import (
     EventTail,
@@ -100,6 +104,7 @@ from turnpoint.trainer.advanced import RestartBudget
 from turnpoint.trainer.testing import SnapshotPoint
 
 LEVELS = ("token", "turn", "sibling", "prompt_group")
+STORAGE_KINDS = ("local", "s3")
 CRASH_POINTS = tuple(point.value for point in SnapshotPoint)
 """The trainer's snapshot points (``--crash-at`` names), in snapshot order."""
 TRAINER_MODULE = "turnpoint.apps.demo._trainer"
@@ -176,6 +181,8 @@ class DemoOptions:
     # The environment trained on: the guessing game (tools and group-tools) or one of
     # the exported environments of turnpoint.apps.examples._environments (tools only).
     environment: str = GUESS
+    # Where snapshots go: "local" (<out>/snapshots) or "s3" (an S3 server on loopback).
+    storage: str = "local"
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DemoOptions:
@@ -207,6 +214,7 @@ class DemoOptions:
             participant_commands=_participant_commands(args.participant_command),
             metrics_port=getattr(args, "metrics_port", None),
             environment=getattr(args, "env", GUESS),
+            storage=getattr(args, "storage", "local"),
         )
 
     def problems(self) -> list[str]:
@@ -284,6 +292,7 @@ class DemoOptions:
             )
         if self.crash_at is not None:
             problems.extend(_crash_at_problems(self.crash_at, crash=self.crash))
+        problems.extend(self._storage_problems())
         problems.extend(_out_dir_problems(self.out))
         return problems
 
@@ -302,6 +311,24 @@ class DemoOptions:
             problems.append("--crash-at probes whole endpoints, not workers: drop --agent-workers")
         if self.participant_commands:
             problems.append("--participant-command and --agent-workers: drop one")
+        return problems
+
+    def _storage_problems(self) -> list[str]:
+        if self.storage not in STORAGE_KINDS:
+            return [f"unknown --storage {self.storage!r}: choose one of {', '.join(STORAGE_KINDS)}"]
+        if self.storage == "local":
+            return []
+        problems = []
+        if not loopback_s3_available():
+            problems.append(
+                "--storage s3 runs moto's S3 server on loopback: install it "
+                "(pip install 'moto[server]'), or drop --storage s3"
+            )
+        if self.participant_commands:
+            problems.append(
+                "--participant-command programs write their snapshots to a directory: "
+                "drop --storage s3 or --participant-command"
+            )
         return problems
 
     def _ray_problems(self) -> list[str]:
@@ -363,9 +390,20 @@ def _out_dir_problems(out: Path) -> list[str]:
 
 @dataclass(frozen=True)
 class DemoPaths:
-    """Where a run keeps its files; ``out`` is absolute (participants may run elsewhere)."""
+    """Where a run keeps its files; ``out`` is absolute (participants may run elsewhere).
+
+    ``store``: the object store the snapshots go to instead of ``<out>/snapshots``
+    (``--storage s3``); every other file of the run stays in ``out``.
+    """
 
     out: Path
+    store: ObjectStore | None = None
+
+    @property
+    def snapshot_root(self) -> str:
+        """The snapshot root every participant and the trainer are given: a directory
+        or a storage URL (docs/spec.md section 8.12)."""
+        return self.store.url if self.store is not None else str(self.snapshots)
 
     @property
     def token_file(self) -> Path:
@@ -402,8 +440,10 @@ class DemoPaths:
         return self.out / f"generations-{instance}.jsonl"
 
 
-def prepare_out_dir(out: Path) -> tuple[DemoPaths, str]:
+def prepare_out_dir(out: Path, store: ObjectStore | None = None) -> tuple[DemoPaths, str]:
     """Wipe and recreate ``out``; write a fresh token (0600). Returns the paths and token.
+
+    With ``store`` the snapshots go there and ``out`` gets no ``snapshots`` directory.
 
     Refuses a non-empty directory the demo did not make (:meth:`DemoOptions.problems`
     says so up front; this re-checks, as the directory may have changed since).
@@ -411,13 +451,14 @@ def prepare_out_dir(out: Path) -> tuple[DemoPaths, str]:
     problems = _out_dir_problems(out)
     if problems:
         raise DemoError(problems[0])
-    paths = DemoPaths(out.resolve())
+    paths = DemoPaths(out.resolve(), store)
     if paths.out.exists():
         shutil.rmtree(paths.out)
     paths.out.mkdir(parents=True)
     (paths.out / OUT_MARKER).write_text("made by turnpoint demo; wiped by the next run\n")
     paths.logs.mkdir()
-    paths.snapshots.mkdir()
+    if store is None:
+        paths.snapshots.mkdir()
     token = secrets.token_urlsafe(32)
     # Owner-only, whole from its first instant, never replacing an existing file.
     create_file(paths.token_file, (token + "\n").encode("ascii"), temp_prefix=".token-", mode=0o600)
@@ -447,7 +488,7 @@ class ParticipantSpec:
     # More than one: a group of worker processes sharing one port (docs/spec.md 3.9).
     workers: int = 1
 
-    def serve_arguments(self, snapshot_root: Path) -> list[str]:
+    def serve_arguments(self, snapshot_root: str) -> list[str]:
         arguments = [
             "--kind",
             self.kind,
@@ -460,7 +501,7 @@ class ParticipantSpec:
             "--port",
             "0",
             "--root",
-            str(snapshot_root),
+            snapshot_root,
         ]
         if self.group_size is not None:
             arguments += ["--group-size", str(self.group_size)]
@@ -688,7 +729,7 @@ class ProcessLauncher:
         # Per instance, another program that takes `turnpoint serve`'s arguments and
         # prints its serving line: a participant written in another language.
         self._commands = {name: tuple(command) for name, command in (commands or {}).items()}
-        self._env = _child_env(token)
+        self._env = _child_env(token, paths)
 
     async def start(self, spec: ParticipantSpec, generation: int) -> ProcessParticipant:
         stderr_path = self._paths.logs / f"{spec.instance}.{generation}.stderr"
@@ -696,7 +737,7 @@ class ProcessLauncher:
         try:
             process = await asyncio.create_subprocess_exec(
                 *self._commands.get(spec.instance, self._serve_command),
-                *spec.serve_arguments(self._paths.snapshots),
+                *spec.serve_arguments(self._paths.snapshot_root),
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=stderr,
@@ -722,11 +763,14 @@ class ProcessLauncher:
         return ProcessParticipant(spec, process, address, stderr_path)
 
 
-def _child_env(token: str) -> dict[str, str]:
+def _child_env(token: str, paths: DemoPaths) -> dict[str, str]:
     env = dict(os.environ)
     env[TOKEN_ENV] = token
     env.pop(TOKEN_FILE_ENV, None)
     env["PYTHONUNBUFFERED"] = "1"
+    if paths.store is not None:
+        # The store's endpoint and credentials reach the children only this way.
+        env.update(paths.store.environment)
     return env
 
 
@@ -812,7 +856,7 @@ def write_topology(
     addresses = addresses or {}
     topology = {
         "token_file": str(paths.token_file),
-        "snapshot_root": str(paths.snapshots),
+        "snapshot_root": paths.snapshot_root,
         "participants": [
             {
                 "instance": p.spec.instance,
@@ -909,7 +953,7 @@ class _Trainer:
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=stdout,
                 stderr=stderr,
-                env=_child_env(token),
+                env=_child_env(token, paths),
             )
         finally:
             stdout.close()

@@ -54,6 +54,7 @@ from turnpoint.apps.demo._learner import Sample, policy_gradient_step
 from turnpoint.apps.demo._progress import SnapshotStateLog
 from turnpoint.apps.examples._participants import GUESS, GUESS_GROUP, new_policy
 from turnpoint.apps.examples._task import make_prompt
+from turnpoint.storage import StorageError
 from turnpoint.trainer import (
     Checkpointing,
     ConfigError,
@@ -131,7 +132,8 @@ class DemoTrainer:
         self.args = args
         topology = json.loads(Path(args.topology).read_text(encoding="utf-8"))
         self.token = Path(topology["token_file"]).read_text(encoding="utf-8").strip()
-        self.snapshot_root = Path(topology["snapshot_root"])
+        # A directory or a storage URL (docs/spec.md section 8.12).
+        self.snapshot_root: str = topology["snapshot_root"]
         self.participants: list[dict[str, str]] = topology["participants"]
         self.out = Path(args.out)
         events = self.out / "events.jsonl"
@@ -154,7 +156,7 @@ class DemoTrainer:
         lost_after_s = 6.0
         return CoordinatorConfig.from_mapping(
             {
-                "snapshot_root": str(self.snapshot_root),
+                "snapshot_root": self.snapshot_root,
                 "control_timeout_s": 10.0,
                 "prepare_timeout_s": 8.0,
                 "snapshot_interval_s": self.args.snapshot_interval,
@@ -541,9 +543,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return asyncio.run(trainer.run())
-    except (OSError, ConfigError) as error:
+    except (OSError, ConfigError, StorageError) as error:
         # The snapshot root cannot be written or read (a file in its place, no
-        # permission, a full disk at start-up): one line that says which, no traceback.
+        # permission, a full disk at start-up, a store that refuses us): one line that
+        # says which, no traceback.
         print(
             f"trainer: the snapshot root {trainer.snapshot_root} is unusable: {error}",
             file=sys.stderr,

@@ -15,7 +15,8 @@ class ExampleSpec:
     """What an example participant needs beyond its kind: peers and files."""
 
     instance: str
-    root: Path
+    # A directory or a storage URL (docs/spec.md section 8.12).
+    root: Path | str
     token: str | None = None
     policy_address: str | None = None
     resources: dict[str, str] = field(default_factory=dict)
