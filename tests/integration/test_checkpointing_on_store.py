@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import threading
 from pathlib import Path
+from typing import Any
 
+import aiohttp
 import pytest
 import torch
 
@@ -33,7 +35,11 @@ BOUND_S = 60.0
 
 
 def _facade(
-    topology: Topology, url: str, model: torch.nn.Module, control_timeout_s: float = 10.0
+    topology: Topology,
+    url: str,
+    model: torch.nn.Module,
+    control_timeout_s: float = 10.0,
+    **options: Any,
 ) -> Checkpointing:
     return Checkpointing(
         CoordinatorConfig(snapshot_root=url, control_timeout_s=control_timeout_s),
@@ -42,6 +48,7 @@ def _facade(
         anchor=TorchAnchorSource(model, None, step=lambda: 0),
         load_anchor=torch_anchor_loader(model, None),
         periodic=False,
+        **options,
     )
 
 
@@ -99,11 +106,19 @@ async def test_snapshot_rounds_on_s3_and_a_restore_from_the_url_alone(
     assert not torch.equal(restored_model.weight, trained.weight)
     async with (
         start_topology(url, agents=1, group_size=GROUP_SIZE) as topology,
-        _facade(topology, url, restored_model) as ckpt,
+        _facade(topology, url, restored_model, status_port=0) as ckpt,
+        aiohttp.ClientSession() as session,
     ):
         assert ckpt.resumed.checkpoint_id == final.checkpoint_id
         assert ckpt.resumed.resumed_rollout_ids == {waiting.rollout_id}
         assert torch.equal(restored_model.weight, trained.weight)
+        # The status API lists and verifies the snapshots on the store (spec 7.13).
+        async with session.get(f"{ckpt.status_address}api/snapshots?verify=1") as response:
+            assert response.status == 200, await response.text()
+            listing = await response.json()
+        assert [s["checkpoint_id"] for s in listing["snapshots"]] == published
+        assert all(s["verified"]["ok"] for s in listing["snapshots"]), listing
+        assert listing["snapshot_root"] == url
         # The half-done group finishes: its saved sibling continued, the other joins.
         ckpt.dispatch(held_back, data_loader=3)
         assert await ckpt.wait_groups(1, timeout_s=BOUND_S)

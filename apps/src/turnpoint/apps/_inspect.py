@@ -18,17 +18,14 @@ thread when in async code.
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 import os
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, TextIO
+from typing import Final, TextIO
 
-from turnpoint.protocol import ArtifactRef
-from turnpoint.storage import ObjectMissingError, Storage, StorageError, open_storage
+from turnpoint.storage import StorageError, open_storage
 from turnpoint.trainer.restore.choice import (
     RestoreChoice,
     RestoreChoiceError,
@@ -44,7 +41,7 @@ from turnpoint.trainer.storage.manifest import (
     SnapshotManifest,
 )
 from turnpoint.trainer.storage.objects import StoreLayout
-from turnpoint.trainer.storage.verify import first_mismatch
+from turnpoint.trainer.storage.verify import snapshot_mismatch
 
 EXIT_OK: Final = 0
 EXIT_MISMATCH: Final = 1
@@ -181,20 +178,17 @@ def inspect_root(
         storage.check()
         store = StoreLayout(storage)
         try:
-            return _inspect_layout(store, storage.url, choice, _check_stored)
+            return _inspect_layout(store, storage.url, choice)
         finally:
             store.close()
     path = Path(root)
     if not path.is_dir():
         raise FileNotFoundError(f"{path} is not a directory")
-    return _inspect_layout(SnapshotLayout(path), path, choice, _check_local)
-
-
-_Checker = Callable[[Any, str, SnapshotManifest], tuple[int, str | None]]
+    return _inspect_layout(SnapshotLayout(path), path, choice)
 
 
 def _inspect_layout(
-    layout: SnapshotLayout | StoreLayout, root: Path | str, choice: RestoreChoice, check: _Checker
+    layout: SnapshotLayout | StoreLayout, root: Path | str, choice: RestoreChoice
 ) -> InspectReport:
     latest: str | None = None
     latest_problem: str | None = None
@@ -203,7 +197,7 @@ def _inspect_layout(
     except ManifestError as error:
         latest_problem = error.message
     snapshots = tuple(
-        _inspect_snapshot(layout, checkpoint_id, checkpoint_id == latest, check)
+        _inspect_snapshot(layout, checkpoint_id, checkpoint_id == latest)
         for checkpoint_id in layout.list_published()
     )
     candidates, _unreadable = published_candidates(layout)
@@ -212,7 +206,7 @@ def _inspect_layout(
 
 
 def _inspect_snapshot(
-    layout: SnapshotLayout | StoreLayout, checkpoint_id: str, latest: bool, check: _Checker
+    layout: SnapshotLayout | StoreLayout, checkpoint_id: str, latest: bool
 ) -> SnapshotReport:
     try:
         manifest = SnapshotManifest.from_json(layout.manifest_bytes(checkpoint_id))
@@ -221,7 +215,7 @@ def _inspect_snapshot(
     files_checked = 0
     problem: str | None = f"{MANIFEST_NAME} describes {manifest.checkpoint_id!r}"
     if manifest.checkpoint_id == checkpoint_id:
-        files_checked, problem = check(layout, checkpoint_id, manifest)
+        files_checked, problem = snapshot_mismatch(layout, checkpoint_id, manifest)
     return SnapshotReport(
         checkpoint_id=checkpoint_id,
         latest=latest,
@@ -234,47 +228,6 @@ def _inspect_snapshot(
         problem=problem,
         metrics=tuple(sorted(metrics_of(manifest.extra).items())),
     )
-
-
-def _check_local(
-    layout: SnapshotLayout, checkpoint_id: str, manifest: SnapshotManifest
-) -> tuple[int, str | None]:
-    return first_mismatch(layout.path(checkpoint_id), manifest)
-
-
-def _check_stored(
-    layout: StoreLayout, checkpoint_id: str, manifest: SnapshotManifest
-) -> tuple[int, str | None]:
-    try:
-        # Fetches the anchor's objects and checks their tree digest.
-        layout.load(checkpoint_id)
-    except (StorageError, ManifestError) as error:
-        return 1, f"trainer anchor {manifest.anchor.path}: {error}"
-    checked = 1
-    for entry in manifest.participants:
-        named = [] if entry.manifest is None else [entry.manifest]
-        for ref in [*named, *entry.artifacts]:
-            checked += 1
-            problem = _check_object(layout.storage, f"{checkpoint_id}/{ref.path}", ref)
-            if problem is not None:
-                return checked, f"{entry.instance}: {problem}"
-    return checked, None
-
-
-def _check_object(storage: Storage, key: str, ref: ArtifactRef) -> str | None:
-    try:
-        data = storage.get(key, limit=ref.size_bytes)
-    except ObjectMissingError:
-        return f"{ref.path} is missing"
-    except StorageError as error:
-        return f"{ref.path} cannot be read: {error.message}"
-    if len(data) != ref.size_bytes:
-        more = "more than " if len(data) > ref.size_bytes else ""
-        return f"{ref.path} has {more}{len(data)} bytes, manifest says {ref.size_bytes}"
-    found = hashlib.sha256(data).hexdigest()
-    if found != ref.sha256:
-        return f"{ref.path} has sha256 {found}, manifest says {ref.sha256}"
-    return None
 
 
 def inspect_command(

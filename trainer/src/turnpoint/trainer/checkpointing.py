@@ -294,10 +294,7 @@ class Checkpointing:
             log.start()
             self._stack.push_async_callback(log.aclose)
         if self._status_port is not None:
-            if isinstance(layout, SnapshotLayout):
-                await self._start_status(layout)
-            else:
-                _LOG.warning("the status page is not served for a storage URL root yet")
+            await self._start_status(layout)
         endpoints = await self._endpoints()
         coordinator = await self._stack.enter_async_context(
             Coordinator(
@@ -369,7 +366,8 @@ class Checkpointing:
             resumed_rollouts=resumed.resumed_rollouts,
             rerun_rollouts=resumed.rerun_rollouts,
         )
-        log.append(self.history.event_record(self.history.events[-1]))
+        if self._history_log is not None:
+            self._history_log.append(self.history.event_record(self.history.events[-1]))
         driver = SnapshotDriver(
             coordinator=coordinator,
             rollouts=rollouts,
@@ -405,7 +403,7 @@ class Checkpointing:
             self._background.append(asyncio.create_task(self._watch_participants()))
         return self.resumed
 
-    async def _start_status(self, layout: SnapshotLayout) -> None:
+    async def _start_status(self, layout: SnapshotLayout | StoreLayout) -> None:
         # Imported here: aiohttp loads only for a trainer that serves the page.
         from turnpoint.trainer.status.server import StatusServer, StatusSources
 

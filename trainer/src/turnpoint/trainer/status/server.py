@@ -27,12 +27,14 @@ from typing import TYPE_CHECKING, Final
 from aiohttp import web
 
 from turnpoint.ids import InvalidIdError, validate_id
+from turnpoint.storage import StorageError
 from turnpoint.trainer.restore.choice import Candidate, RestoreChoice, rank_candidates
 from turnpoint.trainer.restore.restorer import published_candidates
 from turnpoint.trainer.status.history import STATUSES, CheckpointHistory
 from turnpoint.trainer.storage.layout import SnapshotLayout
 from turnpoint.trainer.storage.manifest import JSONValue, ManifestError
-from turnpoint.trainer.storage.verify import first_mismatch
+from turnpoint.trainer.storage.objects import StoreLayout
+from turnpoint.trainer.storage.verify import snapshot_mismatch
 
 if TYPE_CHECKING:
     from prometheus_client import CollectorRegistry
@@ -58,7 +60,7 @@ class StatusSources:
     """What the API reads; ``coordinator`` is None until the facade has discovered."""
 
     history: CheckpointHistory
-    layout: SnapshotLayout
+    layout: SnapshotLayout | StoreLayout
     config: CoordinatorConfig
     registry: CollectorRegistry | None = None
     coordinator: Coordinator | None = None
@@ -367,9 +369,9 @@ class StatusApi:
         layout = self.sources.layout
         try:
             manifest = layout.load(name)
-        except (ManifestError, OSError) as error:
+        except (ManifestError, OSError, StorageError) as error:
             return {"ok": False, "files_checked": 0, "problem": str(error)}
-        checked, problem = first_mismatch(layout.path(name), manifest)
+        checked, problem = snapshot_mismatch(layout, name, manifest)
         return {"ok": problem is None, "files_checked": checked, "problem": problem}
 
 
