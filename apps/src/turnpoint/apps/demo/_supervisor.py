@@ -176,6 +176,10 @@ class DemoOptions:
     # The environment trained on: the guessing game (tools and group-tools) or one of
     # the exported environments of turnpoint.apps.examples._environments (tools only).
     environment: str = GUESS
+    # Testing: the restarted job's tools server holds every tool call until this file
+    # exists, so the restored trainer's snapshots wait in prepare (the status page's
+    # live blocker, tests/e2e/test_status_page.py).
+    hold_tools_after_restart: Path | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DemoOptions:
@@ -207,6 +211,11 @@ class DemoOptions:
             participant_commands=_participant_commands(args.participant_command),
             metrics_port=getattr(args, "metrics_port", None),
             environment=getattr(args, "env", GUESS),
+            hold_tools_after_restart=(
+                Path(args.hold_tools_after_restart)
+                if getattr(args, "hold_tools_after_restart", None)
+                else None
+            ),
         )
 
     def problems(self) -> list[str]:
@@ -269,6 +278,7 @@ class DemoOptions:
                 f"this run: choose one of {', '.join(sorted(known))}"
             )
         problems.extend(self._ray_problems())
+        problems.extend(self._hold_problems())
         if self.participant_commands and self.ray:
             problems.append("--participant-command starts local processes: drop --ray")
         if not self.stall_timeout_s > 0:
@@ -303,6 +313,20 @@ class DemoOptions:
         if self.participant_commands:
             problems.append("--participant-command and --agent-workers: drop one")
         return problems
+
+    def _hold_problems(self) -> list[str]:
+        if self.hold_tools_after_restart is None:
+            return []
+        if self.environment != GUESS:
+            return ["--hold-tools-after-restart holds the guessing game's tools: drop --env"]
+        if not self.crash and not self.chaos_faults:
+            return ["--hold-tools-after-restart needs a restart: drop --no-crash"]
+        if "tools" in self.participant_commands:
+            return [
+                "--hold-tools-after-restart holds the example tools server: drop "
+                "--participant-command tools=..."
+            ]
+        return []
 
     def _ray_problems(self) -> list[str]:
         problems = []
@@ -446,6 +470,8 @@ class ParticipantSpec:
     cut_generations: bool = False
     # More than one: a group of worker processes sharing one port (docs/spec.md 3.9).
     workers: int = 1
+    # Testing: a guess server holds every tool call until this file exists.
+    hold_calls_until: Path | None = None
 
     def serve_arguments(self, snapshot_root: Path) -> list[str]:
         arguments = [
@@ -482,12 +508,18 @@ class ParticipantSpec:
             arguments.append("--cut-generations")
         if self.workers > 1:
             arguments += ["--workers", str(self.workers)]
+        if self.hold_calls_until is not None:
+            arguments += ["--hold-calls-until", str(self.hold_calls_until)]
         return arguments
 
 
-def server_specs(options: DemoOptions, paths: DemoPaths) -> list[ParticipantSpec]:
+def server_specs(
+    options: DemoOptions, paths: DemoPaths, generation: int = 1
+) -> list[ParticipantSpec]:
     """The participants agents depend on: the policy and the resources servers (two for
-    the guessing game, per sibling and group-scored; one for the other environments)."""
+    the guessing game, per sibling and group-scored; one for the other environments).
+    ``generation`` counts job (re)starts: from the second on, ``tools`` holds its calls
+    when ``--hold-tools-after-restart`` asks for it."""
     policy = ParticipantSpec(
         instance="policy",
         kind="model",
@@ -513,6 +545,7 @@ def server_specs(options: DemoOptions, paths: DemoPaths) -> list[ParticipantSpec
             example=GUESS,
             environment=GUESS,
             verifier_log=paths.verifier_log("tools"),
+            hold_calls_until=options.hold_tools_after_restart if generation > 1 else None,
         ),
         ParticipantSpec(
             instance="group-tools",
@@ -766,7 +799,7 @@ async def start_participants(
                 raise result
 
     try:
-        await start_all(server_specs(options, paths))
+        await start_all(server_specs(options, paths, generation))
         await start_all(agent_specs(options, started))
     except BaseException:
         await stop_participants(started.values(), check=False)
