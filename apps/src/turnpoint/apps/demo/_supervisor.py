@@ -51,6 +51,13 @@ crash: it SIGKILLs one agent at that moment, records ``crash`` with the point, a
 restarts the job exactly as above. A trainer that dies of SIGKILL without its ``kill``
 event fails the demo like any other trainer failure.
 
+A held prepare, for the status page's browser test. ``--hold-tools-after-restart FILE``
+starts every participant set after the first with ``tools`` told to hold its tool calls
+until FILE exists (``turnpoint serve --hold-calls-until``,
+:class:`~turnpoint.apps.examples._participants.FileGate`): the restored trainer's
+snapshots wait in prepare for ``tools`` and it cannot end the job until the test creates
+FILE (docs/spec.md section 7.13.6).
+
 At the end every participant gets SIGTERM and must exit 0; then the report
 (:mod:`turnpoint.apps.demo._report`) prints the statistics and the exactly-once
 audit, and :mod:`turnpoint.apps.demo._timeline` draws ``<out>/timeline.png``.
