@@ -290,3 +290,32 @@ def test_a_trainer_that_closed_is_not_reported_as_a_crash_and_one_that_did_not_i
         ("restore", 2),
         ("trainer_ended", 2),
     ]
+
+
+def test_a_restored_snapshot_whose_report_the_crash_took_is_shown_published() -> None:
+    """docs/spec.md section 7.13.5: the history file is written behind the snapshot path,
+    so a kill right after a publication can leave only the attempt's ``started`` record.
+    The next trainer restores that very snapshot: it was published, not interrupted."""
+    before = CheckpointHistory(wall_offset_s=OFFSET, epoch=1)
+    walk(before, "ck-a", PUBLISHED_PATH, 0.0)
+    walk(before, "ck-b", PUBLISHED_PATH, 20.0)
+    walk(before, "ck-c", (S.NEW, S.RELEASE, S.ANCHOR), 40.0)
+    records = [
+        before.started_record("ck-a"),
+        before.finished_record("ck-a", now=20.0),
+        before.started_record("ck-b"),  # its report's record was lost with the process
+        before.started_record("ck-c"),
+    ]
+
+    after = CheckpointHistory(wall_offset_s=OFFSET, epoch=2)
+    after.load_past(records)
+    after.on_restore(now=1.0, checkpoint_id="ck-b")
+
+    shown = {r["checkpoint_id"]: r for r in after.rows_json(now=2.0)}
+    assert shown["ck-b"]["status"] == "published"
+    assert "restored" in str(shown["ck-b"]["detail"])
+    assert shown["ck-c"]["status"] == "interrupted"  # never published: it stays so
+    assert shown["ck-a"]["status"] == "published"
+    overview = after.overview()
+    assert overview["latest"]["published"] == "ck-b"  # type: ignore[index]
+    assert overview["counts"]["interrupted"] == 1  # type: ignore[index]

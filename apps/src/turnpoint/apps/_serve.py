@@ -97,6 +97,12 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         help="agent: let the policy cut generations at a checkpoint and continue them from "
         "their token prefix (docs/spec.md section 5.5)",
     )
+    parser.add_argument(
+        "--hold-calls-until",
+        metavar="FILE",
+        help="resources (guess, guess-group), for tests: hold every tool call until FILE "
+        "exists, so that a snapshot's prepare waits for it",
+    )
     parser.set_defaults(handler=_serve_command)
 
 
@@ -196,6 +202,7 @@ async def _serve(
         turn_delay_s=args.turn_delay,
         token_delay_s=args.token_delay,
         cut_generations=args.cut_generations,
+        hold_calls_until=Path(args.hold_calls_until) if args.hold_calls_until else None,
     )
     try:
         # A store that refuses the credentials, or a bucket that is not there: a clear

@@ -187,6 +187,15 @@ def add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="plain progress lines instead of the live display",
     )
     parser.add_argument(
+        "--hold-tools-after-restart",
+        metavar="FILE",
+        help=(
+            "for tests: after the job restart, the tools server holds every tool call until "
+            "FILE exists, so the restored trainer's snapshots wait in prepare and the status "
+            "page shows the blocker"
+        ),
+    )
+    parser.add_argument(
         "--start-timeout",
         type=float,
         default=START_TIMEOUT_S,

@@ -87,6 +87,7 @@ class DemoBuild:
             turn_delay_s=spec.turn_delay_s or 0.0,
             token_delay_s=spec.token_delay_s or 0.0,
             cut_generations=spec.cut_generations,
+            hold_calls_until=spec.hold_calls_until,
         )
         runtime, closers = build_example(spec.kind, spec.example, example)
         return runtime, closers

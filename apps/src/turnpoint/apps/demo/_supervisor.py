@@ -54,6 +54,13 @@ crash: it SIGKILLs one agent at that moment, records ``crash`` with the point, a
 restarts the job exactly as above. A trainer that dies of SIGKILL without its ``kill``
 event fails the demo like any other trainer failure.
 
+A held prepare, for the status page's browser test. ``--hold-tools-after-restart FILE``
+starts every participant set after the first with ``tools`` told to hold its tool calls
+until FILE exists (``turnpoint serve --hold-calls-until``,
+:class:`~turnpoint.apps.examples._participants.FileGate`): the restored trainer's
+snapshots wait in prepare for ``tools`` and it cannot end the job until the test creates
+FILE (docs/spec.md section 7.13.6).
+
 At the end every participant gets SIGTERM and must exit 0; then the report
 (:mod:`turnpoint.apps.demo._report`) prints the statistics and the exactly-once
 audit, and :mod:`turnpoint.apps.demo._timeline` draws ``<out>/timeline.png``.
@@ -183,6 +190,10 @@ class DemoOptions:
     environment: str = GUESS
     # Where snapshots go: "local" (<out>/snapshots) or "s3" (an S3 server on loopback).
     storage: str = "local"
+    # Testing: the restarted job's tools server holds every tool call until this file
+    # exists, so the restored trainer's snapshots wait in prepare (the status page's
+    # live blocker, tests/e2e/test_status_page.py).
+    hold_tools_after_restart: Path | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DemoOptions:
@@ -215,6 +226,11 @@ class DemoOptions:
             metrics_port=getattr(args, "metrics_port", None),
             environment=getattr(args, "env", GUESS),
             storage=getattr(args, "storage", "local"),
+            hold_tools_after_restart=(
+                Path(args.hold_tools_after_restart)
+                if getattr(args, "hold_tools_after_restart", None)
+                else None
+            ),
         )
 
     def problems(self) -> list[str]:
@@ -277,6 +293,7 @@ class DemoOptions:
                 f"this run: choose one of {', '.join(sorted(known))}"
             )
         problems.extend(self._ray_problems())
+        problems.extend(self._hold_problems())
         if self.participant_commands and self.ray:
             problems.append("--participant-command starts local processes: drop --ray")
         if not self.stall_timeout_s > 0:
@@ -330,6 +347,20 @@ class DemoOptions:
                 "drop --storage s3 or --participant-command"
             )
         return problems
+
+    def _hold_problems(self) -> list[str]:
+        if self.hold_tools_after_restart is None:
+            return []
+        if self.environment != GUESS:
+            return ["--hold-tools-after-restart holds the guessing game's tools: drop --env"]
+        if not self.crash and not self.chaos_faults:
+            return ["--hold-tools-after-restart needs a restart: drop --no-crash"]
+        if "tools" in self.participant_commands:
+            return [
+                "--hold-tools-after-restart holds the example tools server: drop "
+                "--participant-command tools=..."
+            ]
+        return []
 
     def _ray_problems(self) -> list[str]:
         problems = []
@@ -487,6 +518,8 @@ class ParticipantSpec:
     cut_generations: bool = False
     # More than one: a group of worker processes sharing one port (docs/spec.md 3.9).
     workers: int = 1
+    # Testing: a guess server holds every tool call until this file exists.
+    hold_calls_until: Path | None = None
 
     def serve_arguments(self, snapshot_root: str) -> list[str]:
         arguments = [
@@ -523,12 +556,18 @@ class ParticipantSpec:
             arguments.append("--cut-generations")
         if self.workers > 1:
             arguments += ["--workers", str(self.workers)]
+        if self.hold_calls_until is not None:
+            arguments += ["--hold-calls-until", str(self.hold_calls_until)]
         return arguments
 
 
-def server_specs(options: DemoOptions, paths: DemoPaths) -> list[ParticipantSpec]:
+def server_specs(
+    options: DemoOptions, paths: DemoPaths, generation: int = 1
+) -> list[ParticipantSpec]:
     """The participants agents depend on: the policy and the resources servers (two for
-    the guessing game, per sibling and group-scored; one for the other environments)."""
+    the guessing game, per sibling and group-scored; one for the other environments).
+    ``generation`` counts job (re)starts: from the second on, ``tools`` holds its calls
+    when ``--hold-tools-after-restart`` asks for it."""
     policy = ParticipantSpec(
         instance="policy",
         kind="model",
@@ -554,6 +593,7 @@ def server_specs(options: DemoOptions, paths: DemoPaths) -> list[ParticipantSpec
             example=GUESS,
             environment=GUESS,
             verifier_log=paths.verifier_log("tools"),
+            hold_calls_until=options.hold_tools_after_restart if generation > 1 else None,
         ),
         ParticipantSpec(
             instance="group-tools",
@@ -810,7 +850,7 @@ async def start_participants(
                 raise result
 
     try:
-        await start_all(server_specs(options, paths))
+        await start_all(server_specs(options, paths, generation))
         await start_all(agent_specs(options, started))
     except BaseException:
         await stop_participants(started.values(), check=False)

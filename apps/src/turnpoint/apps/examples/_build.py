@@ -33,6 +33,8 @@ class ExampleSpec:
     # policy cut their generations at a checkpoint.
     token_delay_s: float = 0.0
     cut_generations: bool = False
+    # Testing: the guess servers hold every tool call until this file exists.
+    hold_calls_until: Path | None = None
 
 
 EXAMPLES: dict[str, tuple[str, ...]] = {
@@ -46,8 +48,13 @@ def build_example(
     kind: str, example: str, spec: ExampleSpec
 ) -> tuple[ParticipantRuntime, list[Callable[[], Awaitable[None]]]]:
     """One of the example participants as a runtime, plus what to close after it."""
+    if spec.hold_calls_until is not None and not (
+        kind == "resources" and example in ("guess", "guess-group")
+    ):
+        raise ValueError("only the guess and guess-group resources servers hold their calls")
     # Imported here: the examples pull in torch, which `turnpoint serve --help` should not.
     from turnpoint.apps.examples._participants import (
+        FileGate,
         GroupGuessTools,
         GuessAgent,
         GuessTools,
@@ -73,10 +80,11 @@ def build_example(
         return ParticipantRuntime(spec.instance, store, model=model, config=config), closers
     if kind == "resources" and example in ("guess", "guess-group"):
         log = VerifierLog(spec.verifier_log)
+        hold = FileGate(spec.hold_calls_until) if spec.hold_calls_until is not None else None
         resources = (
-            GuessTools(spec.instance, log)
+            GuessTools(spec.instance, log, hold=hold)
             if example == "guess"
-            else GroupGuessTools(spec.instance, log, group_size=spec.group_size)
+            else GroupGuessTools(spec.instance, log, group_size=spec.group_size, hold=hold)
         )
         runtime = ParticipantRuntime(spec.instance, store, resources=resources, config=config)
         return runtime, closers

@@ -263,16 +263,45 @@ class VerifierLog:
                 os.fsync(handle.fileno())
 
 
+class FileGate:
+    """A testing hold: every :meth:`wait` returns only once ``path`` exists.
+
+    ``turnpoint serve --hold-calls-until FILE`` (and the demo's
+    ``--hold-tools-after-restart FILE``) put one in front of a guess server's tool calls:
+    each call stays in flight, so a snapshot's prepare waits for it and names it as its
+    blocker, until the test creates the file. Polled, in a thread: nothing notifies a
+    process that a file appeared. Once open it stays open.
+    """
+
+    POLL_S: ClassVar[float] = 0.02
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._open = False
+
+    async def wait(self) -> None:
+        while not self._open:
+            self._open = await asyncio.to_thread(self.path.exists)
+            if not self._open:
+                await asyncio.sleep(self.POLL_S)
+
+
 class GuessTools(ResourcesServer):
-    """The ``check`` tool and a per-sibling verifier, with exported sessions."""
+    """The ``check`` tool and a per-sibling verifier, with exported sessions.
+
+    With a ``hold`` (:class:`FileGate`, testing only), every tool call first waits for it.
+    """
 
     recovery_mode: ClassVar[RecoveryMode] = RecoveryMode.EXPORTED
     verify_mode: ClassVar[VerifyMode] = VerifyMode.WAIT
     environment: ClassVar[str] = GUESS
 
-    def __init__(self, name: str = "tools", log: VerifierLog | None = None) -> None:
+    def __init__(
+        self, name: str = "tools", log: VerifierLog | None = None, *, hold: FileGate | None = None
+    ) -> None:
         self.name = name
         self.log = log or VerifierLog(None)
+        self.hold = hold
         # Per episode: the task, and the tool session before each turn (index = turn).
         self.sessions: dict[EpisodeId, dict[str, Any]] = {}
 
@@ -305,6 +334,8 @@ class GuessTools(ResourcesServer):
     async def call(
         self, episode: EpisodeId, tool: str, arguments: Mapping[str, Any]
     ) -> Mapping[str, Any]:
+        if self.hold is not None:
+            await self.hold.wait()
         if tool != "check":
             return {"error": f"unknown tool {tool!r}"}
         session = self._session(episode)
@@ -371,9 +402,14 @@ class GroupGuessTools(GuessTools):
     environment: ClassVar[str] = GUESS_GROUP
 
     def __init__(
-        self, name: str = "group-tools", log: VerifierLog | None = None, *, group_size: int
+        self,
+        name: str = "group-tools",
+        log: VerifierLog | None = None,
+        *,
+        group_size: int,
+        hold: FileGate | None = None,
     ) -> None:
-        super().__init__(name, log)
+        super().__init__(name, log, hold=hold)
         self.group_size = group_size  # type: ignore[misc]  # per instance, not per class
         self.groups: dict[str, dict[str, Any]] = {}
         self._submitted = asyncio.Condition()

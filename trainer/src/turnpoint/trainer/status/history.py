@@ -44,6 +44,9 @@ if TYPE_CHECKING:
 TIMED_OPERATIONS: Final = ("prepare", "commit", "resume")
 IN_PROGRESS: Final = "in_progress"
 INTERRUPTED: Final = "interrupted"
+RESTORED_UNREPORTED: Final = (
+    "published, and restored; the trainer that took it ended before it recorded the report"
+)
 STATUSES: Final = frozenset({IN_PROGRESS, "published", "skipped", "failed", INTERRUPTED})
 HISTORY_FILE: Final = "history.jsonl"
 """Under the snapshot root: one record per line (docs/spec.md section 7.13.5)."""
@@ -236,6 +239,12 @@ class CheckpointHistory:
         rerun_rollouts: int = 0,
     ) -> None:
         kind = "fresh_start" if checkpoint_id is None else "restore"
+        past = self._past.get(checkpoint_id) if checkpoint_id is not None else None
+        if past is not None and past.get("status") == INTERRUPTED:
+            # What a restore reads was published: the crash took the attempt's report
+            # between its publication and the history's write, not the snapshot.
+            past["status"] = "published"
+            past["detail"] = RESTORED_UNREPORTED
         self.events.append(
             RestoreEvent(
                 kind,

@@ -33,6 +33,16 @@ function bytes(value) {
   return value.toFixed(index ? 1 : 0) + " " + units[index];
 }
 
+// A recorded metric (loss, mean reward): four significant digits, not a float's seventeen.
+function metric(value) {
+  return typeof value === "number" && !Number.isInteger(value) ? String(Number(value.toPrecision(4))) : String(value);
+}
+
+// A count's min and max are whole numbers; its average gets one decimal.
+function count(value) {
+  return Number.isInteger(value) ? String(value) : value.toFixed(1);
+}
+
 function clock(epochSeconds) {
   if (epochSeconds === null || epochSeconds === undefined) return "–";
   return new Date(epochSeconds * 1000).toLocaleTimeString();
@@ -121,7 +131,11 @@ function drawOverview(job) {
     } else {
       text += "participant(s) lost: " + event.participants.join(", ") + " — " + event.detail;
     }
-    return el("li", text);
+    const item = el("li", text, event.kind === "trainer_ended" ? "caused" : "");
+    item.dataset.kind = event.kind;
+    item.dataset.epoch = event.epoch;
+    if (event.checkpoint_id) item.dataset.checkpoint = event.checkpoint_id;
+    return item;
   });
   document.getElementById("events").replaceChildren(...events);
 }
@@ -178,6 +192,9 @@ function drawHistory(body) {
     const tr = el("tr");
     tr.dataset.id = row.checkpoint_id;
     if (row.checkpoint_id === selected) tr.className = "selected";
+    // Sizes and the admission window are known once an attempt ends; an interrupted one
+    // never closed its window.
+    const open = row.status === "in_progress";
     tr.append(
       el("td", row.checkpoint_id),
       el("td", row.epoch),
@@ -186,10 +203,10 @@ function drawHistory(body) {
       el("td", clock(row.triggered_at)),
       el("td", clock(row.latest_acknowledgement_at)),
       el("td", seconds(row.duration_s)),
-      el("td", row.status === "interrupted" ? "" : seconds(row.admission_closed_s)),
-      el("td", bytes(row.bytes_written)),
-      el("td", row.records_written),
-      el("td", row.episodes_exported),
+      el("td", open || row.status === "interrupted" ? "–" : seconds(row.admission_closed_s)),
+      el("td", open ? "–" : bytes(row.bytes_written)),
+      el("td", open ? "–" : row.records_written),
+      el("td", open ? "–" : row.episodes_exported),
       phaseBar(row.phases_s, row.duration_s || 0),
     );
     tr.addEventListener("click", () => select(row.checkpoint_id));
@@ -199,7 +216,7 @@ function drawHistory(body) {
   document.getElementById("history-empty").hidden = rows.length > 0;
   const summary = Object.entries(body.summary.measures).filter(([, v]) => v).map(([name, v]) => {
     const tr = el("tr");
-    const format = name.endsWith("_s") ? seconds : name.startsWith("bytes") ? bytes : (x) => x.toFixed(1);
+    const format = name.endsWith("_s") ? seconds : name.startsWith("bytes") ? bytes : count;
     tr.append(el("td", name), el("td", format(v.min)), el("td", format(v.avg)), el("td", format(v.max)));
     return tr;
   });
@@ -237,6 +254,9 @@ async function drawDetail() {
 
 function select(id) {
   selected = id;
+  for (const tr of document.querySelectorAll("#history tbody tr")) {
+    tr.classList.toggle("selected", tr.dataset.id === id);
+  }
   drawDetail().catch((error) => showError(String(error.message || error)));
 }
 
@@ -249,7 +269,7 @@ async function drawStorage(verify) {
   const rows = body.snapshots.map((snap) => {
     const tr = el("tr");
     tr.dataset.snapshot = snap.checkpoint_id;
-    const metrics = snap.metrics ? Object.entries(snap.metrics).map(([k, v]) => k + "=" + v).join(", ") : "";
+    const metrics = snap.metrics ? Object.entries(snap.metrics).map(([k, v]) => k + "=" + metric(v)).join(", ") : "";
     const rank = order.indexOf(snap.checkpoint_id);
     const verified = snap.verified === null ? "not checked" :
       snap.verified.ok ? "OK (" + snap.verified.files_checked + " files)" : "MISMATCH: " + snap.verified.problem;
@@ -288,6 +308,7 @@ async function poll() {
 
 document.getElementById("detail-close").addEventListener("click", () => {
   selected = null;
+  for (const tr of document.querySelectorAll("#history tbody tr.selected")) tr.classList.remove("selected");
   document.getElementById("detail-section").hidden = true;
 });
 document.getElementById("verify").addEventListener("click", () => {
