@@ -482,6 +482,10 @@ class Checkpointing:
     async def _snapshot_at_exit(self) -> None:
         if self._preempted.is_set():
             return  # the preemption took the final snapshot already
+        if self._must_stop():
+            # The run ended on a failure (a participant lost): no cut of it is whole.
+            _LOG.info("no final snapshot: the run ended on a failure")
+            return
         # Nothing new starts after the final cut; what it holds continues on restart.
         self.rollouts.close_dispatch()
         report = await self.snapshot_now()
