@@ -100,6 +100,9 @@ async def lead(
             anchor=anchor,
             load_anchor=anchor.load,
             periodic=False,
+            # Every snapshot is one the test asks for: a restore run's close must not
+            # publish a newer one that the next restore run would pick.
+            final_snapshot=False,
         ) as ckpt:
             trainer.step = ckpt.resumed.step
             seen["restored_from"] = ckpt.resumed.checkpoint_id
