@@ -16,6 +16,9 @@ registration, served with token auth on ``127.0.0.1:0``:
   (section 10.5).
 - ``lease-never-expires``: the participant's protocol clock never advances, so no
   lease ever runs out (section 4.2).
+- ``ignores-record``: every ``Call`` and ``Verify`` reaches the runtime without its
+  request id, so a retried or re-sent call runs the tool again and a key re-sent with
+  other arguments is not refused (section 6.12).
 
 :class:`MidTurnAgent` is not a defect: an agent whose turns do real work between
 boundaries (RUNNING, which blocks a prepare until the next boundary). The
@@ -288,6 +291,11 @@ MUTANTS: tuple[Mutant, ...] = (
         "unknown-on-garbage",
         "answers garbage with UNKNOWN",
         _unknown_on_garbage,
+    ),
+    Mutant(
+        "ignores-record",
+        "runs a keyed tool call again instead of answering from the record",
+        lambda root: _hosted(_tools(IgnoresRecord, root)),
     ),
     Mutant(
         "lease-never-expires",

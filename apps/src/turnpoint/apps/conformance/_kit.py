@@ -75,19 +75,29 @@ class Workload:
 
     ``task`` is the task of a Run (agents) and of a SeedSession (resources); without it
     the checks that need an episode are skipped. ``answer`` is the Verify answer.
-    ``generate`` is the prompt and length of a Generate (models).
+    ``generate`` is the prompt and length of a Generate (models). ``call`` is one tool
+    call of a resources server's session, ``{"tool": NAME, "arguments": {...}}``; without
+    it the effects check is skipped.
     """
 
     task: Mapping[str, Any] | None = None
     answer: Mapping[str, Any] = field(default_factory=dict)
     prompt_token_ids: tuple[int, ...] = (1,)
     max_new_tokens: int = 1
+    tool: str | None = None
+    arguments: Mapping[str, Any] = field(default_factory=dict)
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> Workload:
-        unknown = sorted(set(data) - {"task", "answer", "generate"})
+        unknown = sorted(set(data) - {"task", "answer", "generate", "call"})
         if unknown:
-            raise WorkloadError(f"unknown keys {unknown}; valid: task, answer, generate")
+            raise WorkloadError(f"unknown keys {unknown}; valid: task, answer, generate, call")
+        call = data.get("call", {})
+        if not isinstance(call, dict) or set(call) - {"tool", "arguments"}:
+            raise WorkloadError('call must be a JSON object {"tool": ..., "arguments": {...}}')
+        tool, arguments = call.get("tool"), call.get("arguments", {})
+        if (call and not (isinstance(tool, str) and tool)) or not isinstance(arguments, dict):
+            raise WorkloadError("call.tool must be a non-empty string, call.arguments an object")
         task = data.get("task")
         answer = data.get("answer", {})
         generate = data.get("generate", {})
@@ -103,7 +113,7 @@ class Workload:
             raise WorkloadError("generate.prompt_token_ids must be a list of integers")
         if not isinstance(length, int) or isinstance(length, bool) or length < 1:
             raise WorkloadError("generate.max_new_tokens must be an integer >= 1")
-        return cls(task, answer, tuple(prompt), length)
+        return cls(task, answer, tuple(prompt), length, tool or None, arguments)
 
     @classmethod
     def from_file(cls, path: str | Path) -> Workload:
@@ -263,8 +273,13 @@ class Kit:
         workload: Workload,
         lease_s: float,
         episode_bound_s: float,
+        fresh_target: Target | None = None,
     ) -> None:
         self.target = target
+        # A second, freshly started process of the target on the same snapshot root:
+        # what a check needs to restore work the target did (the target itself is no
+        # longer fresh once it served any).
+        self.fresh_target = fresh_target
         self.workload = workload
         self.lease_s = lease_s
         self.episode_bound_s = episode_bound_s

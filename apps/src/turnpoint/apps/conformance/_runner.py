@@ -26,6 +26,7 @@ from ._control_checks import (
     check_watch_boundaries,
 )
 from ._data_checks import check_acknowledge, check_admission, check_readiness, check_run_stream
+from ._effects_checks import check_effects
 from ._kit import CheckFailed, CheckSkipped, Kit, Workload
 from ._lifecycle_checks import (
     check_commit,
@@ -61,6 +62,7 @@ CHECKS: tuple[Check, ...] = (
     Check("resume", "4.9", check_resume),
     Check("commit", "4.8", check_commit),
     Check("restore", "4.10", check_restore),
+    Check("effects", "6.12", check_effects),
     Check("lease", "4.2", check_lease),
     Check("retire", "4.11", check_retire),
     Check("forget", "4.12", check_forget),
@@ -85,6 +87,8 @@ class ConformanceOptions:
     call_timeout_s: float = 10.0
     episode_timeout_s: float = 30.0
     only: Sequence[str] = ()
+    # A second, freshly started process of the target on the same snapshot root.
+    fresh_target: str | None = None
 
 
 Progress = Callable[[CheckResult], None]
@@ -103,6 +107,9 @@ async def run_conformance(
         workload=options.workload,
         lease_s=options.lease_s,
         episode_bound_s=options.episode_timeout_s,
+        fresh_target=None
+        if options.fresh_target is None
+        else Target(options.fresh_target, options.token, call_timeout_s=options.call_timeout_s),
     )
     report = ConformanceReport(target=options.target, coordinator_id=kit.coordinator_id)
     try:
@@ -131,6 +138,8 @@ async def run_conformance(
             report.left_behind = _left_behind(kit)
     finally:
         await target.close()
+        if kit.fresh_target is not None:
+            await kit.fresh_target.close()
     return report
 
 
