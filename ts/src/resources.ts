@@ -271,7 +271,11 @@ export class ResourcesHost implements KindHost {
     }
     this.shared.core.checkAttempt(episode);
     const sealed = this.sessions.get(episodeKey(episode));
-    if (sealed !== undefined && !sealed.closing && sealed.verdict !== undefined) return sealed.verdict;
+    if (sealed !== undefined && !sealed.closing && sealed.verdict !== undefined) {
+      // Its own key re-sent with another answer is refused first (spec 6.12 item 3).
+      if (requestId) sealed.replies.lookup(requestId, "verify", "", callFingerprint("verify", "", answer));
+      return sealed.verdict;
+    }
     const verdict = await this.request(episode, scored, replayable, signal);
     const session = this.sessions.get(episodeKey(episode));
     if (session !== undefined && !session.closing) session.verdict = verdict;

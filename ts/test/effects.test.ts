@@ -102,6 +102,8 @@ describe("the resources runtime", () => {
     const verdictKey = effectKey("hand", { turn: 2, index: 0 });
     const verdict = await restored.verify(continued, { total: 2 }, undefined, verdictKey);
     assert.deepEqual(await restored.verify(continued, { total: 2 }, undefined, verdictKey), verdict);
+    // Sealed by the verify, the session still refuses its key with another answer.
+    assert.equal((await conflict(restored.verify(continued, { total: 9 }, undefined, verdictKey))).divergence, "arguments");
   });
 
   it("refuses an export that uses the reserved field", async () => {
