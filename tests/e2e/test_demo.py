@@ -33,6 +33,8 @@ from turnpoint.apps.demo._kill_switch import KillPoint
 from turnpoint.apps.demo._supervisor import CRASH_POINTS
 from turnpoint.ids import checkpoint_sequence
 from turnpoint.trainer.snapshots.driver import EPOCH_STRIDE
+from turnpoint.trainer.status.history import HISTORY_FILE, CheckpointHistory
+from turnpoint.trainer.status.log import read_history
 
 pytestmark = pytest.mark.slow
 
@@ -143,6 +145,48 @@ def test_the_short_demo_crashes_restores_and_passes_the_audit(tmp_path: Path) ->
     tools = [line for line in run.stdout.splitlines() if line.startswith("tool calls: ")]
     assert len(tools) == 1 and ", each once; " in tools[0], run.stdout
     assert int(tools[0].split()[2]) > 0, tools[0]
+    assert_the_status_history_shows_the_crash_and_every_snapshot(run)
+
+
+def assert_the_status_history_shows_the_crash_and_every_snapshot(run: Run) -> None:
+    """docs/spec.md section 7.13.5: the page's address was printed at start, and the
+    history both trainers kept (what the page shows) holds every snapshot of both and
+    the second trainer's restore of what the first published."""
+    assert "status page: http://127.0.0.1:" in run.stdout
+    history = CheckpointHistory(wall_offset_s=0.0, epoch=3)
+    history.load_past(read_history(run.out / "snapshots" / HISTORY_FILE))
+    rows = {row["checkpoint_id"]: row for row in history.rows_json(now=0.0)}
+    for incarnation in (1, 2):
+        for checkpoint_id in published(run, incarnation):
+            assert rows[checkpoint_id]["status"] == "published", rows.get(checkpoint_id)
+            assert rows[checkpoint_id]["epoch"] == incarnation
+    events = [(e["kind"], e["epoch"]) for e in history.events_json()]  # type: ignore[index]
+    # The crash of the first trainer, the second's restore and its clean close.
+    assert events == [
+        ("fresh_start", 1),
+        ("trainer_ended", 1),
+        ("restore", 2),
+        ("trainer_closed", 2),
+    ]
+    restore = next(e for e in history.events_json() if e["kind"] == "restore")  # type: ignore[index]
+    assert restore["checkpoint_id"] == run.only("restore", 2)["checkpoint_id"]  # type: ignore[index]
+
+
+@pytest.mark.parametrize("environment", ["blackjack", "workplace"])
+def test_each_environment_trains_through_its_crash_and_passes_the_audit(
+    tmp_path: Path, environment: str
+) -> None:
+    """Issue 28: the play agent on Blackjack and on the workplace, one resources server of
+    exported sessions each, through a crash and the restore. The short run with one
+    agent; the crash is the deterministic one, right after the first
+    snapshot that cut rollouts in flight was published, so their sessions continue."""
+    flags = ("--env", environment, "--agents", "1")
+    run = run_demo(tmp_path / "out", *flags, "--crash-at", "published:1")
+
+    assert [event["type"] for event in run.supervisor] == ["crash", "restart"]
+    assert_restored_and_continued(run, run.only("kill")["checkpoint_id"])
+    assert {event["environment"] for event in run.of("rollout")} == {environment}
+    assert run.only("done", 2)["step"] == 8
 
 
 def test_long_generations_cut_at_each_snapshot_pass_the_token_audit(tmp_path: Path) -> None:
@@ -223,6 +267,30 @@ def test_a_kill_at_each_point_restores_the_last_published_snapshot(
             assert not (run.out / "snapshots" / killed).exists()
     assert kill["newest_published"] == expected
     assert_restored_and_continued(run, expected)
+
+
+def test_the_demo_on_an_object_store_crashes_half_way_through_a_publication(
+    tmp_path: Path,
+) -> None:
+    """docs/spec.md sections 8.12-8.13: ``--storage s3`` runs every snapshot on an S3
+    server on loopback. The trainer dies with every object of its second cutting
+    snapshot in the store and no manifest: the restore, on fresh participants that have
+    only the URL and the environment, falls back to the last published snapshot and
+    continues its cut rollouts; nothing of the snapshots is on local disk."""
+    point = KillPoint.MANIFEST_STAGED
+    run = run_demo(tmp_path / "out", "--storage", "s3", "--crash-at", f"{point.value}:2")
+
+    kill = run.only("kill")
+    before = published(run, 1)
+    assert kill["checkpoint_id"] not in before and kill["newest_published"] == before[-1]
+    assert_restored_and_continued(run, before[-1])
+    assert published(run, 2), "the second trainer published nothing on the store"
+    # The trainer is told the URL; the endpoint and credentials went through the
+    # environment, never into a file.
+    topology = json.loads((run.out / "topology.json").read_text())
+    assert set(topology) == {"token_file", "snapshot_root", "participants"}
+    assert topology["snapshot_root"].startswith("s3://")
+    assert not (run.out / "snapshots").exists()
 
 
 # ---------------------------------------------------------------------- bad configurations

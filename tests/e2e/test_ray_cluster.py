@@ -10,9 +10,11 @@ offering the custom resource the participants reserve, so that they spread over 
   Ray restarts comes back as a fresh participant on a new address; a removed node's
   participants are seen lost and a job restart puts every replacement on the remaining
   nodes.
-- The main job: ``turnpoint demo --ray-nodes 3 --lose-node`` removes the node hosting an
-  agent mid-run; the job restores the last published snapshot onto replacements on the
-  other nodes (docs/spec.md section 7.12) and the exactly-once audit passes.
+- The main job: ``turnpoint demo --ray-nodes 3 --storage s3 --lose-node`` removes the
+  node hosting an agent mid-run; the job restores the last published snapshot from the
+  object store onto replacements on the other nodes (docs/spec.md sections 7.12, 8.12)
+  and the exactly-once audit passes. The nodes' participants write only to the store,
+  which they reach through the environment Ray gives their actors.
 """
 
 from __future__ import annotations
@@ -162,10 +164,12 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 @pytest.mark.timeout(300)
-def test_the_demo_on_three_nodes_loses_one_and_passes_the_audit(tmp_path: Path) -> None:
+def test_the_demo_on_three_nodes_and_an_object_store_loses_one_and_passes_the_audit(
+    tmp_path: Path,
+) -> None:
     out = tmp_path / "out"
     result = subprocess.run(
-        [*DEMO, *SHORT, "--ray-nodes", "3", "--lose-node", "--out", str(out)],
+        [*DEMO, *SHORT, "--ray-nodes", "3", "--storage", "s3", "--lose-node", "--out", str(out)],
         stdin=subprocess.DEVNULL,
         capture_output=True,
         text=True,
@@ -190,6 +194,9 @@ def test_the_demo_on_three_nodes_loses_one_and_passes_the_audit(tmp_path: Path) 
     assert set(second) == set(first)
     assert lost["node_id"] not in second.values()
     assert {i for i, n in first.items() if n == lost["node_id"]} == set(lost["instances"])
+    # Every snapshot went to the store; the run's directory holds none.
+    assert json.loads((out / "topology.json").read_text())["snapshot_root"].startswith("s3://")
+    assert not (out / "snapshots").exists()
 
     # The restore picked the last published snapshot of the first incarnation, and the
     # rollouts the lost agents held at its cut are accounted for.

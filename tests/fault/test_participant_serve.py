@@ -115,3 +115,30 @@ async def test_turnpoint_serve_on_a_busy_port_says_so_without_a_traceback_and_ex
     # grpc's C core logs its own line first; ours says what happened and where.
     last = text.strip().splitlines()[-1]
     assert last.startswith("turnpoint serve: cannot bind") and str(port) in last
+
+
+async def test_turnpoint_serve_on_a_store_without_its_bucket_says_so_at_start_and_exits_2(
+    moto_endpoint: str,
+) -> None:
+    """docs/spec.md section 8.12 item 6: the store is reached once at start-up, so a
+    wrong bucket (or refused credentials) is one clear line, not a failed commit later."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "turnpoint.apps._cli",
+        "serve",
+        "--kind",
+        "resources",
+        "--insecure-no-auth",
+        "--root",
+        "s3://no-such-bucket/job",
+        stdout=asyncio.subprocess.PIPE,
+        # Inherits the environment moto_endpoint set: boto3 finds the server there.
+        stderr=asyncio.subprocess.PIPE,
+    )
+    stdout, stderr = await asyncio.wait_for(process.communicate(), BOUND_S)
+    assert process.returncode == 2
+    text = stderr.decode()
+    assert "Traceback" not in text and b"serving" not in stdout
+    last = text.strip().splitlines()[-1]
+    assert last.startswith("turnpoint serve: s3://no-such-bucket/job: the store refused access")

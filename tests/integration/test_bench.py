@@ -113,6 +113,7 @@ def test_the_json_has_every_figure_as_a_positive_number(
         "throughput_ratio_on_vs_off",
         "bookkeeping_us_per_episode",
         "restore_seconds",
+        "status_page_polled_vs_quiet",
         "targets",
         "details",
         "long_generations",
@@ -140,6 +141,12 @@ def test_the_json_has_every_figure_as_a_positive_number(
     assert _positive(figures["throughput_ratio_on_vs_off"])
     assert _positive(figures["restore_seconds"])
     assert _positive(figures["bookkeeping_us_per_episode"])
+    # docs/spec.md section 7.13.1: the status API polled every 100 ms vs not, a ratio.
+    polling = figures["details"]["status_polling"]
+    assert polling["participants"] == max(SIZES) and polling["requests_served"] > 0
+    assert figures["status_page_polled_vs_quiet"] == pytest.approx(
+        polling["polled_ms"] / polling["quiet_ms"], rel=0.01
+    )
     durable = figures["durable_commit"]
     # The largest size measured, up to 64; on the disk root, not on tmpfs.
     assert durable["participants"] == max(SIZES)

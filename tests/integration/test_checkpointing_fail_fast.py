@@ -6,6 +6,7 @@ is allowed; and leaving cleanly takes a final snapshot of the rollouts still run
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from turnpoint.trainer import (
     Checkpointing,
     CoordinatorConfig,
     CoordinatorError,
+    ParticipantLostError,
     RestoreRefusedError,
     SnapshotOutcome,
     TorchAnchorSource,
@@ -30,10 +32,12 @@ from turnpoint.trainer.advanced import SnapshotLayout
 GROUP_SIZE = 2
 
 
-def _facade(topology: Topology, **options: Any) -> Checkpointing:
+def _facade(
+    topology: Topology, config: dict[str, Any] | None = None, **options: Any
+) -> Checkpointing:
     model = torch.nn.Linear(2, 2)
     return Checkpointing(
-        CoordinatorConfig(snapshot_root=topology.root, control_timeout_s=10.0),
+        CoordinatorConfig(snapshot_root=topology.root, control_timeout_s=10.0, **(config or {})),
         {n: h.address for n, h in topology.participants.items()},
         token=TOKEN,
         anchor=TorchAnchorSource(model, None, step=lambda: 0),
@@ -110,3 +114,26 @@ async def test_no_final_snapshot_when_asked_not_to(tmp_path: Path) -> None:
             ckpt.dispatch(_parked(ckpt.agents))
         assert ckpt.reports == []
         assert SnapshotLayout(topology.root).latest() is None
+
+
+async def test_no_final_snapshot_after_the_run_ended_on_a_lost_participant(
+    tmp_path: Path,
+) -> None:
+    async with start_topology(tmp_path / "p", agents=1, group_size=GROUP_SIZE) as topology:
+        ckpt = _facade(
+            topology,
+            {"liveness_interval_s": 0.2, "participant_lost_after_s": 1.0},
+            watch_liveness=True,
+        )
+        await ckpt.open()
+        ckpt.dispatch(_parked(ckpt.agents))
+        await topology.tools.stop(0)
+        with pytest.raises(ParticipantLostError):
+            async with asyncio.timeout(60.0):
+                while True:
+                    await ckpt.wait_groups(1, timeout_s=1.0)
+        # Closing explicitly after the failure: no snapshot of a run that lost a
+        # participant, and no wait on the one that is gone.
+        await ckpt.aclose()
+    assert ckpt.reports == []
+    assert SnapshotLayout(topology.root).latest() is None

@@ -33,7 +33,7 @@ from turnpoint.participant_sdk import ParticipantRuntime
 # (resources), the same object the demo's trainer sends.
 WORKLOAD = {
     "task": {"task": make_prompt(0, 0).to_dict(), "environment": "guess"},
-    "call": {"tool": "check", "arguments": {"guess": 1, "turn": 0}},
+    "calls": [{"tool": "check", "arguments": {"guess": 1, "turn": 0}}],
 }
 # The kit's short lease for the lease check: long enough to renew within, short enough
 # to wait out quickly.
@@ -51,10 +51,13 @@ CAUGHT_BY = {
     "ignores-record": "effects",
 }
 AGENT_ONLY = {"run-stream", "acknowledge"}
-# Checked only on a resources server (docs/spec.md section 6.12).
-RESOURCES_ONLY = {"effects"}
+
 # Checked only on a policy model that cuts (docs/spec.md section 5.5): the example does.
 CUTTING_MODEL_ONLY = {"token-cut"}
+# Needs recorded calls and a fresh restore target (tests/integration/test_equivalence.py).
+EQUIVALENCE = {"equivalence"}
+# Checked only on a resources server (docs/spec.md sections 5.3, 6.12).
+RESOURCES_ONLY = {"exported-sessions", "effects"}
 
 
 async def _check(
@@ -93,7 +96,7 @@ async def test_the_example_participants_pass_every_check(tmp_path: Path, instanc
     skipped = {name for name, outcome in outcomes.items() if outcome is Outcome.SKIP}
     # An agent runs every check but the cutting model's; the others skip what belongs to
     # agents, and the resources servers the cutting model's check too.
-    expected = (
+    expected = EQUIVALENCE | (
         CUTTING_MODEL_ONLY | RESOURCES_ONLY
         if instance.startswith("agent")
         else AGENT_ONLY | RESOURCES_ONLY

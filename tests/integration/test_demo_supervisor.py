@@ -34,6 +34,7 @@ from turnpoint.apps.demo._supervisor import (
     ProcessLauncher,
     prepare_out_dir,
     run_demo,
+    server_specs,
     start_participants,
     stop_participants,
     trainer_command,
@@ -237,7 +238,7 @@ async def test_a_participant_that_exits_before_serving_fails_fast_with_its_stder
         f"participant tools did not start within {TIMEOUT_S:g}s (it exited with status 2); "
         "its stderr says:\n"
         "    turnpoint serve: no example 'bogus' for kind 'resources'; choose one of: "
-        "guess, guess-group"
+        "guess, guess-group, counter, blackjack, workplace"
     )
 
 
@@ -429,6 +430,15 @@ def _demo(argv: Sequence[str], capsys: pytest.CaptureFixture[str]) -> tuple[int,
             ["--snapshot-interval", "0"],
             "turnpoint demo: --snapshot-interval must be a positive number of seconds, got 0",
         ),
+        (
+            ["--hold-tools-after-restart", "release", "--env", "blackjack"],
+            "turnpoint demo: --hold-tools-after-restart holds the guessing game's tools: "
+            "drop --env",
+        ),
+        (
+            ["--hold-tools-after-restart", "release", "--no-crash"],
+            "turnpoint demo: --hold-tools-after-restart needs a restart: drop --no-crash",
+        ),
     ],
 )
 def test_bad_flags_say_what_to_change(
@@ -448,6 +458,16 @@ def test_one_step_without_a_crash_is_valid(tmp_path: Path) -> None:
 def test_every_problem_is_reported_at_once(tmp_path: Path) -> None:
     problems = _options(tmp_path / "out", steps=0, agents=0, target_level="x").problems()
     assert len(problems) == 3
+
+
+def test_storage_flags_that_cannot_work_are_refused(tmp_path: Path) -> None:
+    assert _options(tmp_path, storage="s3").problems() == []
+    assert _options(tmp_path, storage="nfs").problems() == [
+        "unknown --storage 'nfs': choose one of local, s3"
+    ]
+    typescript = {"tools": ("node", "guess-resources.js")}
+    (problem,) = _options(tmp_path, storage="s3", participant_commands=typescript).problems()
+    assert "drop --storage s3 or --participant-command" in problem
 
 
 def test_a_foreign_out_dir_is_never_wiped(
@@ -500,6 +520,38 @@ def test_the_trainer_command_carries_every_setting(tmp_path: Path) -> None:
         "--snapshot-interval", "2.5", "--target-level", "sibling", "--seed", "9",
         "--resume",
     ]  # fmt: skip
+
+
+def test_only_the_restarted_tools_server_holds_its_calls(tmp_path: Path) -> None:
+    """``--hold-tools-after-restart FILE`` (tests/e2e/test_status_page.py): the first job
+    runs free; from the restart on, ``tools`` is told to hold its calls until FILE exists."""
+    release = tmp_path / "release"
+    options = _options(tmp_path, hold_tools_after_restart=release)
+    paths = DemoPaths(tmp_path)
+
+    def holding(generation: int) -> dict[str, list[str]]:
+        return {
+            spec.instance: spec.serve_arguments(paths.snapshots)[-2:]
+            for spec in server_specs(options, paths, generation)
+            if spec.hold_calls_until is not None
+        }
+
+    assert holding(1) == {}
+    assert holding(2) == holding(3) == {"tools": ["--hold-calls-until", str(release)]}
+
+
+def test_a_hold_on_a_server_that_cannot_hold_is_refused(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    status = main(
+        ["serve", "--kind", "resources", "--example", "counter", "--insecure-no-auth",
+         "--root", str(tmp_path), "--hold-calls-until", str(tmp_path / "release")]
+    )  # fmt: skip
+
+    assert status == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "turnpoint serve: only the guess and guess-group resources servers hold their calls"
+    ]
 
 
 def test_ray_address_implies_ray() -> None:

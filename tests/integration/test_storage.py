@@ -120,5 +120,9 @@ def test_bench_storage_prints_both_storages_and_their_ratio(
     rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
     assert [row[:2] for row in rows] == [["2", "local"], ["2", "s3"]]
     # Same snapshot on both: 2 records + 2 manifests, the anchor, the manifest, LATEST.
-    assert rows[0][4] == rows[1][4] == "7"
-    assert len(rows[1]) == 8
+    assert rows[0][8] == rows[1][8] == "7"
+    # commit, publish and the publication's four phases, objects, MiB and two ratios.
+    assert len(rows[1]) == 12
+    verify, anchor, manifest, latest = (float(value) for value in rows[1][4:8])
+    # Parts of the publication, each printed to the millisecond.
+    assert verify + anchor + manifest + latest <= float(rows[1][3]) + 0.005

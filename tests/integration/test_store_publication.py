@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.storage import fail_next_puts, make_bucket
+from tests.support.storage import LaggingListing, fail_next_puts, make_bucket
 from tests.unit.test_manifest import ckpt, make_manifest
 from turnpoint.protocol import ArtifactRef
 from turnpoint.storage import Storage, TransientStorageError, open_storage
@@ -53,6 +53,9 @@ def prepare(layout: StoreLayout, sequence: int) -> SnapshotManifest:
     (anchor / "optim").mkdir(parents=True)
     (anchor / "weights.bin").write_bytes(b"w" * 100 + bytes([sequence % 256]))
     (anchor / "optim" / "state.bin").write_bytes(b"o" * 10)
+    # Names as DCP writes them, which are not valid key components: stored escaped.
+    (anchor / ".metadata").write_bytes(b"m" * 5)
+    (anchor / "__0_0.distcp").write_bytes(b"d" * 7)
     records = _put(
         layout.storage, f"{checkpoint_id}/agent-0/records-1.jsonl", b'{"a": 1}\n{"b": 2}\n'
     )
@@ -97,6 +100,8 @@ def test_publish_then_load_elsewhere(layout: StoreLayout, tmp_path: Path) -> Non
     assert other.load(ckpt(1)) == manifest
     # The anchor is back on local disk, whole, for the anchor's own loader.
     assert (other.anchor_dir(ckpt(1)) / "optim" / "state.bin").read_bytes() == b"o" * 10
+    assert (other.anchor_dir(ckpt(1)) / ".metadata").read_bytes() == b"m" * 5
+    assert other.storage.size(f"{ckpt(1)}/{ANCHOR_DIR}/x--_5F_5F0_5F0.distcp") == 7
     assert other.storage.get(f"{ckpt(1)}/{MANIFEST_NAME}") == manifest.to_json()
     assert other.storage.get(LATEST_NAME) == f"{ckpt(1)}\n".encode()
     other.verify_artifacts(manifest)
@@ -167,6 +172,7 @@ CORRUPTIONS: dict[str, Callable[[Storage, str], None]] = {
     "flipped byte in the anchor": lambda s, c: _flip_byte(s, f"{c}/{ANCHOR_DIR}/weights.bin"),
     "missing record": lambda s, c: s.delete(f"{c}/agent-0/records-1.jsonl"),
     "missing anchor file": lambda s, c: s.delete(f"{c}/{ANCHOR_DIR}/optim/state.bin"),
+    "missing escaped anchor file": lambda s, c: s.delete(f"{c}/{ANCHOR_DIR}/x--.metadata"),
     "truncated manifest": lambda s, c: _truncate(s, f"{c}/{MANIFEST_NAME}"),
     "flipped byte in the manifest": lambda s, c: _flip_byte(s, f"{c}/{MANIFEST_NAME}"),
 }
@@ -208,6 +214,42 @@ def test_clean_partial_spares_the_snapshot_being_written(layout: StoreLayout) ->
     layout.storage.put(f"{ckpt(6)}/agent-0/records-1.jsonl", b"being written")
     assert layout.clean_partial() == [ckpt(4)]
     assert layout.storage.size(f"{ckpt(6)}/agent-0/records-1.jsonl") is not None
+
+
+def test_a_lagging_listing_never_costs_a_published_snapshot(
+    storage: Storage, tmp_path: Path
+) -> None:
+    """The manifest is the newest object of a publication, the likeliest to be missing
+    from a listing that lags: partial cleanup must not take the snapshot for a partial."""
+    lagging = LaggingListing(storage)
+    layout = StoreLayout(lagging, staging=tmp_path / "staging")
+    publish(layout, 1)
+    publish(layout, 2)
+    lagging.hidden = 2  # the manifest of 2 and LATEST
+    assert layout.list_published() == [ckpt(1)]
+    assert layout.clean_partial() == []
+    lagging.hidden = 0
+    other = fresh(layout, tmp_path)
+    other.verify_artifacts(other.load(ckpt(2)))
+    assert usable(other) == ckpt(2)
+
+
+def test_restore_under_a_lagging_listing_picks_a_whole_snapshot(
+    storage: Storage, tmp_path: Path
+) -> None:
+    lagging = LaggingListing(storage)
+    layout = StoreLayout(lagging, staging=tmp_path / "staging")
+    publish(layout, 1)
+    before = len(storage.list())
+    publish(layout, 2)
+    written_by_2 = len(storage.list()) - before + 1  # and LATEST, replaced
+    for hidden in range(written_by_2 + 1):
+        lagging.hidden = hidden
+        restored = StoreLayout(lagging, staging=tmp_path / f"restore-{hidden}")
+        picked = usable(restored)
+        # Hiding LATEST alone hides nothing a restore reads; hiding more hides 2 whole.
+        assert picked == (ckpt(2) if hidden <= 1 else ckpt(1)), hidden
+        restored.verify_artifacts(restored.load(picked))
 
 
 def test_a_store_failing_puts_publishes_nothing_and_the_retry_does(

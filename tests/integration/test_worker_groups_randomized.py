@@ -141,6 +141,9 @@ class Trainer:
             anchor=TorchAnchorSource(self.model, None, step=lambda: self.step),
             load_anchor=torch_anchor_loader(self.model, None),
             periodic=False,
+            # The first trainer's close stands in for its death with the job: no
+            # snapshot at exit, only those the scenario takes.
+            final_snapshot=False,
         )
 
     async def open(self) -> None:

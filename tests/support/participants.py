@@ -150,7 +150,7 @@ class ControlDoor:
 
 @dataclass
 class Topology:
-    root: Path
+    root: Path | str
     policy: HostedParticipant
     tools: HostedParticipant
     group_tools: HostedParticipant
@@ -176,7 +176,7 @@ async def host_example(
 
 @contextlib.asynccontextmanager
 async def start_topology(
-    root: Path,
+    root: Path | str,
     *,
     agents: int = 1,
     group_size: int = 2,
@@ -184,7 +184,8 @@ async def start_topology(
     faults: dict[str, str] | None = None,
     verifier_log_dir: Path | None = None,
 ) -> AsyncIterator[Topology]:
-    """Policy, per-sibling tools, group-scored tools and ``agents`` agent servers."""
+    """Policy, per-sibling tools, group-scored tools and ``agents`` agent servers;
+    ``root`` is their snapshot store's directory or storage URL."""
     faults = faults or {}
     started: list[HostedParticipant] = []
 

@@ -5,12 +5,18 @@ picks, and points boto3 at it through the environment, as a user would
 (``AWS_ENDPOINT_URL_S3``, dummy credentials). ``storage_kinds`` are the ids the suites
 are parametrized over: ``local`` (a directory), ``shared`` (a second directory opened as
 a shared mount) and ``s3`` (a fresh bucket on the moto server).
+
+Faults of the store: ``fail_next_puts`` (5xx and throttling answers), ``slow_store``
+(every request delayed or every PUT held, at boto3's ``before-send``) and
+:class:`LaggingListing` (a LIST that misses the newest objects).
 """
 
 from __future__ import annotations
 
 import logging
 import secrets
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -18,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from turnpoint.storage import Storage, open_storage
+from turnpoint.storage import ObjectInfo, Storage, open_storage
 
 STORAGE_KINDS = ("local", "shared", "s3")
 
@@ -137,3 +143,100 @@ def fail_next_puts(storage: Storage, count: int, status: int = 503) -> PutFaults
     so its retry logic and error parsing run as against a real failing store.
     """
     return PutFaults(storage, count, status)
+
+
+class LaggingListing:
+    """A storage whose listing lags: ``list`` misses the ``hidden`` objects written
+    last (the eventual consistency of LIST some stores have), while every read of a
+    named object (``get``, ``size``) sees it at once, as S3 guarantees. Wraps any
+    :class:`Storage`; everything else is passed through."""
+
+    def __init__(self, storage: Storage, hidden: int = 0) -> None:
+        self.inner = storage
+        self.hidden = hidden
+        self._written: list[str] = []
+
+    @property
+    def url(self) -> str:
+        return self.inner.url
+
+    def check(self) -> None:
+        self.inner.check()
+
+    def put(self, key: str, data: bytes) -> None:
+        self.inner.put(key, data)
+        self._wrote(key)
+
+    def create(self, key: str, data: bytes) -> None:
+        self.inner.create(key, data)
+        self._wrote(key)
+
+    def _wrote(self, key: str) -> None:
+        if key in self._written:
+            self._written.remove(key)
+        self._written.append(key)
+
+    def get(self, key: str, *, limit: int | None = None) -> bytes:
+        return self.inner.get(key, limit=limit)
+
+    def size(self, key: str) -> int | None:
+        return self.inner.size(key)
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        unseen = set(self._written[-self.hidden :]) if self.hidden else set()
+        return [info for info in self.inner.list(prefix) if info.key not in unseen]
+
+    def delete(self, key: str) -> bool:
+        if key in self._written:
+            self._written.remove(key)
+        return self.inner.delete(key)
+
+
+class SlowStore:
+    """Every S3 request this process sends waits where boto3 sends it (its
+    ``before-send`` event): ``delay_s`` each, and, while :meth:`hold` is on, every PUT
+    until :meth:`release` (at most ``bound_s``). Records the threads that sent them."""
+
+    def __init__(self, bound_s: float = 30.0) -> None:
+        self.delay_s = 0.0
+        self.bound_s = bound_s
+        self.held = threading.Event()  # a held PUT is waiting
+        self.senders: set[int] = set()
+        self._open = threading.Event()
+        self._open.set()
+
+    def hold(self) -> None:
+        self.held.clear()
+        self._open.clear()
+
+    def release(self) -> None:
+        self._open.set()
+
+    def before_send(self, request: Any, **_: Any) -> None:
+        self.senders.add(threading.get_ident())
+        if request.method == "PUT" and not self._open.is_set():
+            self.held.set()
+            self._open.wait(self.bound_s)
+        if self.delay_s:
+            time.sleep(self.delay_s)  # the injected slowness, not a synchronisation
+
+
+@pytest.fixture
+def slow_store(moto_endpoint: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[SlowStore]:
+    """Every S3 client made from now on in this process goes through one
+    :class:`SlowStore` (the trainer's and the in-process participants' alike)."""
+    from turnpoint.storage import _s3
+
+    slow = SlowStore()
+    make_client = _s3._make_client
+
+    def make_slow_client(endpoint_url: str | None) -> Any:
+        client = make_client(endpoint_url)
+        client.meta.events.register("before-send.s3", slow.before_send)
+        return client
+
+    monkeypatch.setattr(_s3, "_make_client", make_slow_client)
+    try:
+        yield slow
+    finally:
+        slow.release()

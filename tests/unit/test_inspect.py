@@ -22,6 +22,7 @@ from turnpoint.trainer.storage.manifest import (
     LATEST_NAME,
     MANIFEST_NAME,
     AnchorRef,
+    JSONValue,
     ParticipantEntry,
     PlacedEpisode,
     TrainerRolloutState,
@@ -38,7 +39,9 @@ def _ref(ref: StoreArtifactRef) -> ArtifactRef:
     return ArtifactRef(ref.path, ref.sha256, ref.size_bytes, ref.record_count)
 
 
-def publish(root: Path, sequence: int) -> SnapshotManifest:
+def publish(
+    root: Path, sequence: int, extra: dict[str, JSONValue] | None = None
+) -> SnapshotManifest:
     """A snapshot as the coordinator publishes it: participant stores, anchor, manifest."""
     layout = SnapshotLayout(root)
     checkpoint_id = ckpt(sequence)
@@ -76,6 +79,7 @@ def publish(root: Path, sequence: int) -> SnapshotManifest:
         continued=(PlacedEpisode(continued, "agent-0"),),
         restarts=(PlacedEpisode(restarted, "agent-0"),),
         rollout_state=TrainerRolloutState(attempts={"r1": 0, "r2": 0}),
+        extra=extra or {},
     )
     layout.publish(snapshot, manifest, verify_artifacts=True)
     return manifest
@@ -210,3 +214,22 @@ def test_an_empty_root_and_a_missing_root(
     assert (status, text.strip().splitlines()[-1]) == (0, "no published snapshots")
     assert main(["inspect", str(tmp_path / "nowhere")]) == 2
     assert "is not a directory" in capsys.readouterr().err
+
+
+def test_restore_candidates_follow_the_choice_and_show_the_recorded_metrics(
+    tmp_path: Path,
+) -> None:
+    publish(tmp_path, 1, {"metrics": {"mean_reward": 0.9}})
+    publish(tmp_path, 2, {"metrics": {"mean_reward": 0.4}})
+    publish(tmp_path, 3)
+    status, text = run_cli(str(tmp_path))
+    assert status == 0
+    assert "metrics: mean_reward=0.9" in text
+    assert f"restore candidates (restore_from = latest): {ckpt(3)}, {ckpt(2)}, {ckpt(1)}" in text
+    status, text = run_cli(str(tmp_path), "--restore-from", "best:mean_reward", "--json")
+    assert json.loads(text)["restore"] == {
+        "restore_from": "best:mean_reward",
+        "order": [ckpt(1), ckpt(2)],
+    }
+    status, text = run_cli(str(tmp_path), "--restore-from", "snapshot:../x")
+    assert status == 2

@@ -25,6 +25,8 @@ PURE_CORES = (
     "turnpoint.trainer.snapshots.core",
     "turnpoint.trainer.snapshots.levels",
     "turnpoint.trainer.restore.restarts",
+    "turnpoint.trainer.restore.choice",
+    "turnpoint.trainer.status.history",
     "turnpoint.trainer.storage.manifest",
     "turnpoint.trainer.weights.core",
     "turnpoint.storage._objects",

@@ -60,8 +60,16 @@ start tools node dist/examples/guess-resources.js --instance tools --root "$work
 tools=$address
 # A second, fresh process of it on the same root: the effects check restores the
 # session it recorded there and re-sends the call (docs/spec.md section 6.12).
-start tools-fresh node dist/examples/guess-resources.js --instance tools --root "$work/snapshots"
+start tools-effects node dist/examples/guess-resources.js --instance tools --root "$work/snapshots"
 check "resources server" "$tools" --fresh-target "$address" || status=1
+
+# The equivalence check (docs/spec.md section 5.6): a second, fresh resources server of
+# the same instance over the same snapshot root takes the restores.
+start tools-fresh node dist/examples/guess-resources.js --instance tools --root "$work/snapshots"
+echo "== turnpoint conformance --equivalence against the TypeScript resources server"
+"$turnpoint" conformance --target "$tools" --token-file "$work/token" --only equivalence \
+  --equivalence scripts/guess-equivalence.json --restore-target "$address" \
+  --snapshot-root "$work/snapshots" || status=1
 
 if $agent; then
   start policy "$turnpoint" serve --kind model --instance policy --root "$work/snapshots"

@@ -460,6 +460,17 @@ export class ResourcesHost implements KindHost {
   async install(record: Record, episode: EpisodeId): Promise<WorkKey> {
     const { state, replies } = splitPayload(record.payload);
     await (this.server.restoreSession as NonNullable<ResourcesServer["restoreSession"]>)(record.episode, episode, state);
+    // docs/spec.md section 5.6 item 4: a restore hook that installs nothing would let the
+    // episode continue against an empty session; the server's own export must hold it.
+    const present = await (this.server.exportSessions as NonNullable<ResourcesServer["exportSessions"]>)([episode]);
+    if (!present.has(episodeKey(episode))) {
+      await (this.server.retireSession as NonNullable<ResourcesServer["retireSession"]>)(episode);
+      throw new TurnpointError(
+        "INVALID_CHECKPOINT_STATE",
+        `restoreSession installed nothing for ${episodeKey(episode)}: exportSessions does not hold the session afterwards`,
+        { episode: episodeKey(episode) },
+      );
+    }
     const session = new Session(episode);
     if (replies !== null) session.replies = replies;
     this.shared.change((core) => {

@@ -6,7 +6,8 @@
 import assert from "node:assert/strict";
 import { describe, it } from "node:test";
 
-import { TurnpointError, episode } from "../src/index.js";
+import { TurnpointError, episode, episodeKey } from "../src/index.js";
+import type { EpisodeId, JsonObject } from "../src/index.js";
 import type { RunEvent, RunFollower } from "../src/index.js";
 import { FakeClock, ToyAgent, ToyTools, fence, runtime, tempRoot, until } from "./helpers.js";
 
@@ -247,6 +248,28 @@ describe("resources", () => {
     const error = await refusal(fresh.restore(fence(), "x", "restore-1", "ck-1", forged, [], []));
     assert.equal(error.reason, "INVALID_CHECKPOINT_STATE");
     assert.equal(error.metadata.corruption, "unexpected_content");
+    assert.equal(fresh.core.phase, "IDLE");
+    assert.equal(fresh.core.fresh, true);
+  });
+
+  it("a restore hook that installs nothing fails the restore whole (spec 5.6 item 4)", async () => {
+    class RestoresNothing extends ToyTools {
+      override async exportSessions(episodes: readonly EpisodeId[]): Promise<ReadonlyMap<string, JsonObject>> {
+        const held = episodes.filter((e) => this.sessions.has(episodeKey(e)));
+        return new Map(held.map((e) => [episodeKey(e), { calls: this.sessions.get(episodeKey(e))?.calls ?? 0 }]));
+      }
+      override async restoreSession(): Promise<void> {}
+    }
+    const root = tempRoot();
+    const rt = runtime(root, { resources: new ToyTools(), instance: "tools" });
+    const e = episode("s");
+    await rt.seedSession(e, {});
+    await rt.prepare(fence(), "p", "ck-000000000001", {}, { timeoutS: 5 });
+    const committed = await rt.commit(fence(), "c", "ck-000000000001", "ck-000000000001", [e]);
+    const fresh = runtime(root, { resources: new RestoresNothing(), instance: "tools" });
+    const error = await refusal(fresh.restore(fence(2), "x", "restore-1", "ck-000000000001", committed.manifest, [], [e]));
+    assert.equal(error.reason, "INVALID_CHECKPOINT_STATE");
+    assert.equal(error.metadata.episode, episodeKey(episode("s", 1)));
     assert.equal(fresh.core.phase, "IDLE");
     assert.equal(fresh.core.fresh, true);
   });

@@ -22,7 +22,7 @@ def _version(_: argparse.Namespace) -> int:
 def _inspect(args: argparse.Namespace) -> int:
     from turnpoint.apps._inspect import inspect_command
 
-    return inspect_command(args.root, as_json=args.json)
+    return inspect_command(args.root, as_json=args.json, restore_from=args.restore_from)
 
 
 # (module, function adding the subcommand(s), the extra that brings what it imports)
@@ -100,6 +100,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="the snapshot root: a directory or a storage URL (s3://bucket/prefix)",
     )
     inspect.add_argument("--json", action="store_true", help="print the report as JSON")
+    inspect.add_argument(
+        "--restore-from",
+        default="latest",
+        metavar="CHOICE",
+        help=(
+            "list the restore candidates in the order a restore by CHOICE tries them: "
+            "latest, snapshot:<id>, best:<metric> or best:-<metric> (docs/spec.md 7.14)"
+        ),
+    )
     inspect.set_defaults(handler=_inspect)
     for register in _APPLICATIONS:
         _add_application(sub, *register)

@@ -6,7 +6,10 @@ whether it is the one ``LATEST`` names; then it verifies every digest the manife
 names: the trainer anchor's tree digest and, for each participant, its own manifest and
 records files (size and sha256 over the whole file). A snapshot is reported ``OK`` or
 with the first mismatch found. The command exits non-zero on any mismatch, so that it
-can guard a restore or a copy of the snapshot root in a script.
+can guard a restore or a copy of the snapshot root in a script. It ends with the restore
+candidates: the metrics each snapshot recorded and the order a restore by
+``--restore-from`` (latest, a named snapshot, the best by a metric) tries them in
+(docs/spec.md section 7.14), computed as the restorer computes it.
 
 The checks read everything they hash (blocking I/O): call :func:`inspect_root` from a
 thread when in async code.
@@ -15,18 +18,22 @@ thread when in async code.
 from __future__ import annotations
 
 import datetime
-import hashlib
 import json
 import os
-import stat
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final, TextIO
 
-from turnpoint.protocol import ArtifactRef
-from turnpoint.storage import ObjectMissingError, Storage, StorageError, open_storage
-from turnpoint.trainer.storage.layout import SnapshotLayout, tree_digest
+from turnpoint.storage import StorageError, open_storage
+from turnpoint.trainer.restore.choice import (
+    RestoreChoice,
+    RestoreChoiceError,
+    metrics_of,
+    rank_candidates,
+)
+from turnpoint.trainer.restore.restorer import published_candidates
+from turnpoint.trainer.storage.layout import SnapshotLayout
 from turnpoint.trainer.storage.manifest import (
     MANIFEST_NAME,
     JSONValue,
@@ -34,8 +41,8 @@ from turnpoint.trainer.storage.manifest import (
     SnapshotManifest,
 )
 from turnpoint.trainer.storage.objects import StoreLayout
+from turnpoint.trainer.storage.verify import snapshot_mismatch
 
-_CHUNK: Final = 1 << 20
 EXIT_OK: Final = 0
 EXIT_MISMATCH: Final = 1
 EXIT_NO_ROOT: Final = 2
@@ -58,6 +65,7 @@ class SnapshotReport:
     restarts: int = 0
     files_checked: int = 0
     problem: str | None = None
+    metrics: tuple[tuple[str, float], ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -75,6 +83,7 @@ class SnapshotReport:
             "files_checked": self.files_checked,
             "ok": self.ok,
             "problem": self.problem,
+            "metrics": dict(self.metrics),
         }
 
 
@@ -90,6 +99,8 @@ class InspectReport:
     latest: str | None
     snapshots: tuple[SnapshotReport, ...]
     latest_problem: str | None = None
+    restore_from: str = "latest"
+    restore_order: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -102,6 +113,7 @@ class InspectReport:
             "latest_problem": self.latest_problem,
             "ok": self.ok,
             "snapshots": [snapshot.to_dict() for snapshot in self.snapshots],
+            "restore": {"restore_from": self.restore_from, "order": list(self.restore_order)},
         }
 
     def render(self) -> str:
@@ -121,8 +133,15 @@ class InspectReport:
                 lines.append(
                     f"  episodes: {snapshot.continued} continued, {snapshot.restarts} restarted"
                 )
+            if snapshot.metrics:
+                shown = ", ".join(f"{name}={value:g}" for name, value in snapshot.metrics)
+                lines.append(f"  metrics: {shown}")
             verdict = "OK" if snapshot.problem is None else f"MISMATCH: {snapshot.problem}"
             lines.append(f"  digests ({snapshot.files_checked} checked): {verdict}")
+        if self.snapshots:
+            lines.append("")
+            order = ", ".join(self.restore_order) or "none matches: a restore would fail"
+            lines.append(f"restore candidates (restore_from = {self.restore_from}): {order}")
         if self.snapshots or self.latest_problem is not None:
             failed = sum(not snapshot.ok for snapshot in self.snapshots)
             lines.append("")
@@ -141,20 +160,36 @@ def _format_time(epoch_seconds: float) -> str:
     return moment.isoformat(timespec="seconds")
 
 
-def inspect_root(root: str | os.PathLike[str]) -> InspectReport:
-    """List the published snapshots under ``root``, newest first, verifying each.
+def inspect_root(
+    root: str | os.PathLike[str], restore_from: RestoreChoice | None = None
+) -> InspectReport:
+    """List the published snapshots under ``root``, newest first, verifying each, and
+    the order a restore by ``restore_from`` (default: latest) would try them in
+    (docs/spec.md section 7.14).
 
     ``root`` may be a storage URL (``s3://bucket/prefix``, docs/spec.md section 8.12):
     then every object is read from the store and hashed here. Raises
     ``FileNotFoundError`` when ``root`` is not a directory, and
     :class:`~turnpoint.storage.StorageError` when the storage cannot be reached.
     """
+    choice = restore_from or RestoreChoice()
     if isinstance(root, str) and "://" in root:
-        return _inspect_store(root)
+        storage = open_storage(root)
+        storage.check()
+        store = StoreLayout(storage)
+        try:
+            return _inspect_layout(store, storage.url, choice)
+        finally:
+            store.close()
     path = Path(root)
     if not path.is_dir():
         raise FileNotFoundError(f"{path} is not a directory")
-    layout = SnapshotLayout(path)
+    return _inspect_layout(SnapshotLayout(path), path, choice)
+
+
+def _inspect_layout(
+    layout: SnapshotLayout | StoreLayout, root: Path | str, choice: RestoreChoice
+) -> InspectReport:
     latest: str | None = None
     latest_problem: str | None = None
     try:
@@ -165,19 +200,22 @@ def inspect_root(root: str | os.PathLike[str]) -> InspectReport:
         _inspect_snapshot(layout, checkpoint_id, checkpoint_id == latest)
         for checkpoint_id in layout.list_published()
     )
-    return InspectReport(path, latest, snapshots, latest_problem)
+    candidates, _unreadable = published_candidates(layout)
+    order = tuple(c.checkpoint_id for c in rank_candidates(choice, candidates))
+    return InspectReport(root, latest, snapshots, latest_problem, str(choice), order)
 
 
-def _inspect_snapshot(layout: SnapshotLayout, checkpoint_id: str, latest: bool) -> SnapshotReport:
-    directory = layout.path(checkpoint_id)
+def _inspect_snapshot(
+    layout: SnapshotLayout | StoreLayout, checkpoint_id: str, latest: bool
+) -> SnapshotReport:
     try:
-        manifest = SnapshotManifest.from_json((directory / MANIFEST_NAME).read_bytes())
-    except (OSError, ManifestError) as error:
+        manifest = SnapshotManifest.from_json(layout.manifest_bytes(checkpoint_id))
+    except (OSError, StorageError, ManifestError) as error:
         return SnapshotReport(checkpoint_id, latest, problem=f"{MANIFEST_NAME}: {error}")
     files_checked = 0
     problem: str | None = f"{MANIFEST_NAME} describes {manifest.checkpoint_id!r}"
     if manifest.checkpoint_id == checkpoint_id:
-        files_checked, problem = _first_mismatch(directory, manifest)
+        files_checked, problem = snapshot_mismatch(layout, checkpoint_id, manifest)
     return SnapshotReport(
         checkpoint_id=checkpoint_id,
         latest=latest,
@@ -188,141 +226,27 @@ def _inspect_snapshot(layout: SnapshotLayout, checkpoint_id: str, latest: bool) 
         restarts=len(manifest.restarts),
         files_checked=files_checked,
         problem=problem,
+        metrics=tuple(sorted(metrics_of(manifest.extra).items())),
     )
-
-
-def _first_mismatch(directory: Path, manifest: SnapshotManifest) -> tuple[int, str | None]:
-    """How many files were checked, and the first one whose bytes do not match."""
-    checked = 0
-    anchor = manifest.anchor
-    try:
-        digest = tree_digest(directory / anchor.path)
-    except (OSError, ManifestError) as error:
-        return checked, f"trainer anchor {anchor.path}: {error}"
-    checked += 1
-    if digest != anchor.sha256:
-        return checked, (
-            f"trainer anchor {anchor.path}: tree digest {digest}, manifest says {anchor.sha256}"
-        )
-    for entry in manifest.participants:
-        named = [] if entry.manifest is None else [entry.manifest]
-        named += entry.artifacts
-        for ref in named:
-            problem = _check_file(directory, ref)
-            checked += 1
-            if problem is not None:
-                return checked, f"{entry.instance}: {problem}"
-    return checked, None
-
-
-def _check_file(directory: Path, ref: ArtifactRef) -> str | None:
-    path = directory / ref.path
-    try:
-        # No symlinks: a snapshot names its own bytes, nothing outside it.
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        return f"{ref.path} is missing"
-    except OSError as error:
-        return f"{ref.path} cannot be read: {error.strerror}"
-    digest = hashlib.sha256()
-    with os.fdopen(fd, "rb") as handle:
-        info = os.fstat(handle.fileno())
-        if not stat.S_ISREG(info.st_mode):
-            return f"{ref.path} is not a regular file"
-        if info.st_size != ref.size_bytes:
-            return f"{ref.path} has {info.st_size} bytes, manifest says {ref.size_bytes}"
-        while chunk := handle.read(_CHUNK):
-            digest.update(chunk)
-    found = digest.hexdigest()
-    if found != ref.sha256:
-        return f"{ref.path} has sha256 {found}, manifest says {ref.sha256}"
-    return None
-
-
-def _inspect_store(url: str) -> InspectReport:
-    storage = open_storage(url)
-    storage.check()
-    layout = StoreLayout(storage)
-    try:
-        latest: str | None = None
-        latest_problem: str | None = None
-        try:
-            latest = layout.latest()
-        except ManifestError as error:
-            latest_problem = error.message
-        snapshots = tuple(
-            _inspect_stored_snapshot(layout, checkpoint_id, checkpoint_id == latest)
-            for checkpoint_id in layout.list_published()
-        )
-    finally:
-        layout.close()
-    return InspectReport(storage.url, latest, snapshots, latest_problem)
-
-
-def _inspect_stored_snapshot(
-    layout: StoreLayout, checkpoint_id: str, latest: bool
-) -> SnapshotReport:
-    try:
-        manifest = SnapshotManifest.from_json(layout.manifest_bytes(checkpoint_id))
-    except (StorageError, ManifestError) as error:
-        return SnapshotReport(checkpoint_id, latest, problem=f"{MANIFEST_NAME}: {error}")
-    checked = 0
-    problem: str | None = f"{MANIFEST_NAME} describes {manifest.checkpoint_id!r}"
-    if manifest.checkpoint_id == checkpoint_id:
-        problem = None
-        try:
-            # Fetches the anchor's objects and checks their tree digest.
-            layout.load(checkpoint_id)
-        except (StorageError, ManifestError) as error:
-            problem = f"trainer anchor {manifest.anchor.path}: {error}"
-        checked += 1
-        for entry in manifest.participants if problem is None else ():
-            named = [] if entry.manifest is None else [entry.manifest]
-            for ref in [*named, *entry.artifacts]:
-                checked += 1
-                problem = _check_object(layout.storage, f"{checkpoint_id}/{ref.path}", ref)
-                if problem is not None:
-                    problem = f"{entry.instance}: {problem}"
-                    break
-            if problem is not None:
-                break
-    return SnapshotReport(
-        checkpoint_id=checkpoint_id,
-        latest=latest,
-        step=manifest.step,
-        created_at=manifest.created_at,
-        participants=tuple(entry.instance for entry in manifest.participants),
-        continued=len(manifest.continued),
-        restarts=len(manifest.restarts),
-        files_checked=checked,
-        problem=problem,
-    )
-
-
-def _check_object(storage: Storage, key: str, ref: ArtifactRef) -> str | None:
-    try:
-        data = storage.get(key, limit=ref.size_bytes)
-    except ObjectMissingError:
-        return f"{ref.path} is missing"
-    except StorageError as error:
-        return f"{ref.path} cannot be read: {error.message}"
-    if len(data) != ref.size_bytes:
-        more = "more than " if len(data) > ref.size_bytes else ""
-        return f"{ref.path} has {more}{len(data)} bytes, manifest says {ref.size_bytes}"
-    found = hashlib.sha256(data).hexdigest()
-    if found != ref.sha256:
-        return f"{ref.path} has sha256 {found}, manifest says {ref.sha256}"
-    return None
 
 
 def inspect_command(
-    root: str | os.PathLike[str], *, as_json: bool = False, out: TextIO | None = None
+    root: str | os.PathLike[str],
+    *,
+    as_json: bool = False,
+    out: TextIO | None = None,
+    restore_from: str = "latest",
 ) -> int:
     """What ``turnpoint inspect`` runs: print the report; 0 when every digest matches,
-    1 on any mismatch, 2 when ``root`` is not a directory."""
+    1 on any mismatch, 2 when ``root`` is not a directory or the choice is malformed."""
     stream = sys.stdout if out is None else out
     try:
-        report = inspect_root(root)
+        choice = RestoreChoice.parse(restore_from)
+    except RestoreChoiceError as error:
+        print(f"turnpoint inspect: {error}", file=sys.stderr if out is None else stream)
+        return EXIT_NO_ROOT
+    try:
+        report = inspect_root(root, choice)
     except (FileNotFoundError, StorageError) as error:
         print(f"turnpoint inspect: {error}", file=sys.stderr if out is None else stream)
         return EXIT_NO_ROOT

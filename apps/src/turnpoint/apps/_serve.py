@@ -25,6 +25,7 @@ from turnpoint.apps.examples._build import (
 )
 from turnpoint.auth import load_token
 from turnpoint.ids import InvalidIdError, validate_id
+from turnpoint.participant_sdk import SnapshotStore
 from turnpoint.server import (
     ServerOptions,
     WorkerGroup,
@@ -35,6 +36,7 @@ from turnpoint.server import (
     host_worker,
     worker_slot_from_env,
 )
+from turnpoint.storage import StorageError
 
 
 def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -75,7 +77,12 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         help="run N worker processes sharing the port, each its own participant "
         "<instance>-w<i> (docs/spec.md section 3.9; default: 1, one process)",
     )
-    parser.add_argument("--root", default="snapshots", help="snapshot root directory")
+    parser.add_argument(
+        "--root",
+        default="snapshots",
+        help="snapshot root: a directory or a storage URL (file:///path[?mount=shared], "
+        "s3://bucket/prefix; boto3's environment gives the endpoint and credentials)",
+    )
     parser.add_argument("--token-file", help="file holding the bearer token")
     parser.add_argument("--insecure-no-auth", action="store_true")
     parser.add_argument("--tls-cert", help="server certificate (PEM)")
@@ -117,6 +124,12 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         action="store_true",
         help="agent: let the policy cut generations at a checkpoint and continue them from "
         "their token prefix (docs/spec.md section 5.5)",
+    )
+    parser.add_argument(
+        "--hold-calls-until",
+        metavar="FILE",
+        help="resources (guess, guess-group), for tests: hold every tool call until FILE "
+        "exists, so that a snapshot's prepare waits for it",
     )
     parser.set_defaults(handler=_serve_command)
 
@@ -232,7 +245,7 @@ async def _serve(
     instance = args.instance or f"{args.kind}-{secrets.token_hex(3)}"
     spec = ExampleSpec(
         instance=instance,
-        root=Path(args.root),
+        root=args.root,
         token=token,
         policy_address=args.policy,
         resources=resources,
@@ -245,13 +258,17 @@ async def _serve(
         turn_delay_s=args.turn_delay,
         token_delay_s=args.token_delay,
         cut_generations=args.cut_generations,
+        hold_calls_until=Path(args.hold_calls_until) if args.hold_calls_until else None,
     )
     try:
+        # A store that refuses the credentials, or a bucket that is not there: a clear
+        # error now, not a failed commit at the first snapshot (docs/spec.md 8.12 item 6).
+        await asyncio.to_thread(SnapshotStore(args.root).check)
         if participant is not None:
             runtime, closers = build_participant(participant, spec)
         else:
             runtime, closers = build_example(args.kind, example, spec)
-    except (ValueError, OSError) as error:
+    except (ValueError, OSError, StorageError) as error:
         print(f"turnpoint serve: {error}", file=sys.stderr)
         return 2
     hosted = (

@@ -553,6 +553,18 @@ class ResourcesHost:
     async def install(self, record: Record, episode: EpisodeId) -> WorkKey:
         state, replies = split_payload(record.payload)
         await self._server.restore_session(record.episode, episode, state)
+        # docs/spec.md section 5.6 item 4: a restore hook that installs nothing would let
+        # the episode continue against an empty session. The server's own export is the
+        # one view of its sessions the SDK has: the restored one must be in it.
+        present = await self._server.export_sessions([episode])
+        if episode not in present:
+            await self._server.retire_session(episode)
+            raise TurnpointError(
+                Reason.INVALID_CHECKPOINT_STATE,
+                f"{type(self._server).__name__}.restore_session installed nothing for "
+                f"{episode}: its export_sessions does not hold the session afterwards",
+                {"episode": str(episode)},
+            )
         session = _Session(episode, WorkKey(episode, SLOT))
         if replies is not None:
             session.replies = replies

@@ -189,10 +189,16 @@ class FleetOptions:
     The token: ``server.token`` travels to the actors through Ray; ``token_file`` is read
     on each actor's node instead (the same path everywhere), so the token never leaves
     the file system. With neither, ``$TURNPOINT_TOKEN`` of the actor's process.
+
+    ``environment``: variables every actor's process gets (Ray's ``runtime_env``), for
+    what a node does not have of its own: the snapshot store's endpoint, for one
+    (docs/spec.md section 8.12). Credentials a node holds already (an instance role, a
+    config file) are better left there than sent through the cluster.
     """
 
     server: ServerOptions = field(default_factory=ServerOptions)
     token_file: str | None = None
+    environment: Mapping[str, str] = field(default_factory=dict)
     start_timeout_s: float = DEFAULT_START_TIMEOUT_S
     stop_timeout_s: float = DEFAULT_STOP_TIMEOUT_S
 
@@ -345,6 +351,8 @@ class RayParticipants:
             )
         if name is not None:
             actor_options["name"] = name
+        if options.environment:
+            actor_options["runtime_env"] = {"env_vars": dict(options.environment)}
         actor = (
             _actor_class().options(**actor_options).remote(tuple(instances), group.build, options)
         )

@@ -39,12 +39,17 @@ from turnpoint.trainer.control.coordinator import Coordinator
 from turnpoint.trainer.control.identity import bump_epoch
 from turnpoint.trainer.control.liveness import ParticipantLostError, watch_liveness
 from turnpoint.trainer.errors import CoordinatorError
+from turnpoint.trainer.restore.choice import METRICS_KEY
 from turnpoint.trainer.restore.restorer import AnchorLoader, RestorePlan, Restorer, apply_plan
 from turnpoint.trainer.rollouts.client import AgentEndpoint, RolloutClient
 from turnpoint.trainer.rollouts.values import Rollout, RolloutClientSettings, RolloutResult
+from turnpoint.trainer.snapshots.attempt import SnapshotState
 from turnpoint.trainer.snapshots.driver import SnapshotDriver, TransitionCallback
 from turnpoint.trainer.snapshots.pump import SnapshotPump
 from turnpoint.trainer.snapshots.report import SnapshotOutcome, SnapshotReport
+from turnpoint.trainer.status.history import HISTORY_FILE, CheckpointHistory
+from turnpoint.trainer.status.log import HistoryLog, read_history
+from turnpoint.trainer.storage.layout import SnapshotLayout
 from turnpoint.trainer.storage.manifest import JSONValue
 from turnpoint.trainer.storage.objects import StoreLayout, open_layout
 from turnpoint.trainer.weights.core import WeightSyncSettings
@@ -53,6 +58,7 @@ from turnpoint.trainer.weights.sync import WeightSync, WeightSyncReport
 if TYPE_CHECKING:
     from turnpoint.trainer.metrics import CoordinatorMetrics
     from turnpoint.trainer.snapshots.hooks import SnapshotHooks
+    from turnpoint.trainer.status.server import StatusServer
 
 _LOG = logging.getLogger(__name__)
 _WAKE_S = 0.25
@@ -180,6 +186,15 @@ class Checkpointing:
     alone); ``allow_degraded_restore`` starts instead, every saved rollout over from its
     prompt. :meth:`dispatch` refuses a rollout for an unknown agent or environment.
     Leaving cleanly takes a final snapshot (``final_snapshot``, on by default).
+
+    Seeing the job (docs/spec.md sections 7.13 and 7.14): :attr:`history` keeps every
+    attempt of this run (phases, per-participant times, sizes, failures, the restore).
+    ``status_port`` (0: a free one) serves the status page, its REST API and, with
+    ``metrics``, ``/metrics`` on ``status_host``; :attr:`status_address` is its address
+    once :meth:`open` has started it (it needs aiohttp, ``turnpoint-trainer[status]``).
+    ``snapshot_metrics``, if given, is read with the anchor and recorded in each
+    snapshot's manifest (``extra["metrics"]``): ``config.restore_from = "best:<name>"``
+    restores the best snapshot by one of them.
     """
 
     def __init__(
@@ -204,8 +219,17 @@ class Checkpointing:
         allow_degraded_restore: bool = False,
         final_snapshot: bool = True,
         testing_hooks: SnapshotHooks | None = None,
+        status_port: int | None = None,
+        status_host: str = "127.0.0.1",
+        snapshot_metrics: Callable[[], Mapping[str, float]] | None = None,
     ) -> None:
         self.config = config
+        self._status_port = status_port
+        self._status_host = status_host
+        self._snapshot_metrics = snapshot_metrics
+        self._status: StatusServer | None = None
+        self.history = CheckpointHistory(wall_offset_s=time.time() - time.monotonic())
+        self._history_log: HistoryLog | None = None
         self._participants = participants
         self._token = token
         self._anchor = anchor
@@ -253,6 +277,24 @@ class Checkpointing:
         config = self.config
         root = config.snapshot_root
         identity = await asyncio.to_thread(bump_epoch, root)
+        self.history.epoch = identity.epoch
+        hooks = self._testing_hooks
+        layout = await asyncio.to_thread(
+            open_layout, root, after_step=hooks.after_publish_step if hooks else None
+        )
+        if isinstance(layout, StoreLayout):
+            self._stack.callback(layout.close)
+        else:
+            # Earlier processes' attempts and restores, then this one's appended after
+            # them (a local or mounted root; on an object store the history is this
+            # process's own, docs/spec.md section 7.13.5).
+            history_path = layout.root / HISTORY_FILE
+            self.history.load_past(await asyncio.to_thread(read_history, history_path))
+            log = self._history_log = HistoryLog(history_path)
+            log.start()
+            self._stack.push_async_callback(log.aclose)
+        if self._status_port is not None:
+            await self._start_status(layout)
         endpoints = await self._endpoints()
         coordinator = await self._stack.enter_async_context(
             Coordinator(
@@ -265,6 +307,9 @@ class Checkpointing:
             )
         )
         self._coordinator = coordinator
+        coordinator.watch(self.history)
+        if self._status is not None:
+            self._status.api.sources.coordinator = coordinator
         topology = await coordinator.discover()
         # The coordinator's endpoints, not the ones given: a worker group is replaced by
         # its workers at discovery, each an agent of its own (docs/spec.md section 3.9).
@@ -282,12 +327,6 @@ class Checkpointing:
             )
         )
         self._rollouts = rollouts
-        hooks = self._testing_hooks
-        layout = await asyncio.to_thread(
-            open_layout, root, after_step=hooks.after_publish_step if hooks else None
-        )
-        if isinstance(layout, StoreLayout):
-            self._stack.callback(layout.close)
         restorer = Restorer(
             coordinator,
             layout,
@@ -319,6 +358,16 @@ class Checkpointing:
                 weights_version=restored_version,
                 restore_s=time.monotonic() - restore_started,
             )
+        resumed = self.resumed
+        self.history.on_restore(
+            now=time.monotonic(),
+            checkpoint_id=resumed.checkpoint_id,
+            restore_s=resumed.restore_s,
+            resumed_rollouts=resumed.resumed_rollouts,
+            rerun_rollouts=resumed.rerun_rollouts,
+        )
+        if self._history_log is not None:
+            self._history_log.append(self.history.event_record(self.history.events[-1]))
         driver = SnapshotDriver(
             coordinator=coordinator,
             rollouts=rollouts,
@@ -328,9 +377,11 @@ class Checkpointing:
             epoch=identity.epoch,
             metrics=self._metrics,
             step_lock=self.step_lock,
-            manifest_extra=sync.snapshot_extra,
+            manifest_extra=lambda: self._manifest_extra(sync),
         )
         driver.adopt_restore(plan)
+        driver.subscribe(self.history.on_transition)
+        driver.subscribe(self._log_started)
         if self._on_transition is not None:
             driver.subscribe(self._on_transition)
         if hooks is not None:
@@ -351,6 +402,41 @@ class Checkpointing:
         if self._watch_liveness:
             self._background.append(asyncio.create_task(self._watch_participants()))
         return self.resumed
+
+    async def _start_status(self, layout: SnapshotLayout | StoreLayout) -> None:
+        # Imported here: aiohttp loads only for a trainer that serves the page.
+        from turnpoint.trainer.status.server import StatusServer, StatusSources
+
+        sources = StatusSources(
+            history=self.history,
+            layout=layout,
+            config=self.config,
+            registry=self._metrics.registry if self._metrics is not None else None,
+        )
+        server = StatusServer(sources, host=self._status_host, port=self._status_port or 0)
+        await server.start()
+        self._status = server
+        self._stack.push_async_callback(server.close)
+
+    @property
+    def status_address(self) -> str | None:
+        """The status page's address (``http://host:port/``), once :meth:`open` started it."""
+        return None if self._status is None else self._status.address
+
+    def _log_started(
+        self, attempt: str, old: SnapshotState, _new: SnapshotState, _now: float
+    ) -> None:
+        if old is SnapshotState.NEW and self._history_log is not None:
+            self._history_log.append(self.history.started_record(attempt))
+
+    def _manifest_extra(self, sync: WeightSync) -> dict[str, JSONValue]:
+        extra = sync.snapshot_extra()
+        if self._snapshot_metrics is not None:
+            recorded: dict[str, JSONValue] = {
+                str(name): float(value) for name, value in self._snapshot_metrics().items()
+            }
+            extra[METRICS_KEY] = recorded
+        return extra
 
     async def _endpoints(self) -> Mapping[str, str]:
         if not callable(self._participants):
@@ -387,12 +473,19 @@ class Checkpointing:
                 raise ticker.exception()  # type: ignore[misc]
             if finish_snapshot and self._final_snapshot and self._pump is not None:
                 await self._snapshot_at_exit()
+            if self._history_log is not None and (finish_snapshot or self._preempted.is_set()):
+                # A clean close: the next trainer does not report this one as a crash.
+                self._history_log.append(self.history.closed_record(now=time.monotonic()))
         finally:
             await self._stack.aclose()
 
     async def _snapshot_at_exit(self) -> None:
         if self._preempted.is_set():
             return  # the preemption took the final snapshot already
+        if self._must_stop():
+            # The run ended on a failure (a participant lost): no cut of it is whole.
+            _LOG.info("no final snapshot: the run ended on a failure")
+            return
         # Nothing new starts after the final cut; what it holds continues on restart.
         self.rollouts.close_dispatch()
         report = await self.snapshot_now()
@@ -522,6 +615,11 @@ class Checkpointing:
         async with self._snapshot_lock:
             report = await self._pump.tick()
         self.reports.append(report)
+        self.history.on_report(report)
+        if self._history_log is not None:
+            self._history_log.append(
+                self.history.finished_record(report.checkpoint_id, now=time.monotonic())
+            )
         if self._on_snapshot is not None:
             self._on_snapshot(report)
         if report.outcome is SnapshotOutcome.FAILED:
@@ -556,6 +654,9 @@ class Checkpointing:
                 lost_after_s=self.config.participant_lost_after_s,
             )
         except ParticipantLostError as error:
+            self.history.on_lost(error.lost, time.monotonic(), error.message)
+            if self._history_log is not None:
+                self._history_log.append(self.history.event_record(self.history.events[-1]))
             if self._on_participant_lost is not None:
                 self._on_participant_lost(error)
             raise

@@ -42,6 +42,7 @@ from turnpoint._json import JSONProblem, StrictJSONError, loads_strict
 from turnpoint.errors import Reason
 from turnpoint.protocol import RecoveryLevel
 from turnpoint.trainer.errors import CoordinatorError
+from turnpoint.trainer.restore.choice import RestoreChoice, RestoreChoiceError
 
 _RULE_ERROR_TYPE = "config_rule"
 
@@ -221,6 +222,11 @@ class CoordinatorConfig(ConfigSection):
             return value
         return Path(value) if isinstance(value, str) else value
 
+    restore_from: str = "latest"
+    """Which published snapshot a restore uses (docs/spec.md section 7.14): ``latest``,
+    ``snapshot:<id>``, or the best by a metric the trainer recorded, ``best:<metric>``
+    (highest) or ``best:-<metric>`` (lowest)."""
+
     def _derive_defaults(self) -> None:
         self._set_derived("reply_grace_s", min(self.control_timeout_s, 5.0))
         self._set_derived("renew_interval_s", min(self.control_timeout_s / 3, 10.0))
@@ -246,6 +252,10 @@ class CoordinatorConfig(ConfigSection):
                 f"liveness_interval_s ({self.liveness_interval_s:g}), or one slow status "
                 "answer would count as a lost participant: raise participant_lost_after_s"
             )
+        try:
+            RestoreChoice.parse(self.restore_from)
+        except RestoreChoiceError as error:
+            violations.append(f"restore_from: {error}")
         if self.renew_interval_s > self.control_timeout_s:
             violations.append(
                 f"renew_interval_s ({self.renew_interval_s:g}) must not exceed "

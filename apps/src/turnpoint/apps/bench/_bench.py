@@ -11,7 +11,9 @@ The figures (docs: README "Benchmarks"):
   interleaved repeats' ratios with its spread, admission-closed seconds per snapshot
   (median, p99) (:mod:`._workload`);
 - **bookkeeping**: the SDK's cost per episode (:mod:`._participant_bench`);
-- **restart**: a cold start after a crash to the first redispatched rollout.
+- **restart**: a cold start after a crash to the first redispatched rollout;
+- **status page**: the control path with the trainer's status API polled every 100 ms
+  over the same path unpolled, a ratio (:mod:`._status_polling`).
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from turnpoint.apps.bench._control_overhead import (
 )
 from turnpoint.apps.bench._options import BenchOptions
 from turnpoint.apps.bench._participant_bench import bookkeeping_us
+from turnpoint.apps.bench._status_polling import StatusPolling, measure_status_polling
 from turnpoint.apps.bench._workload import RestoreResult, ThroughputResult, run_workload
 
 # The whole run, every part of which is bounded on its own as well.
@@ -106,6 +109,7 @@ class BenchReport:
     control_on_tmpfs: bool = False
     durable: DurableCommit | None = None
     bookkeeping_us: float | None = None
+    status_polling: StatusPolling | None = None
 
     @property
     def throughput_ratio_on_vs_off(self) -> float | None:
@@ -172,6 +176,14 @@ class BenchReport:
             ),
             Target("bookkeeping_us_per_episode", self.bookkeeping_us, 60.0, 30.0),
             Target("restart_s", self.restore_seconds, 5.0, 2.0),
+            Target(
+                "status_page_polled_vs_quiet",
+                None if self.status_polling is None else self.status_polling.ratio,
+                1.10,
+                1.02,
+                # Reported, not gated: a few seconds of rounds on a shared machine swing
+                # by more than the 1.5x margin with the load of other processes.
+            ),
         ]
 
     def regressions(self) -> list[str]:
@@ -189,6 +201,9 @@ class BenchReport:
             if self.bookkeeping_us is None
             else round(self.bookkeeping_us, 2),
             "restore_seconds": None if seconds is None else round(seconds, 3),
+            "status_page_polled_vs_quiet": None
+            if self.status_polling is None
+            else round(self.status_polling.ratio, 3),
             "targets": {target.name: target.to_json() for target in self.targets()},
             "details": {
                 "workers": self.workers,
@@ -202,6 +217,9 @@ class BenchReport:
                 },
                 "throughput": self.throughput.to_json(),
                 "restore": self.restore.to_json(),
+                "status_polling": None
+                if self.status_polling is None
+                else self.status_polling.to_json(),
                 "snapshot_root": self.snapshot_root,
                 "machine": self.machine,
             },
@@ -271,6 +289,16 @@ async def _run(options: BenchOptions, root: Path, progress: Progress) -> BenchRe
             token=token,
             progress=progress,
         )
+        status_n = options.durable_size
+        status_polling = await measure_status_polling(
+            control_root,
+            status_n,
+            workers=options.workers,
+            rounds=options.rounds_for(status_n),
+            warmup=options.warmup,
+            token=token,
+            progress=progress,
+        )
     durable_n = options.durable_size
     durable = await measure_durable_commit(
         root,
@@ -298,6 +326,7 @@ async def _run(options: BenchOptions, root: Path, progress: Progress) -> BenchRe
         control_on_tmpfs=on_tmpfs,
         durable=durable,
         bookkeeping_us=bookkeeping,
+        status_polling=status_polling,
     )
 
 

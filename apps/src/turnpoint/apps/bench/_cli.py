@@ -94,7 +94,9 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
             "acknowledge); (5) restart: from a cold start after a crash (participant start-up "
             "included) to the first redispatched rollout; (6, not with --quick) long "
             "generations: admission-closed seconds per snapshot with and without "
-            "token-prefix cutting at several generation lengths, and their plot. Progress "
+            "token-prefix cutting at several generation lengths, and their plot; (7) the "
+            "status page: the control path with the trainer's status API polled every "
+            "100 ms over the same path unpolled, a ratio. Progress "
             "goes to stderr, figures to stdout; --json prints all of them with the targets "
             "they are held to."
         ),
@@ -431,6 +433,12 @@ def render_table(report: BenchReport, out: TextIO) -> None:
         workload.add_row("  episodes resumed / rerun", f"{restore.resumed} / {restore.rerun}")
     for checkpoint_id, problem in restore.rejected_snapshots:
         workload.add_row(f"  {checkpoint_id} could not have been restored", problem)
+    polling = report.status_polling
+    if polling is not None:
+        workload.add_row(
+            f"status API polled every 100 ms / quiet, N={polling.participants}",
+            f"{polling.ratio:.3f} ({polling.polled_ms:.1f} / {polling.quiet_ms:.1f} ms)",
+        )
     console.print(workload)
 
     targets = Table(title="Targets (must-have, aim)", title_justify="left")

@@ -7,7 +7,9 @@ publication (anchor, manifest, ``LATEST``), first on a local directory (section 
 fsyncs included) and then on an S3 endpoint (section 8.13): moto's server on loopback,
 started here, or the one ``--s3-url`` names (boto3's environment gives its endpoint and
 credentials). Same run, same records, same sizes; the figure is the ratio object store
-over local disk per phase, with the objects and bytes one snapshot writes.
+over local disk per phase, with the objects and bytes one snapshot writes. The
+publication is split by its named steps: verify (the participants' objects: a HEAD each
+on the store), anchor (its files put), manifest (the commit write), latest (``LATEST``).
 
 Loopback moto is an in-process Python server: the ratio measures the protocol's request
 count and the client's cost, not a real store's latency (add that per request).
@@ -17,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import logging
 import os
-import secrets
 import tempfile
 import time
 from collections.abc import Iterator
@@ -27,11 +27,12 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from turnpoint.apps._object_store import loopback_s3
 from turnpoint.ids import EpisodeId, make_checkpoint_id
 from turnpoint.participant_sdk import Record, SnapshotStore
 from turnpoint.protocol import ParticipantKind
 from turnpoint.storage import open_storage
-from turnpoint.trainer.storage.layout import SnapshotLayout, tree_digest
+from turnpoint.trainer.storage.layout import PublishStep, SnapshotLayout, tree_digest
 from turnpoint.trainer.storage.manifest import (
     ANCHOR_DIR,
     AnchorRef,
@@ -53,6 +54,12 @@ class Figure:
     publish_s: float
     objects: int
     bytes_written: int
+    # The publication's own phases (docs/spec.md sections 8.9, 8.13), by its named steps:
+    # verify the participants' objects, put the anchor, commit the manifest, move LATEST.
+    verify_s: float = 0.0
+    anchor_s: float = 0.0
+    manifest_s: float = 0.0
+    latest_s: float = 0.0
 
 
 def _records(instance: int, count: int) -> list[Record]:
@@ -64,8 +71,15 @@ def _records(instance: int, count: int) -> list[Record]:
 
 def _one_snapshot(root: str, participants: int, records: int, sequence: int) -> Figure:
     is_url = "://" in root
+    marks: dict[PublishStep, float] = {}
+
+    def mark(step: PublishStep) -> None:
+        marks[step] = time.perf_counter()
+
     layout: SnapshotLayout | StoreLayout = (
-        StoreLayout(open_storage(root)) if is_url else SnapshotLayout(Path(root))
+        StoreLayout(open_storage(root), after_step=mark)
+        if is_url
+        else SnapshotLayout(Path(root), after_step=mark)
     )
     checkpoint_id = make_checkpoint_id("bench", sequence)
     staged = layout.begin(checkpoint_id)
@@ -99,7 +113,8 @@ def _one_snapshot(root: str, participants: int, records: int, sequence: int) -> 
     )
     started = time.perf_counter()
     layout.publish(staged, manifest)
-    publish_s = time.perf_counter() - started
+    ended = time.perf_counter()
+    publish_s = ended - started
     record_bytes = sum(a.size_bytes for e in written for a in e.artifacts)
     manifests = sum(e.manifest.size_bytes for e in written)
     bytes_written = record_bytes + manifests + _ANCHOR_BYTES + len(manifest.to_json())
@@ -113,40 +128,27 @@ def _one_snapshot(root: str, participants: int, records: int, sequence: int) -> 
         publish_s,
         2 * participants + 3,
         bytes_written,
+        verify_s=marks[PublishStep.VERIFIED] - started,
+        anchor_s=marks[PublishStep.TREE_SYNCED] - marks[PublishStep.VERIFIED],
+        manifest_s=marks[PublishStep.MANIFEST_LINKED] - marks[PublishStep.TREE_SYNCED],
+        latest_s=ended - marks[PublishStep.SNAPSHOT_SYNCED],
     )
 
 
 @contextlib.contextmanager
 def _loopback_s3() -> Iterator[str]:
-    """moto's S3 server on 127.0.0.1 (a free port), boto3 pointed at it; yields a URL."""
-    import boto3
-    from moto.server import ThreadedMotoServer
-
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request otherwise
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    saved = {name: os.environ.get(name) for name in _MOTO_ENV}
-    try:
-        host, port = server.get_host_and_port()
-        os.environ.update(_MOTO_ENV | {"AWS_ENDPOINT_URL_S3": f"http://{host}:{port}"})
-        bucket = f"bench-{secrets.token_hex(4)}"
-        boto3.client("s3").create_bucket(Bucket=bucket)
-        yield f"s3://{bucket}/snapshots"
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
-        server.stop()
-
-
-_MOTO_ENV = {
-    "AWS_ACCESS_KEY_ID": "bench",
-    "AWS_SECRET_ACCESS_KEY": "bench",
-    "AWS_DEFAULT_REGION": "us-east-1",
-    "AWS_ENDPOINT_URL_S3": "",
-}
+    """moto's S3 server on loopback, boto3 in this process pointed at it; yields a URL."""
+    with loopback_s3() as store:
+        saved = {name: os.environ.get(name) for name in store.environment}
+        os.environ.update(store.environment)
+        try:
+            yield store.url
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
 
 
 def bench_storage_command(args: argparse.Namespace) -> int:
@@ -161,6 +163,7 @@ def bench_storage_command(args: argparse.Namespace) -> int:
         )
         print(
             f"{'participants':>12} {'storage':>7} {'commit s':>9} {'publish s':>9} "
+            f"{'verify':>7} {'anchor':>7} {'manifest':>8} {'latest':>7} "
             f"{'objects':>7} {'MiB':>7} {'commit x':>8} {'publish x':>9}"
         )
         for sequence, participants in enumerate(sizes, start=1):
@@ -170,7 +173,8 @@ def bench_storage_command(args: argparse.Namespace) -> int:
                 ratio = figure is remote
                 print(
                     f"{figure.participants:>12} {figure.storage:>7} {figure.commit_s:>9.3f} "
-                    f"{figure.publish_s:>9.3f} {figure.objects:>7} "
+                    f"{figure.publish_s:>9.3f} {figure.verify_s:>7.3f} {figure.anchor_s:>7.3f} "
+                    f"{figure.manifest_s:>8.3f} {figure.latest_s:>7.3f} {figure.objects:>7} "
                     f"{figure.bytes_written / 2**20:>7.2f} "
                     + (
                         f"{remote.commit_s / local.commit_s:>8.1f} "

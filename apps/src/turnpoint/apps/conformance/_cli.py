@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+from pathlib import Path
 
 from turnpoint.auth import load_token
 
@@ -64,6 +65,26 @@ def add_conformance_parser(sub: argparse._SubParsersAction[argparse.ArgumentPars
         "the effects check restores the target's session there and re-sends its call",
     )
     parser.add_argument(
+        "--equivalence",
+        metavar="FILE",
+        help='a workload (as --workload) with "calls": [{"tool": T, "arguments": {...}}, ...]: '
+        "the equivalence check replays them from every turn boundary after a restore into "
+        "--restore-target and compares every reply and the reward with an uninterrupted run",
+    )
+    parser.add_argument(
+        "--restore-target",
+        type=_address,
+        metavar="HOST:PORT",
+        help="a fresh participant with the target's instance name and snapshot root, "
+        "for the equivalence check's restores",
+    )
+    parser.add_argument(
+        "--snapshot-root",
+        metavar="DIR",
+        help="the snapshot root both targets share: the equivalence check writes a copy of "
+        "its snapshot there with truncated session states, which must install nothing",
+    )
+    parser.add_argument(
         "--lease",
         type=_seconds,
         default=1.0,
@@ -96,7 +117,12 @@ def add_conformance_parser(sub: argparse._SubParsersAction[argparse.ArgumentPars
 
 def conformance_command(args: argparse.Namespace) -> int:
     try:
-        workload = Workload.from_file(args.workload) if args.workload else Workload()
+        if args.workload and args.equivalence:
+            raise ValueError("give --workload or --equivalence, not both")
+        chosen = args.equivalence or args.workload
+        workload = Workload.from_file(chosen) if chosen else Workload()
+        if args.equivalence and not workload.calls:
+            raise ValueError("the --equivalence workload needs a non-empty 'calls' list")
         options = ConformanceOptions(
             args.target,
             load_token(args.token_file),
@@ -106,6 +132,8 @@ def conformance_command(args: argparse.Namespace) -> int:
             episode_timeout_s=args.episode_timeout,
             only=tuple(args.only),
             fresh_target=args.fresh_target,
+            restore_target=args.restore_target,
+            snapshot_root=Path(args.snapshot_root) if args.snapshot_root else None,
         )
         unknown = sorted(set(options.only) - {c.name for c in CHECKS})
         if unknown:

@@ -1,6 +1,6 @@
 """The effects check: a resources server answers a keyed call once (docs/spec.md 6.12).
 
-The kit names a tool call with a key of the SDK's form (``fx:<rollout>:<turn>:<index>``)
+The kit names the workload's first recorded call (``calls``) with a key of the SDK's form (``fx:<rollout>:<turn>:<index>``)
 and sends it again as a retry would; then, if it was given a second, freshly started
 process of the target on the same snapshot root (``--fresh-target``), it snapshots the
 session, restores it there for the next attempt and re-sends the call as a continued
@@ -41,11 +41,11 @@ async def _call(
     key: str,
     arguments: Mapping[str, Any],
 ) -> dict[str, Any]:
-    assert kit.workload.tool is not None
+    tool = kit.workload.calls[0][0]
     response = await target.call(
         target.resources.Call,
         resources_service_pb2.CallRequest(
-            request_id=key, episode=e, tool=kit.workload.tool, arguments=struct(arguments)
+            request_id=key, episode=e, tool=tool, arguments=struct(arguments)
         ),
         name="Call",
         timeout_s=kit.episode_bound_s,
@@ -56,7 +56,7 @@ async def _call(
 async def _diverging_is_refused(
     kit: Kit, target: Target, e: types_pb2.EpisodeId, key: str, where: str
 ) -> None:
-    other = {**kit.workload.arguments, _DIVERGING_ARGUMENT: 1}
+    other = {**kit.workload.calls[0][1], _DIVERGING_ARGUMENT: 1}
     try:
         await _call(kit, target, e, key, other)
     except Refused as refusal:
@@ -79,12 +79,12 @@ async def check_effects(kit: Kit) -> str:
     if not kit.hosts_resources:
         raise CheckSkipped("not a resources server")
     kit.need_task()
-    if kit.workload.tool is None:
+    if not kit.workload.calls:
         raise CheckSkipped(
-            'no workload call ({"call": {"tool": ..., "arguments": {...}}}): the kit '
+            'no workload calls ({"calls": [{"tool": ..., "arguments": {...}}]}): the kit '
             "cannot invent a tool call this environment understands"
         )
-    arguments = kit.workload.arguments
+    arguments = kit.workload.calls[0][1]
     rollout = kit.rollout("effects")
     first = episode(rollout, 0)
     key = _key(rollout)

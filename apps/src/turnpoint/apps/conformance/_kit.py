@@ -75,29 +75,23 @@ class Workload:
 
     ``task`` is the task of a Run (agents) and of a SeedSession (resources); without it
     the checks that need an episode are skipped. ``answer`` is the Verify answer.
-    ``generate`` is the prompt and length of a Generate (models). ``call`` is one tool
-    call of a resources server's session, ``{"tool": NAME, "arguments": {...}}``; without
-    it the effects check is skipped.
+    ``generate`` is the prompt and length of a Generate (models). ``calls`` is a recorded
+    episode of a resources server, ``[{"tool": NAME, "arguments": {...}}, ...]``, sent in
+    order after the seed: what the equivalence check replays (docs/spec.md section 5.6); the effects check
+    sends the first one with a key (section 6.12).
     """
 
     task: Mapping[str, Any] | None = None
     answer: Mapping[str, Any] = field(default_factory=dict)
     prompt_token_ids: tuple[int, ...] = (1,)
     max_new_tokens: int = 1
-    tool: str | None = None
-    arguments: Mapping[str, Any] = field(default_factory=dict)
+    calls: tuple[tuple[str, Mapping[str, Any]], ...] = ()
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> Workload:
-        unknown = sorted(set(data) - {"task", "answer", "generate", "call"})
+        unknown = sorted(set(data) - {"task", "answer", "generate", "calls"})
         if unknown:
-            raise WorkloadError(f"unknown keys {unknown}; valid: task, answer, generate, call")
-        call = data.get("call", {})
-        if not isinstance(call, dict) or set(call) - {"tool", "arguments"}:
-            raise WorkloadError('call must be a JSON object {"tool": ..., "arguments": {...}}')
-        tool, arguments = call.get("tool"), call.get("arguments", {})
-        if (call and not (isinstance(tool, str) and tool)) or not isinstance(arguments, dict):
-            raise WorkloadError("call.tool must be a non-empty string, call.arguments an object")
+            raise WorkloadError(f"unknown keys {unknown}; valid: task, answer, generate, calls")
         task = data.get("task")
         answer = data.get("answer", {})
         generate = data.get("generate", {})
@@ -113,7 +107,7 @@ class Workload:
             raise WorkloadError("generate.prompt_token_ids must be a list of integers")
         if not isinstance(length, int) or isinstance(length, bool) or length < 1:
             raise WorkloadError("generate.max_new_tokens must be an integer >= 1")
-        return cls(task, answer, tuple(prompt), length, tool or None, arguments)
+        return cls(task, answer, tuple(prompt), length, _calls(data.get("calls", [])))
 
     @classmethod
     def from_file(cls, path: str | Path) -> Workload:
@@ -124,6 +118,20 @@ class Workload:
         if not isinstance(data, dict):
             raise WorkloadError("the workload file must hold a JSON object")
         return cls.from_mapping(data)
+
+
+def _calls(raw: object) -> tuple[tuple[str, Mapping[str, Any]], ...]:
+    if not isinstance(raw, list):
+        raise WorkloadError("calls must be a list of {tool, arguments} objects")
+    calls: list[tuple[str, Mapping[str, Any]]] = []
+    for number, call in enumerate(raw, start=1):
+        if not isinstance(call, dict) or set(call) - {"tool", "arguments"}:
+            raise WorkloadError(f"call #{number} must be an object with tool and arguments")
+        tool, arguments = call.get("tool"), call.get("arguments", {})
+        if not isinstance(tool, str) or not tool or not isinstance(arguments, dict):
+            raise WorkloadError(f"call #{number}: tool is a name, arguments an object")
+        calls.append((tool, arguments))
+    return tuple(calls)
 
 
 def struct(value: Mapping[str, Any]) -> struct_pb2.Struct:
@@ -274,6 +282,8 @@ class Kit:
         lease_s: float,
         episode_bound_s: float,
         fresh_target: Target | None = None,
+        fresh: Kit | None = None,
+        snapshot_root: Path | None = None,
     ) -> None:
         self.target = target
         # A second, freshly started process of the target on the same snapshot root:
@@ -281,6 +291,10 @@ class Kit:
         # longer fresh once it served any).
         self.fresh_target = fresh_target
         self.workload = workload
+        # The equivalence check's second target, never given data-plane work but restores
+        # (section 5.6), and the snapshot root both share, when the kit may write there.
+        self.fresh = fresh
+        self.snapshot_root = snapshot_root
         self.lease_s = lease_s
         self.episode_bound_s = episode_bound_s
         self.coordinator_id = f"conformance-{secrets.token_hex(6)}"
@@ -573,15 +587,22 @@ class Kit:
         return response
 
     async def seed(
-        self, e: types_pb2.EpisodeId, *, group: str = "", sibling: int = 0, size: int = 1
+        self,
+        e: types_pb2.EpisodeId,
+        *,
+        group: str = "",
+        sibling: int = 0,
+        size: int = 1,
+        task: Mapping[str, Any] | None = None,
     ) -> resources_service_pb2.SeedSessionResponse:
         self._left.sessions.append(e)
+        chosen = self.workload.task if task is None else task
         return await self.target.call(
             self.target.resources.SeedSession,
             resources_service_pb2.SeedSessionRequest(
                 request_id=self.rid("seed"),
                 episode=e,
-                task=struct(self.workload.task or {}),
+                task=struct(chosen or {}),
                 prompt_group_id=group,
                 sibling_index=sibling,
                 group_size=size,
@@ -601,6 +622,22 @@ class Kit:
             name="Verify",
             timeout_s=self.episode_bound_s if timeout_s is None else timeout_s,
         )
+
+    async def call(
+        self, e: types_pb2.EpisodeId, tool: str, arguments: Mapping[str, Any]
+    ) -> resources_service_pb2.CallResponse:
+        return await self.target.call(
+            self.target.resources.Call,
+            resources_service_pb2.CallRequest(
+                request_id=self.rid("call"), episode=e, tool=tool, arguments=struct(arguments)
+            ),
+            name="Call",
+            timeout_s=self.episode_bound_s,
+        )
+
+    def holds_session(self, e: types_pb2.EpisodeId) -> None:
+        """A session the kit did not seed here (a restored one): settle closes it too."""
+        self._left.sessions.append(e)
 
     async def close_session(
         self, e: types_pb2.EpisodeId

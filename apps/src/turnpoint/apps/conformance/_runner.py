@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 
@@ -27,6 +28,7 @@ from ._control_checks import (
 )
 from ._data_checks import check_acknowledge, check_admission, check_readiness, check_run_stream
 from ._effects_checks import check_effects
+from ._equivalence import check_equivalence, check_exported_sessions
 from ._kit import CheckFailed, CheckSkipped, Kit, Workload
 from ._lifecycle_checks import (
     check_commit,
@@ -72,6 +74,8 @@ CHECKS: tuple[Check, ...] = (
     Check("readiness", "4.1, 4.6", check_readiness),
     Check("run-stream", "6.1-6.6", check_run_stream),
     Check("acknowledge", "6.4", check_acknowledge),
+    Check("exported-sessions", "5.3", check_exported_sessions),
+    Check("equivalence", "5.6", check_equivalence),
     Check("hostile-input", "10.5", check_hostile_input),
 )
 
@@ -87,6 +91,10 @@ class ConformanceOptions:
     call_timeout_s: float = 10.0
     episode_timeout_s: float = 30.0
     only: Sequence[str] = ()
+    # The equivalence check's fresh target (same instance, same snapshot root), and that
+    # root when the kit may write a damaged copy of a snapshot into it.
+    restore_target: str | None = None
+    snapshot_root: Path | None = None
     # A second, freshly started process of the target on the same snapshot root.
     fresh_target: str | None = None
 
@@ -102,6 +110,14 @@ async def run_conformance(
     if unknown:
         raise ValueError(f"unknown checks {unknown}; known: {', '.join(c.name for c in CHECKS)}")
     target = Target(options.target, options.token, call_timeout_s=options.call_timeout_s)
+    fresh = None
+    if options.restore_target is not None:
+        fresh = Kit(
+            Target(options.restore_target, options.token, call_timeout_s=options.call_timeout_s),
+            workload=options.workload,
+            lease_s=options.lease_s,
+            episode_bound_s=options.episode_timeout_s,
+        )
     kit = Kit(
         target,
         workload=options.workload,
@@ -110,6 +126,8 @@ async def run_conformance(
         fresh_target=None
         if options.fresh_target is None
         else Target(options.fresh_target, options.token, call_timeout_s=options.call_timeout_s),
+        fresh=fresh,
+        snapshot_root=options.snapshot_root,
     )
     report = ConformanceReport(target=options.target, coordinator_id=kit.coordinator_id)
     try:
@@ -140,6 +158,8 @@ async def run_conformance(
         await target.close()
         if kit.fresh_target is not None:
             await kit.fresh_target.close()
+        if fresh is not None:
+            await fresh.target.close()
     return report
 
 
@@ -172,6 +192,8 @@ async def _run_one(kit: Kit, check: Check) -> tuple[Outcome, str]:
         outcome, detail = Outcome.FAIL, "a wait of the check timed out"
     try:
         cleaned = await kit.settle()
+        if kit.fresh is not None and kit.fresh.epoch:
+            cleaned += [f"restore target: {done}" for done in await kit.fresh.settle()]
     except (Refused, CheckFailed) as error:
         cleaned = [f"settling failed: {error}"]
     if cleaned and outcome is not Outcome.PASS:

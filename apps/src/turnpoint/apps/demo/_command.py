@@ -27,8 +27,10 @@ from turnpoint.apps.demo._supervisor import (
     MAX_RESTARTS,
     STALL_TIMEOUT_S,
     START_TIMEOUT_S,
+    STORAGE_KINDS,
     TRAINER_MODULE,
     DemoOptions,
+    DemoPaths,
     Launcher,
     ProcessLauncher,
     prepare_out_dir,
@@ -46,6 +48,14 @@ def add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
             "latest snapshot and audit that every prompt group was trained exactly once "
             "with the rewards the verifiers returned. Exits 1 if the audit fails."
         ),
+    )
+    parser.add_argument(
+        "--env",
+        default="guess",
+        choices=["guess", "blackjack", "workplace"],
+        help="the environment to train on: the guessing game (per-sibling and group-scored "
+        "tools), Blackjack on a seeded shoe, or the workplace on per-episode SQLite tables "
+        "(default: %(default)s)",
     )
     parser.add_argument(
         "--steps", type=int, default=DEFAULT_STEPS, help="training steps (default: %(default)s)"
@@ -83,11 +93,12 @@ def add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument(
         "--metrics-port",
         type=int,
-        default=None,
+        default=0,
         metavar="PORT",
         help=(
-            "serve the coordinator's Prometheus metrics (docs/spec.md section 7.10) on "
-            "127.0.0.1:PORT from the trainer; 0 picks a free port, kept across restarts"
+            "the trainer's status page, its REST API (docs/spec.md section 7.13) and the "
+            "coordinator's Prometheus metrics (section 7.10) on 127.0.0.1:PORT; 0 (the "
+            "default) picks a free port, kept across restarts"
         ),
     )
     parser.add_argument(
@@ -142,6 +153,13 @@ def add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument(
         "--out", default=DEFAULT_OUT, help="output directory (wiped at start; default: %(default)s)"
     )
+    parser.add_argument(
+        "--storage",
+        choices=STORAGE_KINDS,
+        default="local",
+        help="where snapshots go: local (<out>/snapshots) or s3 (an S3 server started on "
+        "loopback, moto's; docs/spec.md section 8.12) (default: %(default)s)",
+    )
     parser.add_argument("--ray", action="store_true", help="run every participant as a Ray actor")
     parser.add_argument(
         "--ray-address", metavar="ADDRESS", help="join this Ray cluster (implies --ray)"
@@ -167,6 +185,15 @@ def add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         dest="progress",
         action="store_false",
         help="plain progress lines instead of the live display",
+    )
+    parser.add_argument(
+        "--hold-tools-after-restart",
+        metavar="FILE",
+        help=(
+            "for tests: after the job restart, the tools server holds every tool call until "
+            "FILE exists, so the restored trainer's snapshots wait in prepare and the status "
+            "page shows the blocker"
+        ),
     )
     parser.add_argument(
         "--start-timeout",
@@ -243,11 +270,29 @@ def demo_command(args: argparse.Namespace) -> int:
     console = Console()
     if options.metrics_port is not None:
         options = _with_metrics_port(options, console)
-    try:
-        paths, token = prepare_out_dir(options.out)
-    except (DemoError, OSError) as error:
-        print(f"turnpoint demo: {error}", file=sys.stderr)
-        return 2
+    with contextlib.ExitStack() as stack:
+        store = None
+        if options.storage == "s3":
+            from turnpoint.apps._object_store import loopback_s3
+
+            # Started before Ray and the event loop, stopped after the run's last step.
+            store = stack.enter_context(loopback_s3())
+            console.print(
+                f"snapshots: {store.url} (moto's S3 server on "
+                f"{store.environment['AWS_ENDPOINT_URL_S3']})",
+                markup=False,
+                highlight=False,
+                soft_wrap=True,
+            )
+        try:
+            paths, token = prepare_out_dir(options.out, store)
+        except (DemoError, OSError) as error:
+            print(f"turnpoint demo: {error}", file=sys.stderr)
+            return 2
+        return _run(options, paths, token, console)
+
+
+def _run(options: DemoOptions, paths: DemoPaths, token: str, console: Console) -> int:
     ray_launcher = None
     if options.ray:
         from turnpoint.apps.demo._ray import RayLauncher
@@ -294,8 +339,8 @@ def demo_command(args: argparse.Namespace) -> int:
 
 
 def _with_metrics_port(options: DemoOptions, console: Console) -> DemoOptions:
-    """Fix the metrics port once (0: a free one), so every trainer restart serves the same
-    address, and print it (docs/spec.md section 7.10)."""
+    """Fix the status port once (0: a free one), so every trainer restart serves the same
+    address, and print the page's and the metrics' addresses (docs/spec.md 7.13)."""
     import dataclasses
     import socket
 
@@ -305,7 +350,8 @@ def _with_metrics_port(options: DemoOptions, console: Console) -> DemoOptions:
             probe.bind(("127.0.0.1", 0))
             port = int(probe.getsockname()[1])
     console.print(
-        f"metrics: http://127.0.0.1:{port}/metrics (the coordinator's, served by the trainer)",
+        f"status page: http://127.0.0.1:{port}/ (snapshots, participants, restore points); "
+        f"metrics: http://127.0.0.1:{port}/metrics",
         markup=False,
         highlight=False,
         soft_wrap=True,

@@ -31,7 +31,6 @@ import importlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Final
 
 from turnpoint.apps.demo._report import DemoError
@@ -77,7 +76,7 @@ class DemoBuild:
         await asyncio.to_thread(importlib.import_module, "turnpoint.apps.examples._participants")
         example = ExampleSpec(
             instance=instance,
-            root=Path(self.snapshot_root),
+            root=self.snapshot_root,
             token=token,
             policy_address=spec.policy_address,
             resources=dict(spec.resources),
@@ -88,6 +87,7 @@ class DemoBuild:
             turn_delay_s=spec.turn_delay_s or 0.0,
             token_delay_s=spec.token_delay_s or 0.0,
             cut_generations=spec.cut_generations,
+            hold_calls_until=spec.hold_calls_until,
         )
         runtime, closers = build_example(spec.kind, spec.example, example)
         return runtime, closers
@@ -162,6 +162,8 @@ class RayLauncher:
             server=ServerOptions(grace_seconds=_GRACE_S),
             token_file=str(paths.token_file),
             start_timeout_s=start_timeout_s,
+            # --storage s3: the store's endpoint and dummy credentials, as for processes.
+            environment=paths.store.environment if paths.store is not None else {},
         )
         self._generation = 0
         self._turn = 0
@@ -190,7 +192,7 @@ class RayLauncher:
         group = ParticipantGroup(
             kind=spec.kind,
             instances=(spec.instance,),
-            build=DemoBuild(spec, str(self._paths.snapshots), str(self._paths.token_file)),
+            build=DemoBuild(spec, self._paths.snapshot_root, str(self._paths.token_file)),
             placement=self._placement,
         )
         failed: set[str] = set()

@@ -7,7 +7,10 @@ servers ``tools`` (environment ``guess``, a per-sibling verifier) and ``group-to
 (``guess-group``, group-scored), and agents ``agent-0`` .. ``agent-{N-1}`` that serve both
 environments. They share one bearer token (a fresh one per run, in ``<out>/token``, mode
 0600; the children get it as ``$TURNPOINT_TOKEN``) and one snapshot root
-``<out>/snapshots``; each verifier appends the rewards it returns to
+``<out>/snapshots`` (with ``--storage s3``: ``s3://<bucket>/snapshots`` on moto's S3
+server, which the supervisor runs on loopback in its own process; the children get its
+endpoint and dummy credentials in boto3's environment variables, and every other file of
+the run stays in ``<out>``); each verifier appends the rewards it returns to
 ``<out>/verifier-<instance>.jsonl``. The supervisor writes ``<out>/topology.json``::
 
     {"token_file": "<out>/token", "snapshot_root": "<out>/snapshots",
@@ -51,6 +54,13 @@ crash: it SIGKILLs one agent at that moment, records ``crash`` with the point, a
 restarts the job exactly as above. A trainer that dies of SIGKILL without its ``kill``
 event fails the demo like any other trainer failure.
 
+A held prepare, for the status page's browser test. ``--hold-tools-after-restart FILE``
+starts every participant set after the first with ``tools`` told to hold its tool calls
+until FILE exists (``turnpoint serve --hold-calls-until``,
+:class:`~turnpoint.apps.examples._participants.FileGate`): the restored trainer's
+snapshots wait in prepare for ``tools`` and it cannot end the job until the test creates
+FILE (docs/spec.md section 7.13.6).
+
 At the end every participant gets SIGTERM and must exit 0; then the report
 (:mod:`turnpoint.apps.demo._report`) prints the statistics and the exactly-once
 audit, and :mod:`turnpoint.apps.demo._timeline` draws ``<out>/timeline.png``.
@@ -81,6 +91,7 @@ from rich.console import Console
 from rich.text import Text
 
 from turnpoint._files import create_file, replace_file
+from turnpoint.apps._object_store import ObjectStore, loopback_s3_available
 from turnpoint.apps.chaos._proxy import FaultProxy, ProxyMode
 from turnpoint.apps.demo._progress import (
     EventTail,
@@ -100,6 +111,7 @@ from turnpoint.trainer.advanced import RestartBudget
 from turnpoint.trainer.testing import SnapshotPoint
 
 LEVELS = ("token", "turn", "sibling", "prompt_group")
+STORAGE_KINDS = ("local", "s3")
 CRASH_POINTS = tuple(point.value for point in SnapshotPoint)
 """The trainer's snapshot points (``--crash-at`` names), in snapshot order."""
 TRAINER_MODULE = "turnpoint.apps.demo._trainer"
@@ -129,6 +141,8 @@ POLL_INTERVAL_S = 0.25
 
 GUESS = "guess"
 GUESS_GROUP = "guess-group"
+# What --env offers: the guessing game, and the exported environments the play agent plays.
+ENVIRONMENTS = (GUESS, "blackjack", "workplace")
 OUT_MARKER = ".turnpoint-demo"
 _SERVING = re.compile(r"^turnpoint: serving (?P<kind>\S+) (?P<instance>\S+) on (?P<address>\S+)$")
 _STDERR_TAIL_LINES = 15
@@ -171,6 +185,15 @@ class DemoOptions:
     participant_commands: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     chaos_steps: tuple[int, int] = (2, 5)
     metrics_port: int | None = None
+    # The environment trained on: the guessing game (tools and group-tools) or one of
+    # the exported environments of turnpoint.apps.examples._environments (tools only).
+    environment: str = GUESS
+    # Where snapshots go: "local" (<out>/snapshots) or "s3" (an S3 server on loopback).
+    storage: str = "local"
+    # Testing: the restarted job's tools server holds every tool call until this file
+    # exists, so the restored trainer's snapshots wait in prepare (the status page's
+    # live blocker, tests/e2e/test_status_page.py).
+    hold_tools_after_restart: Path | None = None
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DemoOptions:
@@ -201,6 +224,13 @@ class DemoOptions:
             chaos_faults=args.chaos,
             participant_commands=_participant_commands(args.participant_command),
             metrics_port=getattr(args, "metrics_port", None),
+            environment=getattr(args, "env", GUESS),
+            storage=getattr(args, "storage", "local"),
+            hold_tools_after_restart=(
+                Path(args.hold_tools_after_restart)
+                if getattr(args, "hold_tools_after_restart", None)
+                else None
+            ),
         )
 
     def problems(self) -> list[str]:
@@ -251,13 +281,19 @@ class DemoOptions:
                 f"--chaos {self.chaos_faults} can lose up to {self.chaos_faults} job "
                 f"incarnations: raise --max-restarts to at least {self.chaos_faults}"
             )
-        known = {"policy", "tools", "group-tools", *(f"agent-{i}" for i in range(self.agents))}
+        if self.environment not in ENVIRONMENTS:
+            problems.append(
+                f"unknown --env {self.environment!r}: choose one of {', '.join(ENVIRONMENTS)}"
+            )
+        tools = ("tools", "group-tools") if self.environment == GUESS else ("tools",)
+        known = {"policy", *tools, *(f"agent-{i}" for i in range(self.agents))}
         for instance in sorted(set(self.participant_commands) - known):
             problems.append(
                 f"--participant-command names {instance!r}, which is not a participant of "
                 f"this run: choose one of {', '.join(sorted(known))}"
             )
         problems.extend(self._ray_problems())
+        problems.extend(self._hold_problems())
         if self.participant_commands and self.ray:
             problems.append("--participant-command starts local processes: drop --ray")
         if not self.stall_timeout_s > 0:
@@ -273,6 +309,7 @@ class DemoOptions:
             )
         if self.crash_at is not None:
             problems.extend(_crash_at_problems(self.crash_at, crash=self.crash))
+        problems.extend(self._storage_problems())
         problems.extend(_out_dir_problems(self.out))
         return problems
 
@@ -292,6 +329,38 @@ class DemoOptions:
         if self.participant_commands:
             problems.append("--participant-command and --agent-workers: drop one")
         return problems
+
+    def _storage_problems(self) -> list[str]:
+        if self.storage not in STORAGE_KINDS:
+            return [f"unknown --storage {self.storage!r}: choose one of {', '.join(STORAGE_KINDS)}"]
+        if self.storage == "local":
+            return []
+        problems = []
+        if not loopback_s3_available():
+            problems.append(
+                "--storage s3 runs moto's S3 server on loopback: install it "
+                "(pip install 'moto[server]'), or drop --storage s3"
+            )
+        if self.participant_commands:
+            problems.append(
+                "--participant-command programs write their snapshots to a directory: "
+                "drop --storage s3 or --participant-command"
+            )
+        return problems
+
+    def _hold_problems(self) -> list[str]:
+        if self.hold_tools_after_restart is None:
+            return []
+        if self.environment != GUESS:
+            return ["--hold-tools-after-restart holds the guessing game's tools: drop --env"]
+        if not self.crash and not self.chaos_faults:
+            return ["--hold-tools-after-restart needs a restart: drop --no-crash"]
+        if "tools" in self.participant_commands:
+            return [
+                "--hold-tools-after-restart holds the example tools server: drop "
+                "--participant-command tools=..."
+            ]
+        return []
 
     def _ray_problems(self) -> list[str]:
         problems = []
@@ -352,9 +421,20 @@ def _out_dir_problems(out: Path) -> list[str]:
 
 @dataclass(frozen=True)
 class DemoPaths:
-    """Where a run keeps its files; ``out`` is absolute (participants may run elsewhere)."""
+    """Where a run keeps its files; ``out`` is absolute (participants may run elsewhere).
+
+    ``store``: the object store the snapshots go to instead of ``<out>/snapshots``
+    (``--storage s3``); every other file of the run stays in ``out``.
+    """
 
     out: Path
+    store: ObjectStore | None = None
+
+    @property
+    def snapshot_root(self) -> str:
+        """The snapshot root every participant and the trainer are given: a directory
+        or a storage URL (docs/spec.md section 8.12)."""
+        return self.store.url if self.store is not None else str(self.snapshots)
 
     @property
     def token_file(self) -> Path:
@@ -391,8 +471,10 @@ class DemoPaths:
         return self.out / f"generations-{instance}.jsonl"
 
 
-def prepare_out_dir(out: Path) -> tuple[DemoPaths, str]:
+def prepare_out_dir(out: Path, store: ObjectStore | None = None) -> tuple[DemoPaths, str]:
     """Wipe and recreate ``out``; write a fresh token (0600). Returns the paths and token.
+
+    With ``store`` the snapshots go there and ``out`` gets no ``snapshots`` directory.
 
     Refuses a non-empty directory the demo did not make (:meth:`DemoOptions.problems`
     says so up front; this re-checks, as the directory may have changed since).
@@ -400,13 +482,14 @@ def prepare_out_dir(out: Path) -> tuple[DemoPaths, str]:
     problems = _out_dir_problems(out)
     if problems:
         raise DemoError(problems[0])
-    paths = DemoPaths(out.resolve())
+    paths = DemoPaths(out.resolve(), store)
     if paths.out.exists():
         shutil.rmtree(paths.out)
     paths.out.mkdir(parents=True)
     (paths.out / OUT_MARKER).write_text("made by turnpoint demo; wiped by the next run\n")
     paths.logs.mkdir()
-    paths.snapshots.mkdir()
+    if store is None:
+        paths.snapshots.mkdir()
     token = secrets.token_urlsafe(32)
     # Owner-only, whole from its first instant, never replacing an existing file.
     create_file(paths.token_file, (token + "\n").encode("ascii"), temp_prefix=".token-", mode=0o600)
@@ -435,8 +518,10 @@ class ParticipantSpec:
     cut_generations: bool = False
     # More than one: a group of worker processes sharing one port (docs/spec.md 3.9).
     workers: int = 1
+    # Testing: a guess server holds every tool call until this file exists.
+    hold_calls_until: Path | None = None
 
-    def serve_arguments(self, snapshot_root: Path) -> list[str]:
+    def serve_arguments(self, snapshot_root: str) -> list[str]:
         arguments = [
             "--kind",
             self.kind,
@@ -449,7 +534,7 @@ class ParticipantSpec:
             "--port",
             "0",
             "--root",
-            str(snapshot_root),
+            snapshot_root,
         ]
         if self.group_size is not None:
             arguments += ["--group-size", str(self.group_size)]
@@ -471,26 +556,44 @@ class ParticipantSpec:
             arguments.append("--cut-generations")
         if self.workers > 1:
             arguments += ["--workers", str(self.workers)]
+        if self.hold_calls_until is not None:
+            arguments += ["--hold-calls-until", str(self.hold_calls_until)]
         return arguments
 
 
-def server_specs(options: DemoOptions, paths: DemoPaths) -> list[ParticipantSpec]:
-    """The participants agents depend on: the policy and the two resources servers."""
+def server_specs(
+    options: DemoOptions, paths: DemoPaths, generation: int = 1
+) -> list[ParticipantSpec]:
+    """The participants agents depend on: the policy and the resources servers (two for
+    the guessing game, per sibling and group-scored; one for the other environments).
+    ``generation`` counts job (re)starts: from the second on, ``tools`` holds its calls
+    when ``--hold-tools-after-restart`` asks for it."""
+    policy = ParticipantSpec(
+        instance="policy",
+        kind="model",
+        example="tiny-policy",
+        seed=options.seed,
+        token_delay_s=options.token_delay_s,
+        generation_log=paths.generation_log("policy"),
+    )
+    if options.environment != GUESS:
+        tools = ParticipantSpec(
+            instance="tools",
+            kind="resources",
+            example=options.environment,
+            environment=options.environment,
+            verifier_log=paths.verifier_log("tools"),
+        )
+        return [policy, tools]
     return [
-        ParticipantSpec(
-            instance="policy",
-            kind="model",
-            example="tiny-policy",
-            seed=options.seed,
-            token_delay_s=options.token_delay_s,
-            generation_log=paths.generation_log("policy"),
-        ),
+        policy,
         ParticipantSpec(
             instance="tools",
             kind="resources",
             example=GUESS,
             environment=GUESS,
             verifier_log=paths.verifier_log("tools"),
+            hold_calls_until=options.hold_tools_after_restart if generation > 1 else None,
         ),
         ParticipantSpec(
             instance="group-tools",
@@ -514,7 +617,7 @@ def agent_specs(options: DemoOptions, servers: Mapping[str, Participant]) -> lis
         ParticipantSpec(
             instance=f"agent-{index}",
             kind="agent",
-            example=GUESS,
+            example=GUESS if options.environment == GUESS else "play",
             policy_address=servers["policy"].address,
             resources=resources,
             turn_delay_s=options.turn_delay_s,
@@ -666,7 +769,7 @@ class ProcessLauncher:
         # Per instance, another program that takes `turnpoint serve`'s arguments and
         # prints its serving line: a participant written in another language.
         self._commands = {name: tuple(command) for name, command in (commands or {}).items()}
-        self._env = _child_env(token)
+        self._env = _child_env(token, paths)
 
     async def start(self, spec: ParticipantSpec, generation: int) -> ProcessParticipant:
         stderr_path = self._paths.logs / f"{spec.instance}.{generation}.stderr"
@@ -674,7 +777,7 @@ class ProcessLauncher:
         try:
             process = await asyncio.create_subprocess_exec(
                 *self._commands.get(spec.instance, self._serve_command),
-                *spec.serve_arguments(self._paths.snapshots),
+                *spec.serve_arguments(self._paths.snapshot_root),
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=stderr,
@@ -700,11 +803,14 @@ class ProcessLauncher:
         return ProcessParticipant(spec, process, address, stderr_path)
 
 
-def _child_env(token: str) -> dict[str, str]:
+def _child_env(token: str, paths: DemoPaths) -> dict[str, str]:
     env = dict(os.environ)
     env[TOKEN_ENV] = token
     env.pop(TOKEN_FILE_ENV, None)
     env["PYTHONUNBUFFERED"] = "1"
+    if paths.store is not None:
+        # The store's endpoint and credentials reach the children only this way.
+        env.update(paths.store.environment)
     return env
 
 
@@ -744,7 +850,7 @@ async def start_participants(
                 raise result
 
     try:
-        await start_all(server_specs(options, paths))
+        await start_all(server_specs(options, paths, generation))
         await start_all(agent_specs(options, started))
     except BaseException:
         await stop_participants(started.values(), check=False)
@@ -790,7 +896,7 @@ def write_topology(
     addresses = addresses or {}
     topology = {
         "token_file": str(paths.token_file),
-        "snapshot_root": str(paths.snapshots),
+        "snapshot_root": paths.snapshot_root,
         "participants": [
             {
                 "instance": p.spec.instance,
@@ -842,6 +948,8 @@ def trainer_command(
         "--seed",
         str(options.seed),
     ]
+    if options.environment != GUESS:
+        command += ["--env", options.environment]
     if resume:
         command.append("--resume")
     if kill_at is not None:
@@ -885,7 +993,7 @@ class _Trainer:
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=stdout,
                 stderr=stderr,
-                env=_child_env(token),
+                env=_child_env(token, paths),
             )
         finally:
             stdout.close()

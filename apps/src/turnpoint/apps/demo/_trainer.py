@@ -54,6 +54,7 @@ from turnpoint.apps.demo._learner import Sample, policy_gradient_step
 from turnpoint.apps.demo._progress import SnapshotStateLog
 from turnpoint.apps.examples._participants import GUESS, GUESS_GROUP, new_policy
 from turnpoint.apps.examples._task import make_prompt
+from turnpoint.storage import StorageError
 from turnpoint.trainer import (
     Checkpointing,
     ConfigError,
@@ -131,7 +132,8 @@ class DemoTrainer:
         self.args = args
         topology = json.loads(Path(args.topology).read_text(encoding="utf-8"))
         self.token = Path(topology["token_file"]).read_text(encoding="utf-8").strip()
-        self.snapshot_root = Path(topology["snapshot_root"])
+        # A directory or a storage URL (docs/spec.md section 8.12).
+        self.snapshot_root: str = topology["snapshot_root"]
         self.participants: list[dict[str, str]] = topology["participants"]
         self.out = Path(args.out)
         events = self.out / "events.jsonl"
@@ -141,6 +143,9 @@ class DemoTrainer:
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=LEARNING_RATE)
         self.step = 0
         self.next_group = 0
+        # The last step's training figures, recorded in each snapshot's manifest
+        # (docs/spec.md section 7.14: restore_from = "best:mean_reward" picks by them).
+        self.last_stats: dict[str, float] = {}
         self.resumed: set[str] = set()
         self.logged: set[tuple[str, int]] = set()
         self.published = 0
@@ -151,7 +156,7 @@ class DemoTrainer:
         lost_after_s = 6.0
         return CoordinatorConfig.from_mapping(
             {
-                "snapshot_root": str(self.snapshot_root),
+                "snapshot_root": self.snapshot_root,
                 "control_timeout_s": 10.0,
                 "prepare_timeout_s": 8.0,
                 "snapshot_interval_s": self.args.snapshot_interval,
@@ -177,7 +182,11 @@ class DemoTrainer:
 
     def _rollout(self, group: int, sibling: int, agents: Sequence[str]) -> Rollout:
         size = self.args.group_size
-        environment = GUESS if group % 2 == 0 else GUESS_GROUP
+        environment = self.args.env
+        inner = {"seed": _env_seed(self.args.seed, group)}
+        if environment == GUESS:
+            environment = GUESS if group % 2 == 0 else GUESS_GROUP
+            inner = make_prompt(group, self.args.seed).to_dict()
         group_id = _group_id(group)
         return Rollout(
             rollout_id=f"{group_id}-s{sibling}",
@@ -186,7 +195,7 @@ class DemoTrainer:
             group_size=size,
             environment=environment,
             task={
-                "task": make_prompt(group, self.args.seed).to_dict(),
+                "task": inner,
                 "environment": environment,
                 "prompt_group_id": group_id,
                 "sibling_index": sibling,
@@ -319,8 +328,6 @@ class DemoTrainer:
         config = self._config()
         endpoints = {p["instance"]: p["address"] for p in self.participants}
         metrics = CoordinatorMetrics(_registry())
-        if self.args.metrics_port is not None:
-            _serve_metrics(metrics, self.args.metrics_port)
         kill = None
         if self.args.kill_at is not None:
             # Test-only fault injection (turnpoint demo --crash-at).
@@ -352,9 +359,14 @@ class DemoTrainer:
             # the demo then reruns the saved rollouts rather than spend a job restart.
             allow_degraded_restore=True,
             testing_hooks=kill,
+            # The status page, its API and /metrics on one port (docs/spec.md 7.13).
+            status_port=self.args.metrics_port,
+            snapshot_metrics=lambda: dict(self.last_stats),
         )
         try:
             async with checkpointing as ckpt:
+                if ckpt.status_address is not None:
+                    print(f"status: {ckpt.status_address}", flush=True)
                 self._start(ckpt)
                 stop = asyncio.Event()
                 background = [
@@ -418,6 +430,7 @@ class DemoTrainer:
                 groups = ckpt.take_ready_groups(per_step)
                 self._log_results([r for group in groups for r in group])
                 stats = await asyncio.to_thread(self._train, groups)
+                self.last_stats = {name: float(value) for name, value in stats.items()}
                 self.step += 1
                 state = await asyncio.to_thread(self.model.state_bytes)
             self.events.write(
@@ -442,6 +455,12 @@ class DemoTrainer:
             self._log_push(await ckpt.push_weights(self.step, state))
 
 
+def _env_seed(seed: int, group: int) -> int:
+    """The task seed of prompt group ``group``: every sibling of a group plays the same
+    shoe or the same tables, each group another one."""
+    return seed * 1_000_003 + group
+
+
 def _trained_turns(result: RolloutResult) -> list[dict[str, Any]]:
     """What training took from one rollout: each turn's prompt and completion, as
     :meth:`DemoTrainer._train` reads them (the demo's token audit), with the tool's reply
@@ -456,8 +475,9 @@ def _trained_turns(result: RolloutResult) -> list[dict[str, Any]]:
         entry: dict[str, Any] = {
             "prompt": [int(t) for t in prompt],
             "completion": [int(t) for t in turn["completion"]],
-            "reply": str(turn["reply"]),
         }
+        if isinstance(turn.get("reply"), str):  # the guess tool's reply (not a token)
+            entry["reply"] = turn["reply"]
         if index < len(answered):
             entry["answered_in"] = int(answered[index])
         trained.append(entry)
@@ -488,14 +508,6 @@ def _registry() -> Any:
     return CollectorRegistry()
 
 
-def _serve_metrics(metrics: CoordinatorMetrics, port: int) -> None:
-    """The coordinator's metrics over HTTP on 127.0.0.1 (docs/spec.md section 7.10)."""
-    from prometheus_client import start_http_server
-
-    server, _thread = start_http_server(port, addr="127.0.0.1", registry=metrics.registry)
-    print(f"metrics: http://127.0.0.1:{server.server_port}/metrics", flush=True)
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m turnpoint.apps.demo._trainer")
     parser.add_argument("--topology", required=True)
@@ -509,6 +521,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--rollout-budget", type=float, default=None)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--env", default=GUESS, choices=[GUESS, "blackjack", "workplace"])
     parser.add_argument(
         "--resume",
         action="store_true",
@@ -540,9 +553,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         return asyncio.run(trainer.run())
-    except (OSError, ConfigError) as error:
+    except (OSError, ConfigError, StorageError) as error:
         # The snapshot root cannot be written or read (a file in its place, no
-        # permission, a full disk at start-up): one line that says which, no traceback.
+        # permission, a full disk at start-up, a store that refuses us): one line that
+        # says which, no traceback.
         print(
             f"trainer: the snapshot root {trainer.snapshot_root} is unusable: {error}",
             file=sys.stderr,

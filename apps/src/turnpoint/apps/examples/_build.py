@@ -26,7 +26,8 @@ class ExampleSpec:
     """What an example participant needs beyond its kind: peers and files."""
 
     instance: str
-    root: Path
+    # A directory or a storage URL (docs/spec.md section 8.12).
+    root: Path | str
     token: str | None = None
     policy_address: str | None = None
     resources: dict[str, str] = field(default_factory=dict)
@@ -43,12 +44,14 @@ class ExampleSpec:
     # policy cut their generations at a checkpoint.
     token_delay_s: float = 0.0
     cut_generations: bool = False
+    # Testing: the guess servers hold every tool call until this file exists.
+    hold_calls_until: Path | None = None
 
 
 EXAMPLES: dict[str, tuple[str, ...]] = {
     "model": ("tiny-policy",),
-    "resources": ("guess", "guess-group"),
-    "agent": ("guess",),
+    "resources": ("guess", "guess-group", "counter", "blackjack", "workplace"),
+    "agent": ("guess", "play"),
 }
 
 
@@ -56,11 +59,17 @@ def build_example(
     kind: str, example: str, spec: ExampleSpec
 ) -> tuple[ParticipantRuntime, list[Callable[[], Awaitable[None]]]]:
     """One of the example participants as a runtime, plus what to close after it."""
+    if spec.hold_calls_until is not None and not (
+        kind == "resources" and example in ("guess", "guess-group")
+    ):
+        raise ValueError("only the guess and guess-group resources servers hold their calls")
     # Imported here: the examples pull in torch, which `turnpoint serve --help` should not.
     from turnpoint.apps.examples._participants import (
+        FileGate,
         GroupGuessTools,
         GuessAgent,
         GuessTools,
+        PlayAgent,
         TinyPolicyServer,
         VerifierLog,
         new_policy,
@@ -82,13 +91,35 @@ def build_example(
         return ParticipantRuntime(spec.instance, store, model=model, config=config), closers
     if kind == "resources" and example in ("guess", "guess-group"):
         log = VerifierLog(spec.verifier_log)
+        hold = FileGate(spec.hold_calls_until) if spec.hold_calls_until is not None else None
         resources = (
-            GuessTools(spec.instance, log)
+            GuessTools(spec.instance, log, hold=hold)
             if example == "guess"
-            else GroupGuessTools(spec.instance, log, group_size=spec.group_size)
+            else GroupGuessTools(spec.instance, log, group_size=spec.group_size, hold=hold)
         )
         runtime = ParticipantRuntime(spec.instance, store, resources=resources, config=config)
         return runtime, closers
+    if kind == "resources" and example in ("counter", "blackjack", "workplace"):
+        from turnpoint.apps.examples._environments import build_environment
+
+        served = build_environment(example, spec.instance, VerifierLog(spec.verifier_log))
+        runtime = ParticipantRuntime(spec.instance, store, resources=served, config=config)
+        return runtime, closers
+    if kind == "agent" and example == "play":
+        if not spec.policy_address or not spec.resources:
+            raise ValueError(
+                "the play agent needs --policy ADDRESS and --resources ENV=ADDRESS "
+                "(one per environment it serves: counter, blackjack, workplace)"
+            )
+        player = PlayAgent(
+            spec.policy_address,
+            spec.resources,
+            spec.token,
+            temperature=spec.temperature,
+            turn_delay_s=spec.turn_delay_s,
+        )
+        closers.append(player.aclose)
+        return ParticipantRuntime(spec.instance, store, agent=player, config=config), closers
     if kind == "agent" and example == "guess":
         if not spec.policy_address or not spec.resources:
             raise ValueError(

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -54,7 +55,7 @@ from turnpoint.apps.examples._task import (
     tool_call,
 )
 from turnpoint.auth import auth_metadata
-from turnpoint.convert import episode_to_proto
+from turnpoint.convert import episode_to_proto, struct_from_mapping, struct_to_dict
 from turnpoint.errors import Reason
 from turnpoint.ids import EpisodeId
 from turnpoint.participant_sdk import (
@@ -71,11 +72,17 @@ from turnpoint.participant_sdk import (
     VerifyMode,
 )
 from turnpoint.server import ResourcesClient, generate_chunk_from_proto
-from turnpoint.v1 import policy_service_pb2, policy_service_pb2_grpc
+from turnpoint.v1 import (
+    policy_service_pb2,
+    policy_service_pb2_grpc,
+    resources_service_pb2,
+    resources_service_pb2_grpc,
+)
 
 if TYPE_CHECKING:
     from turnpoint.apps.examples._policy_model import TinyPolicy
     from turnpoint.v1.policy_service_pb2_grpc import PolicyServiceAsyncStub
+    from turnpoint.v1.resources_service_pb2_grpc import ResourcesServiceAsyncStub
 
 
 GUESS = "guess"
@@ -262,17 +269,46 @@ class VerifierLog:
                 os.fsync(handle.fileno())
 
 
+class FileGate:
+    """A testing hold: every :meth:`wait` returns only once ``path`` exists.
+
+    ``turnpoint serve --hold-calls-until FILE`` (and the demo's
+    ``--hold-tools-after-restart FILE``) put one in front of a guess server's tool calls:
+    each call stays in flight, so a snapshot's prepare waits for it and names it as its
+    blocker, until the test creates the file. Polled, in a thread: nothing notifies a
+    process that a file appeared. Once open it stays open.
+    """
+
+    POLL_S: ClassVar[float] = 0.02
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._open = False
+
+    async def wait(self) -> None:
+        while not self._open:
+            self._open = await asyncio.to_thread(self.path.exists)
+            if not self._open:
+                await asyncio.sleep(self.POLL_S)
+
+
 class GuessTools(ResourcesServer):
-    """The ``check`` tool and a per-sibling verifier, with exported sessions."""
+    """The ``check`` tool and a per-sibling verifier, with exported sessions.
+
+    With a ``hold`` (:class:`FileGate`, testing only), every tool call first waits for it.
+    """
 
     recovery_mode: ClassVar[RecoveryMode] = RecoveryMode.EXPORTED
     verify_mode: ClassVar[VerifyMode] = VerifyMode.WAIT
     environment: ClassVar[str] = GUESS
 
-    def __init__(self, name: str = "tools", log: VerifierLog | None = None) -> None:
+    def __init__(
+        self, name: str = "tools", log: VerifierLog | None = None, *, hold: FileGate | None = None
+    ) -> None:
         self.name = name
         # Every reward returned and every tool execution (the demo's audit reads both).
         self.log = log or VerifierLog(None)
+        self.hold = hold
         # Per episode: the task, the tool session after each call applied (the first
         # entry before any), and the id of each execution applied, in order.
         self.sessions: dict[EpisodeId, dict[str, Any]] = {}
@@ -312,6 +348,8 @@ class GuessTools(ResourcesServer):
         """Apply one ``check`` to the session: not idempotent (each call counts against
         the task's turn budget), so a call must run once; the SDK's reply record makes a
         re-sent call (docs/spec.md section 6.12) answer without coming here."""
+        if self.hold is not None:
+            await self.hold.wait()
         if tool != "check":
             return {"error": f"unknown tool {tool!r}"}
         session = self._session(episode)
@@ -393,9 +431,14 @@ class GroupGuessTools(GuessTools):
     environment: ClassVar[str] = GUESS_GROUP
 
     def __init__(
-        self, name: str = "group-tools", log: VerifierLog | None = None, *, group_size: int
+        self,
+        name: str = "group-tools",
+        log: VerifierLog | None = None,
+        *,
+        group_size: int,
+        hold: FileGate | None = None,
     ) -> None:
-        super().__init__(name, log)
+        super().__init__(name, log, hold=hold)
         self.group_size = group_size  # type: ignore[misc]  # per instance, not per class
         self.groups: dict[str, dict[str, Any]] = {}
         self._submitted = asyncio.Condition()
@@ -610,3 +653,165 @@ class GuessAgent(Agent):
         await self._policy_channel.close(None)
         for client in self._resources.values():
             await client.aclose()
+
+
+class PlayAgent(Agent):
+    """Plays the counter, Blackjack or the workplace (:mod:`._plays`) with the policy.
+
+    Shaped like :class:`GuessAgent`: boundary 0 on acceptance, then each turn one model
+    call and one tool call inside ``ctx.model_call``, then a sealed boundary; finally a
+    verify. Each tool call names its turn, so one the resources server applied before the
+    cut is answered from the state before it when a continued attempt sends it again.
+    """
+
+    def __init__(
+        self,
+        policy_address: str,
+        resources_addresses: Mapping[str, str],
+        token: str | None,
+        *,
+        temperature: float = 1.0,
+        turn_delay_s: float = 0.0,
+    ) -> None:
+        if not turn_delay_s >= 0:
+            raise ValueError(f"turn_delay_s must be >= 0, got {turn_delay_s}")
+        self._metadata = auth_metadata(token) if token else ()
+        self._policy_channel = data_channel(policy_address)
+        self._policy: PolicyServiceAsyncStub = policy_service_pb2_grpc.PolicyServiceStub(
+            self._policy_channel
+        )
+        self._channels = [self._policy_channel]
+        self._resources: dict[str, ResourcesServiceAsyncStub] = {}
+        for environment, address in resources_addresses.items():
+            channel = data_channel(address)
+            self._channels.append(channel)
+            self._resources[environment] = resources_service_pb2_grpc.ResourcesServiceStub(channel)
+        self._temperature = temperature
+        self._turn_delay_s = turn_delay_s
+
+    async def run(self, ctx: EpisodeContext, task: Mapping[str, Any]) -> Mapping[str, Any]:
+        from turnpoint.apps.examples._plays import PLAYS, Step
+
+        episode = ctx.episode
+        environment = str(task["environment"])
+        play, resources = PLAYS[environment], self._resources[environment]
+        inner: Mapping[str, Any] = task["task"]
+        saved = ctx.restored
+        steps = [Step.from_dict(s) for s in saved.state["steps"]] if saved else []
+        versions: list[int] = list(saved.state.get("versions", [])) if saved else []
+        shown: Mapping[str, Any] = saved.state.get("shown", {}) if saved else {}
+        last: Mapping[str, Any] = saved.state.get("last", {}) if saved else {}
+        if saved is None:
+            await ctx.boundary(0, {"steps": [], "versions": [], "shown": {}, "last": {}})
+        await ctx.model_call(lambda: self._seed(resources, episode, task, inner))
+        look = play.look(inner)
+        if look is not None and not steps:
+            shown = await ctx.model_call(lambda: self._call(resources, episode, *look))
+        while not play.finished(steps):
+            context = play.context(inner, shown, steps)
+            completion, version = await ctx.model_call(
+                functools.partial(self._generate, episode, len(steps), context)
+            )
+            tool, arguments = play.action(inner, completion, len(steps))
+            last = await ctx.model_call(
+                functools.partial(self._call, resources, episode, tool, arguments)
+            )
+            steps.append(Step(tuple(completion), tool, play.reply_token(inner, last)))
+            versions.append(version)
+            state = {"steps": [s.to_dict() for s in steps], "versions": versions}
+            await ctx.boundary(len(steps), {**state, "shown": shown, "last": last})
+        prompts = [play.context(inner, shown, steps[:k]) for k in range(len(steps))]
+        answer = play.answer(inner, last)
+        reward = await ctx.model_call(lambda: self._verify(resources, episode, answer))
+        return {
+            "environment": environment,
+            "prompt_group_id": str(task.get("prompt_group_id", "")),
+            "sibling_index": int(task.get("sibling_index", 0)),
+            "turns": [s.to_dict() for s in steps],
+            "prompts": prompts,
+            "weights_versions": versions,
+            "reward": reward,
+        }
+
+    async def _seed(
+        self,
+        resources: ResourcesServiceAsyncStub,
+        episode: EpisodeId,
+        task: Mapping[str, Any],
+        inner: Mapping[str, Any],
+    ) -> None:
+        await resources.SeedSession(
+            resources_service_pb2.SeedSessionRequest(
+                request_id=f"seed-{episode.rollout_id}-{episode.attempt}",
+                episode=episode_to_proto(episode),
+                prompt_group_id=str(task.get("prompt_group_id", "")),
+                sibling_index=int(task.get("sibling_index", 0)),
+                group_size=int(task.get("group_size", 1)),
+                task=struct_from_mapping(inner),
+            ),
+            metadata=self._metadata,
+            timeout=120,
+        )
+
+    async def _generate(
+        self, episode: EpisodeId, turn: int, context: Sequence[int]
+    ) -> tuple[list[int], int]:
+        if self._turn_delay_s:
+            # A real model's latency: the episode waits parked at its boundary.
+            await asyncio.sleep(self._turn_delay_s)
+        completion: list[int] = []
+        version = 0
+        call = self._policy.Generate(
+            policy_service_pb2.GenerateRequest(
+                request_id=f"gen-{episode.rollout_id}-{episode.attempt}-{turn}",
+                episode=episode_to_proto(episode),
+                prompt_token_ids=list(context),
+                max_new_tokens=MAX_NEW_TOKENS_PER_TURN,
+                temperature=self._temperature,
+                seed=hash((episode.rollout_id, episode.attempt, turn)) & 0x7FFFFFFF,
+            ),
+            metadata=self._metadata,
+            timeout=120,
+        )
+        async for chunk in call:
+            completion.extend(chunk.token_ids)
+            version = chunk.weights_version
+        return completion, version
+
+    async def _call(
+        self,
+        resources: ResourcesServiceAsyncStub,
+        episode: EpisodeId,
+        tool: str,
+        arguments: Mapping[str, Any],
+    ) -> dict[str, Any]:
+        answer = await resources.Call(
+            resources_service_pb2.CallRequest(
+                request_id=f"call-{episode.rollout_id}-{episode.attempt}-{tool}-"
+                f"{arguments.get('turn', 'look')}",
+                episode=episode_to_proto(episode),
+                tool=tool,
+                arguments=struct_from_mapping(arguments),
+            ),
+            metadata=self._metadata,
+            timeout=120,
+        )
+        return struct_to_dict(answer.output)
+
+    async def _verify(
+        self, resources: ResourcesServiceAsyncStub, episode: EpisodeId, answer: Mapping[str, Any]
+    ) -> float:
+        response = await resources.Verify(
+            resources_service_pb2.VerifyRequest(
+                request_id=f"verify-{episode.rollout_id}-{episode.attempt}",
+                episode=episode_to_proto(episode),
+                answer=struct_from_mapping(answer),
+            ),
+            metadata=self._metadata,
+            timeout=300,
+        )
+        return float(response.reward)
+
+    async def aclose(self) -> None:
+        for channel in self._channels:
+            await channel.close(None)

@@ -66,9 +66,13 @@ class CounterTools(ResourcesServer):
         return {e: copy.deepcopy(self.sessions[e]) for e in episodes if e in self.sessions}
 
     def validate_session(self, episode: EpisodeId, state: Fields) -> None:
+        # Everything restore_session relies on, types included: a truncated or damaged
+        # state is refused here, before any session of the snapshot is installed.
         totals = state.get("totals")
-        if not isinstance(totals, list) or not all(isinstance(t, int) for t in totals):
-            raise ValueError("a counter session holds integer totals")
+        if set(state) != {"target", "totals"} or not isinstance(state["target"], int):
+            raise ValueError("a counter session holds exactly an integer target and totals")
+        if not isinstance(totals, list) or not totals or not all(type(t) is int for t in totals):
+            raise ValueError("a counter session holds a non-empty list of integer totals")
 
     async def restore_session(self, saved: EpisodeId, episode: EpisodeId, state: Fields) -> None:
         self.sessions[episode] = copy.deepcopy(dict(state))

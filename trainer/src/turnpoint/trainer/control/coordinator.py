@@ -26,14 +26,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+import time
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from types import MappingProxyType, TracebackType
-from typing import Any, Self
+from typing import Any, Protocol, Self
 
 import grpc
 
-from turnpoint.convert import duration_from_seconds, episode_to_proto
+from turnpoint.convert import duration_from_seconds, episode_to_proto, readiness_from_proto
 from turnpoint.errors import Reason
 from turnpoint.ids import (
     EpisodeId,
@@ -42,7 +44,7 @@ from turnpoint.ids import (
     make_checkpoint_id,
     validate_id,
 )
-from turnpoint.protocol import ArtifactRef, ParticipantKind, RecoveryLevel
+from turnpoint.protocol import ArtifactRef, ParticipantKind, ReadinessReport, RecoveryLevel
 from turnpoint.trainer.config import CoordinatorConfig
 from turnpoint.trainer.control.client import (
     ControlRequest,
@@ -125,6 +127,46 @@ _OUTCOMES = {
 }
 
 
+class ControlWatcher(Protocol):
+    """What watches a checkpoint's control rounds (:meth:`Coordinator.watch`): the job's
+    checkpoint history (docs/spec.md section 7.13). Called on the loop; quick."""
+
+    def on_calls(
+        self,
+        operation: str,
+        checkpoint_id: str,
+        durations_s: Mapping[str, float],
+        failures: Mapping[str, str],
+        now: float,
+    ) -> None: ...
+
+    def on_committed(self, checkpoint_id: str, entries: Iterable[ParticipantEntry]) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class PrepareProgress:
+    """The prepare under way: who answered ready, and the latest readiness each of the
+    others reported (its prepare answers and its ``WatchBoundaries`` stream)."""
+
+    checkpoint_id: str
+    started: float  # monotonic
+    ready: frozenset[str]
+    waiting: Mapping[str, ReadinessReport | None]
+
+
+@dataclass(frozen=True, slots=True)
+class ParticipantStatus:
+    """A participant's latest answer to the liveness watch's ``GetStatus`` (section 7.11):
+    its phase, the id it has open, its lease and its admission, when it answered."""
+
+    phase: str
+    active_checkpoint_id: str
+    lease_expires_at: float | None  # wall-clock seconds; None when idle
+    admission_open: bool
+    lease_expiries: int
+    answered_at: float  # monotonic
+
+
 class Coordinator:
     """Drives control operations on every participant of a training run.
 
@@ -183,6 +225,39 @@ class Coordinator:
         # Each environment's recovery level, decided at discovery (docs/spec.md 7.1).
         self._levels: Mapping[str, LevelDecision] = MappingProxyType({})
         self._warned_levels: dict[str, LevelDecision] = {}
+        self._watchers: list[ControlWatcher] = []
+        self._statuses: dict[str, ParticipantStatus] = {}
+        # The prepare under way (its id, start and each participant's readiness).
+        self._preparing: tuple[str, float, Mapping[str, Readiness]] | None = None
+
+    def watch(self, watcher: ControlWatcher) -> None:
+        """Tell ``watcher`` each round of a checkpoint's prepare, commit and resume."""
+        self._watchers.append(watcher)
+
+    def _tell(self, call: Callable[[ControlWatcher], None]) -> None:
+        for watcher in self._watchers:
+            try:
+                call(watcher)
+            # A watcher's bug must not fail the checkpoint it watches.
+            except Exception:  # noqa: BLE001
+                _LOG.exception("a control watcher failed")
+
+    def prepare_progress(self) -> PrepareProgress | None:
+        """The prepare under way, if any (read by the status API, off the hot path)."""
+        if self._preparing is None:
+            return None
+        checkpoint_id, started, readiness = self._preparing
+        ready = frozenset(
+            name
+            for name, state in readiness.items()
+            if state.report is not None and state.report.ready
+        )
+        waiting = {
+            name: None if state.report is None else readiness_from_proto(state.report)
+            for name, state in readiness.items()
+            if name not in ready
+        }
+        return PrepareProgress(checkpoint_id, started, ready, MappingProxyType(waiting))
 
     def _new_client(self, name: str, address: str) -> ParticipantControlClient:
         return ParticipantControlClient(
@@ -210,6 +285,11 @@ class Coordinator:
         """Each participant's control address, worker groups replaced by their workers
         once :meth:`discover` found them: where the trainer sends each one's rollouts."""
         return MappingProxyType({name: c.address for name, c in self._clients.items()})
+
+    @property
+    def discovered(self) -> Topology | None:
+        """The topology once :meth:`discover` has run, else None."""
+        return self._topology
 
     @property
     def topology(self) -> Topology:
@@ -250,10 +330,25 @@ class Coordinator:
         return topology.kind(instance).value.lower()
 
     def _record(
-        self, operation: str, result: FanoutResult[Any], *, ended: frozenset[str] = frozenset()
+        self,
+        operation: str,
+        result: FanoutResult[Any],
+        checkpoint_id: str = "",
+        *,
+        ended: frozenset[str] = frozenset(),
     ) -> None:
-        """Metrics and logs of one fan-out. ``ended``: participants this coordinator
-        itself told to end the checkpoint, for whom finding it finished is expected."""
+        """Metrics, logs and watchers of one fan-out. ``ended``: participants this
+        coordinator itself told to end the checkpoint, for whom finding it finished is
+        expected."""
+        if checkpoint_id and self._watchers:
+            failures = {
+                name: f"{failure.kind.value}: {failure.detail}"
+                for name, failure in result.failures.items()
+            }
+            now = time.monotonic()
+            self._tell(
+                lambda w: w.on_calls(operation, checkpoint_id, result.durations_s, failures, now)
+            )
         metrics = self.metrics
         for name, failure in result.failures.items():
             if failure.reason is not None and metrics is not None:
@@ -282,6 +377,7 @@ class Coordinator:
         *,
         attempts: int = 1,
         pause_s: float = JOINING_RETRY_PAUSE_S,
+        checkpoint_id: str = "",
     ) -> FanoutResult[Any]:
         """One operation, the same requests re-sent up to ``attempts`` times to the
         participants whose failure was transient, ``pause_s`` apart."""
@@ -295,7 +391,7 @@ class Coordinator:
             concurrency=self.config.fanout_concurrency,
             pause_s=pause_s,
         )
-        self._record(operation, result)
+        self._record(operation, result, checkpoint_id)
         return result
 
     def _checked(self, instances: Iterable[str] | None) -> tuple[str, ...]:
@@ -390,6 +486,7 @@ class Coordinator:
                 requests,
                 attempts=self.config.resume_attempts,
                 pause_s=self.config.resume_retry_pause_s,
+                checkpoint_id=checkpoint_id,
             )
             reports.append(
                 ControlReport(
@@ -476,13 +573,31 @@ class Coordinator:
         def request(_name: str) -> pb.GetStatusRequest:
             return pb.GetStatusRequest()
 
-        return await fan_out(
+        result: FanoutResult[pb.GetStatusResponse] = await fan_out(
             clients,
             request,
             deadline_s=timeout_s,
             per_call_timeout_s=timeout_s,
             concurrency=self.config.fanout_concurrency,
         )
+        now = time.monotonic()
+        for name, response in result.responses.items():
+            if isinstance(response, pb.GetStatusResponse):
+                self._statuses[name] = ParticipantStatus(
+                    phase=types_pb2.Phase.Name(response.phase).removeprefix("PHASE_").lower(),
+                    active_checkpoint_id=response.active_checkpoint_id,
+                    lease_expires_at=response.lease_expires_at.ToNanoseconds() / 1e9
+                    if response.HasField("lease_expires_at")
+                    else None,
+                    admission_open=response.admission_open,
+                    lease_expiries=response.lease_expiries,
+                    answered_at=now,
+                )
+        return result
+
+    def statuses(self) -> Mapping[str, ParticipantStatus]:
+        """Each participant's latest status answer (the liveness watch's), if any."""
+        return MappingProxyType(dict(self._statuses))
 
     # -- restore (docs/spec.md section 7.7) --------------------------------------------
 
@@ -803,6 +918,7 @@ class Coordinator:
                 )
 
         opener = loop.call_later(watch_after_s(config.prepare_timeout_s), open_watches)
+        self._preparing = (checkpoint_id, time.monotonic(), readiness)
         try:
             result = await fan_out(
                 callers,
@@ -814,6 +930,7 @@ class Coordinator:
                 concurrency=max(1, len(callers)),
             )
         finally:
+            self._preparing = None
             opener.cancel()
             for watch in watches.values():
                 watch.cancel()
@@ -823,7 +940,7 @@ class Coordinator:
                     # Resolving a completion it reported failed; the prepare rounds ask
                     # again and fail the prepare if it keeps failing.
                     _LOG.warning("readiness watch of %s failed: %r", name, outcome)
-        self._record("prepare", result)
+        self._record("prepare", result, checkpoint_id)
         outcomes = {name: Outcome.READY for name in result.responses}
         outcomes.update({name: _OUTCOMES[f.kind] for name, f in result.failures.items()})
         verdict = decide_prepare(checkpoint_id, outcomes, unacked.ledger.retire)
@@ -1028,7 +1145,9 @@ class Coordinator:
             if name not in entries
         }
         _remember(self._committing, checkpoint_id, requests)
-        result = await self._fan_out_once("commit", requests, attempts=JOINING_ATTEMPTS)
+        result = await self._fan_out_once(
+            "commit", requests, attempts=JOINING_ATTEMPTS, checkpoint_id=checkpoint_id
+        )
         failures = dict(result.failures)
         # Released even if the snapshot fails now: their admission is open again.
         self.note_released(checkpoint_id, (n for n, r in result.responses.items() if r.released))
@@ -1041,6 +1160,7 @@ class Coordinator:
                 failures[name] = classify(error)
         if failures:
             raise CommitFailed(checkpoint_id, failures)
+        self._tell(lambda w: w.on_committed(checkpoint_id, entries.values()))
         return entries
 
 

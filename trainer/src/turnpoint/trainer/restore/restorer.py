@@ -51,12 +51,14 @@ from turnpoint.ids import (
     validate_id,
 )
 from turnpoint.protocol import ArtifactRef, ParticipantKind, RecoveryLevel
+from turnpoint.storage import StorageError
 from turnpoint.trainer.config import CoordinatorConfig
 from turnpoint.trainer.control.coordinator import Coordinator
 from turnpoint.trainer.control.outcomes import RestoreFailed
 from turnpoint.trainer.control.topology import Topology
 from turnpoint.trainer.errors import CoordinatorError
 from turnpoint.trainer.metrics import CoordinatorMetrics
+from turnpoint.trainer.restore.choice import Candidate, RestoreChoice, metrics_of, rank_candidates
 from turnpoint.trainer.rollouts.side import InFlightRollout
 from turnpoint.trainer.snapshots.levels import LevelDecision, decide_levels
 from turnpoint.trainer.storage.layout import SnapshotLayout
@@ -544,6 +546,30 @@ def verify_artifacts(layout: SnapshotLayout | StoreLayout, manifest: SnapshotMan
                 )
 
 
+def published_candidates(
+    layout: SnapshotLayout | StoreLayout, known: Mapping[str, Candidate] | None = None
+) -> tuple[list[Candidate], list[tuple[str, str]]]:
+    """Every published snapshot as a restore candidate, newest first, and those whose
+    manifest cannot be read (with why). ``known`` candidates are taken as they are (a
+    published manifest never changes) instead of read again. Blocking: call it from a
+    thread."""
+    candidates: list[Candidate] = []
+    unreadable: list[tuple[str, str]] = []
+    for checkpoint_id in layout.list_published():
+        if known is not None and checkpoint_id in known:
+            candidates.append(known[checkpoint_id])
+            continue
+        try:
+            manifest = layout.load(checkpoint_id)
+        except (ManifestError, OSError, StorageError) as error:
+            unreadable.append((checkpoint_id, str(error)))
+            continue
+        candidates.append(
+            Candidate(checkpoint_id, manifest.step, manifest.created_at, metrics_of(manifest.extra))
+        )
+    return candidates, unreadable
+
+
 @dataclass(frozen=True, slots=True)
 class SelectedSnapshot:
     """The snapshot a restore uses, with its anchor loaded, and the ones set aside."""
@@ -581,11 +607,18 @@ class Restorer:
         self._allow_degraded = allow_degraded
 
     async def select(self, topology: Topology) -> SelectedSnapshot | None:
-        """The newest published snapshot that passes every check; ``None`` if none was
-        ever published. Raises :class:`NoUsableSnapshotError` if some were but none
-        passes, and :class:`ManifestError` on a topology mismatch."""
+        """The first snapshot the config's ``restore_from`` ranks (docs/spec.md section
+        7.14; the newest by default) that passes every check; ``None`` if none was ever
+        published. Raises :class:`NoUsableSnapshotError` if some were but none passes
+        (or none matches the choice), and :class:`ManifestError` on a topology mismatch."""
         published = await asyncio.to_thread(self._layout.list_published)
         rejected: list[tuple[str, str]] = []
+        choice = RestoreChoice.parse(self._config.restore_from)
+        if published and choice.kind != "latest":
+            candidates, rejected = await asyncio.to_thread(published_candidates, self._layout)
+            published = [c.checkpoint_id for c in rank_candidates(choice, candidates)]
+            if not published:
+                rejected.append((str(choice), "no published snapshot matches this choice"))
         for checkpoint_id in published:
             try:
                 manifest = await asyncio.to_thread(self._layout.load, checkpoint_id)

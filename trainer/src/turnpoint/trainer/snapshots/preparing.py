@@ -170,6 +170,9 @@ class Readiness:
     available: bool = False
     # Set once this participant's prepare is over (ready or failed): no stream needed.
     settled: asyncio.Event = field(default_factory=asyncio.Event)
+    # The latest readiness it reported (a prepare answer or its stream): what the
+    # status API shows of an open snapshot (docs/spec.md section 7.13.3).
+    report: types_pb2.ReadinessReport | None = None
 
 
 def _answer(kind: FailureKind) -> Answer:
@@ -242,6 +245,7 @@ class PreparingParticipant:
                 continue
             assert isinstance(response, pb.PrepareResponse)
             last = response
+            self._readiness.report = response.readiness
             self._on_answer(self._instance, response)
             if is_ready(response):
                 core.answered(Answer.READY, loop.time())
@@ -314,6 +318,7 @@ async def watch_readiness(
                 if message.WhichOneof("event") != "readiness":
                     continue
                 state.changed.set()
+                state.report = message.readiness
                 if message.phase in (types_pb2.PHASE_PREPARING, types_pb2.PHASE_PREPARED):
                     await unacked.handle(instance, message.readiness)
     except (ControlCallError, TurnpointError, grpc.RpcError) as error:

@@ -34,11 +34,18 @@ import os
 import shutil
 import tempfile
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from turnpoint.ids import InvalidIdError, checkpoint_sequence
 from turnpoint.protocol import ArtifactRef
-from turnpoint.storage import ObjectExistsError, ObjectMissingError, Storage, open_storage
+from turnpoint.storage import (
+    ObjectExistsError,
+    ObjectMissingError,
+    Storage,
+    check_key,
+    open_storage,
+)
 from turnpoint.trainer.storage.layout import PublishStep, SnapshotLayout, tree_digest
 from turnpoint.trainer.storage.manifest import (
     ANCHOR_DIR,
@@ -50,6 +57,8 @@ from turnpoint.trainer.storage.manifest import (
     check_id,
 )
 
+# Requests in flight at once when checking a snapshot's objects.
+_CHECK_THREADS = 16
 # A snapshot manifest of a few thousand participants stays far below this; it bounds
 # what a tampered object can make a reader allocate.
 _MAX_MANIFEST_BYTES = 256 * 1024 * 1024
@@ -160,6 +169,13 @@ class StoreLayout:
                 f"snapshot {checkpoint_id!r} is already published", checkpoint_id=checkpoint_id
             )
         anchor = staged / manifest.anchor.path
+        for relative, _ in _files_below(staged):
+            try:
+                object_key(relative)
+            except ValueError as error:
+                raise ManifestError(
+                    f"snapshot {checkpoint_id!r}: {error}", checkpoint_id=checkpoint_id
+                ) from None
         digest = tree_digest(anchor)
         if digest != manifest.anchor.sha256:
             raise ManifestError(
@@ -172,7 +188,7 @@ class StoreLayout:
         self._step(PublishStep.VERIFIED)
 
         for relative, path in _files_below(staged):
-            self.storage.put(f"{checkpoint_id}/{relative}", path.read_bytes())
+            self.storage.put(f"{checkpoint_id}/{object_key(relative)}", path.read_bytes())
         self._step(PublishStep.TREE_SYNCED)
 
         self._step(PublishStep.MANIFEST_STAGED)
@@ -198,35 +214,45 @@ class StoreLayout:
     def verify_artifacts(self, manifest: SnapshotManifest, *, digests: bool = True) -> None:
         """Every participant object the manifest names: there, its size, its sha256.
 
-        With ``digests=False`` the sizes only (one HEAD per object). Raises
-        :class:`ManifestError` at the first mismatch.
+        With ``digests=False`` the sizes only (one HEAD per object). The requests run
+        ``_CHECK_THREADS`` at a time: a store's cost is its round trips, not its
+        bandwidth. Raises :class:`ManifestError` for the first mismatch in the
+        manifest's order.
         """
         checkpoint_id = manifest.checkpoint_id
-        for artifact in _named(manifest):
-            key = f"{checkpoint_id}/{artifact.path}"
+        named = list(_named(manifest))
 
-            def fail(why: str, artifact: ArtifactRef = artifact) -> ManifestError:
-                return ManifestError(
+        def problem(artifact: ArtifactRef) -> str | None:
+            key = f"{checkpoint_id}/{artifact.path}"
+            if not digests:
+                size = self.storage.size(key)
+                if size is None:
+                    return "is missing"
+                if size != artifact.size_bytes:
+                    return f"has {size} bytes, manifest says {artifact.size_bytes}"
+                return None
+            try:
+                data = self.storage.get(key, limit=artifact.size_bytes)
+            except ObjectMissingError:
+                return "is missing"
+            if len(data) != artifact.size_bytes:
+                return f"has {len(data)} bytes, manifest says {artifact.size_bytes}"
+            if hashlib.sha256(data).hexdigest() != artifact.sha256:
+                return "does not match its sha256"
+            return None
+
+        if len(named) > 1:
+            with ThreadPoolExecutor(min(_CHECK_THREADS, len(named))) as pool:
+                problems = list(pool.map(problem, named))
+        else:
+            problems = [problem(artifact) for artifact in named]
+        for artifact, why in zip(named, problems, strict=True):
+            if why is not None:
+                raise ManifestError(
                     f"snapshot {checkpoint_id!r}: {artifact.path} {why}",
                     checkpoint_id=checkpoint_id,
                     field="participants",
                 )
-
-            if not digests:
-                size = self.storage.size(key)
-                if size is None:
-                    raise fail("is missing")
-                if size != artifact.size_bytes:
-                    raise fail(f"has {size} bytes, manifest says {artifact.size_bytes}")
-                continue
-            try:
-                data = self.storage.get(key, limit=artifact.size_bytes)
-            except ObjectMissingError:
-                raise fail("is missing") from None
-            if len(data) != artifact.size_bytes:
-                raise fail(f"has {len(data)} bytes, manifest says {artifact.size_bytes}")
-            if hashlib.sha256(data).hexdigest() != artifact.sha256:
-                raise fail("does not match its sha256")
 
     def _step(self, step: PublishStep) -> None:
         if self._after_step is not None:
@@ -295,7 +321,12 @@ class StoreLayout:
         shutil.rmtree(cache, ignore_errors=True)
         prefix = f"{checkpoint_id}/{manifest.anchor.path}/"
         for info in self.storage.list(prefix):
-            target = cache / info.key.partition("/")[2]
+            try:
+                target = cache / file_path(info.key.partition("/")[2])
+            except ValueError:
+                # Not a name publication writes: a stray object under the prefix (the
+                # tree digest below then fails if the anchor lacks a file).
+                continue
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(self.storage.get(info.key))
         anchor = cache / manifest.anchor.path
@@ -334,7 +365,8 @@ class StoreLayout:
 
     def clean_partial(self) -> list[str]:
         """Delete every snapshot's objects that no manifest publishes (not the one in
-        progress); names that are not checkpoint ids are never touched."""
+        progress); names that are not checkpoint ids are never touched. The listing only
+        nominates: a snapshot is partial once a read of its manifest key finds none."""
         by_snapshot: dict[str, bool] = {}
         for info in self.storage.list():
             name, _, rest = info.key.partition("/")
@@ -342,7 +374,9 @@ class StoreLayout:
                 by_snapshot[name] = by_snapshot.get(name, False) or rest == MANIFEST_NAME
         removed = []
         for name, published in sorted(by_snapshot.items()):
-            if published or name == self._in_progress:
+            # A listing may lag and miss the manifest, the newest object of a
+            # publication: only a read of the manifest's own key says it is not there.
+            if published or name == self._in_progress or self.is_published(name):
                 continue
             self._delete_prefix(name)
             removed.append(name)
@@ -353,6 +387,65 @@ class StoreLayout:
         for info in objects:
             self.storage.delete(info.key)
         return len(objects)
+
+
+# An anchor's files have whatever names its source gives them (DCP writes ``.metadata``
+# and ``__0_0.distcp``), and a key component must be a valid id (section 8.12): a name
+# that is not one, or that starts with the escape mark, is written as the mark followed
+# by the name with every byte outside [A-Za-z0-9.-] as ``_XX`` (hex).
+_ESCAPED = "x--"
+_PLAIN = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789.-")
+
+
+def object_key(relative: str) -> str:
+    """The key (below ``<checkpoint_id>/``) of the staged file at POSIX path ``relative``.
+
+    docs/spec.md section 8.13: a component that is a valid id and does not start with
+    ``x--`` is kept; any other is escaped. ``ValueError`` for a name too long to escape.
+    """
+    parts = []
+    for part in relative.split("/"):
+        if _is_key_component(part) and not part.startswith(_ESCAPED):
+            parts.append(part)
+            continue
+        escaped = _ESCAPED + "".join(
+            chr(byte) if chr(byte) in _PLAIN else f"_{byte:02X}" for byte in part.encode()
+        )
+        if not _is_key_component(escaped):
+            raise ValueError(f"file name {part!r} is too long to be stored as an object")
+        parts.append(escaped)
+    return "/".join(parts)
+
+
+def file_path(key: str) -> str:
+    """The relative path :func:`object_key` turned into ``key``; ``ValueError`` if none."""
+    parts = []
+    for part in check_key(key).split("/"):
+        if not part.startswith(_ESCAPED):
+            parts.append(part)
+            continue
+        body, raw = part[len(_ESCAPED) :], bytearray()
+        index = 0
+        while index < len(body):
+            if body[index] == "_":
+                raw.append(int(body[index + 1 : index + 3], 16))
+                index += 3
+            else:
+                raw.append(ord(body[index]))
+                index += 1
+        name = raw.decode()
+        if name in ("", ".", "..") or "/" in name or "\0" in name:
+            raise ValueError(f"key component {part!r} does not name a file")
+        parts.append(name)
+    return "/".join(parts)
+
+
+def _is_key_component(part: str) -> bool:
+    try:
+        check_key(part)
+    except ValueError:
+        return False
+    return True
 
 
 def _manifest_key(checkpoint_id: str) -> str:
