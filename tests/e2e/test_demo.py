@@ -140,6 +140,11 @@ def test_the_short_demo_crashes_restores_and_passes_the_audit(tmp_path: Path) ->
     assert [event["type"] for event in run.supervisor] == ["crash", "restart"]
     assert_restored_the_newest_published(run)
     assert run.only("done", 2)["step"] == 8
+    # docs/spec.md section 6.12: every trained turn's tool call applied once, through
+    # the crash; those re-sent after the restore answered from the session's record.
+    tools = [line for line in run.stdout.splitlines() if line.startswith("tool calls: ")]
+    assert len(tools) == 1 and ", each once; " in tools[0], run.stdout
+    assert int(tools[0].split()[2]) > 0, tools[0]
     assert_the_status_history_shows_the_crash_and_every_snapshot(run)
 
 

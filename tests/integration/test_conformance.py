@@ -15,19 +15,26 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tests.support.mutants import MUTANTS, Mutant, honest_mid_turn_agent
+from tests.support.mutants import MUTANTS, IgnoresRecord, Mutant, honest_mid_turn_agent
 from tests.support.participants import TOKEN, start_topology
+from tests.support.scripted import host_scripted
 from turnpoint.apps.conformance._kit import Workload
 from turnpoint.apps.conformance._report import ConformanceReport, Outcome, render_table
 from turnpoint.apps.conformance._runner import CHECKS, ConformanceOptions, run_conformance
+from turnpoint.apps.examples._participants import GuessTools
 from turnpoint.apps.examples._task import make_prompt
+from turnpoint.participant_sdk import ParticipantRuntime
 
 # What the example environment understands: a Run task (agents) and a session task
 # (resources), the same object the demo's trainer sends.
-WORKLOAD = {"task": {"task": make_prompt(0, 0).to_dict(), "environment": "guess"}}
+WORKLOAD = {
+    "task": {"task": make_prompt(0, 0).to_dict(), "environment": "guess"},
+    "calls": [{"tool": "check", "arguments": {"guess": 1, "turn": 0}}],
+}
 # The kit's short lease for the lease check: long enough to renew within, short enough
 # to wait out quickly.
 LEASE_S = 0.5
@@ -41,18 +48,28 @@ CAUGHT_BY = {
     "ready-mid-turn": "readiness",
     "unknown-on-garbage": "hostile-input",
     "lease-never-expires": "lease",
+    "ignores-record": "effects",
 }
 AGENT_ONLY = {"run-stream", "acknowledge"}
+
 # Checked only on a policy model that cuts (docs/spec.md section 5.5): the example does.
 CUTTING_MODEL_ONLY = {"token-cut"}
 # Needs recorded calls and a fresh restore target (tests/integration/test_equivalence.py).
 EQUIVALENCE = {"equivalence"}
-RESOURCES_ONLY = {"exported-sessions"}
+# Checked only on a resources server (docs/spec.md sections 5.3, 6.12).
+RESOURCES_ONLY = {"exported-sessions", "effects"}
 
 
-async def _check(address: str) -> ConformanceReport:
+async def _check(
+    address: str, *, only: tuple[str, ...] = (), fresh_target: str | None = None
+) -> ConformanceReport:
     options = ConformanceOptions(
-        address, TOKEN, workload=Workload.from_mapping(WORKLOAD), lease_s=LEASE_S
+        address,
+        TOKEN,
+        workload=Workload.from_mapping(WORKLOAD),
+        lease_s=LEASE_S,
+        only=only,
+        fresh_target=fresh_target,
     )
     return await run_conformance(options)
 
@@ -97,6 +114,31 @@ async def test_each_mutant_is_failed_by_its_rule_and_by_nothing_else(
         report = await _check(address)
     assert report.failed() == [CAUGHT_BY[mutant.name]], render_table(report)
     assert report.exit_code() == 1
+
+
+@pytest.mark.parametrize(
+    "runtime_class", [ParticipantRuntime, IgnoresRecord], ids=["honest", "ignores-record"]
+)
+async def test_the_effects_check_restores_into_a_fresh_process_and_catches_no_dedup(
+    tmp_path: Path, runtime_class: type[ParticipantRuntime]
+) -> None:
+    """docs/spec.md section 6.12: with a second, fresh process of the example resources
+    server on the same snapshot root, the check re-sends the call after a restore."""
+
+    def tools(root: Path) -> Any:
+        return host_scripted(
+            root, instance="tools", resources=GuessTools("tools"), runtime_class=runtime_class
+        )
+
+    async with tools(tmp_path) as target, tools(tmp_path) as fresh:
+        report = await _check(target.address, only=("effects",), fresh_target=fresh.address)
+    result = report.result("effects")
+    if runtime_class is ParticipantRuntime:
+        assert result.outcome is Outcome.PASS, render_table(report)
+        assert "re-sent by the next attempt after a restore" in result.detail
+    else:
+        assert result.outcome is Outcome.FAIL, render_table(report)
+        assert "with other arguments was answered" in result.detail, result.detail
 
 
 async def test_mid_turn_episodes_under_an_honest_runtime_pass_the_readiness_check(

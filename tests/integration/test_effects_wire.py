@@ -232,6 +232,10 @@ async def test_a_continued_attempt_after_a_restore_gets_the_recorded_reply(tmp_p
             hand = {"cards": [dealt["card"], fresh["card"]]}
             verdict = await client.verify(continued, hand, request_id=verdict_key)
             assert await client.verify(continued, hand, request_id=verdict_key) == verdict
+            # Sealed by the verify, the session still refuses its key with another answer.
+            with pytest.raises(EffectConflictError) as sealed:
+                await client.verify(continued, {"cards": [0]}, request_id=verdict_key)
+            assert sealed.value.divergence == "arguments"
             assert dealer.verifies == 1
         finally:
             await client.aclose()

@@ -16,6 +16,9 @@ registration, served with token auth on ``127.0.0.1:0``:
   (section 10.5).
 - ``lease-never-expires``: the participant's protocol clock never advances, so no
   lease ever runs out (section 4.2).
+- ``ignores-record``: every ``Call`` and ``Verify`` reaches the runtime without its
+  request id, so a retried or re-sent call runs the tool again and a key re-sent with
+  other arguments is not refused (section 6.12).
 
 :class:`MidTurnAgent` is not a defect: an agent whose turns do real work between
 boundaries (RUNNING, which blocks a prepare until the next boundary). The
@@ -37,12 +40,14 @@ import grpc
 
 from tests.support.participants import TOKEN
 from turnpoint.apps.examples._participants import GuessTools
+from turnpoint.ids import EpisodeId
 from turnpoint.participant_sdk import (
     Agent,
     EpisodeContext,
     ParticipantRuntime,
     RuntimeConfig,
     SnapshotStore,
+    Verdict,
 )
 from turnpoint.participant_sdk.advanced import PrepareResult
 from turnpoint.protocol import EpisodeState, Fence, Phase
@@ -59,7 +64,7 @@ from turnpoint.v1 import (
     resources_service_pb2_grpc,
 )
 
-__all__ = ["MUTANTS", "MidTurnAgent", "Mutant", "honest_mid_turn_agent"]
+__all__ = ["MUTANTS", "IgnoresRecord", "MidTurnAgent", "Mutant", "honest_mid_turn_agent"]
 
 # The agent's work between two boundaries: long enough that a prepare arriving right
 # after a boundary finds the episode RUNNING, short enough to keep the tests quick.
@@ -156,6 +161,20 @@ class IgnoresStaleEpoch(_FenceFilter):
         if fence is not None:
             self._newer(fence)
         return await super().describe(fence)
+
+
+class IgnoresRecord(ParticipantRuntime):
+    """Runs every tool call and verify as if it carried no key: no reply record."""
+
+    async def call_tool(
+        self, episode: EpisodeId, tool: str, arguments: Mapping[str, Any], request_id: str = ""
+    ) -> Mapping[str, Any]:
+        return await super().call_tool(episode, tool, arguments)
+
+    async def verify(
+        self, episode: EpisodeId, answer: Mapping[str, Any], request_id: str = ""
+    ) -> Verdict:
+        return await super().verify(episode, answer)
 
 
 class ReadyMidTurn(ParticipantRuntime):
@@ -272,6 +291,11 @@ MUTANTS: tuple[Mutant, ...] = (
         "unknown-on-garbage",
         "answers garbage with UNKNOWN",
         _unknown_on_garbage,
+    ),
+    Mutant(
+        "ignores-record",
+        "runs a keyed tool call again instead of answering from the record",
+        lambda root: _hosted(_tools(IgnoresRecord, root)),
     ),
     Mutant(
         "lease-never-expires",

@@ -308,11 +308,15 @@ async def host_scripted(
     clock: Callable[[], float] | None = None,
     config: RuntimeConfig = FAST,
     token: str | None = TOKEN,
+    runtime_class: type[ParticipantRuntime] = ParticipantRuntime,
 ) -> AsyncIterator[HostedParticipant]:
-    """Serve a runtime of the given kinds on ``127.0.0.1:0``; stopped (no grace) on exit."""
+    """Serve a runtime of the given kinds on ``127.0.0.1:0``; stopped (no grace) on exit.
+
+    ``runtime_class`` serves a mutant (``tests/support/mutants.py``) instead.
+    """
     store = SnapshotStore(root, faults=faults)
     extra: dict[str, Any] = {} if clock is None else {"clock": clock}
-    runtime = ParticipantRuntime(
+    runtime = runtime_class(
         instance, store, agent=agent, resources=resources, config=config, **extra
     )
     hosted = host_participant(runtime, ServerOptions(port=0, token=token))

@@ -788,7 +788,7 @@ def test_verifier_entries_are_typed() -> None:
         [{"verifier": "tools", "rollout_id": "r", "attempt": 2, "reward": 1}]
     )
     assert entries == [VerifierEntry("tools", "r", 2, 1.0)]
-    assert dataclasses.astuple(entries[0]) == ("tools", "r", 2, 1.0)
+    assert dataclasses.astuple(entries[0]) == ("tools", "r", 2, 1.0, None)
 
 
 def test_the_plain_display_prints_on_an_interval_and_on_every_phase_change() -> None:

@@ -17,7 +17,7 @@ import { PolicyService, ResourcesService, TurnpointClient, episodeKey } from "..
 import type { Agent, EpisodeContext, EpisodeId, JsonObject } from "../src/index.js";
 import type { Reply, Task, Turn } from "./guess-task.js";
 import { MAX_NEW_TOKENS_PER_TURN, encodeContext, episodeAnswer, isFinished, parseGuess, taskFromJson, turnFromJson, turnToJson } from "./guess-task.js";
-import { serve } from "./serve.js";
+import { serveExample } from "./serve.js";
 
 function episodeProto(e: EpisodeId): { rolloutId: string; attempt: number } {
   return { rolloutId: e.rolloutId, attempt: e.attempt };
@@ -160,7 +160,7 @@ export class GuessAgent implements Agent {
 }
 
 let agent: GuessAgent | undefined;
-const code = await serve("agent", ["guess"], (args) => {
+const code = await serveExample("agent", ["guess"], (args) => {
   if (args.policy === undefined || args.resources.size === 0) {
     throw new RangeError("the guess agent needs --policy ADDRESS and --resources ENV=ADDRESS (one per environment it serves)");
   }

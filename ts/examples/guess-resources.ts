@@ -5,9 +5,9 @@
  *     TURNPOINT_TOKEN=... node dist/examples/guess-resources.js --port 0 --root DIR --instance tools
  */
 import { GroupGuessTools, GuessTools, VerifierLog } from "./guess-tools.js";
-import { serve } from "./serve.js";
+import { serveExample } from "./serve.js";
 
-const code = await serve("resources", ["guess", "guess-group"], (args) => {
+const code = await serveExample("resources", ["guess", "guess-group"], (args) => {
   const log = new VerifierLog(args.verifierLog);
   return { resources: args.example === "guess" ? new GuessTools(args.instance, log) : new GroupGuessTools(args.instance, log, args.groupSize) };
 });

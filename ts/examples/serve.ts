@@ -6,8 +6,8 @@
 import { randomBytes } from "node:crypto";
 import { parseArgs } from "node:util";
 
-import { ParticipantRuntime, ParticipantServer, SnapshotStore, loadToken, validateId } from "../src/index.js";
-import type { RuntimeOptions } from "../src/index.js";
+import { loadToken, serve, validateId } from "../src/index.js";
+import type { Hosted } from "../src/index.js";
 
 export interface ServeArgs {
   readonly kind: string;
@@ -114,43 +114,32 @@ export function parseServeArgs(argv: readonly string[], kind: string, examples: 
   };
 }
 
-/** Build the runtime, serve it, print the serving line, run until SIGTERM/SIGINT drained it. */
-export async function serve(
+/** Parse the command line, build the example and serve it with the SDK's `serve`. */
+export async function serveExample(
   kind: string,
   examples: readonly string[],
-  build: (args: ServeArgs) => Pick<RuntimeOptions, "agent" | "resources"> & { close?: () => Promise<void> },
+  build: (args: ServeArgs) => Pick<Hosted, "agent" | "resources" | "close">,
 ): Promise<number> {
   let args: ServeArgs;
-  let server: ParticipantServer;
-  let close: (() => Promise<void>) | undefined;
+  let built: Hosted;
   try {
     args = parseServeArgs(process.argv.slice(2), kind, examples);
-    const built = build(args);
-    close = built.close;
-    const runtime = new ParticipantRuntime(args.instance, new SnapshotStore(args.root), {
-      ...(built.agent !== undefined ? { agent: built.agent } : {}),
-      ...(built.resources !== undefined ? { resources: built.resources } : {}),
-      config: { defaultLeaseS: args.leaseS },
-    });
-    server = new ParticipantServer(runtime, {
-      host: args.host,
-      port: args.port,
-      token: args.token,
-      allowInsecureNoAuth: args.insecureNoAuth,
-      graceS: args.graceS,
-      ...(args.tlsCert !== undefined ? { tlsCertFile: args.tlsCert } : {}),
-      ...(args.tlsKey !== undefined ? { tlsKeyFile: args.tlsKey } : {}),
-      ...(args.tlsClientCa !== undefined ? { tlsClientCaFile: args.tlsClientCa } : {}),
-    });
-    await server.start();
+    built = build(args);
   } catch (error) {
     console.error(`turnpoint serve: ${error instanceof Error ? error.message : String(error)}`);
-    await close?.();
     return 2;
   }
-  server.installSignalHandlers();
-  process.stdout.write(`turnpoint: serving ${kind} ${args.instance} on ${args.host}:${server.port}\n`);
-  await server.waitForTermination();
-  await close?.();
-  return 0;
+  return serve(built, {
+    instance: args.instance,
+    root: args.root,
+    host: args.host,
+    port: args.port,
+    token: args.token,
+    allowInsecureNoAuth: args.insecureNoAuth,
+    graceS: args.graceS,
+    leaseS: args.leaseS,
+    ...(args.tlsCert !== undefined ? { tlsCertFile: args.tlsCert } : {}),
+    ...(args.tlsKey !== undefined ? { tlsKeyFile: args.tlsKey } : {}),
+    ...(args.tlsClientCa !== undefined ? { tlsClientCaFile: args.tlsClientCa } : {}),
+  });
 }

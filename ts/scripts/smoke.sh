@@ -51,14 +51,17 @@ start() {
 check() {
   echo "== turnpoint conformance against the TypeScript $1 ($2)"
   "$turnpoint" conformance --target "$2" --token-file "$work/token" \
-    --workload scripts/guess-workload.json --lease 0.5
+    --workload scripts/guess-workload.json --lease 0.5 "${@:3}"
 }
 
 status=0
 start tools node dist/examples/guess-resources.js --instance tools --root "$work/snapshots" \
   --verifier-log "$work/verifier-tools.jsonl"
 tools=$address
-check "resources server" "$tools" || status=1
+# A second, fresh process of it on the same root: the effects check restores the
+# session it recorded there and re-sends the call (docs/spec.md section 6.12).
+start tools-effects node dist/examples/guess-resources.js --instance tools --root "$work/snapshots"
+check "resources server" "$tools" --fresh-target "$address" || status=1
 
 # The equivalence check (docs/spec.md section 5.6): a second, fresh resources server of
 # the same instance over the same snapshot root takes the restores.

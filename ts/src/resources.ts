@@ -12,9 +12,16 @@
  * Hooks get an AbortSignal: it aborts when the caller cancels, or when a close or a
  * retire stops the request (the caller then gets STALE_ATTEMPT at once; the session is
  * freed only after the hook settled).
+ *
+ * A call or verify with a request id runs at most once per session (docs/spec.md
+ * section 6.12, ./effects.ts): its reply is recorded with the session, exported with it
+ * in the reserved payload field `turnpoint_effects` and restored with it, so a retry or
+ * a continued attempt re-sending the key gets the recorded reply and the hook does not
+ * run again; the key with another call is refused (EffectConflictError).
  */
 import type { ParticipantCore, WorkKey } from "./core.js";
 import { workKey } from "./core.js";
+import { EFFECTS_FIELD, EffectRecord, callFingerprint, checkSameCall, splitPayload } from "./effects.js";
 import { CancelledError, TurnpointError } from "./errors.js";
 import type { EpisodeId } from "./ids.js";
 import { episodeKey } from "./ids.js";
@@ -41,7 +48,10 @@ export interface ResourcesServer {
   readonly environment?: string;
   /** Create the episode's session (the task carries prompt_group_id, sibling_index, group_size). */
   seed(episode: EpisodeId, task: JsonObject, signal: AbortSignal): Promise<void>;
-  /** Run one tool call in the episode's session. */
+  /**
+   * Run one tool call in the episode's session. It runs once per call key: a call
+   * re-sent with its key is answered from the session's reply record (spec 6.12).
+   */
   call(episode: EpisodeId, tool: string, args: JsonObject, signal: AbortSignal): Promise<JsonObject>;
   /**
    * Score the episode's final answer. An EXPORTED session is not freed here: it stays
@@ -103,10 +113,26 @@ class Session {
   closing = false;
   /** Set once a verify succeeded on an exported session: sealed until retired. */
   verdict: Verdict | undefined = undefined;
+  /** Each keyed call's reply (spec 6.12), exported with the session. */
+  replies = new EffectRecord();
+  /** Keyed calls running now, by key. */
+  readonly pending = new Map<string, { operation: string; tool: string; fingerprint: string; done: Promise<void> }>();
 
   constructor(readonly episode: EpisodeId) {
     this.key = workKey(episode, SLOT);
   }
+}
+
+function identity<T>(value: T): T {
+  return value;
+}
+
+function verdictToJson(verdict: Verdict): JsonObject {
+  return { reward: verdict.reward, details: verdict.details ?? {} };
+}
+
+function verdictFromJson(recorded: JsonObject): Verdict {
+  return { reward: Number(recorded["reward"]), details: (recorded["details"] ?? {}) as JsonObject };
 }
 
 function settle(promise: Promise<unknown>): Promise<void> {
@@ -179,8 +205,48 @@ export class ResourcesHost implements KindHost {
     return false;
   }
 
-  call(episode: EpisodeId, tool: string, args: JsonObject, signal?: AbortSignal): Promise<JsonObject> {
-    return this.request(episode, (s) => this.server.call(episode, tool, args, s), false, signal);
+  /** Run one tool call; a `requestId` the session holds answers from its record. */
+  call(episode: EpisodeId, tool: string, args: JsonObject, signal?: AbortSignal, requestId = ""): Promise<JsonObject> {
+    if (!requestId) return this.request(episode, (s) => this.server.call(episode, tool, args, s), false, signal);
+    const fingerprint = callFingerprint("call", tool, args);
+    const run = (s: AbortSignal): Promise<JsonObject> => this.server.call(episode, tool, args, s);
+    return this.request(episode, (s) => this.once(episode, requestId, { operation: "call", tool, fingerprint }, () => run(s), identity, identity), false, signal);
+  }
+
+  /**
+   * Run a keyed call at most once per session (docs/spec.md section 6.12), as the
+   * request in flight. A key already recorded answers from the record; one running now
+   * is waited for (and run here if that run failed, since a failure records nothing).
+   */
+  private async once<T>(
+    episode: EpisodeId,
+    requestId: string,
+    call: { operation: string; tool: string; fingerprint: string },
+    run: () => Promise<T>,
+    encode: (value: T) => JsonObject,
+    decode: (recorded: JsonObject) => T,
+  ): Promise<T> {
+    const { operation, tool, fingerprint } = call;
+    const session = this.sessions.get(episodeKey(episode)) as Session;
+    for (;;) {
+      const recorded = session.replies.lookup(requestId, operation, tool, fingerprint);
+      if (recorded !== undefined) return decode(recorded);
+      const running = session.pending.get(requestId);
+      if (running === undefined) break;
+      checkSameCall(requestId, running, operation, tool, fingerprint);
+      await running.done;
+    }
+    let finished = (): void => undefined;
+    const done = new Promise<void>((resolve) => (finished = resolve));
+    session.pending.set(requestId, { ...call, done });
+    try {
+      const reply = await run();
+      session.replies.record(requestId, operation, tool, fingerprint, encode(reply));
+      return reply;
+    } finally {
+      session.pending.delete(requestId);
+      finished();
+    }
   }
 
   /**
@@ -191,17 +257,26 @@ export class ResourcesHost implements KindHost {
    * A REPLAY verify that finishes while a checkpoint is open replies after resume: its
    * session belongs to the frozen cut.
    */
-  async verify(episode: EpisodeId, answer: JsonObject, signal?: AbortSignal): Promise<Verdict> {
+  async verify(episode: EpisodeId, answer: JsonObject, signal?: AbortSignal, requestId = ""): Promise<Verdict> {
     const replayable = (this.server.verifyMode ?? "WAIT") === "REPLAY";
+    const scored = (s: AbortSignal): Promise<Verdict> => {
+      if (!requestId) return this.server.verify(episode, answer, s);
+      const call = { operation: "verify", tool: "", fingerprint: callFingerprint("verify", "", answer) };
+      return this.once(episode, requestId, call, () => this.server.verify(episode, answer, s), verdictToJson, verdictFromJson);
+    };
     if (this.recoveryMode !== "EXPORTED") {
-      const verdict = await this.request(episode, (s) => this.server.verify(episode, answer, s), replayable, signal);
+      const verdict = await this.request(episode, scored, replayable, signal);
       await this.closeSession(episode, signal);
       return verdict;
     }
     this.shared.core.checkAttempt(episode);
     const sealed = this.sessions.get(episodeKey(episode));
-    if (sealed !== undefined && !sealed.closing && sealed.verdict !== undefined) return sealed.verdict;
-    const verdict = await this.request(episode, (s) => this.server.verify(episode, answer, s), replayable, signal);
+    if (sealed !== undefined && !sealed.closing && sealed.verdict !== undefined) {
+      // Its own key re-sent with another answer is refused first (spec 6.12 item 3).
+      if (requestId) sealed.replies.lookup(requestId, "verify", "", callFingerprint("verify", "", answer));
+      return sealed.verdict;
+    }
+    const verdict = await this.request(episode, scored, replayable, signal);
     const session = this.sessions.get(episodeKey(episode));
     if (session !== undefined && !session.closing) session.verdict = verdict;
     while (!this.shared.core.admissionOpen) await this.shared.nextChange(null, signal);
@@ -356,20 +431,35 @@ export class ResourcesHost implements KindHost {
           episode: episodeKey(e),
         });
       }
-      return { episode: e, key: SLOT, payload: state };
+      return { episode: e, key: SLOT, payload: this.withReplies(e, state) };
     });
+  }
+
+  /** The session's payload: the server's state plus its reply record, if any. */
+  private withReplies(episode: EpisodeId, state: JsonObject): JsonObject {
+    if (EFFECTS_FIELD in state) {
+      throw new TurnpointError("INVALID_CHECKPOINT_STATE", `the resources server's export of ${episodeKey(episode)} uses the reserved field ${EFFECTS_FIELD}`, {
+        episode: episodeKey(episode),
+        field: EFFECTS_FIELD,
+      });
+    }
+    const session = this.sessions.get(episodeKey(episode));
+    if (session === undefined || session.replies.size === 0) return state;
+    return { ...state, [EFFECTS_FIELD]: session.replies.toJson() };
   }
 
   validate(record: Record): void {
     try {
-      this.server.validateSession?.(record.episode, record.payload);
+      const { state } = splitPayload(record.payload);
+      this.server.validateSession?.(record.episode, state);
     } catch (error) {
       throw invalidRecord(record, error instanceof Error ? error.message : String(error));
     }
   }
 
   async install(record: Record, episode: EpisodeId): Promise<WorkKey> {
-    await (this.server.restoreSession as NonNullable<ResourcesServer["restoreSession"]>)(record.episode, episode, record.payload);
+    const { state, replies } = splitPayload(record.payload);
+    await (this.server.restoreSession as NonNullable<ResourcesServer["restoreSession"]>)(record.episode, episode, state);
     // docs/spec.md section 5.6 item 4: a restore hook that installs nothing would let the
     // episode continue against an empty session; the server's own export must hold it.
     const present = await (this.server.exportSessions as NonNullable<ResourcesServer["exportSessions"]>)([episode]);
@@ -382,6 +472,7 @@ export class ResourcesHost implements KindHost {
       );
     }
     const session = new Session(episode);
+    if (replies !== null) session.replies = replies;
     this.shared.change((core) => {
       core.installRestored(session.key, 0, 0, this.shared.now());
       this.sessions.set(episodeKey(episode), session);

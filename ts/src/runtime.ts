@@ -1119,12 +1119,14 @@ export class ParticipantRuntime {
     return this.resourcesHost().seed(episode, task, signal);
   }
 
-  callTool(episode: EpisodeId, tool: string, args: JsonObject, signal?: AbortSignal): Promise<JsonObject> {
-    return this.resourcesHost().call(episode, tool, args, signal);
+  /** ResourcesService.Call; a `requestId` runs the tool once per session (spec 6.12). */
+  callTool(episode: EpisodeId, tool: string, args: JsonObject, signal?: AbortSignal, requestId = ""): Promise<JsonObject> {
+    return this.resourcesHost().call(episode, tool, args, signal, requestId);
   }
 
-  verify(episode: EpisodeId, answer: JsonObject, signal?: AbortSignal): Promise<Verdict> {
-    return this.resourcesHost().verify(episode, answer, signal);
+  /** ResourcesService.Verify, deduplicated by `requestId` like a call. */
+  verify(episode: EpisodeId, answer: JsonObject, signal?: AbortSignal, requestId = ""): Promise<Verdict> {
+    return this.resourcesHost().verify(episode, answer, signal, requestId);
   }
 
   closeSession(episode: EpisodeId, signal?: AbortSignal): Promise<boolean> {

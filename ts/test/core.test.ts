@@ -2,9 +2,10 @@
 import assert from "node:assert/strict";
 import { describe, it } from "node:test";
 
-import { FinishedCheckpoints, ParticipantCore, TurnpointError, episode } from "../src/index.js";
-import type { EpisodeState, Phase, WorkKey } from "../src/index.js";
-import { workKey } from "../src/core.js";
+import { FinishedCheckpoints, ParticipantCore, workKey } from "../src/core.js";
+import type { WorkKey } from "../src/core.js";
+import { TurnpointError, episode } from "../src/index.js";
+import type { EpisodeState, Phase } from "../src/index.js";
 
 function reason(fn: () => unknown): string {
   try {

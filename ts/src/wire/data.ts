@@ -29,6 +29,16 @@ import type { Door, Implementation } from "./door.js";
 
 /** Initial metadata a Run sends once the participant owns the attempt (section 6.1 item 2). */
 export const ACCEPTED_METADATA_KEY = "turnpoint-accepted";
+/** The longest data-plane request id (docs/spec.md section 2.8), as the Python servicer. */
+const MAX_REQUEST_ID = 256;
+
+/** A Call's or Verify's request id, bounded: the key of its reply record (section 6.12). */
+function dataRequestId(value: string): string {
+  if (value.length > MAX_REQUEST_ID) {
+    throw invalidArgument(`request_id is longer than ${MAX_REQUEST_ID} characters`, { field: "request_id", limit: String(MAX_REQUEST_ID) });
+  }
+  return value;
+}
 
 export function rolloutImplementation(runtime: ParticipantRuntime, door: Door, open: boolean): Implementation {
   const service = rollout.RolloutService;
@@ -137,7 +147,13 @@ export function resourcesImplementation(runtime: ParticipantRuntime, door: Door,
       resources.CallResponseSchema,
       async (request, context) => {
         if (!request.tool) throw invalidArgument("tool is required", { field: "tool" });
-        const output = await runtime.callTool(episodeFromProto(request.episode), request.tool, structToJson(request.arguments, "arguments"), context.signal);
+        const output = await runtime.callTool(
+          episodeFromProto(request.episode),
+          request.tool,
+          structToJson(request.arguments, "arguments"),
+          context.signal,
+          dataRequestId(request.requestId),
+        );
         return create(resources.CallResponseSchema, { header: header(), output: structFromJson(output) });
       },
       open,
@@ -148,7 +164,12 @@ export function resourcesImplementation(runtime: ParticipantRuntime, door: Door,
       resources.VerifyRequestSchema,
       resources.VerifyResponseSchema,
       async (request, context) => {
-        const verdict = await runtime.verify(episodeFromProto(request.episode), structToJson(request.answer, "answer"), context.signal);
+        const verdict = await runtime.verify(
+          episodeFromProto(request.episode),
+          structToJson(request.answer, "answer"),
+          context.signal,
+          dataRequestId(request.requestId),
+        );
         return create(resources.VerifyResponseSchema, { header: header(), reward: verdict.reward, details: structFromJson(verdict.details ?? {}) });
       },
       open,

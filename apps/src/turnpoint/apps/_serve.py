@@ -1,4 +1,9 @@
-"""The ``turnpoint serve`` command: run one example participant as a gRPC server."""
+"""The ``turnpoint serve`` command: run one participant as a gRPC server.
+
+Either an example Gym server (``--kind``, ``--example``) or your own participant,
+``turnpoint serve module:attribute``, with the same auth, health, reflection, drain and
+worker groups.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,15 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from turnpoint.apps.examples._build import EXAMPLES, ExampleSpec, build_example
+from turnpoint.apps.examples._build import (
+    EXAMPLES,
+    ExampleSpec,
+    Participant,
+    build_example,
+    build_participant,
+    kind_of,
+    load_participant,
+)
 from turnpoint.auth import load_token
 from turnpoint.ids import InvalidIdError, validate_id
 from turnpoint.participant_sdk import SnapshotStore
@@ -29,14 +42,29 @@ from turnpoint.storage import StorageError
 def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = sub.add_parser(
         "serve",
-        help="run one participant (an example Gym server) as a gRPC server",
+        help="run one participant (yours, or an example Gym server) as a gRPC server",
         description=(
-            "Run one example participant. The bearer token comes from $TURNPOINT_TOKEN or "
+            "Run one participant: your own, named module:attribute (an Agent, "
+            "ResourcesServer or PolicyModel instance, or a class or function that makes "
+            "one without arguments; the current directory is searched first), or an "
+            "example with --kind. The bearer token comes from $TURNPOINT_TOKEN or "
             "--token-file; without one the server refuses to start unless "
             "--insecure-no-auth is given."
         ),
     )
-    parser.add_argument("--kind", required=True, choices=sorted(EXAMPLES))
+    parser.add_argument(
+        "participant",
+        nargs="?",
+        metavar="MODULE:ATTRIBUTE",
+        help="your participant, for example my_env:Dealer",
+    )
+    parser.add_argument(
+        "--participant",
+        dest="participant_option",
+        metavar="MODULE:ATTRIBUTE",
+        help="the same as the positional argument",
+    )
+    parser.add_argument("--kind", choices=sorted(EXAMPLES), help="an example's kind")
     parser.add_argument("--example", help="which example (default: the kind's first)")
     parser.add_argument("--instance", help="instance name (default: <kind>-<port>)")
     parser.add_argument("--host", default="127.0.0.1")
@@ -125,8 +153,9 @@ def _serve_command(args: argparse.Namespace) -> int:
             args.instance, args.host, args.port = slot.instance, slot.host, slot.own_port
         elif args.workers < 1:
             raise ValueError(f"--workers must be at least 1, got {args.workers}")
+        own = _own_participant(args)
         token = load_token(args.token_file)
-        example = args.example or EXAMPLES[args.kind][0]
+        example = own or args.example or EXAMPLES[args.kind][0]
         if args.instance is not None:
             validate_id(args.instance, "instance")
         options = ServerOptions(
@@ -150,13 +179,28 @@ def _serve_command(args: argparse.Namespace) -> int:
         return 2
     if slot is None and args.workers > 1:
         return asyncio.run(_serve_group(args, options))
-    return asyncio.run(_serve(args, example, options, token, resources, slot))
+    return asyncio.run(_serve(args, example, options, token, resources, slot, own is not None))
+
+
+def _own_participant(args: argparse.Namespace) -> str | None:
+    """The ``module:attribute`` of your own participant, if one is named."""
+    reference: str | None = args.participant or args.participant_option
+    if args.participant and args.participant_option:
+        raise ValueError("name your participant once: positional or --participant")
+    if reference is None:
+        if args.kind is None:
+            raise ValueError("name a participant (module:attribute) or an example (--kind)")
+        return None
+    if args.kind is not None or args.example is not None:
+        raise ValueError("--kind and --example pick an example; drop them to serve your own")
+    return reference
 
 
 async def _serve_group(args: argparse.Namespace, options: ServerOptions) -> int:
     """The parent of ``--workers N``: it serves nothing itself; each worker runs this very
     command again, as one participant of the group (turnpoint.server._worker_group)."""
-    group_name = args.instance or f"{args.kind}-{secrets.token_hex(3)}"
+    kind = args.kind or "participant"
+    group_name = args.instance or f"{kind}-{secrets.token_hex(3)}"
     group = WorkerGroup(
         group_name,
         args.workers,
@@ -173,7 +217,7 @@ async def _serve_group(args: argparse.Namespace, options: ServerOptions) -> int:
     group.install_signal_handlers()
     for member in group.members:
         print(f"turnpoint: worker {member.instance} on {member.address}", flush=True)
-    print(f"turnpoint: serving {args.kind} {group_name} on {group.shared_address}", flush=True)
+    print(f"turnpoint: serving {kind} {group_name} on {group.shared_address}", flush=True)
     await group.wait_stopped()
     return 0 if await group.stop() else 1
 
@@ -185,7 +229,19 @@ async def _serve(
     token: str | None,
     resources: dict[str, str],
     slot: WorkerSlot | None,
+    own: bool = False,
 ) -> int:
+    """Serve one participant: the example ``example`` names, or (``own``) yours, whose
+    ``module:attribute`` ``example`` then is."""
+    participant: Participant | None = None
+    if own:
+        try:
+            # Made inside the loop: a gRPC client it opens belongs to this loop.
+            participant = load_participant(example)
+        except ValueError as error:
+            print(f"turnpoint serve: {error}", file=sys.stderr)
+            return 2
+        args.kind = kind_of(participant)
     instance = args.instance or f"{args.kind}-{secrets.token_hex(3)}"
     spec = ExampleSpec(
         instance=instance,
@@ -208,7 +264,10 @@ async def _serve(
         # A store that refuses the credentials, or a bucket that is not there: a clear
         # error now, not a failed commit at the first snapshot (docs/spec.md 8.12 item 6).
         await asyncio.to_thread(SnapshotStore(args.root).check)
-        runtime, closers = build_example(args.kind, example, spec)
+        if participant is not None:
+            runtime, closers = build_participant(participant, spec)
+        else:
+            runtime, closers = build_example(args.kind, example, spec)
     except (ValueError, OSError, StorageError) as error:
         print(f"turnpoint serve: {error}", file=sys.stderr)
         return 2

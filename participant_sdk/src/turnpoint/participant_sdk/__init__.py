@@ -24,8 +24,8 @@ Hosting: :class:`ParticipantRuntime` with its :class:`RuntimeConfig`, and the
 :class:`SnapshotStore` it writes :class:`Record` s to (:class:`SnapshotEntry` is what
 one participant's part of a snapshot holds).
 
-Errors (all :class:`turnpoint.errors.TurnpointError` carrying a
-:class:`turnpoint.errors.Reason`): :class:`ParticipantError`, :class:`TransientError`
+Errors (all :class:`turnpoint.errors.TurnpointError` carrying a :class:`Reason`, which
+is ``turnpoint.errors.Reason`` named here too): :class:`ParticipantError`, :class:`TransientError`
 (a hook's "try again"), :class:`ConfigurationError`, and the store's
 :class:`StoreError`, :class:`CorruptSnapshotError`, :class:`SnapshotConflictError`.
 
@@ -35,6 +35,7 @@ injector for tests is :mod:`turnpoint.participant_sdk.testing`; the protocol's
 vocabulary (phases, fences, readiness, receipts) is :mod:`turnpoint.protocol`.
 """
 
+from turnpoint.errors import Reason
 from turnpoint.protocol import RecoveryMode, VerifyMode
 
 from ._agent import Agent, EpisodeContext, SavedTurn
@@ -62,6 +63,7 @@ __all__ = [
     "ParticipantError",
     "ParticipantRuntime",
     "PolicyModel",
+    "Reason",
     "Record",
     "RecoveryMode",
     "ResourcesConnection",

@@ -356,7 +356,7 @@ class ResourcesHost:
             verdict = await self._request(episode, scored, replayable=replayable)
             await self.close(episode)
             return verdict
-        sealed = await self._sealed_verdict(episode)
+        sealed = await self._sealed_verdict(episode, request_id, answer)
         if sealed is not None:
             return sealed
         verdict = await self._request(episode, scored, replayable=replayable)
@@ -370,11 +370,20 @@ class ResourcesHost:
                 await shared.wait_change()
         return verdict
 
-    async def _sealed_verdict(self, episode: EpisodeId) -> Verdict | None:
+    async def _sealed_verdict(
+        self, episode: EpisodeId, request_id: str, answer: Mapping[str, Any]
+    ) -> Verdict | None:
+        """The verdict of a sealed session; its own key re-sent with another answer is
+        refused first (section 6.12 item 3), as on a session that is not sealed."""
         async with self._shared.changing() as core:
             core.check_attempt(episode)
             session = self._sessions.get(episode)
-            return None if session is None or session.closing else session.verdict
+            if session is None or session.closing or session.verdict is None:
+                return None
+            if request_id:
+                fingerprint = call_fingerprint("verify", "", answer)
+                session.replies.lookup(request_id, "verify", "", fingerprint)
+            return session.verdict
 
     async def close(self, episode: EpisodeId) -> bool:
         """End the session and stop its requests; never refused. False if there was none.

@@ -54,8 +54,15 @@ def add_conformance_parser(sub: argparse._SubParsersAction[argparse.ArgumentPars
         "--workload",
         metavar="FILE",
         help='JSON {"task": {...}, "answer": {...}, "generate": {"prompt_token_ids": [...], '
-        '"max_new_tokens": N}}: what to send on the data plane; without a task the '
-        "checks that need an episode are skipped",
+        '"max_new_tokens": N}, "call": {"tool": NAME, "arguments": {...}}}: what to send on '
+        "the data plane; without a task the checks that need an episode are skipped",
+    )
+    parser.add_argument(
+        "--fresh-target",
+        type=_address,
+        metavar="HOST:PORT",
+        help="a second, freshly started process of the target on the same snapshot root: "
+        "the effects check restores the target's session there and re-sends its call",
     )
     parser.add_argument(
         "--equivalence",
@@ -124,6 +131,7 @@ def conformance_command(args: argparse.Namespace) -> int:
             call_timeout_s=args.timeout,
             episode_timeout_s=args.episode_timeout,
             only=tuple(args.only),
+            fresh_target=args.fresh_target,
             restore_target=args.restore_target,
             snapshot_root=Path(args.snapshot_root) if args.snapshot_root else None,
         )

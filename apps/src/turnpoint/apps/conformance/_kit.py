@@ -77,7 +77,8 @@ class Workload:
     the checks that need an episode are skipped. ``answer`` is the Verify answer.
     ``generate`` is the prompt and length of a Generate (models). ``calls`` is a recorded
     episode of a resources server, ``[{"tool": NAME, "arguments": {...}}, ...]``, sent in
-    order after the seed: what the equivalence check replays (docs/spec.md section 5.6).
+    order after the seed: what the equivalence check replays (docs/spec.md section 5.6); the effects check
+    sends the first one with a key (section 6.12).
     """
 
     task: Mapping[str, Any] | None = None
@@ -280,10 +281,15 @@ class Kit:
         workload: Workload,
         lease_s: float,
         episode_bound_s: float,
+        fresh_target: Target | None = None,
         fresh: Kit | None = None,
         snapshot_root: Path | None = None,
     ) -> None:
         self.target = target
+        # A second, freshly started process of the target on the same snapshot root:
+        # what a check needs to restore work the target did (the target itself is no
+        # longer fresh once it served any).
+        self.fresh_target = fresh_target
         self.workload = workload
         # The equivalence check's second target, never given data-plane work but restores
         # (section 5.6), and the snapshot root both share, when the kit may write there.

@@ -27,6 +27,7 @@ from ._control_checks import (
     check_watch_boundaries,
 )
 from ._data_checks import check_acknowledge, check_admission, check_readiness, check_run_stream
+from ._effects_checks import check_effects
 from ._equivalence import check_equivalence, check_exported_sessions
 from ._kit import CheckFailed, CheckSkipped, Kit, Workload
 from ._lifecycle_checks import (
@@ -63,6 +64,7 @@ CHECKS: tuple[Check, ...] = (
     Check("resume", "4.9", check_resume),
     Check("commit", "4.8", check_commit),
     Check("restore", "4.10", check_restore),
+    Check("effects", "6.12", check_effects),
     Check("lease", "4.2", check_lease),
     Check("retire", "4.11", check_retire),
     Check("forget", "4.12", check_forget),
@@ -93,6 +95,8 @@ class ConformanceOptions:
     # root when the kit may write a damaged copy of a snapshot into it.
     restore_target: str | None = None
     snapshot_root: Path | None = None
+    # A second, freshly started process of the target on the same snapshot root.
+    fresh_target: str | None = None
 
 
 Progress = Callable[[CheckResult], None]
@@ -119,6 +123,9 @@ async def run_conformance(
         workload=options.workload,
         lease_s=options.lease_s,
         episode_bound_s=options.episode_timeout_s,
+        fresh_target=None
+        if options.fresh_target is None
+        else Target(options.fresh_target, options.token, call_timeout_s=options.call_timeout_s),
         fresh=fresh,
         snapshot_root=options.snapshot_root,
     )
@@ -149,6 +156,8 @@ async def run_conformance(
             report.left_behind = _left_behind(kit)
     finally:
         await target.close()
+        if kit.fresh_target is not None:
+            await kit.fresh_target.close()
         if fresh is not None:
             await fresh.target.close()
     return report

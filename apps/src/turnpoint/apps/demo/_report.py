@@ -30,7 +30,11 @@ A ``train_step`` sample may also carry ``turns``: the tokens training took from 
 
 The supervisor writes ``<out>/supervisor.jsonl`` (``crash`` and ``restart`` with their
 ``t``) and every verifier appends ``{verifier, rollout_id, attempt, reward}`` to
-``<out>/verifier-<instance>.jsonl``. The policy appends one line per generation it
+``<out>/verifier-<instance>.jsonl``, with ``executions``: the ids of the tool executions
+its session applied, in order (when the server logs them). A resources server that logs
+its tool executions appends one line per execution to the same file: ``tools``,
+``execution`` (an id unique in the run), ``rollout_id``, ``attempt``, ``turn``, ``reply``
+and ``t``. The policy appends one line per generation it
 streamed to ``<out>/generations-<instance>.jsonl`` as the stream ends: ``request_id``,
 ``rollout_id``, ``attempt``, ``prompt`` and ``tokens`` (token id lists), ``finished``
 (false when a checkpoint cut it or it was stopped), ``t_start`` and ``t_end``.
@@ -64,6 +68,16 @@ rollout the effective lineage trained, by the trained attempt or an earlier one.
 4. A cut a restored snapshot saved is continued: a generation cut within the snapshot's
    window, of a rollout whose next attempt was trained resumed from its saved turn, is
    trained, not generated again.
+
+**The tool-call audit** (docs/spec.md section 6.12), when the resources servers logged
+their executions. The history of a trained rollout is the list of executions its
+session had applied when the verifier scored it (the verifier entry of the trained
+attempt, or of the attempt it continued, whose reward training took). In it every turn
+of the rollout is applied exactly once (a call re-sent after a restore or a lost reply
+that ran the tool again shows as a turn applied twice), every execution is one a
+resources server logged, and the reply training took for each turn is the reply the
+tool gave. A turn answered in a later attempt than the one whose execution produced it
+(``answered_in`` in the trained turn) was *answered from the record*.
 """
 
 from __future__ import annotations
@@ -145,6 +159,9 @@ class TrainedTurn:
 
     prompt: tuple[int, ...]
     completion: tuple[int, ...]
+    # The tool's reply the turn carried, and the attempt that got it (tool-call audit).
+    reply: str | None = None
+    answered_in: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,10 +269,25 @@ class VerifierEntry:
     rollout_id: str
     attempt: int
     reward: float
+    # The tool executions the session had applied, in order; None when not logged.
+    executions: tuple[str, ...] | None = None
 
     @property
     def key(self) -> tuple[str, int]:
         return (self.rollout_id, self.attempt)
+
+
+@dataclass(frozen=True, slots=True)
+class ExecutionEntry:
+    """One run of a tool by a resources server."""
+
+    tools: str
+    execution: str
+    rollout_id: str
+    attempt: int
+    turn: int
+    reply: str
+    t: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -423,9 +455,13 @@ def parse_event(raw: Mapping[str, Any], where: str = "event") -> Event | None:
                     if not isinstance(turn, dict):
                         raise EventLogError(f"{what}: turns[{number}] must be an object")
                     fields_of_turn = _Fields(turn, f"{what} turns[{number}]")
+                    answered_in = turn.get("answered_in")
                     turns.append(
                         TrainedTurn(
-                            fields_of_turn.tokens("prompt"), fields_of_turn.tokens("completion")
+                            fields_of_turn.tokens("prompt"),
+                            fields_of_turn.tokens("completion"),
+                            fields_of_turn.optional_text("reply"),
+                            None if answered_in is None else fields_of_turn.integer("answered_in"),
                         )
                     )
             rollouts.append(
@@ -513,15 +549,48 @@ def parse_supervisor_events(raw_events: Iterable[Mapping[str, Any]]) -> list[Sup
 def parse_verifier_entries(
     raw_entries: Iterable[Mapping[str, Any]], source: str = "verifier log"
 ) -> list[VerifierEntry]:
+    """The verifier lines of a resources server's log (its tool executions skipped)."""
     entries = []
     for number, raw in enumerate(raw_entries, start=1):
+        if "execution" in raw:
+            continue
         fields = _Fields(raw, f"{source} line {number}")
+        executions = None
+        if raw.get("executions") is not None:
+            names = fields.items("executions")
+            if not all(isinstance(name, str) for name in names):
+                raise fields._wrong("executions", "a list of execution ids")
+            executions = tuple(names)
         entries.append(
             VerifierEntry(
                 fields.text("verifier"),
                 fields.text("rollout_id"),
                 fields.integer("attempt"),
                 fields.number("reward"),
+                executions,
+            )
+        )
+    return entries
+
+
+def parse_execution_entries(
+    raw_entries: Iterable[Mapping[str, Any]], source: str = "resources log"
+) -> list[ExecutionEntry]:
+    """The tool executions of a resources server's log (its verifier lines skipped)."""
+    entries = []
+    for number, raw in enumerate(raw_entries, start=1):
+        if "execution" not in raw:
+            continue
+        fields = _Fields(raw, f"{source} line {number}")
+        entries.append(
+            ExecutionEntry(
+                fields.text("tools"),
+                fields.text("execution"),
+                fields.text("rollout_id"),
+                fields.integer("attempt"),
+                fields.integer("turn"),
+                fields.text("reply"),
+                fields.number("t"),
             )
         )
     return entries
@@ -576,6 +645,8 @@ class RunLogs:
     verifier: tuple[VerifierEntry, ...]
     # Empty when no policy logged its generations (no token audit then).
     generations: tuple[GenerationEntry, ...] = ()
+    # Empty when no resources server logged its tool executions (no tool-call audit).
+    executions: tuple[ExecutionEntry, ...] = ()
 
 
 def load_run(out: Path) -> RunLogs:
@@ -583,12 +654,17 @@ def load_run(out: Path) -> RunLogs:
     events = parse_events(read_jsonl(out / "events.jsonl"))
     supervisor = parse_supervisor_events(read_jsonl(out / "supervisor.jsonl"))
     verifier: list[VerifierEntry] = []
+    executions: list[ExecutionEntry] = []
     for path in sorted(out.glob("verifier-*.jsonl")):
-        verifier.extend(parse_verifier_entries(read_jsonl(path), path.name))
+        lines = read_jsonl(path)
+        verifier.extend(parse_verifier_entries(lines, path.name))
+        executions.extend(parse_execution_entries(lines, path.name))
     generations: list[GenerationEntry] = []
     for path in sorted(out.glob("generations-*.jsonl")):
         generations.extend(parse_generation_entries(read_jsonl(path), path.name))
-    return RunLogs(events, tuple(supervisor), tuple(verifier), tuple(generations))
+    return RunLogs(
+        events, tuple(supervisor), tuple(verifier), tuple(generations), tuple(executions)
+    )
 
 
 # ---------------------------------------------------------------------- the audit
@@ -676,6 +752,28 @@ class TokenAudit:
 
 
 @dataclass(frozen=True, slots=True)
+class ToolAudit:
+    """The tool-call audit's counts (see the module docstring)."""
+
+    executed: int = 0
+    """Executions in the trained rollouts' histories: each a turn applied once."""
+    answered_from_record: int = 0
+    """Turns whose reply a later attempt got from the session's record."""
+    unaudited_rollouts: int = 0
+    """Trained rollouts whose verifier logged no history (a server that does not log)."""
+
+    @property
+    def line(self) -> str:
+        line = (
+            f"tool calls: {self.executed} executed, each once; "
+            f"{self.answered_from_record} answered from the record"
+        )
+        if self.unaudited_rollouts:
+            line += f" ({self.unaudited_rollouts} rollouts not audited: no history logged)"
+        return line
+
+
+@dataclass(frozen=True, slots=True)
 class AuditResult:
     passed: bool
     reason: str | None = None
@@ -685,6 +783,8 @@ class AuditResult:
     rolled_back_steps: int = 0
     # None when the token audit did not run (no turns or no generations logged).
     tokens: TokenAudit | None = None
+    # None when the tool-call audit did not run (no tool executions logged).
+    tools: ToolAudit | None = None
 
     @property
     def line(self) -> str:
@@ -703,13 +803,15 @@ def audit(
     expected_steps: int | None = None,
     groups_per_step: int | None = None,
     generations: Sequence[GenerationEntry] = (),
+    executions: Sequence[ExecutionEntry] = (),
 ) -> AuditResult:
     """The exactly-once audit of a finished run (see the module docstring).
 
     ``expected_steps`` and ``groups_per_step``, when given, are checked too: a run that
     stops early or trains short steps is not the run that was asked for. With
     ``generations`` (the policy's log) and the trained turns in the train steps, the
-    token audit runs too.
+    token audit runs too; with ``executions`` (the resources servers' logs), the
+    tool-call audit.
     """
     try:
         lineage = effective_lineage(log)
@@ -721,6 +823,7 @@ def audit(
         rollouts = _check_rollouts(log, lineage, group_size)
         _check_rewards(lineage, verifier)
         tokens = _check_tokens(log, lineage, generations)
+        tools = _check_tool_calls(lineage, verifier, executions)
     except _AuditFailure as failure:
         return AuditResult(False, str(failure), rolled_back_steps=len(lineage.rolled_back))
     return AuditResult(
@@ -731,6 +834,7 @@ def audit(
         rollouts=rollouts,
         rolled_back_steps=len(lineage.rolled_back),
         tokens=tokens,
+        tools=tools,
     )
 
 
@@ -870,13 +974,20 @@ def _check_rollouts(log: EventLog, lineage: Lineage, group_size: int) -> int:
 
 
 def _check_rewards(lineage: Lineage, verifier: Sequence[VerifierEntry]) -> None:
-    returned: dict[tuple[str, int], list[float]] = defaultdict(list)
+    """Each trained reward is one a verifier returned for that rollout: by the trained
+    attempt, or by an earlier one whose recorded verdict the trained attempt, continuing
+    its session, was answered with (docs/spec.md section 6.12)."""
+    returned: dict[str, list[tuple[int, float]]] = defaultdict(list)
     for entry in verifier:
-        returned[entry.key].append(entry.reward)
+        returned[entry.rollout_id].append((entry.attempt, entry.reward))
     for step in lineage.steps:
         for sample in step.rollouts:
             name = f"rollout {sample.rollout_id} attempt {sample.attempt}"
-            rewards = returned.get(sample.key)
+            rewards = [
+                reward
+                for attempt, reward in returned.get(sample.rollout_id, ())
+                if attempt <= sample.attempt
+            ]
             if not rewards:
                 raise _AuditFailure(
                     f"{name} was trained in step {step.step} but no verifier returned a "
@@ -887,6 +998,78 @@ def _check_rewards(lineage: Lineage, verifier: Sequence[VerifierEntry]) -> None:
                     f"{name} was trained with reward {sample.reward!r} but the verifier "
                     f"returned {_few(rewards)}"
                 )
+
+
+def _check_tool_calls(
+    lineage: Lineage, verifier: Sequence[VerifierEntry], executions: Sequence[ExecutionEntry]
+) -> ToolAudit | None:
+    """The tool-call audit (module docstring); None when no execution was logged."""
+    if not executions:
+        return None
+    by_id: dict[str, ExecutionEntry] = {}
+    for entry in executions:
+        if entry.execution in by_id:
+            raise _AuditFailure(f"tool execution {entry.execution} was logged twice")
+        by_id[entry.execution] = entry
+    histories: dict[str, list[VerifierEntry]] = defaultdict(list)
+    for verdict in verifier:
+        if verdict.executions is not None:
+            histories[verdict.rollout_id].append(verdict)
+    executed = from_record = unaudited = 0
+    for step in lineage.steps:
+        for sample in step.rollouts:
+            name = f"rollout {sample.rollout_id} attempt {sample.attempt}"
+            scored = [
+                v
+                for v in histories.get(sample.rollout_id, ())
+                if v.attempt <= sample.attempt and abs(v.reward - sample.reward) <= REWARD_TOLERANCE
+            ]
+            if not scored:
+                unaudited += 1
+                continue
+            history = max(scored, key=lambda v: v.attempt).executions or ()
+            applied: dict[int, ExecutionEntry] = {}
+            for execution_id in history:
+                logged = by_id.get(execution_id)
+                if logged is None:
+                    raise _AuditFailure(
+                        f"the session of {name} applied tool execution {execution_id}, "
+                        "which no resources server logged"
+                    )
+                entry = logged
+                if entry.rollout_id != sample.rollout_id or entry.attempt > sample.attempt:
+                    raise _AuditFailure(
+                        f"the session of {name} applied tool execution {execution_id} of "
+                        f"rollout {entry.rollout_id} attempt {entry.attempt}"
+                    )
+                twice = applied.get(entry.turn)
+                if twice is not None:
+                    raise _AuditFailure(
+                        f"turn {entry.turn} of {name} (trained in step {step.step}) was "
+                        f"applied twice: executions {twice.execution} (attempt "
+                        f"{twice.attempt}) and {entry.execution} (attempt {entry.attempt}) "
+                        "are both in its session's history"
+                    )
+                applied[entry.turn] = entry
+            executed += len(applied)
+            turns = sample.turns
+            if turns is None or any(turn.reply is None for turn in turns):
+                continue
+            if sorted(applied) != list(range(len(turns))):
+                raise _AuditFailure(
+                    f"{name} trained {len(turns)} turns but its session applied the calls "
+                    f"of turns {sorted(applied)}"
+                )
+            for index, turn in enumerate(turns):
+                ran = applied[index]
+                if turn.reply != ran.reply:
+                    raise _AuditFailure(
+                        f"turn {index} of {name} was trained with the reply {turn.reply!r} "
+                        f"but the tool's execution {ran.execution} replied {ran.reply!r}"
+                    )
+                if turn.answered_in is not None and turn.answered_in > ran.attempt:
+                    from_record += 1
+    return ToolAudit(executed, from_record, unaudited)
 
 
 def _check_tokens(
@@ -1188,6 +1371,7 @@ def build_report(
         expected_steps=expected_steps,
         groups_per_step=groups_per_step,
         generations=logs.generations,
+        executions=logs.executions,
     )
     try:
         lineage = effective_lineage(events)
@@ -1288,5 +1472,7 @@ def render_report(
         console.print(Text(f"timeline: {timeline}"), soft_wrap=True)
     if report.audit.tokens is not None:
         console.print(Text(report.audit.tokens.line), soft_wrap=True)
+    if report.audit.tools is not None:
+        console.print(Text(report.audit.tools.line), soft_wrap=True)
     style = "bold green" if report.audit.passed else "bold red"
     console.print(Text(report.audit.line, style=style), soft_wrap=True)

@@ -461,17 +461,27 @@ def _env_seed(seed: int, group: int) -> int:
     return seed * 1_000_003 + group
 
 
-def _trained_turns(result: RolloutResult) -> list[dict[str, list[int]]]:
-    """The tokens training took from one rollout: each turn's prompt and completion, as
-    :meth:`DemoTrainer._train` reads them (the demo's token audit)."""
+def _trained_turns(result: RolloutResult) -> list[dict[str, Any]]:
+    """What training took from one rollout: each turn's prompt and completion, as
+    :meth:`DemoTrainer._train` reads them (the demo's token audit), with the tool's reply
+    and the attempt that got it (the audit of tool calls)."""
     if result.outcome is not RolloutOutcome.COMPLETED:
         return []
     output = result.output
     prompts = output.get("prompts", [])
-    return [
-        {"prompt": [int(t) for t in prompt], "completion": [int(t) for t in turn["completion"]]}
-        for prompt, turn in zip(prompts, output.get("turns", []), strict=False)
-    ]
+    answered = output.get("answered_in", [])
+    trained = []
+    for index, (prompt, turn) in enumerate(zip(prompts, output.get("turns", []), strict=False)):
+        entry: dict[str, Any] = {
+            "prompt": [int(t) for t in prompt],
+            "completion": [int(t) for t in turn["completion"]],
+        }
+        if isinstance(turn.get("reply"), str):  # the guess tool's reply (not a token)
+            entry["reply"] = turn["reply"]
+        if index < len(answered):
+            entry["answered_in"] = int(answered[index])
+        trained.append(entry)
+    return trained
 
 
 def _restored_by_instance(resumed: Resumed) -> dict[str, dict[str, int]]:

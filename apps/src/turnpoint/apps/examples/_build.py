@@ -1,12 +1,23 @@
-"""Build the example Gym servers as participant runtimes (what ``turnpoint serve`` runs)."""
+"""Build participant runtimes for ``turnpoint serve``: an example Gym server, or your own
+participant named ``module:attribute``."""
 
 from __future__ import annotations
 
+import importlib
+import inspect
+import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from turnpoint.participant_sdk import ParticipantRuntime, RuntimeConfig, SnapshotStore
+from turnpoint.participant_sdk import (
+    Agent,
+    ParticipantRuntime,
+    PolicyModel,
+    ResourcesServer,
+    RuntimeConfig,
+    SnapshotStore,
+)
 from turnpoint.participant_sdk.testing import StoreFaults
 
 
@@ -127,3 +138,86 @@ def build_example(
         return ParticipantRuntime(spec.instance, store, agent=agent, config=config), closers
     known = ", ".join(EXAMPLES.get(kind, ()))
     raise ValueError(f"no example {example!r} for kind {kind!r}; choose one of: {known}")
+
+
+Participant = Agent | ResourcesServer | PolicyModel
+_KINDS = (Agent, ResourcesServer, PolicyModel)
+
+
+class ParticipantReferenceError(ValueError):
+    """``module:attribute`` does not name a participant ``turnpoint serve`` can host."""
+
+
+def load_participant(reference: str) -> Participant:
+    """The participant ``module:attribute`` names: an instance of :class:`Agent`,
+    :class:`ResourcesServer` or :class:`PolicyModel`, a class of one (constructed
+    without arguments) or a function returning one (called without arguments).
+
+    The current directory is searched first, as ``python -m`` does, so a module next to
+    where the command runs is found.
+    """
+    module_name, sep, attribute = reference.partition(":")
+    if not sep or not module_name or not attribute:
+        raise ParticipantReferenceError(
+            f"a participant is named module:attribute (for example my_env:Dealer), "
+            f"got {reference!r}"
+        )
+    if "" not in sys.path and str(Path.cwd()) not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ParticipantReferenceError(f"cannot import {module_name!r}: {error}") from None
+    found: object = module
+    for part in attribute.split("."):
+        if not hasattr(found, part):
+            raise ParticipantReferenceError(f"module {module_name!r} has no {attribute!r}")
+        found = getattr(found, part)
+    if isinstance(found, _KINDS):
+        return found
+    if inspect.isclass(found) and not issubclass(found, _KINDS):
+        raise ParticipantReferenceError(_not_a_participant(reference, found))
+    if not callable(found):
+        raise ParticipantReferenceError(_not_a_participant(reference, found))
+    # Your constructor's own errors surface as they are, traceback and all.
+    made = found()
+    if not isinstance(made, _KINDS):
+        raise ParticipantReferenceError(_not_a_participant(reference, made))
+    return made
+
+
+def _not_a_participant(reference: str, found: object) -> str:
+    return (
+        f"{reference} is {found!r}: not an Agent, ResourcesServer or PolicyModel (from "
+        "turnpoint.participant_sdk), nor a class or function that makes one"
+    )
+
+
+def kind_of(participant: Participant) -> str:
+    """The kind ``turnpoint serve`` reports for a participant: agent, resources or model."""
+    if isinstance(participant, Agent):
+        return "agent"
+    if isinstance(participant, ResourcesServer):
+        return "resources"
+    return "model"
+
+
+def build_participant(
+    participant: Participant, spec: ExampleSpec
+) -> tuple[ParticipantRuntime, list[Callable[[], Awaitable[None]]]]:
+    """Your own participant as a runtime, plus what to close after it (its ``aclose``)."""
+    store = SnapshotStore(
+        spec.root, faults=StoreFaults.from_spec(spec.faults) if spec.faults else None
+    )
+    config = RuntimeConfig(default_lease_s=spec.lease_s)
+    if isinstance(participant, Agent):
+        runtime = ParticipantRuntime(spec.instance, store, agent=participant, config=config)
+    elif isinstance(participant, ResourcesServer):
+        runtime = ParticipantRuntime(spec.instance, store, resources=participant, config=config)
+    else:
+        runtime = ParticipantRuntime(spec.instance, store, model=participant, config=config)
+    closers: list[Callable[[], Awaitable[None]]] = []
+    aclose = getattr(participant, "aclose", None)
+    if aclose is not None and inspect.iscoroutinefunction(aclose):
+        closers.append(aclose)
+    return runtime, closers

@@ -7,15 +7,20 @@
 - :class:`GroupGuessTools` (RESOURCES, environment ``guess-group``): the same tool and a
   group-scored verifier (each sibling's verify waits for all N siblings), declared
   ``REPLAY``.
-- :class:`GuessAgent` (AGENT): the multi-turn episode: each turn one model call and one
+- :class:`GuessAgent` (AGENT): the multi-turn episode: each turn one generation and one
   tool call, then a sealed boundary; finally a verify.
 
 The shape that keeps checkpoints cheap: the agent seals a boundary as soon as it accepts
-an episode (turn 0), and every call it makes after a boundary (seed, the turn's model and
-tool calls, verify) goes through ``ctx.model_call``, so the episode counts as parked at
-that boundary while it waits on servers that a checkpoint holds closed. Each such call is
-safe to issue again after a restore: seeding is idempotent, a tool call names its turn and
-is answered from the session as it was before that turn, and a verify may replay.
+an episode (turn 0), and every call it makes after a boundary (``ctx.seed``, the turn's
+``ctx.generate`` and ``ctx.call``, ``ctx.verify``) is a parked call, so the episode counts
+as parked at that boundary while it waits on servers that a checkpoint holds closed. Each
+such call is safe to issue again after a restore: seeding is idempotent, the generation is
+saved with the boundary, and a tool call or verify re-sent with its key is answered from
+the session's reply record (docs/spec.md section 6.12), so the tool runs once.
+
+The resources servers log every tool execution (``tools`` lines of their log) and the
+history of executions each session applied, which the demo's audit checks: each call
+applied once, and the reply the agent trained with the one the tool gave.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hashlib
 import json
 import os
 import pickle
@@ -65,7 +71,7 @@ from turnpoint.participant_sdk import (
     Verdict,
     VerifyMode,
 )
-from turnpoint.server import generate_chunk_from_proto
+from turnpoint.server import ResourcesClient, generate_chunk_from_proto
 from turnpoint.v1 import (
     policy_service_pb2,
     policy_service_pb2_grpc,
@@ -300,10 +306,14 @@ class GuessTools(ResourcesServer):
         self, name: str = "tools", log: VerifierLog | None = None, *, hold: FileGate | None = None
     ) -> None:
         self.name = name
+        # Every reward returned and every tool execution (the demo's audit reads both).
         self.log = log or VerifierLog(None)
         self.hold = hold
-        # Per episode: the task, and the tool session before each turn (index = turn).
+        # Per episode: the task, the tool session after each call applied (the first
+        # entry before any), and the id of each execution applied, in order.
         self.sessions: dict[EpisodeId, dict[str, Any]] = {}
+        self._execution_ids = f"{name}-{os.getpid()}-{secrets.token_hex(3)}"
+        self.executions = 0
 
     async def seed(self, episode: EpisodeId, task: Mapping[str, Any]) -> None:
         if not isinstance(task.get("task"), Mapping):
@@ -321,6 +331,7 @@ class GuessTools(ResourcesServer):
                 "prompt_group_id": str(task.get("prompt_group_id", "")),
                 "sibling_index": int(task.get("sibling_index", 0)),
                 "history": [ToolSession().to_dict()],
+                "executions": [],
             }
 
     def _session(self, episode: EpisodeId) -> dict[str, Any]:
@@ -334,6 +345,9 @@ class GuessTools(ResourcesServer):
     async def call(
         self, episode: EpisodeId, tool: str, arguments: Mapping[str, Any]
     ) -> Mapping[str, Any]:
+        """Apply one ``check`` to the session: not idempotent (each call counts against
+        the task's turn budget), so a call must run once; the SDK's reply record makes a
+        re-sent call (docs/spec.md section 6.12) answer without coming here."""
         if self.hold is not None:
             await self.hold.wait()
         if tool != "check":
@@ -341,15 +355,26 @@ class GuessTools(ResourcesServer):
         session = self._session(episode)
         task = Task.from_dict(session["task"])
         with _bad_input("arguments"):
-            turn = int(arguments.get("turn", len(session["history"]) - 1))
-            if not 0 <= turn < len(session["history"]):
-                raise ValueError(f"turn {turn} is not a turn of this session")
             guess = arguments.get("guess")
             guess = int(guess) if guess is not None else None
-        history: list[dict[str, Any]] = session["history"][: turn + 1]
-        before = ToolSession.from_dict(history[-1])
+            # The agent's turn, for the audit only: the tool applies calls in order.
+            turn = int(arguments.get("turn", len(session["executions"])))
+        before = ToolSession.from_dict(session["history"][-1])
         result = tool_call(task, before, {"guess": guess})
-        session["history"] = [*history, result.session.to_dict()]
+        self.executions += 1
+        execution = f"{self._execution_ids}-{self.executions}"
+        session["history"].append(result.session.to_dict())
+        session["executions"].append(execution)
+        self.log.write(
+            tools=self.name,
+            execution=execution,
+            rollout_id=episode.rollout_id,
+            attempt=episode.attempt,
+            turn=turn,
+            guess=guess,
+            reply=result.reply.value,
+            t=time.time(),
+        )
         return {"reply": result.reply.value}
 
     async def verify(self, episode: EpisodeId, answer: Mapping[str, Any]) -> Verdict:
@@ -362,6 +387,7 @@ class GuessTools(ResourcesServer):
             rollout_id=episode.rollout_id,
             attempt=episode.attempt,
             reward=reward,
+            executions=list(session["executions"]),
         )
         return Verdict(reward, {"verifier": self.name})
 
@@ -377,6 +403,9 @@ class GuessTools(ResourcesServer):
         Task.from_dict(state["task"])
         for item in state["history"]:
             ToolSession.from_dict(item)
+        executions = state["executions"]
+        if not isinstance(executions, list) or len(executions) != len(state["history"]) - 1:
+            raise ValueError("a guess session names one execution per call it applied")
 
     async def restore_session(
         self, saved: EpisodeId, episode: EpisodeId, state: Mapping[str, Any]
@@ -438,6 +467,7 @@ class GroupGuessTools(GuessTools):
             rollout_id=episode.rollout_id,
             attempt=episode.attempt,
             reward=reward,
+            executions=list(session["executions"]),
         )
         return Verdict(reward, {"verifier": self.name, "group": group_id})
 
@@ -468,8 +498,27 @@ def _guesses(answer: Mapping[str, Any]) -> list[int | None]:
     return [None if g is None else int(g) for g in raw]
 
 
+def sampling_seed(rollout_id: str, turn: int, offset: int = 0) -> int:
+    """The sampling seed of one generation: the rollout's turn, and the tokens already
+    generated in it (a continuation after a cut).
+
+    The same on every attempt and every process (a digest, not ``hash``, which Python
+    salts per process): a restored attempt that asks a turn again samples what the lost
+    one would have with the same weights, so the turn's keyed tool call is the same call.
+    """
+    digest = hashlib.sha256(f"{rollout_id}:{turn}:{offset}".encode()).digest()
+    return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
+
+
 class GuessAgent(Agent):
-    """Plays the guessing task against the policy server and the environment's resources."""
+    """Plays the guessing task against the policy server and the environment's resources.
+
+    Its tool calls go through ``ctx.seed``, ``ctx.call`` and ``ctx.verify`` over a
+    :class:`~turnpoint.server.ResourcesClient` per environment: keyed, retried, answered
+    from the session's record when re-sent. Each turn's generation goes through
+    ``ctx.generate``, which saves it with the boundary, so a restored attempt makes the
+    turn's call with the same guess.
+    """
 
     def __init__(
         self,
@@ -484,25 +533,20 @@ class GuessAgent(Agent):
         if not turn_delay_s >= 0:
             raise ValueError(f"turn_delay_s must be >= 0, got {turn_delay_s}")
         # docs/spec.md section 5.5: generations go through ctx.generate, which lets the
-        # policy cut them at a checkpoint and continues them from their prefix.
+        # policy cut them at a checkpoint (when this is set) and continues them from
+        # their prefix.
         self.cuts_generations = cut_generations
         self._metadata = auth_metadata(token) if token else ()
         self._policy_channel = data_channel(policy_address)
         self._policy: PolicyServiceAsyncStub = policy_service_pb2_grpc.PolicyServiceStub(
             self._policy_channel
         )
-        self._channels = [self._policy_channel]
-        self._resources: dict[str, ResourcesServiceAsyncStub] = {
-            env: resources_service_pb2_grpc.ResourcesServiceStub(self._open(address))
+        self._resources = {
+            env: ResourcesClient(address, token=token)
             for env, address in resources_addresses.items()
         }
         self._temperature = temperature
         self._turn_delay_s = turn_delay_s
-
-    def _open(self, address: str) -> Any:
-        channel = data_channel(address)
-        self._channels.append(channel)
-        return channel
 
     async def run(self, ctx: EpisodeContext, task: Mapping[str, Any]) -> Mapping[str, Any]:
         episode = ctx.episode
@@ -512,25 +556,29 @@ class GuessAgent(Agent):
         saved = ctx.restored
         turns = [Turn.from_dict(t) for t in saved.state["turns"]] if saved else []
         versions: list[int] = list(saved.state.get("versions", [])) if saved else []
+        # Per turn, the attempt that got its tool reply (the demo's audit of effects).
+        answered: list[int] = list(saved.state.get("answered_in", [])) if saved else []
         if saved is None:
             # Boundary 0: the episode is accepted and owns nothing yet; everything after
             # it is a call that may be issued again after a restore.
-            await ctx.boundary(0, {"turns": [], "versions": []})
-        await ctx.model_call(lambda: self._seed(resources, episode, task))
+            await ctx.boundary(0, {"turns": [], "versions": [], "answered_in": []})
+        await ctx.seed(resources, {"group_size": 1, **task})
         while not is_finished(prompt, turns):
-            if self.cuts_generations:
-                completion, reply, version = await self._cut_turn(ctx, resources, prompt, turns)
-            else:
-                completion, reply, version = await ctx.model_call(
-                    lambda: self._turn(resources, episode, prompt, turns)
-                )
+            completion, version = await self._generate(ctx, prompt, turns)
+            reply = await self._check(ctx, resources, len(turns), completion)
             turns.append(Turn(tuple(completion), reply))
             versions.append(version)
+            answered.append(episode.attempt)
             await ctx.boundary(
-                len(turns), {"turns": [t.to_dict() for t in turns], "versions": versions}
+                len(turns),
+                {
+                    "turns": [t.to_dict() for t in turns],
+                    "versions": versions,
+                    "answered_in": answered,
+                },
             )
         guesses = list(episode_answer(turns))
-        reward = await ctx.model_call(lambda: self._verify(resources, episode, guesses))
+        verdict = await ctx.verify(resources, {"guesses": guesses})
         return {
             "environment": environment,
             "prompt_group_id": str(task.get("prompt_group_id", "")),
@@ -539,38 +587,23 @@ class GuessAgent(Agent):
             "prompts": [encode_context(prompt, turns[:k]) for k in range(len(turns))],
             "guesses": guesses,
             "weights_versions": versions,
-            "reward": reward,
+            "answered_in": answered,
+            "reward": verdict.reward,
         }
 
-    async def _seed(
-        self,
-        resources: ResourcesServiceAsyncStub,
-        episode: EpisodeId,
-        task: Mapping[str, Any],
-    ) -> None:
-        await resources.SeedSession(
-            resources_service_pb2.SeedSessionRequest(
-                request_id=f"seed-{episode.rollout_id}-{episode.attempt}",
-                episode=episode_to_proto(episode),
-                prompt_group_id=str(task.get("prompt_group_id", "")),
-                sibling_index=int(task.get("sibling_index", 0)),
-                group_size=int(task.get("group_size", 1)),
-                task=struct_from_mapping(task),
-            ),
-            metadata=self._metadata,
-            timeout=120,
-        )
+    async def _generate(
+        self, ctx: EpisodeContext, prompt: Task, turns: Sequence[Turn]
+    ) -> tuple[list[int], int]:
+        """The turn's completion and the weights version that ended it.
 
-    async def _cut_turn(
-        self,
-        ctx: EpisodeContext,
-        resources: ResourcesServiceAsyncStub,
-        prompt: Task,
-        turns: Sequence[Turn],
-    ) -> tuple[list[int], Reply, int]:
-        """One turn whose generation a checkpoint may cut (docs/spec.md section 5.5)."""
+        Through ``ctx.generate``: saved with the boundary once it finishes, so a restore
+        after it (the tool call still to come) does not sample the turn again; cut at a
+        checkpoint and continued when the agent ``cuts_generations`` (section 5.5).
+        """
         episode, turn = ctx.episode, len(turns)
         if self._turn_delay_s:
+            # The latency of a real model or tool, parked at the boundary: every
+            # snapshot cuts episodes mid-way instead of between them.
             await ctx.model_call(lambda: asyncio.sleep(self._turn_delay_s))
 
         def stream(request: GenerationRequest) -> AsyncIterator[GenerateChunk]:
@@ -579,10 +612,8 @@ class GuessAgent(Agent):
         generation = await ctx.generate(
             encode_context(prompt, turns), MAX_NEW_TOKENS_PER_TURN, stream
         )
-        completion = list(generation.token_ids)
         version = generation.weights_versions[-1] if generation.weights_versions else 0
-        reply = await ctx.model_call(lambda: self._check(resources, episode, turn, completion))
-        return completion, reply, version
+        return list(generation.token_ids), version
 
     async def _stream(
         self, episode: EpisodeId, turn: int, request: GenerationRequest
@@ -595,7 +626,7 @@ class GuessAgent(Agent):
                 prompt_token_ids=request.prompt_token_ids,
                 max_new_tokens=request.max_new_tokens,
                 temperature=self._temperature,
-                seed=hash((episode.rollout_id, episode.attempt, turn, done)) & 0x7FFFFFFF,
+                seed=sampling_seed(episode.rollout_id, turn, done),
                 accept_cut=request.accept_cut,
             ),
             metadata=self._metadata,
@@ -604,42 +635,10 @@ class GuessAgent(Agent):
         async for chunk in call:
             yield generate_chunk_from_proto(chunk)
 
-    async def _turn(
-        self,
-        resources: ResourcesServiceAsyncStub,
-        episode: EpisodeId,
-        prompt: Task,
-        turns: Sequence[Turn],
-    ) -> tuple[list[int], Reply, int]:
-        turn = len(turns)
-        if self._turn_delay_s:
-            # The latency of a real model or tool: the episode waits here parked at its
-            # boundary (this runs inside ctx.model_call), so every snapshot cuts
-            # episodes mid-way instead of between them.
-            await asyncio.sleep(self._turn_delay_s)
-        completion: list[int] = []
-        version = 0
-        call = self._policy.Generate(
-            policy_service_pb2.GenerateRequest(
-                request_id=f"gen-{episode.rollout_id}-{episode.attempt}-{turn}",
-                episode=episode_to_proto(episode),
-                prompt_token_ids=encode_context(prompt, turns),
-                max_new_tokens=MAX_NEW_TOKENS_PER_TURN,
-                temperature=self._temperature,
-                seed=hash((episode.rollout_id, episode.attempt, turn)) & 0x7FFFFFFF,
-            ),
-            metadata=self._metadata,
-            timeout=120,
-        )
-        async for chunk in call:
-            completion.extend(chunk.token_ids)
-            version = chunk.weights_version
-        return completion, await self._check(resources, episode, turn, completion), version
-
     async def _check(
         self,
-        resources: ResourcesServiceAsyncStub,
-        episode: EpisodeId,
+        ctx: EpisodeContext,
+        resources: ResourcesClient,
         turn: int,
         completion: Sequence[int],
     ) -> Reply:
@@ -647,38 +646,13 @@ class GuessAgent(Agent):
             (t - int(Token.DIGIT_0) for t in completion if Token.DIGIT_0 <= t <= Token.DIGIT_9),
             None,
         )
-        answer = await resources.Call(
-            resources_service_pb2.CallRequest(
-                request_id=f"call-{episode.rollout_id}-{episode.attempt}-{turn}",
-                episode=episode_to_proto(episode),
-                tool="check",
-                arguments=struct_from_mapping({"guess": guess, "turn": turn}),
-            ),
-            metadata=self._metadata,
-            timeout=120,
-        )
-        return Reply(struct_to_dict(answer.output)["reply"])
-
-    async def _verify(
-        self,
-        resources: ResourcesServiceAsyncStub,
-        episode: EpisodeId,
-        guesses: list[int | None],
-    ) -> float:
-        response = await resources.Verify(
-            resources_service_pb2.VerifyRequest(
-                request_id=f"verify-{episode.rollout_id}-{episode.attempt}",
-                episode=episode_to_proto(episode),
-                answer=struct_from_mapping({"guesses": guesses}),
-            ),
-            metadata=self._metadata,
-            timeout=300,
-        )
-        return float(response.reward)
+        output = await ctx.call(resources, "check", {"guess": guess, "turn": turn})
+        return Reply(output["reply"])
 
     async def aclose(self) -> None:
-        for channel in self._channels:
-            await channel.close(None)
+        await self._policy_channel.close(None)
+        for client in self._resources.values():
+            await client.aclose()
 
 
 class PlayAgent(Agent):
