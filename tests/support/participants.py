@@ -76,20 +76,25 @@ class ControlDoor:
         self._pending: dict[str, asyncio.Future[pb.ControlSessionResponse]] = {}
         self._reader: asyncio.Task[None] | None = None
         self._broken: grpc.aio.AioRpcError | None = None
+        self._answered = False
 
     async def call(self, request: Any, timeout_s: float = 10.0) -> Any:
-        operation, method = _OPERATION_OF[type(request)]
+        operation, _method = _OPERATION_OF[type(request)]
         if self.door == "unary":
-            try:
-                return await getattr(self._stub, method)(
-                    request, timeout=timeout_s, metadata=self._metadata
-                )
-            except grpc.aio.AioRpcError as error:
-                carried = error_from_rpc(error)
-                if carried is not None:
-                    raise carried from None
-                raise
+            return await self._unary(request, timeout_s)
         return await self._session_call(operation, request, timeout_s)
+
+    async def _unary(self, request: Any, timeout_s: float) -> Any:
+        _operation, method = _OPERATION_OF[type(request)]
+        try:
+            return await getattr(self._stub, method)(
+                request, timeout=timeout_s, metadata=self._metadata
+            )
+        except grpc.aio.AioRpcError as error:
+            carried = error_from_rpc(error)
+            if carried is not None:
+                raise carried from None
+            raise
 
     async def _session_call(self, operation: str, request: Any, timeout_s: float) -> Any:
         if self._session is None:
@@ -106,7 +111,28 @@ class ControlDoor:
         message = pb.ControlSessionRequest(request_id=rid, timeout=duration_from_seconds(timeout_s))
         getattr(message, operation).CopyFrom(request)
         try:
-            await self._session.write(message)
+            try:
+                await self._session.write(message)
+            except asyncio.InvalidStateError:
+                # The participant ended the session before this write (it refused it: a
+                # bad token): the reader holds the stream's status, its verdict.
+                assert self._reader is not None
+                await asyncio.wait_for(asyncio.shield(self._reader), timeout_s)
+                if self._broken is None:
+                    raise
+                raise self._broken from None
+            except grpc.aio.AioRpcError as error:
+                if (
+                    not self._answered
+                    and error.code() is grpc.StatusCode.INTERNAL
+                    and error_from_rpc(error) is None
+                ):
+                    # A write that races the session's refusal makes gRPC end the call
+                    # INTERNAL, and the participant's verdict is lost (seen 4 times in 300
+                    # tries). As the coordinator does with a session that failed before
+                    # any answer (trainer/control/client.py), ask on the unary door.
+                    return await self._unary(request, timeout_s)
+                raise
             response = await asyncio.wait_for(future, timeout_s + 5)
         except grpc.aio.AioRpcError as error:
             # The participant refused the session itself (a bad token): its verdict.
@@ -128,6 +154,7 @@ class ControlDoor:
     async def _read(self) -> None:
         try:
             async for response in self._session:
+                self._answered = True
                 future = self._pending.pop(response.request_id, None)
                 if future is not None and not future.done():
                     future.set_result(response)
