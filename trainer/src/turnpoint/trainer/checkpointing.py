@@ -478,6 +478,11 @@ class Checkpointing:
                 self._history_log.append(self.history.closed_record(now=time.monotonic()))
         finally:
             await self._stack.aclose()
+            # The driver calls back into this object (its transitions, the manifest's
+            # extra), a cycle only the garbage collector would end: a multi-rank
+            # anchor's process groups then lived until interpreter teardown, where gloo
+            # aborts the process (exit -6) on a clean exit. Dropping the pump ends it.
+            self._pump = None
 
     async def _snapshot_at_exit(self) -> None:
         if self._preempted.is_set():
