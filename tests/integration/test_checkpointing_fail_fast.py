@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -137,3 +139,21 @@ async def test_no_final_snapshot_after_the_run_ended_on_a_lost_participant(
         await ckpt.aclose()
     assert ckpt.reports == []
     assert SnapshotLayout(topology.root).latest() is None
+
+
+async def test_a_closed_facade_is_freed_without_the_garbage_collector(tmp_path: Path) -> None:
+    # What a trainer closes must not wait for the cyclic garbage collector: a multi-rank
+    # anchor's process groups that live until interpreter teardown abort the process
+    # there (exit -6, tests/e2e/test_multirank_anchor.py). Refcounting alone frees it.
+    async with start_topology(tmp_path / "p", agents=1, group_size=GROUP_SIZE) as topology:
+        ckpt = _facade(topology)
+        async with ckpt:
+            ckpt.dispatch(_parked(ckpt.agents))
+            await ckpt.snapshot_now()
+        freed = weakref.ref(ckpt)
+        gc.disable()
+        try:
+            del ckpt
+            assert freed() is None, gc.get_referrers(freed())
+        finally:
+            gc.enable()
