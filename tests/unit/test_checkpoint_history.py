@@ -309,11 +309,22 @@ def test_a_restored_snapshot_whose_report_the_crash_took_is_shown_published() ->
 
     after = CheckpointHistory(wall_offset_s=OFFSET, epoch=2)
     after.load_past(records)
-    after.on_restore(now=1.0, checkpoint_id="ck-b")
+    manifest = (entry("agent", 100, 3, 2), entry("tools", 50, 1, 1))
+    after.on_restore(now=1.0, checkpoint_id="ck-b", entries=manifest)
 
     shown = {r["checkpoint_id"]: r for r in after.rows_json(now=2.0)}
     assert shown["ck-b"]["status"] == "published"
     assert "restored" in str(shown["ck-b"]["detail"])
+    # Its drill-down: every participant of the manifest restored, what each committed.
+    detail = after.get_json("ck-b", now=2.0)
+    assert detail is not None
+    participants = detail["participants"]
+    assert isinstance(participants, dict) and sorted(participants) == ["agent", "tools"]
+    assert participants["agent"]["bytes_written"] == 110  # type: ignore[index]
+    assert participants["agent"]["committed"] is True  # type: ignore[index]
+    assert participants["tools"]["prepare_s"] is None  # type: ignore[index]
+    assert (detail["bytes_written"], detail["records_written"]) == (170, 4)
+    assert detail["episodes_exported"] == 3
     assert shown["ck-c"]["status"] == "interrupted"  # never published: it stays so
     assert shown["ck-a"]["status"] == "published"
     overview = after.overview()

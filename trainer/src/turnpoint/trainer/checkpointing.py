@@ -365,6 +365,7 @@ class Checkpointing:
             restore_s=resumed.restore_s,
             resumed_rollouts=resumed.resumed_rollouts,
             rerun_rollouts=resumed.rerun_rollouts,
+            entries=plan.participants if plan is not None else (),
         )
         if self._history_log is not None:
             self._history_log.append(self.history.event_record(self.history.events[-1]))

@@ -66,6 +66,7 @@ from turnpoint.trainer.storage.manifest import (
     AnchorRef,
     JSONValue,
     ManifestError,
+    ParticipantEntry,
     SnapshotManifest,
     TrainerRolloutState,
 )
@@ -221,6 +222,9 @@ class RestorePlan:
     # The manifest's ``extra`` (docs/spec.md section 8.6): what the application kept
     # beside the anchor, the facade's weights version among it.
     extra: Mapping[str, JSONValue] = field(default_factory=lambda: MappingProxyType({}))
+    # The manifest's participants: what each committed (the status history's drill-down
+    # of a snapshot whose report was lost with its trainer).
+    participants: tuple[ParticipantEntry, ...] = ()
 
     @property
     def resumed(self) -> int:
@@ -468,6 +472,7 @@ def plan_restore(
         saved_turns_discarded=turns_discarded,
         restore_failed=restore_failed,
         extra=manifest.extra,
+        participants=tuple(manifest.participants),
     )
 
 

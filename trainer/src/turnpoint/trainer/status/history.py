@@ -209,13 +209,7 @@ class CheckpointHistory:
         if row is None:
             return
         for entry in entries:
-            times = row.participant(entry.instance)
-            times.committed = True
-            times.bytes_written = sum(a.size_bytes for a in entry.artifacts) + (
-                entry.manifest.size_bytes if entry.manifest is not None else 0
-            )
-            times.records_written = sum(a.record_count for a in entry.artifacts)
-            times.episodes_exported = len(entry.exported)
+            _commit(row.participant(entry.instance), entry)
 
     def on_report(self, report: SnapshotReport) -> None:
         row = self._rows.get(report.checkpoint_id)
@@ -237,7 +231,10 @@ class CheckpointHistory:
         restore_s: float = 0.0,
         resumed_rollouts: int = 0,
         rerun_rollouts: int = 0,
+        entries: Iterable[ParticipantEntry] = (),
     ) -> None:
+        """``entries``: the restored manifest's participants, what the drill-down of a
+        snapshot whose report the crash took shows (its manifest is all that is left)."""
         kind = "fresh_start" if checkpoint_id is None else "restore"
         past = self._past.get(checkpoint_id) if checkpoint_id is not None else None
         if past is not None and past.get("status") == INTERRUPTED:
@@ -245,6 +242,12 @@ class CheckpointHistory:
             # between its publication and the history's write, not the snapshot.
             past["status"] = "published"
             past["detail"] = RESTORED_UNREPORTED
+            committed = {e.instance: _commit(ParticipantTimes(), e) for e in entries}
+            past["participants"] = {
+                name: _participant_json(times) for name, times in sorted(committed.items())
+            }
+            for measure in ("bytes_written", "records_written", "episodes_exported"):
+                past[measure] = sum(getattr(t, measure) for t in committed.values())
         self.events.append(
             RestoreEvent(
                 kind,
@@ -371,18 +374,11 @@ class CheckpointHistory:
         }
         if participants:
             out["participants"] = {
-                name: {
-                    "prepare_s": times.seconds.get("prepare"),
-                    "commit_s": times.seconds.get("commit"),
-                    "resume_s": times.seconds.get("resume"),
-                    "acknowledged_at": self.wall(times.answered_at),
-                    "failure": times.failure,
-                    "caused_failure": name in row.caused_by,
-                    "committed": times.committed,
-                    "bytes_written": times.bytes_written,
-                    "records_written": times.records_written,
-                    "episodes_exported": times.episodes_exported,
-                }
+                name: _participant_json(
+                    times,
+                    acknowledged_at=self.wall(times.answered_at),
+                    caused=name in row.caused_by,
+                )
                 for name, times in sorted(row.participants.items())
             }
         return out
@@ -524,6 +520,35 @@ class CheckpointHistory:
             del self._past[next(iter(self._past))]
         del self._past_events[:-_PAST_EVENTS]
         return taken
+
+
+def _commit(times: ParticipantTimes, entry: ParticipantEntry) -> ParticipantTimes:
+    """What one participant committed, as its manifest entry says."""
+    times.committed = True
+    times.bytes_written = sum(a.size_bytes for a in entry.artifacts) + (
+        entry.manifest.size_bytes if entry.manifest is not None else 0
+    )
+    times.records_written = sum(a.record_count for a in entry.artifacts)
+    times.episodes_exported = len(entry.exported)
+    return times
+
+
+def _participant_json(
+    times: ParticipantTimes, *, acknowledged_at: float | None = None, caused: bool = False
+) -> dict[str, JSONValue]:
+    """One participant's drill-down line (one known from a manifest only has no times)."""
+    return {
+        "prepare_s": times.seconds.get("prepare"),
+        "commit_s": times.seconds.get("commit"),
+        "resume_s": times.seconds.get("resume"),
+        "acknowledged_at": acknowledged_at,
+        "failure": times.failure,
+        "caused_failure": caused,
+        "committed": times.committed,
+        "bytes_written": times.bytes_written,
+        "records_written": times.records_written,
+        "episodes_exported": times.episodes_exported,
+    }
 
 
 def _ended(epoch: int, at: JSONValue) -> dict[str, JSONValue]:
