@@ -2,7 +2,9 @@
 docs/embedding.md), against real participants on 127.0.0.1:0: a rollout for an unknown
 agent or environment is refused at dispatch, naming the known ones; a restore the
 participants refuse (the trainer restarted alone) ends the start unless a degraded start
-is allowed; and leaving cleanly takes a final snapshot of the rollouts still running."""
+is allowed, unless they serve RestoreRunning (a trainer restart then restores into them,
+docs/spec.md section 4.16); and leaving cleanly takes a final snapshot of the rollouts
+still running."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from turnpoint.trainer import (
     CoordinatorError,
     ParticipantLostError,
     RestoreRefusedError,
+    RolloutOutcome,
     SnapshotOutcome,
     TorchAnchorSource,
     torch_anchor_loader,
@@ -80,7 +83,11 @@ async def test_a_rollout_for_an_unknown_agent_or_environment_is_refused_naming_t
 async def test_leaving_cleanly_saves_the_unfinished_rollouts_and_a_lone_trainer_restart_is_refused(
     tmp_path: Path,
 ) -> None:
-    async with start_topology(tmp_path / "p", agents=1, group_size=GROUP_SIZE) as topology:
+    # Participants without RestoreRunning (docs/spec.md section 4.16): only a fresh one
+    # can be restored.
+    async with start_topology(
+        tmp_path / "p", agents=1, group_size=GROUP_SIZE, restore_running=False
+    ) as topology:
         layout = SnapshotLayout(topology.root)
         async with _facade(topology) as ckpt:
             parked = _parked(ckpt.agents)
@@ -108,6 +115,64 @@ async def test_leaving_cleanly_saves_the_unfinished_rollouts_and_a_lone_trainer_
             assert ckpt.resumed.checkpoint_id == final.checkpoint_id
             assert ckpt.resumed.resumed_rollouts == 0
             assert ckpt.resumed.rerun_rollouts == 1
+
+
+async def test_a_trainer_restart_restores_into_the_running_participants_and_rollouts_go_on(
+    tmp_path: Path,
+) -> None:
+    # Issue 24 item 3: every participant serves RestoreRunning, so trainer B (the next
+    # epoch) restores trainer A's last snapshot where the participants run.
+    async with start_topology(tmp_path / "p", agents=1, group_size=GROUP_SIZE) as topology:
+        first, second = guess_rollouts(1, GROUP_SIZE, 0, topology_agents(topology))
+        trainer_a = _facade(topology, final_snapshot=False)
+        await trainer_a.open()
+        trainer_a.dispatch(first)  # group-scored: it waits at its verify for its sibling
+        await trainer_a.rollouts.wait_for(
+            lambda: any(r.boundaries_seen >= 1 for r in trainer_a.rollouts.in_flight()), 60.0
+        )
+        report = await trainer_a.snapshot_now()
+        assert report.outcome is SnapshotOutcome.PUBLISHED, report
+        await trainer_a.aclose()  # dies: no final snapshot, the participants keep running
+
+        async with _facade(topology, final_snapshot=False) as trainer_b:
+            assert trainer_b.resumed.checkpoint_id == report.checkpoint_id
+            assert trainer_b.resumed.resumed_rollouts == 1
+            assert trainer_b.resumed.rerun_rollouts == 0
+            trainer_b.dispatch(second)
+            assert await trainer_b.wait_groups(1, timeout_s=60.0)
+            (group,) = trainer_b.take_ready_groups(1)
+            attempts = {r.episode.rollout_id: r.episode.attempt for r in group}
+            assert attempts == {first.rollout_id: 1, second.rollout_id: 0}
+            assert {r.outcome for r in group} == {RolloutOutcome.COMPLETED}
+
+
+async def test_fresh_participants_without_the_capability_are_restored_the_old_way(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "p"
+    async with start_topology(root, agents=1, group_size=GROUP_SIZE, restore_running=False) as job:
+        first, second = guess_rollouts(1, GROUP_SIZE, 0, topology_agents(job))
+        async with _facade(job) as trainer_a:
+            trainer_a.dispatch(first)
+            await trainer_a.rollouts.wait_for(
+                lambda: any(r.boundaries_seen >= 1 for r in trainer_a.rollouts.in_flight()), 60.0
+            )
+    # The job restarts whole (docs/spec.md section 7.11 item 2): fresh processes, same names.
+    async with (
+        start_topology(root, agents=1, group_size=GROUP_SIZE, restore_running=False) as job,
+        _facade(job, final_snapshot=False) as trainer_b,
+    ):
+        topology = trainer_b.coordinator.topology
+        assert not any(p.restore_running for p in topology.participants.values())
+        assert trainer_b.resumed.resumed_rollouts == 1
+        trainer_b.dispatch(second)
+        assert await trainer_b.wait_groups(1, timeout_s=60.0)
+        (group,) = trainer_b.take_ready_groups(1)
+        assert {r.episode.attempt for r in group} == {0, 1}
+
+
+def topology_agents(topology: Topology) -> tuple[str, ...]:
+    return tuple(h.runtime.instance_name for h in topology.agents)
 
 
 async def test_no_final_snapshot_when_asked_not_to(tmp_path: Path) -> None:

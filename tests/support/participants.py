@@ -41,6 +41,7 @@ _OPERATION_OF = {
     pb.CommitRequest: ("commit", "Commit"),
     pb.ResumeRequest: ("resume", "Resume"),
     pb.RestoreRequest: ("restore", "Restore"),
+    pb.RestoreRunningRequest: ("restore_running", "RestoreRunning"),
     pb.RetireRequest: ("retire", "Retire"),
     pb.ForgetRequest: ("forget", "Forget"),
     pb.GetStatusRequest: ("get_status", "GetStatus"),
@@ -210,9 +211,11 @@ async def start_topology(
     lease_s: float = 60.0,
     faults: dict[str, str] | None = None,
     verifier_log_dir: Path | None = None,
+    restore_running: bool = True,
 ) -> AsyncIterator[Topology]:
     """Policy, per-sibling tools, group-scored tools and ``agents`` agent servers;
-    ``root`` is their snapshot store's directory or storage URL."""
+    ``root`` is their snapshot store's directory or storage URL. ``restore_running``
+    off: none serves RestoreRunning, as before docs/spec.md section 4.16."""
     faults = faults or {}
     started: list[HostedParticipant] = []
 
@@ -226,6 +229,7 @@ async def start_topology(
             lease_s=lease_s,
             faults=faults.get(instance, ""),
             verifier_log=log,
+            restore_running=restore_running,
             **extra,
         )
 

@@ -504,6 +504,29 @@ class Wire:
         response: pb.RestoreResponse = await self.door.call(request)
         return response
 
+    async def restore_running(
+        self,
+        restore: str,
+        snapshot: str,
+        committed: pb.CommitResponse,
+        scope: Sequence[EpisodeId],
+        *,
+        retire_unscoped: bool = False,
+        request_id: str | None = None,
+        fence: types_pb2.Fence | None = None,
+    ) -> pb.RestoreRunningResponse:
+        request = pb.RestoreRunningRequest(
+            fence=fence or self.fence,
+            request_id=request_id or rid("restore-running"),
+            restore_id=restore,
+            snapshot=snapshot,
+            entry=pb.ManifestEntry(manifest=committed.manifest, artifacts=committed.artifacts),
+            scope=[episode_to_proto(e) for e in scope],
+            retire_unscoped=retire_unscoped,
+        )
+        response: pb.RestoreRunningResponse = await self.door.call(request)
+        return response
+
     async def retire(
         self, episodes: Sequence[EpisodeId], *, timeout_s: float = 10.0
     ) -> pb.RetireResponse:

@@ -23,6 +23,7 @@ from turnpoint.participant_sdk._core import (
     CommitStart,
     FinishedCheckpoints,
     ParticipantCore,
+    RunningRestore,
     StartKind,
     WorkKey,
 )
@@ -311,6 +312,55 @@ def test_restore_only_into_an_idle_fresh_participant() -> None:
     fresh = ParticipantCore()
     fresh.begin_prepare(ckpt(1), 10.0, now=0.0)
     raises(Reason.INVALID_PHASE, lambda: fresh.begin_restore("restore-1", "fp", 10.0, 0.0))
+
+
+def test_a_running_restore_needs_no_freshness_and_retires_only_what_it_replaces() -> None:
+    core = core_with((EP_A, EpisodeState.RUNNING), (EP_B, EpisodeState.RUNNING))
+    running = RunningRestore(frozenset({EP_A}))
+    assert core.begin_restore("restore-1", "fp", 10.0, 0.0, running=running).kind is StartKind.NEW
+    assert phase(core) is Phase.RESTORED and not is_open(core)
+    assert core.retire_for_restore("restore-1", running, now=1.0) == (run(EP_A),)
+    assert core.state_of(run(EP_A)) is EpisodeState.RETIRING
+    assert core.state_of(run(EP_B)) is EpisodeState.RUNNING  # live work keeps going
+    assert core.refusal_mark("rollout-a") == 0 and core.refusal_mark("rollout-b") is None
+
+
+def test_a_running_restore_with_retire_unscoped_frees_everything_without_marks() -> None:
+    newer = EpisodeId("rollout-a", 4)
+    core = core_with((newer, EpisodeState.RUNNING), (EP_B, EpisodeState.COMPLETED_UNACKED))
+    running = RunningRestore(frozenset({EpisodeId("rollout-a", 2)}), retire_unscoped=True)
+    core.begin_restore("restore-1", "fp", 10.0, 0.0, running=running)
+    assert core.retire_for_restore("restore-1", running, now=1.0) == (run(newer), run(EP_B))
+    # Only the scoped rollout is refused (up to its saved attempt); the fenced
+    # incarnation's other rollouts may be run again under any attempt.
+    assert core.refusal_mark("rollout-a") == 2 and core.refusal_mark("rollout-b") is None
+
+
+def test_a_running_restore_refuses_a_retired_or_superseded_scope_and_other_arguments() -> None:
+    core = core_with((EpisodeId("rollout-a", 1), EpisodeState.RUNNING))
+    stale = RunningRestore(frozenset({EP_A}))
+    raises(
+        Reason.STALE_ATTEMPT,
+        lambda: core.begin_restore("restore-1", "fp", 10.0, 0.0, running=stale),
+    )
+    assert phase(core) is Phase.IDLE
+    core.begin_retire([EpisodeId("rollout-b", 3)], now=0.0)
+    retired = RunningRestore(frozenset({EpisodeId("rollout-b", 2)}), retire_unscoped=True)
+    raises(
+        Reason.STALE_ATTEMPT,
+        lambda: core.begin_restore("restore-1", "fp", 10.0, 0.0, running=retired),
+    )
+    fine = RunningRestore(frozenset({EpisodeId("rollout-a", 1)}))
+    core.begin_restore("restore-1", ("fp", fine), 10.0, 0.0, running=fine)
+    again = core.begin_restore("restore-1", ("fp", fine), 10.0, 1.0, running=fine)
+    assert again.kind is StartKind.JOIN
+    other = RunningRestore(frozenset())
+    raises(
+        Reason.CHECKPOINT_CONFLICT,
+        lambda: core.begin_restore("restore-1", ("fp", other), 10.0, 1.0, running=other),
+    )
+    # The same restore id asked by the fresh-only Restore is another operation.
+    raises(Reason.CHECKPOINT_CONFLICT, lambda: core.begin_restore("restore-1", "fp", 10.0, 1.0))
 
 
 def test_failed_restore_leaves_the_participant_idle_open_and_fresh() -> None:

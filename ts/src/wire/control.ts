@@ -37,7 +37,9 @@ const DEFAULT_SESSION_OP_TIMEOUT_S = 60;
 /** Control requests a session runs at once; more wait their turn (bounded memory). */
 const MAX_SESSION_INFLIGHT = 256;
 
-type Operation = Exclude<pb.ControlSessionRequest["operation"]["case"], "cancel" | undefined>;
+// RestoreRunning is optional (docs/spec.md section 4.16): this SDK does not serve it
+// and lists no capability in Describe, so a coordinator restores it only when fresh.
+type Operation = Exclude<pb.ControlSessionRequest["operation"]["case"], "cancel" | "restoreRunning" | undefined>;
 
 function requestId(value: string): string {
   if (!value) throw invalidArgument("request_id is required on every mutating request", { field: "request_id" });
@@ -372,6 +374,9 @@ export class ControlServicer {
     try {
       if (operation === undefined) throw invalidArgument("a ControlSessionRequest must carry an operation", { field: "operation" });
       if (operation === "cancel") return null;
+      if (operation === "restoreRunning") {
+        throw invalidArgument("this participant does not serve RestoreRunning (no capability listed)", { field: "restore_running" });
+      }
       const timeoutS = secondsFromDuration(message.timeout, "timeout", DEFAULT_SESSION_OP_TIMEOUT_S);
       const inner = message.operation.value as { requestId?: string };
       if (inner.requestId !== undefined && inner.requestId !== message.requestId) {

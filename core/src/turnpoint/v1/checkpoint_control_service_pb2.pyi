@@ -9,6 +9,7 @@ from google.protobuf import duration_pb2 as _duration_pb2
 from google.protobuf import message as _message
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from turnpoint.v1 import types_pb2 as _types_pb2
 import builtins as _builtins
 import sys
@@ -20,6 +21,26 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _Capability:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _CapabilityEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Capability.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    CAPABILITY_UNSPECIFIED: _Capability.ValueType  # 0
+    """Never sent."""
+    CAPABILITY_RESTORE_RUNNING: _Capability.ValueType  # 1
+    """RestoreRunning: restore into a participant that already served work (section 4.16)."""
+
+class Capability(_Capability, metaclass=_CapabilityEnumTypeWrapper):
+    """Capability is an optional control operation a participant serves."""
+
+CAPABILITY_UNSPECIFIED: Capability.ValueType  # 0
+"""Never sent."""
+CAPABILITY_RESTORE_RUNNING: Capability.ValueType  # 1
+"""RestoreRunning: restore into a participant that already served work (section 4.16)."""
+Global___Capability: _TypeAlias = Capability  # noqa: Y015
 
 @_typing.final
 class DescribeRequest(_message.Message):
@@ -65,6 +86,7 @@ class DescribeResponse(_message.Message):
     PHASE_FIELD_NUMBER: _builtins.int
     WORKERS_FIELD_NUMBER: _builtins.int
     WORKER_GROUP_FIELD_NUMBER: _builtins.int
+    CAPABILITIES_FIELD_NUMBER: _builtins.int
     kind: _types_pb2.ParticipantKind.ValueType
     """What the participant serves."""
     instance_name: _builtins.str
@@ -107,6 +129,12 @@ class DescribeResponse(_message.Message):
         this one included; empty for a participant that is alone on its endpoint.
         """
 
+    @_builtins.property
+    def capabilities(self) -> _containers.RepeatedScalarFieldContainer[Global___Capability.ValueType]:
+        """Optional operations this participant serves. A coordinator MUST NOT send an
+        operation whose capability is not listed, and MUST ignore values it does not know.
+        """
+
     def __init__(
         self,
         *,
@@ -124,10 +152,11 @@ class DescribeResponse(_message.Message):
         phase: _types_pb2.Phase.ValueType = ...,
         workers: _abc.Iterable[Global___WorkerAddress] | None = ...,
         worker_group: _builtins.str = ...,
+        capabilities: _abc.Iterable[Global___Capability.ValueType] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["data_plane_address", b"data_plane_address", "environment", b"environment", "group_scored", b"group_scored", "group_size", b"group_size", "header", b"header", "instance_name", b"instance_name", "kind", b"kind", "phase", b"phase", "protocol_version", b"protocol_version", "recovery_mode", b"recovery_mode", "supported_levels", b"supported_levels", "verify_mode", b"verify_mode", "worker_group", b"worker_group", "workers", b"workers"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capabilities", b"capabilities", "data_plane_address", b"data_plane_address", "environment", b"environment", "group_scored", b"group_scored", "group_size", b"group_size", "header", b"header", "instance_name", b"instance_name", "kind", b"kind", "phase", b"phase", "protocol_version", b"protocol_version", "recovery_mode", b"recovery_mode", "supported_levels", b"supported_levels", "verify_mode", b"verify_mode", "worker_group", b"worker_group", "workers", b"workers"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -657,6 +686,114 @@ class RestoreResponse(_message.Message):
 Global___RestoreResponse: _TypeAlias = RestoreResponse  # noqa: Y015
 
 @_typing.final
+class RestoreRunningRequest(_message.Message):
+    """RestoreRunningRequest installs saved episodes into a participant that may hold work."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    FENCE_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    RESTORE_ID_FIELD_NUMBER: _builtins.int
+    SNAPSHOT_FIELD_NUMBER: _builtins.int
+    ENTRY_FIELD_NUMBER: _builtins.int
+    SCOPE_FIELD_NUMBER: _builtins.int
+    LEASE_FIELD_NUMBER: _builtins.int
+    RETIRE_UNSCOPED_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """Idempotency key."""
+    restore_id: _builtins.str
+    """Id of this restore (same rules as a checkpoint id); Resume with it reopens."""
+    snapshot: _builtins.str
+    """Snapshot directory under the participant's configured root."""
+    retire_unscoped: _builtins.bool
+    """Also stop and free every other entry held here, without refusal marks: the sender
+    is a new coordinator incarnation and everything held was started by a fenced one.
+    """
+    @_builtins.property
+    def fence(self) -> _types_pb2.Fence:
+        """The coordinator sending it."""
+
+    @_builtins.property
+    def entry(self) -> Global___ManifestEntry:
+        """What the participant must find there; every digest is verified before any record
+        is used, and before anything is retired.
+        """
+
+    @_builtins.property
+    def scope(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.EpisodeId]:
+        """The saved episodes (attempt N) to continue. Every attempt of their rollouts up to N
+        is retired here first (refused from then on), then each is installed as N+1.
+        """
+
+    @_builtins.property
+    def lease(self) -> _duration_pb2.Duration:
+        """Lease length while RESTORED."""
+
+    def __init__(
+        self,
+        *,
+        fence: _types_pb2.Fence | None = ...,
+        request_id: _builtins.str = ...,
+        restore_id: _builtins.str = ...,
+        snapshot: _builtins.str = ...,
+        entry: Global___ManifestEntry | None = ...,
+        scope: _abc.Iterable[_types_pb2.EpisodeId] | None = ...,
+        lease: _duration_pb2.Duration | None = ...,
+        retire_unscoped: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["entry", b"entry", "fence", b"fence", "lease", b"lease"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["entry", b"entry", "fence", b"fence", "lease", b"lease", "request_id", b"request_id", "restore_id", b"restore_id", "retire_unscoped", b"retire_unscoped", "scope", b"scope", "snapshot", b"snapshot"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RestoreRunningRequest: _TypeAlias = RestoreRunningRequest  # noqa: Y015
+
+@_typing.final
+class RestoreRunningResponse(_message.Message):
+    """RestoreRunningResponse lists what was retired and what was installed."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HEADER_FIELD_NUMBER: _builtins.int
+    RESTORE_ID_FIELD_NUMBER: _builtins.int
+    INSTALLED_FIELD_NUMBER: _builtins.int
+    PHASE_FIELD_NUMBER: _builtins.int
+    RETIRED_FIELD_NUMBER: _builtins.int
+    restore_id: _builtins.str
+    """The restore this answers."""
+    phase: _types_pb2.Phase.ValueType
+    """PHASE_RESTORED."""
+    @_builtins.property
+    def header(self) -> _types_pb2.ResponseHeader:
+        """Who answered."""
+
+    @_builtins.property
+    def installed(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.EpisodeId]:
+        """The attempt N+1 episodes installed."""
+
+    @_builtins.property
+    def retired(self) -> _containers.RepeatedCompositeFieldContainer[_types_pb2.EpisodeId]:
+        """The attempts this restore stopped and freed before installing (sorted)."""
+
+    def __init__(
+        self,
+        *,
+        header: _types_pb2.ResponseHeader | None = ...,
+        restore_id: _builtins.str = ...,
+        installed: _abc.Iterable[_types_pb2.EpisodeId] | None = ...,
+        phase: _types_pb2.Phase.ValueType = ...,
+        retired: _abc.Iterable[_types_pb2.EpisodeId] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["header", b"header"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["header", b"header", "installed", b"installed", "phase", b"phase", "restore_id", b"restore_id", "retired", b"retired"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RestoreRunningResponse: _TypeAlias = RestoreRunningResponse  # noqa: Y015
+
+@_typing.final
 class RetireRequest(_message.Message):
     """RetireRequest stops attempts and frees their state."""
 
@@ -997,6 +1134,7 @@ class ControlSessionRequest(_message.Message):
     FORGET_FIELD_NUMBER: _builtins.int
     GET_STATUS_FIELD_NUMBER: _builtins.int
     CANCEL_FIELD_NUMBER: _builtins.int
+    RESTORE_RUNNING_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Correlates the response; equals the inner request's request_id where it has one."""
     @_builtins.property
@@ -1049,6 +1187,10 @@ class ControlSessionRequest(_message.Message):
         either message. A request_id with nothing in flight is ignored.
         """
 
+    @_builtins.property
+    def restore_running(self) -> Global___RestoreRunningRequest:
+        """See CheckpointControlService.RestoreRunning."""
+
     def __init__(
         self,
         *,
@@ -1064,12 +1206,13 @@ class ControlSessionRequest(_message.Message):
         forget: Global___ForgetRequest | None = ...,
         get_status: Global___GetStatusRequest | None = ...,
         cancel: Global___ControlSessionCancel | None = ...,
+        restore_running: Global___RestoreRunningRequest | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "commit", b"commit", "describe", b"describe", "forget", b"forget", "get_status", b"get_status", "operation", b"operation", "prepare", b"prepare", "renew", b"renew", "restore", b"restore", "resume", b"resume", "retire", b"retire", "timeout", b"timeout"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "commit", b"commit", "describe", b"describe", "forget", b"forget", "get_status", b"get_status", "operation", b"operation", "prepare", b"prepare", "renew", b"renew", "restore", b"restore", "restore_running", b"restore_running", "resume", b"resume", "retire", b"retire", "timeout", b"timeout"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "commit", b"commit", "describe", b"describe", "forget", b"forget", "get_status", b"get_status", "operation", b"operation", "prepare", b"prepare", "renew", b"renew", "request_id", b"request_id", "restore", b"restore", "resume", b"resume", "retire", b"retire", "timeout", b"timeout"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cancel", b"cancel", "commit", b"commit", "describe", b"describe", "forget", b"forget", "get_status", b"get_status", "operation", b"operation", "prepare", b"prepare", "renew", b"renew", "request_id", b"request_id", "restore", b"restore", "restore_running", b"restore_running", "resume", b"resume", "retire", b"retire", "timeout", b"timeout"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_operation: _TypeAlias = _typing.Literal["describe", "prepare", "renew", "commit", "resume", "restore", "retire", "forget", "get_status", "cancel"]  # noqa: Y015
+    _WhichOneofReturnType_operation: _TypeAlias = _typing.Literal["describe", "prepare", "renew", "commit", "resume", "restore", "retire", "forget", "get_status", "cancel", "restore_running"]  # noqa: Y015
     _WhichOneofArgType_operation: _TypeAlias = _typing.Literal["operation", b"operation"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_operation) -> _WhichOneofReturnType_operation | None: ...
 
@@ -1114,6 +1257,7 @@ class ControlSessionResponse(_message.Message):
     FORGET_FIELD_NUMBER: _builtins.int
     GET_STATUS_FIELD_NUMBER: _builtins.int
     ERROR_FIELD_NUMBER: _builtins.int
+    RESTORE_RUNNING_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request_id of the request answered."""
     @_builtins.property
@@ -1156,6 +1300,10 @@ class ControlSessionResponse(_message.Message):
     def error(self) -> _types_pb2.ControlError:
         """The operation failed."""
 
+    @_builtins.property
+    def restore_running(self) -> Global___RestoreRunningResponse:
+        """See RestoreRunningResponse."""
+
     def __init__(
         self,
         *,
@@ -1170,12 +1318,13 @@ class ControlSessionResponse(_message.Message):
         forget: Global___ForgetResponse | None = ...,
         get_status: Global___GetStatusResponse | None = ...,
         error: _types_pb2.ControlError | None = ...,
+        restore_running: Global___RestoreRunningResponse | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "describe", b"describe", "error", b"error", "forget", b"forget", "get_status", b"get_status", "prepare", b"prepare", "renew", b"renew", "restore", b"restore", "result", b"result", "resume", b"resume", "retire", b"retire"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "describe", b"describe", "error", b"error", "forget", b"forget", "get_status", b"get_status", "prepare", b"prepare", "renew", b"renew", "restore", b"restore", "restore_running", b"restore_running", "result", b"result", "resume", b"resume", "retire", b"retire"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "describe", b"describe", "error", b"error", "forget", b"forget", "get_status", b"get_status", "prepare", b"prepare", "renew", b"renew", "request_id", b"request_id", "restore", b"restore", "result", b"result", "resume", b"resume", "retire", b"retire"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["commit", b"commit", "describe", b"describe", "error", b"error", "forget", b"forget", "get_status", b"get_status", "prepare", b"prepare", "renew", b"renew", "request_id", b"request_id", "restore", b"restore", "restore_running", b"restore_running", "result", b"result", "resume", b"resume", "retire", b"retire"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["describe", "prepare", "renew", "commit", "resume", "restore", "retire", "forget", "get_status", "error"]  # noqa: Y015
+    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["describe", "prepare", "renew", "commit", "resume", "restore", "retire", "forget", "get_status", "error", "restore_running"]  # noqa: Y015
     _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
 

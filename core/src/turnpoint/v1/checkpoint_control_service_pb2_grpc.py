@@ -76,6 +76,11 @@ class CheckpointControlServiceStub:
                 request_serializer=turnpoint_dot_v1_dot_checkpoint__control__service__pb2.RestoreRequest.SerializeToString,
                 response_deserializer=turnpoint_dot_v1_dot_checkpoint__control__service__pb2.RestoreResponse.FromString,
                 _registered_method=True)
+        self.RestoreRunning = channel.unary_unary(
+                '/turnpoint.v1.CheckpointControlService/RestoreRunning',
+                request_serializer=turnpoint_dot_v1_dot_checkpoint__control__service__pb2.RestoreRunningRequest.SerializeToString,
+                response_deserializer=turnpoint_dot_v1_dot_checkpoint__control__service__pb2.RestoreRunningResponse.FromString,
+                _registered_method=True)
         self.Retire = channel.unary_unary(
                 '/turnpoint.v1.CheckpointControlService/Retire',
                 request_serializer=turnpoint_dot_v1_dot_checkpoint__control__service__pb2.RetireRequest.SerializeToString,
@@ -166,6 +171,17 @@ class CheckpointControlServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RestoreRunning(self, request, context):
+        """RestoreRunning is Restore into a participant that may already hold work: it first
+        retires every attempt of the scoped rollouts up to the saved one (and, when asked,
+        every other entry it holds), then installs the saved episodes as attempt N+1 and
+        stays closed (RESTORED) until Resume. Only participants that list
+        CAPABILITY_RESTORE_RUNNING in Describe serve it (docs/spec.md section 4.16).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Retire(self, request, context):
         """Retire stops attempts (and every earlier attempt of their rollouts) and frees
         their state before it replies. Only when IDLE or RESTORED.
@@ -239,6 +255,11 @@ def add_CheckpointControlServiceServicer_to_server(servicer, server):
                     servicer.Restore,
                     request_deserializer=turnpoint_dot_v1_dot_checkpoint__control__service__pb2.RestoreRequest.FromString,
                     response_serializer=turnpoint_dot_v1_dot_checkpoint__control__service__pb2.RestoreResponse.SerializeToString,
+            ),
+            'RestoreRunning': grpc.unary_unary_rpc_method_handler(
+                    servicer.RestoreRunning,
+                    request_deserializer=turnpoint_dot_v1_dot_checkpoint__control__service__pb2.RestoreRunningRequest.FromString,
+                    response_serializer=turnpoint_dot_v1_dot_checkpoint__control__service__pb2.RestoreRunningResponse.SerializeToString,
             ),
             'Retire': grpc.unary_unary_rpc_method_handler(
                     servicer.Retire,
@@ -440,6 +461,33 @@ class CheckpointControlService:
             '/turnpoint.v1.CheckpointControlService/Restore',
             turnpoint_dot_v1_dot_checkpoint__control__service__pb2.RestoreRequest.SerializeToString,
             turnpoint_dot_v1_dot_checkpoint__control__service__pb2.RestoreResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RestoreRunning(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/turnpoint.v1.CheckpointControlService/RestoreRunning',
+            turnpoint_dot_v1_dot_checkpoint__control__service__pb2.RestoreRunningRequest.SerializeToString,
+            turnpoint_dot_v1_dot_checkpoint__control__service__pb2.RestoreRunningResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -67,6 +67,13 @@ class CheckpointControlServiceStub:
     """Restore installs saved episodes as attempt N+1 into an idle, fresh participant,
     all or nothing, and stays closed (RESTORED) until Resume.
     """
+    RestoreRunning: _grpc.UnaryUnaryMultiCallable[_checkpoint_control_service_pb2.RestoreRunningRequest, _checkpoint_control_service_pb2.RestoreRunningResponse]
+    """RestoreRunning is Restore into a participant that may already hold work: it first
+    retires every attempt of the scoped rollouts up to the saved one (and, when asked,
+    every other entry it holds), then installs the saved episodes as attempt N+1 and
+    stays closed (RESTORED) until Resume. Only participants that list
+    CAPABILITY_RESTORE_RUNNING in Describe serve it (docs/spec.md section 4.16).
+    """
     Retire: _grpc.UnaryUnaryMultiCallable[_checkpoint_control_service_pb2.RetireRequest, _checkpoint_control_service_pb2.RetireResponse]
     """Retire stops attempts (and every earlier attempt of their rollouts) and frees
     their state before it replies. Only when IDLE or RESTORED.
@@ -125,6 +132,13 @@ class CheckpointControlServiceAsyncStub(CheckpointControlServiceStub):
     Restore: _aio.UnaryUnaryMultiCallable[_checkpoint_control_service_pb2.RestoreRequest, _checkpoint_control_service_pb2.RestoreResponse]  # type: ignore[assignment]
     """Restore installs saved episodes as attempt N+1 into an idle, fresh participant,
     all or nothing, and stays closed (RESTORED) until Resume.
+    """
+    RestoreRunning: _aio.UnaryUnaryMultiCallable[_checkpoint_control_service_pb2.RestoreRunningRequest, _checkpoint_control_service_pb2.RestoreRunningResponse]  # type: ignore[assignment]
+    """RestoreRunning is Restore into a participant that may already hold work: it first
+    retires every attempt of the scoped rollouts up to the saved one (and, when asked,
+    every other entry it holds), then installs the saved episodes as attempt N+1 and
+    stays closed (RESTORED) until Resume. Only participants that list
+    CAPABILITY_RESTORE_RUNNING in Describe serve it (docs/spec.md section 4.16).
     """
     Retire: _aio.UnaryUnaryMultiCallable[_checkpoint_control_service_pb2.RetireRequest, _checkpoint_control_service_pb2.RetireResponse]  # type: ignore[assignment]
     """Retire stops attempts (and every earlier attempt of their rollouts) and frees
@@ -217,6 +231,19 @@ class CheckpointControlServiceServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_checkpoint_control_service_pb2.RestoreResponse, _abc.Awaitable[_checkpoint_control_service_pb2.RestoreResponse]]:
         """Restore installs saved episodes as attempt N+1 into an idle, fresh participant,
         all or nothing, and stays closed (RESTORED) until Resume.
+        """
+
+    @_abc_1.abstractmethod
+    def RestoreRunning(
+        self,
+        request: _checkpoint_control_service_pb2.RestoreRunningRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_checkpoint_control_service_pb2.RestoreRunningResponse, _abc.Awaitable[_checkpoint_control_service_pb2.RestoreRunningResponse]]:
+        """RestoreRunning is Restore into a participant that may already hold work: it first
+        retires every attempt of the scoped rollouts up to the saved one (and, when asked,
+        every other entry it holds), then installs the saved episodes as attempt N+1 and
+        stays closed (RESTORED) until Resume. Only participants that list
+        CAPABILITY_RESTORE_RUNNING in Describe serve it (docs/spec.md section 4.16).
         """
 
     @_abc_1.abstractmethod

@@ -282,6 +282,25 @@ class RestoreStart:
 
 
 @dataclass(frozen=True, slots=True)
+class RunningRestore:
+    """What a restore into a running participant replaces (docs/spec.md section 4.16).
+
+    ``scope``: the saved attempts N it continues as N+1; every attempt of their rollouts
+    up to N is retired first. ``retire_unscoped``: every other entry held goes too.
+    """
+
+    scope: frozenset[EpisodeId]
+    retire_unscoped: bool = False
+
+    @property
+    def rollouts(self) -> frozenset[str]:
+        return frozenset(episode.rollout_id for episode in self.scope)
+
+
+_OTHER_RESTORE = {"restore": "restore_running", "restore_running": "restore"}
+
+
+@dataclass(frozen=True, slots=True)
 class ResumeOutcome:
     """``ended``: the active checkpoint (or restore) this resume ended, if any."""
 
@@ -741,13 +760,32 @@ class ParticipantCore:
         return ResumeOutcome(ended)
 
     def begin_restore(
-        self, restore_id: str, fingerprint: Hashable, lease_s: float | None, now: float
+        self,
+        restore_id: str,
+        fingerprint: Hashable,
+        lease_s: float | None,
+        now: float,
+        *,
+        running: RunningRestore | None = None,
     ) -> RestoreStart:
-        """Close admission for a restore into an idle, fresh participant (or replay/join)."""
+        """Close admission for a restore (or replay/join a repeat of it).
+
+        Without ``running``: a restore into an idle, fresh participant (docs/spec.md
+        section 4.10). With it: a restore into a participant that may hold work
+        (section 4.16); freshness is not required, but a scoped attempt this participant
+        already retired, or one it holds a newer attempt of, is refused.
+        """
         checked_id(restore_id, "restore_id")
         lease = self._lease_length(lease_s)
+        operation = "restore" if running is None else "restore_running"
         if restore_id == self._active and self._phase is Phase.RESTORED:
-            recorded = self._answers.get((restore_id, "restore"))
+            recorded = self._answers.get((restore_id, operation))
+            if recorded is None and self._answers.get((restore_id, _OTHER_RESTORE[operation])):
+                raise _error(
+                    Reason.CHECKPOINT_CONFLICT,
+                    f"restore {restore_id!r} was requested by another operation",
+                    checkpoint_id=restore_id,
+                )
             if recorded is not None and recorded[0] != fingerprint:
                 raise _error(
                     Reason.CHECKPOINT_CONFLICT,
@@ -770,13 +808,19 @@ class ParticipantCore:
                 f"restore needs an idle participant; phase is {self._phase.name}",
                 phase=self._phase.name,
             )
-        if not self._fresh:
+        if running is None and not self._fresh:
             raise _error(
                 Reason.INVALID_PHASE,
                 "restore needs a fresh participant; this one already served work",
                 phase=self._phase.name,
                 fresh="false",
             )
+        if running is not None:
+            for episode in sorted(running.scope):
+                # A retired attempt is never continued. With retire_unscoped, a newer
+                # attempt held here came from the fenced incarnation: it goes instead.
+                if not running.retire_unscoped or self._refused(episode):
+                    self.check_attempt(episode)
         self._active = restore_id
         self._active_epoch = self.epoch
         self._lease_expires_at = None
@@ -784,8 +828,39 @@ class ParticipantCore:
         self._set_phase(Phase.RESTORED)
         self._restoring = True
         self._restore_installed = []
-        self._answers[(restore_id, "restore")] = (fingerprint, None)
+        self._answers[(restore_id, operation)] = (fingerprint, None)
         return RestoreStart(StartKind.NEW)
+
+    def retire_for_restore(
+        self, restore_id: str, running: RunningRestore, now: float
+    ) -> tuple[WorkKey, ...]:
+        """Flag RETIRING what a running restore replaces, before it installs anything.
+
+        Every attempt of a scoped rollout up to the saved one is refused from now on (the
+        refusal mark rises as a Retire's does); with ``retire_unscoped`` every other entry
+        goes too, without a mark: its coordinator is fenced (docs/spec.md section 6.9),
+        and the new one may reuse those attempt numbers. Returns the keys to stop.
+        """
+        if self._active != restore_id or not self._restoring:
+            raise RuntimeError("retire_for_restore outside its restore")
+        for episode in running.scope:
+            mark = self._marks.get(episode.rollout_id, -1)
+            self._marks[episode.rollout_id] = max(mark, episode.attempt)
+            self._version += 1
+        keys: list[WorkKey] = []
+        for key in sorted(self._entries):
+            rollout_id = key.episode.rollout_id
+            if rollout_id in running.rollouts:
+                # A newer attempt of a scoped rollout is held only when the fenced
+                # incarnation left it (begin_restore refused it otherwise).
+                goes = key.episode.attempt <= self._marks[rollout_id] or running.retire_unscoped
+            else:
+                goes = running.retire_unscoped
+            if goes:
+                self._pending_restarts.discard(key)
+                self.set_state(key, EpisodeState.RETIRING, now)
+                keys.append(key)
+        return tuple(keys)
 
     def install_restored(
         self, key: WorkKey, boundary_index: int, turn_index: int, now: float
@@ -805,8 +880,9 @@ class ParticipantCore:
         self._restoring = False
         self._fresh = False
         self._restore_installed = []
-        fingerprint = self._answers[(restore_id, "restore")][0]
-        self._answers[(restore_id, "restore")] = (fingerprint, answer)
+        operation = "restore" if (restore_id, "restore") in self._answers else "restore_running"
+        fingerprint = self._answers[(restore_id, operation)][0]
+        self._answers[(restore_id, operation)] = (fingerprint, answer)
         self._version += 1
 
     def fail_restore(self, restore_id: str, now: float) -> tuple[WorkKey, ...]:

@@ -109,6 +109,7 @@ class ControlReads:
             supported_levels=levels,
             environment=self._environment,
             phase=phase,
+            restore_running=self._shared.config.restore_running,
         )
 
     async def status(self, max_blockers: int = 0) -> StatusResult:

@@ -46,6 +46,8 @@ class Description:
     supported_levels: tuple[RecoveryLevel, ...]
     environment: str
     phase: Phase
+    # Serves RestoreRunning (CAPABILITY_RESTORE_RUNNING, docs/spec.md section 4.16).
+    restore_running: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,9 +100,13 @@ class ResumeResult:
 
 @dataclass(frozen=True, slots=True)
 class RestoreResult:
+    """``retired``: what a restore into a running participant stopped and freed before it
+    installed (docs/spec.md section 4.16); always empty for a fresh restore."""
+
     restore_id: str
     installed: tuple[EpisodeId, ...]
     phase: Phase
+    retired: tuple[EpisodeId, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

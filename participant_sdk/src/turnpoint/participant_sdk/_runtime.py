@@ -37,7 +37,7 @@ from turnpoint.ids import EpisodeId, InvalidIdError
 from turnpoint.protocol import ArtifactRef, EpisodeState, Fence, Phase
 
 from ._agent import Agent, AgentHost
-from ._core import ParticipantCore, StartKind, WorkKey, checked_id, supersedes
+from ._core import ParticipantCore, RunningRestore, StartKind, WorkKey, checked_id, supersedes
 from ._dataplane import DataPlane
 from ._jobs import CommitJob, RestoreJob, Stage, retrieve, slot_of, storage_error
 from ._model import ModelHost, PolicyModel
@@ -651,6 +651,54 @@ class ParticipantRuntime(ControlReads, DataPlane):
             ),
         )
 
+    async def restore_running(
+        self,
+        fence: Fence,
+        request_id: str,
+        restore_id: str,
+        snapshot: str,
+        manifest: ArtifactRef | None,
+        artifacts: Sequence[ArtifactRef],
+        scope: Iterable[EpisodeId],
+        *,
+        retire_unscoped: bool = False,
+        lease_s: float | None = None,
+        timeout_s: float | None = None,
+    ) -> RestoreResult:
+        """Restore into a participant that may hold work (docs/spec.md section 4.16).
+
+        The restore above, without the freshness it requires: once every record is read
+        and validated, every attempt of the scoped rollouts up to the saved one is
+        retired (refused from then on), with ``retire_unscoped`` every other entry too,
+        and only then are the saved episodes installed as N+1. Work it does not name
+        keeps its state; the participant stays closed (RESTORED) until resume.
+        """
+        if not self._config.restore_running:
+            raise TurnpointError(
+                Reason.INVALID_ARGUMENT,
+                "this participant does not serve RestoreRunning (no capability listed)",
+                {"field": "restore_running"},
+            )
+        deadline = Deadline(timeout_s, self._config)
+        running = RunningRestore(frozenset(scope), retire_unscoped)
+        artifact_refs = tuple(artifacts)
+        return await self._control(
+            "restore_running",
+            fence,
+            request_id,
+            RestoreResult,
+            lambda: self._restore(
+                restore_id,
+                snapshot,
+                manifest,
+                artifact_refs,
+                running.scope,
+                lease_s,
+                deadline,
+                running=running,
+            ),
+        )
+
     async def _restore(
         self,
         restore_id: str,
@@ -660,17 +708,21 @@ class ParticipantRuntime(ControlReads, DataPlane):
         scope: frozenset[EpisodeId],
         lease_s: float | None,
         deadline: Deadline,
+        *,
+        running: RunningRestore | None = None,
     ) -> RestoreResult:
         checked_id(snapshot, "snapshot")
-        fingerprint = (snapshot, manifest, artifacts, scope)
+        fingerprint = (snapshot, manifest, artifacts, scope, running)
         async with self._shared.changing() as core:
-            start = core.begin_restore(restore_id, fingerprint, lease_s, self._shared.now())
+            start = core.begin_restore(
+                restore_id, fingerprint, lease_s, self._shared.now(), running=running
+            )
             if start.kind is StartKind.REPLAY:
                 assert isinstance(start.answer, RestoreResult)
                 return start.answer
             if start.kind is StartKind.NEW or self._restore_job is None:
                 task = asyncio.create_task(
-                    self._drive_restore(restore_id, snapshot, manifest, artifacts, scope)
+                    self._drive_restore(restore_id, snapshot, manifest, artifacts, scope, running)
                 )
                 task.add_done_callback(retrieve)
                 self._restore_job = RestoreJob(restore_id, task)
@@ -684,8 +736,10 @@ class ParticipantRuntime(ControlReads, DataPlane):
         manifest: ArtifactRef | None,
         artifacts: tuple[ArtifactRef, ...],
         scope: frozenset[EpisodeId],
+        running: RunningRestore | None = None,
     ) -> RestoreResult:
         installed: list[EpisodeId] = []
+        retired: tuple[EpisodeId, ...] = ()
         try:
             records: tuple[Record, ...] = ()
             if manifest is None:
@@ -712,10 +766,14 @@ class ParticipantRuntime(ControlReads, DataPlane):
                     raise storage_error(error, f"restore {restore_id!r}") from error
                 records = loaded.records
             plan = self._validate_records(records)
+            if running is not None:
+                retired = await self._retire_for_restore(restore_id, running)
             for record, host in plan:
                 key = await host.install(record, record.episode.next_attempt())
                 installed.append(key.episode)
-            result = RestoreResult(restore_id, tuple(sorted(set(installed))), Phase.RESTORED)
+            result = RestoreResult(
+                restore_id, tuple(sorted(set(installed))), Phase.RESTORED, retired
+            )
             async with self._shared.changing() as core:
                 core.finish_restore(restore_id, result)
             return result
@@ -732,6 +790,29 @@ class ParticipantRuntime(ControlReads, DataPlane):
                     except Exception:  # noqa: BLE001 - best effort: the restore already failed
                         logger.exception("could not free %s after a failed restore", key.episode)
             raise
+
+    async def _retire_for_restore(
+        self, restore_id: str, running: RunningRestore
+    ) -> tuple[EpisodeId, ...]:
+        """Stop and free what a running restore replaces; raise if any could not stop.
+
+        What was retired stays retired if the restore then fails: the coordinator reruns
+        those rollouts above the retired attempt (docs/spec.md section 4.16 item 5).
+        """
+        async with self._shared.changing() as core:
+            keys = core.retire_for_restore(restore_id, running, self._shared.now())
+            tasks = [self._stop_task(key) for key in keys]
+        if tasks:
+            await asyncio.wait(tasks)
+        failed = [t for t in tasks if t.cancelled() or t.exception() is not None]
+        if failed:
+            error = None if failed[0].cancelled() else failed[0].exception()
+            raise TurnpointError(
+                Reason.RETIRE_INCOMPLETE,
+                f"{len(failed)} of {len(tasks)} replaced attempts could not be stopped: {error!r}",
+                {"failed": str(len(failed))},
+            )
+        return tuple(sorted({key.episode for key in keys}))
 
     def _validate_records(self, records: Sequence[Record]) -> list[tuple[Record, KindHost]]:
         """Check every record before any is installed (all or nothing)."""

@@ -41,7 +41,9 @@ class RuntimeConfig:
     model server refused with ADMISSION_CLOSED while this participant's own admission is
     open (the two checkpoints are not in step). ``run_admission_wait_s``: how long a
     Run that lets a new attempt wait for admission (``wait_for_admission``) waits before
-    it is refused with ADMISSION_CLOSED after all.
+    it is refused with ADMISSION_CLOSED after all. ``restore_running``: serve
+    RestoreRunning and list its capability in Describe (docs/spec.md section 4.16); off,
+    a coordinator restores this participant only when it is fresh (section 4.10).
     """
 
     default_lease_s: float = 60.0
@@ -55,6 +57,7 @@ class RuntimeConfig:
     model_retry_backoff_s: float = 0.5
     watch_queue_size: int = 1024
     run_admission_wait_s: float = 5.0
+    restore_running: bool = True
 
     def __post_init__(self) -> None:
         for name in (

@@ -83,6 +83,7 @@ class ControlServicer(pb_grpc.CheckpointControlServiceServicer):
             "commit": self._handle_commit,
             "resume": self._handle_resume,
             "restore": self._handle_restore,
+            "restore_running": self._handle_restore_running,
             "retire": self._handle_retire,
             "forget": self._handle_forget,
             "get_status": self._handle_get_status,
@@ -115,6 +116,7 @@ class ControlServicer(pb_grpc.CheckpointControlServiceServicer):
             ],
             environment=d.environment,
             phase=_phase(d.phase),
+            capabilities=[pb.CAPABILITY_RESTORE_RUNNING] if d.restore_running else [],
         )
         if self._roster is not None:
             response.worker_group = self._roster.group
@@ -235,6 +237,34 @@ class ControlServicer(pb_grpc.CheckpointControlServiceServicer):
             phase=_phase(result.phase),
         )
 
+    async def _handle_restore_running(
+        self, request: pb.RestoreRunningRequest, timeout_s: float | None
+    ) -> pb.RestoreRunningResponse:
+        check_list_length("entry.artifacts", request.entry.artifacts, self._max_list)
+        if not request.entry.HasField("manifest") and request.entry.artifacts:
+            raise bad_argument("entry.manifest is required when entry.artifacts are named")
+        result = await self._runtime.restore_running(
+            fence_from_proto(request.fence, request.HasField("fence")),
+            _request_id(request.request_id),
+            id_from_proto(request.restore_id, "restore_id"),
+            id_from_proto(request.snapshot, "snapshot"),
+            artifact_from_proto(request.entry.manifest)
+            if request.entry.HasField("manifest")
+            else None,
+            artifacts_from_proto(request.entry.artifacts),
+            episodes_from_proto(request.scope, "scope", self._max_list),
+            retire_unscoped=request.retire_unscoped,
+            lease_s=seconds_from_duration(request.lease, "lease"),
+            timeout_s=timeout_s,
+        )
+        return pb.RestoreRunningResponse(
+            header=self._header(),
+            restore_id=result.restore_id,
+            installed=[episode_to_proto(e) for e in result.installed],
+            phase=_phase(result.phase),
+            retired=[episode_to_proto(e) for e in result.retired],
+        )
+
     async def _handle_retire(
         self, request: pb.RetireRequest, timeout_s: float | None
     ) -> pb.RetireResponse:
@@ -310,6 +340,9 @@ class ControlServicer(pb_grpc.CheckpointControlServiceServicer):
 
     async def Restore(self, request: Any, context: Any) -> Any:
         return await self._unary("restore", request, context)
+
+    async def RestoreRunning(self, request: Any, context: Any) -> Any:
+        return await self._unary("restore_running", request, context)
 
     async def Retire(self, request: Any, context: Any) -> Any:
         return await self._unary("retire", request, context)

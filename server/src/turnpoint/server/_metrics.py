@@ -53,6 +53,7 @@ _UNARY_OPERATIONS: Final = {
     "Commit": "commit",
     "Resume": "resume",
     "Restore": "restore",
+    "RestoreRunning": "restore_running",
     "Retire": "retire",
     "Forget": "forget",
     "GetStatus": "get_status",

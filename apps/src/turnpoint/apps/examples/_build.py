@@ -46,6 +46,8 @@ class ExampleSpec:
     cut_generations: bool = False
     # Testing: the guess servers hold every tool call until this file exists.
     hold_calls_until: Path | None = None
+    # Serve RestoreRunning (docs/spec.md section 4.16); off, it must be fresh to restore.
+    restore_running: bool = True
 
 
 EXAMPLES: dict[str, tuple[str, ...]] = {
@@ -78,7 +80,7 @@ def build_example(
     store = SnapshotStore(
         spec.root, faults=StoreFaults.from_spec(spec.faults) if spec.faults else None
     )
-    config = RuntimeConfig(default_lease_s=spec.lease_s)
+    config = RuntimeConfig(default_lease_s=spec.lease_s, restore_running=spec.restore_running)
     closers: list[Callable[[], Awaitable[None]]] = []
     if kind == "model" and example == "tiny-policy":
         model = TinyPolicyServer(
@@ -209,7 +211,7 @@ def build_participant(
     store = SnapshotStore(
         spec.root, faults=StoreFaults.from_spec(spec.faults) if spec.faults else None
     )
-    config = RuntimeConfig(default_lease_s=spec.lease_s)
+    config = RuntimeConfig(default_lease_s=spec.lease_s, restore_running=spec.restore_running)
     if isinstance(participant, Agent):
         runtime = ParticipantRuntime(spec.instance, store, agent=participant, config=config)
     elif isinstance(participant, ResourcesServer):

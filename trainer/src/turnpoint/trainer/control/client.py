@@ -61,6 +61,7 @@ ControlRequest: TypeAlias = (
     | pb.CommitRequest
     | pb.ResumeRequest
     | pb.RestoreRequest
+    | pb.RestoreRunningRequest
     | pb.RetireRequest
     | pb.ForgetRequest
     | pb.GetStatusRequest
@@ -72,6 +73,7 @@ ControlResponse: TypeAlias = (
     | pb.CommitResponse
     | pb.ResumeResponse
     | pb.RestoreResponse
+    | pb.RestoreRunningResponse
     | pb.RetireResponse
     | pb.ForgetResponse
     | pb.GetStatusResponse
@@ -105,6 +107,9 @@ _OPERATIONS: Mapping[type[ControlRequest], _Operation] = MappingProxyType(
         pb.CommitRequest: _Operation("commit", "Commit", pb.CommitResponse, True),
         pb.ResumeRequest: _Operation("resume", "Resume", pb.ResumeResponse, True),
         pb.RestoreRequest: _Operation("restore", "Restore", pb.RestoreResponse, True),
+        pb.RestoreRunningRequest: _Operation(
+            "restore_running", "RestoreRunning", pb.RestoreRunningResponse, True
+        ),
         pb.RetireRequest: _Operation("retire", "Retire", pb.RetireResponse, True),
         pb.ForgetRequest: _Operation("forget", "Forget", pb.ForgetResponse, True),
         pb.GetStatusRequest: _Operation("get_status", "GetStatus", pb.GetStatusResponse, False),
@@ -421,6 +426,10 @@ class ParticipantControlClient:
     @overload
     async def call(self, request: pb.RestoreRequest, timeout_s: float) -> pb.RestoreResponse: ...
     @overload
+    async def call(
+        self, request: pb.RestoreRunningRequest, timeout_s: float
+    ) -> pb.RestoreRunningResponse: ...
+    @overload
     async def call(self, request: pb.RetireRequest, timeout_s: float) -> pb.RetireResponse: ...
     @overload
     async def call(self, request: pb.ForgetRequest, timeout_s: float) -> pb.ForgetResponse: ...
@@ -597,6 +606,9 @@ class ParticipantControlClient:
             asked, answered = request.checkpoint_id, response.checkpoint_id
         elif isinstance(response, pb.RestoreResponse):
             assert isinstance(request, pb.RestoreRequest)
+            asked, answered = request.restore_id, response.restore_id
+        elif isinstance(response, pb.RestoreRunningResponse):
+            assert isinstance(request, pb.RestoreRunningRequest)
             asked, answered = request.restore_id, response.restore_id
         elif isinstance(response, pb.DescribeResponse):
             asked, answered = self._participant_name, response.instance_name

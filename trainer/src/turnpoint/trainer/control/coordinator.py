@@ -622,15 +622,7 @@ class Coordinator:
             raise ValueError(f"restore scope names unknown instance(s): {', '.join(unknown)}")
         scopes = {name: tuple(sorted(set(scope.get(name, ())))) for name in self._clients}
         requests = {
-            name: pb.RestoreRequest(
-                fence=self.fence,
-                request_id=self.request_id("restore", restore_id, name),
-                restore_id=restore_id,
-                snapshot=snapshot,
-                entry=_manifest_entry(manifest.participant(name)),
-                scope=[episode_to_proto(e) for e in episodes],
-                lease=duration_from_seconds(self.config.lease_s),
-            )
+            name: self._restore_request(restore_id, snapshot, manifest, name, episodes)
             for name, episodes in scopes.items()
         }
         result = await self._fan_out_once("restore", requests, attempts=JOINING_ATTEMPTS)
@@ -645,6 +637,45 @@ class Coordinator:
             replacements = {e.next_attempt() for episodes in scopes.values() for e in episodes}
             raise RestoreFailed(restore_id, failures, replacements)
         return installed
+
+    def _restore_request(
+        self,
+        restore_id: str,
+        snapshot: str,
+        manifest: SnapshotManifest,
+        name: str,
+        episodes: Sequence[EpisodeId],
+    ) -> pb.RestoreRequest | pb.RestoreRunningRequest:
+        """RestoreRunning where the participant serves it, else the fresh-only Restore.
+
+        A running restore retires everything unscoped: whatever the participant holds
+        was started by an earlier incarnation, which this epoch fences (docs/spec.md
+        section 4.16), so a trainer restart needs no participant restart. A participant
+        without the capability still needs to be fresh (section 4.10).
+        """
+        entry = _manifest_entry(manifest.participant(name))
+        scope = [episode_to_proto(e) for e in episodes]
+        lease = duration_from_seconds(self.config.lease_s)
+        if self.topology.participants[name].restore_running:
+            return pb.RestoreRunningRequest(
+                fence=self.fence,
+                request_id=self.request_id("restore_running", restore_id, name),
+                restore_id=restore_id,
+                snapshot=snapshot,
+                entry=entry,
+                scope=scope,
+                lease=lease,
+                retire_unscoped=True,
+            )
+        return pb.RestoreRequest(
+            fence=self.fence,
+            request_id=self.request_id("restore", restore_id, name),
+            restore_id=restore_id,
+            snapshot=snapshot,
+            entry=entry,
+            scope=scope,
+            lease=lease,
+        )
 
     async def _discard_restore(
         self, restore_id: str, replacements: Sequence[EpisodeId]
@@ -1223,7 +1254,9 @@ def _manifest_entry(entry: ParticipantEntry) -> pb.ManifestEntry:
 
 
 def _check_installed(
-    instance: str, response: pb.RestoreResponse, scope: Sequence[EpisodeId]
+    instance: str,
+    response: pb.RestoreResponse | pb.RestoreRunningResponse,
+    scope: Sequence[EpisodeId],
 ) -> tuple[EpisodeId, ...]:
     installed = episodes_of(response.installed, instance, "Restore")
     problem = installed_problem(installed, scope)

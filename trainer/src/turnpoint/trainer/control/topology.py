@@ -90,6 +90,8 @@ class ParticipantInfo:
     supported_levels: frozenset[RecoveryLevel]
     environment: str
     data_plane_address: str = ""
+    # Serves RestoreRunning: restorable while it runs (docs/spec.md section 4.16).
+    restore_running: bool = False
 
     @classmethod
     def from_proto(cls, instance: str, response: pb.DescribeResponse) -> Self:
@@ -132,6 +134,7 @@ class ParticipantInfo:
             supported_levels=levels,
             environment=response.environment,
             data_plane_address=response.data_plane_address,
+            restore_running=pb.CAPABILITY_RESTORE_RUNNING in response.capabilities,
         )
 
     @property

@@ -2,8 +2,8 @@
 // @generated from file turnpoint/v1/checkpoint_control_service.proto (package turnpoint.v1, syntax proto3)
 /* eslint-disable */
 
-import type { GenFile, GenMessage, GenService } from "@bufbuild/protobuf/codegenv2";
-import { fileDesc, messageDesc, serviceDesc } from "@bufbuild/protobuf/codegenv2";
+import type { GenEnum, GenFile, GenMessage, GenService } from "@bufbuild/protobuf/codegenv2";
+import { enumDesc, fileDesc, messageDesc, serviceDesc } from "@bufbuild/protobuf/codegenv2";
 import type { Duration, Timestamp } from "@bufbuild/protobuf/wkt";
 import { file_google_protobuf_duration, file_google_protobuf_timestamp } from "@bufbuild/protobuf/wkt";
 import type { ArtifactRef, ControlError, EpisodeId, EpisodeState, Fence, ParticipantKind, Phase, ReadinessReport, RecoveryLevel, RecoveryMode, ResponseHeader, VerifyMode } from "./types_pb.js";
@@ -14,7 +14,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file turnpoint/v1/checkpoint_control_service.proto.
  */
 export const file_turnpoint_v1_checkpoint_control_service: GenFile = /*@__PURE__*/
-  fileDesc("Ci10dXJucG9pbnQvdjEvY2hlY2twb2ludF9jb250cm9sX3NlcnZpY2UucHJvdG8SDHR1cm5wb2ludC52MSI1Cg9EZXNjcmliZVJlcXVlc3QSIgoFZmVuY2UYASABKAsyEy50dXJucG9pbnQudjEuRmVuY2Ui+gMKEERlc2NyaWJlUmVzcG9uc2USLAoGaGVhZGVyGAEgASgLMhwudHVybnBvaW50LnYxLlJlc3BvbnNlSGVhZGVyEisKBGtpbmQYAiABKA4yHS50dXJucG9pbnQudjEuUGFydGljaXBhbnRLaW5kEhUKDWluc3RhbmNlX25hbWUYAyABKAkSGAoQcHJvdG9jb2xfdmVyc2lvbhgEIAEoCRIxCg1yZWNvdmVyeV9tb2RlGAUgASgOMhoudHVybnBvaW50LnYxLlJlY292ZXJ5TW9kZRItCgt2ZXJpZnlfbW9kZRgGIAEoDjIYLnR1cm5wb2ludC52MS5WZXJpZnlNb2RlEhQKDGdyb3VwX3Njb3JlZBgHIAEoCBISCgpncm91cF9zaXplGAggASgNEjUKEHN1cHBvcnRlZF9sZXZlbHMYCSADKA4yGy50dXJucG9pbnQudjEuUmVjb3ZlcnlMZXZlbBITCgtlbnZpcm9ubWVudBgKIAEoCRIaChJkYXRhX3BsYW5lX2FkZHJlc3MYCyABKAkSIgoFcGhhc2UYDCABKA4yEy50dXJucG9pbnQudjEuUGhhc2USLAoHd29ya2VycxgNIAMoCzIbLnR1cm5wb2ludC52MS5Xb3JrZXJBZGRyZXNzEhQKDHdvcmtlcl9ncm91cBgOIAEoCSI3Cg1Xb3JrZXJBZGRyZXNzEhUKDWluc3RhbmNlX25hbWUYASABKAkSDwoHYWRkcmVzcxgCIAEoCSLyAQoOUHJlcGFyZVJlcXVlc3QSIgoFZmVuY2UYASABKAsyEy50dXJucG9pbnQudjEuRmVuY2USEgoKcmVxdWVzdF9pZBgCIAEoCRIVCg1jaGVja3BvaW50X2lkGAMgASgJEigKBWxlYXNlGAQgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEhQKDG1heF9ibG9ja2VycxgFIAEoDRIyChFleHBlY3RlZF9lcGlzb2RlcxgGIAMoCzIXLnR1cm5wb2ludC52MS5FcGlzb2RlSWQSHQoVZW1wdHlfY29tbWl0X3NuYXBzaG90GAcgASgJIvsBCg9QcmVwYXJlUmVzcG9uc2USLAoGaGVhZGVyGAEgASgLMhwudHVybnBvaW50LnYxLlJlc3BvbnNlSGVhZGVyEiIKBXBoYXNlGAIgASgOMhMudHVybnBvaW50LnYxLlBoYXNlEjAKCXJlYWRpbmVzcxgDIAEoCzIdLnR1cm5wb2ludC52MS5SZWFkaW5lc3NSZXBvcnQSNAoQbGVhc2VfZXhwaXJlc19hdBgEIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASFQoNY2hlY2twb2ludF9pZBgFIAEoCRIXCg9jb21taXR0ZWRfZW1wdHkYBiABKAgihwEKDFJlbmV3UmVxdWVzdBIiCgVmZW5jZRgBIAEoCzITLnR1cm5wb2ludC52MS5GZW5jZRISCgpyZXF1ZXN0X2lkGAIgASgJEhUKDWNoZWNrcG9pbnRfaWQYAyABKAkSKAoFbGVhc2UYBCABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24ilwEKDVJlbmV3UmVzcG9uc2USLAoGaGVhZGVyGAEgASgLMhwudHVybnBvaW50LnYxLlJlc3BvbnNlSGVhZGVyEiIKBXBoYXNlGAIgASgOMhMudHVybnBvaW50LnYxLlBoYXNlEjQKEGxlYXNlX2V4cGlyZXNfYXQYAyABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wIscBCg1Db21taXRSZXF1ZXN0EiIKBWZlbmNlGAEgASgLMhMudHVybnBvaW50LnYxLkZlbmNlEhIKCnJlcXVlc3RfaWQYAiABKAkSFQoNY2hlY2twb2ludF9pZBgDIAEoCRIQCghzbmFwc2hvdBgEIAEoCRImCgVzY29wZRgFIAMoCzIXLnR1cm5wb2ludC52MS5FcGlzb2RlSWQSHAoUYWNjZXB0X3NhdmVkX25vdGhpbmcYBiABKAgSDwoHcmVsZWFzZRgHIAEoCCKEAgoOQ29tbWl0UmVzcG9uc2USLAoGaGVhZGVyGAEgASgLMhwudHVybnBvaW50LnYxLlJlc3BvbnNlSGVhZGVyEhUKDWNoZWNrcG9pbnRfaWQYAiABKAkSKwoIbWFuaWZlc3QYAyABKAsyGS50dXJucG9pbnQudjEuQXJ0aWZhY3RSZWYSLAoJYXJ0aWZhY3RzGAQgAygLMhkudHVybnBvaW50LnYxLkFydGlmYWN0UmVmEikKCGV4cG9ydGVkGAUgAygLMhcudHVybnBvaW50LnYxLkVwaXNvZGVJZBIVCg1zYXZlZF9ub3RoaW5nGAYgASgIEhAKCHJlbGVhc2VkGAcgASgIIl4KDVJlc3VtZVJlcXVlc3QSIgoFZmVuY2UYASABKAsyEy50dXJucG9pbnQudjEuRmVuY2USEgoKcmVxdWVzdF9pZBgCIAEoCRIVCg1jaGVja3BvaW50X2lkGAMgASgJIngKDlJlc3VtZVJlc3BvbnNlEiwKBmhlYWRlchgBIAEoCzIcLnR1cm5wb2ludC52MS5SZXNwb25zZUhlYWRlchIiCgVwaGFzZRgCIAEoDjITLnR1cm5wb2ludC52MS5QaGFzZRIUCgxlbmRlZF9hY3RpdmUYAyABKAgiagoNTWFuaWZlc3RFbnRyeRIrCghtYW5pZmVzdBgBIAEoCzIZLnR1cm5wb2ludC52MS5BcnRpZmFjdFJlZhIsCglhcnRpZmFjdHMYAiADKAsyGS50dXJucG9pbnQudjEuQXJ0aWZhY3RSZWYi7AEKDlJlc3RvcmVSZXF1ZXN0EiIKBWZlbmNlGAEgASgLMhMudHVybnBvaW50LnYxLkZlbmNlEhIKCnJlcXVlc3RfaWQYAiABKAkSEgoKcmVzdG9yZV9pZBgDIAEoCRIQCghzbmFwc2hvdBgEIAEoCRIqCgVlbnRyeRgFIAEoCzIbLnR1cm5wb2ludC52MS5NYW5pZmVzdEVudHJ5EiYKBXNjb3BlGAYgAygLMhcudHVybnBvaW50LnYxLkVwaXNvZGVJZBIoCgVsZWFzZRgHIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbiKjAQoPUmVzdG9yZVJlc3BvbnNlEiwKBmhlYWRlchgBIAEoCzIcLnR1cm5wb2ludC52MS5SZXNwb25zZUhlYWRlchISCgpyZXN0b3JlX2lkGAIgASgJEioKCWluc3RhbGxlZBgDIAMoCzIXLnR1cm5wb2ludC52MS5FcGlzb2RlSWQSIgoFcGhhc2UYBCABKA4yEy50dXJucG9pbnQudjEuUGhhc2UicgoNUmV0aXJlUmVxdWVzdBIiCgVmZW5jZRgBIAEoCzITLnR1cm5wb2ludC52MS5GZW5jZRISCgpyZXF1ZXN0X2lkGAIgASgJEikKCGVwaXNvZGVzGAMgAygLMhcudHVybnBvaW50LnYxLkVwaXNvZGVJZCJoCg5SZXRpcmVSZXNwb25zZRIsCgZoZWFkZXIYASABKAsyHC50dXJucG9pbnQudjEuUmVzcG9uc2VIZWFkZXISKAoHc3RvcHBlZBgCIAMoCzIXLnR1cm5wb2ludC52MS5FcGlzb2RlSWQiXAoNRm9yZ2V0UmVxdWVzdBIiCgVmZW5jZRgBIAEoCzITLnR1cm5wb2ludC52MS5GZW5jZRISCgpyZXF1ZXN0X2lkGAIgASgJEhMKC3JvbGxvdXRfaWRzGAMgAygJIlEKDkZvcmdldFJlc3BvbnNlEiwKBmhlYWRlchgBIAEoCzIcLnR1cm5wb2ludC52MS5SZXNwb25zZUhlYWRlchIRCglmb3Jnb3R0ZW4YAiABKA0iKAoQR2V0U3RhdHVzUmVxdWVzdBIUCgxtYXhfYmxvY2tlcnMYASABKA0i1gIKEUdldFN0YXR1c1Jlc3BvbnNlEiwKBmhlYWRlchgBIAEoCzIcLnR1cm5wb2ludC52MS5SZXNwb25zZUhlYWRlchIiCgVwaGFzZRgCIAEoDjITLnR1cm5wb2ludC52MS5QaGFzZRIcChRhY3RpdmVfY2hlY2twb2ludF9pZBgDIAEoCRI0ChBsZWFzZV9leHBpcmVzX2F0GAQgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIwCglyZWFkaW5lc3MYBSABKAsyHS50dXJucG9pbnQudjEuUmVhZGluZXNzUmVwb3J0EhYKDmFkbWlzc2lvbl9vcGVuGAYgASgIEhYKDmxlYXNlX2V4cGlyaWVzGAcgASgEEhgKEHJlZnVzZWRfcm9sbG91dHMYCCABKA0SHwoXY29tbWl0dGVkX2NoZWNrcG9pbnRfaWQYCSABKAkiUgoWV2F0Y2hCb3VuZGFyaWVzUmVxdWVzdBIiCgVmZW5jZRgBIAEoCzITLnR1cm5wb2ludC52MS5GZW5jZRIUCgxtYXhfYmxvY2tlcnMYAiABKA0iuAEKDUJvdW5kYXJ5RXZlbnQSKAoHZXBpc29kZRgBIAEoCzIXLnR1cm5wb2ludC52MS5FcGlzb2RlSWQSKQoFc3RhdGUYAiABKA4yGi50dXJucG9pbnQudjEuRXBpc29kZVN0YXRlEhYKDmJvdW5kYXJ5X2luZGV4GAMgASgNEhIKCnR1cm5faW5kZXgYBCABKA0SJgoCYXQYBSABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wItkBChdXYXRjaEJvdW5kYXJpZXNSZXNwb25zZRIsCgZoZWFkZXIYASABKAsyHC50dXJucG9pbnQudjEuUmVzcG9uc2VIZWFkZXISMgoJcmVhZGluZXNzGAIgASgLMh0udHVybnBvaW50LnYxLlJlYWRpbmVzc1JlcG9ydEgAEi8KCGJvdW5kYXJ5GAMgASgLMhsudHVybnBvaW50LnYxLkJvdW5kYXJ5RXZlbnRIABIiCgVwaGFzZRgEIAEoDjITLnR1cm5wb2ludC52MS5QaGFzZUIHCgVldmVudCLOBAoVQ29udHJvbFNlc3Npb25SZXF1ZXN0EhIKCnJlcXVlc3RfaWQYASABKAkSKgoHdGltZW91dBgCIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbhIxCghkZXNjcmliZRgDIAEoCzIdLnR1cm5wb2ludC52MS5EZXNjcmliZVJlcXVlc3RIABIvCgdwcmVwYXJlGAQgASgLMhwudHVybnBvaW50LnYxLlByZXBhcmVSZXF1ZXN0SAASKwoFcmVuZXcYBSABKAsyGi50dXJucG9pbnQudjEuUmVuZXdSZXF1ZXN0SAASLQoGY29tbWl0GAYgASgLMhsudHVybnBvaW50LnYxLkNvbW1pdFJlcXVlc3RIABItCgZyZXN1bWUYByABKAsyGy50dXJucG9pbnQudjEuUmVzdW1lUmVxdWVzdEgAEi8KB3Jlc3RvcmUYCCABKAsyHC50dXJucG9pbnQudjEuUmVzdG9yZVJlcXVlc3RIABItCgZyZXRpcmUYCSABKAsyGy50dXJucG9pbnQudjEuUmV0aXJlUmVxdWVzdEgAEi0KBmZvcmdldBgKIAEoCzIbLnR1cm5wb2ludC52MS5Gb3JnZXRSZXF1ZXN0SAASNAoKZ2V0X3N0YXR1cxgLIAEoCzIeLnR1cm5wb2ludC52MS5HZXRTdGF0dXNSZXF1ZXN0SAASNAoGY2FuY2VsGAwgASgLMiIudHVybnBvaW50LnYxLkNvbnRyb2xTZXNzaW9uQ2FuY2VsSABCCwoJb3BlcmF0aW9uIhYKFENvbnRyb2xTZXNzaW9uQ2FuY2VsIqAEChZDb250cm9sU2Vzc2lvblJlc3BvbnNlEhIKCnJlcXVlc3RfaWQYASABKAkSMgoIZGVzY3JpYmUYAiABKAsyHi50dXJucG9pbnQudjEuRGVzY3JpYmVSZXNwb25zZUgAEjAKB3ByZXBhcmUYAyABKAsyHS50dXJucG9pbnQudjEuUHJlcGFyZVJlc3BvbnNlSAASLAoFcmVuZXcYBCABKAsyGy50dXJucG9pbnQudjEuUmVuZXdSZXNwb25zZUgAEi4KBmNvbW1pdBgFIAEoCzIcLnR1cm5wb2ludC52MS5Db21taXRSZXNwb25zZUgAEi4KBnJlc3VtZRgGIAEoCzIcLnR1cm5wb2ludC52MS5SZXN1bWVSZXNwb25zZUgAEjAKB3Jlc3RvcmUYByABKAsyHS50dXJucG9pbnQudjEuUmVzdG9yZVJlc3BvbnNlSAASLgoGcmV0aXJlGAggASgLMhwudHVybnBvaW50LnYxLlJldGlyZVJlc3BvbnNlSAASLgoGZm9yZ2V0GAkgASgLMhwudHVybnBvaW50LnYxLkZvcmdldFJlc3BvbnNlSAASNQoKZ2V0X3N0YXR1cxgKIAEoCzIfLnR1cm5wb2ludC52MS5HZXRTdGF0dXNSZXNwb25zZUgAEisKBWVycm9yGAsgASgLMhoudHVybnBvaW50LnYxLkNvbnRyb2xFcnJvckgAQggKBnJlc3VsdDLcBgoYQ2hlY2twb2ludENvbnRyb2xTZXJ2aWNlEkkKCERlc2NyaWJlEh0udHVybnBvaW50LnYxLkRlc2NyaWJlUmVxdWVzdBoeLnR1cm5wb2ludC52MS5EZXNjcmliZVJlc3BvbnNlEkYKB1ByZXBhcmUSHC50dXJucG9pbnQudjEuUHJlcGFyZVJlcXVlc3QaHS50dXJucG9pbnQudjEuUHJlcGFyZVJlc3BvbnNlEkAKBVJlbmV3EhoudHVybnBvaW50LnYxLlJlbmV3UmVxdWVzdBobLnR1cm5wb2ludC52MS5SZW5ld1Jlc3BvbnNlEkMKBkNvbW1pdBIbLnR1cm5wb2ludC52MS5Db21taXRSZXF1ZXN0GhwudHVybnBvaW50LnYxLkNvbW1pdFJlc3BvbnNlEkMKBlJlc3VtZRIbLnR1cm5wb2ludC52MS5SZXN1bWVSZXF1ZXN0GhwudHVybnBvaW50LnYxLlJlc3VtZVJlc3BvbnNlEkYKB1Jlc3RvcmUSHC50dXJucG9pbnQudjEuUmVzdG9yZVJlcXVlc3QaHS50dXJucG9pbnQudjEuUmVzdG9yZVJlc3BvbnNlEkMKBlJldGlyZRIbLnR1cm5wb2ludC52MS5SZXRpcmVSZXF1ZXN0GhwudHVybnBvaW50LnYxLlJldGlyZVJlc3BvbnNlEkMKBkZvcmdldBIbLnR1cm5wb2ludC52MS5Gb3JnZXRSZXF1ZXN0GhwudHVybnBvaW50LnYxLkZvcmdldFJlc3BvbnNlEkwKCUdldFN0YXR1cxIeLnR1cm5wb2ludC52MS5HZXRTdGF0dXNSZXF1ZXN0Gh8udHVybnBvaW50LnYxLkdldFN0YXR1c1Jlc3BvbnNlEmAKD1dhdGNoQm91bmRhcmllcxIkLnR1cm5wb2ludC52MS5XYXRjaEJvdW5kYXJpZXNSZXF1ZXN0GiUudHVybnBvaW50LnYxLldhdGNoQm91bmRhcmllc1Jlc3BvbnNlMAESXwoOQ29udHJvbFNlc3Npb24SIy50dXJucG9pbnQudjEuQ29udHJvbFNlc3Npb25SZXF1ZXN0GiQudHVybnBvaW50LnYxLkNvbnRyb2xTZXNzaW9uUmVzcG9uc2UoATABYgZwcm90bzM", [file_google_protobuf_duration, file_google_protobuf_timestamp, file_turnpoint_v1_types]);
+  fileDesc("Ci10dXJucG9pbnQvdjEvY2hlY2twb2ludF9jb250cm9sX3NlcnZpY2UucHJvdG8SDHR1cm5wb2ludC52MSI1Cg9EZXNjcmliZVJlcXVlc3QSIgoFZmVuY2UYASABKAsyEy50dXJucG9pbnQudjEuRmVuY2UiqgQKEERlc2NyaWJlUmVzcG9uc2USLAoGaGVhZGVyGAEgASgLMhwudHVybnBvaW50LnYxLlJlc3BvbnNlSGVhZGVyEisKBGtpbmQYAiABKA4yHS50dXJucG9pbnQudjEuUGFydGljaXBhbnRLaW5kEhUKDWluc3RhbmNlX25hbWUYAyABKAkSGAoQcHJvdG9jb2xfdmVyc2lvbhgEIAEoCRIxCg1yZWNvdmVyeV9tb2RlGAUgASgOMhoudHVybnBvaW50LnYxLlJlY292ZXJ5TW9kZRItCgt2ZXJpZnlfbW9kZRgGIAEoDjIYLnR1cm5wb2ludC52MS5WZXJpZnlNb2RlEhQKDGdyb3VwX3Njb3JlZBgHIAEoCBISCgpncm91cF9zaXplGAggASgNEjUKEHN1cHBvcnRlZF9sZXZlbHMYCSADKA4yGy50dXJucG9pbnQudjEuUmVjb3ZlcnlMZXZlbBITCgtlbnZpcm9ubWVudBgKIAEoCRIaChJkYXRhX3BsYW5lX2FkZHJlc3MYCyABKAkSIgoFcGhhc2UYDCABKA4yEy50dXJucG9pbnQudjEuUGhhc2USLAoHd29ya2VycxgNIAMoCzIbLnR1cm5wb2ludC52MS5Xb3JrZXJBZGRyZXNzEhQKDHdvcmtlcl9ncm91cBgOIAEoCRIuCgxjYXBhYmlsaXRpZXMYDyADKA4yGC50dXJucG9pbnQudjEuQ2FwYWJpbGl0eSI3Cg1Xb3JrZXJBZGRyZXNzEhUKDWluc3RhbmNlX25hbWUYASABKAkSDwoHYWRkcmVzcxgCIAEoCSLyAQoOUHJlcGFyZVJlcXVlc3QSIgoFZmVuY2UYASABKAsyEy50dXJucG9pbnQudjEuRmVuY2USEgoKcmVxdWVzdF9pZBgCIAEoCRIVCg1jaGVja3BvaW50X2lkGAMgASgJEigKBWxlYXNlGAQgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEhQKDG1heF9ibG9ja2VycxgFIAEoDRIyChFleHBlY3RlZF9lcGlzb2RlcxgGIAMoCzIXLnR1cm5wb2ludC52MS5FcGlzb2RlSWQSHQoVZW1wdHlfY29tbWl0X3NuYXBzaG90GAcgASgJIvsBCg9QcmVwYXJlUmVzcG9uc2USLAoGaGVhZGVyGAEgASgLMhwudHVybnBvaW50LnYxLlJlc3BvbnNlSGVhZGVyEiIKBXBoYXNlGAIgASgOMhMudHVybnBvaW50LnYxLlBoYXNlEjAKCXJlYWRpbmVzcxgDIAEoCzIdLnR1cm5wb2ludC52MS5SZWFkaW5lc3NSZXBvcnQSNAoQbGVhc2VfZXhwaXJlc19hdBgEIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASFQoNY2hlY2twb2ludF9pZBgFIAEoCRIXCg9jb21taXR0ZWRfZW1wdHkYBiABKAgihwEKDFJlbmV3UmVxdWVzdBIiCgVmZW5jZRgBIAEoCzITLnR1cm5wb2ludC52MS5GZW5jZRISCgpyZXF1ZXN0X2lkGAIgASgJEhUKDWNoZWNrcG9pbnRfaWQYAyABKAkSKAoFbGVhc2UYBCABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24ilwEKDVJlbmV3UmVzcG9uc2USLAoGaGVhZGVyGAEgASgLMhwudHVybnBvaW50LnYxLlJlc3BvbnNlSGVhZGVyEiIKBXBoYXNlGAIgASgOMhMudHVybnBvaW50LnYxLlBoYXNlEjQKEGxlYXNlX2V4cGlyZXNfYXQYAyABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wIscBCg1Db21taXRSZXF1ZXN0EiIKBWZlbmNlGAEgASgLMhMudHVybnBvaW50LnYxLkZlbmNlEhIKCnJlcXVlc3RfaWQYAiABKAkSFQoNY2hlY2twb2ludF9pZBgDIAEoCRIQCghzbmFwc2hvdBgEIAEoCRImCgVzY29wZRgFIAMoCzIXLnR1cm5wb2ludC52MS5FcGlzb2RlSWQSHAoUYWNjZXB0X3NhdmVkX25vdGhpbmcYBiABKAgSDwoHcmVsZWFzZRgHIAEoCCKEAgoOQ29tbWl0UmVzcG9uc2USLAoGaGVhZGVyGAEgASgLMhwudHVybnBvaW50LnYxLlJlc3BvbnNlSGVhZGVyEhUKDWNoZWNrcG9pbnRfaWQYAiABKAkSKwoIbWFuaWZlc3QYAyABKAsyGS50dXJucG9pbnQudjEuQXJ0aWZhY3RSZWYSLAoJYXJ0aWZhY3RzGAQgAygLMhkudHVybnBvaW50LnYxLkFydGlmYWN0UmVmEikKCGV4cG9ydGVkGAUgAygLMhcudHVybnBvaW50LnYxLkVwaXNvZGVJZBIVCg1zYXZlZF9ub3RoaW5nGAYgASgIEhAKCHJlbGVhc2VkGAcgASgIIl4KDVJlc3VtZVJlcXVlc3QSIgoFZmVuY2UYASABKAsyEy50dXJucG9pbnQudjEuRmVuY2USEgoKcmVxdWVzdF9pZBgCIAEoCRIVCg1jaGVja3BvaW50X2lkGAMgASgJIngKDlJlc3VtZVJlc3BvbnNlEiwKBmhlYWRlchgBIAEoCzIcLnR1cm5wb2ludC52MS5SZXNwb25zZUhlYWRlchIiCgVwaGFzZRgCIAEoDjITLnR1cm5wb2ludC52MS5QaGFzZRIUCgxlbmRlZF9hY3RpdmUYAyABKAgiagoNTWFuaWZlc3RFbnRyeRIrCghtYW5pZmVzdBgBIAEoCzIZLnR1cm5wb2ludC52MS5BcnRpZmFjdFJlZhIsCglhcnRpZmFjdHMYAiADKAsyGS50dXJucG9pbnQudjEuQXJ0aWZhY3RSZWYi7AEKDlJlc3RvcmVSZXF1ZXN0EiIKBWZlbmNlGAEgASgLMhMudHVybnBvaW50LnYxLkZlbmNlEhIKCnJlcXVlc3RfaWQYAiABKAkSEgoKcmVzdG9yZV9pZBgDIAEoCRIQCghzbmFwc2hvdBgEIAEoCRIqCgVlbnRyeRgFIAEoCzIbLnR1cm5wb2ludC52MS5NYW5pZmVzdEVudHJ5EiYKBXNjb3BlGAYgAygLMhcudHVybnBvaW50LnYxLkVwaXNvZGVJZBIoCgVsZWFzZRgHIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbiKjAQoPUmVzdG9yZVJlc3BvbnNlEiwKBmhlYWRlchgBIAEoCzIcLnR1cm5wb2ludC52MS5SZXNwb25zZUhlYWRlchISCgpyZXN0b3JlX2lkGAIgASgJEioKCWluc3RhbGxlZBgDIAMoCzIXLnR1cm5wb2ludC52MS5FcGlzb2RlSWQSIgoFcGhhc2UYBCABKA4yEy50dXJucG9pbnQudjEuUGhhc2UijAIKFVJlc3RvcmVSdW5uaW5nUmVxdWVzdBIiCgVmZW5jZRgBIAEoCzITLnR1cm5wb2ludC52MS5GZW5jZRISCgpyZXF1ZXN0X2lkGAIgASgJEhIKCnJlc3RvcmVfaWQYAyABKAkSEAoIc25hcHNob3QYBCABKAkSKgoFZW50cnkYBSABKAsyGy50dXJucG9pbnQudjEuTWFuaWZlc3RFbnRyeRImCgVzY29wZRgGIAMoCzIXLnR1cm5wb2ludC52MS5FcGlzb2RlSWQSKAoFbGVhc2UYByABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SFwoPcmV0aXJlX3Vuc2NvcGVkGAggASgIItQBChZSZXN0b3JlUnVubmluZ1Jlc3BvbnNlEiwKBmhlYWRlchgBIAEoCzIcLnR1cm5wb2ludC52MS5SZXNwb25zZUhlYWRlchISCgpyZXN0b3JlX2lkGAIgASgJEioKCWluc3RhbGxlZBgDIAMoCzIXLnR1cm5wb2ludC52MS5FcGlzb2RlSWQSIgoFcGhhc2UYBCABKA4yEy50dXJucG9pbnQudjEuUGhhc2USKAoHcmV0aXJlZBgFIAMoCzIXLnR1cm5wb2ludC52MS5FcGlzb2RlSWQicgoNUmV0aXJlUmVxdWVzdBIiCgVmZW5jZRgBIAEoCzITLnR1cm5wb2ludC52MS5GZW5jZRISCgpyZXF1ZXN0X2lkGAIgASgJEikKCGVwaXNvZGVzGAMgAygLMhcudHVybnBvaW50LnYxLkVwaXNvZGVJZCJoCg5SZXRpcmVSZXNwb25zZRIsCgZoZWFkZXIYASABKAsyHC50dXJucG9pbnQudjEuUmVzcG9uc2VIZWFkZXISKAoHc3RvcHBlZBgCIAMoCzIXLnR1cm5wb2ludC52MS5FcGlzb2RlSWQiXAoNRm9yZ2V0UmVxdWVzdBIiCgVmZW5jZRgBIAEoCzITLnR1cm5wb2ludC52MS5GZW5jZRISCgpyZXF1ZXN0X2lkGAIgASgJEhMKC3JvbGxvdXRfaWRzGAMgAygJIlEKDkZvcmdldFJlc3BvbnNlEiwKBmhlYWRlchgBIAEoCzIcLnR1cm5wb2ludC52MS5SZXNwb25zZUhlYWRlchIRCglmb3Jnb3R0ZW4YAiABKA0iKAoQR2V0U3RhdHVzUmVxdWVzdBIUCgxtYXhfYmxvY2tlcnMYASABKA0i1gIKEUdldFN0YXR1c1Jlc3BvbnNlEiwKBmhlYWRlchgBIAEoCzIcLnR1cm5wb2ludC52MS5SZXNwb25zZUhlYWRlchIiCgVwaGFzZRgCIAEoDjITLnR1cm5wb2ludC52MS5QaGFzZRIcChRhY3RpdmVfY2hlY2twb2ludF9pZBgDIAEoCRI0ChBsZWFzZV9leHBpcmVzX2F0GAQgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIwCglyZWFkaW5lc3MYBSABKAsyHS50dXJucG9pbnQudjEuUmVhZGluZXNzUmVwb3J0EhYKDmFkbWlzc2lvbl9vcGVuGAYgASgIEhYKDmxlYXNlX2V4cGlyaWVzGAcgASgEEhgKEHJlZnVzZWRfcm9sbG91dHMYCCABKA0SHwoXY29tbWl0dGVkX2NoZWNrcG9pbnRfaWQYCSABKAkiUgoWV2F0Y2hCb3VuZGFyaWVzUmVxdWVzdBIiCgVmZW5jZRgBIAEoCzITLnR1cm5wb2ludC52MS5GZW5jZRIUCgxtYXhfYmxvY2tlcnMYAiABKA0iuAEKDUJvdW5kYXJ5RXZlbnQSKAoHZXBpc29kZRgBIAEoCzIXLnR1cm5wb2ludC52MS5FcGlzb2RlSWQSKQoFc3RhdGUYAiABKA4yGi50dXJucG9pbnQudjEuRXBpc29kZVN0YXRlEhYKDmJvdW5kYXJ5X2luZGV4GAMgASgNEhIKCnR1cm5faW5kZXgYBCABKA0SJgoCYXQYBSABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wItkBChdXYXRjaEJvdW5kYXJpZXNSZXNwb25zZRIsCgZoZWFkZXIYASABKAsyHC50dXJucG9pbnQudjEuUmVzcG9uc2VIZWFkZXISMgoJcmVhZGluZXNzGAIgASgLMh0udHVybnBvaW50LnYxLlJlYWRpbmVzc1JlcG9ydEgAEi8KCGJvdW5kYXJ5GAMgASgLMhsudHVybnBvaW50LnYxLkJvdW5kYXJ5RXZlbnRIABIiCgVwaGFzZRgEIAEoDjITLnR1cm5wb2ludC52MS5QaGFzZUIHCgVldmVudCKOBQoVQ29udHJvbFNlc3Npb25SZXF1ZXN0EhIKCnJlcXVlc3RfaWQYASABKAkSKgoHdGltZW91dBgCIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbhIxCghkZXNjcmliZRgDIAEoCzIdLnR1cm5wb2ludC52MS5EZXNjcmliZVJlcXVlc3RIABIvCgdwcmVwYXJlGAQgASgLMhwudHVybnBvaW50LnYxLlByZXBhcmVSZXF1ZXN0SAASKwoFcmVuZXcYBSABKAsyGi50dXJucG9pbnQudjEuUmVuZXdSZXF1ZXN0SAASLQoGY29tbWl0GAYgASgLMhsudHVybnBvaW50LnYxLkNvbW1pdFJlcXVlc3RIABItCgZyZXN1bWUYByABKAsyGy50dXJucG9pbnQudjEuUmVzdW1lUmVxdWVzdEgAEi8KB3Jlc3RvcmUYCCABKAsyHC50dXJucG9pbnQudjEuUmVzdG9yZVJlcXVlc3RIABItCgZyZXRpcmUYCSABKAsyGy50dXJucG9pbnQudjEuUmV0aXJlUmVxdWVzdEgAEi0KBmZvcmdldBgKIAEoCzIbLnR1cm5wb2ludC52MS5Gb3JnZXRSZXF1ZXN0SAASNAoKZ2V0X3N0YXR1cxgLIAEoCzIeLnR1cm5wb2ludC52MS5HZXRTdGF0dXNSZXF1ZXN0SAASNAoGY2FuY2VsGAwgASgLMiIudHVybnBvaW50LnYxLkNvbnRyb2xTZXNzaW9uQ2FuY2VsSAASPgoPcmVzdG9yZV9ydW5uaW5nGA0gASgLMiMudHVybnBvaW50LnYxLlJlc3RvcmVSdW5uaW5nUmVxdWVzdEgAQgsKCW9wZXJhdGlvbiIWChRDb250cm9sU2Vzc2lvbkNhbmNlbCLhBAoWQ29udHJvbFNlc3Npb25SZXNwb25zZRISCgpyZXF1ZXN0X2lkGAEgASgJEjIKCGRlc2NyaWJlGAIgASgLMh4udHVybnBvaW50LnYxLkRlc2NyaWJlUmVzcG9uc2VIABIwCgdwcmVwYXJlGAMgASgLMh0udHVybnBvaW50LnYxLlByZXBhcmVSZXNwb25zZUgAEiwKBXJlbmV3GAQgASgLMhsudHVybnBvaW50LnYxLlJlbmV3UmVzcG9uc2VIABIuCgZjb21taXQYBSABKAsyHC50dXJucG9pbnQudjEuQ29tbWl0UmVzcG9uc2VIABIuCgZyZXN1bWUYBiABKAsyHC50dXJucG9pbnQudjEuUmVzdW1lUmVzcG9uc2VIABIwCgdyZXN0b3JlGAcgASgLMh0udHVybnBvaW50LnYxLlJlc3RvcmVSZXNwb25zZUgAEi4KBnJldGlyZRgIIAEoCzIcLnR1cm5wb2ludC52MS5SZXRpcmVSZXNwb25zZUgAEi4KBmZvcmdldBgJIAEoCzIcLnR1cm5wb2ludC52MS5Gb3JnZXRSZXNwb25zZUgAEjUKCmdldF9zdGF0dXMYCiABKAsyHy50dXJucG9pbnQudjEuR2V0U3RhdHVzUmVzcG9uc2VIABIrCgVlcnJvchgLIAEoCzIaLnR1cm5wb2ludC52MS5Db250cm9sRXJyb3JIABI/Cg9yZXN0b3JlX3J1bm5pbmcYDCABKAsyJC50dXJucG9pbnQudjEuUmVzdG9yZVJ1bm5pbmdSZXNwb25zZUgAQggKBnJlc3VsdCpICgpDYXBhYmlsaXR5EhoKFkNBUEFCSUxJVFlfVU5TUEVDSUZJRUQQABIeChpDQVBBQklMSVRZX1JFU1RPUkVfUlVOTklORxABMrkHChhDaGVja3BvaW50Q29udHJvbFNlcnZpY2USSQoIRGVzY3JpYmUSHS50dXJucG9pbnQudjEuRGVzY3JpYmVSZXF1ZXN0Gh4udHVybnBvaW50LnYxLkRlc2NyaWJlUmVzcG9uc2USRgoHUHJlcGFyZRIcLnR1cm5wb2ludC52MS5QcmVwYXJlUmVxdWVzdBodLnR1cm5wb2ludC52MS5QcmVwYXJlUmVzcG9uc2USQAoFUmVuZXcSGi50dXJucG9pbnQudjEuUmVuZXdSZXF1ZXN0GhsudHVybnBvaW50LnYxLlJlbmV3UmVzcG9uc2USQwoGQ29tbWl0EhsudHVybnBvaW50LnYxLkNvbW1pdFJlcXVlc3QaHC50dXJucG9pbnQudjEuQ29tbWl0UmVzcG9uc2USQwoGUmVzdW1lEhsudHVybnBvaW50LnYxLlJlc3VtZVJlcXVlc3QaHC50dXJucG9pbnQudjEuUmVzdW1lUmVzcG9uc2USRgoHUmVzdG9yZRIcLnR1cm5wb2ludC52MS5SZXN0b3JlUmVxdWVzdBodLnR1cm5wb2ludC52MS5SZXN0b3JlUmVzcG9uc2USWwoOUmVzdG9yZVJ1bm5pbmcSIy50dXJucG9pbnQudjEuUmVzdG9yZVJ1bm5pbmdSZXF1ZXN0GiQudHVybnBvaW50LnYxLlJlc3RvcmVSdW5uaW5nUmVzcG9uc2USQwoGUmV0aXJlEhsudHVybnBvaW50LnYxLlJldGlyZVJlcXVlc3QaHC50dXJucG9pbnQudjEuUmV0aXJlUmVzcG9uc2USQwoGRm9yZ2V0EhsudHVybnBvaW50LnYxLkZvcmdldFJlcXVlc3QaHC50dXJucG9pbnQudjEuRm9yZ2V0UmVzcG9uc2USTAoJR2V0U3RhdHVzEh4udHVybnBvaW50LnYxLkdldFN0YXR1c1JlcXVlc3QaHy50dXJucG9pbnQudjEuR2V0U3RhdHVzUmVzcG9uc2USYAoPV2F0Y2hCb3VuZGFyaWVzEiQudHVybnBvaW50LnYxLldhdGNoQm91bmRhcmllc1JlcXVlc3QaJS50dXJucG9pbnQudjEuV2F0Y2hCb3VuZGFyaWVzUmVzcG9uc2UwARJfCg5Db250cm9sU2Vzc2lvbhIjLnR1cm5wb2ludC52MS5Db250cm9sU2Vzc2lvblJlcXVlc3QaJC50dXJucG9pbnQudjEuQ29udHJvbFNlc3Npb25SZXNwb25zZSgBMAFiBnByb3RvMw", [file_google_protobuf_duration, file_google_protobuf_timestamp, file_turnpoint_v1_types]);
 
 /**
  * DescribeRequest asks a participant what it is.
@@ -145,6 +145,14 @@ export type DescribeResponse = Message<"turnpoint.v1.DescribeResponse"> & {
    * @generated from field: string worker_group = 14;
    */
   workerGroup: string;
+
+  /**
+   * Optional operations this participant serves. A coordinator MUST NOT send an
+   * operation whose capability is not listed, and MUST ignore values it does not know.
+   *
+   * @generated from field: repeated turnpoint.v1.Capability capabilities = 15;
+   */
+  capabilities: Capability[];
 };
 
 /**
@@ -730,6 +738,128 @@ export const RestoreResponseSchema: GenMessage<RestoreResponse> = /*@__PURE__*/
   messageDesc(file_turnpoint_v1_checkpoint_control_service, 13);
 
 /**
+ * RestoreRunningRequest installs saved episodes into a participant that may hold work.
+ *
+ * @generated from message turnpoint.v1.RestoreRunningRequest
+ */
+export type RestoreRunningRequest = Message<"turnpoint.v1.RestoreRunningRequest"> & {
+  /**
+   * The coordinator sending it.
+   *
+   * @generated from field: turnpoint.v1.Fence fence = 1;
+   */
+  fence?: Fence | undefined;
+
+  /**
+   * Idempotency key.
+   *
+   * @generated from field: string request_id = 2;
+   */
+  requestId: string;
+
+  /**
+   * Id of this restore (same rules as a checkpoint id); Resume with it reopens.
+   *
+   * @generated from field: string restore_id = 3;
+   */
+  restoreId: string;
+
+  /**
+   * Snapshot directory under the participant's configured root.
+   *
+   * @generated from field: string snapshot = 4;
+   */
+  snapshot: string;
+
+  /**
+   * What the participant must find there; every digest is verified before any record
+   * is used, and before anything is retired.
+   *
+   * @generated from field: turnpoint.v1.ManifestEntry entry = 5;
+   */
+  entry?: ManifestEntry | undefined;
+
+  /**
+   * The saved episodes (attempt N) to continue. Every attempt of their rollouts up to N
+   * is retired here first (refused from then on), then each is installed as N+1.
+   *
+   * @generated from field: repeated turnpoint.v1.EpisodeId scope = 6;
+   */
+  scope: EpisodeId[];
+
+  /**
+   * Lease length while RESTORED.
+   *
+   * @generated from field: google.protobuf.Duration lease = 7;
+   */
+  lease?: Duration | undefined;
+
+  /**
+   * Also stop and free every other entry held here, without refusal marks: the sender
+   * is a new coordinator incarnation and everything held was started by a fenced one.
+   *
+   * @generated from field: bool retire_unscoped = 8;
+   */
+  retireUnscoped: boolean;
+};
+
+/**
+ * Describes the message turnpoint.v1.RestoreRunningRequest.
+ * Use `create(RestoreRunningRequestSchema)` to create a new message.
+ */
+export const RestoreRunningRequestSchema: GenMessage<RestoreRunningRequest> = /*@__PURE__*/
+  messageDesc(file_turnpoint_v1_checkpoint_control_service, 14);
+
+/**
+ * RestoreRunningResponse lists what was retired and what was installed.
+ *
+ * @generated from message turnpoint.v1.RestoreRunningResponse
+ */
+export type RestoreRunningResponse = Message<"turnpoint.v1.RestoreRunningResponse"> & {
+  /**
+   * Who answered.
+   *
+   * @generated from field: turnpoint.v1.ResponseHeader header = 1;
+   */
+  header?: ResponseHeader | undefined;
+
+  /**
+   * The restore this answers.
+   *
+   * @generated from field: string restore_id = 2;
+   */
+  restoreId: string;
+
+  /**
+   * The attempt N+1 episodes installed.
+   *
+   * @generated from field: repeated turnpoint.v1.EpisodeId installed = 3;
+   */
+  installed: EpisodeId[];
+
+  /**
+   * PHASE_RESTORED.
+   *
+   * @generated from field: turnpoint.v1.Phase phase = 4;
+   */
+  phase: Phase;
+
+  /**
+   * The attempts this restore stopped and freed before installing (sorted).
+   *
+   * @generated from field: repeated turnpoint.v1.EpisodeId retired = 5;
+   */
+  retired: EpisodeId[];
+};
+
+/**
+ * Describes the message turnpoint.v1.RestoreRunningResponse.
+ * Use `create(RestoreRunningResponseSchema)` to create a new message.
+ */
+export const RestoreRunningResponseSchema: GenMessage<RestoreRunningResponse> = /*@__PURE__*/
+  messageDesc(file_turnpoint_v1_checkpoint_control_service, 15);
+
+/**
  * RetireRequest stops attempts and frees their state.
  *
  * @generated from message turnpoint.v1.RetireRequest
@@ -762,7 +892,7 @@ export type RetireRequest = Message<"turnpoint.v1.RetireRequest"> & {
  * Use `create(RetireRequestSchema)` to create a new message.
  */
 export const RetireRequestSchema: GenMessage<RetireRequest> = /*@__PURE__*/
-  messageDesc(file_turnpoint_v1_checkpoint_control_service, 14);
+  messageDesc(file_turnpoint_v1_checkpoint_control_service, 16);
 
 /**
  * RetireResponse is sent only after every named attempt stopped and its state is freed.
@@ -790,7 +920,7 @@ export type RetireResponse = Message<"turnpoint.v1.RetireResponse"> & {
  * Use `create(RetireResponseSchema)` to create a new message.
  */
 export const RetireResponseSchema: GenMessage<RetireResponse> = /*@__PURE__*/
-  messageDesc(file_turnpoint_v1_checkpoint_control_service, 15);
+  messageDesc(file_turnpoint_v1_checkpoint_control_service, 17);
 
 /**
  * ForgetRequest drops refusal marks once nothing of those rollouts can still arrive.
@@ -825,7 +955,7 @@ export type ForgetRequest = Message<"turnpoint.v1.ForgetRequest"> & {
  * Use `create(ForgetRequestSchema)` to create a new message.
  */
 export const ForgetRequestSchema: GenMessage<ForgetRequest> = /*@__PURE__*/
-  messageDesc(file_turnpoint_v1_checkpoint_control_service, 16);
+  messageDesc(file_turnpoint_v1_checkpoint_control_service, 18);
 
 /**
  * ForgetResponse reports how many marks were dropped.
@@ -853,7 +983,7 @@ export type ForgetResponse = Message<"turnpoint.v1.ForgetResponse"> & {
  * Use `create(ForgetResponseSchema)` to create a new message.
  */
 export const ForgetResponseSchema: GenMessage<ForgetResponse> = /*@__PURE__*/
-  messageDesc(file_turnpoint_v1_checkpoint_control_service, 17);
+  messageDesc(file_turnpoint_v1_checkpoint_control_service, 19);
 
 /**
  * GetStatusRequest asks for the current state. Read-only.
@@ -874,7 +1004,7 @@ export type GetStatusRequest = Message<"turnpoint.v1.GetStatusRequest"> & {
  * Use `create(GetStatusRequestSchema)` to create a new message.
  */
 export const GetStatusRequestSchema: GenMessage<GetStatusRequest> = /*@__PURE__*/
-  messageDesc(file_turnpoint_v1_checkpoint_control_service, 18);
+  messageDesc(file_turnpoint_v1_checkpoint_control_service, 20);
 
 /**
  * GetStatusResponse is the participant's state now.
@@ -953,7 +1083,7 @@ export type GetStatusResponse = Message<"turnpoint.v1.GetStatusResponse"> & {
  * Use `create(GetStatusResponseSchema)` to create a new message.
  */
 export const GetStatusResponseSchema: GenMessage<GetStatusResponse> = /*@__PURE__*/
-  messageDesc(file_turnpoint_v1_checkpoint_control_service, 19);
+  messageDesc(file_turnpoint_v1_checkpoint_control_service, 21);
 
 /**
  * WatchBoundariesRequest subscribes to readiness and boundary changes.
@@ -981,7 +1111,7 @@ export type WatchBoundariesRequest = Message<"turnpoint.v1.WatchBoundariesReques
  * Use `create(WatchBoundariesRequestSchema)` to create a new message.
  */
 export const WatchBoundariesRequestSchema: GenMessage<WatchBoundariesRequest> = /*@__PURE__*/
-  messageDesc(file_turnpoint_v1_checkpoint_control_service, 20);
+  messageDesc(file_turnpoint_v1_checkpoint_control_service, 22);
 
 /**
  * BoundaryEvent is one episode changing state (sealing a turn, parking, completing).
@@ -1030,7 +1160,7 @@ export type BoundaryEvent = Message<"turnpoint.v1.BoundaryEvent"> & {
  * Use `create(BoundaryEventSchema)` to create a new message.
  */
 export const BoundaryEventSchema: GenMessage<BoundaryEvent> = /*@__PURE__*/
-  messageDesc(file_turnpoint_v1_checkpoint_control_service, 21);
+  messageDesc(file_turnpoint_v1_checkpoint_control_service, 23);
 
 /**
  * WatchBoundariesResponse is one change: a new readiness report or a boundary event.
@@ -1081,7 +1211,7 @@ export type WatchBoundariesResponse = Message<"turnpoint.v1.WatchBoundariesRespo
  * Use `create(WatchBoundariesResponseSchema)` to create a new message.
  */
 export const WatchBoundariesResponseSchema: GenMessage<WatchBoundariesResponse> = /*@__PURE__*/
-  messageDesc(file_turnpoint_v1_checkpoint_control_service, 22);
+  messageDesc(file_turnpoint_v1_checkpoint_control_service, 24);
 
 /**
  * ControlSessionRequest is one control operation on the open session stream.
@@ -1192,6 +1322,14 @@ export type ControlSessionRequest = Message<"turnpoint.v1.ControlSessionRequest"
      */
     value: ControlSessionCancel;
     case: "cancel";
+  } | {
+    /**
+     * See CheckpointControlService.RestoreRunning.
+     *
+     * @generated from field: turnpoint.v1.RestoreRunningRequest restore_running = 13;
+     */
+    value: RestoreRunningRequest;
+    case: "restoreRunning";
   } | { case: undefined; value?: undefined };
 };
 
@@ -1200,7 +1338,7 @@ export type ControlSessionRequest = Message<"turnpoint.v1.ControlSessionRequest"
  * Use `create(ControlSessionRequestSchema)` to create a new message.
  */
 export const ControlSessionRequestSchema: GenMessage<ControlSessionRequest> = /*@__PURE__*/
-  messageDesc(file_turnpoint_v1_checkpoint_control_service, 23);
+  messageDesc(file_turnpoint_v1_checkpoint_control_service, 25);
 
 /**
  * ControlSessionCancel carries a caller's cancellation over the session, where a stream
@@ -1217,7 +1355,7 @@ export type ControlSessionCancel = Message<"turnpoint.v1.ControlSessionCancel"> 
  * Use `create(ControlSessionCancelSchema)` to create a new message.
  */
 export const ControlSessionCancelSchema: GenMessage<ControlSessionCancel> = /*@__PURE__*/
-  messageDesc(file_turnpoint_v1_checkpoint_control_service, 24);
+  messageDesc(file_turnpoint_v1_checkpoint_control_service, 26);
 
 /**
  * ControlSessionResponse answers one ControlSessionRequest. Responses may arrive in any
@@ -1318,6 +1456,14 @@ export type ControlSessionResponse = Message<"turnpoint.v1.ControlSessionRespons
      */
     value: ControlError;
     case: "error";
+  } | {
+    /**
+     * See RestoreRunningResponse.
+     *
+     * @generated from field: turnpoint.v1.RestoreRunningResponse restore_running = 12;
+     */
+    value: RestoreRunningResponse;
+    case: "restoreRunning";
   } | { case: undefined; value?: undefined };
 };
 
@@ -1326,7 +1472,34 @@ export type ControlSessionResponse = Message<"turnpoint.v1.ControlSessionRespons
  * Use `create(ControlSessionResponseSchema)` to create a new message.
  */
 export const ControlSessionResponseSchema: GenMessage<ControlSessionResponse> = /*@__PURE__*/
-  messageDesc(file_turnpoint_v1_checkpoint_control_service, 25);
+  messageDesc(file_turnpoint_v1_checkpoint_control_service, 27);
+
+/**
+ * Capability is an optional control operation a participant serves.
+ *
+ * @generated from enum turnpoint.v1.Capability
+ */
+export enum Capability {
+  /**
+   * Never sent.
+   *
+   * @generated from enum value: CAPABILITY_UNSPECIFIED = 0;
+   */
+  UNSPECIFIED = 0,
+
+  /**
+   * RestoreRunning: restore into a participant that already served work (section 4.16).
+   *
+   * @generated from enum value: CAPABILITY_RESTORE_RUNNING = 1;
+   */
+  RESTORE_RUNNING = 1,
+}
+
+/**
+ * Describes the enum turnpoint.v1.Capability.
+ */
+export const CapabilitySchema: GenEnum<Capability> = /*@__PURE__*/
+  enumDesc(file_turnpoint_v1_checkpoint_control_service, 0);
 
 /**
  * CheckpointControlService is served by every participant (docs/spec.md sections 3, 4).
@@ -1410,6 +1583,20 @@ export const CheckpointControlService: GenService<{
     methodKind: "unary";
     input: typeof RestoreRequestSchema;
     output: typeof RestoreResponseSchema;
+  },
+  /**
+   * RestoreRunning is Restore into a participant that may already hold work: it first
+   * retires every attempt of the scoped rollouts up to the saved one (and, when asked,
+   * every other entry it holds), then installs the saved episodes as attempt N+1 and
+   * stays closed (RESTORED) until Resume. Only participants that list
+   * CAPABILITY_RESTORE_RUNNING in Describe serve it (docs/spec.md section 4.16).
+   *
+   * @generated from rpc turnpoint.v1.CheckpointControlService.RestoreRunning
+   */
+  restoreRunning: {
+    methodKind: "unary";
+    input: typeof RestoreRunningRequestSchema;
+    output: typeof RestoreRunningResponseSchema;
   },
   /**
    * Retire stops attempts (and every earlier attempt of their rollouts) and frees
