@@ -11,6 +11,7 @@ it breaks, and by no other check. The command itself prints a table or JSON and 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import sys
@@ -21,7 +22,7 @@ import pytest
 
 from tests.support.mutants import MUTANTS, IgnoresRecord, Mutant, honest_mid_turn_agent
 from tests.support.participants import TOKEN, start_topology
-from tests.support.scripted import host_scripted
+from tests.support.scripted import FAST, host_scripted
 from turnpoint.apps.conformance._kit import Workload
 from turnpoint.apps.conformance._report import ConformanceReport, Outcome, render_table
 from turnpoint.apps.conformance._runner import CHECKS, ConformanceOptions, run_conformance
@@ -209,3 +210,21 @@ async def test_the_command_prints_json_and_exits_by_the_verdict(tmp_path: Path) 
 async def test_usage_errors_exit_2(args: tuple[str, ...]) -> None:
     code, _, err = await _command(*args)
     assert code == 2, err
+
+
+@pytest.mark.parametrize("serves", [True, False], ids=["capable", "without-capability"])
+async def test_the_restore_running_check_runs_only_where_the_capability_is_listed(
+    tmp_path: Path, serves: bool
+) -> None:
+    """docs/spec.md section 4.16: checked on a participant that lists the capability, and
+    skipped, saying why, on one that does not."""
+    config = dataclasses.replace(FAST, restore_running=serves)
+    async with host_scripted(tmp_path, resources=GuessTools("tools"), config=config) as target:
+        report = await _check(target.address, only=("restore-running",))
+    result = report.result("restore-running")
+    if serves:
+        assert result.outcome is Outcome.PASS, render_table(report)
+        assert "refused a retired scope attempt STALE_ATTEMPT" in result.detail
+    else:
+        assert result.outcome is Outcome.SKIP, render_table(report)
+        assert "CAPABILITY_RESTORE_RUNNING" in result.detail

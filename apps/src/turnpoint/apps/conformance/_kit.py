@@ -477,6 +477,29 @@ class Kit:
         )
         return await self.target.call(self.target.control.Restore, request, name="Restore")
 
+    async def restore_running(
+        self,
+        restore_id: str,
+        snapshot: str,
+        entry: pb.ManifestEntry,
+        scope: Sequence[types_pb2.EpisodeId] = (),
+        *,
+        rid: str | None = None,
+    ) -> pb.RestoreRunningResponse:
+        self._left.checkpoints.add(restore_id)
+        request = pb.RestoreRunningRequest(
+            fence=self.fence(),
+            request_id=self.rid("restore-running") if rid is None else rid,
+            restore_id=restore_id,
+            snapshot=snapshot,
+            entry=entry,
+            scope=list(scope),
+            lease=duration(HOLD_LEASE_S),
+        )
+        return await self.target.call(
+            self.target.control.RestoreRunning, request, name="RestoreRunning"
+        )
+
     async def retire(
         self,
         episodes: Sequence[types_pb2.EpisodeId],

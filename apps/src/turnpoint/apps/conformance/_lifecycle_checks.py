@@ -318,6 +318,76 @@ async def check_restore(kit: Kit) -> str:
     )
 
 
+async def check_restore_running(kit: Kit) -> str:
+    """Section 4.16: a participant that lists CAPABILITY_RESTORE_RUNNING restores while
+    it holds work: no freshness needed, RESTORED until resume, replayed, conflicting,
+    stale once resumed, and a retired scope attempt refused before anything changes."""
+    described = await kit.describe()
+    if pb.CAPABILITY_RESTORE_RUNNING not in described.capabilities:
+        raise CheckSkipped(
+            "the target lists no CAPABILITY_RESTORE_RUNNING in Describe: it is restored "
+            "only when fresh (section 4.10), which the restore check covers"
+        )
+    checkpoint = kit.checkpoint_id()
+    await kit.prepare(checkpoint, lease_s=HOLD_LEASE_S)
+    committed = await kit.commit(checkpoint, checkpoint)
+    await kit.resume(checkpoint)
+    entry = pb.ManifestEntry(manifest=committed.manifest, artifacts=list(committed.artifacts))
+    kit.notes.append(f"a committed snapshot directory {checkpoint}/{kit.instance}/ under its root")
+    retired = episode(kit.rollout("restore-running"), 0)
+    await kit.retire([retired])
+    await kit.refused(
+        kit.restore_running(kit.checkpoint_id(), checkpoint, entry, [retired]),
+        "STALE_ATTEMPT",
+        "RestoreRunning continuing an attempt retired here",
+        keys=("episode",),
+    )
+    require_idle(await kit.status(), "after a refused RestoreRunning (nothing changed)")
+    restore_id = kit.checkpoint_id()
+    rid = kit.rid("restore-running")
+    restored = await kit.restore_running(restore_id, checkpoint, entry, rid=rid)
+    require(
+        restored.restore_id == restore_id
+        and restored.phase == types_pb2.PHASE_RESTORED
+        and not restored.installed,
+        "RestoreRunning of an empty scope must answer PHASE_RESTORED with nothing installed",
+    )
+    status = await kit.status()
+    require(
+        status.phase == types_pb2.PHASE_RESTORED
+        and status.active_checkpoint_id == restore_id
+        and not status.admission_open,
+        "GetStatus does not show the running restore holding admission closed",
+    )
+    again = await kit.restore_running(restore_id, checkpoint, entry, rid=rid)
+    require(
+        again.restore_id == restore_id
+        and again.phase == restored.phase
+        and list(again.installed) == list(restored.installed)
+        and list(again.retired) == list(restored.retired),
+        "a retried RestoreRunning answered differently",
+    )
+    await kit.refused(
+        kit.restore_running(restore_id, checkpoint, entry, [episode(kit.rollout("other"), 0)]),
+        "CHECKPOINT_CONFLICT",
+        "the same restore id with another scope",
+    )
+    ended = await kit.resume(restore_id)
+    require(ended.ended_active, "Resume of the running restore's id said ended_active=false")
+    require_idle(await kit.status(), "after resuming the running restore")
+    await kit.refused(
+        kit.restore_running(restore_id, checkpoint, entry),
+        "STALE_CHECKPOINT",
+        "RestoreRunning of a resumed restore id",
+    )
+    await kit.forget([retired.rollout_id])
+    return (
+        "listed the capability; refused a retired scope attempt STALE_ATTEMPT with nothing "
+        "changed; restored without freshness, RESTORED until resume; replayed; "
+        "CHECKPOINT_CONFLICT; then stale"
+    )
+
+
 # ---------------------------------------------------------------------- retire / forget
 
 

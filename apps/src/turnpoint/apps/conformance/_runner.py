@@ -35,6 +35,7 @@ from ._lifecycle_checks import (
     check_forget,
     check_lease,
     check_restore,
+    check_restore_running,
     check_resume,
     check_retire,
 )
@@ -64,6 +65,7 @@ CHECKS: tuple[Check, ...] = (
     Check("resume", "4.9", check_resume),
     Check("commit", "4.8", check_commit),
     Check("restore", "4.10", check_restore),
+    Check("restore-running", "4.16", check_restore_running),
     Check("effects", "6.12", check_effects),
     Check("lease", "4.2", check_lease),
     Check("retire", "4.11", check_retire),
