@@ -298,7 +298,7 @@ async def test_participant_and_coordinator_metrics_move_mid_run(tmp_path: Path) 
                 value(
                     seen,
                     "turnpoint_participant_control_calls_total",
-                    operation="restore",
+                    operation="restore_running",  # it serves it: docs/spec.md 4.16
                     outcome="ok",
                 )
                 == 1

@@ -608,10 +608,12 @@ async def test_a_lost_restore_reply_is_retried_and_the_attempt_installed_once(
             tmp_path, {"agent-0": proxy.address}, {"agent-0": hosted.address}, epoch=2
         ) as trainer,
     ):
-        proxy.lose["restore"] = 1
+        # The participant serves RestoreRunning (docs/spec.md section 4.16): that is the
+        # restore the coordinator sends it, and whose reply is lost.
+        proxy.lose["restore_running"] = 1
         plan = await trainer.restorer().restore()
 
-        assert proxy.lost == ["restore"]
+        assert proxy.lost == ["restore_running"]
         assert plan is not None and not plan.restore_failed
         continued = saved.next_attempt()
         assert [r.episode for r in plan.redispatch] == [continued]

@@ -182,9 +182,10 @@ class Checkpointing:
     deterministic crashes only (:class:`turnpoint.trainer.testing.SnapshotHooks`).
 
     Failing fast: :meth:`open` raises :class:`RestoreRefusedError` when a participant
-    refuses or fails the restore (most often: it is not fresh, the trainer restarted
-    alone); ``allow_degraded_restore`` starts instead, every saved rollout over from its
-    prompt. :meth:`dispatch` refuses a rollout for an unknown agent or environment.
+    refuses or fails the restore (most often: it is not fresh and does not serve
+    RestoreRunning, docs/spec.md section 4.16, and the trainer restarted alone);
+    ``allow_degraded_restore`` starts instead, every saved rollout over from its prompt.
+    Participants that serve RestoreRunning are restored where they run. :meth:`dispatch` refuses a rollout for an unknown agent or environment.
     Leaving cleanly takes a final snapshot (``final_snapshot``, on by default).
 
     Seeing the job (docs/spec.md sections 7.13 and 7.14): :attr:`history` keeps every
@@ -388,9 +389,11 @@ class Checkpointing:
         if hooks is not None:
             hooks.attach(driver)
         if self._weights is not None:
-            # Fresh policy servers (a restore needs fresh participants, spec section
-            # 4.10) get the restored weights at their recorded version; a server that
-            # holds that version already answers without installing again.
+            # Policy servers get the restored weights at their recorded version; a server
+            # that holds that version already answers without installing again. One
+            # restored where it runs may hold a newer version and refuse the push: spec
+            # section 4.16 (Weights) leaves that open, so weight-pushing jobs restart
+            # their policy servers with the trainer.
             version = sync.version
             pushed = await self.push_weights(
                 self._initial_weights_version if version is None else version

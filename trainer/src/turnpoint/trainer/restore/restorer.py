@@ -128,13 +128,15 @@ class NoUsableSnapshotError(CoordinatorError):
 class RestoreRefusedError(CoordinatorError):
     """Restoring ``checkpoint_id`` failed on some participant (``failures``, by
     instance), and a degraded start, every saved rollout over from its prompt, was not
-    allowed. Most often a participant is not fresh: the trainer restarted alone."""
+    allowed. Most often a participant without RestoreRunning is not fresh: the trainer
+    restarted alone."""
 
     def __init__(self, checkpoint_id: str, cause: RestoreFailed) -> None:
         super().__init__(
             cause.reason,
-            f"restoring snapshot {checkpoint_id} failed: {cause}. A restore needs fresh "
-            "participants (docs/spec.md section 4.10): restart them with the trainer, or "
+            f"restoring snapshot {checkpoint_id} failed: {cause}. A participant that does "
+            "not serve RestoreRunning must be fresh (docs/spec.md sections 4.10, 4.16): "
+            "restart it with the trainer, or "
             "allow a degraded start, where every saved rollout starts over from its prompt "
             "(Checkpointing(allow_degraded_restore=True))",
             {"checkpoint_id": checkpoint_id},
