@@ -301,13 +301,23 @@ class LocalSandboxProvider(SandboxProvider):
 
     async def start(self, sandbox: Sandbox, argv: Sequence[str]) -> None:
         await self._spawn(sandbox, argv, piped=False)
-        state = self._state[sandbox.sandbox_id]
-        updated = dict(self._state)
-        updated[sandbox.sandbox_id] = replace(state, commands=(*state.commands, tuple(argv)))
         async with self._lock:
-            self._active(sandbox)
+            state, _ = self._active(sandbox)  # a restore that fenced it killed the process
+            updated = dict(self._state)
+            updated[sandbox.sandbox_id] = replace(state, commands=(*state.commands, tuple(argv)))
             await asyncio.to_thread(self._write_state, updated)
             self._state = updated
+
+    async def close(self) -> None:
+        """Kill every process this provider started; the sandboxes' trees stay."""
+        processes = [p for group in self._processes.values() for p in group]
+        for process in processes:
+            _kill(process)
+        for process in processes:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(process.wait(), _DRAIN_SECONDS)
+        for group in self._processes.values():
+            group.clear()
 
     async def _spawn(
         self, sandbox: Sandbox, argv: Sequence[str], *, piped: bool
