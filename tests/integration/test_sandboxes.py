@@ -1,6 +1,6 @@
 """Real sandboxes under the local provider: generations, fencing, all-or-none restores.
 
-docs/spec.md section 5.9. Every test runs its commands under bubblewrap: the provider is
+docs/spec.md section 5.7. Every test runs its commands under bubblewrap: the provider is
 opened with ``Isolation.BWRAP`` required, so a machine without it fails here rather than
 quietly testing a weaker sandbox (``./dev setup`` installs it).
 """

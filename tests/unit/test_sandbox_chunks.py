@@ -1,6 +1,6 @@
 """The sandbox chunk store: digests, incremental reuse, corruption, hostile manifests.
 
-docs/spec.md section 5.9.3. Every refusal is checked twice over: the typed error names
+docs/spec.md section 5.7.3. Every refusal is checked twice over: the typed error names
 its :class:`Refusal`, and neither the target nor anything beside it was written.
 """
 

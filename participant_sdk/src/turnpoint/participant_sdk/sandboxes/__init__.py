@@ -1,4 +1,4 @@
-"""Sandboxes: a resources server's state as real files and processes (docs/spec.md 5.9).
+"""Sandboxes: a resources server's state as real files and processes (docs/spec.md section 5.7).
 
 A :class:`SandboxProvider` hosts sandboxes and reports its :class:`Capability` and its
 :class:`IsolationReport`. Every call goes through a :class:`Sandbox` (one id, one

@@ -1,6 +1,6 @@
 """The chunk store: directory trees in, manifests and zstd chunks out, and back again.
 
-docs/spec.md section 5.9.3. Layout under the store's root::
+docs/spec.md section 5.7.3. Layout under the store's root::
 
     chunks/<first 2 hex>/<sha256>.zst   one chunk, zstd-compressed; named by the sha256
                                         of its *uncompressed* bytes

@@ -1,7 +1,7 @@
 """What the sandbox layer raises: one root, :class:`SandboxError`, under the SDK's own.
 
 Each error carries the :class:`turnpoint.errors.Reason` a hook that lets it escape
-reports to the coordinator (docs/spec.md section 5.9), and its data as attributes:
+reports to the coordinator (docs/spec.md section 5.7), and its data as attributes:
 callers branch on the class and its ``kind``, never on the text.
 
 Pure: no grpc, no asyncio, no clock.

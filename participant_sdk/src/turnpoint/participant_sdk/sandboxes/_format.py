@@ -1,6 +1,6 @@
 """A sandbox snapshot's tree manifest: what it lists, its bytes, and what a reader refuses.
 
-docs/spec.md section 5.9.3 defines the format. A manifest lists every directory, regular
+docs/spec.md section 5.7.3 defines the format. A manifest lists every directory, regular
 file and symbolic link of a tree, parents before children, with permission bits, sizes,
 symlink targets and, for a file, the sha256 digests of its content chunks (the chunks
 themselves are :mod:`._chunks`' business). Its digest (sha256 of its canonical bytes) is

@@ -1,6 +1,6 @@
 """How the local provider confines a sandbox's processes, and the report of what holds.
 
-Three mechanisms, strongest first (docs/spec.md section 5.9.4):
+Three mechanisms, strongest first (docs/spec.md section 5.7.4):
 
 - ``bwrap`` (Debian's ``bubblewrap``): new user, pid, network, ipc and uts namespaces;
   the sandbox's tree bound read-write at ``/sandbox`` (the working directory), the

@@ -1,5 +1,7 @@
-"""The local reference provider: each sandbox a directory, its processes confined by
-:mod:`._isolation`, its snapshots in a :class:`._chunks.ChunkStore` (docs/spec.md 5.9.4).
+"""The local reference provider (docs/spec.md section 5.7.4).
+
+Each sandbox a directory, its processes confined by :mod:`._isolation`, its snapshots in
+a :class:`._chunks.ChunkStore`.
 
 Layout under the provider's root (everything it owns; nothing outside is written)::
 

@@ -1,6 +1,6 @@
 """The sandbox provider contract: what a resources server asks of wherever its sandboxes run.
 
-docs/spec.md section 5.9. A provider hosts sandboxes (a filesystem tree and the
+docs/spec.md section 5.7. A provider hosts sandboxes (a filesystem tree and the
 processes started in it) and says, through its :class:`Capability`, how far it can
 bring one back after a crash. A sandbox is reached through a :class:`Sandbox` naming
 one *generation*: a restore makes a new physical sandbox under a new generation and
@@ -113,7 +113,7 @@ class Mount:
 
 @dataclass(frozen=True)
 class SnapshotHandle:
-    """The durable record of one sandbox snapshot (docs/spec.md section 5.9.2)."""
+    """The durable record of one sandbox snapshot (docs/spec.md section 5.7.2)."""
 
     snapshot_id: str
     provider: str
@@ -204,7 +204,7 @@ class Restored:
 
 
 class SandboxProvider(abc.ABC):
-    """The contract (docs/spec.md section 5.9.1). Every method may raise
+    """The contract (docs/spec.md section 5.7.1). Every method may raise
     :class:`._errors.SandboxError`; a call through a replaced generation raises
     :class:`._errors.SandboxFencedError` and does nothing."""
 
