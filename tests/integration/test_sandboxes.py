@@ -26,6 +26,7 @@ from turnpoint.participant_sdk.sandboxes import (
     Refusal,
     ResourceLimits,
     Sandbox,
+    SandboxExistsError,
     SandboxFencedError,
     SandboxPathError,
     SnapshotExpiredError,
@@ -280,6 +281,16 @@ async def test_a_clone_is_a_separate_copy(provider: LocalSandboxProvider) -> Non
         await provider.read_file(box, "f")
     assert fenced.value.active is None
     assert await provider.read_file(copy, "f") == b"changed"
+    with pytest.raises(SandboxExistsError):
+        await provider.clone(copy, "copy")
+    # Made again under its id, the sandbox starts past its old generations: the handle
+    # kept from before the destroy still reaches nothing.
+    again = await provider.create("box")
+    assert again == Sandbox("box", 2)
+    with pytest.raises(SandboxFencedError):
+        await provider.read_file(box, "f")
+    with pytest.raises(SandboxExistsError):
+        await provider.create("box")
 
 
 async def test_file_calls_stay_inside_the_tree(provider: LocalSandboxProvider) -> None:
@@ -296,3 +307,26 @@ async def test_file_calls_stay_inside_the_tree(provider: LocalSandboxProvider) -
     with pytest.raises(SnapshotRefusedError) as refused:
         await provider.snapshot(box, retention_seconds=60)
     assert refused.value.kind is Refusal.SYMLINK_ESCAPE
+
+
+async def test_prune_removes_what_only_expired_snapshots_hold(
+    provider: LocalSandboxProvider, clock: FakeClock
+) -> None:
+    box = await provider.create("box")
+    await provider.write_file(box, "shared", b"in both snapshots")
+    await provider.write_file(box, "old", b"only in the first")
+    first = await provider.snapshot(box, retention_seconds=10)
+    await provider.write_file(box, "old", b"only in the second")
+    second = await provider.snapshot(box, retention_seconds=100)
+
+    clock.now += 10
+    pruned = await provider.prune()
+
+    assert pruned.snapshots == (first.snapshot_id,)
+    assert pruned.manifests == 1 and pruned.bytes_freed > 0
+    with pytest.raises(SnapshotNotFoundError):
+        await provider.restore([first], attempt=1)
+    [restored] = await provider.restore([second], attempt=1)
+    assert await provider.read_file(restored.sandbox, "shared") == b"in both snapshots"
+    assert await provider.read_file(restored.sandbox, "old") == b"only in the second"
+    assert (await provider.prune()).snapshots == ()

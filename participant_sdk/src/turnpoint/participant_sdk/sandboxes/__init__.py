@@ -12,7 +12,7 @@ under bubblewrap where it works, snapshots as content-addressed zstd chunks in a
 
 Errors, all :class:`SandboxError` (a :class:`turnpoint.participant_sdk.ParticipantError`):
 :class:`SnapshotRefusedError` (with its :class:`Refusal`), :class:`SandboxFencedError`,
-:class:`SandboxNotFoundError`, :class:`SnapshotNotFoundError`,
+:class:`SandboxNotFoundError`, :class:`SandboxExistsError`, :class:`SnapshotNotFoundError`,
 :class:`SnapshotExpiredError`, :class:`StaleHandleError`, :class:`DuplicateRestoreError`,
 :class:`UnsupportedOperationError`, :class:`SandboxPathError`.
 """
@@ -22,6 +22,7 @@ from ._errors import (
     DuplicateRestoreError,
     Refusal,
     SandboxError,
+    SandboxExistsError,
     SandboxFencedError,
     SandboxNotFoundError,
     SandboxPathError,
@@ -32,7 +33,7 @@ from ._errors import (
     UnsupportedOperationError,
 )
 from ._format import Limits, TreeManifest
-from ._local import LocalSandboxProvider
+from ._local import LocalSandboxProvider, Pruned
 from ._provider import (
     Capability,
     ExecResult,
@@ -59,11 +60,13 @@ __all__ = [
     "LocalSandboxProvider",
     "Mount",
     "ProcessRecovery",
+    "Pruned",
     "Refusal",
     "ResourceLimits",
     "Restored",
     "Sandbox",
     "SandboxError",
+    "SandboxExistsError",
     "SandboxFencedError",
     "SandboxNotFoundError",
     "SandboxPathError",

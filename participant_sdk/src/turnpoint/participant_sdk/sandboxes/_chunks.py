@@ -231,6 +231,27 @@ class ChunkStore:
             raise SnapshotRefusedError(Refusal.CHUNK_CORRUPT, ref.sha256, "digest mismatch")
         return bytes(data)
 
+    def collect(self, keep: frozenset[str]) -> tuple[int, int]:
+        """Remove every manifest not in ``keep`` and every chunk none of ``keep`` lists.
+
+        Returns (manifests removed, bytes freed). The caller guarantees that no capture
+        runs meanwhile: a capture's chunks are unreferenced until its manifest lands.
+        """
+        live: set[str] = set()
+        for digest in keep:
+            live |= self.load(digest).chunk_digests()
+        removed = freed = 0
+        for path in sorted(self._manifests.glob("*.json")):
+            if path.stem not in keep:
+                freed += path.stat().st_size
+                path.unlink()
+                removed += 1
+        for path in sorted(self._chunks.glob("*/*.zst")):
+            if path.name.removesuffix(".zst") not in live:
+                freed += path.stat().st_size
+                path.unlink()
+        return removed, freed
+
     # ---------------------------------------------------------------- restore
 
     def restore(self, manifest: TreeManifest, target: Path) -> None:

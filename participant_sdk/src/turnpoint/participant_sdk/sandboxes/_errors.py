@@ -68,6 +68,16 @@ class SandboxNotFoundError(SandboxError):
         super().__init__(Reason.NOT_FOUND, f"no sandbox {sandbox!r}", {"sandbox": sandbox})
 
 
+class SandboxExistsError(SandboxError):
+    """Create or clone under an id a live sandbox has."""
+
+    def __init__(self, sandbox: str) -> None:
+        self.sandbox = sandbox
+        super().__init__(
+            Reason.INVALID_ARGUMENT, f"sandbox {sandbox!r} exists", {"sandbox": sandbox}
+        )
+
+
 class SandboxFencedError(SandboxError):
     """A call through a generation that a restore has replaced: it can do nothing more."""
 

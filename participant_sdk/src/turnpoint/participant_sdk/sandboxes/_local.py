@@ -39,6 +39,7 @@ from turnpoint.ids import validate_id
 from ._chunks import ChunkStore
 from ._errors import (
     DuplicateRestoreError,
+    SandboxExistsError,
     SandboxFencedError,
     SandboxNotFoundError,
     SandboxPathError,
@@ -70,6 +71,15 @@ _TEMP_PREFIX: Final = ".state-"
 # process that left the sandbox's process group could hold the pipes longer.
 _DRAIN_SECONDS: Final = 5.0
 _READ_BYTES: Final = 1 << 16
+
+
+@dataclass(frozen=True)
+class Pruned:
+    """What :meth:`LocalSandboxProvider.prune` removed."""
+
+    snapshots: tuple[str, ...]  # the expired snapshot ids
+    manifests: int
+    bytes_freed: int
 
 
 @dataclass(frozen=True)
@@ -120,7 +130,9 @@ class LocalSandboxProvider(SandboxProvider):
         self._limits = limits
         self._store = ChunkStore(root / "store", snapshot_limits)
         self._clock = clock
-        self._state: dict[str, _SandboxState] = self._load_state()
+        # The live sandboxes; and the last generation of each destroyed one, so that a
+        # sandbox made again under its id starts past it and an old handle stays fenced.
+        self._state, self._retired = self._load_state()
         self._lock = asyncio.Lock()
         self._processes: dict[Sandbox, set[asyncio.subprocess.Process]] = {}
 
@@ -162,23 +174,27 @@ class LocalSandboxProvider(SandboxProvider):
 
     # ---------------------------------------------------------------- state
 
-    def _load_state(self) -> dict[str, _SandboxState]:
+    def _load_state(self) -> tuple[dict[str, _SandboxState], dict[str, int]]:
         try:
             text = (self._root / "state.json").read_text("utf-8")
         except FileNotFoundError:
-            return {}
+            return {}, {}
         try:
             document = loads_strict(text)
             if document["state_version"] != _STATE_VERSION:
                 raise ValueError("state_version")
-            return {k: _SandboxState.from_json(v) for k, v in document["sandboxes"].items()}
+            live = {k: _SandboxState.from_json(v) for k, v in document["sandboxes"].items()}
+            return live, {k: int(v) for k, v in document["retired"].items()}
         except (StrictJSONError, KeyError, TypeError, ValueError) as error:
             raise RuntimeError(f"{self._root / 'state.json'} is damaged: {error!r}") from None
 
-    def _write_state(self, state: dict[str, _SandboxState]) -> None:
+    def _write_state(
+        self, state: dict[str, _SandboxState], retired: dict[str, int] | None = None
+    ) -> None:
         document = {
             "state_version": _STATE_VERSION,
             "sandboxes": {k: v.to_json() for k, v in sorted(state.items())},
+            "retired": dict(sorted((self._retired if retired is None else retired).items())),
         }
         data = json.dumps(document, indent=2, sort_keys=True).encode("utf-8")
         replace_file(self._root / "state.json", data, temp_prefix=_TEMP_PREFIX)
@@ -194,15 +210,12 @@ class LocalSandboxProvider(SandboxProvider):
         """The sandbox's state if ``sandbox`` is its active generation; else fenced."""
         state = self._state.get(sandbox.sandbox_id)
         if state is None:
-            if sandbox.generation > 0 and self._known(sandbox.sandbox_id):
+            if sandbox.sandbox_id in self._retired:
                 raise SandboxFencedError(sandbox.sandbox_id, sandbox.generation, None)
             raise SandboxNotFoundError(sandbox.sandbox_id)
         if state.generation != sandbox.generation:
             raise SandboxFencedError(sandbox.sandbox_id, sandbox.generation, state.generation)
         return state, self._tree(sandbox.sandbox_id, state)
-
-    def _known(self, sandbox_id: str) -> bool:
-        return any(s.sandbox_id == sandbox_id for s in self._processes)
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -210,7 +223,7 @@ class LocalSandboxProvider(SandboxProvider):
         validate_id(sandbox_id, "sandbox_id")
         async with self._lock:
             if sandbox_id in self._state:
-                raise ValueError(f"sandbox {sandbox_id!r} exists")
+                raise SandboxExistsError(sandbox_id)
             empty = TreeManifest(())
             return await self._install(sandbox_id, empty, empty.digest)
 
@@ -219,12 +232,13 @@ class LocalSandboxProvider(SandboxProvider):
         async with self._lock:
             _, tree = self._active(sandbox)
             if new_sandbox_id in self._state:
-                raise ValueError(f"sandbox {new_sandbox_id!r} exists")
+                raise SandboxExistsError(new_sandbox_id)
             capture = await asyncio.to_thread(self._store.capture, tree)
             return await self._install(new_sandbox_id, capture.manifest, capture.digest)
 
     async def _install(self, sandbox_id: str, manifest: TreeManifest, base: str) -> Sandbox:
-        name, tree = self._new_directory(sandbox_id, 1)
+        generation = self._retired.get(sandbox_id, 0) + 1
+        name, tree = self._new_directory(sandbox_id, generation)
 
         def materialize() -> None:
             tree.parent.mkdir(exist_ok=True)
@@ -232,14 +246,15 @@ class LocalSandboxProvider(SandboxProvider):
 
         await asyncio.to_thread(materialize)
         state = dict(self._state)
-        state[sandbox_id] = _SandboxState(1, name, base, 0, ())
+        state[sandbox_id] = _SandboxState(generation, name, base, 0, ())
+        retired = {k: v for k, v in self._retired.items() if k != sandbox_id}
         try:
-            await asyncio.to_thread(self._write_state, state)
+            await asyncio.to_thread(self._write_state, state, retired)
         except BaseException:
             await asyncio.to_thread(shutil.rmtree, tree, True)
             raise
-        self._state = state
-        sandbox = Sandbox(sandbox_id, 1)
+        self._state, self._retired = state, retired
+        sandbox = Sandbox(sandbox_id, generation)
         self._processes[sandbox] = set()
         return sandbox
 
@@ -250,8 +265,9 @@ class LocalSandboxProvider(SandboxProvider):
                 raise SandboxNotFoundError(sandbox_id)
             remaining = dict(self._state)
             del remaining[sandbox_id]
-            await asyncio.to_thread(self._write_state, remaining)
-            self._state = remaining
+            retired = {**self._retired, sandbox_id: state.generation}
+            await asyncio.to_thread(self._write_state, remaining, retired)
+            self._state, self._retired = remaining, retired
             await self._fence(Sandbox(sandbox_id, state.generation), state)
 
     async def _fence(self, old: Sandbox, state: _SandboxState) -> None:
@@ -380,6 +396,33 @@ class LocalSandboxProvider(SandboxProvider):
             path = self._root / "snapshots" / f"{handle.snapshot_id}.json"
             await asyncio.to_thread(create_file, path, data, temp_prefix=_TEMP_PREFIX)
             return handle
+
+    async def prune(self) -> Pruned:
+        """Remove the snapshots whose retention has lapsed, and what only they held.
+
+        A record that cannot be read is kept (and keeps nothing else alive). One
+        provider object per root: a prune and a snapshot of another object over the
+        same root could race.
+        """
+        async with self._lock:
+            return await asyncio.to_thread(self._prune)
+
+    def _prune(self) -> Pruned:
+        now = self._clock()
+        expired: list[str] = []
+        keep: set[str] = set()
+        for path in sorted((self._root / "snapshots").glob("*.json")):
+            try:
+                record = SnapshotHandle.from_json(loads_strict(path.read_text("utf-8")))
+            except (StrictJSONError, ValueError, KeyError, TypeError):
+                continue
+            if now >= record.expires_at:
+                path.unlink()
+                expired.append(record.snapshot_id)
+            else:
+                keep.add(record.tree_digest)
+        manifests, freed = self._store.collect(frozenset(keep))
+        return Pruned(tuple(expired), manifests, freed)
 
     def _record(self, handle: SnapshotHandle) -> SnapshotHandle:
         """The durable record behind ``handle``, checked against it (blocking)."""

@@ -221,7 +221,7 @@ class SandboxProvider(abc.ABC):
 
     @abc.abstractmethod
     async def create(self, sandbox_id: str) -> Sandbox:
-        """A new, empty sandbox at generation 1."""
+        """A new, empty sandbox (generation 1, or past a destroyed one of that id)."""
 
     @abc.abstractmethod
     async def exec(
@@ -257,7 +257,7 @@ class SandboxProvider(abc.ABC):
 
     @abc.abstractmethod
     async def clone(self, sandbox: Sandbox, new_sandbox_id: str) -> Sandbox:
-        """A new sandbox at generation 1 holding a copy of ``sandbox``'s tree."""
+        """A new sandbox, as :meth:`create` makes it, holding a copy of ``sandbox``'s tree."""
 
     @abc.abstractmethod
     async def destroy(self, sandbox_id: str) -> None:
