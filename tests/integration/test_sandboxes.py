@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
@@ -330,3 +331,37 @@ async def test_prune_removes_what_only_expired_snapshots_hold(
     assert await provider.read_file(restored.sandbox, "shared") == b"in both snapshots"
     assert await provider.read_file(restored.sandbox, "old") == b"only in the second"
     assert (await provider.prune()).snapshots == ()
+
+
+def _processes_under(root: Path) -> list[int]:
+    """Host processes whose working directory lies under ``root`` (Linux /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cwd = os.readlink(entry / "cwd")
+            except OSError:
+                continue  # gone, or a zombie
+            if cwd.startswith(f"{root}/"):
+                found.append(int(entry.name))
+    return found
+
+
+async def test_a_cancelled_exec_kills_its_command(
+    provider: LocalSandboxProvider, tmp_path: Path
+) -> None:
+    box = await provider.create("box")
+    trees = tmp_path / "provider" / "sandboxes"
+    running = asyncio.create_task(
+        provider.exec(box, ["sh", "-c", "echo up > starts; exec sleep 60"], timeout_seconds=60)
+    )
+    await _eventually(lambda: _starts(provider, box, b"up\n"))
+    assert _processes_under(trees) != []
+    running.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await running
+    await _eventually(lambda: _none_under(trees))
+
+
+async def _none_under(root: Path) -> bool:
+    return _processes_under(root) == []

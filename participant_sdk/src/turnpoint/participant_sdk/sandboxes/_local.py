@@ -300,12 +300,13 @@ class LocalSandboxProvider(SandboxProvider):
                 timed_out = True
                 _kill(process)
                 await process.wait()
-            done, pending = await asyncio.wait({stdout, stderr}, timeout=_DRAIN_SECONDS)
+            done, _ = await asyncio.wait({stdout, stderr}, timeout=_DRAIN_SECONDS)
         finally:
+            # Also on cancellation: the command dies with the call that ran it.
             _kill(process)
             self._processes.get(sandbox, set()).discard(process)
-        for task in pending:
-            task.cancel()
+            stdout.cancel()
+            stderr.cancel()
         out, out_cut = stdout.result() if stdout in done else (b"", True)
         err, err_cut = stderr.result() if stderr in done else (b"", True)
         self._active(sandbox)  # fenced while it ran: what it did went with the old tree
