@@ -22,8 +22,10 @@ from turnpoint.participant_sdk.sandboxes import (
     Capability,
     DuplicateRestoreError,
     Isolation,
+    IsolationUnavailableError,
     LocalSandboxProvider,
     ProcessRecovery,
+    ProviderStateError,
     Refusal,
     ResourceLimits,
     Sandbox,
@@ -365,3 +367,31 @@ async def test_a_cancelled_exec_kills_its_command(
 
 async def _none_under(root: Path) -> bool:
     return _processes_under(root) == []
+
+
+async def test_a_machine_without_the_isolation_asked_for_is_refused_and_said(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path / "no-binaries-here"))
+    with pytest.raises(IsolationUnavailableError) as refused:
+        await LocalSandboxProvider.open(tmp_path / "strict", isolation=Isolation.BWRAP)
+    assert refused.value.mechanism == "bwrap"
+    weakest = await LocalSandboxProvider.open(tmp_path / "lenient")
+    report = weakest.isolation
+    assert (report.mechanism, report.network_isolated, report.filesystem_confined) == (
+        Isolation.NONE,
+        False,
+        False,
+    )
+    assert report.limits_enforced == ()
+    assert any("prlimit is missing" in note for note in report.notes)
+
+
+async def test_a_damaged_state_file_opens_nothing(
+    provider: LocalSandboxProvider, tmp_path: Path
+) -> None:
+    await provider.create("box")
+    state = tmp_path / "provider" / "state.json"
+    await asyncio.to_thread(state.write_text, '{"state_version": 1, "sandboxes": {}}')
+    with pytest.raises(ProviderStateError):
+        await LocalSandboxProvider.open(tmp_path / "provider", isolation=Isolation.BWRAP)

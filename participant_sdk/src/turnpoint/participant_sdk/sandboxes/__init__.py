@@ -14,12 +14,15 @@ Errors, all :class:`SandboxError` (a :class:`turnpoint.participant_sdk.Participa
 :class:`SnapshotRefusedError` (with its :class:`Refusal`), :class:`SandboxFencedError`,
 :class:`SandboxNotFoundError`, :class:`SandboxExistsError`, :class:`SnapshotNotFoundError`,
 :class:`SnapshotExpiredError`, :class:`StaleHandleError`, :class:`DuplicateRestoreError`,
-:class:`UnsupportedOperationError`, :class:`SandboxPathError`.
+:class:`UnsupportedOperationError`, :class:`SandboxPathError`,
+:class:`IsolationUnavailableError`, :class:`ProviderStateError`.
 """
 
 from ._chunks import Capture, ChunkStore
 from ._errors import (
     DuplicateRestoreError,
+    IsolationUnavailableError,
+    ProviderStateError,
     Refusal,
     SandboxError,
     SandboxExistsError,
@@ -56,10 +59,12 @@ __all__ = [
     "ExecResult",
     "Isolation",
     "IsolationReport",
+    "IsolationUnavailableError",
     "Limits",
     "LocalSandboxProvider",
     "Mount",
     "ProcessRecovery",
+    "ProviderStateError",
     "Pruned",
     "Refusal",
     "ResourceLimits",

@@ -161,6 +161,28 @@ class UnsupportedOperationError(SandboxError):
         )
 
 
+class IsolationUnavailableError(SandboxError):
+    """The isolation mechanism a provider was asked to require does not work here."""
+
+    def __init__(self, mechanism: str) -> None:
+        self.mechanism = mechanism
+        super().__init__(
+            Reason.INVALID_ARGUMENT,
+            f"sandbox isolation {mechanism!r} does not work on this machine",
+            {"mechanism": mechanism},
+        )
+
+
+class ProviderStateError(SandboxError):
+    """A provider's own state file is damaged: it opens nothing rather than guess."""
+
+    def __init__(self, path: str, detail: str) -> None:
+        self.path = path
+        super().__init__(
+            Reason.INVALID_CHECKPOINT_STATE, f"{path} is damaged: {detail}", {"path": path}
+        )
+
+
 class SandboxPathError(SandboxError):
     """A file path given to read or write that is not a plain path inside the sandbox."""
 

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Final
 
+from ._errors import IsolationUnavailableError
 from ._provider import Isolation, IsolationReport, Mount, ResourceLimits
 
 SANDBOX_MOUNT: Final = "/sandbox"
@@ -33,7 +34,8 @@ _PROBE_SECONDS: Final = 30
 
 
 def probe(wanted: Isolation | None, scratch: Path) -> IsolationReport:
-    """The strongest mechanism that works here (or ``wanted``, which must work).
+    """The strongest mechanism that works here (or ``wanted``, which must work:
+    :class:`._errors.IsolationUnavailableError` otherwise).
 
     Blocking: runs a trivial command under each candidate in ``scratch``.
     """
@@ -41,7 +43,8 @@ def probe(wanted: Isolation | None, scratch: Path) -> IsolationReport:
     for mechanism in candidates:
         if mechanism is Isolation.NONE or _works(mechanism, scratch):
             return _report(mechanism)
-    raise RuntimeError(f"sandbox isolation {wanted.value if wanted else '?'} does not work here")
+    assert wanted is not None  # NONE always works
+    raise IsolationUnavailableError(wanted.value)
 
 
 def _works(mechanism: Isolation, scratch: Path) -> bool:

@@ -39,6 +39,7 @@ from turnpoint.ids import validate_id
 from ._chunks import ChunkStore
 from ._errors import (
     DuplicateRestoreError,
+    ProviderStateError,
     SandboxExistsError,
     SandboxFencedError,
     SandboxNotFoundError,
@@ -186,7 +187,8 @@ class LocalSandboxProvider(SandboxProvider):
             live = {k: _SandboxState.from_json(v) for k, v in document["sandboxes"].items()}
             return live, {k: int(v) for k, v in document["retired"].items()}
         except (StrictJSONError, KeyError, TypeError, ValueError) as error:
-            raise RuntimeError(f"{self._root / 'state.json'} is damaged: {error!r}") from None
+            detail = type(error).__name__
+            raise ProviderStateError(str(self._root / "state.json"), detail) from None
 
     def _write_state(
         self, state: dict[str, _SandboxState], retired: dict[str, int] | None = None
