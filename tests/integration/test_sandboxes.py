@@ -392,6 +392,10 @@ async def test_a_damaged_state_file_opens_nothing(
 ) -> None:
     await provider.create("box")
     state = tmp_path / "provider" / "state.json"
-    await asyncio.to_thread(state.write_text, '{"state_version": 1, "sandboxes": {}}')
-    with pytest.raises(ProviderStateError):
-        await LocalSandboxProvider.open(tmp_path / "provider", isolation=Isolation.BWRAP)
+    document = json.loads(await asyncio.to_thread(state.read_text))
+    outside = {**document, "retired": {}}
+    outside["sandboxes"]["box"]["directory"] = "../../../outside"
+    for damaged in ({"state_version": 1, "sandboxes": {}}, outside):
+        await asyncio.to_thread(state.write_text, json.dumps(damaged))
+        with pytest.raises(ProviderStateError):
+            await LocalSandboxProvider.open(tmp_path / "provider", isolation=Isolation.BWRAP)

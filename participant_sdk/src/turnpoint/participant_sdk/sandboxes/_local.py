@@ -6,7 +6,8 @@ a :class:`._chunks.ChunkStore`.
 Layout under the provider's root (everything it owns; nothing outside is written)::
 
     state.json                   every live sandbox: active generation, its directory,
-                                 base digest, last restore attempt, recorded commands
+                                 base digest, last restore attempt, recorded commands;
+                                 the last generation of every destroyed one
     store/                       the chunk store (chunks/, manifests/)
     snapshots/<snapshot id>.json a snapshot handle, written after its manifest
     sandboxes/<id>/g<N>-<hex>/   one generation's tree
@@ -23,6 +24,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -72,6 +74,7 @@ _TEMP_PREFIX: Final = ".state-"
 # process that left the sandbox's process group could hold the pipes longer.
 _DRAIN_SECONDS: Final = 5.0
 _READ_BYTES: Final = 1 << 16
+_GENERATION_DIR: Final = re.compile(r"g[0-9]+-[0-9a-f]{8}")
 
 
 @dataclass(frozen=True)
@@ -102,9 +105,14 @@ class _SandboxState:
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> _SandboxState:
+        directory = str(raw["directory"])
+        # The provider removes this directory when it fences the generation: a damaged
+        # file must never name one outside its own tree.
+        if not _GENERATION_DIR.fullmatch(directory):
+            raise ValueError("directory")
         return cls(
             int(raw["generation"]),
-            str(raw["directory"]),
+            directory,
             str(raw["base_digest"]),
             int(raw["restored_attempt"]),
             tuple(tuple(str(a) for a in c) for c in raw["commands"]),
@@ -184,7 +192,10 @@ class LocalSandboxProvider(SandboxProvider):
             document = loads_strict(text)
             if document["state_version"] != _STATE_VERSION:
                 raise ValueError("state_version")
-            live = {k: _SandboxState.from_json(v) for k, v in document["sandboxes"].items()}
+            live = {
+                validate_id(k, "sandbox_id"): _SandboxState.from_json(v)
+                for k, v in document["sandboxes"].items()
+            }
             return live, {k: int(v) for k, v in document["retired"].items()}
         except (StrictJSONError, KeyError, TypeError, ValueError) as error:
             detail = type(error).__name__
