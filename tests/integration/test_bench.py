@@ -22,6 +22,7 @@ from turnpoint.apps._cli import main
 from turnpoint.apps.bench._bench import BenchReport, Target
 from turnpoint.apps.bench._cli import render_table
 from turnpoint.apps.bench._control_overhead import OverheadRow
+from turnpoint.apps.bench._sandbox_snapshots import SandboxSnapshotRow, measure_sandbox_snapshots
 from turnpoint.apps.bench._workload import RestoreResult, RunFigures, ThroughputResult
 
 SIZES = (2, 3)
@@ -81,6 +82,8 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], lis
         "1",
         "--bookkeeping-episodes",
         "50",
+        "--sandbox-mb",
+        "2",
         "--generation-lengths",
         "8,24",
         "--token-delay",
@@ -114,10 +117,19 @@ def test_the_json_has_every_figure_as_a_positive_number(
         "bookkeeping_us_per_episode",
         "restore_seconds",
         "status_page_polled_vs_quiet",
+        "sandbox_snapshots",
         "targets",
         "details",
         "long_generations",
     }
+    # docs/spec.md section 5.7.3: the unchanged tree writes its handle record only.
+    [sandbox] = figures["sandbox_snapshots"]
+    assert sandbox["megabytes"] == 2
+    assert sandbox["full_bytes_written"] >= 2 << 20
+    assert 0 < sandbox["unchanged_bytes_written"] < 4096
+    for key in ("full_s", "unchanged_s", "restore_s"):
+        assert _positive(sandbox[key]), key
+    assert figures["targets"]["sandbox_unchanged_vs_full_bytes"]["met_must"] is True
     # Long generations with and without token-prefix cutting, per length (spec 5.5).
     long = figures["long_generations"]
     assert sorted((row["tokens"], row["cut"]) for row in long["rows"]) == [
@@ -307,3 +319,38 @@ def test_bad_options_are_refused_before_anything_starts(
         main(["bench", "--sizes", "0,8"])
     assert exit_info.value.code == 2
     assert _children() == []
+
+
+async def test_a_snapshot_of_an_unchanged_sandbox_writes_its_record_only(tmp_path: Path) -> None:
+    [row] = await measure_sandbox_snapshots(tmp_path, (1,))
+    assert row.megabytes == 1
+    # Incompressible files: the first snapshot writes at least every byte of the tree.
+    assert row.full_bytes_written >= 1 << 20
+    assert 0 < row.unchanged_bytes_written < 4096
+    assert row.bytes_ratio == row.unchanged_bytes_written / row.full_bytes_written
+    assert row.to_json()["unchanged_vs_full_time"] == pytest.approx(row.time_ratio, abs=1e-4)
+
+
+def test_the_sandbox_figure_is_shown_and_only_its_bytes_are_gated() -> None:
+    report = BenchReport(
+        control_overhead=(),
+        throughput=ThroughputResult(steps=1, snapshot_interval_s=2.0, off=(), on=()),
+        restore=RestoreResult(None),
+        workers=1,
+        warmup=0,
+        snapshot_root="/nowhere",
+        sandbox_snapshots=(
+            SandboxSnapshotRow(10, 0.5, 10 << 20, 0.45, 300_000, 0.2),
+            SandboxSnapshotRow(100, 5.0, 100 << 20, 0.5, 900, 2.0),
+        ),
+    )
+    out = io.StringIO()
+    render_table(report, out)
+    text = out.getvalue()
+    for shown in ("Sandbox snapshots", "300000", "0.900", "100.0"):
+        assert shown in text, (shown, text)
+    targets = report.to_json()["targets"]
+    # The first size is held to the targets: 300 kB of 10 MB is past 1% by 1.5x.
+    assert targets["sandbox_unchanged_vs_full_bytes"]["regressed"] is True
+    assert targets["sandbox_unchanged_vs_full_time"]["regressed"] is True
+    assert report.regressions() == ["sandbox_unchanged_vs_full_bytes"]

@@ -23,6 +23,7 @@ FACES = (
     "turnpoint.participant_sdk",
     "turnpoint.participant_sdk.advanced",
     "turnpoint.participant_sdk.testing",
+    "turnpoint.participant_sdk.sandboxes",
     "turnpoint.server",
     "turnpoint.server.advanced",
 )

@@ -217,6 +217,12 @@ HEAVY = ("torch", "ray", "matplotlib", "rich", "aiohttp")
 FORBIDDEN_AT_IMPORT = {
     "turnpoint": (*HEAVY, "grpc", "turnpoint.participant_sdk", "turnpoint.trainer"),
     "turnpoint.participant_sdk": (*HEAVY, "grpc", "turnpoint.trainer", "turnpoint.server"),
+    "turnpoint.participant_sdk.sandboxes": (
+        *HEAVY,
+        "grpc",
+        "turnpoint.trainer",
+        "turnpoint.server",
+    ),
     "turnpoint.server": (*HEAVY, "turnpoint.trainer", "turnpoint.apps"),
     # The Ray hosting module (the ``ray`` extra) loads ray when it is imported itself, and
     # nothing else heavy; ``import turnpoint.server`` above must not load it.

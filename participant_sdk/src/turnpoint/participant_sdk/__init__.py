@@ -31,7 +31,8 @@ is ``turnpoint.errors.Reason`` named here too): :class:`ParticipantError`, :clas
 
 Elsewhere: what a wire adapter of the runtime needs (its replies, the hook failure
 mapping) is :mod:`turnpoint.participant_sdk.advanced`; the deterministic store fault
-injector for tests is :mod:`turnpoint.participant_sdk.testing`; the protocol's
+injector for tests is :mod:`turnpoint.participant_sdk.testing`; sandbox providers
+(files and processes as session state) are :mod:`turnpoint.participant_sdk.sandboxes`; the protocol's
 vocabulary (phases, fences, readiness, receipts) is :mod:`turnpoint.protocol`.
 """
 

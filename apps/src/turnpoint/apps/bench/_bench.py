@@ -13,7 +13,9 @@ The figures (docs: README "Benchmarks"):
 - **bookkeeping**: the SDK's cost per episode (:mod:`._participant_bench`);
 - **restart**: a cold start after a crash to the first redispatched rollout;
 - **status page**: the control path with the trainer's status API polled every 100 ms
-  over the same path unpolled, a ratio (:mod:`._status_polling`).
+  over the same path unpolled, a ratio (:mod:`._status_polling`);
+- **sandbox snapshots**: a sandbox's snapshot of a tree unchanged since the last one
+  over its first, in seconds and bytes written, per size (:mod:`._sandbox_snapshots`).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from turnpoint.apps.bench._control_overhead import (
 )
 from turnpoint.apps.bench._options import BenchOptions
 from turnpoint.apps.bench._participant_bench import bookkeeping_us
+from turnpoint.apps.bench._sandbox_snapshots import SandboxSnapshotRow, measure_sandbox_snapshots
 from turnpoint.apps.bench._status_polling import StatusPolling, measure_status_polling
 from turnpoint.apps.bench._workload import RestoreResult, ThroughputResult, run_workload
 
@@ -110,6 +113,7 @@ class BenchReport:
     durable: DurableCommit | None = None
     bookkeeping_us: float | None = None
     status_polling: StatusPolling | None = None
+    sandbox_snapshots: tuple[SandboxSnapshotRow, ...] = ()
 
     @property
     def throughput_ratio_on_vs_off(self) -> float | None:
@@ -125,6 +129,7 @@ class BenchReport:
     def targets(self) -> list[Target]:
         """Every figure that has a target, measured or not (value None)."""
         at_64, at_256 = self._row(64), self._row(256)
+        sandbox = self.sandbox_snapshots[0] if self.sandbox_snapshots else None
         durable = self.durable
         admission = self.throughput.admission_closed_s
         return [
@@ -184,6 +189,22 @@ class BenchReport:
                 # Reported, not gated: a few seconds of rounds on a shared machine swing
                 # by more than the 1.5x margin with the load of other processes.
             ),
+            # docs/spec.md section 5.7.3: an unchanged tree writes no chunk, only its
+            # handle record. Bytes are counted, not timed: gated.
+            Target(
+                "sandbox_unchanged_vs_full_bytes",
+                None if sandbox is None else sandbox.bytes_ratio,
+                0.01,
+                0.001,
+                gated=True,
+            ),
+            # Still reads and hashes the whole tree: reported, not gated.
+            Target(
+                "sandbox_unchanged_vs_full_time",
+                None if sandbox is None else sandbox.time_ratio,
+                0.5,
+                0.2,
+            ),
         ]
 
     def regressions(self) -> list[str]:
@@ -204,6 +225,7 @@ class BenchReport:
             "status_page_polled_vs_quiet": None
             if self.status_polling is None
             else round(self.status_polling.ratio, 3),
+            "sandbox_snapshots": [row.to_json() for row in self.sandbox_snapshots],
             "targets": {target.name: target.to_json() for target in self.targets()},
             "details": {
                 "workers": self.workers,
@@ -312,6 +334,8 @@ async def _run(options: BenchOptions, root: Path, progress: Progress) -> BenchRe
     throughput, restore = await run_workload(root, options.workload, token=token, progress=progress)
     progress(f"bookkeeping: {options.bookkeeping_episodes} episodes in process")
     bookkeeping = await bookkeeping_us(options.bookkeeping_episodes, root / "bookkeeping")
+    progress(f"sandbox snapshots: {_sizes_left(options.sandbox_mb)} MB, full then unchanged")
+    sandbox_snapshots = await measure_sandbox_snapshots(root / "sandboxes", options.sandbox_mb)
     machine = _machine()
     machine["load_average_1m_at_start"] = machine_before["load_average_1m"]
     return BenchReport(
@@ -327,6 +351,7 @@ async def _run(options: BenchOptions, root: Path, progress: Progress) -> BenchRe
         durable=durable,
         bookkeeping_us=bookkeeping,
         status_polling=status_polling,
+        sandbox_snapshots=sandbox_snapshots,
     )
 
 

@@ -21,7 +21,9 @@ from turnpoint.apps.bench._long_generations import add_long_generation_arguments
 from turnpoint.apps.bench._options import (
     DURABLE_SIZE,
     FULL_SIZES,
+    QUICK_SANDBOX_MB,
     QUICK_SIZES,
+    SANDBOX_MB,
     TMPFS,
     BenchOptions,
     WorkloadOptions,
@@ -51,6 +53,18 @@ def _sizes(text: str) -> tuple[int, ...]:
         ) from None
     if not sizes or any(n < 1 for n in sizes):
         raise argparse.ArgumentTypeError("--sizes takes participant counts >= 1")
+    return sizes
+
+
+def _megabytes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--sandbox-mb takes numbers like 10,100, got {text!r}"
+        ) from None
+    if not sizes or any(n < 1 for n in sizes):
+        raise argparse.ArgumentTypeError("--sandbox-mb takes megabytes >= 1")
     return sizes
 
 
@@ -96,7 +110,9 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
             "generations: admission-closed seconds per snapshot with and without "
             "token-prefix cutting at several generation lengths, and their plot; (7) the "
             "status page: the control path with the trainer's status API polled every "
-            "100 ms over the same path unpolled, a ratio. Progress "
+            "100 ms over the same path unpolled, a ratio; (8) sandbox snapshots: seconds and "
+            "bytes written by a sandbox's first snapshot and by one of the unchanged tree, "
+            f"at {' and '.join(map(str, SANDBOX_MB))} MB, and the restore. Progress "
             "goes to stderr, figures to stdout; --json prints all of them with the targets "
             "they are held to."
         ),
@@ -105,7 +121,15 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "--quick",
         action="store_true",
         help=f"sizes {','.join(map(str, QUICK_SIZES))}, {_QUICK_STEPS}-step demo runs, "
-        f"{_QUICK_REPEATS} each way, {_QUICK_BOOKKEEPING} bookkeeping episodes",
+        f"{_QUICK_REPEATS} each way, {_QUICK_BOOKKEEPING} bookkeeping episodes, a "
+        f"{','.join(map(str, QUICK_SANDBOX_MB))} MB sandbox",
+    )
+    parser.add_argument(
+        "--sandbox-mb",
+        type=_megabytes,
+        default=None,
+        help=f"sizes in MB of the sandboxes snapshotted (default "
+        f"{','.join(map(str, SANDBOX_MB))}, quick {','.join(map(str, QUICK_SANDBOX_MB))})",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
@@ -213,6 +237,7 @@ def _options(args: argparse.Namespace) -> BenchOptions:
         tmpfs=args.tmpfs,
         bookkeeping_episodes=args.bookkeeping_episodes
         or (_QUICK_BOOKKEEPING if quick else _FULL_BOOKKEEPING),
+        sandbox_mb=args.sandbox_mb or (QUICK_SANDBOX_MB if quick else SANDBOX_MB),
     )
 
 
@@ -440,6 +465,34 @@ def render_table(report: BenchReport, out: TextIO) -> None:
             f"{polling.ratio:.3f} ({polling.polled_ms:.1f} / {polling.quiet_ms:.1f} ms)",
         )
     console.print(workload)
+
+    if report.sandbox_snapshots:
+        sandboxes = Table(
+            title="Sandbox snapshots (local provider, incompressible files): first vs "
+            "unchanged since",
+            title_justify="left",
+        )
+        for column in (
+            "MB",
+            "full s",
+            "full MB written",
+            "unchanged s",
+            "unchanged bytes",
+            "time ratio",
+            "restore s",
+        ):
+            sandboxes.add_column(column, justify="right")
+        for sandbox in report.sandbox_snapshots:
+            sandboxes.add_row(
+                str(sandbox.megabytes),
+                f"{sandbox.full_s:.3f}",
+                f"{sandbox.full_bytes_written / (1 << 20):.1f}",
+                f"{sandbox.unchanged_s:.3f}",
+                str(sandbox.unchanged_bytes_written),
+                f"{sandbox.time_ratio:.3f}",
+                f"{sandbox.restore_s:.3f}",
+            )
+        console.print(sandboxes)
 
     targets = Table(title="Targets (must-have, aim)", title_justify="left")
     for column in ("figure", "value", "must", "aim", "met"):

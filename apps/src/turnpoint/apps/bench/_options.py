@@ -9,6 +9,8 @@ from typing import Final
 
 FULL_SIZES: Final = (1, 8, 64, 256)
 QUICK_SIZES: Final = (1, 8, 64)
+SANDBOX_MB: Final = (10, 100)
+QUICK_SANDBOX_MB: Final = (10,)
 TMPFS: Final = Path("/dev/shm")
 """Where the control path's snapshot roots go by default (Linux shared memory, tmpfs)."""
 DURABLE_SIZE: Final = 64
@@ -51,6 +53,7 @@ class BenchOptions:
     where the control path's snapshot roots go (a fresh directory under it, removed
     afterwards); None, or a directory that does not exist: under ``root`` instead, and
     the report says so. ``bookkeeping_episodes`` in-process episodes time the SDK.
+    ``sandbox_mb``: the sizes of the sandboxes whose snapshots are timed.
     """
 
     sizes: tuple[int, ...] = FULL_SIZES
@@ -61,6 +64,7 @@ class BenchOptions:
     root: Path | None = None
     tmpfs: Path | None = TMPFS
     bookkeeping_episodes: int = 3000
+    sandbox_mb: tuple[int, ...] = SANDBOX_MB
 
     @property
     def durable_size(self) -> int:
@@ -78,6 +82,8 @@ class BenchOptions:
             raise ValueError("warmup must be >= 0")
         if self.bookkeeping_episodes < 1:
             raise ValueError("bookkeeping_episodes must be >= 1")
+        if not self.sandbox_mb or any(n < 1 for n in self.sandbox_mb):
+            raise ValueError("sandbox sizes must be megabytes >= 1")
         workload = self.workload
         for name in ("agents", "steps", "group_size", "groups_per_step", "repeats"):
             if getattr(workload, name) < 1:
