@@ -25,6 +25,7 @@ FACES = (
     "turnpoint.participant_sdk.testing",
     "turnpoint.server",
     "turnpoint.server.advanced",
+    "turnpoint.server.openai_api",
 )
 LAZY = ("turnpoint.trainer", "turnpoint.trainer.advanced", "turnpoint.trainer.testing")
 
