@@ -357,6 +357,30 @@ async def test_a_call_arriving_while_a_prepare_is_open_is_held_until_resume(root
     assert completion.choices[0].message.content is not None
 
 
+async def test_a_flood_past_the_cap_is_a_429_and_a_client_that_leaves_frees_its_place(
+    root: Path,
+) -> None:
+    model = WatchedPolicy()
+    async with serve(root, model, max_concurrent_calls=1) as served:
+        model.runtime = served.runtime
+        await served.wire.prepare(ckpt(1), lease_s=60)
+        held = asyncio.create_task(
+            served.client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES)
+        )
+        await poll(lambda: served.endpoint.calls_admitted == 1)
+        with pytest.raises(openai.RateLimitError) as caught:
+            await served.client.chat.completions.create(model=MODEL_NAME, messages=MESSAGES)
+        held.cancel()  # the client goes away while its call waits at the gate
+        await poll(lambda: served.endpoint.calls_active == 0)
+        await served.wire.resume(ckpt(1))
+        completion = await served.client.chat.completions.create(
+            model=MODEL_NAME, messages=MESSAGES, max_tokens=2
+        )
+    assert isinstance(caught.value.body, dict) and caught.value.body["code"] == "too_many_calls"
+    assert model.admission_at_start == [True]  # the abandoned call never generated
+    assert completion.choices[0].finish_reason in ("stop", "length")
+
+
 class WordTemplate:
     """``t<id>`` per token: the counting policy's tokens as text."""
 

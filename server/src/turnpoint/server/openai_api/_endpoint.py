@@ -51,6 +51,8 @@ _LOG = logging.getLogger(__name__)
 
 DEFAULT_MAX_BODY_BYTES: Final = 1 << 20
 DEFAULT_MAX_TOKENS: Final = 512
+# A harness flooding calls gets 429s past this, so the endpoint's memory stays bounded.
+DEFAULT_MAX_CONCURRENT_CALLS: Final = 64
 # The token field names of the SDK's INVALID_ARGUMENT metadata, as the API calls them.
 _PARAM_OF_FIELD: Final = {
     "max_new_tokens": "max_completion_tokens",
@@ -71,7 +73,8 @@ class EndpointOptions:
     ``model`` is the one model name it answers to. ``api_key``, when set, is required as
     ``Authorization: Bearer``. ``open_calls`` lets a call without the episode headers
     through, as the episode ``openai-open`` attempt 0. ``max_tokens`` bounds (and is
-    the default of) a completion's length; ``max_body_bytes`` a request body.
+    the default of) a completion's length; ``max_body_bytes`` a request body;
+    ``max_concurrent_calls`` the chat calls under way at once (held ones included).
     """
 
     model: str
@@ -81,13 +84,16 @@ class EndpointOptions:
     open_calls: bool = False
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_tokens: int = DEFAULT_MAX_TOKENS
+    max_concurrent_calls: int = DEFAULT_MAX_CONCURRENT_CALLS
     cut_at_checkpoints: bool = True
 
     def __post_init__(self) -> None:
         if not self.model:
             raise ValueError("EndpointOptions.model must name the model")
-        if self.max_body_bytes < 1024 or self.max_tokens < 1:
-            raise ValueError("max_body_bytes must be >= 1024 and max_tokens >= 1")
+        if self.max_body_bytes < 1024 or self.max_tokens < 1 or self.max_concurrent_calls < 1:
+            raise ValueError(
+                "max_body_bytes must be >= 1024, max_tokens and max_concurrent_calls >= 1"
+            )
 
 
 def _api_error_of(error: TurnpointError) -> ApiError:
@@ -145,6 +151,8 @@ class ChatEndpoint:
         self.port: int | None = None
         # Calls that passed every check and went to the participant's admission.
         self.calls_admitted = 0
+        # Chat calls under way (reading, held at the gate or generating).
+        self.calls_active = 0
 
     @property
     def base_url(self) -> str:
@@ -161,7 +169,11 @@ class ChatEndpoint:
         return app
 
     async def start(self) -> str:
-        runner = web.AppRunner(self.app(), access_log=None, handle_signals=False)
+        # A client that goes away cancels its handler: a call held at the gate or
+        # streaming then leaves the participant's admission instead of running for nobody.
+        runner = web.AppRunner(
+            self.app(), access_log=None, handle_signals=False, handler_cancellation=True
+        )
         await runner.setup()
         site = web.TCPSite(runner, self._options.host, self._options.port, reuse_address=True)
         try:
@@ -202,6 +214,20 @@ class ChatEndpoint:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         self._authenticate(request)
+        if self.calls_active >= self._options.max_concurrent_calls:
+            raise ApiError(
+                429,
+                f"more than {self._options.max_concurrent_calls} calls under way; retry later",
+                "rate_limit_error",
+                code="too_many_calls",
+            )
+        self.calls_active += 1
+        try:
+            return await self._chat(request)
+        finally:
+            self.calls_active -= 1
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
         cap = self._options.max_body_bytes
         if request.content_length is not None and request.content_length > cap:
             raise ApiError(
