@@ -423,3 +423,24 @@ async def test_a_stream_in_flight_is_cut_at_prepare_and_continued_after_resume(
         text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
     assert text == WordTemplate().text(expected_completion(6, None))
     assert [position for _, position, _ in model.streamed] == list(range(3, 9))
+
+
+async def test_a_stream_whose_episode_is_retired_ends_with_an_error_event(root: Path) -> None:
+    model = CountingPolicy()
+    async with serve(root, model, WordTemplate()) as served:
+        model.release(2)
+        stream = await served.client.chat.completions.create(
+            model=MODEL_NAME,
+            messages=[{"role": "user", "content": "count"}],
+            max_tokens=6,
+            stream=True,
+        )
+        await model.wait_streamed(2)
+        await served.wire.retire([EpisodeId("rollout-a", 0)])
+        received: list[str] = []
+        with pytest.raises(openai.APIError) as caught:
+            async for chunk in stream:
+                received.extend(c.delta.content or "" for c in chunk.choices)
+    assert "".join(received) == WordTemplate().text(expected_completion(2, None))
+    assert isinstance(caught.value.body, dict) and caught.value.body["code"] == "stale_attempt"
+    assert len(model.streamed) == 2
