@@ -26,6 +26,7 @@ FACES = (
     "turnpoint.participant_sdk.sandboxes",
     "turnpoint.server",
     "turnpoint.server.advanced",
+    "turnpoint.server.openai_api",
 )
 LAZY = ("turnpoint.trainer", "turnpoint.trainer.advanced", "turnpoint.trainer.testing")
 

@@ -234,6 +234,15 @@ FORBIDDEN_AT_IMPORT = {
         "turnpoint.trainer",
         "turnpoint.apps",
     ),
+    # The OpenAI endpoint (the ``openai`` extra) loads aiohttp and nothing else heavy.
+    "turnpoint.server.openai_api": (
+        "torch",
+        "ray",
+        "matplotlib",
+        "rich",
+        "turnpoint.trainer",
+        "turnpoint.apps",
+    ),
     "turnpoint.trainer": (
         *HEAVY,
         "turnpoint.server",

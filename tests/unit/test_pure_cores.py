@@ -30,6 +30,7 @@ PURE_CORES = (
     "turnpoint.trainer.storage.manifest",
     "turnpoint.trainer.weights.core",
     "turnpoint.storage._objects",
+    "turnpoint.egress",
 )
 # What a pure core may not load, even indirectly.
 WIRE_AND_LOOP = ("grpc", "asyncio", "google.protobuf", "turnpoint.v1")

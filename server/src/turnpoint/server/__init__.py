@@ -18,7 +18,8 @@ through ``ctx.call`` / ``ctx.verify`` (keyed: each runs once, docs/spec.md secti
 Elsewhere: assembling your own hosting (the server without the runtime wiring, the
 servicers, the auth interceptor, metrics) is :mod:`turnpoint.server.advanced`; the
 client half of the auth (tokens, call metadata) is :mod:`turnpoint.auth`; hosting on Ray
-is :mod:`turnpoint.server.ray`. The example Gym servers live with the applications, in
+is :mod:`turnpoint.server.ray`; an OpenAI-compatible HTTP endpoint in front of a policy
+participant is :mod:`turnpoint.server.openai_api`. The example Gym servers live with the applications, in
 ``turnpoint.apps.examples``.
 """
 
