@@ -9,6 +9,8 @@
   ``REPLAY``.
 - :class:`GuessAgent` (AGENT): the multi-turn episode: each turn one generation and one
   tool call, then a sealed boundary; finally a verify.
+- :class:`PlayAgent` (AGENT): the same shape for the counter, Blackjack and the
+  workplace (:mod:`._plays`, :mod:`._environments`).
 
 The shape that keeps checkpoints cheap: the agent seals a boundary as soon as it accepts
 an episode (turn 0), and every call it makes after a boundary (``ctx.seed``, the turn's
@@ -524,10 +526,10 @@ def sampling_seed(rollout_id: str, turn: int, offset: int = 0) -> int:
     return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
 
 
-class _Gym:
-    """What an example agent talks to: the policy server, whose generations go through
+class _GymAgent(Agent):
+    """What the example agents share: the policy server, whose generations go through
     ``ctx.generate``, and one :class:`~turnpoint.server.ResourcesClient` per environment,
-    for ``ctx.seed``, ``ctx.call`` and ``ctx.verify``.
+    for ``ctx.seed``, ``ctx.call`` and ``ctx.verify``. Subclasses write ``run``.
 
     A turn's generation is seeded by :func:`sampling_seed` and saved with the boundary by
     ``ctx.generate``, so a restored attempt makes the turn's keyed tool call with the
@@ -540,11 +542,16 @@ class _Gym:
         resources_addresses: Mapping[str, str],
         token: str | None,
         *,
-        temperature: float,
-        turn_delay_s: float,
+        temperature: float = 1.0,
+        turn_delay_s: float = 0.0,
+        cut_generations: bool = False,
     ) -> None:
         if not turn_delay_s >= 0:
             raise ValueError(f"turn_delay_s must be >= 0, got {turn_delay_s}")
+        # docs/spec.md section 5.5: generations go through ctx.generate, which lets the
+        # policy cut them at a checkpoint (when this is set) and continues them from
+        # their prefix.
+        self.cuts_generations = cut_generations
         self._metadata = auth_metadata(token) if token else ()
         self._policy_channel = data_channel(policy_address)
         self._policy: PolicyServiceAsyncStub = policy_service_pb2_grpc.PolicyServiceStub(
@@ -557,10 +564,7 @@ class _Gym:
         self._temperature = temperature
         self._turn_delay_s = turn_delay_s
 
-    def resources(self, environment: str) -> ResourcesClient:
-        return self._resources[environment]
-
-    async def generate(
+    async def _generate(
         self, ctx: EpisodeContext, context: Sequence[int], turn: int
     ) -> tuple[list[int], int]:
         """Turn ``turn``'s completion of ``context`` and the weights version that ended it.
@@ -630,7 +634,7 @@ def _episode_output(
     }
 
 
-class GuessAgent(Agent):
+class GuessAgent(_GymAgent):
     """Plays the guessing task against the policy server and the environment's resources.
 
     Its tool calls go through ``ctx.seed``, ``ctx.call`` and ``ctx.verify`` over a
@@ -640,32 +644,10 @@ class GuessAgent(Agent):
     turn's call with the same guess.
     """
 
-    def __init__(
-        self,
-        policy_address: str,
-        resources_addresses: Mapping[str, str],
-        token: str | None,
-        *,
-        temperature: float = 1.0,
-        turn_delay_s: float = 0.0,
-        cut_generations: bool = False,
-    ) -> None:
-        # docs/spec.md section 5.5: generations go through ctx.generate, which lets the
-        # policy cut them at a checkpoint (when this is set) and continues them from
-        # their prefix.
-        self.cuts_generations = cut_generations
-        self._gym = _Gym(
-            policy_address,
-            resources_addresses,
-            token,
-            temperature=temperature,
-            turn_delay_s=turn_delay_s,
-        )
-
     async def run(self, ctx: EpisodeContext, task: Mapping[str, Any]) -> Mapping[str, Any]:
         episode = ctx.episode
         prompt = Task.from_dict(task["task"])
-        resources = self._gym.resources(str(task["environment"]))
+        resources = self._resources[str(task["environment"])]
         saved = ctx.restored
         turns = [Turn.from_dict(t) for t in saved.state["turns"]] if saved else []
         versions: list[int] = list(saved.state.get("versions", [])) if saved else []
@@ -676,7 +658,7 @@ class GuessAgent(Agent):
             await ctx.boundary(0, {"turns": [], "versions": [], "answered_in": []})
         await ctx.seed(resources, {"group_size": 1, **task})
         while not is_finished(prompt, turns):
-            completion, version = await self._gym.generate(
+            completion, version = await self._generate(
                 ctx, encode_context(prompt, turns), len(turns)
             )
             reply = await self._check(ctx, resources, len(turns), completion)
@@ -712,11 +694,8 @@ class GuessAgent(Agent):
         output = await ctx.call(resources, "check", {"guess": guess, "turn": turn})
         return Reply(output["reply"])
 
-    async def aclose(self) -> None:
-        await self._gym.aclose()
 
-
-class PlayAgent(Agent):
+class PlayAgent(_GymAgent):
     """Plays the counter, Blackjack or the workplace (:mod:`._plays`) with the policy.
 
     Shaped like :class:`GuessAgent`, over the same connections: boundary 0 on acceptance,
@@ -726,31 +705,12 @@ class PlayAgent(Agent):
     (docs/spec.md section 6.12), so the environment deals no card twice.
     """
 
-    def __init__(
-        self,
-        policy_address: str,
-        resources_addresses: Mapping[str, str],
-        token: str | None,
-        *,
-        temperature: float = 1.0,
-        turn_delay_s: float = 0.0,
-        cut_generations: bool = False,
-    ) -> None:
-        self.cuts_generations = cut_generations
-        self._gym = _Gym(
-            policy_address,
-            resources_addresses,
-            token,
-            temperature=temperature,
-            turn_delay_s=turn_delay_s,
-        )
-
     async def run(self, ctx: EpisodeContext, task: Mapping[str, Any]) -> Mapping[str, Any]:
         from turnpoint.apps.examples._plays import PLAYS, Step, reply_text
 
         episode = ctx.episode
         environment = str(task["environment"])
-        play, resources = PLAYS[environment], self._gym.resources(environment)
+        play, resources = PLAYS[environment], self._resources[environment]
         inner: Mapping[str, Any] = task["task"]
         saved = ctx.restored
         steps = [Step.from_dict(s) for s in saved.state["steps"]] if saved else []
@@ -772,7 +732,7 @@ class PlayAgent(Agent):
             shown = await ctx.call(resources, *look)
         while not play.finished(steps):
             context = play.context(inner, shown, steps)
-            completion, version = await self._gym.generate(ctx, context, len(steps))
+            completion, version = await self._generate(ctx, context, len(steps))
             tool, arguments = play.action(inner, completion, len(steps))
             last = await ctx.call(resources, tool, arguments)
             token = play.reply_token(inner, last)
@@ -787,6 +747,3 @@ class PlayAgent(Agent):
         verdict = await ctx.verify(resources, play.answer(inner, last))
         turns = [s.to_dict() for s in steps]
         return _episode_output(task, turns, prompts, versions, answered, verdict.reward)
-
-    async def aclose(self) -> None:
-        await self._gym.aclose()

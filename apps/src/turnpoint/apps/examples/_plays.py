@@ -32,19 +32,10 @@ MAX_TURNS = 3
 
 
 def reply_text(reply: Mapping[str, Any]) -> str:
-    """A tool's reply as one canonical line: keys sorted, integral numbers as ints (as the
-    agent's tool client hands them back), so the tool's log and the agent's turn agree."""
-    return json.dumps(_integral(reply), sort_keys=True, separators=(",", ":"))
-
-
-def _integral(value: Any) -> Any:
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, Mapping):
-        return {str(k): _integral(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_integral(v) for v in value]
-    return value
+    """A tool's reply as one canonical line (keys sorted), so the tool's log and the
+    agent's turn agree. These environments reply with ints, strings, booleans and lists
+    only (the workplace shows a real as text), which the wire hands back unchanged."""
+    return json.dumps(reply, sort_keys=True, separators=(",", ":"))
 
 
 @dataclass(frozen=True, slots=True)
