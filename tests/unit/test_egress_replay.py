@@ -22,9 +22,11 @@ from turnpoint.egress import (
 BODY = {"model": "m", "messages": [{"role": "user", "content": "range 2 5"}], "seed": 1}
 
 
-def test_a_digest_ignores_key_order_and_white_space_but_no_field() -> None:
+def test_a_digest_ignores_key_order_and_transport_but_no_field_of_the_question() -> None:
     reordered = {"seed": 1, "messages": [{"content": "range 2 5", "role": "user"}], "model": "m"}
     assert request_digest(BODY) == request_digest(reordered)
+    streamed = {**BODY, "stream": True, "stream_options": {"include_usage": True}}
+    assert request_digest(BODY) == request_digest(streamed)
     assert request_digest(BODY) != request_digest({**BODY, "seed": 2})
     assert request_digest(BODY) != request_digest({**BODY, "temperature": 0})
 

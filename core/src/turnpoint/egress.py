@@ -330,13 +330,19 @@ class EgressRecord:
 # ---------------------------------------------------------------------- replay
 
 
+_TRANSPORT_FIELDS = frozenset(("stream", "stream_options"))
+
+
 def request_digest(body: Mapping[str, object]) -> str:
     """What a call is compared by on replay: SHA-256 of its body as canonical JSON.
 
-    Key order and white space do not count; every field does (the messages, the model,
-    the sampling parameters): a harness that asks anything else has diverged.
+    Key order, white space and how the answer travels (``stream``, ``stream_options``:
+    the relay forwards every call whole) do not count; every other field does (the
+    messages, the model, the sampling parameters): a harness that asks anything else has
+    diverged.
     """
-    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    asked = {key: value for key, value in body.items() if key not in _TRANSPORT_FIELDS}
+    canonical = json.dumps(asked, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
