@@ -82,10 +82,12 @@ async def policy_endpoint(root: Path, policy: GatedPolicy) -> AsyncIterator[Chat
 
 
 @asynccontextmanager
-async def opaque_agent(endpoint: ChatEndpoint) -> AsyncIterator[OpaqueAgent]:
+async def opaque_agent(
+    endpoint: ChatEndpoint, env: Mapping[str, str] | None = None
+) -> AsyncIterator[OpaqueAgent]:
     options = RelayOptions(endpoint.base_url, MODEL_NAME, upstream_api_key=API_KEY)
     async with EgressRelay(options) as relay:
-        yield OpaqueAgent(relay, HARNESS, model=MODEL_NAME)
+        yield OpaqueAgent(relay, HARNESS, model=MODEL_NAME, env=env)
 
 
 def alive(pid: int) -> bool:
@@ -171,3 +173,41 @@ async def restore(wire: Any, n: int, committed: Any, episode: EpisodeId) -> None
     restored = await wire.restore(restore_id(n), f"snap-{n}", committed, [episode])
     assert len(restored.installed) == 1
     await wire.resume(restore_id(n))
+
+
+async def test_a_restored_harness_that_diverges_is_stopped_and_the_episode_reruns_from_its_prompt(
+    tmp_path: Path,
+) -> None:
+    policy = GatedPolicy()
+    root = tmp_path / "agent"
+    episode = EpisodeId("drift-run", 0)
+    async with policy_endpoint(tmp_path / "policy", policy) as endpoint:
+        policy.hold_at = 2  # the first call completes, the second is in flight at the cut
+        async with (
+            opaque_agent(endpoint) as agent,
+            host_scripted(root, agent=agent) as hosted,
+            wire_to(hosted, "unary") as wire,
+        ):
+            wire.run(episode, TASK)
+            await poll(lambda: policy.started >= 2)
+            assert (await wire.prepare(ckpt(1), lease_s=60)).phase == types_pb2.PHASE_PREPARED
+            committed = await wire.commit(ckpt(1), "snap-1", [episode])
+            await wire.resume(ckpt(1))
+        policy.gate.set()
+        policy.hold_at = None
+        # Retuned between the crash and the restore, the harness asks otherwise.
+        async with (
+            opaque_agent(endpoint, {"HARNESS_TEMPERATURE": "0.5"}) as agent,
+            host_scripted(root, agent=agent) as hosted,
+            wire_to(hosted, "unary") as wire,
+        ):
+            await restore(wire, 1, committed, episode)
+            result = await wire.run(episode.next_attempt(), TASK).done()
+        continued = struct_to_dict(result.result)
+
+    assert [rerun["position"] for rerun in continued["reruns"]] == [0]
+    assert "call 0" in continued["reruns"][0]["reason"]
+    # Rerun from its prompt: nothing answered from the record, every call forwarded.
+    assert continued["replayed"] == 0
+    assert continued["forwarded"] == assistant_turns(continued) == continued["turns"] - 1
+    assert len(agent.harness_pids) == 2 and not any(map(alive, agent.harness_pids))

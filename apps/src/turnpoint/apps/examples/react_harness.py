@@ -4,7 +4,8 @@ through the ``openai`` package, as any harness would (docs/spec.md section 12.8)
 Run as a script by :class:`~turnpoint.server.openai_api.OpaqueAgent`: the client reads
 ``OPENAI_BASE_URL`` and ``OPENAI_API_KEY`` (the relay and the episode's credential), the
 task comes as JSON in ``TURNPOINT_TASK`` (``low``, ``high``, ``target``, ``max_turns``,
-``seed``). Each step the model reasons and acts (a guess, its first digit), the harness's
+``seed``; ``HARNESS_TEMPERATURE`` overrides the temperature, as a user tuning their
+harness would). Each step the model reasons and acts (a guess, its first digit), the harness's
 one tool observes (``higher``, ``lower``, ``correct`` or ``invalid``), and the
 observation goes back as a ``tool`` message. The last line printed is the transcript.
 It imports nothing of turnpoint on purpose.
@@ -38,7 +39,7 @@ def main() -> int:
             model=os.environ["OPENAI_MODEL"],
             messages=messages,  # type: ignore[arg-type]
             max_completion_tokens=int(task.get("max_tokens", 4)),
-            temperature=float(task.get("temperature", 0.0)),
+            temperature=float(os.environ.get("HARNESS_TEMPERATURE", task.get("temperature", 0))),
             seed=int(task.get("seed", 0)) + step,
         )
         action = reply.choices[0].message.content or ""

@@ -147,6 +147,9 @@ class OpaqueAgent(Agent):
                     event.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await event
+                    if session.diverged is not None:
+                        # Told it diverged, the harness exited before its owner looked.
+                        return turn, session.diverged
                     return turn, _result(process.returncode, *exited.result())
                 happened = event.result()
                 if isinstance(happened, Diverged):

@@ -200,6 +200,7 @@ class RelayEpisode:
         self._replay, self._replay_answers = [], []
         self._position = 0
         self.diverged = None
+        self._events = asyncio.Queue()  # nothing of the stopped harness is still to take
         self.credential = self._issue(generation)
         return self.credential.secret
 
