@@ -289,3 +289,21 @@ async def test_hostile_input_gets_a_clear_error_and_nothing_is_recorded() -> Non
         with pytest.raises(RelayError):
             relay.open_episode(EpisodeId("rollout-u", 0), damaged)
         assert Disposition.COMPLETED.value == "completed"
+
+
+async def test_a_call_held_when_its_episode_ends_never_starts_and_is_told_so() -> None:
+    async with upstream() as fake, relay_to(fake) as relay:
+        session = relay.open_episode(EPISODE)
+        harness = client(relay, session.api_key)
+        try:
+            relay.prepare("snap-1")
+            held = asyncio.create_task(ask(harness, "range 2 5"))
+            await poll(lambda: session.record.states() != {})
+            relay.close_episode(EPISODE)
+            with pytest.raises(openai.ConflictError) as ended:
+                await bounded(held)
+            assert ended.value.code == "episode_closed"
+        finally:
+            await harness.close()
+        assert fake.seen == []
+        assert list(session.record.states().values()) == [CallState.NEVER_STARTED]

@@ -19,9 +19,10 @@ import contextlib
 import json
 import os
 import signal
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any, Final
 
+from turnpoint.ids import EpisodeId
 from turnpoint.participant_sdk import Agent, EpisodeContext
 from turnpoint.server.openai_api._relay import (
     Completed,
@@ -35,7 +36,11 @@ from turnpoint.server.openai_api._relay import (
 EGRESS_FIELD: Final = "egress"
 # A harness that diverges again and again is not rerun for ever.
 MAX_RERUNS: Final = 3
-_STDERR_TAIL: Final = 2000
+# What is kept of a harness's output (it is untrusted: memory stays bounded): the end of
+# its standard output, where its result is, and of its standard error, for the reason.
+_STDOUT_TAIL: Final = 1 << 20
+_STDERR_TAIL: Final = 4096
+_READ_BYTES: Final = 1 << 16
 
 
 class HarnessFailedError(RuntimeError):
@@ -77,7 +82,7 @@ class OpaqueAgent(Agent):
         # The process id of every harness started, in order: the tests' witness.
         self.harness_pids: list[int] = []
 
-    def validate_state(self, episode: Any, state: Mapping[str, Any]) -> None:
+    def validate_state(self, episode: EpisodeId, state: Mapping[str, Any]) -> None:
         check_relay_state(state.get(EGRESS_FIELD))
 
     async def admission_closed(self) -> None:
@@ -138,7 +143,12 @@ class OpaqueAgent(Agent):
             start_new_session=True,  # its own process group: killed as a tree
         )
         self.harness_pids.append(process.pid)
-        exited = asyncio.ensure_future(process.communicate())
+        assert process.stdout is not None and process.stderr is not None
+        exited = asyncio.ensure_future(
+            _outputs(
+                process, _tail(process.stdout, _STDOUT_TAIL), _tail(process.stderr, _STDERR_TAIL)
+            )
+        )
         try:
             while True:
                 event = asyncio.ensure_future(ctx.model_call(session.next_event))
@@ -170,9 +180,26 @@ class OpaqueAgent(Agent):
             await process.wait()
 
 
+async def _tail(stream: asyncio.StreamReader, limit: int) -> bytes:
+    """The last ``limit`` bytes of ``stream``, read to its end."""
+    kept = bytearray()
+    while chunk := await stream.read(_READ_BYTES):
+        kept += chunk
+        del kept[:-limit]
+    return bytes(kept)
+
+
+async def _outputs(
+    process: asyncio.subprocess.Process, stdout: Awaitable[bytes], stderr: Awaitable[bytes]
+) -> tuple[bytes, bytes]:
+    out, err = await asyncio.gather(stdout, stderr)
+    await process.wait()
+    return out, err
+
+
 def _result(returncode: int | None, stdout: bytes, stderr: bytes) -> Mapping[str, Any]:
     if returncode != 0:
-        tail = stderr.decode(errors="replace")[-_STDERR_TAIL:]
+        tail = stderr.decode(errors="replace")
         raise HarnessFailedError(returncode, tail or "no output on stderr")
     lines = stdout.decode(errors="replace").strip().splitlines()
     try:

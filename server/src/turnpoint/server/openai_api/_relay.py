@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import hmac
+import hashlib
 import itertools
 import json
 import logging
@@ -100,7 +100,7 @@ class JournalEntry:
     response: Mapping[str, Any]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class Completed:
     """A model call the relay completed; its answer reaches the harness on release."""
 
@@ -120,13 +120,18 @@ class Diverged:
 
 
 class _Credential:
-    __slots__ = ("episode", "generation", "revoked", "secret")
+    __slots__ = ("episode", "generation", "secret")
 
     def __init__(self, episode: RelayEpisode, generation: int) -> None:
         self.secret = "tp-egress-" + secrets.token_urlsafe(24)
         self.episode = episode
         self.generation = generation
-        self.revoked = False
+
+
+def _credential_key(secret: str) -> str:
+    # Credentials are looked up by a digest of the secret: the lookup compares digests,
+    # never the secret itself, so its time says nothing of how much of a guess was right.
+    return hashlib.sha256(secret.encode()).hexdigest()
 
 
 class ReplayState(enum.Enum):
@@ -164,6 +169,7 @@ class RelayEpisode:
         self._ids = itertools.count(len(record.states()))
         self._sealed = sealed
         self._events: asyncio.Queue[Completed | Diverged] = asyncio.Queue()
+        self._unreleased: set[Completed] = set()
         self._resumed = asyncio.Event()
         self._resumed.set()
         self.credential = self._issue(record.generation)
@@ -184,8 +190,16 @@ class RelayEpisode:
 
     def _issue(self, generation: int) -> _Credential:
         credential = _Credential(self, generation)
-        self._relay._credentials[credential.secret] = credential
+        self._relay._credentials[_credential_key(credential.secret)] = credential
         return credential
+
+    def _wake_all(self) -> None:
+        """The episode closed: nothing waits on it any more (held calls, unreleased
+        answers); every later event of its calls is refused by the closed record."""
+        self._resumed.set()
+        for completed in self._unreleased:
+            completed.release()
+        self._unreleased.clear()
 
     async def next_event(self) -> Completed | Diverged:
         """The next completed call (to release) or the divergence that stopped replay."""
@@ -282,8 +296,14 @@ class RelayEpisode:
         self.journal.append(entry)
         if self._sealed:
             event = Completed(entry)
+            self._unreleased.add(event)
             self._events.put_nowait(event)
-            await event._released.wait()
+            try:
+                await event._released.wait()
+            finally:
+                self._unreleased.discard(event)
+            if self.record.closed:
+                raise _refused(Refusal(RefusalReason.CLOSED, call_id))
         return response
 
 
@@ -300,11 +320,14 @@ def _diverged(diverged: Diverged) -> ApiError:
 
 
 def _refused(refusal: Refusal) -> ApiError:
-    if refusal.reason is RefusalReason.FENCED_GENERATION:
+    excluded = refusal.reason is RefusalReason.SETTLED and refusal.detail == "excluded"
+    if refusal.reason is RefusalReason.FENCED_GENERATION or excluded:
         return ApiError(
             409, refusal.detail or "this harness was replaced", code="fenced_generation"
         )
-    if refusal.reason is RefusalReason.CLOSED:
+    # Only the episode's end settles a held call as never started.
+    never_started = refusal.reason is RefusalReason.SETTLED and refusal.detail == "never_started"
+    if refusal.reason is RefusalReason.CLOSED or never_started:
         return ApiError(409, "the episode has ended", code="episode_closed")
     return ApiError(409, f"the call was refused: {refusal.reason.value}", code=refusal.reason.value)
 
@@ -358,10 +381,10 @@ class EgressRelay:
         if closed is None:
             return
         closed.record.close()
-        for secret, credential in list(self._credentials.items()):
+        closed._wake_all()
+        for key, credential in list(self._credentials.items()):
             if credential.episode is closed:
-                credential.revoked = True
-                del self._credentials[secret]
+                del self._credentials[key]
 
     def prepare(self, snapshot: str) -> None:
         """A snapshot opens: no episode's call is forwarded until :meth:`resume`."""
@@ -424,9 +447,9 @@ class EgressRelay:
     def _authenticate(self, request: web.Request) -> _Credential:
         scheme, _, given = request.headers.get("Authorization", "").partition(" ")
         if scheme.lower() == "bearer":
-            for secret, credential in self._credentials.items():
-                if hmac.compare_digest(given.encode(), secret.encode()):
-                    return credential
+            credential = self._credentials.get(_credential_key(given))
+            if credential is not None:
+                return credential
         raise ApiError(401, "invalid API key", code="invalid_api_key")
 
     async def models(self, request: web.Request) -> web.StreamResponse:
