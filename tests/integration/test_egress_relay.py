@@ -307,3 +307,23 @@ async def test_a_call_held_when_its_episode_ends_never_starts_and_is_told_so() -
             await harness.close()
         assert fake.seen == []
         assert list(session.record.states().values()) == [CallState.NEVER_STARTED]
+
+
+async def test_a_harness_flooding_calls_gets_429s_past_the_cap_and_none_is_recorded() -> None:
+    async with upstream() as fake:
+        options = RelayOptions(fake.base_url, MODEL, max_concurrent_calls=1)
+        async with EgressRelay(options) as relay:
+            session = relay.open_episode(EPISODE)
+            harness = client(relay, session.api_key)
+            try:
+                relay.prepare("snap-1")  # the first call is held, under way
+                held = asyncio.create_task(ask(harness, "range 2 5"))
+                await poll(lambda: relay.calls_active == 1)
+                with pytest.raises(openai.RateLimitError) as flooded:
+                    await ask(harness, "range 2 6")
+                assert flooded.value.code == "too_many_calls"
+                relay.resume("snap-1")
+                assert await bounded(held) == "1"
+            finally:
+                await harness.close()
+            assert list(session.record.states().values()) == [CallState.COMPLETED]
