@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import enum
 import hashlib
 import itertools
 import json
@@ -31,6 +30,7 @@ import aiohttp
 from aiohttp import web
 
 from turnpoint.egress import (
+    CallState,
     Disposition,
     EgressRecord,
     Refusal,
@@ -134,12 +134,6 @@ def _credential_key(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
 
 
-class ReplayState(enum.Enum):
-    REPLAYING = "replaying"
-    LIVE = "live"
-    DIVERGED = "diverged"
-
-
 class RelayEpisode:
     """One episode at the relay: its record, its journal, its harness generations.
 
@@ -182,12 +176,6 @@ class RelayEpisode:
         """The current harness's credential (its ``OPENAI_API_KEY``)."""
         return self.credential.secret
 
-    @property
-    def replay_state(self) -> ReplayState:
-        if self.diverged is not None:
-            return ReplayState.DIVERGED
-        return ReplayState.REPLAYING if self._position < len(self._replay) else ReplayState.LIVE
-
     def _issue(self, generation: int) -> _Credential:
         credential = _Credential(self, generation)
         self._relay._credentials[_credential_key(credential.secret)] = credential
@@ -226,11 +214,8 @@ class RelayEpisode:
             # An unsettled call at a boundary: held ones never started, running ones
             # stream a prefix this state does not hold (section 12.6, the cut).
             if final is None:
-                final = (
-                    Disposition.NEVER_STARTED
-                    if state.value == "held"
-                    else Disposition.ACTIVE_PREFIX
-                )
+                held = state is CallState.HELD
+                final = Disposition.NEVER_STARTED if held else Disposition.ACTIVE_PREFIX
             calls[call_id] = final.value
         return {
             "version": STATE_VERSION,
