@@ -22,6 +22,7 @@ from turnpoint.apps._cli import main
 from turnpoint.apps.bench._bench import BenchReport, Target
 from turnpoint.apps.bench._cli import render_table
 from turnpoint.apps.bench._control_overhead import OverheadRow
+from turnpoint.apps.bench._egress_relay import RelayFigures, RelayOverhead, ReplayRow
 from turnpoint.apps.bench._sandbox_snapshots import SandboxSnapshotRow, measure_sandbox_snapshots
 from turnpoint.apps.bench._workload import RestoreResult, RunFigures, ThroughputResult
 
@@ -84,6 +85,10 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], lis
         "50",
         "--sandbox-mb",
         "2",
+        "--relay-calls",
+        "4",
+        "--replay-turns",
+        "2,3",
         "--generation-lengths",
         "8,24",
         "--token-delay",
@@ -118,6 +123,7 @@ def test_the_json_has_every_figure_as_a_positive_number(
         "restore_seconds",
         "status_page_polled_vs_quiet",
         "sandbox_snapshots",
+        "egress_relay",
         "targets",
         "details",
         "long_generations",
@@ -130,6 +136,15 @@ def test_the_json_has_every_figure_as_a_positive_number(
     for key in ("full_s", "unchanged_s", "restore_s"):
         assert _positive(sandbox[key]), key
     assert figures["targets"]["sandbox_unchanged_vs_full_bytes"]["met_must"] is True
+    # The egress relay (spec 12.7, 12.8): its overhead, and replays answered from the record.
+    relay = figures["egress_relay"]
+    assert relay["overhead"]["calls"] == 4
+    for key in ("direct_ms", "relayed_ms", "relayed_vs_direct"):
+        assert _positive(relay["overhead"][key]), key
+    assert [row["turns"] for row in relay["replay"]] == [2, 3]
+    for row in relay["replay"]:
+        assert _positive(row["live_s"]) and _positive(row["replay_s"]) and row["state_bytes"] > 0
+    assert figures["targets"]["relay_relayed_vs_direct"]["value"] > 0
     # Long generations with and without token-prefix cutting, per length (spec 5.5).
     long = figures["long_generations"]
     assert sorted((row["tokens"], row["cut"]) for row in long["rows"]) == [
@@ -354,3 +369,29 @@ def test_the_sandbox_figure_is_shown_and_only_its_bytes_are_gated() -> None:
     assert targets["sandbox_unchanged_vs_full_bytes"]["regressed"] is True
     assert targets["sandbox_unchanged_vs_full_time"]["regressed"] is True
     assert report.regressions() == ["sandbox_unchanged_vs_full_bytes"]
+
+
+def test_the_relay_figures_are_shown_and_reported_not_gated() -> None:
+    report = BenchReport(
+        control_overhead=(),
+        throughput=ThroughputResult(steps=1, snapshot_interval_s=2.0, off=(), on=()),
+        restore=RestoreResult(None),
+        workers=1,
+        warmup=0,
+        snapshot_root="/nowhere",
+        egress_relay=RelayFigures(
+            RelayOverhead(200, 4.0, 12.0),
+            (ReplayRow(5, 0.1, 0.02, 3000), ReplayRow(50, 2.0, 1.5, 30000)),
+        ),
+    )
+    out = io.StringIO()
+    render_table(report, out)
+    text = out.getvalue()
+    for shown in ("Egress relay", "12.00 ms relayed", "3.000", "Restore by replay", "30000"):
+        assert shown in text, (shown, text)
+    targets = report.to_json()["targets"]
+    # The longest episode is held to the replay target; both figures only reported.
+    assert targets["relay_replay_vs_live_longest"]["value"] == pytest.approx(0.75)
+    assert targets["relay_relayed_vs_direct"]["regressed"] is True
+    assert targets["relay_replay_vs_live_longest"]["regressed"] is False
+    assert report.regressions() == []

@@ -20,12 +20,19 @@ snapshot's prepare, commit and resume) and answers each with data: the
 the :class:`Cut`: every accepted call once, with its disposition at that snapshot. No
 asyncio, no clock, no I/O: the relay's wire adapter feeds it, and a property test drives
 it through every interleaving.
+
+After a restore a fresh harness replays: :func:`replay_decision` says, for each of its
+calls in order, whether the record answers it, it goes live (past the cut), or it
+diverged from the record (the harness is stopped and the episode reruns from its
+prompt). :func:`request_digest` is what a call is compared by.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+import hashlib
+import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 
@@ -134,6 +141,25 @@ class EgressRecord:
         self._open_snapshot: str | None = None
         self._committed: str | None = None
         self._closed = False
+
+    @classmethod
+    def restored(cls, calls: Mapping[str, Disposition], generation: int) -> EgressRecord:
+        """The record a restore installs: a cut's calls, under a new harness ``generation``.
+
+        A call the cut holds as ``active_prefix`` belonged to the replaced harness and
+        becomes ``excluded``; every other disposition in a cut is final already. The
+        calls keep their ids, so none is recorded twice after the restore.
+        """
+        record = cls(generation)
+        for call_id, disposition in calls.items():
+            state = (
+                CallState.EXCLUDED
+                if disposition is Disposition.ACTIVE_PREFIX
+                else CallState(disposition.value)
+            )
+            # Older than any call the new generation makes: the cut's harness.
+            record._calls[call_id] = _Call(generation - 1, state)
+        return record
 
     # ------------------------------------------------------------------ reads
 
@@ -299,3 +325,56 @@ class EgressRecord:
         before = call.state
         call.state = after
         return Transition(call_id, before, after)
+
+
+# ---------------------------------------------------------------------- replay
+
+
+_TRANSPORT_FIELDS = frozenset(("stream", "stream_options"))
+
+
+def request_digest(body: Mapping[str, object]) -> str:
+    """What a call is compared by on replay: SHA-256 of its body as canonical JSON.
+
+    Key order, white space and how the answer travels (``stream``, ``stream_options``:
+    the relay forwards every call whole) do not count; every other field does (the
+    messages, the model, the sampling parameters): a harness that asks anything else has
+    diverged.
+    """
+    asked = {key: value for key, value in body.items() if key not in _TRANSPORT_FIELDS}
+    canonical = json.dumps(asked, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+class ReplayAction(enum.Enum):
+    ANSWER = "answer"  # answer from the record; nothing is forwarded
+    LIVE = "live"  # past the cut: forward, record, as any call
+    DIVERGED = "diverged"  # the harness asked something else: stop it, rerun from prompt
+
+
+@dataclass(frozen=True, slots=True)
+class ReplayDecision:
+    action: ReplayAction
+    position: int  # the call's place in the harness's sequence of calls, from 0
+    reason: str = ""
+
+
+def replay_decision(recorded: Sequence[str], position: int, digest: str) -> ReplayDecision:
+    """What a restored harness's call at ``position`` gets (docs/spec.md section 12.7).
+
+    ``recorded`` holds the request digests of the completed calls the cut holds, in the
+    order their harness made them. A call within them is answered from the record when
+    it asks exactly what was asked there, else it diverged; a call past them is live.
+    """
+    if position < 0:
+        raise ValueError(f"position must be >= 0, got {position}")
+    if position >= len(recorded):
+        return ReplayDecision(ReplayAction.LIVE, position)
+    if recorded[position] == digest:
+        return ReplayDecision(ReplayAction.ANSWER, position)
+    return ReplayDecision(
+        ReplayAction.DIVERGED,
+        position,
+        f"call {position} asks other than the recorded call {position} "
+        f"(of {len(recorded)} recorded)",
+    )

@@ -15,7 +15,10 @@ The figures (docs: README "Benchmarks"):
 - **status page**: the control path with the trainer's status API polled every 100 ms
   over the same path unpolled, a ratio (:mod:`._status_polling`);
 - **sandbox snapshots**: a sandbox's snapshot of a tree unchanged since the last one
-  over its first, in seconds and bytes written, per size (:mod:`._sandbox_snapshots`).
+  over its first, in seconds and bytes written, per size (:mod:`._sandbox_snapshots`);
+- **egress relay**: a chat call through the relay over the same call direct, a ratio,
+  and the restore of an episode by replay against its live run, per length
+  (:mod:`._egress_relay`).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ from turnpoint.apps.bench._control_overhead import (
     measure_control_overhead,
     measure_durable_commit,
 )
+from turnpoint.apps.bench._egress_relay import RelayFigures, measure_egress_relay
 from turnpoint.apps.bench._options import BenchOptions
 from turnpoint.apps.bench._participant_bench import bookkeeping_us
 from turnpoint.apps.bench._sandbox_snapshots import SandboxSnapshotRow, measure_sandbox_snapshots
@@ -114,6 +118,7 @@ class BenchReport:
     bookkeeping_us: float | None = None
     status_polling: StatusPolling | None = None
     sandbox_snapshots: tuple[SandboxSnapshotRow, ...] = ()
+    egress_relay: RelayFigures | None = None
 
     @property
     def throughput_ratio_on_vs_off(self) -> float | None:
@@ -130,6 +135,8 @@ class BenchReport:
         """Every figure that has a target, measured or not (value None)."""
         at_64, at_256 = self._row(64), self._row(256)
         sandbox = self.sandbox_snapshots[0] if self.sandbox_snapshots else None
+        relay = self.egress_relay
+        longest = max(relay.replay, key=lambda row: row.turns) if relay and relay.replay else None
         durable = self.durable
         admission = self.throughput.admission_closed_s
         return [
@@ -205,6 +212,22 @@ class BenchReport:
                 0.5,
                 0.2,
             ),
+            # docs/spec.md section 12.8: the relay is one more local HTTP hop and a
+            # record per call. Reported, not gated: a call is a few ms, and a loaded
+            # machine swings the median by more than the margin.
+            Target(
+                "relay_relayed_vs_direct",
+                None if relay is None else relay.overhead.ratio,
+                1.5,
+                1.15,
+            ),
+            # Section 12.7: a restore answers the cut from the record without the model.
+            Target(
+                "relay_replay_vs_live_longest",
+                None if longest is None else longest.ratio,
+                0.5,
+                0.1,
+            ),
         ]
 
     def regressions(self) -> list[str]:
@@ -226,6 +249,7 @@ class BenchReport:
             if self.status_polling is None
             else round(self.status_polling.ratio, 3),
             "sandbox_snapshots": [row.to_json() for row in self.sandbox_snapshots],
+            "egress_relay": None if self.egress_relay is None else self.egress_relay.to_json(),
             "targets": {target.name: target.to_json() for target in self.targets()},
             "details": {
                 "workers": self.workers,
@@ -336,6 +360,13 @@ async def _run(options: BenchOptions, root: Path, progress: Progress) -> BenchRe
     bookkeeping = await bookkeeping_us(options.bookkeeping_episodes, root / "bookkeeping")
     progress(f"sandbox snapshots: {_sizes_left(options.sandbox_mb)} MB, full then unchanged")
     sandbox_snapshots = await measure_sandbox_snapshots(root / "sandboxes", options.sandbox_mb)
+    progress(
+        f"egress relay: {options.relay_calls} calls each way, replays of "
+        f"{_sizes_left(options.replay_turns)} turns"
+    )
+    egress_relay = await measure_egress_relay(
+        root / "relay", options.relay_calls, options.replay_turns
+    )
     machine = _machine()
     machine["load_average_1m_at_start"] = machine_before["load_average_1m"]
     return BenchReport(
@@ -352,6 +383,7 @@ async def _run(options: BenchOptions, root: Path, progress: Progress) -> BenchRe
         bookkeeping_us=bookkeeping,
         status_polling=status_polling,
         sandbox_snapshots=sandbox_snapshots,
+        egress_relay=egress_relay,
     )
 
 

@@ -21,8 +21,11 @@ from turnpoint.apps.bench._long_generations import add_long_generation_arguments
 from turnpoint.apps.bench._options import (
     DURABLE_SIZE,
     FULL_SIZES,
+    QUICK_RELAY_CALLS,
     QUICK_SANDBOX_MB,
     QUICK_SIZES,
+    RELAY_CALLS,
+    REPLAY_TURNS,
     SANDBOX_MB,
     TMPFS,
     BenchOptions,
@@ -66,6 +69,18 @@ def _megabytes(text: str) -> tuple[int, ...]:
     if not sizes or any(n < 1 for n in sizes):
         raise argparse.ArgumentTypeError("--sandbox-mb takes megabytes >= 1")
     return sizes
+
+
+def _turns(text: str) -> tuple[int, ...]:
+    try:
+        turns = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--replay-turns takes numbers like 5,20,50, got {text!r}"
+        ) from None
+    if not turns or any(n < 1 for n in turns):
+        raise argparse.ArgumentTypeError("--replay-turns takes turns >= 1")
+    return turns
 
 
 def _positive_int(text: str) -> int:
@@ -112,7 +127,10 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
             "status page: the control path with the trainer's status API polled every "
             "100 ms over the same path unpolled, a ratio; (8) sandbox snapshots: seconds and "
             "bytes written by a sandbox's first snapshot and by one of the unchanged tree, "
-            f"at {' and '.join(map(str, SANDBOX_MB))} MB, and the restore. Progress "
+            f"at {' and '.join(map(str, SANDBOX_MB))} MB, and the restore; (9) the egress "
+            "relay: a chat call through it over the same call direct, a ratio, and the "
+            "restore by replay of episodes of "
+            f"{', '.join(map(str, REPLAY_TURNS))} turns against their live runs. Progress "
             "goes to stderr, figures to stdout; --json prints all of them with the targets "
             "they are held to."
         ),
@@ -122,7 +140,20 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         action="store_true",
         help=f"sizes {','.join(map(str, QUICK_SIZES))}, {_QUICK_STEPS}-step demo runs, "
         f"{_QUICK_REPEATS} each way, {_QUICK_BOOKKEEPING} bookkeeping episodes, a "
-        f"{','.join(map(str, QUICK_SANDBOX_MB))} MB sandbox",
+        f"{','.join(map(str, QUICK_SANDBOX_MB))} MB sandbox, {QUICK_RELAY_CALLS} relay "
+        "calls each way",
+    )
+    parser.add_argument(
+        "--relay-calls",
+        type=_positive_int,
+        help=f"chat calls each way of the relay overhead (default {RELAY_CALLS}, quick "
+        f"{QUICK_RELAY_CALLS})",
+    )
+    parser.add_argument(
+        "--replay-turns",
+        type=_turns,
+        default=REPLAY_TURNS,
+        help=f"episode lengths restored by replay (default {','.join(map(str, REPLAY_TURNS))})",
     )
     parser.add_argument(
         "--sandbox-mb",
@@ -238,6 +269,8 @@ def _options(args: argparse.Namespace) -> BenchOptions:
         bookkeeping_episodes=args.bookkeeping_episodes
         or (_QUICK_BOOKKEEPING if quick else _FULL_BOOKKEEPING),
         sandbox_mb=args.sandbox_mb or (QUICK_SANDBOX_MB if quick else SANDBOX_MB),
+        relay_calls=args.relay_calls or (QUICK_RELAY_CALLS if quick else RELAY_CALLS),
+        replay_turns=args.replay_turns,
     )
 
 
@@ -493,6 +526,30 @@ def render_table(report: BenchReport, out: TextIO) -> None:
                 f"{sandbox.restore_s:.3f}",
             )
         console.print(sandboxes)
+
+    relay = report.egress_relay
+    if relay is not None:
+        hop = relay.overhead
+        console.print(
+            f"Egress relay: a chat call {hop.relayed_ms:.2f} ms relayed vs "
+            f"{hop.direct_ms:.2f} ms direct (median of {hop.calls} each way), "
+            f"ratio {hop.ratio:.3f}"
+        )
+        replays = Table(
+            title="Restore by replay (answered from the record) vs the live run",
+            title_justify="left",
+        )
+        for column in ("turns", "live s", "replay s", "ratio", "state bytes"):
+            replays.add_column(column, justify="right")
+        for replay in relay.replay:
+            replays.add_row(
+                str(replay.turns),
+                f"{replay.live_s:.3f}",
+                f"{replay.replay_s:.4f}",
+                f"{replay.ratio:.3f}",
+                str(replay.state_bytes),
+            )
+        console.print(replays)
 
     targets = Table(title="Targets (must-have, aim)", title_justify="left")
     for column in ("figure", "value", "must", "aim", "met"):

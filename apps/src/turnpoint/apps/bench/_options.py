@@ -11,6 +11,9 @@ FULL_SIZES: Final = (1, 8, 64, 256)
 QUICK_SIZES: Final = (1, 8, 64)
 SANDBOX_MB: Final = (10, 100)
 QUICK_SANDBOX_MB: Final = (10,)
+RELAY_CALLS: Final = 200
+QUICK_RELAY_CALLS: Final = 40
+REPLAY_TURNS: Final = (5, 20, 50)
 TMPFS: Final = Path("/dev/shm")
 """Where the control path's snapshot roots go by default (Linux shared memory, tmpfs)."""
 DURABLE_SIZE: Final = 64
@@ -54,6 +57,8 @@ class BenchOptions:
     afterwards); None, or a directory that does not exist: under ``root`` instead, and
     the report says so. ``bookkeeping_episodes`` in-process episodes time the SDK.
     ``sandbox_mb``: the sizes of the sandboxes whose snapshots are timed.
+    ``relay_calls``: chat calls each way of the egress relay's overhead figure;
+    ``replay_turns``: the episode lengths whose restore by replay is timed.
     """
 
     sizes: tuple[int, ...] = FULL_SIZES
@@ -65,6 +70,8 @@ class BenchOptions:
     tmpfs: Path | None = TMPFS
     bookkeeping_episodes: int = 3000
     sandbox_mb: tuple[int, ...] = SANDBOX_MB
+    relay_calls: int = RELAY_CALLS
+    replay_turns: tuple[int, ...] = REPLAY_TURNS
 
     @property
     def durable_size(self) -> int:
@@ -84,6 +91,10 @@ class BenchOptions:
             raise ValueError("bookkeeping_episodes must be >= 1")
         if not self.sandbox_mb or any(n < 1 for n in self.sandbox_mb):
             raise ValueError("sandbox sizes must be megabytes >= 1")
+        if self.relay_calls < 1:
+            raise ValueError("relay_calls must be >= 1")
+        if not self.replay_turns or any(n < 1 for n in self.replay_turns):
+            raise ValueError("replay episode lengths must be turns >= 1")
         workload = self.workload
         for name in ("agents", "steps", "group_size", "groups_per_step", "repeats"):
             if getattr(workload, name) < 1:

@@ -10,6 +10,12 @@ Every call names its episode in the ``X-Turnpoint-Rollout`` and ``X-Turnpoint-At
 headers and goes through the participant's admission: held while a snapshot is open.
 A :class:`ChatTemplate` turns :class:`ChatMessage` s into prompt tokens and tokens into
 text; it raises :class:`TemplateError` for text its model cannot read.
+
+:class:`EgressRelay` (configured by :class:`RelayOptions`) is the only route from an
+untrusted harness to that endpoint: per-episode credentials, every call recorded with its
+disposition, held while a snapshot is open, replayed after a restore (section 12.7).
+:class:`OpaqueAgent` is the participant that runs one harness process per episode behind
+it, each completed model call a turn boundary.
 """
 
 from turnpoint.server.openai_api._chat import (
@@ -20,6 +26,8 @@ from turnpoint.server.openai_api._chat import (
     TemplateError,
 )
 from turnpoint.server.openai_api._endpoint import ChatEndpoint, EndpointOptions
+from turnpoint.server.openai_api._opaque_agent import HarnessFailedError, OpaqueAgent
+from turnpoint.server.openai_api._relay import EgressRelay, RelayError, RelayOptions
 
 __all__ = [
     "ATTEMPT_HEADER",
@@ -27,6 +35,11 @@ __all__ = [
     "ChatEndpoint",
     "ChatMessage",
     "ChatTemplate",
+    "EgressRelay",
     "EndpointOptions",
+    "HarnessFailedError",
+    "OpaqueAgent",
+    "RelayError",
+    "RelayOptions",
     "TemplateError",
 ]

@@ -111,7 +111,7 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 @web.middleware
-async def _openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+async def openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every failure answers an OpenAI-shaped error, never a traceback."""
     try:
         return await handler(request)
@@ -162,7 +162,7 @@ class ChatEndpoint:
 
     def app(self) -> web.Application:
         app = web.Application(
-            middlewares=[_openai_errors], client_max_size=self._options.max_body_bytes
+            middlewares=[openai_errors], client_max_size=self._options.max_body_bytes
         )
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)

@@ -1,0 +1,213 @@
+"""The opaque agent through its crash (docs/spec.md section 12.8): a real harness process
+(the example ReAct script, the real ``openai`` package) behind the egress relay, the real
+policy endpoint in front of the example policy, the agent participant served over gRPC.
+
+The agent participant is snapshotted after a completed turn and killed (its runtime shut
+down, its harness process tree killed, its relay gone); a fresh participant restores the
+snapshot and runs the next attempt: its fresh harness is answered from the record until
+the cut, then goes live, and the final transcript is the uninterrupted run's. The
+policy holds the call after the cut until the test lets it go, so the cut is exactly
+where the test says; waits are bounded polls on counters, never sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+from tests.support.participants import TOKEN
+from tests.support.scripted import ckpt, host_scripted, poll, restore_id, wire_to
+from turnpoint.apps.examples import react_harness
+from turnpoint.apps.examples._participants import TinyPolicyServer, new_policy
+from turnpoint.apps.examples.chat_template import MODEL_NAME, GuessChatTemplate
+from turnpoint.convert import struct_to_dict
+from turnpoint.ids import EpisodeId
+from turnpoint.participant_sdk import (
+    GenerateChunk,
+    GenerateRequest,
+    ParticipantRuntime,
+    SnapshotStore,
+)
+from turnpoint.server import ServerOptions, host_participant
+from turnpoint.server.openai_api import (
+    ChatEndpoint,
+    EgressRelay,
+    EndpointOptions,
+    OpaqueAgent,
+    RelayOptions,
+)
+from turnpoint.v1 import types_pb2
+
+API_KEY = "sk-policy-endpoint"
+TASK = {"low": 2, "high": 9, "target": 8, "max_turns": 3, "seed": 3, "max_tokens": 3}
+HARNESS = [sys.executable, react_harness.__file__]
+
+
+class GatedPolicy(TinyPolicyServer):
+    """The example policy, counting generations; from ``hold_at`` on, each waits for
+    ``gate``: the call after the cut stays in flight while the test snapshots."""
+
+    def __init__(self) -> None:
+        super().__init__(new_policy(0))
+        self.started = 0
+        self.hold_at: int | None = None
+        self.gate = asyncio.Event()
+
+    async def generate(
+        self, episode: EpisodeId, request: GenerateRequest
+    ) -> AsyncGenerator[GenerateChunk, None]:
+        self.started += 1
+        if self.hold_at is not None and self.started >= self.hold_at:
+            await self.gate.wait()
+        async for chunk in super().generate(episode, request):
+            yield chunk
+
+
+@asynccontextmanager
+async def policy_endpoint(root: Path, policy: GatedPolicy) -> AsyncIterator[ChatEndpoint]:
+    runtime = ParticipantRuntime("policy", SnapshotStore(root), model=policy)
+    hosted = host_participant(runtime, ServerOptions(port=0, token=TOKEN))
+    await hosted.start()
+    options = EndpointOptions(model=MODEL_NAME, api_key=API_KEY, max_tokens=8)
+    try:
+        async with ChatEndpoint(runtime, GuessChatTemplate(), options) as endpoint:
+            yield endpoint
+    finally:
+        await hosted.stop(0)
+
+
+@asynccontextmanager
+async def opaque_agent(
+    endpoint: ChatEndpoint, env: Mapping[str, str] | None = None
+) -> AsyncIterator[OpaqueAgent]:
+    options = RelayOptions(endpoint.base_url, MODEL_NAME, upstream_api_key=API_KEY)
+    async with EgressRelay(options) as relay:
+        yield OpaqueAgent(relay, HARNESS, model=MODEL_NAME, env=env)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+async def run_through(root: Path, endpoint: ChatEndpoint, episode: EpisodeId) -> dict[str, Any]:
+    async with (
+        opaque_agent(endpoint) as agent,
+        host_scripted(root, agent=agent) as hosted,
+        wire_to(hosted, "unary") as wire,
+    ):
+        result = await wire.run(episode, TASK).done()
+    return struct_to_dict(result.result)
+
+
+def assistant_turns(result: Mapping[str, Any]) -> int:
+    return sum(1 for m in result["transcript"]["messages"] if m["role"] == "assistant")
+
+
+async def test_killed_after_every_turn_in_turn_it_ends_as_the_uninterrupted_run(
+    tmp_path: Path,
+) -> None:
+    policy = GatedPolicy()
+    async with policy_endpoint(tmp_path / "policy", policy) as endpoint:
+        whole = await run_through(tmp_path / "whole", endpoint, EpisodeId("whole-run", 0))
+        calls = assistant_turns(whole)
+        assert calls >= 3, whole  # long enough to cut after more than one turn
+        assert whole["replayed"] == 0 and whole["forwarded"] == calls
+
+        root = tmp_path / "agent"
+        episode = EpisodeId("crash-run", 0)
+        committed = None
+        for cut in range(1, calls):
+            # The call after the cut is held by the policy: the snapshot is at ``cut``.
+            hold_at = policy.started + 2
+            policy.hold_at = hold_at
+            policy.gate = asyncio.Event()
+            async with (
+                opaque_agent(endpoint) as agent,
+                host_scripted(root, agent=agent) as hosted,
+                wire_to(hosted, "unary") as wire,
+            ):
+                if committed is not None:
+                    await restore(wire, cut - 1, committed, episode)
+                    episode = episode.next_attempt()
+                run = wire.run(episode, TASK)
+                await poll(lambda at=hold_at: policy.started >= at)
+                prepared = await wire.prepare(ckpt(cut), lease_s=60)
+                assert prepared.phase == types_pb2.PHASE_PREPARED, prepared
+                committed = await wire.commit(ckpt(cut), f"snap-{cut}", [episode])
+                await wire.resume(ckpt(cut))
+                old_harness = agent.harness_pids[-1]
+                assert alive(old_harness)
+            # The participant is gone: its harness process tree was killed with it.
+            assert not alive(old_harness) and run.result is None
+            policy.gate.set()  # the held call ends for nobody: its client went away
+
+        policy.hold_at = None
+        assert committed is not None
+        async with (
+            opaque_agent(endpoint) as agent,
+            host_scripted(root, agent=agent) as hosted,
+            wire_to(hosted, "unary") as wire,
+        ):
+            await restore(wire, calls - 1, committed, episode)
+            result = await wire.run(episode.next_attempt(), TASK).done()
+        continued = struct_to_dict(result.result)
+
+    assert continued["transcript"] == whole["transcript"]
+    assert continued["turns"] == whole["turns"] == calls
+    # The cut's calls answered from the record, the one after it forwarded once.
+    assert continued["replayed"] == calls - 1
+    assert continued["forwarded"] == 1
+    assert continued["reruns"] == []
+
+
+async def restore(wire: Any, n: int, committed: Any, episode: EpisodeId) -> None:
+    restored = await wire.restore(restore_id(n), f"snap-{n}", committed, [episode])
+    assert len(restored.installed) == 1
+    await wire.resume(restore_id(n))
+
+
+async def test_a_restored_harness_that_diverges_is_stopped_and_the_episode_reruns_from_its_prompt(
+    tmp_path: Path,
+) -> None:
+    policy = GatedPolicy()
+    root = tmp_path / "agent"
+    episode = EpisodeId("drift-run", 0)
+    async with policy_endpoint(tmp_path / "policy", policy) as endpoint:
+        policy.hold_at = 2  # the first call completes, the second is in flight at the cut
+        async with (
+            opaque_agent(endpoint) as agent,
+            host_scripted(root, agent=agent) as hosted,
+            wire_to(hosted, "unary") as wire,
+        ):
+            wire.run(episode, TASK)
+            await poll(lambda: policy.started >= 2)
+            assert (await wire.prepare(ckpt(1), lease_s=60)).phase == types_pb2.PHASE_PREPARED
+            committed = await wire.commit(ckpt(1), "snap-1", [episode])
+            await wire.resume(ckpt(1))
+        policy.gate.set()
+        policy.hold_at = None
+        # Retuned between the crash and the restore, the harness asks otherwise.
+        async with (
+            opaque_agent(endpoint, {"HARNESS_TEMPERATURE": "0.5"}) as agent,
+            host_scripted(root, agent=agent) as hosted,
+            wire_to(hosted, "unary") as wire,
+        ):
+            await restore(wire, 1, committed, episode)
+            result = await wire.run(episode.next_attempt(), TASK).done()
+        continued = struct_to_dict(result.result)
+
+    assert [rerun["position"] for rerun in continued["reruns"]] == [0]
+    assert "call 0" in continued["reruns"][0]["reason"]
+    # Rerun from its prompt: nothing answered from the record, every call forwarded.
+    assert continued["replayed"] == 0
+    assert continued["forwarded"] == assistant_turns(continued) == continued["turns"] - 1
+    assert len(agent.harness_pids) == 2 and not any(map(alive, agent.harness_pids))
