@@ -103,6 +103,27 @@ async def test_a_restored_session_is_its_sandbox_at_the_cut_and_a_resent_call_ru
     finally:
         await second.aclose()
 
+    # Both crash again before another checkpoint: the same cut is restored again, under
+    # the same attempt, into a sandbox the last process had restored.
+    third = CodingTools.on_disk(sandboxes)
+    try:
+        async with (
+            host_scripted(root, instance="coding-0", resources=third) as served,
+            wire_to(served, "unary") as wire,
+        ):
+            restored = await wire.restore(restore_id(2), "snap-1", committed, [EP])
+            assert len(restored.installed) == 1
+            await wire.resume(restore_id(2))
+            client = ResourcesClient(served.address, token=TOKEN)
+            try:
+                look = {"argv": ["cat", "effects.log"]}
+                again = await client.call(continued, "run", look, request_id=_key(3))
+                assert again["stdout"] == "ran\n", again
+            finally:
+                await client.aclose()
+    finally:
+        await third.aclose()
+
 
 async def test_a_session_closed_after_the_cut_is_restored_from_its_snapshot(
     tmp_path: Path,

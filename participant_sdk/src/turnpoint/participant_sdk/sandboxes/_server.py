@@ -250,6 +250,12 @@ class SandboxResourcesServer(ResourcesServer):
         handle = restoring.handle
         if restoring.store != provider.location:
             raise SnapshotElsewhereError(handle.snapshot_id, restoring.store, provider.location)
+        if handle.sandbox_id not in self._owners:
+            # Left by an earlier process (which may have restored it under this very
+            # attempt: a second crash restores the same cut again). No session here
+            # holds it, so it is replaced, not a restore repeated.
+            with contextlib.suppress(SandboxNotFoundError):
+                await provider.destroy(handle.sandbox_id)
         (restored,) = await provider.restore([handle], attempt=episode.attempt)
         self._sessions[episode] = SandboxSession(episode, restored.sandbox, dict(restoring.data))
         self._owners[handle.sandbox_id] = episode
