@@ -25,6 +25,7 @@ from turnpoint.participant_sdk.sandboxes import (
     LocalSandboxProvider,
     Sandbox,
     SandboxFencedError,
+    SandboxNotFoundError,
 )
 from turnpoint.server import ResourcesClient
 from turnpoint.v1 import types_pb2
@@ -226,3 +227,40 @@ async def test_turnpoint_serve_hosts_the_coding_environment_and_its_verifier_run
         await served.stop(0)
     assert rewards == {"add": 1.0, "maximum": 0.0}
     assert (tmp_path / "snapshots" / "sandboxes" / "coding" / "state.json").exists()
+
+
+async def test_a_participant_configured_with_another_sandbox_root_refuses_the_restore(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "snapshots"
+    first = CodingTools.on_disk(tmp_path / "sandboxes")
+    try:
+        async with (
+            host_scripted(root, instance="coding-0", resources=first) as served,
+            wire_to(served, "unary") as wire,
+        ):
+            client = ResourcesClient(served.address, token=TOKEN)
+            try:
+                await client.seed(EP, {"task": "add"})
+            finally:
+                await client.aclose()
+            assert (await wire.prepare(ckpt(1), lease_s=60)).phase == types_pb2.PHASE_PREPARED
+            committed = await wire.commit(ckpt(1), "snap-1", [EP])
+    finally:
+        await first.aclose()
+
+    elsewhere = CodingTools.on_disk(tmp_path / "other-sandboxes")
+    try:
+        async with (
+            host_scripted(root, instance="coding-0", resources=elsewhere) as served,
+            wire_to(served, "unary") as wire,
+        ):
+            with pytest.raises(TurnpointError) as refused:
+                await wire.restore(restore_id(1), "snap-1", committed, [EP])
+            assert refused.value.reason is Reason.INVALID_CHECKPOINT_STATE
+            assert refused.value.metadata["store"] == str(tmp_path / "sandboxes")
+            provider = await elsewhere.provider()
+            with pytest.raises(SandboxNotFoundError):
+                await provider.destroy(EP.rollout_id)  # nothing was made here
+    finally:
+        await elsewhere.aclose()
