@@ -156,6 +156,48 @@ async def test_a_session_closed_after_the_cut_is_restored_from_its_snapshot(
     assert verdict.reward == 1.0 and verdict.details["task"] == "maximum"
 
 
+async def test_by_default_a_prepare_waits_for_the_command_in_flight(tmp_path: Path) -> None:
+    sandboxes = tmp_path / "sandboxes"
+    tools = CodingTools.on_disk(sandboxes)
+    try:
+        async with (
+            host_scripted(tmp_path / "snapshots", instance="coding-0", resources=tools) as served,
+            wire_to(served, "unary") as wire,
+        ):
+            client = ResourcesClient(served.address, token=TOKEN)
+            try:
+                await client.seed(EP, {"task": "add"})
+                # The command ends once the test drops a file into its tree.
+                script = (
+                    "echo started > log; until [ -e go ]; do sleep 0.02; done; echo done >> log"
+                )
+                running = asyncio.create_task(
+                    client.call(EP, "run", {"argv": ["sh", "-c", script]}, request_id=_key(0))
+                )
+                tree = sandboxes / "sandboxes" / EP.rollout_id
+                await poll(lambda: any(tree.glob("g1-*/log")))
+                waiting = await wire.prepare(ckpt(1), lease_s=60, max_blockers=1, timeout_s=0.5)
+                assert waiting.phase == types_pb2.PHASE_PREPARING
+                [blocker] = waiting.readiness.blockers
+                assert blocker.state == types_pb2.EPISODE_STATE_REQUEST_IN_FLIGHT
+                provider = await tools.provider()
+                await provider.write_file(Sandbox(EP.rollout_id, 1), "go", b"")
+                assert (await bounded(running))["exit_code"] == 0
+                prepared = await wire.prepare(ckpt(1), lease_s=60)
+                assert prepared.phase == types_pb2.PHASE_PREPARED, prepared
+                committed = await wire.commit(ckpt(1), "snap-1", [EP])
+                await wire.resume(ckpt(1))
+                await wire.restore_running(restore_id(1), "snap-1", committed, [EP])
+                await wire.resume(restore_id(1))
+                # The snapshot holds the whole command's work.
+                log = await provider.read_file(Sandbox(EP.rollout_id, 2), "log")
+                assert log == b"started\ndone\n"
+            finally:
+                await client.aclose()
+    finally:
+        await tools.aclose()
+
+
 async def test_a_cut_level_kills_the_command_in_flight_and_the_snapshot_holds_what_it_did(
     tmp_path: Path,
 ) -> None:
