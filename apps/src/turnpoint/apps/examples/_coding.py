@@ -12,19 +12,37 @@ inside the sandbox. Tools:
 
 Commands run with ``-B`` where they are Python, so a run or a verify leaves no bytecode
 in the tree: the tree changes only by what the agent does.
+
+Every tool call may name its ``turn`` (the number of calls the session had applied before
+it), as in the other exported environments (:mod:`._environments`): at a cut the
+resources server may be one call ahead of the agent, so a continued attempt may send the
+last call again, possibly with other arguments. Before each call the sandbox is
+snapshotted; a call naming the turn before the current one first rewinds the sandbox to
+that snapshot, so it is never applied on top of itself.
+
+For the demo's audit the server logs (to its verifier log) every tool execution, the
+executions each session had applied when it was scored, and for every restored session
+the tree digest its snapshot recorded at the cut beside the digest of the tree the
+restore made.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import os
+import secrets
+import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Final
 
+from turnpoint.apps.examples._environments import call_turn
 from turnpoint.apps.examples._participants import VerifierLog
 from turnpoint.errors import Reason
+from turnpoint.ids import EpisodeId
 from turnpoint.participant_sdk import ParticipantError, Verdict, VerifyMode
 from turnpoint.participant_sdk.sandboxes import (
     CommandCutError,
@@ -34,6 +52,8 @@ from turnpoint.participant_sdk.sandboxes import (
     SandboxProvider,
     SandboxResourcesServer,
     SandboxSession,
+    SavedSession,
+    SnapshotHandle,
 )
 
 CODING: Final = "coding"
@@ -43,6 +63,8 @@ COMMAND_SECONDS: Final = 20.0
 _MAX_ARGS: Final = 64
 _MAX_FILE_BYTES: Final = 64 << 10
 _REPLY_CHARS: Final = 4000
+_DATA_FIELDS: Final = frozenset({"task", "turn", "before", "executions"})
+TOOLS: Final = ("write_file", "run", "run_tests")
 
 
 @dataclass(frozen=True)
@@ -137,6 +159,8 @@ class CodingTools(SandboxResourcesServer):
     ) -> None:
         super().__init__(open_provider, in_flight=in_flight)
         self.name, self.log = name, log or VerifierLog(None)
+        self._execution_ids = f"{name}-{os.getpid()}-{secrets.token_hex(3)}"
+        self._executions = 0
 
     @classmethod
     def on_disk(
@@ -146,8 +170,12 @@ class CodingTools(SandboxResourcesServer):
         return cls(lambda: LocalSandboxProvider.open(sandbox_root), name, log)
 
     def check_data(self, data: Mapping[str, Any]) -> None:
-        if set(data) != {"task"} or data["task"] not in _BY_NAME:
-            raise ValueError("a coding session's data names one known task")
+        if set(data) != _DATA_FIELDS or data["task"] not in _BY_NAME:
+            raise ValueError(f"a coding session's data holds exactly {sorted(_DATA_FIELDS)}")
+        if not isinstance(data["turn"], int) or not isinstance(data["executions"], list):
+            raise ValueError("a coding session's turn is an integer, its executions a list")
+        if data["before"] is not None:
+            SnapshotHandle.from_json(data["before"])
 
     async def set_up(self, session: SandboxSession, task: Mapping[str, Any]) -> None:
         with _bad_input("task"):
@@ -155,51 +183,59 @@ class CodingTools(SandboxResourcesServer):
         provider = await self.provider()
         await provider.write_file(session.sandbox, SOLUTION, chosen.source.encode())
         await provider.write_file(session.sandbox, CHECK, chosen.check.encode())
-        session.data["task"] = chosen.name
+        session.data.update(task=chosen.name, turn=0, before=None, executions=[])
 
     async def tool(
         self, session: SandboxSession, tool: str, arguments: Mapping[str, Any]
     ) -> Mapping[str, Any]:
+        data = session.data
+        with _bad_input("arguments"):
+            if tool not in TOOLS:
+                raise ValueError(f"no tool {tool!r}; tools: {', '.join(TOOLS)}")
+            argv = _argv(arguments) if tool == "run" else []
+            written = _written(arguments) if tool == "write_file" else ("", b"")
+            turn = call_turn(arguments, data["turn"])
+            if turn != data["turn"] and data["before"] is None:
+                raise ValueError("no earlier tree to answer the last call from")
+        if turn != data["turn"]:
+            # The last call again (a continued attempt): from the tree before it.
+            await self.rewind(session, SnapshotHandle.from_json(data["before"]))
+            data["executions"] = data["executions"][:-1]
+        data["before"] = (await self.checkpoint(session)).to_json()
+        data["turn"] = turn + 1
+        reply = await self._apply(session, tool, argv, written)
+        self._executions += 1
+        execution = f"{self._execution_ids}-{self._executions}"
+        data["executions"] = [*data["executions"], execution]
+        await asyncio.to_thread(
+            self.log.write,
+            tools=self.name,
+            execution=execution,
+            rollout_id=session.episode.rollout_id,
+            attempt=session.episode.attempt,
+            turn=turn,
+            reply=json.dumps(reply, sort_keys=True),
+            t=time.time(),
+        )
+        return reply
+
+    async def _apply(
+        self, session: SandboxSession, tool: str, argv: list[str], written: tuple[str, bytes]
+    ) -> Mapping[str, Any]:
         try:
             if tool == "write_file":
-                return await self._write_file(session, arguments)
+                path, content = written
+                await (await self.provider()).write_file(session.sandbox, path, content)
+                return {"written": path, "bytes": len(content)}
             if tool == "run":
-                with _bad_input("argv"):
-                    argv = arguments["argv"]
-                    if (
-                        not isinstance(argv, list)
-                        or not 0 < len(argv) <= _MAX_ARGS
-                        or not all(isinstance(a, str) for a in argv)
-                    ):
-                        raise ValueError(f"argv must be 1 to {_MAX_ARGS} strings")
                 return _ran(await self.run(session, argv, timeout_seconds=COMMAND_SECONDS))
-            if tool == "run_tests":
-                result = await self.run(
-                    session, ["python3", "-B", CHECK], timeout_seconds=COMMAND_SECONDS
-                )
-                return {"passed": result.exit_code == 0, **_ran(result)}
+            result = await self.run(
+                session, ["python3", "-B", CHECK], timeout_seconds=COMMAND_SECONDS
+            )
+            return {"passed": result.exit_code == 0, **_ran(result)}
         except CommandCutError:
             # InFlight.CUT: the checkpoint killed it; what it did is in the tree.
             return {"cut": True}
-        raise ParticipantError(
-            Reason.INVALID_ARGUMENT,
-            f"the coding environment has no tool {tool!r} (write_file, run, run_tests)",
-            {"tool": tool},
-        )
-
-    async def _write_file(
-        self, session: SandboxSession, arguments: Mapping[str, Any]
-    ) -> Mapping[str, Any]:
-        with _bad_input("write_file"):
-            path, content = arguments["path"], arguments["content"]
-            if not isinstance(path, str) or not isinstance(content, str):
-                raise ValueError("path and content must be strings")
-            data = content.encode("utf-8")
-            if len(data) > _MAX_FILE_BYTES:
-                raise ValueError(f"a file holds at most {_MAX_FILE_BYTES} bytes")
-        provider = await self.provider()
-        await provider.write_file(session.sandbox, path, data)
-        return {"written": path, "bytes": len(data)}
 
     async def score(self, session: SandboxSession, answer: Mapping[str, Any]) -> Verdict:
         chosen = _BY_NAME[session.data["task"]]
@@ -219,5 +255,44 @@ class CodingTools(SandboxResourcesServer):
             rollout_id=session.episode.rollout_id,
             attempt=session.episode.attempt,
             reward=verdict.reward,
+            executions=list(session.data["executions"]),
         )
         return verdict
+
+    async def restore_session(
+        self, saved: EpisodeId, episode: EpisodeId, state: Mapping[str, Any]
+    ) -> None:
+        await super().restore_session(saved, episode, state)
+        # The demo's sandbox audit: the tree the restore made, measured, against the
+        # digest its snapshot recorded at the cut.
+        restored = await self.checkpoint(self.session(episode))
+        await asyncio.to_thread(
+            self.log.write,
+            sandbox=restored.sandbox_id,
+            rollout_id=episode.rollout_id,
+            attempt=episode.attempt,
+            generation=restored.generation,
+            cut_digest=SavedSession.from_json(state).handle.tree_digest,
+            restored_digest=restored.tree_digest,
+        )
+
+
+def _argv(arguments: Mapping[str, Any]) -> list[str]:
+    argv = arguments["argv"]
+    if (
+        not isinstance(argv, list)
+        or not 0 < len(argv) <= _MAX_ARGS
+        or not all(isinstance(a, str) for a in argv)
+    ):
+        raise ValueError(f"argv must be 1 to {_MAX_ARGS} strings")
+    return argv
+
+
+def _written(arguments: Mapping[str, Any]) -> tuple[str, bytes]:
+    path, content = arguments["path"], arguments["content"]
+    if not isinstance(path, str) or not isinstance(content, str):
+        raise ValueError("path and content must be strings")
+    data = content.encode("utf-8")
+    if len(data) > _MAX_FILE_BYTES:
+        raise ValueError(f"a file holds at most {_MAX_FILE_BYTES} bytes")
+    return path, data

@@ -187,6 +187,26 @@ class SandboxResourcesServer(ResourcesServer):
         finally:
             self._commands.discard(command)
 
+    def session(self, episode: EpisodeId) -> SandboxSession:
+        """The episode's session (``KeyError`` if this server holds none)."""
+        return self._sessions[episode]
+
+    async def checkpoint(self, session: SandboxSession) -> SnapshotHandle:
+        """A snapshot of the session's sandbox now, kept as long as exported ones."""
+        provider = await self.provider()
+        return await provider.snapshot(session.sandbox, retention_seconds=self._retention_seconds)
+
+    async def rewind(self, session: SandboxSession, handle: SnapshotHandle) -> None:
+        """Bring the session's sandbox back to one of its own snapshots, as a new
+        generation (for a call that must be answered from the tree before it)."""
+        if handle.sandbox_id != session.sandbox.sandbox_id:
+            raise ValueError(f"{handle.snapshot_id} is not a snapshot of this session's sandbox")
+        provider = await self.provider()
+        await provider.destroy(handle.sandbox_id)
+        # Destroyed, the sandbox has no restore attempts left to count against.
+        (restored,) = await provider.restore([handle], attempt=max(session.episode.attempt, 1))
+        session.sandbox = restored.sandbox
+
     # ------------------------------------------------------------ ResourcesServer
 
     async def seed(self, episode: EpisodeId, task: Mapping[str, Any]) -> None:
@@ -233,9 +253,7 @@ class SandboxResourcesServer(ResourcesServer):
             session = self._sessions.get(episode)
             if session is None:
                 continue  # the host names what is missing
-            handle = await provider.snapshot(
-                session.sandbox, retention_seconds=self._retention_seconds
-            )
+            handle = await self.checkpoint(session)
             exported[episode] = SavedSession(provider.location, handle, session.data).to_json()
         return exported
 
