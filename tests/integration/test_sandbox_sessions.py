@@ -17,7 +17,8 @@ import pytest
 from tests.support.participants import TOKEN, host_example
 from tests.support.scripted import bounded, ckpt, host_scripted, poll, restore_id, wire_to
 from turnpoint.apps.examples._build import ExampleSpec
-from turnpoint.apps.examples._coding import TASKS, CodingTools
+from turnpoint.apps.examples._coding import CodingTools
+from turnpoint.apps.examples._coding_tasks import TASKS
 from turnpoint.errors import Reason, TurnpointError
 from turnpoint.ids import EpisodeId
 from turnpoint.participant_sdk._effects import CallPosition, effect_key

@@ -35,10 +35,10 @@ import os
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar, Final
 
+from turnpoint.apps.examples._coding_tasks import BY_NAME, CHECK, SOLUTION, task_of
 from turnpoint.apps.examples._environments import call_turn
 from turnpoint.apps.examples._participants import VerifierLog
 from turnpoint.errors import Reason
@@ -57,64 +57,12 @@ from turnpoint.participant_sdk.sandboxes import (
 )
 
 CODING: Final = "coding"
-SOLUTION: Final = "solution.py"
-CHECK: Final = "check.py"
 COMMAND_SECONDS: Final = 20.0
 _MAX_ARGS: Final = 64
 _MAX_FILE_BYTES: Final = 64 << 10
 _REPLY_CHARS: Final = 4000
 _DATA_FIELDS: Final = frozenset({"task", "turn", "before", "executions"})
 TOOLS: Final = ("write_file", "run", "run_tests")
-
-
-@dataclass(frozen=True)
-class CodingTask:
-    """A program with a bug, a visible check and the hidden test that scores it."""
-
-    name: str
-    source: str
-    check: str
-    hidden_test: str
-    fixed: str  # a correct solution: what a perfect agent writes
-
-
-TASKS: Final = (
-    CodingTask(
-        "add",
-        "def add(a, b):\n    return a - b\n",
-        "from solution import add\nassert add(1, 1) == 2, add(1, 1)\nprint('ok')\n",
-        "from solution import add\nassert add(2, 3) == 5\nassert add(-4, 4) == 0\n",
-        "def add(a, b):\n    return a + b\n",
-    ),
-    CodingTask(
-        "maximum",
-        "def maximum(xs):\n    best = 0\n    for x in xs:\n        if x > best:\n"
-        "            best = x\n    return best\n",
-        "from solution import maximum\nassert maximum([1, 3, 2]) == 3\nprint('ok')\n",
-        "from solution import maximum\nassert maximum([-3, -1, -2]) == -1\n"
-        "assert maximum([5]) == 5\n",
-        "def maximum(xs):\n    return max(xs)\n",
-    ),
-    CodingTask(
-        "reverse_words",
-        "def reverse_words(text):\n    return text[::-1]\n",
-        "from solution import reverse_words\nassert reverse_words('a') == 'a'\nprint('ok')\n",
-        "from solution import reverse_words\nassert reverse_words('ab cd') == 'cd ab'\n"
-        "assert reverse_words('one two three') == 'three two one'\n",
-        "def reverse_words(text):\n    return ' '.join(reversed(text.split(' ')))\n",
-    ),
-)
-_BY_NAME: Final = {task.name: task for task in TASKS}
-
-
-def task_of(task: Mapping[str, Any]) -> CodingTask:
-    """The task an episode's ``{"seed": n}`` (or ``{"task": name}``) names."""
-    if "task" in task:
-        return _BY_NAME[str(task["task"])]
-    seed = task["seed"]
-    if not isinstance(seed, int) or isinstance(seed, bool):
-        raise ValueError(f"seed must be an integer, got {seed!r}")
-    return TASKS[seed % len(TASKS)]
 
 
 @contextlib.contextmanager
@@ -170,7 +118,7 @@ class CodingTools(SandboxResourcesServer):
         return cls(lambda: LocalSandboxProvider.open(sandbox_root), name, log)
 
     def check_data(self, data: Mapping[str, Any]) -> None:
-        if set(data) != _DATA_FIELDS or data["task"] not in _BY_NAME:
+        if set(data) != _DATA_FIELDS or data["task"] not in BY_NAME:
             raise ValueError(f"a coding session's data holds exactly {sorted(_DATA_FIELDS)}")
         if not isinstance(data["turn"], int) or not isinstance(data["executions"], list):
             raise ValueError("a coding session's turn is an integer, its executions a list")
@@ -238,7 +186,7 @@ class CodingTools(SandboxResourcesServer):
             return {"cut": True}
 
     async def score(self, session: SandboxSession, answer: Mapping[str, Any]) -> Verdict:
-        chosen = _BY_NAME[session.data["task"]]
+        chosen = BY_NAME[session.data["task"]]
         result = await self.run(
             session,
             ["python3", "-B", "-"],
