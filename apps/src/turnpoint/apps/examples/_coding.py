@@ -136,6 +136,13 @@ class CodingTools(SandboxResourcesServer):
     async def tool(
         self, session: SandboxSession, tool: str, arguments: Mapping[str, Any]
     ) -> Mapping[str, Any]:
+        # One call at a time per session: each reads and moves its turn and tree.
+        async with session.lock:
+            return await self._tool(session, tool, arguments)
+
+    async def _tool(
+        self, session: SandboxSession, tool: str, arguments: Mapping[str, Any]
+    ) -> Mapping[str, Any]:
         data = session.data
         with _bad_input("arguments"):
             if tool not in TOOLS:

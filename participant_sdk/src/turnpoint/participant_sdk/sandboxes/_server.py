@@ -65,6 +65,8 @@ class SandboxSession:
     episode: EpisodeId
     sandbox: Sandbox
     data: dict[str, Any] = field(default_factory=dict)
+    # For a subclass whose calls must not interleave on one session (not exported).
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
