@@ -187,6 +187,11 @@ def test_each_environment_trains_through_its_crash_and_passes_the_audit(
     assert_restored_and_continued(run, run.only("kill")["checkpoint_id"])
     assert {event["environment"] for event in run.of("rollout")} == {environment}
     assert run.only("done", 2)["step"] == 8
+    # docs/spec.md section 6.12: the audit of effects covers these servers too; every
+    # trained rollout's tool calls were applied once, with the reply training took.
+    tools = [line for line in run.stdout.splitlines() if line.startswith("tool calls: ")]
+    assert len(tools) == 1 and ", each once; " in tools[0], run.stdout
+    assert int(tools[0].split()[2]) > 0 and "not audited" not in tools[0], tools[0]
 
 
 def test_coding_in_sandboxes_trains_through_its_crash_and_every_restored_tree_is_its_cut(

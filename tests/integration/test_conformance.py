@@ -62,7 +62,7 @@ RESOURCES_ONLY = {"exported-sessions", "effects"}
 
 
 async def _check(
-    address: str, *, only: tuple[str, ...] = (), fresh_target: str | None = None
+    address: str, *, only: tuple[str, ...] = (), restore_target: str | None = None
 ) -> ConformanceReport:
     options = ConformanceOptions(
         address,
@@ -70,7 +70,7 @@ async def _check(
         workload=Workload.from_mapping(WORKLOAD),
         lease_s=LEASE_S,
         only=only,
-        fresh_target=fresh_target,
+        restore_targets=() if restore_target is None else (restore_target,),
     )
     return await run_conformance(options)
 
@@ -132,7 +132,7 @@ async def test_the_effects_check_restores_into_a_fresh_process_and_catches_no_de
         )
 
     async with tools(tmp_path) as target, tools(tmp_path) as fresh:
-        report = await _check(target.address, only=("effects",), fresh_target=fresh.address)
+        report = await _check(target.address, only=("effects",), restore_target=fresh.address)
     result = report.result("effects")
     if runtime_class is ParticipantRuntime:
         assert result.outcome is Outcome.PASS, render_table(report)

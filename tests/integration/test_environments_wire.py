@@ -52,9 +52,16 @@ async def test_the_play_agent_plays_each_environment_to_its_verifier(
         assert result.outcome == rollout_service_pb2.RUN_OUTCOME_COMPLETED, result.error_message
         output = struct_to_dict(result.result)
         assert 1 <= len(output["turns"]) == len(output["prompts"]) <= 3
-        if environment != "counter":  # the guide's counter keeps no reward log
+        if environment != "counter":  # the guide's counter keeps no log
             logged = [json.loads(line) for line in log.read_text().splitlines()]
-            assert [(e["rollout_id"], e["reward"]) for e in logged] == [("r-1", output["reward"])]
+            verdicts = [e for e in logged if "verifier" in e]
+            assert [(e["rollout_id"], e["reward"]) for e in verdicts] == [("r-1", output["reward"])]
+            # Each turn's tool call ran once, and the agent kept the reply the tool gave.
+            executions = [e for e in logged if "execution" in e]
+            assert verdicts[0]["executions"] == [e["execution"] for e in executions]
+            assert [(e["turn"], e["reply"]) for e in executions] == [
+                (turn, step["reply"]) for turn, step in enumerate(output["turns"])
+            ]
     finally:
         await target.close()
         for hosted in (agent, tools, policy):

@@ -88,9 +88,9 @@ WORKLOADS: dict[str, dict[str, Any]] = {
 
 @contextlib.asynccontextmanager
 async def _pair(
-    root: Path, make: Callable[[], tuple[ResourcesServer, ResourcesServer]]
-) -> AsyncIterator[tuple[str, str]]:
-    """The target and a fresh restore target: one instance name, one snapshot root."""
+    root: Path, make: Callable[[], tuple[ResourcesServer, ...]]
+) -> AsyncIterator[tuple[str, ...]]:
+    """The target and its fresh restore targets: one instance name, one snapshot root."""
     servers = make()
     hosted = [
         host_participant(
@@ -102,14 +102,14 @@ async def _pair(
     for each in hosted:
         await each.start()
     try:
-        yield hosted[0].address, hosted[1].address
+        yield tuple(each.address for each in hosted)
     finally:
         for each in hosted:
             await each.stop(0)
 
 
 async def _equivalence(
-    root: Path, workload: str, make: Callable[[], tuple[ResourcesServer, ResourcesServer]]
+    root: Path, workload: str, make: Callable[[], tuple[ResourcesServer, ...]]
 ) -> ConformanceReport:
     async with _pair(root, make) as (target, fresh):
         options = ConformanceOptions(
@@ -117,7 +117,7 @@ async def _equivalence(
             TOKEN,
             workload=Workload.from_mapping(WORKLOADS[workload]),
             only=("equivalence",),
-            restore_target=fresh,
+            restore_targets=(fresh,),
             snapshot_root=root,
         )
         return await run_conformance(options)
@@ -215,7 +215,7 @@ async def test_the_kit_fails_the_hollow_exported_server_with_a_plain_workload(
             TOKEN,
             workload=Workload.from_mapping(plain),
             only=("exported-sessions", "equivalence"),
-            restore_target=fresh,
+            restore_targets=(fresh,),
         )
         report = await run_conformance(options)
     assert report.failed() == ["exported-sessions", "equivalence"], render_table(report)
@@ -230,7 +230,7 @@ async def test_an_honest_exported_server_passes_with_a_plain_workload(tmp_path: 
             TOKEN,
             workload=Workload.from_mapping(plain),
             only=("exported-sessions", "equivalence"),
-            restore_target=fresh,
+            restore_targets=(fresh,),
         )
         report = await run_conformance(options)
     assert report.failed() == [], render_table(report)
@@ -255,6 +255,40 @@ async def _command(*args: str) -> tuple[int, str, str]:
             await process.wait()
     assert process.returncode is not None
     return process.returncode, stdout.decode(), stderr.decode()
+
+
+async def test_each_check_that_restores_takes_a_restore_target_of_its_own(
+    tmp_path: Path,
+) -> None:
+    """A participant takes one restore (section 4.10): of the fresh processes given with
+    --restore-target, the equivalence check takes the first and the effects check the
+    next; given one only, the effects check says where it went instead of failing."""
+
+    def guess_tools(count: int) -> Callable[[], tuple[ResourcesServer, ...]]:
+        return lambda: tuple(GuessTools("tools") for _ in range(count))
+
+    async def both(root: Path, target: str, *fresh: str) -> ConformanceReport:
+        options = ConformanceOptions(
+            target,
+            TOKEN,
+            workload=Workload.from_mapping(WORKLOADS["guess"]),
+            only=("effects", "equivalence"),
+            restore_targets=fresh,
+        )
+        return await run_conformance(options)
+
+    async with _pair(tmp_path / "two", guess_tools(3)) as (target, *fresh):
+        report = await both(tmp_path / "two", target, *fresh)
+    assert report.result("equivalence").outcome is Outcome.PASS, render_table(report)
+    assert report.result("effects").outcome is Outcome.PASS, render_table(report)
+    assert "re-sent by the next attempt after a restore" in report.result("effects").detail
+
+    async with _pair(tmp_path / "one", guess_tools(2)) as (target, fresh_one):
+        report = await both(tmp_path / "one", target, fresh_one)
+    assert report.result("equivalence").outcome is Outcome.PASS, render_table(report)
+    effects = report.result("effects")
+    assert effects.outcome is Outcome.PASS, render_table(report)
+    assert "went to another check that restores" in effects.detail, effects.detail
 
 
 async def test_the_command_runs_the_equivalence_check(tmp_path: Path) -> None:

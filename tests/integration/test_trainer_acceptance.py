@@ -746,11 +746,13 @@ async def test_a_half_finished_group_scored_group_restores_at_each_level(
         control, agents = addresses_of(topology)
         async with trainer_for(tmp_path, control, agents) as trainer:
             # Two of three siblings: each verify waits for the third, so both are in
-            # flight at the cut, each past its first boundary.
+            # flight at the cut, each past its first turn. Not merely past its first
+            # boundary: the agent seeds its session on group-tools after boundary 0, so
+            # a cut there may come before the session exists (nothing to export).
             first = trainer.client.dispatch(group_sibling(0))
             second = trainer.client.dispatch(group_sibling(1))
-            await parked_at(trainer, first, 1)
-            await parked_at(trainer, second, 1)
+            await parked_at(trainer, first, 2)
+            await parked_at(trainer, second, 2)
             report = await trainer.driver.take()
             assert report.outcome is SnapshotOutcome.PUBLISHED, report.detail
 

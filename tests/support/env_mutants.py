@@ -36,6 +36,7 @@ class ReseededBlackjack(BlackjackTools):
         return {e: {**state, "seed": self.seeds[e]} for e, state in states.items()}
 
     def validate_session(self, episode: EpisodeId, state: Mapping[str, Any]) -> None:
+        int(state["seed"])  # its own field too: a state cut short is refused, not half-installed
         super().validate_session(episode, {k: v for k, v in state.items() if k != "seed"})
 
     async def restore_session(

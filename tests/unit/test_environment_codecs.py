@@ -8,6 +8,7 @@ installed. The sessions' export/restore is checked through the servers' own hook
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import random
 import sqlite3
@@ -22,6 +23,8 @@ from hypothesis import strategies as st
 
 from turnpoint.apps.examples._blackjack import BlackjackStateError, Hand, export_rng, import_rng
 from turnpoint.apps.examples._environments import BlackjackTools, WorkplaceTools
+from turnpoint.apps.examples._participants import VerifierLog
+from turnpoint.apps.examples._plays import reply_text
 from turnpoint.apps.examples._workplace import (
     WorkplaceStateError,
     decode_cell,
@@ -275,16 +278,48 @@ def test_truncated_session_state_is_refused_before_install(server: Any, task: An
     _run(scenario())
 
 
-def test_a_repeated_last_call_is_answered_from_the_state_before_it() -> None:
+@pytest.mark.parametrize(
+    ("server", "task", "calls"),
+    [
+        (BlackjackTools, {"seed": 4}, [("look", {}), ("hit", {"turn": 0}), ("stand", {"turn": 1})]),
+        (
+            WorkplaceTools,
+            {"seed": 1},
+            [
+                ("find_customer", {"name": "ada"}),
+                ("send_email", {"recipient": "ada", "subject": "hi", "turn": 0}),
+                ("schedule", {"title": "t", "day": 1, "hour": 10, "attendee": "ada", "turn": 1}),
+            ],
+        ),
+    ],
+    ids=["blackjack", "workplace"],
+)
+def test_each_change_is_one_logged_execution_the_restored_session_keeps(
+    tmp_path: Any, server: Any, task: Any, calls: list[tuple[str, dict[str, Any]]]
+) -> None:
+    """The demo's audit of effects: a tool that changes the session logs one execution
+    (its turn, its reply) and the session names the ones it applied, through a restore
+    and in its verifier line. Reads are not executions."""
+
     async def scenario() -> None:
-        episode = EpisodeId("r", 0)
-        tools = BlackjackTools()
-        await tools.seed(episode, {"seed": 4})
-        first = await tools.call(episode, "hit", {"turn": 0})
-        again = await tools.call(episode, "hit", {"turn": 0})
-        assert first == again
-        with pytest.raises(ParticipantError):
-            await tools.call(episode, "hit", {"turn": 5})
+        saved = EpisodeId("r", 0)
+        log = tmp_path / "tools.jsonl"
+        first = server("tools", VerifierLog(log, fsync=False))
+        await first.seed(saved, task)
+        replies = [await first.call(saved, tool, args) for tool, args in calls]
+        lines = [json.loads(line) for line in log.read_text().splitlines()]
+        assert [(e["turn"], e["reply"]) for e in lines] == [
+            (0, reply_text(replies[1])),
+            (1, reply_text(replies[2])),
+        ]
+        state = (await first.export_sessions([saved]))[saved]
+        assert state["executions"] == [e["execution"] for e in lines]
+        second = server("tools", VerifierLog(log, fsync=False))
+        second.validate_session(saved.next_attempt(), state)
+        await second.restore_session(saved, saved.next_attempt(), state)
+        await second.verify(saved.next_attempt(), {})
+        verdict = json.loads(log.read_text().splitlines()[-1])
+        assert verdict["attempt"] == 1 and verdict["executions"] == state["executions"]
 
     _run(scenario())
 

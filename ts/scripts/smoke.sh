@@ -58,10 +58,14 @@ status=0
 start tools node dist/examples/guess-resources.js --instance tools --root "$work/snapshots" \
   --verifier-log "$work/verifier-tools.jsonl"
 tools=$address
-# A second, fresh process of it on the same root: the effects check restores the
-# session it recorded there and re-sends the call (docs/spec.md section 6.12).
+# Fresh processes of it on the same root, one per check that restores (a participant
+# takes one restore): the first goes to the equivalence check, the second to the effects
+# check, which restores the session it recorded there and re-sends the call
+# (docs/spec.md sections 5.6 and 6.12).
+start tools-restored node dist/examples/guess-resources.js --instance tools --root "$work/snapshots"
+restored=$address
 start tools-effects node dist/examples/guess-resources.js --instance tools --root "$work/snapshots"
-check "resources server" "$tools" --fresh-target "$address" || status=1
+check "resources server" "$tools" --restore-target "$restored" --restore-target "$address" || status=1
 
 # The equivalence check (docs/spec.md section 5.6): a second, fresh resources server of
 # the same instance over the same snapshot root takes the restores.

@@ -41,6 +41,10 @@ const MAX_SESSION_INFLIGHT = 256;
 // and lists no capability in Describe, so a coordinator restores it only when fresh.
 type Operation = Exclude<pb.ControlSessionRequest["operation"]["case"], "cancel" | "restoreRunning" | undefined>;
 
+function notServedRestoreRunning(): Error {
+  return invalidArgument("this participant does not serve RestoreRunning (no capability listed)", { field: "restore_running" });
+}
+
 function requestId(value: string): string {
   if (!value) throw invalidArgument("request_id is required on every mutating request", { field: "request_id" });
   if (value.length > 256) throw invalidArgument("request_id is longer than 256 characters", { field: "request_id" });
@@ -238,6 +242,10 @@ export class ControlServicer {
   implementation(door: Door): Implementation {
     const impl: Implementation = {};
     for (const operation of Object.keys(UNARY) as Operation[]) impl[UNARY[operation][0]] = this.unary(door, operation);
+    // Served only to refuse it typed (section 4.16: no capability listed), as the stream does.
+    impl.RestoreRunning = door.unary(Service, "RestoreRunning", pb.RestoreRunningRequestSchema, pb.RestoreRunningResponseSchema, async () => {
+      throw notServedRestoreRunning();
+    });
     impl.WatchBoundaries = door.serverStream(Service, "WatchBoundaries", pb.WatchBoundariesRequestSchema, pb.WatchBoundariesResponseSchema, (request, send, context, call) =>
       this.watchBoundaries(request, send, context, call),
     );
@@ -374,9 +382,7 @@ export class ControlServicer {
     try {
       if (operation === undefined) throw invalidArgument("a ControlSessionRequest must carry an operation", { field: "operation" });
       if (operation === "cancel") return null;
-      if (operation === "restoreRunning") {
-        throw invalidArgument("this participant does not serve RestoreRunning (no capability listed)", { field: "restore_running" });
-      }
+      if (operation === "restoreRunning") throw notServedRestoreRunning();
       const timeoutS = secondsFromDuration(message.timeout, "timeout", DEFAULT_SESSION_OP_TIMEOUT_S);
       const inner = message.operation.value as { requestId?: string };
       if (inner.requestId !== undefined && inner.requestId !== message.requestId) {

@@ -58,13 +58,6 @@ def add_conformance_parser(sub: argparse._SubParsersAction[argparse.ArgumentPars
         "the data plane; without a task the checks that need an episode are skipped",
     )
     parser.add_argument(
-        "--fresh-target",
-        type=_address,
-        metavar="HOST:PORT",
-        help="a second, freshly started process of the target on the same snapshot root: "
-        "the effects check restores the target's session there and re-sends its call",
-    )
-    parser.add_argument(
         "--equivalence",
         metavar="FILE",
         help='a workload (as --workload) with "calls": [{"tool": T, "arguments": {...}}, ...]: '
@@ -74,9 +67,13 @@ def add_conformance_parser(sub: argparse._SubParsersAction[argparse.ArgumentPars
     parser.add_argument(
         "--restore-target",
         type=_address,
+        action="append",
+        default=[],
         metavar="HOST:PORT",
-        help="a fresh participant with the target's instance name and snapshot root, "
-        "for the equivalence check's restores",
+        help="a freshly started process of the target (its instance name, its snapshot "
+        "root) for a check that restores the target's sessions there: the effects check "
+        "and the equivalence check each take one of their own (a participant takes one "
+        "restore), so repeat it to run both",
     )
     parser.add_argument(
         "--snapshot-root",
@@ -131,8 +128,7 @@ def conformance_command(args: argparse.Namespace) -> int:
             call_timeout_s=args.timeout,
             episode_timeout_s=args.episode_timeout,
             only=tuple(args.only),
-            fresh_target=args.fresh_target,
-            restore_target=args.restore_target,
+            restore_targets=tuple(args.restore_target),
             snapshot_root=Path(args.snapshot_root) if args.snapshot_root else None,
         )
         unknown = sorted(set(options.only) - {c.name for c in CHECKS})

@@ -1,10 +1,10 @@
 """The effects check: a resources server answers a keyed call once (docs/spec.md 6.12).
 
 The kit names the workload's first recorded call (``calls``) with a key of the SDK's form (``fx:<rollout>:<turn>:<index>``)
-and sends it again as a retry would; then, if it was given a second, freshly started
-process of the target on the same snapshot root (``--fresh-target``), it snapshots the
-session, restores it there for the next attempt and re-sends the call as a continued
-attempt would. Each time the reply must be the recorded one; the same key with other
+and sends it again as a retry would; then, if it has a restore target left (a freshly
+started process of the target on the same snapshot root, ``--restore-target``), it
+snapshots the session, restores it there for the next attempt and re-sends the call as a
+continued attempt would. Each time the reply must be the recorded one; the same key with other
 arguments must be refused with ``INVALID_ARGUMENT`` and ``divergence`` = ``arguments``.
 
 The kit sees replies only: a server that runs the tool again and happens to answer the
@@ -96,12 +96,14 @@ async def check_effects(kit: Kit) -> str:
         f"the retry of {key} answered {retried}, not the recorded reply {recorded}",
     )
     await _diverging_is_refused(kit, kit.target, first, key, "on a retry")
-    if kit.fresh_target is None:
-        kit.notes.append(
-            "effects: the re-send after a restore was not tried (give --fresh-target, a "
-            "second freshly started process on the same snapshot root)"
+    fresh = kit.take_restore_target("effects")
+    if fresh is None:
+        missing = kit.restore_target_missing()
+        kit.notes.append(f"effects: the re-send after a restore was not tried ({missing})")
+        return (
+            "a retried key got its recorded reply, other arguments were refused; not tried: "
+            f"after a restore ({missing})"
         )
-        return "a retried key got its recorded reply, other arguments were refused; not tried: after a restore (no --fresh-target)"
     checkpoint = kit.checkpoint_id()
     prepared = await kit.prepare(checkpoint, lease_s=HOLD_LEASE_S)
     require(
@@ -111,12 +113,6 @@ async def check_effects(kit: Kit) -> str:
     committed = await kit.commit(checkpoint, checkpoint, [first])
     await kit.resume(checkpoint)
     entry = pb.ManifestEntry(manifest=committed.manifest, artifacts=list(committed.artifacts))
-    fresh = Kit(
-        kit.fresh_target,
-        workload=kit.workload,
-        lease_s=kit.lease_s,
-        episode_bound_s=kit.episode_bound_s,
-    )
     await fresh.discover()
     restore_id = fresh.checkpoint_id()
     restored = await fresh.restore(restore_id, checkpoint, entry, [first])

@@ -141,15 +141,16 @@ async def check_equivalence(kit: Kit) -> str:
         raise CheckSkipped("the target serves no resources: nothing to replay calls on")
     task = kit.need_task()
     calls: Sequence[tuple[str, Mapping[str, Any]]] = kit.workload.calls
-    fresh = kit.fresh
     if kit.description.recovery_mode != types_pb2.RECOVERY_MODE_EXPORTED:
         raise CheckSkipped("the target does not export sessions: nothing is restored")
+    fresh = kit.take_restore_target("equivalence")
     if fresh is None:
         untried = "the restore into a fresh target and the replay were not tried"
         if not calls:
             untried += "; the workload has no calls (--equivalence FILE) to replay"
-        raise CheckSkipped(f"needs a fresh second target (--restore-target HOST:PORT): {untried}")
-    assert fresh is not None
+        raise CheckSkipped(
+            f"needs a fresh restore target, {kit.restore_target_missing()}: {untried}"
+        )
     await fresh.discover()
     require(
         fresh.instance == kit.instance,
@@ -309,7 +310,7 @@ async def check_exported_sessions(kit: Kit) -> str:
         )
     first = firsts[0]
     untried = [] if kit.workload.calls else ["no calls in the workload: none sent"]
-    if kit.fresh is None and exported_mode:
+    if not (kit.restore_targets or kit.used_restore_targets) and exported_mode:
         untried.append("no --restore-target: the state was not restored (equivalence check)")
     note = f" ({'; '.join(untried)})" if untried else ""
     return (

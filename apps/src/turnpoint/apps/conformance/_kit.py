@@ -281,19 +281,18 @@ class Kit:
         workload: Workload,
         lease_s: float,
         episode_bound_s: float,
-        fresh_target: Target | None = None,
-        fresh: Kit | None = None,
+        restore_targets: Mapping[str, Kit] | None = None,
         snapshot_root: Path | None = None,
     ) -> None:
         self.target = target
-        # A second, freshly started process of the target on the same snapshot root:
-        # what a check needs to restore work the target did (the target itself is no
-        # longer fresh once it served any).
-        self.fresh_target = fresh_target
+        # Freshly started processes of the target (its instance name, its snapshot
+        # root): what a check needs to restore work the target did, since the target is
+        # no longer fresh once it served any, and a participant takes one restore only
+        # (section 4.10). Each check that restores has one of its own, by check name.
+        self.restore_targets = dict(restore_targets or {})
+        self.used_restore_targets: list[Kit] = []
         self.workload = workload
-        # The equivalence check's second target, never given data-plane work but restores
-        # (section 5.6), and the snapshot root both share, when the kit may write there.
-        self.fresh = fresh
+        # The snapshot root the targets share, when the kit may write there.
         self.snapshot_root = snapshot_root
         self.lease_s = lease_s
         self.episode_bound_s = episode_bound_s
@@ -313,6 +312,22 @@ class Kit:
         self.description = await self.describe()
         self.epoch = self.description.header.epoch + EPOCH_HEADROOM
         return self.description
+
+    def take_restore_target(self, check: str) -> Kit | None:
+        """The fresh restore target set aside for ``check``, or None (none was left)."""
+        fresh = self.restore_targets.pop(check, None)
+        if fresh is not None:
+            self.used_restore_targets.append(fresh)
+        return fresh
+
+    def restore_target_missing(self) -> str:
+        """Why a check that restores found no restore target: what to give the kit."""
+        if self.restore_targets or self.used_restore_targets:
+            return (
+                "each --restore-target given went to another check that restores (a "
+                "participant takes one restore): give one more"
+            )
+        return "no --restore-target HOST:PORT (a freshly started process of the target)"
 
     @property
     def kind(self) -> int:

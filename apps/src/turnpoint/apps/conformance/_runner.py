@@ -93,15 +93,18 @@ class ConformanceOptions:
     call_timeout_s: float = 10.0
     episode_timeout_s: float = 30.0
     only: Sequence[str] = ()
-    # The equivalence check's fresh target (same instance, same snapshot root), and that
-    # root when the kit may write a damaged copy of a snapshot into it.
-    restore_target: str | None = None
+    # Freshly started processes of the target (same instance, same snapshot root), one
+    # for each check that restores (effects, equivalence), and that root when the kit
+    # may write a damaged copy of a snapshot into it.
+    restore_targets: Sequence[str] = ()
     snapshot_root: Path | None = None
-    # A second, freshly started process of the target on the same snapshot root.
-    fresh_target: str | None = None
 
 
 Progress = Callable[[CheckResult], None]
+# The checks that restore the target's sessions into a restore target, in the order the
+# given targets go to them: the equivalence check (a restore at every turn boundary)
+# first, then the effects check (one re-sent call).
+RESTORING_CHECKS = ("equivalence", "effects")
 
 
 async def run_conformance(
@@ -112,23 +115,22 @@ async def run_conformance(
     if unknown:
         raise ValueError(f"unknown checks {unknown}; known: {', '.join(c.name for c in CHECKS)}")
     target = Target(options.target, options.token, call_timeout_s=options.call_timeout_s)
-    fresh = None
-    if options.restore_target is not None:
-        fresh = Kit(
-            Target(options.restore_target, options.token, call_timeout_s=options.call_timeout_s),
+    restore_targets = [
+        Kit(
+            Target(address, options.token, call_timeout_s=options.call_timeout_s),
             workload=options.workload,
             lease_s=options.lease_s,
             episode_bound_s=options.episode_timeout_s,
         )
+        for address in options.restore_targets
+    ]
+    restoring = [c for c in RESTORING_CHECKS if not options.only or c in options.only]
     kit = Kit(
         target,
         workload=options.workload,
         lease_s=options.lease_s,
         episode_bound_s=options.episode_timeout_s,
-        fresh_target=None
-        if options.fresh_target is None
-        else Target(options.fresh_target, options.token, call_timeout_s=options.call_timeout_s),
-        fresh=fresh,
+        restore_targets=dict(zip(restoring, restore_targets, strict=False)),
         snapshot_root=options.snapshot_root,
     )
     report = ConformanceReport(target=options.target, coordinator_id=kit.coordinator_id)
@@ -158,9 +160,7 @@ async def run_conformance(
             report.left_behind = _left_behind(kit)
     finally:
         await target.close()
-        if kit.fresh_target is not None:
-            await kit.fresh_target.close()
-        if fresh is not None:
+        for fresh in restore_targets:
             await fresh.target.close()
     return report
 
@@ -194,8 +194,9 @@ async def _run_one(kit: Kit, check: Check) -> tuple[Outcome, str]:
         outcome, detail = Outcome.FAIL, "a wait of the check timed out"
     try:
         cleaned = await kit.settle()
-        if kit.fresh is not None and kit.fresh.epoch:
-            cleaned += [f"restore target: {done}" for done in await kit.fresh.settle()]
+        for fresh in kit.used_restore_targets:
+            if fresh.epoch:
+                cleaned += [f"restore target: {done}" for done in await fresh.settle()]
     except (Refused, CheckFailed) as error:
         cleaned = [f"settling failed: {error}"]
     if cleaned and outcome is not Outcome.PASS:

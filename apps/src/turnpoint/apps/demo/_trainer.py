@@ -476,7 +476,7 @@ def _trained_turns(result: RolloutResult) -> list[dict[str, Any]]:
             "prompt": [int(t) for t in prompt],
             "completion": [int(t) for t in turn["completion"]],
         }
-        if isinstance(turn.get("reply"), str):  # the guess tool's reply (not a token)
+        if isinstance(turn.get("reply"), str):  # the tool's reply as its log shows it
             entry["reply"] = turn["reply"]
         if index < len(answered):
             entry["answered_in"] = int(answered[index])

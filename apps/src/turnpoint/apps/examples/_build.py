@@ -142,6 +142,7 @@ def build_example(
             spec.token,
             temperature=spec.temperature,
             turn_delay_s=spec.turn_delay_s,
+            cut_generations=spec.cut_generations,
         )
         closers.append(player.aclose)
         return ParticipantRuntime(spec.instance, store, agent=player, config=config), closers

@@ -8,12 +8,13 @@
   query and change it, a verifier on the final tables (:mod:`._workplace`); SQLite work
   runs in threads, one session's calls one after the other.
 
-Every tool call may name its ``turn`` (the number of calls the session had applied before
-it). At a cut the resources server may be one call ahead of the agent, so a continued
-attempt may send the last call again, possibly with other arguments (its policy sampled
-anew): a call naming the turn before the current one is answered from the session as it
-was before that call, never applied on top of it. Each session keeps that one earlier
-state, and exports it.
+At a cut the resources server may be one call ahead of the agent, so a continued attempt
+sends the last call again. The servers here need no replay logic of their own for it:
+the agent's calls are keyed (``ctx.call``), and the SDK's resources runtime answers a
+key the session's reply record holds without running the tool again (docs/spec.md
+section 6.12). Blackjack and the workplace log each execution of a tool that changes the
+session (:class:`._participants.ToolExecutions`; the turn is the call's ``turn``
+argument) and keep the ids their session applied, for the demo's audit of effects.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from turnpoint.apps.examples._blackjack import BlackjackStateError, Hand
-from turnpoint.apps.examples._participants import VerifierLog
+from turnpoint.apps.examples._participants import ToolExecutions, VerifierLog
+from turnpoint.apps.examples._plays import reply_text
 from turnpoint.apps.examples._workplace import (
     ToolInputError,
     WorkplaceStateError,
@@ -80,11 +82,18 @@ def _strict(state: Mapping[str, Any], fields: frozenset[str], what: str) -> None
 
 
 def call_turn(arguments: Mapping[str, Any], applied: int) -> int:
-    """The turn a call names (default: the next one); only it or the one before it."""
+    """The agent's turn a call names (default: the number of calls applied before it),
+    for the audit only: the session applies calls in the order they come."""
     turn = _int(arguments.get("turn", applied), "turn")
-    if turn not in (applied, applied - 1) or turn < 0:
-        raise ValueError(f"turn {turn} is neither the next call ({applied}) nor the last")
+    if turn < 0:
+        raise ValueError(f"turn must be >= 0, got {turn}")
     return turn
+
+
+def _executions(value: object) -> list[str]:
+    if not isinstance(value, list) or not all(isinstance(e, str) for e in value):
+        raise ValueError("executions must be a list of execution ids")
+    return list(value)
 
 
 def _missing(episode: EpisodeId) -> ParticipantError:
@@ -93,13 +102,17 @@ def _missing(episode: EpisodeId) -> ParticipantError:
     )
 
 
-def _logged(name: str, log: VerifierLog, episode: EpisodeId, verdict: Verdict) -> Verdict:
-    """The demo's reward audit: every reward a verifier returned, one line each."""
+def _logged(
+    name: str, log: VerifierLog, episode: EpisodeId, verdict: Verdict, executions: list[str]
+) -> Verdict:
+    """The demo's reward audit: every reward a verifier returned, one line each, with the
+    tool executions the session had applied (the audit of effects)."""
     log.write(
         verifier=name,
         rollout_id=episode.rollout_id,
         attempt=episode.attempt,
         reward=verdict.reward,
+        executions=list(executions),
     )
     return verdict
 
@@ -107,14 +120,14 @@ def _logged(name: str, log: VerifierLog, episode: EpisodeId, verdict: Verdict) -
 # --------------------------------------------------------------------------- blackjack
 
 
-_HAND_FIELDS = frozenset(("hand", "turn", "before"))
+_HAND_FIELDS = frozenset(("hand", "executions"))
 
 
 @dataclass
 class _Table:
     hand: Hand
-    turn: int = 0
-    before: dict[str, Any] | None = None
+    # The ids of the tool executions applied to the hand, in order (the audit's).
+    executions: list[str] = field(default_factory=list)
 
 
 class BlackjackTools(ResourcesServer):
@@ -127,6 +140,7 @@ class BlackjackTools(ResourcesServer):
     def __init__(self, name: str = BLACKJACK, log: VerifierLog | None = None) -> None:
         self.name, self.log = name, log or VerifierLog(None)
         self.tables: dict[EpisodeId, _Table] = {}
+        self.executions = ToolExecutions(name, self.log)
 
     async def seed(self, episode: EpisodeId, task: Mapping[str, Any]) -> None:
         with bad_input("task", BLACKJACK):
@@ -149,24 +163,20 @@ class BlackjackTools(ResourcesServer):
         with bad_input("arguments", BLACKJACK):
             if tool not in ("hit", "stand"):
                 raise ValueError(f"unknown tool {tool!r}; tools: look, hit, stand")
-            turn = call_turn(arguments, table.turn)
-            if turn != table.turn and table.before is None:
-                raise ValueError("no earlier state to answer the last call from")
-        if turn != table.turn:
-            assert table.before is not None
-            table.hand = Hand.from_dict(table.before)
-        table.before = table.hand.to_dict()
-        table.turn = turn + 1
+            turn = call_turn(arguments, len(table.executions))
+        # Not idempotent (a card is dealt): the SDK's reply record answers a re-sent key.
         if tool == "hit":
             table.hand.hit()
         else:
             table.hand.stand()
-        return table.hand.view()
+        view = table.hand.view()
+        table.executions.append(self.executions.applied(episode, turn, reply_text(view)))
+        return view
 
     async def verify(self, episode: EpisodeId, answer: Mapping[str, Any]) -> Verdict:
-        hand = self._table(episode).hand
-        verdict = Verdict(hand.reward(), {"outcome": hand.outcome()})
-        return _logged(self.name, self.log, episode, verdict)
+        table = self._table(episode)
+        verdict = Verdict(table.hand.reward(), {"outcome": table.hand.outcome()})
+        return _logged(self.name, self.log, episode, verdict, table.executions)
 
     async def close(self, episode: EpisodeId) -> None:
         self.tables.pop(episode, None)
@@ -175,7 +185,7 @@ class BlackjackTools(ResourcesServer):
         self, episodes: Sequence[EpisodeId]
     ) -> Mapping[EpisodeId, Mapping[str, Any]]:
         return {
-            e: {"hand": t.hand.to_dict(), "turn": t.turn, "before": t.before}
+            e: {"hand": t.hand.to_dict(), "executions": list(t.executions)}
             for e in episodes
             if (t := self.tables.get(e)) is not None
         }
@@ -183,17 +193,16 @@ class BlackjackTools(ResourcesServer):
     def validate_session(self, episode: EpisodeId, state: Mapping[str, Any]) -> None:
         _strict(state, _HAND_FIELDS, "a blackjack session")
         Hand.from_dict(state["hand"])
-        if state["before"] is not None:
-            Hand.from_dict(state["before"])
-        if not isinstance(state["turn"], int) or isinstance(state["turn"], bool):
-            raise BlackjackStateError("turn must be an integer")
+        try:
+            _executions(state["executions"])
+        except ValueError as error:
+            raise BlackjackStateError(str(error)) from None
 
     async def restore_session(
         self, saved: EpisodeId, episode: EpisodeId, state: Mapping[str, Any]
     ) -> None:
-        before = state["before"]
         self.tables[episode] = _Table(
-            Hand.from_dict(state["hand"]), state["turn"], None if before is None else dict(before)
+            Hand.from_dict(state["hand"]), _executions(state["executions"])
         )
 
     async def retire_session(self, episode: EpisodeId) -> None:
@@ -203,15 +212,17 @@ class BlackjackTools(ResourcesServer):
 # --------------------------------------------------------------------------- workplace
 
 
-_OFFICE_FIELDS = frozenset(("goal", "turn", "tables", "before"))
+_OFFICE_FIELDS = frozenset(("goal", "tables", "executions"))
+# The tools that change the tables: each execution is logged for the audit.
+_WRITES = frozenset(("schedule", "send_email", "set_balance"))
 
 
 @dataclass
 class _Office:
     goal: dict[str, Any]
     database: sqlite3.Connection
-    turn: int = 0
-    before: dict[str, Any] | None = None
+    # The ids of the writing tool executions applied to the tables, in order.
+    executions: list[str] = field(default_factory=list)
     # One session's SQLite work runs one call after the other, each in a thread.
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
@@ -234,6 +245,7 @@ class WorkplaceTools(ResourcesServer):
     def __init__(self, name: str = WORKPLACE, log: VerifierLog | None = None) -> None:
         self.name, self.log = name, log or VerifierLog(None)
         self.offices: dict[EpisodeId, _Office] = {}
+        self.executions = ToolExecutions(name, self.log)
 
     async def seed(self, episode: EpisodeId, task: Mapping[str, Any]) -> None:
         with bad_input("task", WORKPLACE):
@@ -258,44 +270,33 @@ class WorkplaceTools(ResourcesServer):
         office = self._office(episode)
         async with office.lock:
             with bad_input("arguments", WORKPLACE):
-                turn = call_turn(arguments, office.turn)
-                if turn != office.turn and office.before is None:
-                    raise ValueError("no earlier state to answer the last call from")
-                reply = await asyncio.to_thread(self._apply, office, turn, tool, arguments)
-            return {"turn": turn, "result": reply}
+                turn = call_turn(arguments, len(office.executions))
+                result = await asyncio.to_thread(self._apply, office.database, tool, arguments)
+            reply = {"result": result}
+            if tool in _WRITES:
+                execution = self.executions.applied(episode, turn, reply_text(reply), tool=tool)
+                office.executions.append(execution)
+            return reply
 
     @staticmethod
-    def _apply(office: _Office, turn: int, tool: str, arguments: Mapping[str, Any]) -> Any:
-        """In a thread: run the tool, from the state before the last call if it repeats
-        that call's turn; a tool that fails changes nothing."""
-        rewinding = turn != office.turn
-        if rewinding:
-            assert office.before is not None  # call() refused a rewind without one
-            database = load_database(office.before)
-        else:
-            database = office.database
-        before = office.before if rewinding else dump_database(office.database)
+    def _apply(database: sqlite3.Connection, tool: str, arguments: Mapping[str, Any]) -> Any:
+        """In a thread: run the tool; a tool that fails changes nothing."""
         database.execute("SAVEPOINT call")
         try:
             reply = run_tool(database, tool, arguments)
         except (ToolInputError, sqlite3.Error) as error:
             database.execute("ROLLBACK TO call")
             database.execute("RELEASE call")
-            if rewinding:
-                database.close()
             raise ToolInputError(str(error)) from None
         database.execute("RELEASE call")
-        if rewinding:
-            office.database.close()
-            office.database = database
-        office.before, office.turn = before, turn + 1
         return reply
 
     async def verify(self, episode: EpisodeId, answer: Mapping[str, Any]) -> Verdict:
         office = self._office(episode)
         async with office.lock:
             reward = await asyncio.to_thread(verify_goal, office.database, office.goal)
-        return _logged(self.name, self.log, episode, Verdict(reward, {"goal": dict(office.goal)}))
+        verdict = Verdict(reward, {"goal": dict(office.goal)})
+        return _logged(self.name, self.log, episode, verdict, office.executions)
 
     async def close(self, episode: EpisodeId) -> None:
         office = self.offices.pop(episode, None)
@@ -317,9 +318,8 @@ class WorkplaceTools(ResourcesServer):
                 tables = await asyncio.to_thread(dump_database, office.database)
             exported[episode] = {
                 "goal": dict(office.goal),
-                "turn": office.turn,
                 "tables": tables,
-                "before": office.before,
+                "executions": list(office.executions),
             }
         return exported
 
@@ -327,21 +327,15 @@ class WorkplaceTools(ResourcesServer):
         # Pure decoding only (no database is built here): validation runs on the loop.
         _strict(state, _OFFICE_FIELDS, "a workplace session")
         _check_goal(state["goal"])
-        _int(state["turn"], "turn")
         decode_database(state["tables"])
-        if state["before"] is not None:
-            decode_database(state["before"])
+        _executions(state["executions"])
 
     async def restore_session(
         self, saved: EpisodeId, episode: EpisodeId, state: Mapping[str, Any]
     ) -> None:
         database = await asyncio.to_thread(load_database, state["tables"])
-        before = state["before"]
         self.offices[episode] = _Office(
-            _check_goal(state["goal"]),
-            database,
-            int(state["turn"]),
-            None if before is None else dict(before),
+            _check_goal(state["goal"]), database, _executions(state["executions"])
         )
 
     async def retire_session(self, episode: EpisodeId) -> None:

@@ -9,6 +9,8 @@
   ``REPLAY``.
 - :class:`GuessAgent` (AGENT): the multi-turn episode: each turn one generation and one
   tool call, then a sealed boundary; finally a verify.
+- :class:`PlayAgent` (AGENT): the same shape for the counter, Blackjack and the
+  workplace (:mod:`._plays`, :mod:`._environments`).
 
 The shape that keeps checkpoints cheap: the agent seals a boundary as soon as it accepts
 an episode (turn 0), and every call it makes after a boundary (``ctx.seed``, the turn's
@@ -27,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import hashlib
 import json
 import os
@@ -55,7 +56,7 @@ from turnpoint.apps.examples._task import (
     tool_call,
 )
 from turnpoint.auth import auth_metadata
-from turnpoint.convert import episode_to_proto, struct_from_mapping, struct_to_dict
+from turnpoint.convert import episode_to_proto
 from turnpoint.errors import Reason
 from turnpoint.ids import EpisodeId
 from turnpoint.participant_sdk import (
@@ -75,14 +76,11 @@ from turnpoint.server import ResourcesClient, generate_chunk_from_proto
 from turnpoint.v1 import (
     policy_service_pb2,
     policy_service_pb2_grpc,
-    resources_service_pb2,
-    resources_service_pb2_grpc,
 )
 
 if TYPE_CHECKING:
     from turnpoint.apps.examples._policy_model import TinyPolicy
     from turnpoint.v1.policy_service_pb2_grpc import PolicyServiceAsyncStub
-    from turnpoint.v1.resources_service_pb2_grpc import ResourcesServiceAsyncStub
 
 
 GUESS = "guess"
@@ -269,6 +267,36 @@ class VerifierLog:
                 os.fsync(handle.fileno())
 
 
+class ToolExecutions:
+    """The demo's audit of tool effects, on a resources server's side: every execution
+    of a tool that changes a session gets an id unique in the run and one ``tools`` line
+    in the server's log (its turn and its reply); the session keeps the ids it applied,
+    in order, exports them with itself and names them in its verifier line.
+    """
+
+    def __init__(self, name: str, log: VerifierLog) -> None:
+        self._name = name
+        self._log = log
+        self._prefix = f"{name}-{os.getpid()}-{secrets.token_hex(3)}"
+        self.count = 0
+
+    def applied(self, episode: EpisodeId, turn: int, reply: str, **detail: Any) -> str:
+        """Log one execution just applied to ``episode``'s session; returns its id."""
+        self.count += 1
+        execution = f"{self._prefix}-{self.count}"
+        self._log.write(
+            tools=self._name,
+            execution=execution,
+            rollout_id=episode.rollout_id,
+            attempt=episode.attempt,
+            turn=turn,
+            reply=reply,
+            t=time.time(),
+            **detail,
+        )
+        return execution
+
+
 class FileGate:
     """A testing hold: every :meth:`wait` returns only once ``path`` exists.
 
@@ -312,8 +340,7 @@ class GuessTools(ResourcesServer):
         # Per episode: the task, the tool session after each call applied (the first
         # entry before any), and the id of each execution applied, in order.
         self.sessions: dict[EpisodeId, dict[str, Any]] = {}
-        self._execution_ids = f"{name}-{os.getpid()}-{secrets.token_hex(3)}"
-        self.executions = 0
+        self.executions = ToolExecutions(name, self.log)
 
     async def seed(self, episode: EpisodeId, task: Mapping[str, Any]) -> None:
         if not isinstance(task.get("task"), Mapping):
@@ -361,20 +388,9 @@ class GuessTools(ResourcesServer):
             turn = int(arguments.get("turn", len(session["executions"])))
         before = ToolSession.from_dict(session["history"][-1])
         result = tool_call(task, before, {"guess": guess})
-        self.executions += 1
-        execution = f"{self._execution_ids}-{self.executions}"
         session["history"].append(result.session.to_dict())
+        execution = self.executions.applied(episode, turn, result.reply.value, guess=guess)
         session["executions"].append(execution)
-        self.log.write(
-            tools=self.name,
-            execution=execution,
-            rollout_id=episode.rollout_id,
-            attempt=episode.attempt,
-            turn=turn,
-            guess=guess,
-            reply=result.reply.value,
-            t=time.time(),
-        )
         return {"reply": result.reply.value}
 
     async def verify(self, episode: EpisodeId, answer: Mapping[str, Any]) -> Verdict:
@@ -510,14 +526,14 @@ def sampling_seed(rollout_id: str, turn: int, offset: int = 0) -> int:
     return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
 
 
-class GuessAgent(Agent):
-    """Plays the guessing task against the policy server and the environment's resources.
+class _GymAgent(Agent):
+    """What the example agents share: the policy server, whose generations go through
+    ``ctx.generate``, and one :class:`~turnpoint.server.ResourcesClient` per environment,
+    for ``ctx.seed``, ``ctx.call`` and ``ctx.verify``. Subclasses write ``run``.
 
-    Its tool calls go through ``ctx.seed``, ``ctx.call`` and ``ctx.verify`` over a
-    :class:`~turnpoint.server.ResourcesClient` per environment: keyed, retried, answered
-    from the session's record when re-sent. Each turn's generation goes through
-    ``ctx.generate``, which saves it with the boundary, so a restored attempt makes the
-    turn's call with the same guess.
+    A turn's generation is seeded by :func:`sampling_seed` and saved with the boundary by
+    ``ctx.generate``, so a restored attempt makes the turn's keyed tool call with the
+    arguments the lost one had.
     """
 
     def __init__(
@@ -548,59 +564,16 @@ class GuessAgent(Agent):
         self._temperature = temperature
         self._turn_delay_s = turn_delay_s
 
-    async def run(self, ctx: EpisodeContext, task: Mapping[str, Any]) -> Mapping[str, Any]:
-        episode = ctx.episode
-        prompt = Task.from_dict(task["task"])
-        environment = str(task["environment"])
-        resources = self._resources[environment]
-        saved = ctx.restored
-        turns = [Turn.from_dict(t) for t in saved.state["turns"]] if saved else []
-        versions: list[int] = list(saved.state.get("versions", [])) if saved else []
-        # Per turn, the attempt that got its tool reply (the demo's audit of effects).
-        answered: list[int] = list(saved.state.get("answered_in", [])) if saved else []
-        if saved is None:
-            # Boundary 0: the episode is accepted and owns nothing yet; everything after
-            # it is a call that may be issued again after a restore.
-            await ctx.boundary(0, {"turns": [], "versions": [], "answered_in": []})
-        await ctx.seed(resources, {"group_size": 1, **task})
-        while not is_finished(prompt, turns):
-            completion, version = await self._generate(ctx, prompt, turns)
-            reply = await self._check(ctx, resources, len(turns), completion)
-            turns.append(Turn(tuple(completion), reply))
-            versions.append(version)
-            answered.append(episode.attempt)
-            await ctx.boundary(
-                len(turns),
-                {
-                    "turns": [t.to_dict() for t in turns],
-                    "versions": versions,
-                    "answered_in": answered,
-                },
-            )
-        guesses = list(episode_answer(turns))
-        verdict = await ctx.verify(resources, {"guesses": guesses})
-        return {
-            "environment": environment,
-            "prompt_group_id": str(task.get("prompt_group_id", "")),
-            "sibling_index": int(task.get("sibling_index", 0)),
-            "turns": [t.to_dict() for t in turns],
-            "prompts": [encode_context(prompt, turns[:k]) for k in range(len(turns))],
-            "guesses": guesses,
-            "weights_versions": versions,
-            "answered_in": answered,
-            "reward": verdict.reward,
-        }
-
     async def _generate(
-        self, ctx: EpisodeContext, prompt: Task, turns: Sequence[Turn]
+        self, ctx: EpisodeContext, context: Sequence[int], turn: int
     ) -> tuple[list[int], int]:
-        """The turn's completion and the weights version that ended it.
+        """Turn ``turn``'s completion of ``context`` and the weights version that ended it.
 
         Through ``ctx.generate``: saved with the boundary once it finishes, so a restore
         after it (the tool call still to come) does not sample the turn again; cut at a
         checkpoint and continued when the agent ``cuts_generations`` (section 5.5).
         """
-        episode, turn = ctx.episode, len(turns)
+        episode = ctx.episode
         if self._turn_delay_s:
             # The latency of a real model or tool, parked at the boundary: every
             # snapshot cuts episodes mid-way instead of between them.
@@ -609,9 +582,7 @@ class GuessAgent(Agent):
         def stream(request: GenerationRequest) -> AsyncIterator[GenerateChunk]:
             return self._stream(episode, turn, request)
 
-        generation = await ctx.generate(
-            encode_context(prompt, turns), MAX_NEW_TOKENS_PER_TURN, stream
-        )
+        generation = await ctx.generate(context, MAX_NEW_TOKENS_PER_TURN, stream)
         version = generation.weights_versions[-1] if generation.weights_versions else 0
         return list(generation.token_ids), version
 
@@ -635,6 +606,80 @@ class GuessAgent(Agent):
         async for chunk in call:
             yield generate_chunk_from_proto(chunk)
 
+    async def aclose(self) -> None:
+        await self._policy_channel.close(None)
+        for client in self._resources.values():
+            await client.aclose()
+
+
+def _episode_output(
+    task: Mapping[str, Any],
+    turns: Sequence[Mapping[str, Any]],
+    prompts: Sequence[Sequence[int]],
+    versions: Sequence[int],
+    answered: Sequence[int],
+    reward: float,
+) -> dict[str, Any]:
+    """An example episode's result: what the demo trains on and audits."""
+    return {
+        "environment": str(task["environment"]),
+        "prompt_group_id": str(task.get("prompt_group_id", "")),
+        "sibling_index": int(task.get("sibling_index", 0)),
+        "turns": list(turns),
+        "prompts": [list(p) for p in prompts],
+        "weights_versions": list(versions),
+        # Per turn, the attempt that got its tool reply (the demo's audit of effects).
+        "answered_in": list(answered),
+        "reward": reward,
+    }
+
+
+class GuessAgent(_GymAgent):
+    """Plays the guessing task against the policy server and the environment's resources.
+
+    Its tool calls go through ``ctx.seed``, ``ctx.call`` and ``ctx.verify`` over a
+    :class:`~turnpoint.server.ResourcesClient` per environment: keyed, retried, answered
+    from the session's record when re-sent. Each turn's generation goes through
+    ``ctx.generate``, which saves it with the boundary, so a restored attempt makes the
+    turn's call with the same guess.
+    """
+
+    async def run(self, ctx: EpisodeContext, task: Mapping[str, Any]) -> Mapping[str, Any]:
+        episode = ctx.episode
+        prompt = Task.from_dict(task["task"])
+        resources = self._resources[str(task["environment"])]
+        saved = ctx.restored
+        turns = [Turn.from_dict(t) for t in saved.state["turns"]] if saved else []
+        versions: list[int] = list(saved.state.get("versions", [])) if saved else []
+        answered: list[int] = list(saved.state.get("answered_in", [])) if saved else []
+        if saved is None:
+            # Boundary 0: the episode is accepted and owns nothing yet; everything after
+            # it is a call that may be issued again after a restore.
+            await ctx.boundary(0, {"turns": [], "versions": [], "answered_in": []})
+        await ctx.seed(resources, {"group_size": 1, **task})
+        while not is_finished(prompt, turns):
+            completion, version = await self._generate(
+                ctx, encode_context(prompt, turns), len(turns)
+            )
+            reply = await self._check(ctx, resources, len(turns), completion)
+            turns.append(Turn(tuple(completion), reply))
+            versions.append(version)
+            answered.append(episode.attempt)
+            await ctx.boundary(
+                len(turns),
+                {
+                    "turns": [t.to_dict() for t in turns],
+                    "versions": versions,
+                    "answered_in": answered,
+                },
+            )
+        guesses = list(episode_answer(turns))
+        verdict = await ctx.verify(resources, {"guesses": guesses})
+        prompts = [encode_context(prompt, turns[:k]) for k in range(len(turns))]
+        turned = [t.to_dict() for t in turns]
+        output = _episode_output(task, turned, prompts, versions, answered, verdict.reward)
+        return {**output, "guesses": guesses}
+
     async def _check(
         self,
         ctx: EpisodeContext,
@@ -649,48 +694,19 @@ class GuessAgent(Agent):
         output = await ctx.call(resources, "check", {"guess": guess, "turn": turn})
         return Reply(output["reply"])
 
-    async def aclose(self) -> None:
-        await self._policy_channel.close(None)
-        for client in self._resources.values():
-            await client.aclose()
 
-
-class PlayAgent(Agent):
+class PlayAgent(_GymAgent):
     """Plays the counter, Blackjack or the workplace (:mod:`._plays`) with the policy.
 
-    Shaped like :class:`GuessAgent`: boundary 0 on acceptance, then each turn one model
-    call and one tool call inside ``ctx.model_call``, then a sealed boundary; finally a
-    verify. Each tool call names its turn, so one the resources server applied before the
-    cut is answered from the state before it when a continued attempt sends it again.
+    Shaped like :class:`GuessAgent`, over the same connections: boundary 0 on acceptance,
+    then each turn one ``ctx.generate`` and one keyed ``ctx.call``, then a sealed
+    boundary; finally ``ctx.verify``. A call the resources server applied before a cut is
+    answered from the session's reply record when a continued attempt sends it again
+    (docs/spec.md section 6.12), so the environment deals no card twice.
     """
 
-    def __init__(
-        self,
-        policy_address: str,
-        resources_addresses: Mapping[str, str],
-        token: str | None,
-        *,
-        temperature: float = 1.0,
-        turn_delay_s: float = 0.0,
-    ) -> None:
-        if not turn_delay_s >= 0:
-            raise ValueError(f"turn_delay_s must be >= 0, got {turn_delay_s}")
-        self._metadata = auth_metadata(token) if token else ()
-        self._policy_channel = data_channel(policy_address)
-        self._policy: PolicyServiceAsyncStub = policy_service_pb2_grpc.PolicyServiceStub(
-            self._policy_channel
-        )
-        self._channels = [self._policy_channel]
-        self._resources: dict[str, ResourcesServiceAsyncStub] = {}
-        for environment, address in resources_addresses.items():
-            channel = data_channel(address)
-            self._channels.append(channel)
-            self._resources[environment] = resources_service_pb2_grpc.ResourcesServiceStub(channel)
-        self._temperature = temperature
-        self._turn_delay_s = turn_delay_s
-
     async def run(self, ctx: EpisodeContext, task: Mapping[str, Any]) -> Mapping[str, Any]:
-        from turnpoint.apps.examples._plays import PLAYS, Step
+        from turnpoint.apps.examples._plays import PLAYS, Step, reply_text
 
         episode = ctx.episode
         environment = str(task["environment"])
@@ -699,119 +715,35 @@ class PlayAgent(Agent):
         saved = ctx.restored
         steps = [Step.from_dict(s) for s in saved.state["steps"]] if saved else []
         versions: list[int] = list(saved.state.get("versions", [])) if saved else []
+        answered: list[int] = list(saved.state.get("answered_in", [])) if saved else []
         shown: Mapping[str, Any] = saved.state.get("shown", {}) if saved else {}
         last: Mapping[str, Any] = saved.state.get("last", {}) if saved else {}
         if saved is None:
-            await ctx.boundary(0, {"steps": [], "versions": [], "shown": {}, "last": {}})
-        await ctx.model_call(lambda: self._seed(resources, episode, task, inner))
+            await ctx.boundary(
+                0, {"steps": [], "versions": [], "answered_in": [], "shown": {}, "last": {}}
+            )
+        # The environment's own task, with the group fields the seed request carries.
+        group = {k: task[k] for k in ("prompt_group_id", "sibling_index") if k in task}
+        await ctx.seed(resources, {**inner, **group, "group_size": task.get("group_size", 1)})
         look = play.look(inner)
         if look is not None and not steps:
-            shown = await ctx.model_call(lambda: self._call(resources, episode, *look))
+            # The turn-0 boundary's first keyed call; a read, so the record only saves
+            # the server the work when it is re-sent.
+            shown = await ctx.call(resources, *look)
         while not play.finished(steps):
             context = play.context(inner, shown, steps)
-            completion, version = await ctx.model_call(
-                functools.partial(self._generate, episode, len(steps), context)
-            )
+            completion, version = await self._generate(ctx, context, len(steps))
             tool, arguments = play.action(inner, completion, len(steps))
-            last = await ctx.model_call(
-                functools.partial(self._call, resources, episode, tool, arguments)
-            )
-            steps.append(Step(tuple(completion), tool, play.reply_token(inner, last)))
+            last = await ctx.call(resources, tool, arguments)
+            token = play.reply_token(inner, last)
+            steps.append(Step(tuple(completion), tool, token, reply_text(last)))
             versions.append(version)
+            answered.append(episode.attempt)
             state = {"steps": [s.to_dict() for s in steps], "versions": versions}
-            await ctx.boundary(len(steps), {**state, "shown": shown, "last": last})
+            await ctx.boundary(
+                len(steps), {**state, "answered_in": answered, "shown": shown, "last": last}
+            )
         prompts = [play.context(inner, shown, steps[:k]) for k in range(len(steps))]
-        answer = play.answer(inner, last)
-        reward = await ctx.model_call(lambda: self._verify(resources, episode, answer))
-        return {
-            "environment": environment,
-            "prompt_group_id": str(task.get("prompt_group_id", "")),
-            "sibling_index": int(task.get("sibling_index", 0)),
-            "turns": [s.to_dict() for s in steps],
-            "prompts": prompts,
-            "weights_versions": versions,
-            "reward": reward,
-        }
-
-    async def _seed(
-        self,
-        resources: ResourcesServiceAsyncStub,
-        episode: EpisodeId,
-        task: Mapping[str, Any],
-        inner: Mapping[str, Any],
-    ) -> None:
-        await resources.SeedSession(
-            resources_service_pb2.SeedSessionRequest(
-                request_id=f"seed-{episode.rollout_id}-{episode.attempt}",
-                episode=episode_to_proto(episode),
-                prompt_group_id=str(task.get("prompt_group_id", "")),
-                sibling_index=int(task.get("sibling_index", 0)),
-                group_size=int(task.get("group_size", 1)),
-                task=struct_from_mapping(inner),
-            ),
-            metadata=self._metadata,
-            timeout=120,
-        )
-
-    async def _generate(
-        self, episode: EpisodeId, turn: int, context: Sequence[int]
-    ) -> tuple[list[int], int]:
-        if self._turn_delay_s:
-            # A real model's latency: the episode waits parked at its boundary.
-            await asyncio.sleep(self._turn_delay_s)
-        completion: list[int] = []
-        version = 0
-        call = self._policy.Generate(
-            policy_service_pb2.GenerateRequest(
-                request_id=f"gen-{episode.rollout_id}-{episode.attempt}-{turn}",
-                episode=episode_to_proto(episode),
-                prompt_token_ids=list(context),
-                max_new_tokens=MAX_NEW_TOKENS_PER_TURN,
-                temperature=self._temperature,
-                seed=hash((episode.rollout_id, episode.attempt, turn)) & 0x7FFFFFFF,
-            ),
-            metadata=self._metadata,
-            timeout=120,
-        )
-        async for chunk in call:
-            completion.extend(chunk.token_ids)
-            version = chunk.weights_version
-        return completion, version
-
-    async def _call(
-        self,
-        resources: ResourcesServiceAsyncStub,
-        episode: EpisodeId,
-        tool: str,
-        arguments: Mapping[str, Any],
-    ) -> dict[str, Any]:
-        answer = await resources.Call(
-            resources_service_pb2.CallRequest(
-                request_id=f"call-{episode.rollout_id}-{episode.attempt}-{tool}-"
-                f"{arguments.get('turn', 'look')}",
-                episode=episode_to_proto(episode),
-                tool=tool,
-                arguments=struct_from_mapping(arguments),
-            ),
-            metadata=self._metadata,
-            timeout=120,
-        )
-        return struct_to_dict(answer.output)
-
-    async def _verify(
-        self, resources: ResourcesServiceAsyncStub, episode: EpisodeId, answer: Mapping[str, Any]
-    ) -> float:
-        response = await resources.Verify(
-            resources_service_pb2.VerifyRequest(
-                request_id=f"verify-{episode.rollout_id}-{episode.attempt}",
-                episode=episode_to_proto(episode),
-                answer=struct_from_mapping(answer),
-            ),
-            metadata=self._metadata,
-            timeout=300,
-        )
-        return float(response.reward)
-
-    async def aclose(self) -> None:
-        for channel in self._channels:
-            await channel.close(None)
+        verdict = await ctx.verify(resources, play.answer(inner, last))
+        turns = [s.to_dict() for s in steps]
+        return _episode_output(task, turns, prompts, versions, answered, verdict.reward)

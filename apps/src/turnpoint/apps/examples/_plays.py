@@ -18,10 +18,13 @@ completion into one tool call:
 A turn's reply comes back as one token: ``CORRECT`` when the environment says the goal
 is met or the hand was won, ``HIGHER``/``LOWER`` to say which way to go (the counter) or
 that the hand goes on / was lost, ``INVALID`` otherwise. The reward is the verifier's.
+Each step also keeps the tool's reply as :func:`reply_text`, the form the resources
+servers log each execution's reply in, so the demo's audit compares the two.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -33,20 +36,39 @@ from turnpoint.apps.examples._workplace import make_goal
 MAX_TURNS = 3
 
 
+def reply_text(reply: Mapping[str, Any]) -> str:
+    """A tool's reply as one canonical line (keys sorted), so the tool's log and the
+    agent's turn agree. These environments reply with ints, strings, booleans and lists
+    only (the workplace shows a real as text), which the wire hands back unchanged."""
+    return json.dumps(reply, sort_keys=True, separators=(",", ":"))
+
+
 @dataclass(frozen=True, slots=True)
 class Step:
-    """One finished turn: the completion, the tool call it became, the reply's token."""
+    """One finished turn: the completion, the tool call it became, the reply's token, and
+    the tool's reply (:func:`reply_text`)."""
 
     completion: tuple[int, ...]
     tool: str
     reply_token: int
+    reply: str
 
     def to_dict(self) -> dict[str, Any]:
-        return {"completion": list(self.completion), "tool": self.tool, "reply": self.reply_token}
+        return {
+            "completion": list(self.completion),
+            "tool": self.tool,
+            "reply_token": self.reply_token,
+            "reply": self.reply,
+        }
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Step:
-        return cls(tuple(int(t) for t in data["completion"]), str(data["tool"]), int(data["reply"]))
+        return cls(
+            tuple(int(t) for t in data["completion"]),
+            str(data["tool"]),
+            int(data["reply_token"]),
+            str(data["reply"]),
+        )
 
 
 def _digit(value: int) -> int:
