@@ -9,7 +9,6 @@ it), as the coding environment's sandboxes do when served.
 from __future__ import annotations
 
 import asyncio
-import json
 from pathlib import Path
 
 import pytest
@@ -308,33 +307,3 @@ async def test_a_participant_configured_with_another_sandbox_root_refuses_the_re
                 await provider.destroy(EP.rollout_id)  # nothing was made here
     finally:
         await elsewhere.aclose()
-
-
-async def test_the_last_call_sent_again_is_applied_to_the_tree_before_it_not_on_top(
-    tmp_path: Path,
-) -> None:
-    """A continued attempt may re-send the call of the turn the resources server's cut
-    already holds, with other arguments: the sandbox is rewound to the tree before it."""
-    log = tmp_path / "verifier.jsonl"
-    spec = ExampleSpec("coding", tmp_path / "snapshots", TOKEN, verifier_log=log)
-    served = await host_example("resources", "coding", spec)
-    client = ResourcesClient(served.address, token=TOKEN)
-    try:
-        await client.seed(EP, {"task": "add"})
-        await client.call(EP, "run", {"argv": APPEND, "turn": 0}, request_id="c-0")
-        await client.call(EP, "run", {"argv": APPEND, "turn": 1}, request_id="c-1")
-        fix = {"path": "solution.py", "content": TASKS[0].fixed, "turn": 1}
-        await client.call(EP, "write_file", fix, request_id="c-1-again")
-        look = {"argv": ["cat", "effects.log"], "turn": 2}
-        seen = await client.call(EP, "run", look, request_id="c-2")
-        verdict = await client.verify(EP, {}, request_id="v")
-    finally:
-        await client.aclose()
-        await served.stop(0)
-    assert seen["stdout"] == "ran\n" and verdict.reward == 1.0
-    lines = [json.loads(line) for line in log.read_text().splitlines()]
-    executions = [line["execution"] for line in lines if "execution" in line]
-    assert [line["turn"] for line in lines if "execution" in line] == [0, 1, 1, 2]
-    [scored] = [line for line in lines if "verifier" in line]
-    # The first call of turn 1 was undone with its tree: not in the session's history.
-    assert scored["executions"] == [executions[0], executions[2], executions[3]]

@@ -13,14 +13,13 @@ inside the sandbox. Tools:
 Commands run with ``-B`` where they are Python, so a run or a verify leaves no bytecode
 in the tree: the tree changes only by what the agent does.
 
-Every tool call may name its ``turn`` (the number of calls the session had applied before
-it), as in the other exported environments (:mod:`._environments`): at a cut the
-resources server may be one call ahead of the agent, so a continued attempt may send the
-last call again, possibly with other arguments. Before each call the sandbox is
-snapshotted; a call naming the turn before the current one first rewinds the sandbox to
-that snapshot, so it is never applied on top of itself.
+At a cut the resources server may be one call ahead of the agent, so a continued attempt
+sends the last call again: the agent's calls are keyed (``ctx.call``) and the SDK answers
+a key the session's reply record holds without running the command again (docs/spec.md
+section 6.12), as for the other exported environments (:mod:`._environments`).
 
-For the demo's audit the server logs (to its verifier log) every tool execution, the
+For the demo's audit the server logs (to its verifier log) every tool execution
+(:class:`._participants.ToolExecutions`; the turn is the call's ``turn`` argument), the
 executions each session had applied when it was scored, and for every restored session
 the tree digest its snapshot recorded at the cut beside the digest of the tree the
 restore made.
@@ -30,17 +29,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
-import os
-import secrets
-import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, ClassVar, Final
 
 from turnpoint.apps.examples._coding_tasks import BY_NAME, CHECK, SOLUTION, task_of
 from turnpoint.apps.examples._environments import call_turn
-from turnpoint.apps.examples._participants import VerifierLog
+from turnpoint.apps.examples._participants import ToolExecutions, VerifierLog
+from turnpoint.apps.examples._plays import reply_text
 from turnpoint.errors import Reason
 from turnpoint.ids import EpisodeId
 from turnpoint.participant_sdk import ParticipantError, Verdict, VerifyMode
@@ -53,7 +49,6 @@ from turnpoint.participant_sdk.sandboxes import (
     SandboxResourcesServer,
     SandboxSession,
     SavedSession,
-    SnapshotHandle,
 )
 
 CODING: Final = "coding"
@@ -61,7 +56,7 @@ COMMAND_SECONDS: Final = 20.0
 _MAX_ARGS: Final = 64
 _MAX_FILE_BYTES: Final = 64 << 10
 _REPLY_CHARS: Final = 4000
-_DATA_FIELDS: Final = frozenset({"task", "turn", "before", "executions"})
+_DATA_FIELDS: Final = frozenset({"task", "executions"})
 TOOLS: Final = ("write_file", "run", "run_tests")
 
 
@@ -107,8 +102,9 @@ class CodingTools(SandboxResourcesServer):
     ) -> None:
         super().__init__(open_provider, in_flight=in_flight)
         self.name, self.log = name, log or VerifierLog(None)
-        self._execution_ids = f"{name}-{os.getpid()}-{secrets.token_hex(3)}"
-        self._executions = 0
+        self.executions = ToolExecutions(name, self.log)
+        # The log is written in threads, one line at a time (execution ids count up).
+        self._logging = asyncio.Lock()
 
     @classmethod
     def on_disk(
@@ -120,10 +116,9 @@ class CodingTools(SandboxResourcesServer):
     def check_data(self, data: Mapping[str, Any]) -> None:
         if set(data) != _DATA_FIELDS or data["task"] not in BY_NAME:
             raise ValueError(f"a coding session's data holds exactly {sorted(_DATA_FIELDS)}")
-        if not isinstance(data["turn"], int) or not isinstance(data["executions"], list):
-            raise ValueError("a coding session's turn is an integer, its executions a list")
-        if data["before"] is not None:
-            SnapshotHandle.from_json(data["before"])
+        executions = data["executions"]
+        if not isinstance(executions, list) or not all(isinstance(e, str) for e in executions):
+            raise ValueError("a coding session's executions are a list of execution ids")
 
     async def set_up(self, session: SandboxSession, task: Mapping[str, Any]) -> None:
         with _bad_input("task"):
@@ -131,7 +126,7 @@ class CodingTools(SandboxResourcesServer):
         provider = await self.provider()
         await provider.write_file(session.sandbox, SOLUTION, chosen.source.encode())
         await provider.write_file(session.sandbox, CHECK, chosen.check.encode())
-        session.data.update(task=chosen.name, turn=0, before=None, executions=[])
+        session.data.update(task=chosen.name, executions=[])
 
     async def tool(
         self, session: SandboxSession, tool: str, arguments: Mapping[str, Any]
@@ -149,29 +144,15 @@ class CodingTools(SandboxResourcesServer):
                 raise ValueError(f"no tool {tool!r}; tools: {', '.join(TOOLS)}")
             argv = _argv(arguments) if tool == "run" else []
             written = _written(arguments) if tool == "write_file" else ("", b"")
-            turn = call_turn(arguments, data["turn"])
-            if turn != data["turn"] and data["before"] is None:
-                raise ValueError("no earlier tree to answer the last call from")
-        if turn != data["turn"]:
-            # The last call again (a continued attempt): from the tree before it.
-            await self.rewind(session, SnapshotHandle.from_json(data["before"]))
-            data["executions"] = data["executions"][:-1]
-        data["before"] = (await self.checkpoint(session)).to_json()
-        data["turn"] = turn + 1
+            turn = call_turn(arguments, len(data["executions"]))
+        # Not idempotent (a command appends, a write replaces): the SDK's reply record
+        # answers a re-sent key, so this runs once per key.
         reply = await self._apply(session, tool, argv, written)
-        self._executions += 1
-        execution = f"{self._execution_ids}-{self._executions}"
+        async with self._logging:
+            execution = await asyncio.to_thread(
+                self.executions.applied, session.episode, turn, reply_text(reply), tool=tool
+            )
         data["executions"] = [*data["executions"], execution]
-        await asyncio.to_thread(
-            self.log.write,
-            tools=self.name,
-            execution=execution,
-            rollout_id=session.episode.rollout_id,
-            attempt=session.episode.attempt,
-            turn=turn,
-            reply=json.dumps(reply, sort_keys=True),
-            t=time.time(),
-        )
         return reply
 
     async def _apply(

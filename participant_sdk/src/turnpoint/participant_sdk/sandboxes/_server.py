@@ -198,17 +198,6 @@ class SandboxResourcesServer(ResourcesServer):
         provider = await self.provider()
         return await provider.snapshot(session.sandbox, retention_seconds=self._retention_seconds)
 
-    async def rewind(self, session: SandboxSession, handle: SnapshotHandle) -> None:
-        """Bring the session's sandbox back to one of its own snapshots, as a new
-        generation (for a call that must be answered from the tree before it)."""
-        if handle.sandbox_id != session.sandbox.sandbox_id:
-            raise ValueError(f"{handle.snapshot_id} is not a snapshot of this session's sandbox")
-        provider = await self.provider()
-        await provider.destroy(handle.sandbox_id)
-        # Destroyed, the sandbox has no restore attempts left to count against.
-        (restored,) = await provider.restore([handle], attempt=max(session.episode.attempt, 1))
-        session.sandbox = restored.sandbox
-
     # ------------------------------------------------------------ ResourcesServer
 
     async def seed(self, episode: EpisodeId, task: Mapping[str, Any]) -> None:
