@@ -1,9 +1,10 @@
 """The coding environment's sessions through checkpoints, over real gRPC.
 
 docs/spec.md section 5.7.5: a :class:`SandboxResourcesServer` exports each session as
-its sandbox's snapshot handle and restores it into a new generation. Every command runs
-under bubblewrap (the local provider's strongest isolation; ``./dev setup`` installs
-it), as the coding environment's sandboxes do when served.
+its sandbox's snapshot handle and restores it into a new generation. The servers these
+tests make themselves require bubblewrap, as tests/integration/test_sandboxes.py does
+(``./dev test`` installs it); the one ``turnpoint serve`` builds takes the strongest
+isolation the machine has.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from turnpoint.ids import EpisodeId
 from turnpoint.participant_sdk._effects import CallPosition, effect_key
 from turnpoint.participant_sdk.sandboxes import (
     InFlight,
-    LocalSandboxProvider,
+    Isolation,
     Sandbox,
     SandboxFencedError,
     SandboxNotFoundError,
@@ -43,7 +44,7 @@ async def test_a_restored_session_is_its_sandbox_at_the_cut_and_a_resent_call_ru
     tmp_path: Path,
 ) -> None:
     root, sandboxes = tmp_path / "snapshots", tmp_path / "sandboxes"
-    first = CodingTools.on_disk(sandboxes)
+    first = CodingTools.on_disk(sandboxes, isolation=Isolation.BWRAP)
     try:
         async with (
             host_scripted(root, instance="coding-0", resources=first) as served,
@@ -68,7 +69,7 @@ async def test_a_restored_session_is_its_sandbox_at_the_cut_and_a_resent_call_ru
         await first.aclose()
 
     continued = EP.next_attempt()
-    second = CodingTools.on_disk(sandboxes)
+    second = CodingTools.on_disk(sandboxes, isolation=Isolation.BWRAP)
     try:
         async with (
             host_scripted(root, instance="coding-0", resources=second) as served,
@@ -107,7 +108,7 @@ async def test_a_restored_session_is_its_sandbox_at_the_cut_and_a_resent_call_ru
 
     # Both crash again before another checkpoint: the same cut is restored again, under
     # the same attempt, into a sandbox the last process had restored.
-    third = CodingTools.on_disk(sandboxes)
+    third = CodingTools.on_disk(sandboxes, isolation=Isolation.BWRAP)
     try:
         async with (
             host_scripted(root, instance="coding-0", resources=third) as served,
@@ -131,7 +132,7 @@ async def test_a_session_closed_after_the_cut_is_restored_from_its_snapshot(
     tmp_path: Path,
 ) -> None:
     """Its sandbox was destroyed with the session; the snapshot brings it back."""
-    tools = CodingTools.on_disk(tmp_path / "sandboxes")
+    tools = CodingTools.on_disk(tmp_path / "sandboxes", isolation=Isolation.BWRAP)
     try:
         async with (
             host_scripted(tmp_path / "snapshots", instance="coding-0", resources=tools) as served,
@@ -159,7 +160,7 @@ async def test_a_session_closed_after_the_cut_is_restored_from_its_snapshot(
 
 async def test_by_default_a_prepare_waits_for_the_command_in_flight(tmp_path: Path) -> None:
     sandboxes = tmp_path / "sandboxes"
-    tools = CodingTools.on_disk(sandboxes)
+    tools = CodingTools.on_disk(sandboxes, isolation=Isolation.BWRAP)
     try:
         async with (
             host_scripted(tmp_path / "snapshots", instance="coding-0", resources=tools) as served,
@@ -203,7 +204,7 @@ async def test_a_cut_level_kills_the_command_in_flight_and_the_snapshot_holds_wh
     tmp_path: Path,
 ) -> None:
     sandboxes = tmp_path / "sandboxes"
-    tools = CodingTools(lambda: LocalSandboxProvider.open(sandboxes), in_flight=InFlight.CUT)
+    tools = CodingTools.on_disk(sandboxes, isolation=Isolation.BWRAP, in_flight=InFlight.CUT)
     try:
         async with (
             host_scripted(tmp_path / "snapshots", instance="coding-0", resources=tools) as served,
@@ -276,7 +277,7 @@ async def test_a_participant_configured_with_another_sandbox_root_refuses_the_re
     tmp_path: Path,
 ) -> None:
     root = tmp_path / "snapshots"
-    first = CodingTools.on_disk(tmp_path / "sandboxes")
+    first = CodingTools.on_disk(tmp_path / "sandboxes", isolation=Isolation.BWRAP)
     try:
         async with (
             host_scripted(root, instance="coding-0", resources=first) as served,
@@ -292,7 +293,7 @@ async def test_a_participant_configured_with_another_sandbox_root_refuses_the_re
     finally:
         await first.aclose()
 
-    elsewhere = CodingTools.on_disk(tmp_path / "other-sandboxes")
+    elsewhere = CodingTools.on_disk(tmp_path / "other-sandboxes", isolation=Isolation.BWRAP)
     try:
         async with (
             host_scripted(root, instance="coding-0", resources=elsewhere) as served,

@@ -44,6 +44,7 @@ from turnpoint.participant_sdk.sandboxes import (
     CommandCutError,
     ExecResult,
     InFlight,
+    Isolation,
     LocalSandboxProvider,
     SandboxProvider,
     SandboxResourcesServer,
@@ -108,10 +109,21 @@ class CodingTools(SandboxResourcesServer):
 
     @classmethod
     def on_disk(
-        cls, sandbox_root: Path, name: str = CODING, log: VerifierLog | None = None
+        cls,
+        sandbox_root: Path,
+        name: str = CODING,
+        log: VerifierLog | None = None,
+        *,
+        isolation: Isolation | None = None,
+        in_flight: InFlight = InFlight.WAIT,
     ) -> CodingTools:
-        """Sandboxes and their snapshots under ``sandbox_root`` (the local provider)."""
-        return cls(lambda: LocalSandboxProvider.open(sandbox_root), name, log)
+        """Sandboxes and their snapshots under ``sandbox_root`` (the local provider), its
+        commands under ``isolation`` (None: the strongest this machine has)."""
+
+        def open_provider() -> Awaitable[SandboxProvider]:
+            return LocalSandboxProvider.open(sandbox_root, isolation=isolation)
+
+        return cls(open_provider, name, log, in_flight=in_flight)
 
     def check_data(self, data: Mapping[str, Any]) -> None:
         if set(data) != _DATA_FIELDS or data["task"] not in BY_NAME:
