@@ -143,7 +143,7 @@ class CodingTools(SandboxResourcesServer):
     async def tool(
         self, session: SandboxSession, tool: str, arguments: Mapping[str, Any]
     ) -> Mapping[str, Any]:
-        # One call at a time per session: each reads and moves its turn and tree.
+        # One call at a time per session: each changes its tree and extends its executions.
         async with session.lock:
             return await self._tool(session, tool, arguments)
 
