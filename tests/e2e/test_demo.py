@@ -194,6 +194,26 @@ def test_each_environment_trains_through_its_crash_and_passes_the_audit(
     assert int(tools[0].split()[2]) > 0 and "not audited" not in tools[0], tools[0]
 
 
+def test_coding_in_sandboxes_trains_through_its_crash_and_every_restored_tree_is_its_cut(
+    tmp_path: Path,
+) -> None:
+    """Issue 25: the coding environment, each episode a sandbox exported as its snapshot
+    handle, through the crash right after the first snapshot that cut rollouts in
+    flight. The audit checks every restored sandbox's tree against its digest at the cut,
+    and (the tool-call audit) that no turn's command was applied twice. Four steps: the
+    crash and restore are in the first two."""
+    flags = ("--env", "coding", "--agents", "1", "--steps", "4")
+    run = run_demo(tmp_path / "out", *flags, "--crash-at", "published:1")
+
+    assert [event["type"] for event in run.supervisor] == ["crash", "restart"]
+    assert_restored_and_continued(run, run.only("kill")["checkpoint_id"])
+    lines = run.stdout.splitlines()
+    [sandboxes] = [line for line in lines if line.startswith("sandboxes: ")]
+    assert int(sandboxes.split()[1]) >= 1, sandboxes
+    assert any(line.startswith("tool calls: ") for line in lines)
+    assert run.only("done", 2)["step"] == 4
+
+
 def test_long_generations_cut_at_each_snapshot_pass_the_token_audit(tmp_path: Path) -> None:
     """docs/spec.md section 5.5: the policy cuts generations at every snapshot, the agents
     continue them, and the token audit finds each cut prefix trained once, never

@@ -238,7 +238,7 @@ async def test_a_participant_that_exits_before_serving_fails_fast_with_its_stder
         f"participant tools did not start within {TIMEOUT_S:g}s (it exited with status 2); "
         "its stderr says:\n"
         "    turnpoint serve: no example 'bogus' for kind 'resources'; choose one of: "
-        "guess, guess-group, counter, blackjack, workplace"
+        "guess, guess-group, counter, blackjack, workplace, coding"
     )
 
 

@@ -141,6 +141,27 @@ async def test_a_file_written_after_the_snapshot_is_gone_after_restore(
     assert await provider.read_file(new, "src/task.py") == b"x = 1\n"
 
 
+async def test_a_destroyed_sandbox_comes_back_from_its_snapshot_past_its_last_generation(
+    provider: LocalSandboxProvider,
+) -> None:
+    """Its episode ended after the cut; a restore of that cut still needs it."""
+    box = await provider.create("box")
+    await provider.write_file(box, "kept", b"yes")
+    handle = await provider.snapshot(box, retention_seconds=60)
+    await provider.destroy("box")
+
+    [restored] = await provider.restore([handle], attempt=1)
+
+    assert restored.sandbox == Sandbox("box", 2)
+    assert await provider.read_file(restored.sandbox, "kept") == b"yes"
+    with pytest.raises(SandboxFencedError):
+        await provider.read_file(box, "kept")
+    with pytest.raises(DuplicateRestoreError):
+        await provider.restore([handle], attempt=1)
+    with pytest.raises(SandboxExistsError):
+        await provider.create("box")
+
+
 async def test_the_old_generation_is_fenced(provider: LocalSandboxProvider) -> None:
     box = await provider.create("box")
     handle = await provider.snapshot(box, retention_seconds=60)

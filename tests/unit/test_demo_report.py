@@ -30,6 +30,7 @@ from turnpoint.apps.demo._report import (
     load_run,
     parse_events,
     parse_generation_entries,
+    parse_sandbox_entries,
     parse_verifier_entries,
     percentile,
     render_report,
@@ -226,6 +227,42 @@ def test_a_good_run_passes_the_audit() -> None:
         STEPS * GROUPS_PER_STEP * GROUP_SIZE,
     )
     assert result.rolled_back_steps == 2
+
+
+def _restored_sandbox(restored_digest: str) -> dict[str, Any]:
+    return {
+        "sandbox": "g00001-s0",
+        "rollout_id": "g00001-s0",
+        "attempt": 1,
+        "generation": 2,
+        "cut_digest": "a" * 64,
+        "restored_digest": restored_digest,
+    }
+
+
+def test_the_sandbox_audit_counts_restored_trees_equal_to_their_cut() -> None:
+    run = _good_run()
+    lines = [*run.verifier, _restored_sandbox("a" * 64)]
+    # A verifier log with sandbox lines still parses its rewards the same.
+    assert parse_verifier_entries(lines) == parse_verifier_entries(run.verifier)
+    sandboxes = parse_sandbox_entries(lines)
+    result = _audit(run, sandboxes=sandboxes)
+    assert result.passed, result.reason
+    assert result.sandboxes is not None and result.sandboxes.restored == 1
+    assert result.sandboxes.line == (
+        "sandboxes: 1 restored, each tree equal to its digest at the cut"
+    )
+    assert _audit(run).sandboxes is None
+
+
+def test_a_restored_tree_other_than_its_cut_fails_the_audit() -> None:
+    sandboxes = parse_sandbox_entries([_restored_sandbox("b" * 64)])
+    result = _audit(_good_run(), sandboxes=sandboxes)
+    assert not result.passed
+    assert result.reason == (
+        "sandbox g00001-s0 of rollout g00001-s0 attempt 1 was restored as generation 2 "
+        f"with tree {'b' * 12}, but its snapshot recorded {'a' * 12} at the cut"
+    )
 
 
 def test_a_run_without_a_crash_passes_too() -> None:

@@ -83,6 +83,11 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         help="snapshot root: a directory or a storage URL (file:///path[?mount=shared], "
         "s3://bucket/prefix; boto3's environment gives the endpoint and credentials)",
     )
+    parser.add_argument(
+        "--sandbox-root",
+        help="coding: the directory of its sandboxes and their snapshots "
+        "(default: ROOT/sandboxes/INSTANCE when --root is a directory)",
+    )
     parser.add_argument("--token-file", help="file holding the bearer token")
     parser.add_argument("--insecure-no-auth", action="store_true")
     parser.add_argument("--tls-cert", help="server certificate (PEM)")
@@ -259,6 +264,7 @@ async def _serve(
         token_delay_s=args.token_delay,
         cut_generations=args.cut_generations,
         hold_calls_until=Path(args.hold_calls_until) if args.hold_calls_until else None,
+        sandbox_root=Path(args.sandbox_root) if args.sandbox_root else None,
     )
     try:
         # A store that refuses the credentials, or a bucket that is not there: a clear

@@ -52,10 +52,10 @@ def add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument(
         "--env",
         default="guess",
-        choices=["guess", "blackjack", "workplace"],
+        choices=["guess", "blackjack", "workplace", "coding"],
         help="the environment to train on: the guessing game (per-sibling and group-scored "
-        "tools), Blackjack on a seeded shoe, or the workplace on per-episode SQLite tables "
-        "(default: %(default)s)",
+        "tools), Blackjack on a seeded shoe, the workplace on per-episode SQLite tables, or "
+        "coding in per-episode sandboxes (default: %(default)s)",
     )
     parser.add_argument(
         "--steps", type=int, default=DEFAULT_STEPS, help="training steps (default: %(default)s)"

@@ -88,6 +88,7 @@ class DemoBuild:
             token_delay_s=spec.token_delay_s or 0.0,
             cut_generations=spec.cut_generations,
             hold_calls_until=spec.hold_calls_until,
+            sandbox_root=spec.sandbox_root,
         )
         runtime, closers = build_example(spec.kind, spec.example, example)
         return runtime, closers

@@ -78,6 +78,14 @@ that ran the tool again shows as a turn applied twice), every execution is one a
 resources server logged, and the reply training took for each turn is the reply the
 tool gave. A turn answered in a later attempt than the one whose execution produced it
 (``answered_in`` in the trained turn) was *answered from the record*.
+
+**The sandbox audit** (docs/spec.md section 5.7.5), when a resources server logged
+restored sandboxes (the coding environment): one line per session a restore brought
+back, ``sandbox``, ``rollout_id``, ``attempt``, ``generation``, ``cut_digest`` (the tree
+digest its snapshot recorded at the cut) and ``restored_digest`` (the digest of the tree
+the restore made, measured). Every restored tree must equal its digest at the cut. That
+no command's effect is applied twice is the tool-call audit's: the coding environment
+logs its executions like the other servers.
 """
 
 from __future__ import annotations
@@ -288,6 +296,18 @@ class ExecutionEntry:
     turn: int
     reply: str
     t: float
+
+
+@dataclass(frozen=True, slots=True)
+class SandboxEntry:
+    """One sandbox a restore brought back, with its tree's digest at the cut and after."""
+
+    sandbox: str
+    rollout_id: str
+    attempt: int
+    generation: int
+    cut_digest: str
+    restored_digest: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -552,7 +572,7 @@ def parse_verifier_entries(
     """The verifier lines of a resources server's log (its tool executions skipped)."""
     entries = []
     for number, raw in enumerate(raw_entries, start=1):
-        if "execution" in raw:
+        if "execution" in raw or "sandbox" in raw:
             continue
         fields = _Fields(raw, f"{source} line {number}")
         executions = None
@@ -591,6 +611,28 @@ def parse_execution_entries(
                 fields.integer("turn"),
                 fields.text("reply"),
                 fields.number("t"),
+            )
+        )
+    return entries
+
+
+def parse_sandbox_entries(
+    raw_entries: Iterable[Mapping[str, Any]], source: str = "resources log"
+) -> list[SandboxEntry]:
+    """The restored sandboxes of a resources server's log (its other lines skipped)."""
+    entries = []
+    for number, raw in enumerate(raw_entries, start=1):
+        if "sandbox" not in raw:
+            continue
+        fields = _Fields(raw, f"{source} line {number}")
+        entries.append(
+            SandboxEntry(
+                fields.text("sandbox"),
+                fields.text("rollout_id"),
+                fields.integer("attempt"),
+                fields.integer("generation"),
+                fields.text("cut_digest"),
+                fields.text("restored_digest"),
             )
         )
     return entries
@@ -647,6 +689,8 @@ class RunLogs:
     generations: tuple[GenerationEntry, ...] = ()
     # Empty when no resources server logged its tool executions (no tool-call audit).
     executions: tuple[ExecutionEntry, ...] = ()
+    # Empty when no resources server logged restored sandboxes (no sandbox audit).
+    sandboxes: tuple[SandboxEntry, ...] = ()
 
 
 def load_run(out: Path) -> RunLogs:
@@ -655,15 +699,22 @@ def load_run(out: Path) -> RunLogs:
     supervisor = parse_supervisor_events(read_jsonl(out / "supervisor.jsonl"))
     verifier: list[VerifierEntry] = []
     executions: list[ExecutionEntry] = []
+    sandboxes: list[SandboxEntry] = []
     for path in sorted(out.glob("verifier-*.jsonl")):
         lines = read_jsonl(path)
         verifier.extend(parse_verifier_entries(lines, path.name))
         executions.extend(parse_execution_entries(lines, path.name))
+        sandboxes.extend(parse_sandbox_entries(lines, path.name))
     generations: list[GenerationEntry] = []
     for path in sorted(out.glob("generations-*.jsonl")):
         generations.extend(parse_generation_entries(read_jsonl(path), path.name))
     return RunLogs(
-        events, tuple(supervisor), tuple(verifier), tuple(generations), tuple(executions)
+        events,
+        tuple(supervisor),
+        tuple(verifier),
+        tuple(generations),
+        tuple(executions),
+        tuple(sandboxes),
     )
 
 
@@ -774,6 +825,18 @@ class ToolAudit:
 
 
 @dataclass(frozen=True, slots=True)
+class SandboxAudit:
+    """The sandbox audit's count (see the module docstring)."""
+
+    restored: int = 0
+    """Sandboxes a restore brought back, each tree equal to its digest at the cut."""
+
+    @property
+    def line(self) -> str:
+        return f"sandboxes: {self.restored} restored, each tree equal to its digest at the cut"
+
+
+@dataclass(frozen=True, slots=True)
 class AuditResult:
     passed: bool
     reason: str | None = None
@@ -785,6 +848,8 @@ class AuditResult:
     tokens: TokenAudit | None = None
     # None when the tool-call audit did not run (no tool executions logged).
     tools: ToolAudit | None = None
+    # None when the sandbox audit did not run (no restored sandbox logged).
+    sandboxes: SandboxAudit | None = None
 
     @property
     def line(self) -> str:
@@ -804,6 +869,7 @@ def audit(
     groups_per_step: int | None = None,
     generations: Sequence[GenerationEntry] = (),
     executions: Sequence[ExecutionEntry] = (),
+    sandboxes: Sequence[SandboxEntry] = (),
 ) -> AuditResult:
     """The exactly-once audit of a finished run (see the module docstring).
 
@@ -811,7 +877,7 @@ def audit(
     stops early or trains short steps is not the run that was asked for. With
     ``generations`` (the policy's log) and the trained turns in the train steps, the
     token audit runs too; with ``executions`` (the resources servers' logs), the
-    tool-call audit.
+    tool-call audit; with ``sandboxes`` (restored sandboxes logged), the sandbox audit.
     """
     try:
         lineage = effective_lineage(log)
@@ -824,6 +890,7 @@ def audit(
         _check_rewards(lineage, verifier)
         tokens = _check_tokens(log, lineage, generations)
         tools = _check_tool_calls(lineage, verifier, executions)
+        restored = _check_sandboxes(sandboxes)
     except _AuditFailure as failure:
         return AuditResult(False, str(failure), rolled_back_steps=len(lineage.rolled_back))
     return AuditResult(
@@ -835,6 +902,7 @@ def audit(
         rolled_back_steps=len(lineage.rolled_back),
         tokens=tokens,
         tools=tools,
+        sandboxes=restored,
     )
 
 
@@ -998,6 +1066,21 @@ def _check_rewards(lineage: Lineage, verifier: Sequence[VerifierEntry]) -> None:
                     f"{name} was trained with reward {sample.reward!r} but the verifier "
                     f"returned {_few(rewards)}"
                 )
+
+
+def _check_sandboxes(sandboxes: Sequence[SandboxEntry]) -> SandboxAudit | None:
+    """The sandbox audit (module docstring); None when no restored sandbox was logged."""
+    if not sandboxes:
+        return None
+    for entry in sandboxes:
+        if entry.restored_digest != entry.cut_digest:
+            raise _AuditFailure(
+                f"sandbox {entry.sandbox} of rollout {entry.rollout_id} attempt "
+                f"{entry.attempt} was restored as generation {entry.generation} with tree "
+                f"{entry.restored_digest[:12]}, but its snapshot recorded "
+                f"{entry.cut_digest[:12]} at the cut"
+            )
+    return SandboxAudit(len(sandboxes))
 
 
 def _check_tool_calls(
@@ -1372,6 +1455,7 @@ def build_report(
         groups_per_step=groups_per_step,
         generations=logs.generations,
         executions=logs.executions,
+        sandboxes=logs.sandboxes,
     )
     try:
         lineage = effective_lineage(events)
@@ -1474,5 +1558,7 @@ def render_report(
         console.print(Text(report.audit.tokens.line), soft_wrap=True)
     if report.audit.tools is not None:
         console.print(Text(report.audit.tools.line), soft_wrap=True)
+    if report.audit.sandboxes is not None:
+        console.print(Text(report.audit.sandboxes.line), soft_wrap=True)
     style = "bold green" if report.audit.passed else "bold red"
     console.print(Text(report.audit.line, style=style), soft_wrap=True)

@@ -141,8 +141,9 @@ POLL_INTERVAL_S = 0.25
 
 GUESS = "guess"
 GUESS_GROUP = "guess-group"
+CODING = "coding"
 # What --env offers: the guessing game, and the exported environments the play agent plays.
-ENVIRONMENTS = (GUESS, "blackjack", "workplace")
+ENVIRONMENTS = (GUESS, "blackjack", "workplace", CODING)
 OUT_MARKER = ".turnpoint-demo"
 _SERVING = re.compile(r"^turnpoint: serving (?P<kind>\S+) (?P<instance>\S+) on (?P<address>\S+)$")
 _STDERR_TAIL_LINES = 15
@@ -520,6 +521,8 @@ class ParticipantSpec:
     workers: int = 1
     # Testing: a guess server holds every tool call until this file exists.
     hold_calls_until: Path | None = None
+    # The coding environment: its sandboxes and their snapshots, on this machine.
+    sandbox_root: Path | None = None
 
     def serve_arguments(self, snapshot_root: str) -> list[str]:
         arguments = [
@@ -558,6 +561,8 @@ class ParticipantSpec:
             arguments += ["--workers", str(self.workers)]
         if self.hold_calls_until is not None:
             arguments += ["--hold-calls-until", str(self.hold_calls_until)]
+        if self.sandbox_root is not None:
+            arguments += ["--sandbox-root", str(self.sandbox_root)]
         return arguments
 
 
@@ -583,6 +588,10 @@ def server_specs(
             example=options.environment,
             environment=options.environment,
             verifier_log=paths.verifier_log("tools"),
+            # In the run's directory even when the snapshots go to an object store.
+            sandbox_root=paths.out / "sandboxes" / "tools"
+            if options.environment == CODING
+            else None,
         )
         return [policy, tools]
     return [

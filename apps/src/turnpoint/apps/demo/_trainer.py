@@ -521,7 +521,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--rollout-budget", type=float, default=None)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--env", default=GUESS, choices=[GUESS, "blackjack", "workplace"])
+    parser.add_argument("--env", default=GUESS, choices=[GUESS, "blackjack", "workplace", "coding"])
     parser.add_argument(
         "--resume",
         action="store_true",

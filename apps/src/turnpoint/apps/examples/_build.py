@@ -48,11 +48,25 @@ class ExampleSpec:
     hold_calls_until: Path | None = None
     # Serve RestoreRunning (docs/spec.md section 4.16); off, it must be fresh to restore.
     restore_running: bool = True
+    # The coding environment's sandboxes and their snapshots (docs/spec.md section 5.7.5);
+    # None: ``<root>/sandboxes/<instance>`` when the snapshot root is a directory.
+    sandbox_root: Path | None = None
+
+    def sandboxes(self) -> Path:
+        """Where this participant's sandboxes and their snapshots live."""
+        if self.sandbox_root is not None:
+            return self.sandbox_root
+        if isinstance(self.root, Path) or "://" not in self.root:
+            return Path(self.root) / "sandboxes" / self.instance
+        raise ValueError(
+            "sandboxes live on this machine, but the snapshot root is a storage URL: "
+            "give --sandbox-root DIR"
+        )
 
 
 EXAMPLES: dict[str, tuple[str, ...]] = {
     "model": ("tiny-policy",),
-    "resources": ("guess", "guess-group", "counter", "blackjack", "workplace"),
+    "resources": ("guess", "guess-group", "counter", "blackjack", "workplace", "coding"),
     "agent": ("guess", "play"),
 }
 
@@ -106,6 +120,15 @@ def build_example(
 
         served = build_environment(example, spec.instance, VerifierLog(spec.verifier_log))
         runtime = ParticipantRuntime(spec.instance, store, resources=served, config=config)
+        return runtime, closers
+    if kind == "resources" and example == "coding":
+        from turnpoint.apps.examples._coding import CodingTools
+
+        coding = CodingTools.on_disk(
+            spec.sandboxes(), spec.instance, VerifierLog(spec.verifier_log)
+        )
+        closers.append(coding.aclose)
+        runtime = ParticipantRuntime(spec.instance, store, resources=coding, config=config)
         return runtime, closers
     if kind == "agent" and example == "play":
         if not spec.policy_address or not spec.resources:

@@ -1,4 +1,4 @@
-"""How an agent plays the counter, Blackjack and the workplace with the tiny policy (pure).
+"""How an agent plays the counter, Blackjack, the workplace and coding with the tiny policy (pure).
 
 The policy speaks the guessing game's vocabulary (:class:`._task.Token`); each
 environment here maps its observations into that vocabulary and the first digit of a
@@ -10,6 +10,10 @@ completion into one tool call:
   even digit hits, anything else stands (the last turn always stands).
 - workplace: the context shows the goal's day; a digit ``d < 5`` books the goal's customer
   on day ``d``, any other digit emails them.
+- coding: the context shows the task's number; a digit ``d < 4`` writes the fixed
+  ``solution.py``, ``d < 6`` writes it back as it was given, ``d < 8`` runs the tests
+  and any other digit runs a command that appends the turn to ``notes.txt`` (an effect
+  that would show if it were applied twice).
 
 A turn's reply comes back as one token: ``CORRECT`` when the environment says the goal
 is met or the hand was won, ``HIGHER``/``LOWER`` to say which way to go (the counter) or
@@ -25,6 +29,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from turnpoint.apps.examples._coding_tasks import SOLUTION, task_of
 from turnpoint.apps.examples._task import Token, parse_guess
 from turnpoint.apps.examples._workplace import make_goal
 
@@ -189,6 +194,38 @@ class WorkplacePlay(Play):
         return len(steps) >= MAX_TURNS
 
 
+class CodingPlay(Play):
+    environment = "coding"
+
+    def context(
+        self, task: Mapping[str, Any], shown: Mapping[str, Any], steps: Sequence[Step]
+    ) -> list[int]:
+        seed = int(task["seed"])
+        return _context([_digit(seed % 10), _digit(seed // 10 % 10)], steps)
+
+    def action(
+        self, task: Mapping[str, Any], completion: Sequence[int], turn: int
+    ) -> tuple[str, dict[str, Any]]:
+        chosen = task_of(task)
+        digit = parse_guess(completion)
+        digit = 9 if digit is None else digit
+        if digit < 6:
+            content = chosen.fixed if digit < 4 else chosen.source
+            return "write_file", {"path": SOLUTION, "content": content, "turn": turn}
+        if digit < 8:
+            return "run_tests", {"turn": turn}
+        note = f"echo {turn} >> notes.txt"
+        return "run", {"argv": ["sh", "-c", note], "turn": turn}
+
+    def reply_token(self, task: Mapping[str, Any], reply: Mapping[str, Any]) -> int:
+        if reply.get("passed") is True:
+            return int(Token.CORRECT)
+        if "written" in reply:
+            return int(Token.HIGHER)
+        return int(Token.LOWER if reply.get("exit_code") is not None else Token.INVALID)
+
+
 PLAYS: dict[str, Play] = {
-    play.environment: play for play in (CounterPlay(), BlackjackPlay(), WorkplacePlay())
+    play.environment: play
+    for play in (CounterPlay(), BlackjackPlay(), WorkplacePlay(), CodingPlay())
 }

@@ -10,16 +10,23 @@ or none (each a :class:`Restored`), fencing the old ones.
 under bubblewrap where it works, snapshots as content-addressed zstd chunks in a
 :class:`ChunkStore` (usable alone: a tree in, a :class:`TreeManifest` out, and back).
 
+:class:`SandboxResourcesServer` is a resources server built on a provider: subclass it
+(set up, tool, score) and each episode's :class:`SandboxSession` is snapshotted, restored
+into a new generation and destroyed for you, as a :class:`SavedSession`; what a command
+running at a checkpoint does is its :class:`InFlight`.
+
 Errors, all :class:`SandboxError` (a :class:`turnpoint.participant_sdk.ParticipantError`):
 :class:`SnapshotRefusedError` (with its :class:`Refusal`), :class:`SandboxFencedError`,
 :class:`SandboxNotFoundError`, :class:`SandboxExistsError`, :class:`SnapshotNotFoundError`,
 :class:`SnapshotExpiredError`, :class:`StaleHandleError`, :class:`DuplicateRestoreError`,
 :class:`UnsupportedOperationError`, :class:`SandboxPathError`,
-:class:`IsolationUnavailableError`, :class:`ProviderStateError`.
+:class:`IsolationUnavailableError`, :class:`ProviderStateError`,
+:class:`SnapshotElsewhereError`, :class:`CommandCutError`.
 """
 
 from ._chunks import Capture, ChunkStore
 from ._errors import (
+    CommandCutError,
     DuplicateRestoreError,
     IsolationUnavailableError,
     ProviderStateError,
@@ -29,6 +36,7 @@ from ._errors import (
     SandboxFencedError,
     SandboxNotFoundError,
     SandboxPathError,
+    SnapshotElsewhereError,
     SnapshotExpiredError,
     SnapshotNotFoundError,
     SnapshotRefusedError,
@@ -50,13 +58,16 @@ from ._provider import (
     SandboxProvider,
     SnapshotHandle,
 )
+from ._server import InFlight, SandboxResourcesServer, SandboxSession, SavedSession
 
 __all__ = [
     "Capability",
     "Capture",
     "ChunkStore",
+    "CommandCutError",
     "DuplicateRestoreError",
     "ExecResult",
+    "InFlight",
     "Isolation",
     "IsolationReport",
     "IsolationUnavailableError",
@@ -76,6 +87,10 @@ __all__ = [
     "SandboxNotFoundError",
     "SandboxPathError",
     "SandboxProvider",
+    "SandboxResourcesServer",
+    "SandboxSession",
+    "SavedSession",
+    "SnapshotElsewhereError",
     "SnapshotExpiredError",
     "SnapshotHandle",
     "SnapshotNotFoundError",

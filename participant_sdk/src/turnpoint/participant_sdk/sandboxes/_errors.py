@@ -191,3 +191,34 @@ class SandboxPathError(SandboxError):
         super().__init__(
             Reason.INVALID_ARGUMENT, f"sandbox path {path!r} refused: {detail}", {"path": path}
         )
+
+
+class SnapshotElsewhereError(SandboxError):
+    """A saved session's snapshot lives in a store this participant's provider does not
+    reach: it was configured with another sandbox root than the one that took it."""
+
+    def __init__(self, snapshot: str, store: str, configured: str) -> None:
+        self.snapshot = snapshot
+        self.store = store
+        self.configured = configured
+        super().__init__(
+            Reason.INVALID_CHECKPOINT_STATE,
+            f"sandbox snapshot {snapshot!r} lives in {store!r}, but this participant's "
+            f"sandboxes are in {configured!r}: configure the root that took it",
+            {"snapshot": snapshot, "store": store},
+        )
+
+
+class CommandCutError(SandboxError):
+    """A command killed because a checkpoint closed admission (``InFlight.CUT``).
+
+    What it did before the kill stays in the tree, and so in the snapshot.
+    """
+
+    def __init__(self, sandbox: str) -> None:
+        self.sandbox = sandbox
+        super().__init__(
+            Reason.ADMISSION_CLOSED,
+            f"the command in sandbox {sandbox!r} was cut by a checkpoint",
+            {"sandbox": sandbox},
+        )

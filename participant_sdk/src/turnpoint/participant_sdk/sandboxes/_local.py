@@ -135,6 +135,7 @@ class LocalSandboxProvider(SandboxProvider):
         clock: Callable[[], float],
     ) -> None:
         self._root = root
+        self.location = str(root)
         self._isolation = isolation
         self._limits = limits
         self._store = ChunkStore(root / "store", snapshot_limits)
@@ -466,29 +467,37 @@ class LocalSandboxProvider(SandboxProvider):
             seen: set[str] = set()
             for handle in handles:
                 state = self._state.get(handle.sandbox_id)
-                if state is None:
+                if state is None and handle.sandbox_id not in self._retired:
                     raise SandboxNotFoundError(handle.sandbox_id)
-                if handle.sandbox_id in seen or attempt <= state.restored_attempt:
-                    raise DuplicateRestoreError(handle.sandbox_id, attempt, state.restored_attempt)
+                # A destroyed sandbox comes back too (its episode may have ended after
+                # the cut); its restore attempts were forgotten with it.
+                restored_attempt = 0 if state is None else state.restored_attempt
+                if handle.sandbox_id in seen or attempt <= restored_attempt:
+                    raise DuplicateRestoreError(handle.sandbox_id, attempt, restored_attempt)
                 seen.add(handle.sandbox_id)
             staged = await asyncio.to_thread(self._stage, handles)
             updated = dict(self._state)
             for record, name, _ in staged:
-                old = self._state[record.sandbox_id]
                 updated[record.sandbox_id] = _SandboxState(
-                    old.generation + 1, name, record.base_digest, attempt, record.restart_commands
+                    self._last_generation(record.sandbox_id) + 1,
+                    name,
+                    record.base_digest,
+                    attempt,
+                    record.restart_commands,
                 )
+            retired = {k: v for k, v in self._retired.items() if k not in seen}
             try:
-                await asyncio.to_thread(self._write_state, updated)
+                await asyncio.to_thread(self._write_state, updated, retired)
             except BaseException:
                 await asyncio.to_thread(_remove_all, [tree for _, _, tree in staged])
                 raise
-            previous, self._state = self._state, updated
+            previous, self._state, self._retired = self._state, updated, retired
             restored = []
             for record, _, _ in staged:
-                old = previous[record.sandbox_id]
-                await self._fence(Sandbox(record.sandbox_id, old.generation), old)
-                new = Sandbox(record.sandbox_id, old.generation + 1)
+                old = previous.get(record.sandbox_id)
+                if old is not None:
+                    await self._fence(Sandbox(record.sandbox_id, old.generation), old)
+                new = Sandbox(record.sandbox_id, updated[record.sandbox_id].generation)
                 self._processes[new] = set()
                 restored.append((record, new))
         results = []
@@ -500,6 +509,10 @@ class LocalSandboxProvider(SandboxProvider):
             )
         return tuple(results)
 
+    def _last_generation(self, sandbox_id: str) -> int:
+        state = self._state.get(sandbox_id)
+        return self._retired[sandbox_id] if state is None else state.generation
+
     def _stage(self, handles: Sequence[SnapshotHandle]) -> list[tuple[SnapshotHandle, str, Path]]:
         """Every snapshot checked and materialized in a new directory, or none (blocking)."""
         records = [self._record(handle) for handle in handles]
@@ -507,7 +520,7 @@ class LocalSandboxProvider(SandboxProvider):
         try:
             for record in records:
                 manifest = self._store.load(record.tree_digest)
-                generation = self._state[record.sandbox_id].generation + 1
+                generation = self._last_generation(record.sandbox_id) + 1
                 name, tree = self._new_directory(record.sandbox_id, generation)
                 self._store.restore(manifest, tree)
                 staged.append((record, name, tree))

@@ -210,6 +210,9 @@ class SandboxProvider(abc.ABC):
 
     name: str
     version: str
+    # Where its snapshots live, said so a handle's reader can tell whether this provider
+    # reaches them (the local provider: its root directory).
+    location: str
 
     @property
     @abc.abstractmethod
@@ -262,3 +265,7 @@ class SandboxProvider(abc.ABC):
     @abc.abstractmethod
     async def destroy(self, sandbox_id: str) -> None:
         """End the sandbox: its processes killed, its tree removed, every handle fenced."""
+
+    async def close(self) -> None:
+        """Let go of this process's hold on the sandboxes (their state stays durable)."""
+        return None
