@@ -210,14 +210,15 @@ class ControlServicer(pb_grpc.CheckpointControlServiceServicer):
             header=self._header(), phase=_phase(result.phase), ended_active=result.ended_active
         )
 
-    async def _handle_restore(
-        self, request: pb.RestoreRequest, timeout_s: float | None
-    ) -> pb.RestoreResponse:
+    def _restore_arguments(
+        self, request: pb.RestoreRequest | pb.RestoreRunningRequest
+    ) -> tuple[Any, ...]:
+        """What Restore and RestoreRunning both carry, checked, in the runtime's order."""
         check_list_length("entry.artifacts", request.entry.artifacts, self._max_list)
         # docs/spec.md section 4.10: no manifest means this participant saved nothing.
         if not request.entry.HasField("manifest") and request.entry.artifacts:
             raise bad_argument("entry.manifest is required when entry.artifacts are named")
-        result = await self._runtime.restore(
+        return (
             fence_from_proto(request.fence, request.HasField("fence")),
             _request_id(request.request_id),
             id_from_proto(request.restore_id, "restore_id"),
@@ -227,6 +228,13 @@ class ControlServicer(pb_grpc.CheckpointControlServiceServicer):
             else None,
             artifacts_from_proto(request.entry.artifacts),
             episodes_from_proto(request.scope, "scope", self._max_list),
+        )
+
+    async def _handle_restore(
+        self, request: pb.RestoreRequest, timeout_s: float | None
+    ) -> pb.RestoreResponse:
+        result = await self._runtime.restore(
+            *self._restore_arguments(request),
             lease_s=seconds_from_duration(request.lease, "lease"),
             timeout_s=timeout_s,
         )
@@ -240,19 +248,8 @@ class ControlServicer(pb_grpc.CheckpointControlServiceServicer):
     async def _handle_restore_running(
         self, request: pb.RestoreRunningRequest, timeout_s: float | None
     ) -> pb.RestoreRunningResponse:
-        check_list_length("entry.artifacts", request.entry.artifacts, self._max_list)
-        if not request.entry.HasField("manifest") and request.entry.artifacts:
-            raise bad_argument("entry.manifest is required when entry.artifacts are named")
         result = await self._runtime.restore_running(
-            fence_from_proto(request.fence, request.HasField("fence")),
-            _request_id(request.request_id),
-            id_from_proto(request.restore_id, "restore_id"),
-            id_from_proto(request.snapshot, "snapshot"),
-            artifact_from_proto(request.entry.manifest)
-            if request.entry.HasField("manifest")
-            else None,
-            artifacts_from_proto(request.entry.artifacts),
-            episodes_from_proto(request.scope, "scope", self._max_list),
+            *self._restore_arguments(request),
             retire_unscoped=request.retire_unscoped,
             lease_s=seconds_from_duration(request.lease, "lease"),
             timeout_s=timeout_s,
