@@ -165,8 +165,10 @@ class Checkpointing:
 
     ``weights``, if given, serialises the trainer's current weights (blocking: it runs
     in a thread) for the policy servers: :meth:`open` pushes them once the restore is
-    done (at the restored snapshot's weights version, else ``initial_weights_version``),
-    and :meth:`push_weights` without ``state`` uses it. ``weight_sync`` bounds the
+    done (at the restored snapshot's weights version, else ``initial_weights_version``;
+    above the newest version a policy server that kept running holds, if it holds a
+    newer one: :attr:`weights_version` says where the trainer stands, and later pushes
+    go above it), and :meth:`push_weights` without ``state`` uses it. ``weight_sync`` bounds the
     retries of each push.
 
     Watching (all optional): ``on_snapshot(report)`` after every snapshot, whoever
@@ -390,14 +392,13 @@ class Checkpointing:
             hooks.attach(driver)
         if self._weights is not None:
             # Policy servers get the restored weights at their recorded version; a server
-            # that holds that version already answers without installing again. One
-            # restored where it runs may hold a newer version and refuse the push: spec
-            # section 4.16 (Weights) leaves that open, so weight-pushing jobs restart
-            # their policy servers with the trainer.
-            version = sync.version
-            pushed = await self.push_weights(
-                self._initial_weights_version if version is None else version
-            )
+            # that holds that version already answers without installing again, and one
+            # that kept running with a newer version gets them above it (spec section
+            # 6.11 item 6): the trainer's version then moves up to that one.
+            if sync.version is None:
+                sync.declare(self._initial_weights_version)
+            state = await asyncio.to_thread(self._weights)
+            pushed = await sync.push_restored(state)
             self.resumed = replace(self.resumed, weights_pushed=pushed)
         self._pump = SnapshotPump(driver, config)
         if self._periodic:
