@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.support.fakes import saved as descriptor
 from turnpoint.ids import EpisodeId, checkpoint_sequence
 from turnpoint.protocol import ArtifactRef, ParticipantKind, RecoveryLevel
 from turnpoint.trainer.restore.heal import (
@@ -46,7 +47,13 @@ def level(environment: str, effective: RecoveryLevel, *, scored: bool = False) -
 
 
 def rollout(
-    rollout_id: str, attempt: int, agent: str, *, group: str = "g", environment: str = "math"
+    rollout_id: str,
+    attempt: int,
+    agent: str,
+    *,
+    group: str = "g",
+    environment: str = "math",
+    boundaries: int = 1,
 ) -> InFlightRollout:
     return InFlightRollout(
         episode=EpisodeId(rollout_id, attempt),
@@ -55,7 +62,7 @@ def rollout(
         sibling_index=0,
         group_size=1,
         environment=environment,
-        boundaries_seen=1,
+        boundaries_seen=boundaries,
     )
 
 
@@ -92,7 +99,8 @@ def manifest(
         ),
         continued=tuple(PlacedEpisode(r.episode, r.instance) for r in continued),
         rollout_state=TrainerRolloutState(
-            attempts={r.episode.rollout_id: r.episode.attempt for r in continued}
+            attempts={r.episode.rollout_id: r.episode.attempt for r in continued},
+            in_flight=tuple(descriptor(r) for r in continued),
         ),
     )
 
@@ -114,10 +122,12 @@ def test_a_lost_resources_server_restores_its_sessions_on_the_replacement_and_th
     b = rollout("b", 2, "agent-1")  # session on tools-1: untouched
     c = rollout("c", 0, "agent-1")  # started after C: its environment's servers unknown
     snapshot = manifest(TWO_BY_TWO, [a, b], {"tools-0": [a.episode], "tools-1": [b.episode]})
+    a_now = replace(a, boundaries_seen=3)  # two turns past the cut
     plan = plan_heal(
-        snapshot, [a, b, c], "tools-0", TWO_BY_TWO, TURN_LEVELS, restore_id=restore_id_for(4, 1)
+        snapshot, [a_now, b, c], "tools-0", TWO_BY_TWO, TURN_LEVELS, restore_id=restore_id_for(4, 1)
     )
     assert [step.episode for step in plan.continued] == [EpisodeId("a", 1)]
+    assert plan.continued[0].rollout == a  # from C's boundary: those two turns are redone
     assert plan.replacement_scope == (a.episode,)
     assert plan.running_scope == {"agent-0": (a.episode,)}
     assert [(r.episode, r.reason) for r in plan.rerun] == [
@@ -232,7 +242,12 @@ def worlds(draw: st.DrawFn) -> World:
         group = f"g{draw(st.integers(0, 3))}"
         attempt = draw(st.integers(0, 3))
         here = rollout(
-            rollout_id, attempt, agent.instance, group=group, environment=agent.environment
+            rollout_id,
+            attempt,
+            agent.instance,
+            group=group,
+            environment=agent.environment,
+            boundaries=draw(st.integers(0, 3)),
         )
         story = draw(st.sampled_from(("saved", "saved", "moved", "new", "finished")))
         if story in ("saved", "moved", "finished"):
@@ -241,7 +256,9 @@ def worlds(draw: st.DrawFn) -> World:
             for server in draw(st.lists(st.sampled_from(servers), unique=True)) if servers else ():
                 sessions.setdefault(server.instance, []).append(here.episode)
         if story == "saved" or story == "new":
-            live.append(here)
+            live.append(
+                replace(here, boundaries_seen=here.boundaries_seen + draw(st.integers(0, 2)))
+            )
         elif story == "moved":
             later = attempt + draw(st.integers(1, 2))
             live.append(
@@ -261,6 +278,10 @@ def _check_invariants(world: World, plan: HealPlan) -> None:
     by_id = {r.episode.rollout_id: r for r in world.live}
     lost = next(m for m in world.members if m.instance == world.lost)
     saved = {p.episode.rollout_id: p for p in world.snapshot.continued}
+    at_cut = {
+        EpisodeId(raw["rollout_id"], raw["attempt"]): raw["boundaries_seen"]
+        for raw in world.snapshot.rollout_state.in_flight
+    }
     exporters: dict[EpisodeId, set[str]] = {}
     for entry in world.snapshot.participants:
         for episode in entry.exported:
@@ -307,6 +328,7 @@ def _check_invariants(world: World, plan: HealPlan) -> None:
     for step in plan.continued:
         r = step.rollout
         assert saved[r.episode.rollout_id] == PlacedEpisode(r.episode, r.instance)
+        assert r == replace(by_id[r.episode.rollout_id], boundaries_seen=at_cut[r.episode])
         assert world.levels[r.environment].effective <= RecoveryLevel.TURN
         assert r.prompt_group_id not in whole
         expected_scopes |= {(instance, r.episode) for instance in exporters[r.episode]}

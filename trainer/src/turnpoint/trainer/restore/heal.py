@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from types import MappingProxyType
 from typing import Final
 
@@ -82,7 +82,10 @@ class HealRerunReason(enum.Enum):
 
 @dataclass(frozen=True, slots=True)
 class HealContinue:
-    """Continue ``rollout`` (its saved attempt N, still running) as N+1 on its agent."""
+    """Continue ``rollout`` (its saved attempt N, still running) as N+1 on its agent.
+
+    ``rollout`` is the live rollout with ``boundaries_seen`` as C saved it: the N+1
+    restarts from C's boundary, so the boundaries seen since are seen again."""
 
     rollout: InFlightRollout
 
@@ -169,6 +172,11 @@ def plan_heal(
         live_by_id[rollout_id] = rollout
 
     saved = {placed.episode.rollout_id: placed for placed in manifest.continued}
+    boundaries_at_cut: dict[str, int] = {}
+    for raw in manifest.rollout_state.in_flight:
+        saved_id, seen = raw.get("rollout_id"), raw.get("boundaries_seen", 0)
+        if isinstance(saved_id, str) and isinstance(seen, int) and not isinstance(seen, bool):
+            boundaries_at_cut[saved_id] = max(0, seen)
     exporters: dict[EpisodeId, list[str]] = {}
     placed_sessions: dict[str, set[str]] = {}
     for entry in manifest.participants:
@@ -234,7 +242,8 @@ def plan_heal(
         rollout = live_by_id[rid]
         why = reasons[rid]
         if why is None:
-            continued.append(HealContinue(rollout))
+            saved_boundaries = boundaries_at_cut.get(rid, 0)
+            continued.append(HealContinue(replace(rollout, boundaries_seen=saved_boundaries)))
             for instance in exporters.get(rollout.episode, ()):
                 if instance == lost:
                     replacement_scope.append(rollout.episode)
