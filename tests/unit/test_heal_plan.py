@@ -124,7 +124,13 @@ def test_a_lost_resources_server_restores_its_sessions_on_the_replacement_and_th
     snapshot = manifest(TWO_BY_TWO, [a, b], {"tools-0": [a.episode], "tools-1": [b.episode]})
     a_now = replace(a, boundaries_seen=3)  # two turns past the cut
     plan = plan_heal(
-        snapshot, [a_now, b, c], "tools-0", TWO_BY_TWO, TURN_LEVELS, restore_id=restore_id_for(4, 1)
+        snapshot,
+        [a_now, b, c],
+        "tools-0",
+        TWO_BY_TWO,
+        TURN_LEVELS,
+        target=RecoveryLevel.TURN,
+        restore_id=restore_id_for(4, 1),
     )
     assert [step.episode for step in plan.continued] == [EpisodeId("a", 1)]
     assert plan.continued[0].rollout == a  # from C's boundary: those two turns are redone
@@ -156,6 +162,7 @@ def test_a_lost_agent_restores_its_episodes_on_the_replacement_and_their_session
         "agent-0",
         TWO_BY_TWO,
         TURN_LEVELS,
+        target=RecoveryLevel.TURN,
         restore_id=restore_id_for(4, 2),
         retired=[EpisodeId("m", 4)],
     )
@@ -176,6 +183,7 @@ def test_a_lost_policy_model_touches_no_episode_and_asks_for_the_weights() -> No
         "policy",
         TWO_BY_TWO,
         TURN_LEVELS,
+        target=RecoveryLevel.TURN,
         restore_id=restore_id_for(1, 1),
     )
     assert plan.touched == 0 and plan.untouched == ("a",) and plan.push_weights
@@ -200,6 +208,7 @@ class World:
     snapshot: SnapshotManifest
     live: tuple[InFlightRollout, ...]
     levels: dict[str, LevelDecision]
+    target: RecoveryLevel
     lost: str
     retired: tuple[EpisodeId, ...]
 
@@ -220,17 +229,15 @@ def worlds(draw: st.DrawFn) -> World:
         for i, env in enumerate(draw(st.lists(st.sampled_from(ENVIRONMENTS), max_size=3)))
     ]
     members = (*agents, *tools, Member("policy", MODEL))
+    coarseness = st.sampled_from(
+        (RecoveryLevel.TURN, RecoveryLevel.SIBLING, RecoveryLevel.PROMPT_GROUP)
+    )
+    target = draw(coarseness)
+    # An environment no participant describes has no decision: the target applies.
     levels = {
-        env: level(
-            env,
-            draw(
-                st.sampled_from(
-                    (RecoveryLevel.TURN, RecoveryLevel.SIBLING, RecoveryLevel.PROMPT_GROUP)
-                )
-            ),
-            scored=draw(st.booleans()),
-        )
+        env: level(env, draw(coarseness), scored=draw(st.booleans()))
         for env in ENVIRONMENTS
+        if draw(st.booleans())
     }
     continued: list[InFlightRollout] = []
     live: list[InFlightRollout] = []
@@ -270,7 +277,13 @@ def worlds(draw: st.DrawFn) -> World:
             retired.append(EpisodeId(rollout_id, attempt + draw(st.integers(0, 4))))
     lost = draw(st.sampled_from([m.instance for m in members]))
     return World(
-        members, manifest(members, continued, sessions), tuple(live), levels, lost, tuple(retired)
+        members,
+        manifest(members, continued, sessions),
+        tuple(live),
+        levels,
+        target,
+        lost,
+        tuple(retired),
     )
 
 
@@ -309,11 +322,19 @@ def _check_invariants(world: World, plan: HealPlan) -> None:
         )
         return lost.instance in known if known else r.environment == lost.environment
 
+    def effective(environment: str) -> RecoveryLevel:
+        decision = world.levels.get(environment)
+        return world.target if decision is None else decision.effective
+
+    def scored(environment: str) -> bool:
+        decision = world.levels.get(environment)
+        return decision is not None and decision.group_scored
+
     whole = {
         by_id[rid].prompt_group_id
         for rid in rerun
-        if (d := world.levels[by_id[rid].environment]).group_scored
-        or d.effective is RecoveryLevel.PROMPT_GROUP
+        if scored(by_id[rid].environment)
+        or effective(by_id[rid].environment) is RecoveryLevel.PROMPT_GROUP
     }
     for rid in plan.untouched:
         assert not depends(by_id[rid]), f"{rid} depended on {lost.instance} but keeps running"
@@ -329,7 +350,7 @@ def _check_invariants(world: World, plan: HealPlan) -> None:
         r = step.rollout
         assert saved[r.episode.rollout_id] == PlacedEpisode(r.episode, r.instance)
         assert r == replace(by_id[r.episode.rollout_id], boundaries_seen=at_cut[r.episode])
-        assert world.levels[r.environment].effective <= RecoveryLevel.TURN
+        assert effective(r.environment) <= RecoveryLevel.TURN
         assert r.prompt_group_id not in whole
         expected_scopes |= {(instance, r.episode) for instance in exporters[r.episode]}
     scopes = {(world.lost, e) for e in plan.replacement_scope} | {
@@ -366,6 +387,7 @@ def test_every_heal_touches_what_depended_on_the_lost_participant_and_nothing_el
         world.lost,
         world.members,
         world.levels,
+        target=world.target,
         restore_id=restore_id_for(2, 1),
         retired=world.retired,
     )
@@ -380,6 +402,7 @@ def test_every_heal_touches_what_depended_on_the_lost_participant_and_nothing_el
         world.lost,
         members,
         world.levels,
+        target=world.target,
         restore_id=restore_id_for(2, 1),
         retired=world.retired,
     )

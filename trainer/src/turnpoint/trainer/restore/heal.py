@@ -149,6 +149,7 @@ def plan_heal(
     members: Iterable[Member],
     levels: Mapping[str, LevelDecision],
     *,
+    target: RecoveryLevel,
     restore_id: str,
     retired: Iterable[EpisodeId] = (),
 ) -> HealPlan:
@@ -156,8 +157,8 @@ def plan_heal(
 
     ``manifest`` is the last published snapshot C; ``live`` the rollouts in flight now
     (per the attempt ledger); ``members`` the topology (``lost`` among them); ``levels``
-    each environment's effective recovery level (an environment missing there continues
-    nothing). ``retired`` are attempts retired earlier (a heal that failed after its
+    each environment's effective recovery level as discovery decided it; an environment
+    no participant describes has the configuration's ``target`` level, as at a restore. ``retired`` are attempts retired earlier (a heal that failed after its
     retire): a rerun goes above them, as a participant refuses every attempt up to one.
     """
     topology = {member.instance: member for member in members}
@@ -211,10 +212,13 @@ def plan_heal(
             return HealRerunReason.NOT_IN_SNAPSHOT
         if placed.episode != rollout.episode or placed.instance != rollout.instance:
             return HealRerunReason.ATTEMPT_MOVED
-        decision = levels.get(rollout.environment)
-        if decision is None or decision.effective > RecoveryLevel.TURN:
+        if effective(rollout.environment) > RecoveryLevel.TURN:
             return HealRerunReason.LEVEL
         return None
+
+    def effective(environment: str) -> RecoveryLevel:
+        decision = levels.get(environment)
+        return target if decision is None else decision.effective
 
     reasons = {rid: rerun_reason(live_by_id[rid]) for rid in touched}
     # A scored (or whole-group) prompt group whose sibling reruns reruns whole: its live
@@ -222,7 +226,7 @@ def plan_heal(
     whole_groups = {
         live_by_id[rid].prompt_group_id
         for rid, why in reasons.items()
-        if why is not None and _group_reruns_whole(levels.get(live_by_id[rid].environment))
+        if why is not None and _group_reruns_whole(levels.get(live_by_id[rid].environment), target)
     }
     for rid, rollout in live_by_id.items():
         if rollout.prompt_group_id in whole_groups and reasons.get(rid) is None:
@@ -274,10 +278,10 @@ def plan_heal(
     )
 
 
-def _group_reruns_whole(decision: LevelDecision | None) -> bool:
-    return decision is not None and (
-        decision.group_scored or decision.effective is RecoveryLevel.PROMPT_GROUP
-    )
+def _group_reruns_whole(decision: LevelDecision | None, target: RecoveryLevel) -> bool:
+    if decision is None:
+        return target is RecoveryLevel.PROMPT_GROUP
+    return decision.group_scored or decision.effective is RecoveryLevel.PROMPT_GROUP
 
 
 def _frozen(scopes: Mapping[str, list[EpisodeId]]) -> Mapping[str, tuple[EpisodeId, ...]]:
