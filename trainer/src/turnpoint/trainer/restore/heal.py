@@ -112,6 +112,7 @@ class HealPlan:
     """What healing ``lost`` does (see the module docstring). Every sequence is sorted."""
 
     lost: Member
+    # The snapshot continued from ("" when none was published).
     checkpoint_id: str
     restore_id: str
     # Restore (section 4.10) onto the fresh replacement of ``lost``.
@@ -143,7 +144,7 @@ class HealPlan:
 
 
 def plan_heal(
-    manifest: SnapshotManifest,
+    manifest: SnapshotManifest | None,
     live: Sequence[InFlightRollout],
     lost: str,
     members: Iterable[Member],
@@ -155,7 +156,8 @@ def plan_heal(
 ) -> HealPlan:
     """Decide how to heal the loss of ``lost`` (see the module docstring).
 
-    ``manifest`` is the last published snapshot C; ``live`` the rollouts in flight now
+    ``manifest`` is the last published snapshot C (``None`` before any: every touched
+    rollout reruns from its prompt); ``live`` the rollouts in flight now
     (per the attempt ledger); ``members`` the topology (``lost`` among them); ``levels``
     each environment's effective recovery level as discovery decided it; an environment
     no participant describes has the configuration's ``target`` level, as at a restore. ``retired`` are attempts retired earlier (a heal that failed after its
@@ -172,15 +174,16 @@ def plan_heal(
             raise ValueError(f"rollout {rollout_id!r} is in flight twice")
         live_by_id[rollout_id] = rollout
 
-    saved = {placed.episode.rollout_id: placed for placed in manifest.continued}
+    continued_at_cut = manifest.continued if manifest is not None else ()
+    saved = {placed.episode.rollout_id: placed for placed in continued_at_cut}
     boundaries_at_cut: dict[str, int] = {}
-    for raw in manifest.rollout_state.in_flight:
+    for raw in manifest.rollout_state.in_flight if manifest is not None else ():
         saved_id, seen = raw.get("rollout_id"), raw.get("boundaries_seen", 0)
         if isinstance(saved_id, str) and isinstance(seen, int) and not isinstance(seen, bool):
             boundaries_at_cut[saved_id] = max(0, seen)
     exporters: dict[EpisodeId, list[str]] = {}
     placed_sessions: dict[str, set[str]] = {}
-    for entry in manifest.participants:
+    for entry in manifest.participants if manifest is not None else ():
         for episode in entry.exported:
             exporters.setdefault(episode, []).append(entry.instance)
             if entry.kind is ParticipantKind.RESOURCES:
@@ -266,7 +269,7 @@ def plan_heal(
 
     return HealPlan(
         lost=lost_member,
-        checkpoint_id=manifest.checkpoint_id,
+        checkpoint_id=manifest.checkpoint_id if manifest is not None else "",
         restore_id=restore_id,
         replacement_scope=tuple(sorted(replacement_scope)),
         running_scope=_frozen(running_scope),

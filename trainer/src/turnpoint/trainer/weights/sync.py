@@ -129,6 +129,14 @@ class WeightSync:
         """Per server, the newest version it acknowledged."""
         return MappingProxyType(self._installed)
 
+    def replace_server(self, instance: str, address: str) -> None:
+        """Push to ``address`` for ``instance`` from now on: the replacement of a lost
+        policy server (docs/spec.md section 7.15), which holds no version yet."""
+        if instance not in self._servers:
+            raise ValueError(f"unknown policy server {instance!r}")
+        self._servers[instance] = address
+        self._installed.pop(instance, None)
+
     def adopt(self, version: int) -> None:
         """Take ``version`` as the trainer's current weights without pushing them (a
         restored snapshot's); a later :meth:`push` must not go below it."""
