@@ -16,6 +16,7 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.support.participants import TOKEN, start_topology
@@ -26,7 +27,9 @@ from turnpoint.ids import EpisodeId
 from turnpoint.trainer import (
     Checkpointing,
     CoordinatorConfig,
+    HealRefusedError,
     LocalProcessLauncher,
+    ParticipantLostError,
     RolloutClientSettings,
     RolloutOutcome,
     SnapshotOutcome,
@@ -151,3 +154,43 @@ async def test_a_killed_agent_process_is_replaced_and_only_its_episode_is_restor
             assert {r.outcome for g in groups for r in g} == {RolloutOutcome.COMPLETED}
         finally:
             await launcher.aclose()
+
+
+class _NeverCalled:
+    """A launcher that must not be asked: the participant's heals are used up."""
+
+    async def replace(self, instance: str) -> str:
+        raise AssertionError(f"{instance} was replaced beyond its budget")
+
+
+async def test_a_participant_replaced_too_often_ends_the_run_with_the_reason(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "p"
+    async with start_topology(root, agents=2, group_size=GROUP_SIZE) as topology:
+        model = torch.nn.Linear(2, 2)
+        ckpt = Checkpointing(
+            CoordinatorConfig(
+                snapshot_root=root,
+                control_timeout_s=10.0,
+                liveness_interval_s=0.25,
+                participant_lost_after_s=1.0,
+                max_restarts=0,  # no heal allowed: the first loss ends the run
+            ),
+            {n: h.address for n, h in topology.participants.items()},
+            token=TOKEN,
+            anchor=TorchAnchorSource(model, None, step=lambda: 0),
+            load_anchor=torch_anchor_loader(model, None),
+            periodic=False,
+            final_snapshot=False,
+            watch_liveness=True,
+            launcher=_NeverCalled(),
+        )
+        async with ckpt:
+            await topology.agents[1].stop(0)
+            with pytest.raises(HealRefusedError) as refused:
+                await ckpt.wait_groups(1, timeout_s=BOUND_S)
+        assert refused.value.instance == "agent-1"
+        assert "max_restarts=0" in refused.value.detail
+        assert isinstance(refused.value.__cause__, ParticipantLostError)
+        assert ckpt.heals == []

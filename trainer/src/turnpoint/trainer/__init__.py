@@ -25,7 +25,7 @@ This face is what a trainer author needs (docs/embedding.md):
   :class:`RestoreRefusedError`,
   :class:`SnapshotFailuresError`, :class:`SnapshotInvariantError`,
   :class:`ParticipantLostError`, :class:`AnchorError`, :class:`WeightSyncError`,
-  :class:`LaunchError`.
+  :class:`LaunchError`, :class:`HealRefusedError`.
 
 Those assembling their own loop from the parts (the coordinator, the rollout client, the
 snapshot driver and pump, the restorer) import :mod:`turnpoint.trainer.advanced`; test
@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from turnpoint.trainer.anchors.source import AnchorError as AnchorError
     from turnpoint.trainer.anchors.source import AnchorSource as AnchorSource
     from turnpoint.trainer.checkpointing import Checkpointing as Checkpointing
+    from turnpoint.trainer.checkpointing import HealRefusedError as HealRefusedError
     from turnpoint.trainer.checkpointing import Participants as Participants
     from turnpoint.trainer.checkpointing import Preempted as Preempted
     from turnpoint.trainer.checkpointing import Resumed as Resumed
@@ -94,6 +95,7 @@ _OWNERS = {
     "DistributedAnchor": "turnpoint.trainer.anchors.ranks",
     "FailureReason": "turnpoint.trainer.snapshots.report",
     "FileAnchorSource": "turnpoint.trainer.anchors.file",
+    "HealRefusedError": "turnpoint.trainer.checkpointing",
     "LaunchError": "turnpoint.trainer.restore.launcher",
     "Launcher": "turnpoint.trainer.restore.launcher",
     "LocalProcessLauncher": "turnpoint.trainer.restore.launcher",

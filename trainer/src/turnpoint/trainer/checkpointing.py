@@ -43,6 +43,7 @@ from turnpoint.trainer.errors import CoordinatorError
 from turnpoint.trainer.restore.choice import METRICS_KEY
 from turnpoint.trainer.restore.heal import HealPlan, Member, plan_heal, restore_id_for
 from turnpoint.trainer.restore.launcher import Launcher
+from turnpoint.trainer.restore.restarts import RestartBudget
 from turnpoint.trainer.restore.restorer import AnchorLoader, RestorePlan, Restorer, apply_plan
 from turnpoint.trainer.rollouts.client import AgentEndpoint, RolloutClient
 from turnpoint.trainer.rollouts.values import Rollout, RolloutClientSettings, RolloutResult
@@ -156,6 +157,19 @@ def _resumed_from(plan: RestorePlan, *, weights_version: int | None, restore_s: 
     )
 
 
+class HealRefusedError(CoordinatorError):
+    """``instance`` was replaced too often to be healed again (``detail`` says how
+    often, in which window): the run ends with this reason (docs/spec.md 7.15 item 10)."""
+
+    def __init__(self, instance: str, detail: str) -> None:
+        super().__init__(Reason.UNAVAILABLE, detail, {"participant": instance})
+        self.instance = instance
+        self.detail = detail
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.instance, self.detail))
+
+
 class Checkpointing:
     """A coordinator a training loop embeds in a few lines.
 
@@ -236,6 +250,7 @@ class Checkpointing:
         self._launcher = launcher
         self._layout: SnapshotLayout | StoreLayout | None = None
         self._heal_count = 0
+        self._heal_budgets: dict[str, RestartBudget] = {}
         self.heals: list[HealPlan] = []
         self._status_port = status_port
         self._status_host = status_host
@@ -676,25 +691,29 @@ class Checkpointing:
                     lost_after_s=self.config.participant_lost_after_s,
                 )
             except ParticipantLostError as error:
-                if self._launcher is not None and await self._heal_all(error.lost):
+                failed = await self._heal_all(error.lost) if self._launcher is not None else None
+                if self._launcher is not None and failed is None:
                     continue  # a new watch: the replacements' incarnations are theirs
                 self.history.on_lost(error.lost, time.monotonic(), error.message)
                 if self._history_log is not None:
                     self._history_log.append(self.history.event_record(self.history.events[-1]))
                 if self._on_participant_lost is not None:
                     self._on_participant_lost(error)
-                raise
+                if isinstance(failed, HealRefusedError):
+                    raise failed from error  # replaced too often: the run ends, saying so
+                raise error from failed
 
-    async def _heal_all(self, lost: tuple[str, ...]) -> bool:
-        """Heal each lost participant in turn; False (the job restarts) if one fails."""
+    async def _heal_all(self, lost: tuple[str, ...]) -> CoordinatorError | ValueError | None:
+        """Heal each lost participant in turn; the first failure (the job restarts, or
+        ends on :class:`HealRefusedError`), or None once all are healed."""
         for instance in lost:
             try:
                 plan = await self.heal(instance)
             except (CoordinatorError, ValueError) as error:
                 _LOG.warning("healing %s in place failed: %s", instance, error)
-                return False
+                return error
             _LOG.info("healed in place: %s", plan.reason)
-        return True
+        return None
 
     async def heal(self, lost: str) -> HealPlan:
         """Replace lost participant ``lost`` through the launcher and restore only what
@@ -706,14 +725,25 @@ class Checkpointing:
         rollouts' old attempts are retired where they run, the saved episodes restored on the replacement (Restore) and
         the live participants (RestoreRunning, keeping their other work), then each
         touched rollout continues as N+1 or reruns from its prompt. A replaced policy
-        model gets the current weights first. Raises (:class:`LaunchError`,
-        :class:`OperationFailed`, ``ValueError`` for a participant that cannot restore
-        where it runs) when the heal cannot be done: the job then restarts.
+        model gets the current weights first. Raises (:class:`HealRefusedError` once
+        ``lost`` was replaced ``config.max_restarts`` times within
+        ``config.restart_window_s``, :class:`LaunchError`, :class:`OperationFailed`,
+        ``ValueError`` for a participant that cannot restore where it runs) when the
+        heal cannot be done: the job then restarts, or ends with the reason.
         """
         if self._launcher is None:
             raise RuntimeError("heal needs a launcher (Checkpointing(launcher=...))")
         coordinator, rollouts, layout = self.coordinator, self.rollouts, self._layout
         assert layout is not None
+        budget = self._heal_budgets.setdefault(
+            lost,
+            RestartBudget(
+                self.config.max_restarts, self.config.restart_window_s, first_pause_s=0.0
+            ),
+        )
+        decision = budget.decide(time.monotonic(), f"{lost} lost")
+        if not decision.allowed:
+            raise HealRefusedError(lost, decision.reason)
         async with self._snapshot_lock:
             topology = coordinator.topology
             if lost not in topology.participants:
