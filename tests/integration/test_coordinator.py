@@ -873,10 +873,10 @@ async def test_a_restart_restores_the_newest_usable_snapshot_and_plans_the_rest(
     assert [(r.episode, r.instance) for r in plan.redispatch] == [(EpisodeId("r1", 1), "agent-0")]
     assert plan.rerun == ()
     restore = agent.calls("restore")[-1]
-    assert restore.restore_id == "restore-000000000002"
+    assert restore.restore_id == "restore-002000000000"
     assert restore.fence.epoch == 2
     assert episodes_of(restore.scope) == [EpisodeId("r1", 0)]
-    assert agent.calls("resume")[-1].checkpoint_id == "restore-000000000002"
+    assert agent.calls("resume")[-1].checkpoint_id == "restore-002000000000"
 
 
 async def test_a_failed_restore_turns_every_continuation_into_a_rerun(fleet: Fleet) -> None:

@@ -78,8 +78,10 @@ class RecordingPolicy(PolicyModel):
 
 
 @asynccontextmanager
-async def policy_server(root: Path, model: RecordingPolicy) -> AsyncIterator[HostedParticipant]:
-    runtime = ParticipantRuntime("policy", SnapshotStore(root), model=model)
+async def policy_server(
+    root: Path, model: RecordingPolicy, name: str = "policy"
+) -> AsyncIterator[HostedParticipant]:
+    runtime = ParticipantRuntime(name, SnapshotStore(root), model=model)
     async with host_participant(runtime, ServerOptions(port=0, token=TOKEN)) as hosted:
         yield hosted
 
@@ -214,7 +216,11 @@ async def test_a_push_that_exhausts_its_attempts_raises_naming_the_server_and_st
 
 
 def _checkpointing(
-    root: Path, participants: dict[str, str], model: torch.nn.Module
+    root: Path,
+    participants: dict[str, str],
+    model: torch.nn.Module,
+    *,
+    final_snapshot: bool = True,
 ) -> Checkpointing:
     return Checkpointing(
         CoordinatorConfig(snapshot_root=root, control_timeout_s=10.0),
@@ -225,6 +231,7 @@ def _checkpointing(
         periodic=False,
         weights=lambda: b"trainer-weights",
         weight_sync=SETTINGS,
+        final_snapshot=final_snapshot,
     )
 
 
@@ -256,3 +263,37 @@ async def test_a_snapshot_records_the_weights_version_and_a_restore_pushes_it_ag
         assert fresh_policy.installs == [(7, b"trainer-weights")]
         with pytest.raises(ValueError):
             await ckpt.push_weights(6)  # versions never go down
+
+
+async def test_a_trainer_restarted_into_running_policy_servers_pushes_above_what_they_hold(
+    tmp_path: Path,
+) -> None:
+    """docs/spec.md section 6.11 item 6. The trainer pushes 7, snapshots, pushes 9 and
+    dies; the policy servers keep running. The next incarnation restores the snapshot
+    (version 7) into them where they run: they refuse 7 (they hold 9), so the restored
+    weights go to every server at 10, and the trainer's later versions go above it."""
+    root = tmp_path / "snapshots"
+    models = {"policy-a": RecordingPolicy(), "policy-b": RecordingPolicy()}
+    async with AsyncExitStack() as servers:
+        addresses = {
+            name: (await servers.enter_async_context(policy_server(root, model, name))).address
+            for name, model in models.items()
+        }
+        first = _checkpointing(root, addresses, torch.nn.Linear(2, 2), final_snapshot=False)
+        async with first as ckpt:
+            await ckpt.push_weights(7, b"seven")
+            published = (await ckpt.snapshot_now()).checkpoint_id
+            await ckpt.push_weights(9, b"nine")  # after the snapshot: lost with the trainer
+
+        async with _checkpointing(root, addresses, torch.nn.Linear(2, 2)) as ckpt:
+            assert ckpt.resumed.checkpoint_id == published
+            assert ckpt.resumed.weights_version == 7
+            pushed = ckpt.resumed.weights_pushed
+            assert pushed is not None and pushed.version == 10
+            assert ckpt.weights_version == 10
+            with pytest.raises(ValueError):
+                await ckpt.push_weights(9)
+            await ckpt.push_weights(11, b"eleven")
+    for model in models.values():
+        assert [version for version, _ in model.installs] == [0, 7, 9, 10, 11]
+        assert model.installs[3] == (10, b"trainer-weights")

@@ -26,6 +26,7 @@ PURE_CORES = (
     "turnpoint.trainer.snapshots.levels",
     "turnpoint.trainer.restore.restarts",
     "turnpoint.trainer.restore.choice",
+    "turnpoint.trainer.restore.heal",
     "turnpoint.trainer.status.history",
     "turnpoint.trainer.storage.manifest",
     "turnpoint.trainer.weights.core",

@@ -18,6 +18,8 @@ from turnpoint.trainer.weights.core import (
     call_timeout_s,
     decide_retry,
     give_up_reason,
+    installed_version_refused,
+    restored_push_version,
     weights_extra,
     weights_request_id,
     weights_version_of,
@@ -165,3 +167,34 @@ def test_the_snapshot_records_the_version_and_a_restore_reads_it_back() -> None:
     with pytest.raises(CoordinatorError) as bad:
         weights_version_of({"weights_version": "12"}, "ck-1")
     assert bad.value.reason is Reason.INVALID_CHECKPOINT_STATE
+
+
+def test_a_refusal_for_going_below_names_the_installed_version_from_metadata_only() -> None:
+    below = {"field": "weights_version", "installed_version": "12"}
+    assert installed_version_refused(Reason.INVALID_ARGUMENT, below) == 12
+    assert installed_version_refused(Reason.FENCED, below) is None
+    assert installed_version_refused(None, below) is None
+    assert installed_version_refused(Reason.INVALID_ARGUMENT, {"field": "state"}) is None
+    for bad in ("", "-1", "1.5", "\u0661"):  # not a decimal integer >= 0
+        damaged = {"field": "weights_version", "installed_version": bad}
+        assert installed_version_refused(Reason.INVALID_ARGUMENT, damaged) is None
+
+
+def test_restored_weights_go_above_every_newer_version_a_running_server_holds() -> None:
+    assert restored_push_version(7, []) == 7  # fresh servers: the snapshot's version
+    assert restored_push_version(7, [9, 12]) == 13
+    assert restored_push_version(7, [7]) == 8  # cannot happen (equal is accepted), still up
+
+
+def test_the_give_up_keeps_the_installed_version_it_was_refused_at() -> None:
+    error = WeightSyncError(
+        Reason.INVALID_ARGUMENT,
+        instance="policy",
+        version=7,
+        attempts=1,
+        status="INVALID_ARGUMENT (INVALID_ARGUMENT)",
+        detail="below",
+        installed_version=9,
+    )
+    assert error.metadata["installed_version"] == "9"
+    assert pickle.loads(pickle.dumps(error)).installed_version == 9

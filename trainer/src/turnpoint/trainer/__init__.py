@@ -17,12 +17,15 @@ This face is what a trainer author needs (docs/embedding.md):
 - what snapshots report: :class:`SnapshotReport`, :class:`SnapshotOutcome`,
   :class:`FailureReason`, and the states an attempt passes through,
   :class:`SnapshotState` (``Checkpointing(on_transition=...)``);
+- healing a lost participant in place (``Checkpointing(launcher=...)``): the
+  :class:`Launcher` the job supplies, :class:`LocalProcessLauncher`, :class:`LaunchError`;
 - the coordinator's Prometheus metrics: :class:`CoordinatorMetrics`
   (``Checkpointing(metrics=...)``);
 - the errors, all :class:`CoordinatorError`: :class:`NoUsableSnapshotError`,
   :class:`RestoreRefusedError`,
   :class:`SnapshotFailuresError`, :class:`SnapshotInvariantError`,
-  :class:`ParticipantLostError`, :class:`AnchorError`, :class:`WeightSyncError`.
+  :class:`ParticipantLostError`, :class:`AnchorError`, :class:`WeightSyncError`,
+  :class:`LaunchError`, :class:`HealRefusedError`.
 
 Those assembling their own loop from the parts (the coordinator, the rollout client, the
 snapshot driver and pump, the restorer) import :mod:`turnpoint.trainer.advanced`; test
@@ -48,6 +51,7 @@ if TYPE_CHECKING:
     from turnpoint.trainer.anchors.source import AnchorError as AnchorError
     from turnpoint.trainer.anchors.source import AnchorSource as AnchorSource
     from turnpoint.trainer.checkpointing import Checkpointing as Checkpointing
+    from turnpoint.trainer.checkpointing import HealRefusedError as HealRefusedError
     from turnpoint.trainer.checkpointing import Participants as Participants
     from turnpoint.trainer.checkpointing import Preempted as Preempted
     from turnpoint.trainer.checkpointing import Resumed as Resumed
@@ -56,6 +60,9 @@ if TYPE_CHECKING:
     from turnpoint.trainer.control.liveness import ParticipantLostError as ParticipantLostError
     from turnpoint.trainer.errors import CoordinatorError as CoordinatorError
     from turnpoint.trainer.metrics import CoordinatorMetrics as CoordinatorMetrics
+    from turnpoint.trainer.restore.launcher import Launcher as Launcher
+    from turnpoint.trainer.restore.launcher import LaunchError as LaunchError
+    from turnpoint.trainer.restore.launcher import LocalProcessLauncher as LocalProcessLauncher
     from turnpoint.trainer.restore.restorer import AnchorLoader as AnchorLoader
     from turnpoint.trainer.restore.restorer import NoUsableSnapshotError as NoUsableSnapshotError
     from turnpoint.trainer.restore.restorer import RestoreRefusedError as RestoreRefusedError
@@ -88,6 +95,10 @@ _OWNERS = {
     "DistributedAnchor": "turnpoint.trainer.anchors.ranks",
     "FailureReason": "turnpoint.trainer.snapshots.report",
     "FileAnchorSource": "turnpoint.trainer.anchors.file",
+    "HealRefusedError": "turnpoint.trainer.checkpointing",
+    "LaunchError": "turnpoint.trainer.restore.launcher",
+    "Launcher": "turnpoint.trainer.restore.launcher",
+    "LocalProcessLauncher": "turnpoint.trainer.restore.launcher",
     "NoUsableSnapshotError": "turnpoint.trainer.restore.restorer",
     "ParticipantLostError": "turnpoint.trainer.control.liveness",
     "Participants": "turnpoint.trainer.checkpointing",

@@ -38,8 +38,12 @@ from turnpoint.trainer.config import CoordinatorConfig
 from turnpoint.trainer.control.coordinator import Coordinator
 from turnpoint.trainer.control.identity import bump_epoch
 from turnpoint.trainer.control.liveness import ParticipantLostError, watch_liveness
+from turnpoint.trainer.control.outcomes import OperationFailed, RestoreFailed
 from turnpoint.trainer.errors import CoordinatorError
 from turnpoint.trainer.restore.choice import METRICS_KEY
+from turnpoint.trainer.restore.heal import HealPlan, Member, plan_heal, restore_id_for
+from turnpoint.trainer.restore.launcher import Launcher
+from turnpoint.trainer.restore.restarts import RestartBudget
 from turnpoint.trainer.restore.restorer import AnchorLoader, RestorePlan, Restorer, apply_plan
 from turnpoint.trainer.rollouts.client import AgentEndpoint, RolloutClient
 from turnpoint.trainer.rollouts.values import Rollout, RolloutClientSettings, RolloutResult
@@ -50,7 +54,7 @@ from turnpoint.trainer.snapshots.report import SnapshotOutcome, SnapshotReport
 from turnpoint.trainer.status.history import HISTORY_FILE, CheckpointHistory
 from turnpoint.trainer.status.log import HistoryLog, read_history
 from turnpoint.trainer.storage.layout import SnapshotLayout
-from turnpoint.trainer.storage.manifest import JSONValue
+from turnpoint.trainer.storage.manifest import JSONValue, SnapshotManifest
 from turnpoint.trainer.storage.objects import StoreLayout, open_layout
 from turnpoint.trainer.weights.core import WeightSyncSettings
 from turnpoint.trainer.weights.sync import WeightSync, WeightSyncReport
@@ -153,6 +157,19 @@ def _resumed_from(plan: RestorePlan, *, weights_version: int | None, restore_s: 
     )
 
 
+class HealRefusedError(CoordinatorError):
+    """``instance`` was replaced too often to be healed again (``detail`` says how
+    often, in which window): the run ends with this reason (docs/spec.md 7.15 item 10)."""
+
+    def __init__(self, instance: str, detail: str) -> None:
+        super().__init__(Reason.UNAVAILABLE, detail, {"participant": instance})
+        self.instance = instance
+        self.detail = detail
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (type(self), (self.instance, self.detail))
+
+
 class Checkpointing:
     """A coordinator a training loop embeds in a few lines.
 
@@ -165,8 +182,10 @@ class Checkpointing:
 
     ``weights``, if given, serialises the trainer's current weights (blocking: it runs
     in a thread) for the policy servers: :meth:`open` pushes them once the restore is
-    done (at the restored snapshot's weights version, else ``initial_weights_version``),
-    and :meth:`push_weights` without ``state`` uses it. ``weight_sync`` bounds the
+    done (at the restored snapshot's weights version, else ``initial_weights_version``;
+    above the newest version a policy server that kept running holds, if it holds a
+    newer one: :attr:`weights_version` says where the trainer stands, and later pushes
+    go above it), and :meth:`push_weights` without ``state`` uses it. ``weight_sync`` bounds the
     retries of each push.
 
     Watching (all optional): ``on_snapshot(report)`` after every snapshot, whoever
@@ -178,7 +197,9 @@ class Checkpointing:
     (raised from :meth:`wait_groups`, :meth:`step_done` and :meth:`dispatch`) once one
     is silent for ``config.participant_lost_after_s``; ``on_participant_lost(error)`` is
     called first, at once (a process that exits there skips winding down calls to a
-    participant that is gone). ``testing_hooks`` is for tests and the demo's
+    participant that is gone). With a ``launcher`` the watch heals a lost participant in
+    place instead (:meth:`heal`, docs/spec.md section 7.15) and ends the run only when
+    the heal fails. ``testing_hooks`` is for tests and the demo's
     deterministic crashes only (:class:`turnpoint.trainer.testing.SnapshotHooks`).
 
     Failing fast: :meth:`open` raises :class:`RestoreRefusedError` when a participant
@@ -223,8 +244,14 @@ class Checkpointing:
         status_port: int | None = None,
         status_host: str = "127.0.0.1",
         snapshot_metrics: Callable[[], Mapping[str, float]] | None = None,
+        launcher: Launcher | None = None,
     ) -> None:
         self.config = config
+        self._launcher = launcher
+        self._layout: SnapshotLayout | StoreLayout | None = None
+        self._heal_count = 0
+        self._heal_budgets: dict[str, RestartBudget] = {}
+        self.heals: list[HealPlan] = []
         self._status_port = status_port
         self._status_host = status_host
         self._snapshot_metrics = snapshot_metrics
@@ -283,6 +310,7 @@ class Checkpointing:
         layout = await asyncio.to_thread(
             open_layout, root, after_step=hooks.after_publish_step if hooks else None
         )
+        self._layout = layout
         if isinstance(layout, StoreLayout):
             self._stack.callback(layout.close)
         else:
@@ -390,14 +418,13 @@ class Checkpointing:
             hooks.attach(driver)
         if self._weights is not None:
             # Policy servers get the restored weights at their recorded version; a server
-            # that holds that version already answers without installing again. One
-            # restored where it runs may hold a newer version and refuse the push: spec
-            # section 4.16 (Weights) leaves that open, so weight-pushing jobs restart
-            # their policy servers with the trainer.
-            version = sync.version
-            pushed = await self.push_weights(
-                self._initial_weights_version if version is None else version
-            )
+            # that holds that version already answers without installing again, and one
+            # that kept running with a newer version gets them above it (spec section
+            # 6.11 item 6): the trainer's version then moves up to that one.
+            if sync.version is None:
+                sync.declare(self._initial_weights_version)
+            state = await asyncio.to_thread(self._weights)
+            pushed = await sync.push_restored(state)
             self.resumed = replace(self.resumed, weights_pushed=pushed)
         self._pump = SnapshotPump(driver, config)
         if self._periodic:
@@ -656,19 +683,155 @@ class Checkpointing:
                 await self.snapshot_now()
 
     async def _watch_participants(self) -> None:
-        try:
-            await watch_liveness(
-                self.coordinator,
-                interval_s=self.config.liveness_interval_s,
-                lost_after_s=self.config.participant_lost_after_s,
-            )
-        except ParticipantLostError as error:
-            self.history.on_lost(error.lost, time.monotonic(), error.message)
-            if self._history_log is not None:
-                self._history_log.append(self.history.event_record(self.history.events[-1]))
-            if self._on_participant_lost is not None:
-                self._on_participant_lost(error)
-            raise
+        while True:
+            try:
+                await watch_liveness(
+                    self.coordinator,
+                    interval_s=self.config.liveness_interval_s,
+                    lost_after_s=self.config.participant_lost_after_s,
+                )
+            except ParticipantLostError as error:
+                failed = await self._heal_all(error.lost) if self._launcher is not None else None
+                if self._launcher is not None and failed is None:
+                    continue  # a new watch: the replacements' incarnations are theirs
+                self.history.on_lost(error.lost, time.monotonic(), error.message)
+                if self._history_log is not None:
+                    self._history_log.append(self.history.event_record(self.history.events[-1]))
+                if self._on_participant_lost is not None:
+                    self._on_participant_lost(error)
+                if isinstance(failed, HealRefusedError):
+                    raise failed from error  # replaced too often: the run ends, saying so
+                raise error from failed
+
+    async def _heal_all(self, lost: tuple[str, ...]) -> CoordinatorError | ValueError | None:
+        """Heal each lost participant in turn; the first failure (the job restarts, or
+        ends on :class:`HealRefusedError`), or None once all are healed."""
+        for instance in lost:
+            try:
+                plan = await self.heal(instance)
+            except (CoordinatorError, ValueError) as error:
+                _LOG.warning("healing %s in place failed: %s", instance, error)
+                return error
+            _LOG.info("healed in place: %s", plan.reason)
+        return None
+
+    async def heal(self, lost: str) -> HealPlan:
+        """Replace lost participant ``lost`` through the launcher and restore only what
+        depended on it (docs/spec.md section 7.15); every other rollout goes on.
+
+        Under the snapshot lock: :func:`plan_heal` decides from the last published
+        snapshot, the rollouts it touches are stopped here, the launcher starts a
+        replacement under the same name, the coordinator describes it, the touched
+        rollouts' old attempts are retired where they run, the saved episodes restored on the replacement (Restore) and
+        the live participants (RestoreRunning, keeping their other work), then each
+        touched rollout continues as N+1 or reruns from its prompt. A replaced policy
+        model gets the current weights first. Raises (:class:`HealRefusedError` once
+        ``lost`` was replaced ``config.max_restarts`` times within
+        ``config.restart_window_s``, :class:`LaunchError`, :class:`OperationFailed`,
+        ``ValueError`` for a participant that cannot restore where it runs) when the
+        heal cannot be done: the job then restarts, or ends with the reason.
+        """
+        if self._launcher is None:
+            raise RuntimeError("heal needs a launcher (Checkpointing(launcher=...))")
+        coordinator, rollouts, layout = self.coordinator, self.rollouts, self._layout
+        assert layout is not None
+        budget = self._heal_budgets.setdefault(
+            lost,
+            RestartBudget(
+                self.config.max_restarts, self.config.restart_window_s, first_pause_s=0.0
+            ),
+        )
+        decision = budget.decide(time.monotonic(), f"{lost} lost")
+        if not decision.allowed:
+            raise HealRefusedError(lost, decision.reason)
+        async with self._snapshot_lock:
+            topology = coordinator.topology
+            if lost not in topology.participants:
+                raise ValueError(f"unknown participant instance {lost!r}")
+            is_agent = lost in topology.agents
+            if is_agent:
+                rollouts.close_dispatch_to(lost)
+            try:
+                latest = await asyncio.to_thread(layout.latest)
+                manifest = None if latest is None else await asyncio.to_thread(layout.load, latest)
+                self._heal_count += 1
+                plan = plan_heal(
+                    manifest,
+                    rollouts.in_flight(),
+                    lost,
+                    [
+                        Member(name, p.kind, p.environment)
+                        for name, p in topology.participants.items()
+                    ],
+                    coordinator.levels,
+                    target=self.config.target_level,
+                    restore_id=restore_id_for(coordinator.identity.epoch, self._heal_count),
+                )
+                cannot = sorted(
+                    n for n in plan.running_scope if not topology.participants[n].restore_running
+                )
+                if cannot:
+                    raise ValueError(
+                        f"{', '.join(cannot)} must be restored where they run but do not "
+                        "serve RestoreRunning (docs/spec.md section 4.16)"
+                    )
+                # No await since the plan was made: the touched attempts stop here before
+                # anything is sent to the replacement, which must never see them.
+                rollouts.end_for_heal(
+                    [step.rollout.episode for step in plan.continued]
+                    + [step.rollout.episode for step in plan.rerun]
+                )
+                address = await self._launcher.replace(lost)
+                info = await coordinator.replace_participant(lost, address)
+                if is_agent:
+                    endpoint = AgentEndpoint(info.data_plane_address or address, token=self._token)
+                    await rollouts.replace_agent(lost, endpoint)
+                if info.kind is ParticipantKind.MODEL:
+                    await self._reweigh(lost, info.data_plane_address or address)
+                await self._apply_heal(plan, manifest)
+            finally:
+                if is_agent:
+                    rollouts.reopen_dispatch_to(lost)
+        self.heals.append(plan)
+        return plan
+
+    async def _apply_heal(self, plan: HealPlan, manifest: SnapshotManifest | None) -> None:
+        coordinator, rollouts = self.coordinator, self.rollouts
+        retired = await coordinator.retire(plan.retire, key=f"{plan.restore_id}-reruns")
+        if retired.failures:
+            raise OperationFailed("retire", plan.restore_id, retired.failures)
+        scope = {plan.lost.instance: plan.replacement_scope, **plan.running_scope}
+        scope = {name: episodes for name, episodes in scope.items() if episodes}
+        continued = plan.continued
+        if scope and manifest is not None:
+            try:
+                async with coordinator.restored(
+                    plan.restore_id,
+                    manifest.checkpoint_id,
+                    manifest,
+                    scope,
+                    instances=scope,
+                    retire_unscoped=False,
+                ):
+                    pass
+            except RestoreFailed:
+                # Every N+1 was retired where it was installed: start those over from
+                # their prompts above it (section 7.7 item 7).
+                for step in continued:
+                    rollouts.rerun_from_prompt(step.rollout, attempt=step.episode.attempt + 1)
+                continued = ()
+        for step in continued:
+            rollouts.redispatch(step.rollout)
+        for rerun in plan.rerun:
+            rollouts.rerun_from_prompt(rerun.rollout, attempt=rerun.attempt)
+
+    async def _reweigh(self, instance: str, address: str) -> None:
+        """A replaced policy model takes the trainer's current weights before calls."""
+        sync = self.weight_sync
+        sync.replace_server(instance, address)
+        if self._weights is not None and sync.version is not None:
+            state = await asyncio.to_thread(self._weights)
+            await sync.push(sync.version, state)
 
     # ------------------------------------------------------------------ preemption
 

@@ -276,6 +276,48 @@ class Coordinator:
             self._clients[name] = self._new_client(name, address)
         self._clients = dict(sorted(self._clients.items()))
 
+    async def replace_participant(self, instance: str, address: str) -> ParticipantInfo:
+        """Address the replacement of lost ``instance``, started under the same name at
+        ``address`` (docs/spec.md section 7.15), and describe it.
+
+        It must describe itself as the same instance, kind and environment (the
+        topology a snapshot restores into, section 7.7 item 3); its incarnation is new.
+        Raises :class:`OperationFailed` when it cannot be described or differs.
+        """
+        topology = self.topology
+        if instance not in topology.participants:
+            raise ValueError(f"unknown participant instance {instance!r}")
+        await self._clients.pop(instance).close()
+        self._clients[instance] = self._new_client(instance, address)
+        self._clients = dict(sorted(self._clients.items()))
+        result = await self._describe([instance])
+        failures = dict(result.failures)
+        info: ParticipantInfo | None = None
+        response = result.responses.get(instance)
+        if response is not None:
+            before = topology.participants[instance]
+            try:
+                if response.instance_name != instance:
+                    raise MalformedReplyError(
+                        instance, "Describe", f"reply names {response.instance_name!r}"
+                    )
+                info = ParticipantInfo.from_proto(instance, response)
+                if (info.kind, info.environment) != (before.kind, before.environment):
+                    raise MalformedReplyError(
+                        instance,
+                        "Describe",
+                        f"the replacement serves {info.kind.value} {info.environment!r}, "
+                        f"not {before.kind.value} {before.environment!r}",
+                    )
+            except MalformedReplyError as error:
+                failures[instance] = classify(error)
+        self._record("describe", result)
+        if failures or info is None:
+            raise OperationFailed("describe", instance, failures)
+        self._topology = Topology({**topology.participants, instance: info})
+        self._statuses.pop(instance, None)
+        return info
+
     @property
     def instances(self) -> tuple[str, ...]:
         return tuple(self._clients)
@@ -607,22 +649,31 @@ class Coordinator:
         snapshot: str,
         manifest: SnapshotManifest,
         scope: Mapping[str, Iterable[EpisodeId]],
+        *,
+        instances: Iterable[str] | None = None,
+        retire_unscoped: bool = True,
     ) -> dict[str, tuple[EpisodeId, ...]]:
         """Restore every participant from ``<root>/<snapshot>/`` as ``manifest`` describes.
 
         ``scope`` gives each instance the saved episodes (attempt N) to continue; each
         must install exactly their attempt N+1 and stay closed until :meth:`resume`.
+        ``instances`` restores only those (a heal, docs/spec.md section 7.15), and
+        ``retire_unscoped`` false keeps a running participant's other work (section
+        4.16); every participant outside ``instances`` goes on untouched.
         Raises :class:`RestoreFailed` (nothing cleaned up; :meth:`restored` does that).
         """
         validate_id(restore_id, "restore_id")
         validate_id(snapshot, "snapshot")
         self.topology.check_manifest(manifest)
-        unknown = sorted(set(scope) - set(self._clients))
+        chosen = self._checked(instances)
+        unknown = sorted(set(scope) - set(chosen))
         if unknown:
             raise ValueError(f"restore scope names unknown instance(s): {', '.join(unknown)}")
-        scopes = {name: tuple(sorted(set(scope.get(name, ())))) for name in self._clients}
+        scopes = {name: tuple(sorted(set(scope.get(name, ())))) for name in chosen}
         requests = {
-            name: self._restore_request(restore_id, snapshot, manifest, name, episodes)
+            name: self._restore_request(
+                restore_id, snapshot, manifest, name, episodes, retire_unscoped=retire_unscoped
+            )
             for name, episodes in scopes.items()
         }
         result = await self._fan_out_once("restore", requests, attempts=JOINING_ATTEMPTS)
@@ -645,13 +696,17 @@ class Coordinator:
         manifest: SnapshotManifest,
         name: str,
         episodes: Sequence[EpisodeId],
+        *,
+        retire_unscoped: bool,
     ) -> pb.RestoreRequest | pb.RestoreRunningRequest:
         """RestoreRunning where the participant serves it, else the fresh-only Restore.
 
-        A running restore retires everything unscoped: whatever the participant holds
-        was started by an earlier incarnation, which this epoch fences (docs/spec.md
-        section 4.16), so a trainer restart needs no participant restart. A participant
-        without the capability still needs to be fresh (section 4.10).
+        At a start, a running restore retires everything unscoped: whatever the
+        participant holds was started by an earlier incarnation, which this epoch fences
+        (docs/spec.md section 4.16), so a trainer restart needs no participant restart.
+        A heal keeps it (``retire_unscoped`` false): that work is this incarnation's and
+        goes on. A participant without the capability still needs to be fresh (section
+        4.10).
         """
         entry = _manifest_entry(manifest.participant(name))
         scope = [episode_to_proto(e) for e in episodes]
@@ -665,7 +720,7 @@ class Coordinator:
                 entry=entry,
                 scope=scope,
                 lease=lease,
-                retire_unscoped=True,
+                retire_unscoped=retire_unscoped,
             )
         return pb.RestoreRequest(
             fence=self.fence,
@@ -678,16 +733,16 @@ class Coordinator:
         )
 
     async def _discard_restore(
-        self, restore_id: str, replacements: Sequence[EpisodeId]
+        self, restore_id: str, replacements: Sequence[EpisodeId], instances: Sequence[str]
     ) -> dict[str, Failure]:
-        """Retire the replacement attempts everywhere, then resume everywhere."""
+        """Retire the replacement attempts on ``instances``, then resume them."""
         failures: dict[str, Failure] = {}
         if replacements:
             retired = await self.retire(
-                {name: replacements for name in self._clients}, key=f"{restore_id}-discard"
+                {name: replacements for name in instances}, key=f"{restore_id}-discard"
             )
             failures.update(retired.failures)
-        resumed = await self.resume(restore_id)
+        resumed = await self.resume(restore_id, instances)
         for name, failure in resumed.failures.items():
             failures.setdefault(name, failure)
         if failures:
@@ -706,8 +761,14 @@ class Coordinator:
         snapshot: str,
         manifest: SnapshotManifest,
         scope: Mapping[str, Iterable[EpisodeId]],
+        *,
+        instances: Iterable[str] | None = None,
+        retire_unscoped: bool = True,
     ) -> AsyncIterator[RestoredCheckpoint]:
         """Restore everywhere for the body, then always reopen every participant once.
+
+        ``instances`` and ``retire_unscoped`` as :meth:`restore` takes them: a heal
+        restores, cleans up and reopens only those participants.
 
         A restore that fails on ANY participant has an uncertain outcome on all of them:
         the replacement attempts (N+1) are retired everywhere, every participant is
@@ -716,30 +777,38 @@ class Coordinator:
         over: they are retired everywhere before the participants reopen, and the body's
         error propagates.
         """
+        chosen = self._checked(instances)
         replacements = tuple(
             sorted({e.next_attempt() for episodes in scope.values() for e in episodes})
         )
-        renewer = Renewer(self, restore_id, self.instances)
+        renewer = Renewer(self, restore_id, chosen)
         renewer.start()
         try:
-            installed = await self.restore(restore_id, snapshot, manifest, scope)
+            installed = await self.restore(
+                restore_id,
+                snapshot,
+                manifest,
+                scope,
+                instances=chosen,
+                retire_unscoped=retire_unscoped,
+            )
         except RestoreFailed as error:
             await renewer.stop()
-            cleanup = await self._discard_restore(restore_id, replacements)
+            cleanup = await self._discard_restore(restore_id, replacements, chosen)
             raise RestoreFailed(restore_id, error.failures, replacements, cleanup) from error
         except BaseException:
             await renewer.stop()
-            await self._discard_restore(restore_id, replacements)
+            await self._discard_restore(restore_id, replacements, chosen)
             raise
         restored = RestoredCheckpoint(restore_id, MappingProxyType(installed))
         try:
             yield restored
         except BaseException:
             await renewer.stop()
-            await self._discard_restore(restore_id, replacements)
+            await self._discard_restore(restore_id, replacements, chosen)
             raise
         await renewer.stop()
-        restored.release = await self.resume(restore_id)
+        restored.release = await self.resume(restore_id, chosen)
 
     # -- discovery, prepare and commit -------------------------------------------------
 

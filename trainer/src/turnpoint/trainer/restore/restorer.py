@@ -46,7 +46,6 @@ from turnpoint.errors import TurnpointError
 from turnpoint.ids import (
     EpisodeId,
     InvalidIdError,
-    make_checkpoint_id,
     validate_attempt,
     validate_id,
 )
@@ -59,6 +58,7 @@ from turnpoint.trainer.control.topology import Topology
 from turnpoint.trainer.errors import CoordinatorError
 from turnpoint.trainer.metrics import CoordinatorMetrics
 from turnpoint.trainer.restore.choice import Candidate, RestoreChoice, metrics_of, rank_candidates
+from turnpoint.trainer.restore.heal import restore_id_for
 from turnpoint.trainer.rollouts.side import InFlightRollout
 from turnpoint.trainer.snapshots.levels import LevelDecision, decide_levels
 from turnpoint.trainer.storage.layout import SnapshotLayout
@@ -84,11 +84,6 @@ AnchorLoader = Callable[[Path, AnchorRef], int]
 """``(snapshot directory, anchor reference) -> step``: load the trainer anchor in place
 (model, optimizer), verifying its digest first; raise on any problem. Blocking: it runs
 in a thread."""
-
-
-def restore_id_for(epoch: int) -> str:
-    """The restore id of a coordinator start: one per epoch, never reused."""
-    return make_checkpoint_id("restore", epoch)
 
 
 def torch_anchor_loader(

@@ -611,6 +611,29 @@ class RolloutClient:
         """
         return self._ledger.rerun_from_prompt(rollout, instance=instance, attempt=attempt).episode
 
+    def end_for_heal(self, episodes: Iterable[EpisodeId]) -> None:
+        """End the live attempts a heal replaces and stop their Runs (docs/spec.md
+        section 7.15); the heal then continues or reruns each (see the ledger's
+        ``end_for_heal``)."""
+        for attempt in self._ledger.end_for_heal(episodes):
+            self._stop_following(attempt)
+
+    async def replace_agent(self, instance: str, endpoint: AgentEndpoint) -> None:
+        """Send ``instance``'s Runs to ``endpoint`` from now on: the replacement of a
+        lost agent, under the same name (docs/spec.md section 7.15)."""
+        if instance not in self._endpoints:
+            raise ValueError(f"unknown agent instance {instance!r}")
+        self._endpoints[instance] = endpoint
+        self._metadata[instance] = auth_metadata(endpoint.token) if endpoint.token else ()
+        if not self._started:
+            return
+        old = self._channels.get(instance)
+        channel = data_channel(endpoint.address, credentials=endpoint.credentials)
+        self._channels[instance] = channel
+        self._stubs[instance] = pb_grpc.RolloutServiceStub(channel)
+        if old is not None:
+            await old.close(None)
+
     # ------------------------------------------------------------------ service loops
 
     async def _dispatch_loop(self) -> None:

@@ -235,6 +235,23 @@ class RolloutLedger:
         self._add_live(new)
         return new
 
+    def end_for_heal(self, episodes: Iterable[EpisodeId]) -> tuple[Attempt, ...]:
+        """End the live attempts a heal replaces (docs/spec.md section 7.15): no result,
+        no rerun and no queued retire, since the heal itself retires them where they run
+        and then continues each one (:meth:`redispatch`) or reruns it
+        (:meth:`rerun_from_prompt`). Returns them, for their Runs to be stopped. An
+        episode that is not the live attempt of its rollout is refused (``ValueError``)
+        before anything changes: the plan is stale."""
+        chosen: list[Attempt] = []
+        for episode in episodes:
+            attempt = self._live.get(episode.rollout_id)
+            if attempt is None or attempt.episode != episode:
+                raise ValueError(f"{episode} is not a live attempt: the heal plan is stale")
+            chosen.append(attempt)
+        for attempt in chosen:
+            self._end(attempt)
+        return tuple(chosen)
+
     def _known_instance(self, instance: str) -> None:
         if instance not in self._instances:
             raise ValueError(f"unknown agent instance {instance!r}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from turnpoint.errors import Reason
@@ -132,6 +132,8 @@ class WeightSyncError(CoordinatorError):
     with the protocol reason when the server sent one). ``reason`` is that failure's
     reason, or ``UNAVAILABLE`` / ``DEADLINE_EXCEEDED`` for a transport failure that ran
     out of retries, or ``PROTOCOL_VIOLATION`` for any other failure without a reason.
+    ``installed_version`` is set when the server refused the version for being below
+    the one it holds (:func:`installed_version_refused`).
     """
 
     def __init__(
@@ -143,6 +145,7 @@ class WeightSyncError(CoordinatorError):
         attempts: int,
         status: str,
         detail: str,
+        installed_version: int | None = None,
     ) -> None:
         super().__init__(
             reason,
@@ -160,20 +163,68 @@ class WeightSyncError(CoordinatorError):
         self.attempts = attempts
         self.status = status
         self.detail = detail
+        self.installed_version = installed_version
+        if installed_version is not None:
+            self.metadata["installed_version"] = str(installed_version)
 
     def __reduce__(self) -> tuple[object, ...]:
         return (
             _rebuild_weight_sync_error,
-            (self.reason, self.instance, self.version, self.attempts, self.status, self.detail),
+            (
+                self.reason,
+                self.instance,
+                self.version,
+                self.attempts,
+                self.status,
+                self.detail,
+                self.installed_version,
+            ),
         )
 
 
 def _rebuild_weight_sync_error(
-    reason: Reason, instance: str, version: int, attempts: int, status: str, detail: str
+    reason: Reason,
+    instance: str,
+    version: int,
+    attempts: int,
+    status: str,
+    detail: str,
+    installed_version: int | None,
 ) -> WeightSyncError:
     return WeightSyncError(
-        reason, instance=instance, version=version, attempts=attempts, status=status, detail=detail
+        reason,
+        instance=instance,
+        version=version,
+        attempts=attempts,
+        status=status,
+        detail=detail,
+        installed_version=installed_version,
     )
+
+
+def installed_version_refused(reason: Reason | None, metadata: Mapping[str, str]) -> int | None:
+    """The newer version a policy server holds, when a push was refused for going below
+    it (docs/spec.md section 5.4 item 4: ``INVALID_ARGUMENT``, metadata ``field`` =
+    ``weights_version`` and ``installed_version``); ``None`` for any other failure.
+    Read from the reason and metadata only, never from the message."""
+    if reason is not Reason.INVALID_ARGUMENT or metadata.get("field") != "weights_version":
+        return None
+    text = metadata.get("installed_version", "")
+    if not text.isascii() or not text.isdigit():
+        return None
+    return int(text)
+
+
+def restored_push_version(restored: int, refused_at: Iterable[int]) -> int:
+    """The version a restored trainer pushes its restored weights at (docs/spec.md
+    section 6.11 item 6): the snapshot's ``restored`` version, unless a policy server
+    that kept running holds a newer one (``refused_at``: the installed versions named by
+    the refusals); then one above the newest of those, so that every server installs
+    the restored weights and every later version is above anything a server holds."""
+    newest = max(refused_at, default=None)
+    if newest is None or newest < restored:
+        return restored
+    return newest + 1
 
 
 def give_up_reason(reason: Reason | None, code_name: str | None, transient: bool) -> Reason:

@@ -29,7 +29,7 @@ import grpc
 
 from turnpoint._keepalive import LOCAL_SUBCHANNEL_POOL, data_channel
 from turnpoint.auth import auth_metadata
-from turnpoint.errors import Reason
+from turnpoint.errors import Reason, TurnpointError
 from turnpoint.trainer.control.failures import FailureKind, classify
 from turnpoint.trainer.rollouts.deadlines import Hold
 from turnpoint.trainer.storage.manifest import JSONValue
@@ -39,6 +39,8 @@ from turnpoint.trainer.weights.core import (
     call_timeout_s,
     decide_retry,
     give_up_reason,
+    installed_version_refused,
+    restored_push_version,
     weights_extra,
     weights_request_id,
     weights_version_of,
@@ -127,6 +129,14 @@ class WeightSync:
         """Per server, the newest version it acknowledged."""
         return MappingProxyType(self._installed)
 
+    def replace_server(self, instance: str, address: str) -> None:
+        """Push to ``address`` for ``instance`` from now on: the replacement of a lost
+        policy server (docs/spec.md section 7.15), which holds no version yet."""
+        if instance not in self._servers:
+            raise ValueError(f"unknown policy server {instance!r}")
+        self._servers[instance] = address
+        self._installed.pop(instance, None)
+
     def adopt(self, version: int) -> None:
         """Take ``version`` as the trainer's current weights without pushing them (a
         restored snapshot's); a later :meth:`push` must not go below it."""
@@ -163,6 +173,47 @@ class WeightSync:
         acknowledged it. Raises :class:`WeightSyncError` (after the others finished)
         if one server's push fails for good."""
         self.declare(version)
+        return self._report(version, await self._push_all(version, state))
+
+    async def push_restored(self, state: bytes) -> WeightSyncReport:
+        """Push a restored trainer's weights ``state`` at its current :attr:`version`
+        (the snapshot's, :meth:`adopt_restore`) to every policy server.
+
+        A server that kept running through the trainer's restart may hold a newer
+        version, pushed by the incarnation that died after the snapshot, and refuses the
+        lower one (docs/spec.md section 5.4 item 4). The restored weights are then pushed
+        once more, to every server, at one above the newest version refused at
+        (:func:`restored_push_version`, section 6.11 item 6); that version becomes the
+        trainer's, so later pushes go above it. Any other failure raises as
+        :meth:`push` does.
+        """
+        restored = self._version
+        if restored is None:
+            raise ValueError("push_restored needs a version: adopt or declare one first")
+        outcomes = await self._push_all(restored, state)
+        refused = {
+            name: outcome.installed_version
+            for name, outcome in outcomes.items()
+            if isinstance(outcome, WeightSyncError) and outcome.installed_version is not None
+        }
+        if not refused:
+            return self._report(restored, outcomes)
+        for name, outcome in outcomes.items():
+            if isinstance(outcome, BaseException) and name not in refused:
+                raise outcome
+        version = restored_push_version(restored, refused.values())
+        _LOG.info(
+            "policy servers hold newer weights than the restored version %d (%s); "
+            "pushing the restored weights at %d",
+            restored,
+            ", ".join(f"{name}: {held}" for name, held in sorted(refused.items())),
+            version,
+        )
+        return await self.push(version, state)
+
+    async def _push_all(self, version: int, state: bytes) -> dict[str, int | BaseException]:
+        """Push ``version`` to every server at once: per server, the attempts its push
+        took or the error it failed with."""
         async with self._lock:
             hold = (
                 self._rollouts.hold_deadlines(f"weight sync {version}")
@@ -180,13 +231,18 @@ class WeightSync:
             finally:
                 if hold is not None and self._rollouts is not None:
                     self._rollouts.release_deadlines(hold)
-            attempts: dict[str, int] = {}
-            for name, outcome in zip(self._servers, outcomes, strict=True):
-                if isinstance(outcome, BaseException):
-                    raise outcome
-                attempts[name] = outcome
-                self._installed[name] = version
-            return WeightSyncReport(version, MappingProxyType(attempts))
+        return dict(zip(self._servers, outcomes, strict=True))
+
+    def _report(
+        self, version: int, outcomes: Mapping[str, int | BaseException]
+    ) -> WeightSyncReport:
+        attempts: dict[str, int] = {}
+        for name, outcome in outcomes.items():
+            if isinstance(outcome, BaseException):
+                raise outcome
+            attempts[name] = outcome
+            self._installed[name] = version
+        return WeightSyncReport(version, MappingProxyType(attempts))
 
     async def _push_one(self, instance: str, address: str, version: int, state: bytes) -> int:
         """Push to one server until it acknowledges; the number of attempts it took."""
@@ -205,6 +261,7 @@ class WeightSync:
                 await self._call(instance, address, request, timeout)
                 return attempts
             except (grpc.RpcError, _Malformed) as error:
+                installed: int | None = None
                 if isinstance(error, _Malformed):
                     reason: Reason | None = Reason.PROTOCOL_VIOLATION
                     code_name: str | None = None
@@ -216,6 +273,8 @@ class WeightSync:
                     code_name = failure.code.name if failure.code is not None else None
                     transient = failure.kind is FailureKind.TRANSIENT
                     detail = failure.detail
+                    if isinstance(failure.error, TurnpointError):
+                        installed = installed_version_refused(reason, failure.error.metadata)
                 decision = decide_retry(
                     settings,
                     attempts_made=attempts,
@@ -232,6 +291,7 @@ class WeightSync:
                         attempts=attempts,
                         status=status,
                         detail=f"{detail} ({decision.reason})",
+                        installed_version=installed,
                     ) from error
                 _LOG.info(
                     "UpdateWeights %d on %s failed (%s: %s); %s",

@@ -1,0 +1,196 @@
+"""A lost agent process is replaced and healed in place (docs/spec.md section 7.15).
+
+Real participants on 127.0.0.1:0: the policy, both resources servers and agent-0 in this
+process, agent-1 a ``turnpoint serve`` child started by :class:`LocalProcessLauncher`.
+One group-scored sibling is parked at its verify on each agent (alone, it waits for its
+sibling forever, so both are in flight whatever the timing) and a snapshot saves them.
+agent-1 is SIGKILLed: the liveness watch finds it lost, the launcher starts a new
+agent-1, and only its sibling is restored there (as attempt 1) while agent-0's keeps
+running as attempt 0. Then each group's second sibling is dispatched and both groups
+finish: no job restart, nothing trained twice, nothing lost.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.support.participants import TOKEN, start_topology
+from tests.support.scripted import poll
+from turnpoint.apps.examples._guess_jobs import guess_rollouts
+from turnpoint.auth import TOKEN_ENV
+from turnpoint.ids import EpisodeId
+from turnpoint.trainer import (
+    Checkpointing,
+    CoordinatorConfig,
+    HealRefusedError,
+    LocalProcessLauncher,
+    ParticipantLostError,
+    RolloutClientSettings,
+    RolloutOutcome,
+    SnapshotOutcome,
+    TorchAnchorSource,
+    torch_anchor_loader,
+)
+
+GROUP_SIZE = 2
+BOUND_S = 60.0
+
+
+def _agent_command(root: Path, policy: str, tools: str, group_tools: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "turnpoint.apps._cli",
+        "serve",
+        "--kind",
+        "agent",
+        "--example",
+        "guess",
+        "--instance",
+        "agent-1",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--root",
+        str(root),
+        "--group-size",
+        str(GROUP_SIZE),
+        "--policy",
+        policy,
+        "--resources",
+        f"guess={tools}",
+        "--resources",
+        f"guess-group={group_tools}",
+    ]
+
+
+async def test_a_killed_agent_process_is_replaced_and_only_its_episode_is_restored(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "p"
+    async with start_topology(root, agents=1, group_size=GROUP_SIZE) as topology:
+        env = dict(os.environ)
+        env[TOKEN_ENV] = TOKEN
+        env["PYTHONPATH"] = os.pathsep.join(sys.path)
+        launcher = LocalProcessLauncher(
+            {
+                "agent-1": _agent_command(
+                    root,
+                    topology.policy.address,
+                    topology.tools.address,
+                    topology.group_tools.address,
+                )
+            },
+            env=env,
+        )
+        try:
+            participants = {n: h.address for n, h in topology.participants.items()}
+            participants["agent-1"] = await launcher.start("agent-1")
+            model = torch.nn.Linear(2, 2)
+            ckpt = Checkpointing(
+                CoordinatorConfig(
+                    snapshot_root=root,
+                    control_timeout_s=10.0,
+                    liveness_interval_s=0.25,
+                    participant_lost_after_s=2.0,
+                ),
+                participants,
+                token=TOKEN,
+                anchor=TorchAnchorSource(model, None, step=lambda: 0),
+                load_anchor=torch_anchor_loader(model, None),
+                periodic=False,
+                final_snapshot=False,
+                watch_liveness=True,
+                launcher=launcher,
+                # The dead agent's Run is re-attached, not given up, until the heal
+                # takes it over: the heal, not the rollout client, decides its fate.
+                rollout_settings=RolloutClientSettings(reattach_attempts=1000),
+            )
+            async with ckpt:
+                # Groups 1 and 3 are group-scored: sibling 0 of each alone parks at its
+                # verify. Group 1's lands on agent-1, group 3's on agent-0.
+                stays = guess_rollouts(3, GROUP_SIZE, 0, ("agent-0",))
+                lost = guess_rollouts(1, GROUP_SIZE, 0, ("agent-1",))
+                ckpt.dispatch(stays[0])
+                ckpt.dispatch(lost[0])
+                rollouts = ckpt.rollouts
+                await rollouts.wait_for(
+                    lambda: sum(r.boundaries_seen >= 1 for r in rollouts.in_flight()) == 2,
+                    BOUND_S,
+                )
+                report = await ckpt.snapshot_now()
+                assert report.outcome is SnapshotOutcome.PUBLISHED, report
+
+                await launcher.kill("agent-1")
+                await poll(lambda: len(ckpt.heals) == 1, BOUND_S)
+                (plan,) = ckpt.heals
+                assert plan.lost.instance == "agent-1"
+                assert [s.episode.rollout_id for s in plan.continued] == [lost[0].rollout_id]
+                assert plan.untouched == (stays[0].rollout_id,)
+                saved = EpisodeId(lost[0].rollout_id, 0)
+                # Its episode on the replacement, its session where it runs (the
+                # group-scored resources server, which keeps agent-0's session).
+                assert plan.replacement_scope == (saved,)
+                assert dict(plan.running_scope) == {"group-tools": (saved,)}
+                assert launcher.started == {"agent-1": 2}
+
+                ckpt.dispatch(stays[1])
+                ckpt.dispatch(lost[1])
+                assert await ckpt.wait_groups(2, timeout_s=BOUND_S)
+                groups = ckpt.take_ready_groups(2)
+            attempts = {r.episode.rollout_id: r.episode.attempt for g in groups for r in g}
+            assert attempts == {
+                stays[0].rollout_id: 0,  # kept running through the heal
+                stays[1].rollout_id: 0,
+                lost[0].rollout_id: 1,  # continued from the snapshot on the replacement
+                lost[1].rollout_id: 0,
+            }
+            assert {r.outcome for g in groups for r in g} == {RolloutOutcome.COMPLETED}
+        finally:
+            await launcher.aclose()
+
+
+class _NeverCalled:
+    """A launcher that must not be asked: the participant's heals are used up."""
+
+    async def replace(self, instance: str) -> str:
+        raise AssertionError(f"{instance} was replaced beyond its budget")
+
+
+async def test_a_participant_replaced_too_often_ends_the_run_with_the_reason(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "p"
+    async with start_topology(root, agents=2, group_size=GROUP_SIZE) as topology:
+        model = torch.nn.Linear(2, 2)
+        ckpt = Checkpointing(
+            CoordinatorConfig(
+                snapshot_root=root,
+                control_timeout_s=10.0,
+                liveness_interval_s=0.25,
+                participant_lost_after_s=1.0,
+                max_restarts=0,  # no heal allowed: the first loss ends the run
+            ),
+            {n: h.address for n, h in topology.participants.items()},
+            token=TOKEN,
+            anchor=TorchAnchorSource(model, None, step=lambda: 0),
+            load_anchor=torch_anchor_loader(model, None),
+            periodic=False,
+            final_snapshot=False,
+            watch_liveness=True,
+            launcher=_NeverCalled(),
+        )
+        async with ckpt:
+            await topology.agents[1].stop(0)
+            with pytest.raises(HealRefusedError) as refused:
+                await ckpt.wait_groups(1, timeout_s=BOUND_S)
+        assert refused.value.instance == "agent-1"
+        assert "max_restarts=0" in refused.value.detail
+        assert isinstance(refused.value.__cause__, ParticipantLostError)
+        assert ckpt.heals == []
