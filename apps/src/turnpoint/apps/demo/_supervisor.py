@@ -24,8 +24,9 @@ serve every environment), then starts the trainer (:func:`trainer_command`)::
         --steps N --group-size N --groups-per-step N --snapshot-interval S
         --target-level LEVEL --seed N --start-on-stdin [--resume] [--kill-at POINT[:N]]
 
-The trainer process is spawned while the participants start, and imports torch and the
-facade meanwhile: most of a start is imports, on both sides, and they overlap. With
+The trainer process is spawned before the participants start (after a crash, before the
+old ones are stopped), and imports torch and the facade meanwhile: most of a start is
+imports, on both sides, and they overlap. With
 ``--start-on-stdin`` it reads nothing (no topology, no event log, no port) until the
 supervisor writes a line to its stdin, once ``topology.json`` is written; that is when
 the trainer starts. A trainer whose participants never came up is killed unreleased and
@@ -1121,14 +1122,12 @@ class _Supervisor:
     def show(self) -> None:
         self.display.update(self.state, time.monotonic())
 
-    async def launch(self, *, resume: bool) -> None:
-        """Start the participants and write the topology; the next trainer is spawned
-        first, so that its imports overlap the participants' start."""
-        self.generation += 1
-        self.state.phase = f"starting participants ({self.launcher.description})"
-        self.show()
+    async def spawn_trainer(self, *, resume: bool) -> None:
+        """Spawn the next incarnation's trainer, waiting for :meth:`start_trainer`: it
+        imports while the participants stop and start."""
+        assert self.next_trainer is None
         incarnation = self.trainer.incarnation + 1 if self.trainer else 1
-        trainer = await _Trainer.start(
+        self.next_trainer = await _Trainer.start(
             self.options,
             self.paths,
             self.token,
@@ -1137,12 +1136,25 @@ class _Supervisor:
             program=self.trainer_program,
             kill_at=self.options.crash_at if incarnation == 1 else None,
         )
+
+    async def discard_next_trainer(self) -> None:
+        trainer, self.next_trainer = self.next_trainer, None
+        if trainer is not None:
+            await trainer.discard()
+
+    async def launch(self, *, resume: bool) -> None:
+        """Start the participants and write the topology, the next trainer spawned
+        first (if it was not yet) so that its imports overlap their start."""
+        self.generation += 1
+        self.state.phase = f"starting participants ({self.launcher.description})"
+        self.show()
+        if self.next_trainer is None:
+            await self.spawn_trainer(resume=resume)
         try:
             await self._start_participants()
         except BaseException:
-            await asyncio.shield(trainer.discard())
+            await asyncio.shield(self.discard_next_trainer())
             raise
-        self.next_trainer = trainer
 
     async def _start_participants(self) -> None:
         self.participants = await start_participants(
@@ -1382,6 +1394,7 @@ class _Supervisor:
         self.state.note_crash()
         self.show()
         await asyncio.to_thread(_drop_torn_line, self.paths.events)
+        await self.spawn_trainer(resume=True)
         participants, self.participants = self.participants, {}
         # SIGKILL, not a drain: a paused process never drains, and none of their state
         # is kept (the restore starts every participant fresh).
@@ -1456,6 +1469,8 @@ class _Supervisor:
         await asyncio.to_thread(_drop_torn_line, self.paths.events)
         survivors = [p for p in self.participants.values() if p is not victim]
         self.participants = {}
+        # The next trainer imports while the survivors drain.
+        await self.spawn_trainer(resume=True)
         await stop_participants(survivors)
         await self.launch(resume=True)
         await self.record("restart", incarnation=self.trainer.incarnation + 1)
@@ -1466,8 +1481,7 @@ class _Supervisor:
         """Cleanup after a failure: no checks, nothing left running."""
         if self.trainer is not None:
             await self.trainer.kill()
-        if self.next_trainer is not None:
-            await self.next_trainer.discard()
+        await self.discard_next_trainer()
         participants, self.participants = self.participants, {}
         await stop_participants(list(participants.values()), check=False)
 
