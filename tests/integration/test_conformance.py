@@ -59,6 +59,9 @@ CUTTING_MODEL_ONLY = {"token-cut"}
 EQUIVALENCE = {"equivalence"}
 # Checked only on a resources server (docs/spec.md sections 5.3, 6.12).
 RESOURCES_ONLY = {"exported-sessions", "effects"}
+# Needs a server on a sandbox provider and --snapshot-root
+# (tests/integration/test_conformance_sandboxes.py).
+SANDBOXES = {"sandboxes"}
 
 
 async def _check(
@@ -97,12 +100,16 @@ async def test_the_example_participants_pass_every_check(tmp_path: Path, instanc
     skipped = {name for name, outcome in outcomes.items() if outcome is Outcome.SKIP}
     # An agent runs every check but the cutting model's; the others skip what belongs to
     # agents, and the resources servers the cutting model's check too.
-    expected = EQUIVALENCE | (
-        CUTTING_MODEL_ONLY | RESOURCES_ONLY
-        if instance.startswith("agent")
-        else AGENT_ONLY | RESOURCES_ONLY
-        if instance == "policy"
-        else AGENT_ONLY | CUTTING_MODEL_ONLY
+    expected = (
+        EQUIVALENCE
+        | SANDBOXES
+        | (
+            CUTTING_MODEL_ONLY | RESOURCES_ONLY
+            if instance.startswith("agent")
+            else AGENT_ONLY | RESOURCES_ONLY
+            if instance == "policy"
+            else AGENT_ONLY | CUTTING_MODEL_ONLY
+        )
     )
     assert skipped == expected, render_table(report)
 
