@@ -63,6 +63,9 @@ RESOURCES_ONLY = {"exported-sessions", "effects"}
 # Checked only when the kit is given the target's data-plane token (section 10.2).
 DATA_TOKEN_ONLY = {"credential-roles"}
 DATA_TOKEN = "conformance-data-Token-8c1d"
+# Needs a server on a sandbox provider and --snapshot-root
+# (tests/integration/test_conformance_sandboxes.py).
+SANDBOXES = {"sandboxes"}
 
 
 async def _check(
@@ -109,6 +112,7 @@ async def test_the_example_participants_pass_every_check(tmp_path: Path, instanc
     expected = (
         EQUIVALENCE
         | DATA_TOKEN_ONLY
+        | SANDBOXES
         | (
             CUTTING_MODEL_ONLY | RESOURCES_ONLY
             if instance.startswith("agent")

@@ -83,8 +83,10 @@ def add_conformance_parser(sub: argparse._SubParsersAction[argparse.ArgumentPars
     parser.add_argument(
         "--snapshot-root",
         metavar="DIR",
-        help="the snapshot root both targets share: the equivalence check writes a copy of "
-        "its snapshot there with truncated session states, which must install nothing",
+        help="the target's snapshot root (shared with its restore targets): the equivalence "
+        "check writes a copy of its snapshot there with truncated session states, which must "
+        "install nothing; the sandboxes check reads the exported sandbox handles there and "
+        "restores altered copies of them",
     )
     parser.add_argument(
         "--lease",

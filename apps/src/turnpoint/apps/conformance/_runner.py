@@ -40,6 +40,7 @@ from ._lifecycle_checks import (
     check_retire,
 )
 from ._report import CheckResult, ConformanceReport, Outcome
+from ._sandbox_checks import check_sandboxes
 from ._token_checks import check_token_cut
 from ._transport_checks import (
     check_auth,
@@ -84,6 +85,7 @@ CHECKS: tuple[Check, ...] = (
     Check("acknowledge", "6.4", check_acknowledge),
     Check("exported-sessions", "5.3", check_exported_sessions),
     Check("equivalence", "5.6", check_equivalence),
+    Check("sandboxes", "5.7", check_sandboxes),
     Check("hostile-input", "10.5", check_hostile_input),
 )
 
