@@ -31,11 +31,31 @@ GROUP_SIZE = 2
 BOUND_S = 60.0
 
 
+Told = tuple[str, SnapshotState, SnapshotState]
+
+
+def attempts_told(transitions: list[Told]) -> list[list[Told]]:
+    """The transitions split into attempts, each from its move out of ``NEW``.
+
+    Not grouped by id: an id no participant saw is reused by the next attempt (a
+    skipped one among them, docs/spec.md section 7.2 item 1), so one id may name
+    several attempts in a row.
+    """
+    assert transitions and transitions[0][1] is SnapshotState.NEW, transitions
+    attempts: list[list[Told]] = []
+    for told in transitions:
+        if told[1] is SnapshotState.NEW:
+            attempts.append([])
+        attempts[-1].append(told)
+    return attempts
+
+
+@pytest.mark.parametrize("results_first", [False, True], ids=["dispatched", "results_first"])
 async def test_every_snapshot_is_reported_its_transitions_told_and_counted(
-    tmp_path: Path,
+    tmp_path: Path, results_first: bool
 ) -> None:
     reports: list[SnapshotReport] = []
-    transitions: list[tuple[str, SnapshotState, SnapshotState]] = []
+    transitions: list[Told] = []
     metrics = CoordinatorMetrics(CollectorRegistry())
     model = torch.nn.Linear(2, 2)
     async with start_topology(tmp_path / "p", agents=1, group_size=GROUP_SIZE) as topology:
@@ -53,6 +73,10 @@ async def test_every_snapshot_is_reported_its_transitions_told_and_counted(
         ) as ckpt:
             for rollout in guess_rollouts(0, GROUP_SIZE, 0, ckpt.agents):
                 ckpt.dispatch(rollout, data_loader=1)
+            if results_first:
+                # Held open, the window timing otherwise decides: every result is in
+                # before the first cut, so the second snapshot finds nothing changed.
+                assert await ckpt.wait_groups(1, timeout_s=BOUND_S)
             first = await ckpt.snapshot_now()
             assert await ckpt.wait_groups(1, timeout_s=BOUND_S)
             second = await ckpt.snapshot_now()
@@ -61,12 +85,17 @@ async def test_every_snapshot_is_reported_its_transitions_told_and_counted(
     assert reports == ckpt.reports and reports[:2] == [first, second] and len(reports) == 3
     assert reports[2].outcome is SnapshotOutcome.SKIPPED, reports[2]
     assert first.outcome is SnapshotOutcome.PUBLISHED, first
-    for report in reports:
-        told = [(old, new) for attempt, old, new in transitions if attempt == report.checkpoint_id]
-        assert told[0][0] is SnapshotState.NEW
-        assert told[-1][1] is SnapshotState(report.outcome.value)
+    if results_first:
+        # No participant saw the skipped second's id: the final attempt reuses it.
+        assert second.outcome is SnapshotOutcome.SKIPPED, second
+        assert reports[2].checkpoint_id == second.checkpoint_id
+    attempts = attempts_told(transitions)
+    assert [told[0][0] for told in attempts] == [r.checkpoint_id for r in reports]
+    for report, told in zip(reports, attempts, strict=True):
+        assert {attempt for attempt, _, _ in told} == {report.checkpoint_id}, told
+        assert told[-1][2] is SnapshotState(report.outcome.value), told
         # One chain: each transition starts where the previous one ended.
-        assert all(a[1] is b[0] for a, b in itertools.pairwise(told))
+        assert all(a[2] is b[1] for a, b in itertools.pairwise(told)), told
     counted = sum(
         sample.value
         for family in metrics.registry.collect()

@@ -195,7 +195,9 @@ class Checkpointing:
 
     Watching (all optional): ``on_snapshot(report)`` after every snapshot, whoever
     asked for it; ``on_transition(attempt id, old state, new state, now)`` on every
-    transition of every attempt (quick, non-blocking: it runs inside the snapshot);
+    transition of every attempt (quick, non-blocking: it runs inside the snapshot; the
+    id is the checkpoint id, which the next attempt reuses while no participant saw it,
+    so each attempt begins with its move out of ``NEW``);
     ``metrics`` (a :class:`CoordinatorMetrics`) fed by the coordinator, the restore and
     every snapshot. ``watch_liveness`` probes the participants every
     ``config.liveness_interval_s`` and ends the run with :class:`ParticipantLostError`
