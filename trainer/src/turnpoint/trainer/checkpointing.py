@@ -793,6 +793,16 @@ class Checkpointing:
                 if is_agent:
                     rollouts.reopen_dispatch_to(lost)
         self.heals.append(plan)
+        self.history.on_replaced(
+            lost,
+            time.monotonic(),
+            checkpoint_id=plan.checkpoint_id,
+            resumed_rollouts=len(plan.continued),
+            rerun_rollouts=len(plan.rerun),
+            untouched_rollouts=len(plan.untouched),
+        )
+        if self._history_log is not None:
+            self._history_log.append(self.history.event_record(self.history.events[-1]))
         return plan
 
     async def _apply_heal(self, plan: HealPlan, manifest: SnapshotManifest | None) -> None:
