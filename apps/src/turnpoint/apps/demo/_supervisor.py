@@ -93,6 +93,7 @@ from rich.text import Text
 from turnpoint._files import create_file, replace_file
 from turnpoint.apps._object_store import ObjectStore, loopback_s3_available
 from turnpoint.apps.chaos._proxy import FaultProxy, ProxyMode
+from turnpoint.apps.demo._heal import PARTICIPANT_LOST_STATUS, LaunchService, ReplaceRefused
 from turnpoint.apps.demo._progress import (
     EventTail,
     ProgressDisplay,
@@ -138,6 +139,9 @@ a second); the job is restored onto fresh processes."""
 MAX_RESTARTS = 3
 """Unplanned job restarts (a lost participant, a dead or stuck trainer) allowed per hour."""
 POLL_INTERVAL_S = 0.25
+HEAL_GRACE_S = 60.0
+"""How long a dead agent waits for the trainer to ask for its replacement (it notices
+within its 6 s liveness window) before the supervisor restarts the job instead."""
 
 GUESS = "guess"
 GUESS_GROUP = "guess-group"
@@ -195,6 +199,15 @@ class DemoOptions:
     # exists, so the restored trainer's snapshots wait in prepare (the status page's
     # live blocker, tests/e2e/test_status_page.py).
     hold_tools_after_restart: Path | None = None
+
+    @property
+    def heal_in_place(self) -> bool:
+        """Whether a lost agent is replaced alone and a dead trainer restarted alone
+        (docs/spec.md section 7.15), rather than the whole job. Not on Ray (its actors
+        are placed by the cluster), not with participants in other languages (they may
+        not serve RestoreRunning), and not when the restarted job's tools must hold
+        their calls (that test needs a freshly started tools server)."""
+        return not self.ray and not self.participant_commands and not self.hold_tools_after_restart
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DemoOptions:
@@ -933,6 +946,7 @@ def trainer_command(
     resume: bool,
     program: Sequence[str] = DEFAULT_TRAINER_COMMAND,
     kill_at: str | None = None,
+    launcher: str | None = None,
 ) -> list[str]:
     """The trainer's command line; ``program`` is what runs it (tests substitute a fake).
 
@@ -963,6 +977,8 @@ def trainer_command(
         command.append("--resume")
     if kill_at is not None:
         command += ["--kill-at", kill_at]
+    if launcher is not None:
+        command += ["--launcher", launcher]
     if options.metrics_port is not None:
         command += ["--metrics-port", str(options.metrics_port)]
     return command
@@ -988,6 +1004,7 @@ class _Trainer:
         resume: bool,
         program: Sequence[str],
         kill_at: str | None = None,
+        launcher: str | None = None,
     ) -> _Trainer:
         stdout_path = paths.logs / f"trainer.{incarnation}.stdout"
         stderr_path = paths.logs / f"trainer.{incarnation}.stderr"
@@ -998,7 +1015,14 @@ class _Trainer:
         stdout, stderr = await asyncio.to_thread(open_logs)
         try:
             process = await asyncio.create_subprocess_exec(
-                *trainer_command(options, paths, resume=resume, program=program, kill_at=kill_at),
+                *trainer_command(
+                    options,
+                    paths,
+                    resume=resume,
+                    program=program,
+                    kill_at=kill_at,
+                    launcher=launcher,
+                ),
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=stdout,
                 stderr=stderr,
@@ -1068,6 +1092,14 @@ class _Supervisor:
         self.trained = asyncio.Event()
         # --lose-node: the node removed, and the participants that were on it.
         self.node_lost: dict[str, Any] | None = None
+        # Healing in place: where the trainer asks for replacements, when each dead
+        # agent was first seen dead, and how many replacements each instance had.
+        self.launch_service: LaunchService | None = None
+        self.dead_since: dict[str, float] = {}
+        self.replaced: dict[str, int] = {}
+        # One change of the participant table at a time: a replacement the trainer
+        # asked for never races a job restart or another replacement.
+        self.table_lock = asyncio.Lock()
 
     async def record(self, event_type: str, **detail: object) -> None:
         line = json.dumps({"type": event_type, "t": time.time(), **detail}) + "\n"
@@ -1089,6 +1121,7 @@ class _Supervisor:
             self.launcher, self.options, self.paths, self.generation
         )
         self.killed.clear()
+        self.dead_since.clear()
         addresses: dict[str, str] = {}
         if self.options.chaos_faults:
             # The trainer reaches every participant through a fault proxy, so --chaos can
@@ -1117,12 +1150,22 @@ class _Supervisor:
             resume=resume,
             program=self.trainer_program,
             kill_at=self.options.crash_at if incarnation == 1 else None,
+            launcher=self.launch_service.address if self.launch_service is not None else None,
         )
         self.last_event_at = self.trainer_started_at = time.monotonic()
         self.steps_since_start = 0
         self.trainer_restarted.set()
 
     async def run(self) -> None:
+        if self.options.heal_in_place:
+            self.launch_service = await LaunchService(self.token, self.replace).start()
+        try:
+            await self._run()
+        finally:
+            if self.launch_service is not None:
+                await self.launch_service.close()
+
+    async def _run(self) -> None:
         await self.launch()
         await self.start_trainer(resume=False)
         chaos = (
@@ -1161,14 +1204,19 @@ class _Supervisor:
                 if self.killed_itself(status):
                     await self.crash_and_restart()
                     continue
-                await self.recover(await self.trainer.failure(status))
+                failure = await self.trainer.failure(status)
+                if self.options.heal_in_place and status != PARTICIPANT_LOST_STATUS:
+                    await self.restart_trainer(failure)
+                else:
+                    await self.recover(failure)
                 continue
             lost = await self.lost_participant()
             if lost is not None:
                 await self.recover(lost)
                 continue
             if time.monotonic() - self.last_event_at > self.options.stall_timeout_s:
-                await self.recover(
+                restart = self.restart_trainer if self.options.heal_in_place else self.recover
+                await restart(
                     DemoError(
                         f"the trainer (incarnation {self.trainer.incarnation}) logged nothing "
                         f"for {self.options.stall_timeout_s:g}s (stuck or paused); its stderr "
@@ -1295,10 +1343,21 @@ class _Supervisor:
         )
 
     async def lost_participant(self) -> DemoError | None:
-        """A participant that exited without being told to, as the reason to restore."""
+        """A participant that exited without being told to, as the reason to restore.
+
+        Healing in place, a dead agent is the trainer's to replace (it asks
+        :meth:`replace`); only one still dead after :data:`HEAL_GRACE_S` is."""
+        now = time.monotonic()
         for participant in self.participants.values():
             status = participant.exit_status()
-            if status is not None and participant.spec.instance not in self.killed:
+            instance = participant.spec.instance
+            if status is not None and instance not in self.killed:
+                if (
+                    self.options.heal_in_place
+                    and participant.spec.kind == "agent"
+                    and now - self.dead_since.setdefault(instance, now) < HEAL_GRACE_S
+                ):
+                    continue
                 return DemoError(
                     f"participant {participant.spec.instance} exited unexpectedly with status "
                     f"{status}; its stderr says:{_quote_tail(await participant.stderr_tail())}"
@@ -1328,21 +1387,139 @@ class _Supervisor:
         self.state.note_crash()
         self.show()
         await asyncio.to_thread(_drop_torn_line, self.paths.events)
-        participants, self.participants = self.participants, {}
-        # SIGKILL, not a drain: a paused process never drains, and none of their state
-        # is kept (the restore starts every participant fresh).
-        for participant in participants.values():
-            await participant.kill()
-        await stop_participants(list(participants.values()), check=False)
-        # A verifier killed mid-append leaves a torn last line; its reward was never
-        # returned, so nothing the audit needs is lost by cutting it.
-        for log in self.paths.out.glob("verifier-*.jsonl"):
-            await asyncio.to_thread(_drop_torn_line, log)
-        await asyncio.sleep(decision.pause_s)
-        await self.launch()
+        async with self.table_lock:
+            participants, self.participants = self.participants, {}
+            # SIGKILL, not a drain: a paused process never drains, and none of their
+            # state is kept (the restore starts every participant fresh).
+            for participant in participants.values():
+                await participant.kill()
+            await stop_participants(list(participants.values()), check=False)
+            # A verifier killed mid-append leaves a torn last line; its reward was never
+            # returned, so nothing the audit needs is lost by cutting it.
+            for log in self.paths.out.glob("verifier-*.jsonl"):
+                await asyncio.to_thread(_drop_torn_line, log)
+            await asyncio.sleep(decision.pause_s)
+            await self.launch()
         await self.record(
             "restart", incarnation=self.trainer.incarnation + 1, reason=decision.reason
         )
+        self.state.note_restart()
+        await self.start_trainer(resume=True)
+
+    async def replace(self, instance: str) -> str:
+        """The trainer's launcher (docs/spec.md section 7.15 item 9): end what is left of
+        ``instance``, start it again under the same name with the same spec, and return
+        where the trainer reaches it. Only agents: the others' addresses are wired into
+        every agent, so their loss restarts the job (the trainer's heal fails)."""
+        async with self.table_lock:
+            return await self._replace(instance)
+
+    async def _replace(self, instance: str) -> str:
+        old = self.participants.get(instance)
+        if old is None:
+            raise ReplaceRefused(f"no participant {instance} runs in this job")
+        if old.spec.kind != "agent":
+            raise ReplaceRefused(
+                f"{instance} ({old.spec.kind}) is wired into every agent; the job restarts"
+            )
+        self.killed.add(instance)
+        await old.kill()
+        self.generation += 1
+        try:
+            new = await self.launcher.start(old.spec, self.generation)
+        except DemoError as error:
+            raise ReplaceRefused(str(error)) from error
+        self.participants[instance] = new
+        self.killed.discard(instance)
+        self.dead_since.pop(instance, None)
+        self.replaced[instance] = self.replaced.get(instance, 0) + 1
+        # A recovery, like a trainer restart: --chaos paces its next fault after it.
+        self.steps_since_start = 0
+        self.trainer_restarted.set()
+        address = new.address
+        proxy = self.proxies.pop(instance, None)
+        if proxy is not None:
+            await proxy.close()
+            self.proxies[instance] = proxy = await FaultProxy(new.address).start()
+            address = proxy.address
+        addresses = {name: p.address for name, p in self.proxies.items()}
+        await asyncio.to_thread(write_topology, self.paths, self.participants, addresses)
+        await self.record(
+            "replaced",
+            instance=instance,
+            incarnation=self.trainer.incarnation if self.trainer else 0,
+            step=self.state.step,
+            n=self.replaced[instance],
+        )
+        return address
+
+    async def restart_trainer(self, cause: DemoError) -> None:
+        """A trainer that died or stalled, healing in place: restart the trainer alone.
+        The next incarnation restores the last published snapshot into the participants
+        where they run (RestoreRunning, docs/spec.md section 4.16); only a participant
+        that is dead too is started again, fresh, first."""
+        assert self.trainer is not None
+        decision = self.restarts.decide(time.monotonic(), "trainer restart")
+        if not decision.allowed:
+            raise DemoError(f"{cause}\n{decision.reason}")
+        await self.record(
+            "crash",
+            incarnation=self.trainer.incarnation,
+            step=self.state.step,
+            killed=["trainer"],
+            unplanned=True,
+            cause=str(cause),
+        )
+        await self.trainer.kill()
+        await self.read_events()
+        self.state.note_crash()
+        self.show()
+        await asyncio.to_thread(_drop_torn_line, self.paths.events)
+        await asyncio.sleep(decision.pause_s)
+        await self.restart_trainer_alone(reason=decision.reason)
+
+    async def restart_trainer_alone(self, *, reason: str | None = None) -> None:
+        """Start the next trainer incarnation into the running participants, once every
+        dead one is replaced (the old trainer is gone and cannot ask for it)."""
+        assert self.trainer is not None
+        for _name, pid in self.fault_victims_of(self.participants):
+            # A participant paused by --chaos wakes up: the new trainer restores into it.
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        for log in self.paths.out.glob("verifier-*.jsonl"):
+            await asyncio.to_thread(_drop_torn_line, log)
+        async with self.table_lock:
+            dead = sorted(
+                name for name, p in self.participants.items() if p.exit_status() is not None
+            )
+            if any(self.participants[name].spec.kind != "agent" for name in dead):
+                # Its address is wired into every agent: the whole job starts again.
+                await self.restart_job(reason=reason)
+                return
+            for name in dead:
+                await self._replace(name)
+        started = dead
+        detail: dict[str, object] = {"reason": reason} if reason else {}
+        await self.record(
+            "restart",
+            incarnation=self.trainer.incarnation + 1,
+            scope="trainer",
+            started=started,
+            **detail,
+        )
+        self.state.note_restart()
+        await self.start_trainer(resume=True)
+
+    async def restart_job(self, *, reason: str | None) -> None:
+        """Every participant again, fresh, then the trainer (section 7.11 item 2)."""
+        assert self.trainer is not None
+        participants, self.participants = self.participants, {}
+        for participant in participants.values():
+            await participant.kill()
+        await stop_participants(list(participants.values()), check=False)
+        await self.launch()
+        detail: dict[str, object] = {"reason": reason} if reason else {}
+        await self.record("restart", incarnation=self.trainer.incarnation + 1, **detail)
         self.state.note_restart()
         await self.start_trainer(resume=True)
 
@@ -1400,6 +1577,10 @@ class _Supervisor:
         self.show()
         # SIGKILL can tear the last event line; the next incarnation appends after it.
         await asyncio.to_thread(_drop_torn_line, self.paths.events)
+        if self.options.heal_in_place:
+            # The survivors keep running; the victim is started again, fresh.
+            await self.restart_trainer_alone()
+            return
         survivors = [p for p in self.participants.values() if p is not victim]
         self.participants = {}
         await stop_participants(survivors)
