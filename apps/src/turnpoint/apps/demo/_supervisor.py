@@ -93,7 +93,7 @@ from rich.text import Text
 from turnpoint._files import create_file, replace_file
 from turnpoint.apps._object_store import ObjectStore, loopback_s3_available
 from turnpoint.apps.chaos._proxy import FaultProxy, ProxyMode
-from turnpoint.apps.demo._heal import PARTICIPANT_LOST_STATUS, LaunchService, ReplaceRefused
+from turnpoint.apps.demo._heal import LaunchService, ReplaceRefused
 from turnpoint.apps.demo._progress import (
     EventTail,
     ProgressDisplay,
@@ -1097,6 +1097,9 @@ class _Supervisor:
         self.launch_service: LaunchService | None = None
         self.dead_since: dict[str, float] = {}
         self.replaced: dict[str, int] = {}
+        # The default crash, healing in place: the agent SIGKILLed first (the trainer
+        # replaces it), the trainer later.
+        self.agent_lost: str | None = None
         # One change of the participant table at a time: a replacement the trainer
         # asked for never races a job restart or another replacement.
         self.table_lock = asyncio.Lock()
@@ -1204,19 +1207,14 @@ class _Supervisor:
                 if self.killed_itself(status):
                     await self.crash_and_restart()
                     continue
-                failure = await self.trainer.failure(status)
-                if self.options.heal_in_place and status != PARTICIPANT_LOST_STATUS:
-                    await self.restart_trainer(failure)
-                else:
-                    await self.recover(failure)
+                await self.recover(await self.trainer.failure(status))
                 continue
             lost = await self.lost_participant()
             if lost is not None:
                 await self.recover(lost)
                 continue
             if time.monotonic() - self.last_event_at > self.options.stall_timeout_s:
-                restart = self.restart_trainer if self.options.heal_in_place else self.recover
-                await restart(
+                await self.recover(
                     DemoError(
                         f"the trainer (incarnation {self.trainer.incarnation}) logged nothing "
                         f"for {self.options.stall_timeout_s:g}s (stuck or paused); its stderr "
@@ -1224,9 +1222,14 @@ class _Supervisor:
                     )
                 )
                 continue
-            if self.state.crash_due() and self.node_lost is None:
+            if self.agent_lost is not None:
+                if self.healed_since():
+                    await self.crash_and_restart()
+            elif self.state.crash_due() and self.node_lost is None:
                 if self.options.lose_node:
                     await self.recover(await self.lose_node())
+                elif self.options.heal_in_place:
+                    await self.lose_agent()
                 else:
                     await self.crash_and_restart()
 
@@ -1453,75 +1456,31 @@ class _Supervisor:
         )
         return address
 
-    async def restart_trainer(self, cause: DemoError) -> None:
-        """A trainer that died or stalled, healing in place: restart the trainer alone.
-        The next incarnation restores the last published snapshot into the participants
-        where they run (RestoreRunning, docs/spec.md section 4.16); only a participant
-        that is dead too is started again, fresh, first."""
+    async def lose_agent(self) -> None:
+        """The default crash's first half, healing in place: SIGKILL one agent and let
+        the trainer replace it (docs/spec.md section 7.15); the trainer dies later."""
         assert self.trainer is not None
-        decision = self.restarts.decide(time.monotonic(), "trainer restart")
-        if not decision.allowed:
-            raise DemoError(f"{cause}\n{decision.reason}")
+        victim = self.crash_victim()
+        self.agent_lost = victim.spec.instance
+        await victim.kill()
         await self.record(
-            "crash",
+            "agent_lost",
+            instance=victim.spec.instance,
             incarnation=self.trainer.incarnation,
             step=self.state.step,
-            killed=["trainer"],
-            unplanned=True,
-            cause=str(cause),
         )
-        await self.trainer.kill()
-        await self.read_events()
-        self.state.note_crash()
-        self.show()
-        await asyncio.to_thread(_drop_torn_line, self.paths.events)
-        await asyncio.sleep(decision.pause_s)
-        await self.restart_trainer_alone(reason=decision.reason)
 
-    async def restart_trainer_alone(self, *, reason: str | None = None) -> None:
-        """Start the next trainer incarnation into the running participants, once every
-        dead one is replaced (the old trainer is gone and cannot ask for it)."""
-        assert self.trainer is not None
-        for _name, pid in self.fault_victims_of(self.participants):
-            # A participant paused by --chaos wakes up: the new trainer restores into it.
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGCONT)
-        for log in self.paths.out.glob("verifier-*.jsonl"):
-            await asyncio.to_thread(_drop_torn_line, log)
-        async with self.table_lock:
-            dead = sorted(
-                name for name, p in self.participants.items() if p.exit_status() is not None
-            )
-            if any(self.participants[name].spec.kind != "agent" for name in dead):
-                # Its address is wired into every agent: the whole job starts again.
-                await self.restart_job(reason=reason)
-                return
-            for name in dead:
-                await self._replace(name)
-        started = dead
-        detail: dict[str, object] = {"reason": reason} if reason else {}
-        await self.record(
-            "restart",
-            incarnation=self.trainer.incarnation + 1,
-            scope="trainer",
-            started=started,
-            **detail,
+    def healed_since(self) -> bool:
+        """Whether the trainer's half of the default crash is due: the lost agent was
+        replaced, the trainer trained a step since and has steps left."""
+        state = self.state
+        return (
+            self.agent_lost in self.replaced
+            and self.steps_since_start > 0
+            and state.crashed_at_step is None
+            and not state.done
+            and state.step < state.total_steps
         )
-        self.state.note_restart()
-        await self.start_trainer(resume=True)
-
-    async def restart_job(self, *, reason: str | None) -> None:
-        """Every participant again, fresh, then the trainer (section 7.11 item 2)."""
-        assert self.trainer is not None
-        participants, self.participants = self.participants, {}
-        for participant in participants.values():
-            await participant.kill()
-        await stop_participants(list(participants.values()), check=False)
-        await self.launch()
-        detail: dict[str, object] = {"reason": reason} if reason else {}
-        await self.record("restart", incarnation=self.trainer.incarnation + 1, **detail)
-        self.state.note_restart()
-        await self.start_trainer(resume=True)
 
     def crash_victim(self) -> Participant:
         agents = sorted(
@@ -1555,9 +1514,13 @@ class _Supervisor:
 
     async def crash_and_restart(self) -> None:
         assert self.trainer is not None
-        victim = self.crash_victim()
-        self.killed.add(victim.spec.instance)
-        await asyncio.gather(self.trainer.kill(), victim.kill())
+        # Healing in place, the agent was lost (and replaced) before: the trainer alone.
+        victim = None if self.agent_lost is not None else self.crash_victim()
+        if victim is not None:
+            self.killed.add(victim.spec.instance)
+            await asyncio.gather(self.trainer.kill(), victim.kill())
+        else:
+            await self.trainer.kill()
         point: dict[str, Any] = {}
         if self.kill_event is not None:
             point = {
@@ -1569,7 +1532,7 @@ class _Supervisor:
             "crash",
             incarnation=self.trainer.incarnation,
             step=self.state.step,
-            killed=["trainer", victim.spec.instance],
+            killed=["trainer"] + ([victim.spec.instance] if victim is not None else []),
             **point,
         )
         await self.read_events()
@@ -1577,10 +1540,6 @@ class _Supervisor:
         self.show()
         # SIGKILL can tear the last event line; the next incarnation appends after it.
         await asyncio.to_thread(_drop_torn_line, self.paths.events)
-        if self.options.heal_in_place:
-            # The survivors keep running; the victim is started again, fresh.
-            await self.restart_trainer_alone()
-            return
         survivors = [p for p in self.participants.values() if p is not victim]
         self.participants = {}
         await stop_participants(survivors)

@@ -475,7 +475,15 @@ class DemoTrainer:
             # No await since the step lock: push_weights names this version before it
             # yields, so a snapshot's anchor holds these weights and records this
             # version with them, pushed or not yet.
-            self._log_push(await ckpt.push_weights(self.step, state))
+            self._log_push(await ckpt.push_weights(_next_version(ckpt, self.step), state))
+
+
+def _next_version(ckpt: Checkpointing, step: int) -> int:
+    """The step, unless a policy server that outlived the last trainer holds a newer
+    version: the restored trainer pushed above it (docs/spec.md section 4.16, weights),
+    and versions never go down."""
+    current = ckpt.weights_version
+    return step if current is None or step > current else current + 1
 
 
 def _env_seed(seed: int, group: int) -> int:
