@@ -33,9 +33,25 @@ The trainer appends its events to ``<out>/events.jsonl`` (the contract is in
 the ``start`` events already in the log). Its stdout and stderr go to
 ``<out>/logs/trainer.<incarnation>.{stdout,stderr}``.
 
+Healing in place (docs/spec.md section 7.15). The supervisor owns every participant
+process, and it is the trainer's launcher: it serves replacement requests on loopback
+(:mod:`turnpoint.apps.demo._heal`; the trainer gets ``--launcher HOST:PORT``). When the
+trainer's liveness watch finds an agent lost, it asks for a replacement: the supervisor
+SIGKILLs what is left of it, starts it again with the same spec under the same name,
+rewrites ``topology.json``, records ``replaced`` and answers the new address; the
+trainer restores onto it (and onto the live participants) only what depended on it and
+logs ``heal``. Only agents: the policy's and the resources servers' addresses are wired
+into every agent, so their loss still restarts the job (the trainer's heal fails, it
+exits, and the supervisor restores the job as below). A dead agent the trainer does not
+ask about within :data:`HEAL_GRACE_S` restarts the job too. Not with ``--ray`` (the
+cluster places its actors), ``--participant-command`` (such participants may not serve
+RestoreRunning) or ``--hold-tools-after-restart`` (see below).
+
 The crash. Once the event log shows a published snapshot of the first trainer with
-rollouts in flight, 40-60% through the steps, the supervisor SIGKILLs the trainer and one
-agent, and records ``crash`` in ``<out>/supervisor.jsonl``. The recovery is a *job
+rollouts in flight, 40-60% through the steps, the supervisor SIGKILLs one agent
+(``agent_lost``); once the trainer replaced it in place and trained a step since, it
+SIGKILLs the trainer and records ``crash`` in ``<out>/supervisor.jsonl`` (without
+healing in place: the trainer and one agent at once). The recovery is a *job
 restart*: every participant is started again, fresh. The survivors get SIGTERM (a
 graceful drain) and a new set comes up under the same instance names on new ports;
 ``topology.json`` is rewritten and the trainer starts again with ``--resume``, restores
@@ -43,7 +59,11 @@ graceful drain) and a new set comes up under the same instance names on new port
 participant accepts a restore only while fresh (it must not mix restored episodes with
 ones it ran for a dead coordinator), which is what a cluster manager gives you anyway:
 Ray, for one, kills the actors a driver owns when that driver dies, so a restarted
-driver always meets new actors.
+driver always meets new actors. A trainer restarted alone could restore into the
+survivors with RestoreRunning (docs/spec.md section 4.16), but a rollout of the snapshot
+that finished after it had its attempt retired there since, and the participant refuses
+the whole restore for it (``STALE_ATTEMPT``, section 4.16 item 3): until the coordinator
+can leave such rollouts out, the demo restarts the job after a trainer crash.
 
 A crash at a named point. ``--crash-at POINT[:N]`` replaces the timed crash with a
 deterministic one: the first trainer gets ``--kill-at POINT[:N]`` and SIGKILLs itself at
