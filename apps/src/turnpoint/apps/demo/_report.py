@@ -1151,7 +1151,7 @@ def _check_tool_calls(
             if not scored:
                 unaudited += 1
                 continue
-            history = max(scored, key=lambda v: v.attempt).executions or ()
+            history = _session_history(scored, sample, by_id)
             applied: dict[int, ExecutionEntry] = {}
             for execution_id in history:
                 logged = by_id.get(execution_id)
@@ -1194,6 +1194,28 @@ def _check_tool_calls(
                 if turn.answered_in is not None and turn.answered_in > ran.attempt:
                     from_record += 1
     return ToolAudit(executed, from_record, unaudited)
+
+
+def _session_history(
+    scored: Sequence[VerifierEntry], sample: TrainedRollout, by_id: Mapping[str, ExecutionEntry]
+) -> tuple[str, ...]:
+    """The executions of the verdict ``sample`` was trained with: the newest attempt's.
+    A job restart can run the same attempt again (a rollout its snapshot did not hold
+    starts over under the same attempt), with the same reward by chance: of several
+    verdicts of that attempt, the one whose replies are the trained turns' (else the
+    first logged, which the reply check then reports)."""
+    newest = max(v.attempt for v in scored)
+    verdicts = [v for v in scored if v.attempt == newest]
+    trained = [turn.reply for turn in sample.turns or ()]
+    for verdict in verdicts:
+        replies: dict[int, str | None] = {}
+        for execution_id in verdict.executions or ():
+            entry = by_id.get(execution_id)
+            if entry is not None:
+                replies[entry.turn] = entry.reply
+        if [replies.get(turn) for turn in range(len(trained))] == trained:
+            return verdict.executions or ()
+    return verdicts[0].executions or ()
 
 
 def _check_tokens(
