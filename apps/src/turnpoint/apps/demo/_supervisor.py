@@ -222,12 +222,19 @@ class DemoOptions:
 
     @property
     def heal_in_place(self) -> bool:
-        """Whether a lost agent is replaced alone and a dead trainer restarted alone
-        (docs/spec.md section 7.15), rather than the whole job. Not on Ray (its actors
+        """Whether a lost agent is replaced alone (docs/spec.md section 7.15) rather
+        than the whole job restarted; a dead trainer still restarts the job. Not on Ray (its actors
         are placed by the cluster), not with participants in other languages (they may
-        not serve RestoreRunning), and not when the restarted job's tools must hold
-        their calls (that test needs a freshly started tools server)."""
-        return not self.ray and not self.participant_commands and not self.hold_tools_after_restart
+        not serve RestoreRunning), not for agents of several workers (the trainer loses
+        and names one worker; the supervisor starts the group), and not when the
+        restarted job's tools must hold their calls (that test needs a freshly started
+        tools server)."""
+        return (
+            not self.ray
+            and not self.participant_commands
+            and not self.hold_tools_after_restart
+            and self.agent_workers == 1
+        )
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DemoOptions:
