@@ -421,11 +421,19 @@ def test_chaos_kill_and_pause_any_process_and_the_audit_still_passes(tmp_path: P
         str(faults),
         "--max-restarts",
         str(faults),
+        # The paused trainer is found by its silence. A live one logs twice a second, and
+        # it is released only once its imports are done (or nearly): a few times the
+        # longest start-up silence seen on a loaded 2-core machine (3 s).
         "--stall-timeout",
-        "15",
-        # Long enough that training goes on after the last fault.
+        "10",
+        # The restarts' backoff doubles from this: 1.55 s of pauses in all, not 15.5.
+        "--restart-pause",
+        "0.05",
+        # Long enough that training goes on after the last fault: --seed 0's faults come
+        # 4, 4, 3, 4 and 5 steps into their incarnations, each after up to a second more
+        # (the fifth at about step 27 of 60 when this ran 60 steps).
         "--steps",
-        "60",
+        "45",
         timeout_s=600.0,
     )
     injected = [e for e in run.supervisor if e["type"] == "fault"]
@@ -453,7 +461,7 @@ def test_chaos_kill_and_pause_any_process_and_the_audit_still_passes(tmp_path: P
     # Every restart restored a published snapshot (or started over when none existed).
     restarts = [e for e in run.supervisor if e["type"] == "restart"]
     assert [e["incarnation"] for e in restarts] == list(range(2, len(restarts) + 2))
-    assert run.only("done", len(restarts) + 1)["step"] == 60
+    assert run.only("done", len(restarts) + 1)["step"] == 45
 
 
 TS_RESOURCES = (

@@ -10,11 +10,15 @@ import sys
 from pathlib import Path
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from turnpoint.auth import auth_metadata
 from turnpoint.server.advanced import CONTROL_SERVICE
 from turnpoint.v1 import checkpoint_control_service_pb2 as pb
 from turnpoint.v1 import checkpoint_control_service_pb2_grpc as pb_grpc
+from turnpoint.v1 import resources_service_pb2 as rs_pb
+from turnpoint.v1 import resources_service_pb2_grpc as rs_grpc
 from turnpoint.v1 import types_pb2
 
 # A safety bound on the child's start (it imports torch) and exit; never a sync device.
@@ -142,3 +146,58 @@ async def test_turnpoint_serve_on_a_store_without_its_bucket_says_so_at_start_an
     assert "Traceback" not in text and b"serving" not in stdout
     last = text.strip().splitlines()[-1]
     assert last.startswith("turnpoint serve: s3://no-such-bucket/job: the store refused access")
+
+
+async def test_turnpoint_serve_with_a_data_token_file_refuses_it_on_the_control_plane(
+    tmp_path: Path,
+) -> None:
+    """docs/spec.md section 10.2: ``--data-token-file`` opens the data plane only."""
+    control_file, data_file = tmp_path / "control-token", tmp_path / "data-token"
+    control_file.write_text("control-Token-1f2e\n", encoding="ascii")
+    data_file.write_text("data-Token-3d4c\n", encoding="ascii")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TURNPOINT_TOKEN")}
+    arguments = ["--kind", "resources", "--root", str(tmp_path / "snapshots")]
+    tokens = ["--token-file", str(control_file), "--data-token-file", str(data_file)]
+    process = await asyncio.create_subprocess_exec(
+        *(sys.executable, "-m", "turnpoint.apps._cli", "serve", *arguments, *tokens),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=env,
+    )
+    try:
+        assert process.stdout is not None and process.stderr is not None
+        line = await asyncio.wait_for(process.stdout.readline(), BOUND_S)
+        match = _SERVING.search(line)
+        if match is None:
+            stderr = await asyncio.wait_for(process.stderr.read(), BOUND_S)
+            raise AssertionError(f"no serving line: {line!r}\n{stderr.decode()}")
+        _kind, instance, host, port = (part.decode() for part in match.groups())
+        async with grpc.aio.insecure_channel(f"{host}:{port}") as channel:
+            control = pb_grpc.CheckpointControlServiceStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as denied:
+                await control.Describe(
+                    pb.DescribeRequest(), metadata=auth_metadata("data-Token-3d4c"), timeout=10
+                )
+            assert denied.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            described = await control.Describe(
+                pb.DescribeRequest(), metadata=auth_metadata("control-Token-1f2e"), timeout=10
+            )
+            assert described.instance_name == instance
+            # Past the door: the data-plane token reaches the servicer, which has no such
+            # session to close.
+            closed = await rs_grpc.ResourcesServiceStub(channel).CloseSession(
+                rs_pb.CloseSessionRequest(
+                    request_id="close-1",
+                    episode=types_pb2.EpisodeId(rollout_id="nobody", attempt=0),
+                ),
+                metadata=auth_metadata("data-Token-3d4c"),
+                timeout=10,
+            )
+            assert not closed.closed
+        process.send_signal(signal.SIGTERM)
+        _, stderr = await asyncio.wait_for(process.communicate(), BOUND_S)
+        assert process.returncode == 0, stderr.decode()
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()

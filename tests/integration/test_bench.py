@@ -23,6 +23,11 @@ from turnpoint.apps.bench._bench import BenchReport, Target
 from turnpoint.apps.bench._cli import render_table
 from turnpoint.apps.bench._control_overhead import OverheadRow
 from turnpoint.apps.bench._egress_relay import RelayFigures, RelayOverhead, ReplayRow
+from turnpoint.apps.bench._sandbox_admission import (
+    BUSY_SANDBOXES,
+    SandboxAdmission,
+    measure_sandbox_admission,
+)
 from turnpoint.apps.bench._sandbox_snapshots import SandboxSnapshotRow, measure_sandbox_snapshots
 from turnpoint.apps.bench._workload import RestoreResult, RunFigures, ThroughputResult
 
@@ -85,6 +90,8 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], lis
         "50",
         "--sandbox-mb",
         "2",
+        "--sandbox-rounds",
+        "1",
         "--relay-calls",
         "4",
         "--replay-turns",
@@ -123,6 +130,7 @@ def test_the_json_has_every_figure_as_a_positive_number(
         "restore_seconds",
         "status_page_polled_vs_quiet",
         "sandbox_snapshots",
+        "sandbox_admission",
         "egress_relay",
         "targets",
         "details",
@@ -133,8 +141,15 @@ def test_the_json_has_every_figure_as_a_positive_number(
     assert sandbox["megabytes"] == 2
     assert sandbox["full_bytes_written"] >= 2 << 20
     assert 0 < sandbox["unchanged_bytes_written"] < 4096
-    for key in ("full_s", "unchanged_s", "restore_s"):
+    for key in ("full_s", "unchanged_s", "restore_s", "restore_vs_full"):
         assert _positive(sandbox[key]), key
+    # Spec 5.7.5 item 5: 16 sandboxes each running a command, cut at the checkpoint.
+    busy = figures["sandbox_admission"]
+    assert busy["sandboxes"] == 16
+    assert len(busy["busy_admission_closed_s"]) == len(busy["idle_admission_closed_s"]) == 1
+    for key in ("busy_admission_closed_median_s", "idle_admission_closed_median_s", "busy_vs_idle"):
+        assert _positive(busy[key]), key
+    assert "sandbox_busy_vs_idle_admission_closed" in figures["targets"]
     assert figures["targets"]["sandbox_unchanged_vs_full_bytes"]["met_must"] is True
     # The egress relay (spec 12.7, 12.8): its overhead, and replays answered from the record.
     relay = figures["egress_relay"]
@@ -344,9 +359,19 @@ async def test_a_snapshot_of_an_unchanged_sandbox_writes_its_record_only(tmp_pat
     assert 0 < row.unchanged_bytes_written < 4096
     assert row.bytes_ratio == row.unchanged_bytes_written / row.full_bytes_written
     assert row.to_json()["unchanged_vs_full_time"] == pytest.approx(row.time_ratio, abs=1e-4)
+    assert row.restore_ratio == row.restore_s / row.full_s
 
 
-def test_the_sandbox_figure_is_shown_and_only_its_bytes_are_gated() -> None:
+async def test_busy_sandboxes_are_cut_and_snapshotted_in_every_busy_round(tmp_path: Path) -> None:
+    """The measurement raises unless every command ran when Prepare was sent and was cut
+    (docs/spec.md section 5.7.5 item 5) and every session was exported."""
+    figures = await measure_sandbox_admission(tmp_path, rounds=1)
+    assert figures.sandboxes == BUSY_SANDBOXES
+    assert len(figures.busy_s) == len(figures.idle_s) == 1
+    assert figures.ratio == figures.busy_s[0] / figures.idle_s[0]
+
+
+def test_the_sandbox_figures_are_shown_and_only_the_snapshot_bytes_are_gated() -> None:
     report = BenchReport(
         control_overhead=(),
         throughput=ThroughputResult(steps=1, snapshot_interval_s=2.0, off=(), on=()),
@@ -358,16 +383,20 @@ def test_the_sandbox_figure_is_shown_and_only_its_bytes_are_gated() -> None:
             SandboxSnapshotRow(10, 0.5, 10 << 20, 0.45, 300_000, 0.2),
             SandboxSnapshotRow(100, 5.0, 100 << 20, 0.5, 900, 2.0),
         ),
+        sandbox_admission=SandboxAdmission(16, (0.3, 0.5), (0.1, 0.2)),
     )
     out = io.StringIO()
     render_table(report, out)
     text = out.getvalue()
-    for shown in ("Sandbox snapshots", "300000", "0.900", "100.0"):
+    for shown in ("Sandbox snapshots", "300000", "0.900", "100.0", "Busy sandboxes", "0.400 s"):
         assert shown in text, (shown, text)
     targets = report.to_json()["targets"]
     # The first size is held to the targets: 300 kB of 10 MB is past 1% by 1.5x.
     assert targets["sandbox_unchanged_vs_full_bytes"]["regressed"] is True
     assert targets["sandbox_unchanged_vs_full_time"]["regressed"] is True
+    assert targets["sandbox_restore_vs_full_snapshot"]["value"] == pytest.approx(0.4)
+    # Cutting the commands tripled admission closed: reported, never gated.
+    assert targets["sandbox_busy_vs_idle_admission_closed"]["regressed"] is True
     assert report.regressions() == ["sandbox_unchanged_vs_full_bytes"]
 
 

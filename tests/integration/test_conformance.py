@@ -28,7 +28,8 @@ from turnpoint.apps.conformance._report import ConformanceReport, Outcome, rende
 from turnpoint.apps.conformance._runner import CHECKS, ConformanceOptions, run_conformance
 from turnpoint.apps.examples._participants import GuessTools
 from turnpoint.apps.examples._task import make_prompt
-from turnpoint.participant_sdk import ParticipantRuntime
+from turnpoint.participant_sdk import ParticipantRuntime, SnapshotStore
+from turnpoint.server import ServerOptions, host_participant
 
 # What the example environment understands: a Run task (agents) and a session task
 # (resources), the same object the demo's trainer sends.
@@ -59,10 +60,20 @@ CUTTING_MODEL_ONLY = {"token-cut"}
 EQUIVALENCE = {"equivalence"}
 # Checked only on a resources server (docs/spec.md sections 5.3, 6.12).
 RESOURCES_ONLY = {"exported-sessions", "effects"}
+# Checked only when the kit is given the target's data-plane token (section 10.2).
+DATA_TOKEN_ONLY = {"credential-roles"}
+DATA_TOKEN = "conformance-data-Token-8c1d"
+# Needs a server on a sandbox provider and --snapshot-root
+# (tests/integration/test_conformance_sandboxes.py).
+SANDBOXES = {"sandboxes"}
 
 
 async def _check(
-    address: str, *, only: tuple[str, ...] = (), restore_target: str | None = None
+    address: str,
+    *,
+    only: tuple[str, ...] = (),
+    restore_target: str | None = None,
+    data_token: str | None = None,
 ) -> ConformanceReport:
     options = ConformanceOptions(
         address,
@@ -71,6 +82,7 @@ async def _check(
         lease_s=LEASE_S,
         only=only,
         restore_targets=() if restore_target is None else (restore_target,),
+        data_token=data_token,
     )
     return await run_conformance(options)
 
@@ -97,12 +109,17 @@ async def test_the_example_participants_pass_every_check(tmp_path: Path, instanc
     skipped = {name for name, outcome in outcomes.items() if outcome is Outcome.SKIP}
     # An agent runs every check but the cutting model's; the others skip what belongs to
     # agents, and the resources servers the cutting model's check too.
-    expected = EQUIVALENCE | (
-        CUTTING_MODEL_ONLY | RESOURCES_ONLY
-        if instance.startswith("agent")
-        else AGENT_ONLY | RESOURCES_ONLY
-        if instance == "policy"
-        else AGENT_ONLY | CUTTING_MODEL_ONLY
+    expected = (
+        EQUIVALENCE
+        | DATA_TOKEN_ONLY
+        | SANDBOXES
+        | (
+            CUTTING_MODEL_ONLY | RESOURCES_ONLY
+            if instance.startswith("agent")
+            else AGENT_ONLY | RESOURCES_ONLY
+            if instance == "policy"
+            else AGENT_ONLY | CUTTING_MODEL_ONLY
+        )
     )
     assert skipped == expected, render_table(report)
 
@@ -228,3 +245,26 @@ async def test_the_restore_running_check_runs_only_where_the_capability_is_liste
     else:
         assert result.outcome is Outcome.SKIP, render_table(report)
         assert "CAPABILITY_RESTORE_RUNNING" in result.detail
+
+
+@pytest.mark.parametrize("roles", [True, False], ids=["two-tokens", "one-token"])
+async def test_the_credential_roles_check_passes_a_target_with_roles_and_fails_one_without(
+    tmp_path: Path, roles: bool
+) -> None:
+    """docs/spec.md section 10.2: given a data-plane token, the check passes a target
+    that serves it on the data plane only, and fails one that does not know it."""
+    runtime = ParticipantRuntime("tools", SnapshotStore(tmp_path), resources=GuessTools("tools"))
+    options = ServerOptions(token=TOKEN, data_token=DATA_TOKEN if roles else None)
+    hosted = await host_participant(runtime, options).start()
+    try:
+        report = await _check(hosted.address, only=("credential-roles",), data_token=DATA_TOKEN)
+    finally:
+        await hosted.stop(0)
+    result = report.result("credential-roles")
+    if roles:
+        assert result.outcome is Outcome.PASS, render_table(report)
+        assert "PERMISSION_DENIED" in result.detail and "CloseSession" in result.detail
+        assert runtime.core.epoch < 2**64 - 1
+    else:
+        assert result.outcome is Outcome.FAIL, render_table(report)
+        assert "UNAUTHENTICATED" in result.detail

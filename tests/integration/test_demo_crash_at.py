@@ -37,6 +37,8 @@ signal.sigwait([signal.SIGTERM])
 _FAKE_TRAINER = r"""
 import json, os, signal, sys, time
 argv = sys.argv[1:]
+if "--start-on-stdin" in argv and not sys.stdin.readline():
+    sys.exit(2)
 out = argv[argv.index("--out") + 1]
 log = os.path.join(out, "events.jsonl")
 incarnation = (open(log).read().count('"type": "start"') if os.path.exists(log) else 0) + 1

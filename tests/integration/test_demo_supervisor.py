@@ -76,7 +76,10 @@ for flag in ("--steps", "--group-size", "--groups-per-step", "--seed"):
 parser.add_argument("--snapshot-interval", type=float, required=True)
 parser.add_argument("--resume", action="store_true")
 parser.add_argument("--launcher")
+parser.add_argument("--start-on-stdin", action="store_true")
 args = parser.parse_args()
+if args.start_on_stdin and not sys.stdin.readline():
+    sys.exit(2)
 if os.environ.get("FAKE_TRAINER") == "fail":
     print("boom: the fake trainer failed", file=sys.stderr)
     sys.exit(3)
@@ -371,6 +374,50 @@ async def test_the_crash_restarts_the_job_and_the_resumed_trainer_finishes(tmp_p
     ]
 
 
+async def test_participants_that_never_come_up_leave_no_trainer_behind(tmp_path: Path) -> None:
+    """The trainer is spawned while the participants start (its imports overlap theirs)
+    and waits for the supervisor's start line: when they fail, it is killed unreleased,
+    having read nothing of the run, and its empty logs go with it."""
+    options = _options(tmp_path / "out")
+    paths, token = prepare_out_dir(options.out)
+    failing = [
+        sys.executable,
+        "-c",
+        "import sys; sys.exit(7) if 'group-tools' in sys.argv else exec(open(sys.argv[1]).read())",
+        _fake_serve(tmp_path)[1],
+    ]
+    launcher = _RecordingLauncher(paths, token, start_timeout_s=TIMEOUT_S, serve_command=failing)
+
+    with pytest.raises(DemoError, match=r"participant group-tools did not start .*status 7"):
+        await run_demo(
+            options,
+            paths,
+            token,
+            launcher,
+            Console(file=io.StringIO()),
+            trainer_program=_fake_trainer(tmp_path),
+        )
+
+    assert not (paths.out / "seen-topology.jsonl").exists()
+    assert not list(paths.logs.glob("trainer.*"))
+    assert _processes_mentioning(str(paths.out)) == []
+    assert all(p.exit_status() is not None for p in launcher.started)
+
+
+def _processes_mentioning(text: str) -> list[str]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if text in command:
+            found.append(command)
+    return found
+
+
 async def test_a_failing_trainer_fails_the_demo_with_its_stderr_and_stops_everything(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -407,7 +454,7 @@ async def test_a_trainer_that_keeps_failing_is_restored_max_restarts_times_then_
 ) -> None:
     """Unplanned failures restore the job onto fresh processes, within a bounded budget."""
     monkeypatch.setenv("FAKE_TRAINER", "fail")
-    options = _options(tmp_path / "out", max_restarts=2)
+    options = _options(tmp_path / "out", max_restarts=2, first_restart_pause_s=0.01)
     paths, token = prepare_out_dir(options.out)
     launcher = _RecordingLauncher(
         paths, token, start_timeout_s=TIMEOUT_S, serve_command=_fake_serve(tmp_path)
@@ -434,7 +481,10 @@ async def test_a_trainer_that_keeps_failing_is_restored_max_restarts_times_then_
     assert all(
         "its stderr ends with:\n    boom: the fake trainer failed" in e["cause"] for e in crashes
     )
-    assert [e["incarnation"] for e in events if e["type"] == "restart"] == [2, 3]
+    restarts = [e for e in events if e["type"] == "restart"]
+    assert [e["incarnation"] for e in restarts] == [2, 3]
+    # The backoff doubles from the first pause (--restart-pause).
+    assert [e["reason"].rpartition(" after ")[2] for e in restarts] == ["0.01s", "0.02s"]
 
 
 # ---------------------------------------------------------------------- flags and the out dir
@@ -465,6 +515,10 @@ def _demo(argv: Sequence[str], capsys: pytest.CaptureFixture[str]) -> tuple[int,
             "the prompt group, so a group of one teaches nothing",
         ),
         (["--agents", "0"], "turnpoint demo: --agents must be at least 1, got 0"),
+        (
+            ["--restart-pause", "-1"],
+            "turnpoint demo: --restart-pause must be 0 or more seconds, got -1",
+        ),
         (
             ["--snapshot-interval", "0"],
             "turnpoint demo: --snapshot-interval must be a positive number of seconds, got 0",
@@ -557,7 +611,7 @@ def test_the_trainer_command_carries_every_setting(tmp_path: Path) -> None:
         "--out", str(tmp_path),
         "--steps", "7", "--group-size", "3", "--groups-per-step", "5",
         "--snapshot-interval", "2.5", "--target-level", "sibling", "--seed", "9",
-        "--resume",
+        "--start-on-stdin", "--resume",
     ]  # fmt: skip
 
 

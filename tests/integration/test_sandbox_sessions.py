@@ -10,7 +10,9 @@ isolation the machine has.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,13 +23,18 @@ from turnpoint.apps.examples._coding import CodingTools
 from turnpoint.apps.examples._coding_tasks import TASKS
 from turnpoint.errors import Reason, TurnpointError
 from turnpoint.ids import EpisodeId
+from turnpoint.participant_sdk import Verdict
 from turnpoint.participant_sdk._effects import CallPosition, effect_key
 from turnpoint.participant_sdk.sandboxes import (
     InFlight,
     Isolation,
+    LocalSandboxProvider,
     Sandbox,
     SandboxFencedError,
     SandboxNotFoundError,
+    SandboxProvider,
+    SandboxResourcesServer,
+    SandboxSession,
 )
 from turnpoint.server import ResourcesClient
 from turnpoint.v1 import types_pb2
@@ -308,3 +315,64 @@ async def test_a_participant_configured_with_another_sandbox_root_refuses_the_re
                 await provider.destroy(EP.rollout_id)  # nothing was made here
     finally:
         await elsewhere.aclose()
+
+
+class _Notes(SandboxResourcesServer):
+    """The smallest sandbox server: one file set up, no tools, every episode passes."""
+
+    async def set_up(self, session: SandboxSession, task: Mapping[str, Any]) -> None:
+        await (await self.provider()).write_file(session.sandbox, "notes.txt", b"cut")
+
+    async def tool(
+        self, session: SandboxSession, tool: str, arguments: Mapping[str, Any]
+    ) -> Mapping[str, Any]:
+        return {}
+
+    async def score(self, session: SandboxSession, answer: Mapping[str, Any]) -> Verdict:
+        return Verdict(1.0)
+
+
+async def test_snapshots_whose_retention_lapsed_are_pruned_once_a_checkpoint_ends(
+    tmp_path: Path,
+) -> None:
+    """docs/spec.md section 5.7.5 item 4: nobody calls prune by hand; the end of a
+    checkpoint removes what lapsed and keeps the snapshot it just exported."""
+    now = [1000.0]
+    sandboxes = tmp_path / "sandboxes"
+
+    def open_provider() -> Awaitable[SandboxProvider]:
+        return LocalSandboxProvider.open(sandboxes, isolation=Isolation.BWRAP, clock=lambda: now[0])
+
+    def records() -> list[str]:
+        return sorted(path.stem for path in (sandboxes / "snapshots").glob("*.json"))
+
+    server = _Notes(open_provider, retention_seconds=60.0, prune_interval_seconds=0.0)
+    try:
+        async with (
+            host_scripted(tmp_path / "snapshots", instance="notes-0", resources=server) as served,
+            wire_to(served, "unary") as wire,
+        ):
+            client = ResourcesClient(served.address, token=TOKEN)
+            try:
+                await client.seed(EP, {})
+                for number in (1, 2):
+                    await wire.prepare(ckpt(number), lease_s=60)
+                    await wire.commit(ckpt(number), f"snap-{number}", [EP])
+                    await wire.resume(ckpt(number))
+                    if number == 1:
+                        # Its own prune finds nothing lapsed; then the first expires.
+                        (first,) = records()
+                        now[0] += 120.0
+                await poll(lambda: first not in records())
+                (second,) = records()
+                assert second != first
+                # The snapshot just exported still restores: its chunks were kept.
+                provider = await server.provider()
+                session = server.session(EP)
+                handle = await provider.snapshot(session.sandbox, retention_seconds=60.0)
+                (restored,) = await provider.restore([handle], attempt=1)
+                assert await provider.read_file(restored.sandbox, "notes.txt") == b"cut"
+            finally:
+                await client.aclose()
+    finally:
+        await server.aclose()

@@ -1,7 +1,9 @@
-"""Environments broken in one way each, for the conformance kit's equivalence check.
+"""Environments broken in one way each, for the conformance kit's equivalence and
+sandbox checks.
 
 Each is a resources server whose restore is not exact; the kit must fail it and name
-the first call that answers differently from an uninterrupted run. Two servers of one
+the first call that answers differently from an uninterrupted run, or the sandbox rule
+it breaks. Two servers of one
 mutant share what a real deployment would share (a database outside the process).
 """
 
@@ -12,10 +14,12 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from turnpoint.apps.examples._blackjack import Hand
+from turnpoint.apps.examples._coding import CodingTools
 from turnpoint.apps.examples._environments import BlackjackTools, WorkplaceTools
 from turnpoint.apps.examples.guide_resources import CounterTools
 from turnpoint.ids import EpisodeId
 from turnpoint.participant_sdk import RecoveryMode, ResourcesServer, Verdict
+from turnpoint.participant_sdk.sandboxes import SnapshotNotFoundError
 
 
 class ReseededBlackjack(BlackjackTools):
@@ -151,3 +155,17 @@ class RestoresNothing(CounterTools):
         self, saved: EpisodeId, episode: EpisodeId, state: Mapping[str, Any]
     ) -> None:
         return None
+
+
+class StartsOverCoding(CodingTools):
+    """Restores a session whose snapshot is gone as a fresh sandbox of its task, instead
+    of refusing it (docs/spec.md section 5.7.1 item 6): the episode silently loses
+    everything it did before the cut."""
+
+    async def restore_session(
+        self, saved: EpisodeId, episode: EpisodeId, state: Mapping[str, Any]
+    ) -> None:
+        try:
+            await super().restore_session(saved, episode, state)
+        except SnapshotNotFoundError:
+            await self.seed(episode, {"task": state["data"]["task"]})

@@ -52,6 +52,7 @@ export const REASON_CODES = {
   NOT_READY: "UNAVAILABLE",
   PROTOCOL_VIOLATION: "INTERNAL",
   HOOK_FAILED: "INTERNAL",
+  PERMISSION_DENIED: "PERMISSION_DENIED",
 } as const satisfies Record<string, GrpcCodeName>;
 
 /** The `ErrorReason` value name without its `ERROR_REASON_` prefix. */

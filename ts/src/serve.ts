@@ -32,6 +32,8 @@ export interface ServeOptions {
   /** 0 (the default) picks a free port. */
   readonly port?: number;
   readonly token?: string | null;
+  /** The data-plane credential (spec 10.2); without it `token` serves both roles. */
+  readonly dataToken?: string | null;
   readonly allowInsecureNoAuth?: boolean;
   readonly tlsCertFile?: string;
   readonly tlsKeyFile?: string;
@@ -60,6 +62,7 @@ export async function serve(hosted: Hosted, options: ServeOptions): Promise<numb
       host,
       port: options.port ?? 0,
       token: options.token === undefined ? loadToken(null) : options.token,
+      dataToken: options.dataToken ?? null,
       allowInsecureNoAuth: options.allowInsecureNoAuth ?? false,
       graceS: options.graceS ?? 10,
       ...(options.tlsCertFile !== undefined ? { tlsCertFile: options.tlsCertFile } : {}),

@@ -19,10 +19,12 @@ import * as pb from "../src/gen/turnpoint/v1/checkpoint_control_service_pb.js";
 import * as health from "../src/gen/grpc/health/v1/health_pb.js";
 import * as types from "../src/gen/turnpoint/v1/types_pb.js";
 import { TokenCheck } from "../src/wire/auth.js";
+import { DATA_PLANE_SERVICES } from "../src/wire/server.js";
 import { errorFromServiceError } from "../src/wire/status.js";
 import { Gate, ToyAgent, runtime, tempRoot } from "./helpers.js";
 
 const TOKEN = "test-token-0123456789";
+const DATA_TOKEN = "data-token-9876543210";
 
 function metadata(value?: string): Metadata {
   const m = new Metadata();
@@ -33,13 +35,72 @@ function metadata(value?: string): Metadata {
 describe("token checks", () => {
   it("names why a call is refused, never the token", () => {
     const check = new TokenCheck(TOKEN);
-    assert.equal(check.refusal(metadata()), "missing bearer token");
-    assert.equal(check.refusal(metadata(`Basic ${TOKEN}`)), "authorization is not a bearer token");
-    assert.equal(check.refusal(metadata("Bearer wrong")), "bearer token not accepted");
+    const unauthenticated = (cause: string) => ({ reason: "UNAUTHENTICATED" as const, cause });
+    assert.deepEqual(check.refusal(metadata()), unauthenticated("missing bearer token"));
+    assert.deepEqual(check.refusal(metadata(`Basic ${TOKEN}`)), unauthenticated("authorization is not a bearer token"));
+    assert.deepEqual(check.refusal(metadata("Bearer wrong")), unauthenticated("bearer token not accepted"));
     assert.equal(check.refusal(metadata(`bEaReR ${TOKEN}`)), null);
-    const error = TokenCheck.error("/x/Y", "bearer token not accepted");
+    const error = TokenCheck.error("/x/Y", unauthenticated("bearer token not accepted"));
     assert.equal(error.reason, "UNAUTHENTICATED");
     assert.ok(!JSON.stringify([error.message, error.metadata]).includes(TOKEN));
+  });
+
+  it("lets a data-plane token call the data plane only (section 10.2)", () => {
+    const check = new TokenCheck(TOKEN, DATA_TOKEN, DATA_PLANE_SERVICES);
+    const data = metadata(`Bearer ${DATA_TOKEN}`);
+    assert.equal(check.refusal(data, "/turnpoint.v1.RolloutService/Run"), null);
+    assert.equal(check.refusal(data, "/turnpoint.v1.PolicyService/Generate"), null);
+    assert.deepEqual(check.refusal(data, "/turnpoint.v1.CheckpointControlService/Prepare")?.reason, "PERMISSION_DENIED");
+    assert.deepEqual(check.refusal(data, "/turnpoint.v1.SomethingNew/Call")?.reason, "PERMISSION_DENIED");
+    assert.equal(check.refusal(metadata(`Bearer ${TOKEN}`), "/turnpoint.v1.CheckpointControlService/Prepare"), null);
+    assert.equal(check.refusal(metadata(`Bearer ${TOKEN}`), "/turnpoint.v1.RolloutService/Run"), null);
+    assert.throws(() => new TokenCheck(TOKEN, TOKEN), RangeError);
+  });
+});
+
+describe("an agent served with a control and a data-plane token (section 10.2)", () => {
+  let server: ParticipantServer;
+  let address: string;
+
+  before(async () => {
+    server = new ParticipantServer(runtime(tempRoot(), { agent: new ToyAgent(1), instance: "agent-roles" }), { token: TOKEN, dataToken: DATA_TOKEN });
+    await server.start();
+    address = `127.0.0.1:${server.port}`;
+  });
+  after(async () => {
+    await server.drainAndStop(0);
+  });
+
+  it("runs episodes with the data-plane token and refuses it every control call, the fence unchanged", async () => {
+    const harness = new TurnpointClient(address, { token: DATA_TOKEN });
+    const stream = harness.serverStream(RolloutService, RolloutService.method.run, { requestId: "r", episode: { rolloutId: "roles", attempt: 0 }, task: {} });
+    const events = [];
+    for await (const message of stream) events.push(message.event.case);
+    assert.equal(events.at(-1), "result");
+    const pinned = { coordinatorId: "harness", epoch: 2n ** 64n - 1n };
+    await assert.rejects(harness.unary(CheckpointControlService, CheckpointControlService.method.prepare, { fence: pinned, requestId: "p", checkpointId: "ckpt-1" }), (error: unknown) => {
+      assert.ok(error instanceof TurnpointError);
+      assert.equal(error.reason, "PERMISSION_DENIED");
+      assert.equal(error.metadata.method, "/turnpoint.v1.CheckpointControlService/Prepare");
+      return true;
+    });
+    const denied = (error: unknown) => error instanceof TurnpointError && error.reason === "PERMISSION_DENIED";
+    const methods = CheckpointControlService.method;
+    await assert.rejects(harness.unary(CheckpointControlService, methods.resume, { fence: pinned, requestId: "x", checkpointId: "ckpt-1" }), denied);
+    await assert.rejects(harness.unary(CheckpointControlService, methods.restore, { fence: pinned, requestId: "x", restoreId: "restore-1" }), denied);
+    await assert.rejects(harness.unary(CheckpointControlService, methods.retire, { fence: pinned, requestId: "x" }), denied);
+    assert.equal(server.runtime.core.epoch, 0n);
+    harness.close();
+    const coordinator = new TurnpointClient(address, { token: TOKEN });
+    const described = await coordinator.unary(CheckpointControlService, CheckpointControlService.method.describe, { fence: { coordinatorId: "coord", epoch: 1n } });
+    assert.equal(described.instanceName, "agent-roles");
+    coordinator.close();
+  });
+
+  it("refuses a data-plane token equal to the control one, or without one", () => {
+    const rt = runtime(tempRoot(), { agent: new ToyAgent(1), instance: "agent-bad" });
+    assert.throws(() => new ParticipantServer(rt, { token: TOKEN, dataToken: TOKEN }), RangeError);
+    assert.throws(() => new ParticipantServer(rt, { token: null, dataToken: DATA_TOKEN, allowInsecureNoAuth: true }), RangeError);
   });
 });
 

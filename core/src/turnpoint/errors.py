@@ -38,6 +38,7 @@ class Reason(enum.Enum):
     NOT_READY = "NOT_READY"
     PROTOCOL_VIOLATION = "PROTOCOL_VIOLATION"
     HOOK_FAILED = "HOOK_FAILED"
+    PERMISSION_DENIED = "PERMISSION_DENIED"
 
 
 # The one table of docs/spec.md section 9: reason -> gRPC status code name. Names, not
@@ -64,6 +65,7 @@ REASON_CODES: Mapping[Reason, str] = MappingProxyType(
         Reason.NOT_READY: "UNAVAILABLE",
         Reason.PROTOCOL_VIOLATION: "INTERNAL",
         Reason.HOOK_FAILED: "INTERNAL",
+        Reason.PERMISSION_DENIED: "PERMISSION_DENIED",
     }
 )
 

@@ -4,6 +4,10 @@
  * compared in constant time independent of length (SHA-256 digests of both, then
  * timingSafeEqual). A refusal is UNAUTHENTICATED with metadata `method` and `cause`,
  * decided before a byte of the request is parsed. The token is never logged or shown.
+ *
+ * Roles (section 10.2): the token is the control credential and opens every protected
+ * service; a data-plane token, when configured, opens only the data-plane services and
+ * is refused PERMISSION_DENIED anywhere else, so its holder cannot fence anything.
  */
 import { createHash, timingSafeEqual } from "node:crypto";
 import { readFileSync } from "node:fs";
@@ -60,16 +64,44 @@ function digest(value: Buffer): Buffer {
   return createHash("sha256").update(value).digest();
 }
 
+/** Why a call is refused: no valid credential, or one whose role may not call it. */
+export interface Refusal {
+  readonly reason: "UNAUTHENTICATED" | "PERMISSION_DENIED";
+  readonly cause: string;
+}
+
 /** Checks the bearer token of incoming calls. */
 export class TokenCheck {
   private readonly expected: Buffer;
+  private readonly dataExpected: Buffer | null;
+  private readonly dataServices: ReadonlySet<string>;
 
-  constructor(token: string) {
+  /**
+   * `token` is the control credential. `dataToken` (distinct from it) opens only the
+   * services named in `dataServices` (full names, `turnpoint.v1.RolloutService`).
+   */
+  constructor(token: string, dataToken: string | null = null, dataServices: Iterable<string> = []) {
     this.expected = digest(Buffer.from(validateToken(token), "ascii"));
+    if (dataToken !== null && dataToken === token) throw new RangeError("the data-plane token must differ from the control token");
+    this.dataExpected = dataToken === null ? null : digest(Buffer.from(validateToken(dataToken), "ascii"));
+    this.dataServices = new Set(dataServices);
   }
 
-  /** Why the metadata does not authenticate the call; null when it does. */
-  refusal(metadata: Metadata): string | null {
+  /** Why the metadata does not authorize a call of `path` (`/package.Service/Method`); null when it does. */
+  refusal(metadata: Metadata, path = ""): Refusal | null {
+    const presented = this.presented(metadata);
+    if (typeof presented === "string") return { reason: "UNAUTHENTICATED", cause: presented };
+    // Both comparisons always run: timing does not tell which credential matched.
+    const isControl = timingSafeEqual(presented, this.expected);
+    const isData = this.dataExpected !== null && timingSafeEqual(presented, this.dataExpected);
+    if (isControl) return null;
+    if (!isData) return { reason: "UNAUTHENTICATED", cause: "bearer token not accepted" };
+    if (this.dataServices.has(path.split("/")[1] ?? "")) return null;
+    return { reason: "PERMISSION_DENIED", cause: "a data-plane credential cannot call this service" };
+  }
+
+  /** The digest of the presented token, or why there is none to check. */
+  private presented(metadata: Metadata): Buffer | string {
     const values = metadata.get("authorization");
     if (values.length === 0) return "missing bearer token";
     if (values.length > 1) return "more than one authorization header";
@@ -81,12 +113,12 @@ export class TokenCheck {
     const presented = space < 0 ? "" : value.slice(space + 1);
     if (scheme.toLowerCase() !== "bearer" || !presented) return "authorization is not a bearer token";
     // Fixed-length digests: the comparison reveals neither the token's bytes nor its length.
-    if (!timingSafeEqual(digest(Buffer.from(presented, "utf8")), this.expected)) return "bearer token not accepted";
-    return null;
+    return digest(Buffer.from(presented, "utf8"));
   }
 
-  /** The error a refused call ends with (section 10.1 item 4). */
-  static error(method: string, cause: string): TurnpointError {
-    return new TurnpointError("UNAUTHENTICATED", `${method}: ${cause}`, { method, cause });
+  /** The error a refused call ends with (section 10.1 item 4, section 10.2). */
+  static error(method: string, refusal: Refusal): TurnpointError {
+    const { reason, cause } = refusal;
+    return new TurnpointError(reason, `${method}: ${cause}`, { method, cause });
   }
 }

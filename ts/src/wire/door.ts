@@ -109,7 +109,7 @@ export class Door {
 
   private refused(path: string, metadata: Metadata): TurnpointError | null {
     if (this.tokens === null) return null;
-    const refusal = this.tokens.refusal(metadata);
+    const refusal = this.tokens.refusal(metadata, path);
     return refusal === null ? null : Tokens.error(path, refusal);
   }
 

@@ -14,6 +14,7 @@ import { Server, ServerCredentials } from "@grpc/grpc-js";
 
 import * as control from "../gen/turnpoint/v1/checkpoint_control_service_pb.js";
 import * as health from "../gen/grpc/health/v1/health_pb.js";
+import * as policy from "../gen/turnpoint/v1/policy_service_pb.js";
 import * as resources from "../gen/turnpoint/v1/resources_service_pb.js";
 import * as rollout from "../gen/turnpoint/v1/rollout_service_pb.js";
 import type { ParticipantRuntime } from "../runtime.js";
@@ -34,6 +35,12 @@ export interface ServerOptions {
   readonly port?: number;
   /** Never shown in logs or errors. Null needs `allowInsecureNoAuth`. */
   readonly token: string | null;
+  /**
+   * A second, data-plane credential (section 10.2): it opens Rollout/Resources/Policy
+   * and is refused PERMISSION_DENIED on the control service. Never shown. Without it
+   * `token` serves both roles.
+   */
+  readonly dataToken?: string | null;
   readonly allowInsecureNoAuth?: boolean;
   /** False leaves the data-plane services open (section 10.2 allows it). */
   readonly authDataPlane?: boolean;
@@ -43,6 +50,9 @@ export interface ServerOptions {
   readonly tlsClientCaFile?: string;
   readonly graceS?: number;
 }
+
+/** The services a data-plane credential opens (section 10.2); every other one refuses it. */
+export const DATA_PLANE_SERVICES: readonly string[] = [rollout.RolloutService.typeName, resources.ResourcesService.typeName, policy.PolicyService.typeName];
 
 export type ServerState = "new" | "serving" | "draining" | "stopped";
 
@@ -81,6 +91,13 @@ export class ParticipantServer {
       );
     }
     if (options.token !== null) validateToken(options.token);
+    const dataToken = options.dataToken ?? null;
+    if (dataToken !== null) {
+      validateToken(dataToken);
+      if (options.token === null) throw new RangeError("a data-plane token needs a control token beside it");
+      if (dataToken === options.token) throw new RangeError("the data-plane token must differ from the control token");
+      if (options.authDataPlane === false) throw new RangeError("a data-plane token has no use when the data plane is open");
+    }
     if ((options.tlsCertFile === undefined) !== (options.tlsKeyFile === undefined)) throw new RangeError("TLS needs both a certificate and a key");
     if (options.tlsClientCaFile !== undefined && options.tlsCertFile === undefined) throw new RangeError("mutual TLS needs a certificate and a key");
     this.server = new Server({
@@ -89,7 +106,7 @@ export class ParticipantServer {
       "grpc.max_receive_message_length": MAX_MESSAGE_BYTES,
       "grpc.max_send_message_length": MAX_MESSAGE_BYTES,
     });
-    const door = new Door(options.token === null ? null : new TokenCheck(options.token));
+    const door = new Door(options.token === null ? null : new TokenCheck(options.token, dataToken, DATA_PLANE_SERVICES));
     const openData = options.authDataPlane === false;
     this.controlServicer = new ControlServicer(runtime);
     this.add(control.CheckpointControlService, this.controlServicer.implementation(door));

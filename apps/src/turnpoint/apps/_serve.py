@@ -49,7 +49,9 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
             "one without arguments; the current directory is searched first), or an "
             "example with --kind. The bearer token comes from $TURNPOINT_TOKEN or "
             "--token-file; without one the server refuses to start unless "
-            "--insecure-no-auth is given."
+            "--insecure-no-auth is given. With --data-token-file that token is the control "
+            "credential and the data-plane token opens only the data plane (docs/spec.md "
+            "section 10.2)."
         ),
     )
     parser.add_argument(
@@ -88,7 +90,16 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         help="coding: the directory of its sandboxes and their snapshots "
         "(default: ROOT/sandboxes/INSTANCE when --root is a directory)",
     )
-    parser.add_argument("--token-file", help="file holding the bearer token")
+    parser.add_argument(
+        "--token-file",
+        help="file holding the bearer token (the control credential when --data-token-file "
+        "is given; else it serves both roles)",
+    )
+    parser.add_argument(
+        "--data-token-file",
+        help="file holding the data-plane token: it opens Rollout/Resources/Policy and "
+        "never the control service; an agent uses it to call its policy and resources",
+    )
     parser.add_argument("--insecure-no-auth", action="store_true")
     parser.add_argument("--tls-cert", help="server certificate (PEM)")
     parser.add_argument("--tls-key", help="server private key (PEM)")
@@ -160,6 +171,7 @@ def _serve_command(args: argparse.Namespace) -> int:
             raise ValueError(f"--workers must be at least 1, got {args.workers}")
         own = _own_participant(args)
         token = load_token(args.token_file)
+        data_token = load_token(args.data_token_file) if args.data_token_file else None
         example = own or args.example or EXAMPLES[args.kind][0]
         if args.instance is not None:
             validate_id(args.instance, "instance")
@@ -167,6 +179,7 @@ def _serve_command(args: argparse.Namespace) -> int:
             host=args.host,
             port=args.port,
             token=token,
+            data_token=data_token,
             allow_insecure_no_auth=args.insecure_no_auth,
             tls_cert_file=args.tls_cert,
             tls_key_file=args.tls_key,
@@ -184,7 +197,10 @@ def _serve_command(args: argparse.Namespace) -> int:
         return 2
     if slot is None and args.workers > 1:
         return asyncio.run(_serve_group(args, options))
-    return asyncio.run(_serve(args, example, options, token, resources, slot, own is not None))
+    # An agent reaches its policy and resources with the data-plane credential when there
+    # is one: the code that calls out never holds the control credential it need not have.
+    peer_token = data_token or token
+    return asyncio.run(_serve(args, example, options, peer_token, resources, slot, own is not None))
 
 
 def _own_participant(args: argparse.Namespace) -> str | None:
@@ -231,13 +247,14 @@ async def _serve(
     args: argparse.Namespace,
     example: str,
     options: ServerOptions,
-    token: str | None,
+    peer_token: str | None,
     resources: dict[str, str],
     slot: WorkerSlot | None,
     own: bool = False,
 ) -> int:
     """Serve one participant: the example ``example`` names, or (``own``) yours, whose
-    ``module:attribute`` ``example`` then is."""
+    ``module:attribute`` ``example`` then is. ``peer_token`` is what an agent presents to
+    its policy and resources."""
     participant: Participant | None = None
     if own:
         try:
@@ -251,7 +268,7 @@ async def _serve(
     spec = ExampleSpec(
         instance=instance,
         root=args.root,
-        token=token,
+        token=peer_token,
         policy_address=args.policy,
         resources=resources,
         group_size=args.group_size,

@@ -331,6 +331,10 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     stays in the participant's log. Transient: the coordinator fails that snapshot and
     tries again; only max_consecutive_failures in a row end the run.
     """
+    ERROR_REASON_PERMISSION_DENIED: _ErrorReason.ValueType  # 19
+    """PERMISSION_DENIED. The credential is valid but its role may not call this service (a
+    data-plane credential on the control service). Not transient: use the right credential.
+    """
 
 class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
     """ErrorReason is the reason of the single google.rpc.ErrorInfo (domain "turnpoint")
@@ -388,6 +392,10 @@ ERROR_REASON_HOOK_FAILED: ErrorReason.ValueType  # 18
 exception the SDK did not expect. Its type is in the metadata ("exception"), its text
 stays in the participant's log. Transient: the coordinator fails that snapshot and
 tries again; only max_consecutive_failures in a row end the run.
+"""
+ERROR_REASON_PERMISSION_DENIED: ErrorReason.ValueType  # 19
+"""PERMISSION_DENIED. The credential is valid but its role may not call this service (a
+data-plane credential on the control service). Not transient: use the right credential.
 """
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015
 

@@ -7,6 +7,12 @@ time; a refused call ends UNAUTHENTICATED with a ``google.rpc.Status`` carrying 
 protected unless named open (deny by default), so a servicer added later is never
 exposed by accident. The token appears in no log line, error, or repr.
 
+Credentials have roles (section 10.2): the control token opens every protected service;
+a data-plane token, when one is configured, opens only the services named data-plane.
+A data-plane token on any other service (the control service above all) is refused
+PERMISSION_DENIED: whoever holds it (an agent's harness) can neither fence, restore nor
+retire anything. Without a data-plane token the one token serves both roles.
+
 The client side (:func:`turnpoint.auth.auth_metadata`) lives in the core, so that a
 coordinator authenticates without importing the server package.
 """
@@ -43,25 +49,66 @@ def _digest(value: bytes) -> bytes:
 
 
 class BearerTokenInterceptor(_InterceptorBase):
-    """Refuses calls to every service not in ``open_services`` without the right token."""
+    """Refuses calls to every service not in ``open_services`` without the right token.
 
-    def __init__(self, token: str, *, open_services: Collection[str]) -> None:
+    ``token`` is the control credential: it opens every protected service. ``data_token``
+    (optional, distinct from ``token``) opens only ``data_services``; presented anywhere
+    else it is refused PERMISSION_DENIED.
+    """
+
+    def __init__(
+        self,
+        token: str,
+        *,
+        open_services: Collection[str],
+        data_token: str | None = None,
+        data_services: Collection[str] = (),
+    ) -> None:
         # Comparing fixed-length digests keeps compare_digest from returning early on a
         # length mismatch, so timing reveals neither the token's bytes nor its length.
         self._expected_digest = _digest(validate_token(token).encode("ascii"))
+        self._data_digest: bytes | None = None
+        if data_token is not None:
+            if data_token == token:
+                raise ValueError("the data-plane token must differ from the control token")
+            self._data_digest = _digest(validate_token(data_token).encode("ascii"))
         self._open_services = frozenset(open_services)
+        self._data_services = frozenset(data_services)
         self._refusal_log = RateLimitedLog()
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(open_services={sorted(self._open_services)!r})"
+        return (
+            f"{type(self).__name__}(open_services={sorted(self._open_services)!r}, "
+            f"data_services={sorted(self._data_services)!r}, "
+            f"data_token={self._data_digest is not None})"
+        )
 
     def is_protected(self, method: str) -> bool:
         """Whether ``/package.Service/Method`` needs the token."""
-        service = method.split("/")[1] if method.startswith("/") else method
-        return service not in self._open_services
+        return _service(method) not in self._open_services
 
-    def _refusal(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
-        """Why the call's metadata does not authenticate it; None when it does."""
+    def _refusal(
+        self, method: str, metadata: Iterable[tuple[str, str | bytes]] | None
+    ) -> tuple[Reason, str] | None:
+        """Why the call's metadata does not authorize it; None when it does."""
+        presented_digest = self._presented_digest(metadata)
+        if isinstance(presented_digest, str):
+            return Reason.UNAUTHENTICATED, presented_digest
+        # Both comparisons always run: timing does not tell which credential matched.
+        is_control = hmac.compare_digest(presented_digest, self._expected_digest)
+        is_data = self._data_digest is not None and hmac.compare_digest(
+            presented_digest, self._data_digest
+        )
+        if is_control:
+            return None
+        if not is_data:
+            return Reason.UNAUTHENTICATED, "bearer token not accepted"
+        if _service(method) in self._data_services:
+            return None
+        return Reason.PERMISSION_DENIED, "a data-plane credential cannot call this service"
+
+    def _presented_digest(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> bytes | str:
+        """The digest of the presented token, or why there is no token to check."""
         values = [value for key, value in (metadata or ()) if key == _AUTHORIZATION]
         if not values:
             return "missing bearer token"
@@ -73,10 +120,7 @@ class BearerTokenInterceptor(_InterceptorBase):
         scheme, _, presented = value.partition(" ")
         if scheme.lower() != _SCHEME or not presented:
             return "authorization is not a bearer token"
-        presented_digest = _digest(presented.encode("utf-8", "surrogateescape"))
-        if not hmac.compare_digest(presented_digest, self._expected_digest):
-            return "bearer token not accepted"
-        return None
+        return _digest(presented.encode("utf-8", "surrogateescape"))
 
     async def intercept_service(
         self,
@@ -86,13 +130,19 @@ class BearerTokenInterceptor(_InterceptorBase):
         method = handler_call_details.method
         if not self.is_protected(method):
             return await continuation(handler_call_details)
-        refusal = self._refusal(handler_call_details.invocation_metadata)
+        refusal = self._refusal(method, handler_call_details.invocation_metadata)
         handler = await continuation(handler_call_details)
         if refusal is None or handler is None:
             # An unknown method stays UNIMPLEMENTED: its shape is unknown, and reflection
             # already tells anyone which methods exist.
             return handler
-        return _rejecting_handler(handler, method, refusal, self._refusal_log)
+        reason, cause = refusal
+        return _rejecting_handler(handler, method, reason, cause, self._refusal_log)
+
+
+def _service(method: str) -> str:
+    """``package.Service`` of ``/package.Service/Method``."""
+    return method.split("/")[1] if method.startswith("/") else method
 
 
 class RateLimitedLog:
@@ -121,15 +171,13 @@ class RateLimitedLog:
 
 
 def _rejecting_handler(
-    handler: _Handler, method: str, refusal: str, refusal_log: RateLimitedLog
+    handler: _Handler, method: str, reason: Reason, refusal: str, refusal_log: RateLimitedLog
 ) -> _Handler:
     """A handler of the refused method's streaming shape that only aborts.
 
-    No request deserializer: an unauthenticated caller's bytes are never parsed.
+    No request deserializer: a refused caller's bytes are never parsed.
     """
-    error = TurnpointError(
-        Reason.UNAUTHENTICATED, f"{method}: {refusal}", {"method": method, "cause": refusal}
-    )
+    error = TurnpointError(reason, f"{method}: {refusal}", {"method": method, "cause": refusal})
     status = error_to_grpc_status(error)
 
     async def reject(_request: object, context: grpc.aio.ServicerContext[Any, Any]) -> None:

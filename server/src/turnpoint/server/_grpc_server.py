@@ -85,8 +85,11 @@ class ServerOptions:
     """How a participant server listens, authenticates and bounds its inputs.
 
     ``port`` 0 lets the OS pick (read it back from :attr:`ParticipantServer.port`).
-    ``token`` is never shown in the repr. Without one the server refuses to start unless
-    ``allow_insecure_no_auth``. ``auth_data_plane`` False leaves the turnpoint
+    ``token`` is the control credential and is never shown in the repr. Without one the
+    server refuses to start unless ``allow_insecure_no_auth``. ``data_token`` (also never
+    shown) is a second, data-plane credential: it opens the turnpoint data-plane services
+    and nothing else, so whoever holds it (an agent's harness) cannot fence, restore or
+    retire anything (docs/spec.md section 10.2); without it ``token`` serves both roles. ``auth_data_plane`` False leaves the turnpoint
     data-plane services open and protects only the control service (and any service
     not known here). TLS needs ``tls_cert_file`` and ``tls_key_file``;
     ``tls_client_ca_file`` turns on mutual TLS: every client must present a certificate
@@ -102,6 +105,7 @@ class ServerOptions:
     host: str = "127.0.0.1"
     port: int = 0
     token: str | None = field(default=None, repr=False)
+    data_token: str | None = field(default=None, repr=False)
     allow_insecure_no_auth: bool = False
     auth_data_plane: bool = True
     tls_cert_file: str | Path | None = None
@@ -120,6 +124,14 @@ class ServerOptions:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.token is not None:
             validate_token(self.token)
+        if self.data_token is not None:
+            validate_token(self.data_token)
+            if self.token is None:
+                raise ValueError("a data-plane token needs a control token beside it")
+            if self.data_token == self.token:
+                raise ValueError("the data-plane token must differ from the control token")
+            if not self.auth_data_plane:
+                raise ValueError("a data-plane token has no use when the data plane is open")
         if (self.tls_cert_file is None) != (self.tls_key_file is None):
             raise ValueError("TLS needs both tls_cert_file and tls_key_file")
         if self.tls_client_ca_file is not None and self.tls_cert_file is None:
@@ -285,7 +297,12 @@ class ParticipantServer:
         interceptors: list[grpc.aio.ServerInterceptor[Any, Any]] = []
         if options.token is not None:
             interceptors.append(
-                BearerTokenInterceptor(options.token, open_services=options.open_services())
+                BearerTokenInterceptor(
+                    options.token,
+                    open_services=options.open_services(),
+                    data_token=options.data_token,
+                    data_services=DATA_PLANE_SERVICES,
+                )
             )
         if options.metrics_port is not None:
             # After auth: only authenticated calls are counted.
@@ -375,12 +392,13 @@ class ParticipantServer:
         elif not options.tls and not _is_loopback(options.host):
             _log.warning("the bearer token travels in plaintext: %s is not loopback", options.host)
         _log.info(
-            "serving %s on %s (tls=%s, mutual_tls=%s, auth=%s)",
+            "serving %s on %s (tls=%s, mutual_tls=%s, auth=%s, data_token=%s)",
             ", ".join(self._services),
             self.address,
             options.tls,
             options.mutual_tls,
             options.token is not None,
+            options.data_token is not None,
         )
 
     async def drain_and_stop(self, grace: float | None = None) -> None:

@@ -40,8 +40,9 @@ _BELOW_THE_PROTOCOL = {
 class ResourcesClient:
     """A connection to one resources server over gRPC; ``await aclose()`` when done.
 
-    ``token`` is the bearer token (docs/spec.md section 10.1), ``credentials`` the
-    channel's TLS, if any. Hand it to ``ctx.seed``, ``ctx.call`` and ``ctx.verify``.
+    ``token`` is the bearer token (docs/spec.md section 10.1): the data-plane one where
+    the servers have credential roles (section 10.2), so that the agent holding it can
+    call tools and nothing else. ``credentials`` the channel's TLS, if any. Hand it to ``ctx.seed``, ``ctx.call`` and ``ctx.verify``.
     """
 
     def __init__(

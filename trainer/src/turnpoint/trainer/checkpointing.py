@@ -173,6 +173,11 @@ class HealRefusedError(CoordinatorError):
 class Checkpointing:
     """A coordinator a training loop embeds in a few lines.
 
+    ``token`` is the participants' control credential (docs/spec.md section 10.2): it
+    opens their data plane too, so the rollouts and weight pushes use it as well. Where
+    the participants also hold a data-plane token, that one is the agents' and never
+    reaches here.
+
     ``anchor`` writes the trainer's state into each snapshot and ``load_anchor`` reads it
     back on restore (:class:`TorchAnchorSource` and :func:`torch_anchor_loader` over a
     torch model and optimizer). ``every_steps`` snapshots from :meth:`step_done`; the

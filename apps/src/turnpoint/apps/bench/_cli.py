@@ -23,10 +23,12 @@ from turnpoint.apps.bench._options import (
     FULL_SIZES,
     QUICK_RELAY_CALLS,
     QUICK_SANDBOX_MB,
+    QUICK_SANDBOX_ROUNDS,
     QUICK_SIZES,
     RELAY_CALLS,
     REPLAY_TURNS,
     SANDBOX_MB,
+    SANDBOX_ROUNDS,
     TMPFS,
     BenchOptions,
     WorkloadOptions,
@@ -127,7 +129,10 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
             "status page: the control path with the trainer's status API polled every "
             "100 ms over the same path unpolled, a ratio; (8) sandbox snapshots: seconds and "
             "bytes written by a sandbox's first snapshot and by one of the unchanged tree, "
-            f"at {' and '.join(map(str, SANDBOX_MB))} MB, and the restore; (9) the egress "
+            f"at {' and '.join(map(str, SANDBOX_MB))} MB, and the restore over the first "
+            "snapshot, a ratio; then admission-closed seconds per snapshot of 16 sandboxes "
+            "each running a command (cut at the checkpoint) over the same 16 idle; (9) the "
+            "egress "
             "relay: a chat call through it over the same call direct, a ratio, and the "
             "restore by replay of episodes of "
             f"{', '.join(map(str, REPLAY_TURNS))} turns against their live runs. Progress "
@@ -140,8 +145,8 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         action="store_true",
         help=f"sizes {','.join(map(str, QUICK_SIZES))}, {_QUICK_STEPS}-step demo runs, "
         f"{_QUICK_REPEATS} each way, {_QUICK_BOOKKEEPING} bookkeeping episodes, a "
-        f"{','.join(map(str, QUICK_SANDBOX_MB))} MB sandbox, {QUICK_RELAY_CALLS} relay "
-        "calls each way",
+        f"{','.join(map(str, QUICK_SANDBOX_MB))} MB sandbox, {QUICK_SANDBOX_ROUNDS} busy "
+        f"sandbox rounds, {QUICK_RELAY_CALLS} relay calls each way",
     )
     parser.add_argument(
         "--relay-calls",
@@ -161,6 +166,12 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         default=None,
         help=f"sizes in MB of the sandboxes snapshotted (default "
         f"{','.join(map(str, SANDBOX_MB))}, quick {','.join(map(str, QUICK_SANDBOX_MB))})",
+    )
+    parser.add_argument(
+        "--sandbox-rounds",
+        type=_positive_int,
+        help="snapshots of the 16 busy sandboxes, and of them idle (default "
+        f"{SANDBOX_ROUNDS}, quick {QUICK_SANDBOX_ROUNDS})",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
@@ -269,6 +280,7 @@ def _options(args: argparse.Namespace) -> BenchOptions:
         bookkeeping_episodes=args.bookkeeping_episodes
         or (_QUICK_BOOKKEEPING if quick else _FULL_BOOKKEEPING),
         sandbox_mb=args.sandbox_mb or (QUICK_SANDBOX_MB if quick else SANDBOX_MB),
+        sandbox_rounds=args.sandbox_rounds or (QUICK_SANDBOX_ROUNDS if quick else SANDBOX_ROUNDS),
         relay_calls=args.relay_calls or (QUICK_RELAY_CALLS if quick else RELAY_CALLS),
         replay_turns=args.replay_turns,
     )
@@ -513,6 +525,7 @@ def render_table(report: BenchReport, out: TextIO) -> None:
             "unchanged bytes",
             "time ratio",
             "restore s",
+            "restore / full",
         ):
             sandboxes.add_column(column, justify="right")
         for sandbox in report.sandbox_snapshots:
@@ -524,8 +537,18 @@ def render_table(report: BenchReport, out: TextIO) -> None:
                 str(sandbox.unchanged_bytes_written),
                 f"{sandbox.time_ratio:.3f}",
                 f"{sandbox.restore_s:.3f}",
+                f"{sandbox.restore_ratio:.3f}",
             )
         console.print(sandboxes)
+
+    busy = report.sandbox_admission
+    if busy is not None:
+        console.print(
+            f"Busy sandboxes: admission closed {busy.busy_median_s:.3f} s per snapshot of "
+            f"{busy.sandboxes} sandboxes each running a command (cut) vs "
+            f"{busy.idle_median_s:.3f} s idle, ratio {busy.ratio:.3f} (medians of "
+            f"{len(busy.busy_s)} each)"
+        )
 
     relay = report.egress_relay
     if relay is not None:

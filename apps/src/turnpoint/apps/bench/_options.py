@@ -11,6 +11,8 @@ FULL_SIZES: Final = (1, 8, 64, 256)
 QUICK_SIZES: Final = (1, 8, 64)
 SANDBOX_MB: Final = (10, 100)
 QUICK_SANDBOX_MB: Final = (10,)
+SANDBOX_ROUNDS: Final = 5
+QUICK_SANDBOX_ROUNDS: Final = 2
 RELAY_CALLS: Final = 200
 QUICK_RELAY_CALLS: Final = 40
 REPLAY_TURNS: Final = (5, 20, 50)
@@ -56,7 +58,8 @@ class BenchOptions:
     where the control path's snapshot roots go (a fresh directory under it, removed
     afterwards); None, or a directory that does not exist: under ``root`` instead, and
     the report says so. ``bookkeeping_episodes`` in-process episodes time the SDK.
-    ``sandbox_mb``: the sizes of the sandboxes whose snapshots are timed.
+    ``sandbox_mb``: the sizes of the sandboxes whose snapshots are timed;
+    ``sandbox_rounds``: checkpoints each way (busy, idle) over the busy sandboxes.
     ``relay_calls``: chat calls each way of the egress relay's overhead figure;
     ``replay_turns``: the episode lengths whose restore by replay is timed.
     """
@@ -70,6 +73,7 @@ class BenchOptions:
     tmpfs: Path | None = TMPFS
     bookkeeping_episodes: int = 3000
     sandbox_mb: tuple[int, ...] = SANDBOX_MB
+    sandbox_rounds: int = SANDBOX_ROUNDS
     relay_calls: int = RELAY_CALLS
     replay_turns: tuple[int, ...] = REPLAY_TURNS
 
@@ -91,6 +95,8 @@ class BenchOptions:
             raise ValueError("bookkeeping_episodes must be >= 1")
         if not self.sandbox_mb or any(n < 1 for n in self.sandbox_mb):
             raise ValueError("sandbox sizes must be megabytes >= 1")
+        if self.sandbox_rounds < 1:
+            raise ValueError("sandbox_rounds must be >= 1")
         if self.relay_calls < 1:
             raise ValueError("relay_calls must be >= 1")
         if not self.replay_turns or any(n < 1 for n in self.replay_turns):

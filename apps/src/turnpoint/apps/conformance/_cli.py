@@ -49,6 +49,11 @@ def add_conformance_parser(sub: argparse._SubParsersAction[argparse.ArgumentPars
     parser.add_argument(
         "--token-file", help="file holding the bearer token (else $TURNPOINT_TOKEN)"
     )
+    parser.add_argument(
+        "--data-token-file",
+        help="file holding the target's data-plane token: the credential-roles check "
+        "(docs/spec.md section 10.2) runs with it",
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument(
         "--workload",
@@ -78,8 +83,10 @@ def add_conformance_parser(sub: argparse._SubParsersAction[argparse.ArgumentPars
     parser.add_argument(
         "--snapshot-root",
         metavar="DIR",
-        help="the snapshot root both targets share: the equivalence check writes a copy of "
-        "its snapshot there with truncated session states, which must install nothing",
+        help="the target's snapshot root (shared with its restore targets): the equivalence "
+        "check writes a copy of its snapshot there with truncated session states, which must "
+        "install nothing; the sandboxes check reads the exported sandbox handles there and "
+        "restores altered copies of them",
     )
     parser.add_argument(
         "--lease",
@@ -130,6 +137,7 @@ def conformance_command(args: argparse.Namespace) -> int:
             only=tuple(args.only),
             restore_targets=tuple(args.restore_target),
             snapshot_root=Path(args.snapshot_root) if args.snapshot_root else None,
+            data_token=load_token(args.data_token_file) if args.data_token_file else None,
         )
         unknown = sorted(set(options.only) - {c.name for c in CHECKS})
         if unknown:

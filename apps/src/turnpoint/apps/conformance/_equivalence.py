@@ -21,10 +21,8 @@ over the same snapshot root), the kit:
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 from google.protobuf import json_format, struct_pb2
@@ -33,6 +31,7 @@ from turnpoint.v1 import checkpoint_control_service_pb2 as pb
 from turnpoint.v1 import types_pb2
 
 from ._kit import HOLD_LEASE_S, CheckFailed, CheckSkipped, Kit, episode, require, show
+from ._snapshot_copies import Records, altered_copy
 from ._wire import Refused
 
 
@@ -93,45 +92,12 @@ def _compare(
         )
 
 
-def _truncated_copy(
-    root: Path, snapshot: str, copy: str, instance: str, refs: pb.ManifestEntry
-) -> pb.ManifestEntry:
-    """The snapshot's records with every session state cut short (its last key dropped),
-    written as a well-formed snapshot ``copy`` (digests recomputed): only the environment's
-    own validation can refuse it."""
-    source = root / snapshot / instance
-    lines = []
-    for raw in (source / Path(refs.artifacts[0].path).name).read_bytes().splitlines():
-        record = json.loads(raw)
+def _truncate(records: Records) -> None:
+    """Every session state cut short: its last key dropped."""
+    for record in records:
         payload = record["payload"]
         if isinstance(payload, dict) and payload:
             del payload[sorted(payload)[-1]]
-        lines.append(json.dumps(record, separators=(",", ":"), ensure_ascii=True).encode())
-    data = b"".join(line + b"\n" for line in lines)
-    digest = hashlib.sha256(data).hexdigest()
-    target = root / copy / instance
-    target.mkdir(parents=True)
-    (target / f"records-{digest}.jsonl").write_bytes(data)
-    manifest = json.loads((source / "MANIFEST.json").read_bytes())
-    artifact = manifest["artifacts"][0]
-    artifact.update(path=f"{instance}/records-{digest}.jsonl", sha256=digest, size_bytes=len(data))
-    manifest_bytes = (json.dumps(manifest, indent=2) + "\n").encode("ascii")
-    (target / "MANIFEST.json").write_bytes(manifest_bytes)
-    return pb.ManifestEntry(
-        manifest=types_pb2.ArtifactRef(
-            path=f"{instance}/MANIFEST.json",
-            sha256=hashlib.sha256(manifest_bytes).hexdigest(),
-            size_bytes=len(manifest_bytes),
-        ),
-        artifacts=[
-            types_pb2.ArtifactRef(
-                path=artifact["path"],
-                sha256=digest,
-                size_bytes=len(data),
-                record_count=refs.artifacts[0].record_count,
-            )
-        ],
-    )
 
 
 async def check_equivalence(kit: Kit) -> str:
@@ -201,7 +167,7 @@ async def check_equivalence(kit: Kit) -> str:
     ]
     if kit.snapshot_root is not None:
         copy = kit.checkpoint_id()
-        bad = _truncated_copy(kit.snapshot_root, checkpoint, copy, kit.instance, entry)
+        bad = altered_copy(kit.snapshot_root, checkpoint, copy, kit.instance, entry, _truncate)
         kit.notes.append(f"a truncated copy of the snapshot, {copy}/{kit.instance}/")
         await fresh.refused(
             fresh.restore(fresh.checkpoint_id(), copy, bad, cut),

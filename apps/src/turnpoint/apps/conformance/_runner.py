@@ -40,8 +40,14 @@ from ._lifecycle_checks import (
     check_retire,
 )
 from ._report import CheckResult, ConformanceReport, Outcome
+from ._sandbox_checks import check_sandboxes
 from ._token_checks import check_token_cut
-from ._transport_checks import check_auth, check_health_reflection, check_hostile_input
+from ._transport_checks import (
+    check_auth,
+    check_credential_roles,
+    check_health_reflection,
+    check_hostile_input,
+)
 from ._wire import Refused, Target
 
 
@@ -58,6 +64,7 @@ CHECKS: tuple[Check, ...] = (
     Check("describe", "4.5", check_describe),
     Check("health-reflection", "3.8", check_health_reflection),
     Check("auth", "10.1", check_auth),
+    Check("credential-roles", "10.2", check_credential_roles),
     Check("control-session", "3.2", check_control_session),
     Check("errors", "9", check_errors),
     Check("fencing-epoch", "2.2", check_fencing_epoch),
@@ -78,6 +85,7 @@ CHECKS: tuple[Check, ...] = (
     Check("acknowledge", "6.4", check_acknowledge),
     Check("exported-sessions", "5.3", check_exported_sessions),
     Check("equivalence", "5.6", check_equivalence),
+    Check("sandboxes", "5.7", check_sandboxes),
     Check("hostile-input", "10.5", check_hostile_input),
 )
 
@@ -98,6 +106,9 @@ class ConformanceOptions:
     # may write a damaged copy of a snapshot into it.
     restore_targets: Sequence[str] = ()
     snapshot_root: Path | None = None
+    # The target's data-plane token (docs/spec.md section 10.2): the credential-roles
+    # check runs with it and is skipped without it.
+    data_token: str | None = None
 
 
 Progress = Callable[[CheckResult], None]
@@ -114,7 +125,12 @@ async def run_conformance(
     unknown = sorted(set(options.only) - {c.name for c in CHECKS})
     if unknown:
         raise ValueError(f"unknown checks {unknown}; known: {', '.join(c.name for c in CHECKS)}")
-    target = Target(options.target, options.token, call_timeout_s=options.call_timeout_s)
+    target = Target(
+        options.target,
+        options.token,
+        call_timeout_s=options.call_timeout_s,
+        data_token=options.data_token,
+    )
     restore_targets = [
         Kit(
             Target(address, options.token, call_timeout_s=options.call_timeout_s),

@@ -4,13 +4,15 @@ and hostile input."""
 from __future__ import annotations
 
 import secrets
+from collections.abc import Awaitable, Callable
 
 import grpc
 from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2
 
+from turnpoint.auth import auth_metadata
 from turnpoint.v1 import checkpoint_control_service_pb2 as pb
-from turnpoint.v1 import rollout_service_pb2, types_pb2
+from turnpoint.v1 import resources_service_pb2, rollout_service_pb2, types_pb2
 
 from ._hostile import (
     SERVICES,
@@ -186,6 +188,89 @@ async def check_auth(kit: Kit) -> str:
         "refused a missing token, a wrong one and two entries with UNAUTHENTICATED (method, "
         "cause; token never quoted), in unary, stream and session shape; the scheme is "
         f"case-insensitive; an unknown method is UNIMPLEMENTED{data}"
+    )
+
+
+# A fence no coordinator can pass: what a data-plane holder would pin (section 10.2).
+_PINNED_EPOCH = 2**64 - 1
+
+
+async def check_credential_roles(kit: Kit) -> str:
+    """Section 10.2: a data-plane credential opens the data plane and nothing else; on a
+    control call it is PERMISSION_DENIED with one ErrorInfo, and the fence stays."""
+    data_token = kit.target.data_token
+    if data_token is None:
+        raise CheckSkipped(
+            "no data-plane token given (--data-token-file): the target's roles not tried"
+        )
+    data = auth_metadata(data_token)
+    pinned = kit.fence(epoch=_PINNED_EPOCH, coordinator_id=f"{kit.coordinator_id}-harness")
+    refusals: dict[str, Callable[[], Awaitable[object]]] = {
+        "Prepare": lambda: kit.target.call(
+            kit.target.control.Prepare,
+            pb.PrepareRequest(
+                fence=pinned, request_id=kit.rid("roles"), checkpoint_id=kit.checkpoint_id()
+            ),
+            name="Prepare",
+            metadata=data,
+        ),
+        "Retire": lambda: kit.target.call(
+            kit.target.control.Retire,
+            pb.RetireRequest(fence=pinned, request_id=kit.rid("roles")),
+            name="Retire",
+            metadata=data,
+        ),
+        "Describe": lambda: kit.target.call(
+            kit.target.control.Describe,
+            pb.DescribeRequest(fence=pinned),
+            name="Describe",
+            metadata=data,
+        ),
+    }
+    for name, call in refusals.items():
+        await kit.refused(
+            call(),
+            "PERMISSION_DENIED",
+            f"{name} with the data-plane token",
+            keys=("method", "cause"),
+        )
+    described = await kit.target.call(
+        kit.target.control.Describe, pb.DescribeRequest(fence=kit.fence()), name="Describe"
+    )
+    require(
+        described.header.epoch < _PINNED_EPOCH,
+        f"after the refused calls the target holds epoch {described.header.epoch}: a "
+        "data-plane token pinned its fence",
+    )
+    try:
+        if kit.hosts_agent:
+            await kit.target.call(
+                kit.target.rollout.Acknowledge,
+                rollout_service_pb2.AcknowledgeRequest(request_id=kit.rid("roles")),
+                name="Acknowledge",
+                metadata=data,
+            )
+            served = "Acknowledge"
+        elif kit.hosts_resources:
+            await kit.target.call(
+                kit.target.resources.CloseSession,
+                resources_service_pb2.CloseSessionRequest(
+                    request_id=kit.rid("roles"), episode=episode("roles-nobody")
+                ),
+                name="CloseSession",
+                metadata=data,
+            )
+            served = "CloseSession"
+        else:
+            served = ""
+    except Refused as refusal:
+        raise CheckFailed(
+            f"the data plane refused the data-plane token ({refusal.error.summary()})"
+        ) from None
+    opened = f"; {served} with it is served" if served else ""
+    return (
+        "Prepare, Retire and Describe with the data-plane token are PERMISSION_DENIED "
+        f"(method, cause) and the fence stays the coordinator's{opened}"
     )
 
 

@@ -142,9 +142,18 @@ class Target:
     calls another, exactly as a coordinator would open them.
     """
 
-    def __init__(self, address: str, token: str | None, *, call_timeout_s: float) -> None:
+    def __init__(
+        self,
+        address: str,
+        token: str | None,
+        *,
+        call_timeout_s: float,
+        data_token: str | None = None,
+    ) -> None:
         self.address = address
         self.token = token
+        # The target's data-plane credential (docs/spec.md section 10.2), when it has one.
+        self.data_token = data_token
         self.call_timeout_s = call_timeout_s
         self.metadata: Metadata = auth_metadata(token) if token else ()
         self._control = control_channel(address)

@@ -23,6 +23,7 @@ from turnpoint.apps.demo._supervisor import (
     DEFAULT_OUT,
     DEFAULT_SNAPSHOT_INTERVAL_S,
     DEFAULT_STEPS,
+    FIRST_RESTART_PAUSE_S,
     LEVELS,
     MAX_RESTARTS,
     STALL_TIMEOUT_S,
@@ -211,6 +212,15 @@ def add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="unplanned job restarts allowed per hour: a participant that dies or a trainer "
         "that dies or stalls restores the job from the last published snapshot onto fresh "
         f"processes (default: {MAX_RESTARTS})",
+    )
+    parser.add_argument(
+        # For tests that inject many faults: the backoff's first pause (it doubles with
+        # each restart), so that five restarts do not sleep for fifteen seconds.
+        "--restart-pause",
+        type=float,
+        default=FIRST_RESTART_PAUSE_S,
+        metavar="SECONDS",
+        help=argparse.SUPPRESS,
     )
     parser.add_argument(
         "--participant-command",

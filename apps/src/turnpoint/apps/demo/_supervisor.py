@@ -22,7 +22,16 @@ serve every environment), then starts the trainer (:func:`trainer_command`)::
 
     python -m turnpoint.apps.demo._trainer --topology <out>/topology.json --out <out>
         --steps N --group-size N --groups-per-step N --snapshot-interval S
-        --target-level LEVEL --seed N [--resume] [--kill-at POINT[:N]]
+        --target-level LEVEL --seed N --start-on-stdin [--resume] [--kill-at POINT[:N]]
+        [--launcher HOST:PORT]
+
+The trainer process is spawned before the participants start (after a crash, before the
+old ones are stopped), and imports torch and the facade meanwhile: most of a start is
+imports, on both sides, and they overlap. With
+``--start-on-stdin`` it reads nothing (no topology, no event log, no port) until the
+supervisor writes a line to its stdin, once ``topology.json`` is written; that is when
+the trainer starts. A trainer whose participants never came up is killed unreleased and
+its empty logs removed: no trainer ran.
 
 With ``--turn-delay SECONDS`` every agent turn waits that long inside its model call,
 parked at its boundary, as a real model's latency would make it: episodes then last long
@@ -158,6 +167,9 @@ STALL_TIMEOUT_S = 60.0
 a second); the job is restored onto fresh processes."""
 MAX_RESTARTS = 3
 """Unplanned job restarts (a lost participant, a dead or stuck trainer) allowed per hour."""
+FIRST_RESTART_PAUSE_S = 0.5
+"""The pause before the first unplanned restart; it doubles with each restart in the hour,
+so that a job that keeps crashing backs off instead of looping."""
 POLL_INTERVAL_S = 0.25
 HEAL_GRACE_S = 60.0
 """How long a dead agent waits for the trainer to ask for its replacement (it notices
@@ -205,6 +217,7 @@ class DemoOptions:
     progress: bool = True
     start_timeout_s: float = START_TIMEOUT_S
     max_restarts: int = MAX_RESTARTS
+    first_restart_pause_s: float = FIRST_RESTART_PAUSE_S
     stall_timeout_s: float = STALL_TIMEOUT_S
     chaos_faults: int = 0
     participant_commands: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
@@ -261,6 +274,7 @@ class DemoOptions:
             progress=args.progress,
             start_timeout_s=args.start_timeout,
             max_restarts=args.max_restarts,
+            first_restart_pause_s=getattr(args, "restart_pause", FIRST_RESTART_PAUSE_S),
             stall_timeout_s=args.stall_timeout,
             chaos_faults=args.chaos,
             participant_commands=_participant_commands(args.participant_command),
@@ -313,6 +327,10 @@ class DemoOptions:
             problems.append(f"--start-timeout must be positive, got {self.start_timeout_s:g}")
         if self.max_restarts < 0:
             problems.append(f"--max-restarts must be 0 or more, got {self.max_restarts}")
+        if not self.first_restart_pause_s >= 0:
+            problems.append(
+                f"--restart-pause must be 0 or more seconds, got {self.first_restart_pause_s:g}"
+            )
         if self.chaos_faults < 0:
             problems.append(f"--chaos must be 0 or more faults, got {self.chaos_faults}")
         elif self.chaos_faults and self.ray:
@@ -997,6 +1015,8 @@ def trainer_command(
         options.target_level,
         "--seed",
         str(options.seed),
+        # Spawned while the participants start; it waits for the supervisor's word.
+        "--start-on-stdin",
     ]
     if options.environment != GUESS:
         command += ["--env", options.environment]
@@ -1012,12 +1032,18 @@ def trainer_command(
 
 
 class _Trainer:
-    """One trainer process (one incarnation); stdout and stderr go to files."""
+    """One trainer process (one incarnation); stdout and stderr go to files.
 
-    def __init__(self, process: asyncio.subprocess.Process, incarnation: int, stderr: Path) -> None:
+    Spawned waiting (``--start-on-stdin``): it imports, then starts on :meth:`release`,
+    or is killed unreleased by :meth:`discard`."""
+
+    def __init__(
+        self, process: asyncio.subprocess.Process, incarnation: int, logs: tuple[Path, Path]
+    ) -> None:
         self.process = process
         self.incarnation = incarnation
-        self.stderr = stderr
+        self.logs = logs
+        self.stderr = logs[1]
         self._exit = asyncio.get_running_loop().create_task(process.wait())
 
     @classmethod
@@ -1050,7 +1076,7 @@ class _Trainer:
                     kill_at=kill_at,
                     launcher=launcher,
                 ),
-                stdin=asyncio.subprocess.DEVNULL,
+                stdin=asyncio.subprocess.PIPE,
                 stdout=stdout,
                 stderr=stderr,
                 env=_child_env(token, paths),
@@ -1058,7 +1084,28 @@ class _Trainer:
         finally:
             stdout.close()
             stderr.close()
-        return cls(process, incarnation, stderr_path)
+        return cls(process, incarnation, (stdout_path, stderr_path))
+
+    async def release(self) -> None:
+        """Tell the waiting trainer that its topology is written: it starts now."""
+        stdin = self.process.stdin
+        assert stdin is not None
+        # A trainer that died while it waited (an import that failed) cannot hear it;
+        # its exit status and stderr say why, and the supervisor acts on them.
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            stdin.write(b"start\n")
+            await stdin.drain()
+        stdin.close()
+
+    async def discard(self) -> None:
+        """Kill a trainer never released: it read nothing and wrote nothing of the run."""
+        await self.kill()
+
+        def remove_logs() -> None:
+            for path in self.logs:
+                path.unlink(missing_ok=True)
+
+        await asyncio.to_thread(remove_logs)
 
     async def wait(self, timeout_s: float) -> int | None:
         """The exit status, or None if still running after ``timeout_s``."""
@@ -1105,10 +1152,14 @@ class _Supervisor:
         self.participants: dict[str, Participant] = {}
         self.killed: set[str] = set()
         self.trainer: _Trainer | None = None
+        # The next incarnation's trainer, spawned by launch() and released by start_trainer().
+        self.next_trainer: _Trainer | None = None
         self.generation = 0
         self.last_event_at = time.monotonic()
         # Unplanned restarts (the planned --crash is the demo's own and not counted).
-        self.restarts = RestartBudget(options.max_restarts, 3600.0)
+        self.restarts = RestartBudget(
+            options.max_restarts, 3600.0, first_pause_s=options.first_restart_pause_s
+        )
         self.trainer_started_at = time.monotonic()
         self.trainer_restarted = asyncio.Event()
         self.faults_injected = 0
@@ -1143,10 +1194,42 @@ class _Supervisor:
     def show(self) -> None:
         self.display.update(self.state, time.monotonic())
 
-    async def launch(self) -> None:
+    async def spawn_trainer(self, *, resume: bool) -> None:
+        """Spawn the next incarnation's trainer, waiting for :meth:`start_trainer`: it
+        imports while the participants stop and start."""
+        assert self.next_trainer is None
+        incarnation = self.trainer.incarnation + 1 if self.trainer else 1
+        self.next_trainer = await _Trainer.start(
+            self.options,
+            self.paths,
+            self.token,
+            incarnation=incarnation,
+            resume=resume,
+            program=self.trainer_program,
+            kill_at=self.options.crash_at if incarnation == 1 else None,
+            launcher=self.launch_service.address if self.launch_service is not None else None,
+        )
+
+    async def discard_next_trainer(self) -> None:
+        trainer, self.next_trainer = self.next_trainer, None
+        if trainer is not None:
+            await trainer.discard()
+
+    async def launch(self, *, resume: bool) -> None:
+        """Start the participants and write the topology, the next trainer spawned
+        first (if it was not yet) so that its imports overlap their start."""
         self.generation += 1
         self.state.phase = f"starting participants ({self.launcher.description})"
         self.show()
+        if self.next_trainer is None:
+            await self.spawn_trainer(resume=resume)
+        try:
+            await self._start_participants()
+        except BaseException:
+            await asyncio.shield(self.discard_next_trainer())
+            raise
+
+    async def _start_participants(self) -> None:
         self.participants = await start_participants(
             self.launcher, self.options, self.paths, self.generation
         )
@@ -1168,20 +1251,13 @@ class _Supervisor:
         for proxy in proxies.values():
             await proxy.close()
 
-    async def start_trainer(self, *, resume: bool) -> None:
-        incarnation = self.trainer.incarnation + 1 if self.trainer else 1
+    async def start_trainer(self) -> None:
+        """Release the trainer :meth:`launch` spawned, its topology written."""
+        assert self.next_trainer is not None
         self.state.phase = "starting the trainer"
         self.show()
-        self.trainer = await _Trainer.start(
-            self.options,
-            self.paths,
-            self.token,
-            incarnation=incarnation,
-            resume=resume,
-            program=self.trainer_program,
-            kill_at=self.options.crash_at if incarnation == 1 else None,
-            launcher=self.launch_service.address if self.launch_service is not None else None,
-        )
+        self.trainer, self.next_trainer = self.next_trainer, None
+        await self.trainer.release()
         self.last_event_at = self.trainer_started_at = time.monotonic()
         self.steps_since_start = 0
         self.trainer_restarted.set()
@@ -1196,8 +1272,8 @@ class _Supervisor:
                 await self.launch_service.close()
 
     async def _run(self) -> None:
-        await self.launch()
-        await self.start_trainer(resume=False)
+        await self.launch(resume=False)
+        await self.start_trainer()
         chaos = (
             [asyncio.create_task(self.inject_faults()), asyncio.create_task(self.wire_chaos())]
             if self.options.chaos_faults
@@ -1417,6 +1493,7 @@ class _Supervisor:
         self.state.note_crash()
         self.show()
         await asyncio.to_thread(_drop_torn_line, self.paths.events)
+        await self.spawn_trainer(resume=True)
         async with self.table_lock:
             participants, self.participants = self.participants, {}
             # SIGKILL, not a drain: a paused process never drains, and none of their
@@ -1429,12 +1506,12 @@ class _Supervisor:
             for log in self.paths.out.glob("verifier-*.jsonl"):
                 await asyncio.to_thread(_drop_torn_line, log)
             await asyncio.sleep(decision.pause_s)
-            await self.launch()
+            await self.launch(resume=True)
         await self.record(
             "restart", incarnation=self.trainer.incarnation + 1, reason=decision.reason
         )
         self.state.note_restart()
-        await self.start_trainer(resume=True)
+        await self.start_trainer()
 
     async def replace(self, instance: str) -> str:
         """The trainer's launcher (docs/spec.md section 7.15 item 9): end what is left of
@@ -1569,16 +1646,19 @@ class _Supervisor:
         await asyncio.to_thread(_drop_torn_line, self.paths.events)
         survivors = [p for p in self.participants.values() if p is not victim]
         self.participants = {}
+        # The next trainer imports while the survivors drain.
+        await self.spawn_trainer(resume=True)
         await stop_participants(survivors)
-        await self.launch()
+        await self.launch(resume=True)
         await self.record("restart", incarnation=self.trainer.incarnation + 1)
         self.state.note_restart()
-        await self.start_trainer(resume=True)
+        await self.start_trainer()
 
     async def abort(self) -> None:
         """Cleanup after a failure: no checks, nothing left running."""
         if self.trainer is not None:
             await self.trainer.kill()
+        await self.discard_next_trainer()
         participants, self.participants = self.participants, {}
         await stop_participants(list(participants.values()), check=False)
 

@@ -1,7 +1,9 @@
 """The trainer process of ``turnpoint demo``: real RL training that snapshots and restores.
 
 Run by the demo supervisor as ``python -m turnpoint.apps.demo._trainer --topology F
---out DIR ...``. It embeds the coordinator the way any trainer does, through
+--out DIR --start-on-stdin ...``: spawned while the participants start, so that its
+imports (torch) overlap theirs, it reads the topology once the supervisor writes a line
+to its stdin. It embeds the coordinator the way any trainer does, through
 :class:`~turnpoint.trainer.Checkpointing` (docs/embedding.md), and watches it through
 the facade's options (snapshot reports, attempt transitions, metrics, the liveness
 watch, the restore report):
@@ -567,6 +569,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="the supervisor's launch service: lost participants are replaced in place",
     )
     parser.add_argument(
+        "--start-on-stdin",
+        action="store_true",
+        help="import, then wait for a line on stdin before reading anything of the run: the "
+        "supervisor spawns the trainer while the participants start and writes that line "
+        "once the topology is written",
+    )
+    parser.add_argument(
         "--kill-at",
         type=parse_kill_at,
         metavar="POINT[:N]",
@@ -577,6 +586,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.start_on_stdin and not sys.stdin.readline():
+        # The supervisor went away before the participants were up: nothing to run.
+        print("trainer: not started: stdin closed before the start line", file=sys.stderr)
+        return 2
     logging.basicConfig(
         level=os.environ.get("TURNPOINT_LOG", "WARNING"),
         format="%(asctime)s trainer %(levelname)s %(name)s: %(message)s",

@@ -28,6 +28,8 @@ class ExampleSpec:
     instance: str
     # A directory or a storage URL (docs/spec.md section 8.12).
     root: Path | str
+    # What an agent presents to its policy and resources: the data-plane credential when
+    # the deployment has one (docs/spec.md section 10.2).
     token: str | None = None
     policy_address: str | None = None
     resources: dict[str, str] = field(default_factory=dict)

@@ -44,7 +44,7 @@ from ._errors import (
     UnsupportedOperationError,
 )
 from ._format import Limits, TreeManifest
-from ._local import LocalSandboxProvider, Pruned
+from ._local import LocalSandboxProvider
 from ._provider import (
     Capability,
     ExecResult,
@@ -52,6 +52,7 @@ from ._provider import (
     IsolationReport,
     Mount,
     ProcessRecovery,
+    Pruned,
     ResourceLimits,
     Restored,
     Sandbox,

@@ -112,7 +112,8 @@ class SnapshotExpiredError(SandboxError):
         super().__init__(
             Reason.NOT_FOUND,
             f"sandbox snapshot {snapshot!r} expired (retention ended at {expired_at})",
-            {"snapshot": snapshot},
+            # Said apart from a missing snapshot (the same reason) by this key.
+            {"snapshot": snapshot, "expired_at": repr(expired_at)},
         )
 
 

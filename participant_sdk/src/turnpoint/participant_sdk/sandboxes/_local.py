@@ -5,6 +5,8 @@ a :class:`._chunks.ChunkStore`.
 
 Layout under the provider's root (everything it owns; nothing outside is written)::
 
+    store.lock                   shared by captures and restores, taken alone by a prune,
+                                 across every process over the root
     state.json                   every live sandbox: active generation, its directory,
                                  base digest, last restore attempt, recorded commands;
                                  the last generation of every destroyed one
@@ -22,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import fcntl
 import json
 import os
 import re
@@ -29,7 +32,7 @@ import secrets
 import shutil
 import signal
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Final
@@ -59,6 +62,7 @@ from ._provider import (
     Isolation,
     IsolationReport,
     ProcessRecovery,
+    Pruned,
     ResourceLimits,
     Restored,
     Sandbox,
@@ -75,15 +79,21 @@ _TEMP_PREFIX: Final = ".state-"
 _DRAIN_SECONDS: Final = 5.0
 _READ_BYTES: Final = 1 << 16
 _GENERATION_DIR: Final = re.compile(r"g[0-9]+-[0-9a-f]{8}")
+_STORE_LOCK: Final = "store.lock"
 
 
-@dataclass(frozen=True)
-class Pruned:
-    """What :meth:`LocalSandboxProvider.prune` removed."""
-
-    snapshots: tuple[str, ...]  # the expired snapshot ids
-    manifests: int
-    bytes_freed: int
+@contextlib.contextmanager
+def _store_lock(root: Path, *, exclusive: bool) -> Iterator[None]:
+    """Held (blocking: call in a thread) from a capture's first chunk to its handle record,
+    and over a restore's reads, shared; by a prune alone. A capture's chunks are
+    unreferenced until its record lands, so a prune of another process over the same
+    root must not run meanwhile (section 5.7.4 item 5)."""
+    fd = os.open(root / _STORE_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)  # and the lock with it
 
 
 @dataclass(frozen=True)
@@ -238,8 +248,7 @@ class LocalSandboxProvider(SandboxProvider):
         async with self._lock:
             if sandbox_id in self._state:
                 raise SandboxExistsError(sandbox_id)
-            empty = TreeManifest(())
-            return await self._install(sandbox_id, empty, empty.digest)
+            return await self._install(sandbox_id, lambda: TreeManifest(()))
 
     async def clone(self, sandbox: Sandbox, new_sandbox_id: str) -> Sandbox:
         validate_id(new_sandbox_id, "sandbox_id")
@@ -247,18 +256,21 @@ class LocalSandboxProvider(SandboxProvider):
             _, tree = self._active(sandbox)
             if new_sandbox_id in self._state:
                 raise SandboxExistsError(new_sandbox_id)
-            capture = await asyncio.to_thread(self._store.capture, tree)
-            return await self._install(new_sandbox_id, capture.manifest, capture.digest)
+            return await self._install(new_sandbox_id, lambda: self._store.capture(tree).manifest)
 
-    async def _install(self, sandbox_id: str, manifest: TreeManifest, base: str) -> Sandbox:
+    async def _install(self, sandbox_id: str, source: Callable[[], TreeManifest]) -> Sandbox:
+        """A new sandbox holding the tree ``source`` returns (called in a thread)."""
         generation = self._retired.get(sandbox_id, 0) + 1
         name, tree = self._new_directory(sandbox_id, generation)
 
-        def materialize() -> None:
-            tree.parent.mkdir(exist_ok=True)
-            self._store.restore(manifest, tree)
+        def materialize() -> str:
+            with _store_lock(self._root, exclusive=False):
+                manifest = source()
+                tree.parent.mkdir(exist_ok=True)
+                self._store.restore(manifest, tree)
+            return manifest.digest
 
-        await asyncio.to_thread(materialize)
+        base = await asyncio.to_thread(materialize)
         state = dict(self._state)
         state[sandbox_id] = _SandboxState(generation, name, base, 0, ())
         retired = {k: v for k, v in self._retired.items() if k != sandbox_id}
@@ -393,36 +405,46 @@ class LocalSandboxProvider(SandboxProvider):
     async def snapshot(self, sandbox: Sandbox, *, retention_seconds: float) -> SnapshotHandle:
         async with self._lock:
             state, tree = self._active(sandbox)
-            capture = await asyncio.to_thread(self._store.capture, tree)
-            handle = SnapshotHandle(
-                snapshot_id=f"{sandbox.sandbox_id}.g{sandbox.generation}.{secrets.token_hex(6)}",
-                provider=self.name,
-                provider_version=self.version,
-                sandbox_id=sandbox.sandbox_id,
-                generation=sandbox.generation,
-                base_digest=state.base_digest,
-                tree_digest=capture.digest,
-                mounts=mounts(self._isolation),
-                processes=ProcessRecovery.RESTART_ONLY,
-                restart_commands=state.commands,
-                expires_at=self._clock() + retention_seconds,
-            )
-            data = json.dumps(handle.to_json(), indent=2, sort_keys=True).encode("utf-8")
-            path = self._root / "snapshots" / f"{handle.snapshot_id}.json"
-            await asyncio.to_thread(create_file, path, data, temp_prefix=_TEMP_PREFIX)
-            return handle
+
+            def write() -> SnapshotHandle:
+                with _store_lock(self._root, exclusive=False):
+                    capture = self._store.capture(tree)
+                    handle = SnapshotHandle(
+                        snapshot_id=f"{sandbox.sandbox_id}.g{sandbox.generation}."
+                        f"{secrets.token_hex(6)}",
+                        provider=self.name,
+                        provider_version=self.version,
+                        sandbox_id=sandbox.sandbox_id,
+                        generation=sandbox.generation,
+                        base_digest=state.base_digest,
+                        tree_digest=capture.digest,
+                        mounts=mounts(self._isolation),
+                        processes=ProcessRecovery.RESTART_ONLY,
+                        restart_commands=state.commands,
+                        expires_at=self._clock() + retention_seconds,
+                    )
+                    data = json.dumps(handle.to_json(), indent=2, sort_keys=True).encode("utf-8")
+                    path = self._root / "snapshots" / f"{handle.snapshot_id}.json"
+                    create_file(path, data, temp_prefix=_TEMP_PREFIX)
+                return handle
+
+            return await asyncio.to_thread(write)
 
     async def prune(self) -> Pruned:
         """Remove the snapshots whose retention has lapsed, and what only they held.
 
-        A record that cannot be read is kept (and keeps nothing else alive). One
-        provider object per root: a prune and a snapshot of another object over the
-        same root could race.
+        A record that cannot be read is kept (and keeps nothing else alive). Safe
+        beside other processes over the same root: it waits for their captures and
+        restores in progress (the store lock), and they for it.
         """
         async with self._lock:
             return await asyncio.to_thread(self._prune)
 
     def _prune(self) -> Pruned:
+        with _store_lock(self._root, exclusive=True):
+            return self._prune_locked()
+
+    def _prune_locked(self) -> Pruned:
         now = self._clock()
         expired: list[str] = []
         keep: set[str] = set()
@@ -515,6 +537,12 @@ class LocalSandboxProvider(SandboxProvider):
 
     def _stage(self, handles: Sequence[SnapshotHandle]) -> list[tuple[SnapshotHandle, str, Path]]:
         """Every snapshot checked and materialized in a new directory, or none (blocking)."""
+        with _store_lock(self._root, exclusive=False):
+            return self._stage_locked(handles)
+
+    def _stage_locked(
+        self, handles: Sequence[SnapshotHandle]
+    ) -> list[tuple[SnapshotHandle, str, Path]]:
         records = [self._record(handle) for handle in handles]
         staged: list[tuple[SnapshotHandle, str, Path]] = []
         try:

@@ -194,6 +194,15 @@ def _strings(value: object, length: int | None) -> list[str]:
 
 
 @dataclass(frozen=True)
+class Pruned:
+    """What :meth:`SandboxProvider.prune` removed."""
+
+    snapshots: tuple[str, ...]  # the expired snapshot ids
+    manifests: int
+    bytes_freed: int
+
+
+@dataclass(frozen=True)
 class Restored:
     """One sandbox a restore brought back: its new generation and what it restarted."""
 
@@ -265,6 +274,14 @@ class SandboxProvider(abc.ABC):
     @abc.abstractmethod
     async def destroy(self, sandbox_id: str) -> None:
         """End the sandbox: its processes killed, its tree removed, every handle fenced."""
+
+    async def prune(self) -> Pruned:
+        """Remove the snapshots whose retention has lapsed, and the bytes only they held.
+
+        Safe to call at any time, beside captures and restores in progress. A provider
+        whose store lets snapshots lapse by itself removes nothing here.
+        """
+        return Pruned((), 0, 0)
 
     async def close(self) -> None:
         """Let go of this process's hold on the sandboxes (their state stays durable)."""

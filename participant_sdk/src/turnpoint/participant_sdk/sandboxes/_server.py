@@ -15,7 +15,9 @@ SDK hosts, with exported sessions:
   sandbox, unless a later attempt's restore has taken it over;
 - a command in flight when a checkpoint closes admission is waited for (the host's rule
   for every request), or with :attr:`InFlight.CUT` killed, its call failing
-  :class:`._errors.CommandCutError`.
+  :class:`._errors.CommandCutError`;
+- once a checkpoint has ended, snapshots whose retention lapsed are pruned in the
+  background, at most once per ``prune_interval_seconds``.
 
 Keyed tool calls are answered from the session's call record (section 6.12) by the host,
 so a call re-sent after a restore never runs its command twice.
@@ -27,6 +29,8 @@ import abc
 import asyncio
 import contextlib
 import enum
+import logging
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Final
@@ -37,6 +41,7 @@ from turnpoint.protocol import RecoveryMode
 from .._resources import ResourcesServer, Verdict
 from ._errors import (
     CommandCutError,
+    SandboxError,
     SandboxExistsError,
     SandboxNotFoundError,
     SnapshotElsewhereError,
@@ -47,8 +52,13 @@ from ._provider import Capability, ExecResult, Sandbox, SandboxProvider, Snapsho
 # Section 5.7.5 item 4: long enough for any checkpoint a trainer keeps published; an
 # operator whose trainer keeps checkpoints longer configures more.
 DEFAULT_RETENTION_SECONDS: Final = 7 * 24 * 3600.0
+# Section 5.7.5 item 4: how often, at most, the end of a checkpoint prunes what lapsed.
+DEFAULT_PRUNE_INTERVAL_SECONDS: Final = 3600.0
 _SAVED_FIELDS: Final = frozenset({"sandbox", "data"})
 _SANDBOX_FIELDS: Final = frozenset({"store", "handle"})
+
+
+_logger = logging.getLogger(__name__)
 
 
 class InFlight(enum.Enum):
@@ -102,7 +112,8 @@ class SandboxResourcesServer(ResourcesServer):
 
     ``open_provider`` makes the provider (for example
     ``lambda: LocalSandboxProvider.open(root)``); it must reach snapshots durably
-    (capability ``snapshot``), since the sessions are exported.
+    (capability ``snapshot``), since the sessions are exported. ``prune_interval_seconds``
+    None: nothing is pruned here (the operator calls the provider's ``prune``).
     """
 
     recovery_mode: ClassVar[RecoveryMode] = RecoveryMode.EXPORTED
@@ -113,6 +124,7 @@ class SandboxResourcesServer(ResourcesServer):
         *,
         retention_seconds: float = DEFAULT_RETENTION_SECONDS,
         in_flight: InFlight = InFlight.WAIT,
+        prune_interval_seconds: float | None = DEFAULT_PRUNE_INTERVAL_SECONDS,
     ) -> None:
         self._open_provider = open_provider
         self._provider: SandboxProvider | None = None
@@ -125,6 +137,10 @@ class SandboxResourcesServer(ResourcesServer):
         self._owners: dict[str, EpisodeId] = {}
         self._commands: set[asyncio.Task[ExecResult]] = set()
         self._cutting = False
+        self._prune_interval_seconds = prune_interval_seconds
+        self._pruning: asyncio.Task[None] | None = None
+        self._last_prune: float | None = None  # monotonic seconds
+        self._prune_again = False
 
     # ------------------------------------------------------------ what a subclass writes
 
@@ -277,9 +293,35 @@ class SandboxResourcesServer(ResourcesServer):
 
     async def admission_opened(self) -> None:
         self._cutting = False
+        self._prune_lapsed()
+
+    def _prune_lapsed(self) -> None:
+        """Start a prune in the background when one is due (section 5.7.5 item 4): after
+        a checkpoint, never while admission is closed, at most once per interval."""
+        interval, provider = self._prune_interval_seconds, self._provider
+        if interval is None or provider is None:
+            return
+        now = time.monotonic()
+        if self._last_prune is not None and now - self._last_prune < interval:
+            return
+        self._last_prune = now
+        if self._pruning is not None and not self._pruning.done():
+            # It began before this checkpoint ended: one more once it is done.
+            self._prune_again = True
+            return
+        self._pruning = asyncio.create_task(self._prune_until_current(provider))
+
+    async def _prune_until_current(self, provider: SandboxProvider) -> None:
+        while True:
+            self._prune_again = False
+            await _prune(provider)
+            if not self._prune_again:
+                return
 
     async def aclose(self) -> None:
         """Stop this process's sandbox processes; sandboxes and snapshots stay on disk."""
+        if self._pruning is not None:
+            await asyncio.wait([self._pruning])
         if self._provider is not None:
             await self._provider.close()
 
@@ -293,3 +335,19 @@ class SandboxResourcesServer(ResourcesServer):
         del self._owners[sandbox_id]
         with contextlib.suppress(SandboxNotFoundError):
             await (await self.provider()).destroy(sandbox_id)
+
+
+async def _prune(provider: SandboxProvider) -> None:
+    try:
+        pruned = await provider.prune()
+    except (SandboxError, OSError):
+        # Retried at the next checkpoint past the interval; a store that cannot be
+        # pruned never fails a checkpoint.
+        _logger.exception("pruning lapsed sandbox snapshots failed")
+        return
+    if pruned.snapshots:
+        _logger.info(
+            "pruned %d lapsed sandbox snapshot(s), %d bytes",
+            len(pruned.snapshots),
+            pruned.bytes_freed,
+        )

@@ -142,7 +142,78 @@ class PublishStep(enum.Enum):
     LATEST_MOVED = "latest_moved"
 
 
-class SnapshotLayout:
+class PublishedSnapshots:
+    """What every layout decides the same way over its own reads (a directory's files or
+    a store's objects, docs/spec.md sections 8.9 and 8.12): what ``LATEST`` may name, what
+    a published manifest must say of itself and its anchor, and which snapshots a
+    retention keeps. Subclasses read and delete; this decides."""
+
+    def latest(self) -> str | None:
+        raise NotImplementedError
+
+    def is_published(self, checkpoint_id: str) -> bool:
+        raise NotImplementedError
+
+    def list_published(self) -> list[str]:
+        raise NotImplementedError
+
+    def _checked_latest(self, text: bytes, where: str) -> str:
+        """The checkpoint id ``LATEST``'s bytes name, which must be published."""
+        try:
+            checkpoint_id = text.decode("ascii").strip()
+            sequence_of(checkpoint_id)
+        except (UnicodeDecodeError, ManifestError):
+            raise ManifestError(f"{where}: does not hold a checkpoint id: {text!r}") from None
+        if not self.is_published(checkpoint_id):
+            raise ManifestError(
+                f"{where} names {checkpoint_id!r}, which is not a published snapshot",
+                checkpoint_id=checkpoint_id,
+            )
+        return checkpoint_id
+
+    def _read_latest_leniently(self) -> str | None:
+        try:
+            return self.latest()
+        except ManifestError:
+            return None
+
+    def _doomed(self, keep: int) -> list[str]:
+        """The published snapshots beyond the newest ``keep``, newest first; the one
+        ``LATEST`` names is always kept."""
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+            raise ValueError(f"keep must be an integer >= 1, got {keep!r}")
+        published = self.list_published()
+        protected = set(published[:keep])
+        latest = self._read_latest_leniently()
+        if latest is not None:
+            protected.add(latest)
+        return [c for c in published if c not in protected]
+
+
+def parse_published(data: bytes, checkpoint_id: str, where: str) -> SnapshotManifest:
+    """A published manifest, strictly parsed; it must describe ``checkpoint_id``."""
+    manifest = SnapshotManifest.from_json(data)
+    if manifest.checkpoint_id != checkpoint_id:
+        raise ManifestError(
+            f"{where} describes {manifest.checkpoint_id!r}, not {checkpoint_id!r}",
+            checkpoint_id=checkpoint_id,
+            field="checkpoint_id",
+        )
+    return manifest
+
+
+def check_anchor_digest(manifest: SnapshotManifest, digest: str) -> None:
+    """The trainer anchor as read must match the digest its manifest records."""
+    if digest != manifest.anchor.sha256:
+        raise ManifestError(
+            f"snapshot {manifest.checkpoint_id!r}: trainer anchor does not match its digest "
+            f"(found {digest}, manifest says {manifest.anchor.sha256})",
+            checkpoint_id=manifest.checkpoint_id,
+            field="anchor.sha256",
+        )
+
+
+class SnapshotLayout(PublishedSnapshots):
     """Publishes, lists, loads and retires snapshots under one root directory.
 
     ``after_step`` is called after each :class:`PublishStep`; tests raise from it to
@@ -190,7 +261,7 @@ class SnapshotLayout:
         mixing two cuts in one directory would break the snapshot. An id that is already
         published, or not newer than the newest published one, is refused.
         """
-        sequence = self._sequence_of(checkpoint_id)
+        sequence = sequence_of(checkpoint_id)
         snapshot = self.path(checkpoint_id)
         if self.is_published(checkpoint_id):
             raise ManifestError(
@@ -364,28 +435,12 @@ class SnapshotLayout:
         """
         path = self.root / LATEST_NAME
         try:
-            text = path.read_text(encoding="ascii")
+            text = path.read_bytes()
         except FileNotFoundError:
             return None
-        except (OSError, UnicodeDecodeError) as error:
+        except OSError as error:
             raise ManifestError(f"{path}: unreadable: {error}") from None
-        checkpoint_id = text.strip()
-        try:
-            self._sequence_of(checkpoint_id)
-        except ManifestError:
-            raise ManifestError(f"{path}: does not hold a checkpoint id: {text!r}") from None
-        if not self.is_published(checkpoint_id):
-            raise ManifestError(
-                f"{path} names {checkpoint_id!r}, which is not a published snapshot",
-                checkpoint_id=checkpoint_id,
-            )
-        return checkpoint_id
-
-    def _read_latest_leniently(self) -> str | None:
-        try:
-            return self.latest()
-        except ManifestError:
-            return None
+        return self._checked_latest(text, str(path))
 
     def list_published(self) -> list[str]:
         """Published snapshot ids, newest (highest checkpoint sequence) first."""
@@ -395,7 +450,7 @@ class SnapshotLayout:
             return []
         found: list[tuple[int, str]] = []
         for entry in entries:
-            sequence = _sequence_or_none(entry.name)
+            sequence = sequence_or_none(entry.name)
             if sequence is None or not entry.is_dir(follow_symlinks=False):
                 continue
             if self.is_published(entry.name):
@@ -418,21 +473,8 @@ class SnapshotLayout:
                 f"snapshot {checkpoint_id!r} is not published (no {MANIFEST_NAME})",
                 checkpoint_id=checkpoint_id,
             ) from None
-        manifest = SnapshotManifest.from_json(data)
-        if manifest.checkpoint_id != checkpoint_id:
-            raise ManifestError(
-                f"{path} describes {manifest.checkpoint_id!r}, not {checkpoint_id!r}",
-                checkpoint_id=checkpoint_id,
-                field="checkpoint_id",
-            )
-        digest = tree_digest(snapshot / manifest.anchor.path)
-        if digest != manifest.anchor.sha256:
-            raise ManifestError(
-                f"snapshot {checkpoint_id!r}: trainer anchor does not match its digest "
-                f"(found {digest}, manifest says {manifest.anchor.sha256})",
-                checkpoint_id=checkpoint_id,
-                field="anchor.sha256",
-            )
+        manifest = parse_published(data, checkpoint_id, str(path))
+        check_anchor_digest(manifest, tree_digest(snapshot / manifest.anchor.path))
         return manifest
 
     # -- housekeeping ------------------------------------------------------------------
@@ -444,14 +486,7 @@ class SnapshotLayout:
         (manifest unlinked and synced), so a crash midway leaves a partial that
         :meth:`clean_partial` removes, never a published snapshot with missing files.
         """
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-            raise ValueError(f"keep must be an integer >= 1, got {keep!r}")
-        published = self.list_published()
-        protected = set(published[:keep])
-        latest = self._read_latest_leniently()
-        if latest is not None:
-            protected.add(latest)
-        doomed = [checkpoint_id for checkpoint_id in published if checkpoint_id not in protected]
+        doomed = self._doomed(keep)
         for checkpoint_id in reversed(doomed):  # oldest first
             snapshot = self.path(checkpoint_id)
             (snapshot / MANIFEST_NAME).unlink()
@@ -480,7 +515,7 @@ class SnapshotLayout:
                     Path(entry.path).unlink(missing_ok=True)
                     removed.append(name)
                 continue
-            if _sequence_or_none(name) is None or not entry.is_dir(follow_symlinks=False):
+            if sequence_or_none(name) is None or not entry.is_dir(follow_symlinks=False):
                 continue
             if name == self._in_progress or self.is_published(name):
                 continue
@@ -490,17 +525,20 @@ class SnapshotLayout:
             fsync_dir(self.root)
         return removed
 
-    def _sequence_of(self, checkpoint_id: str) -> int:
-        check_id(checkpoint_id, "checkpoint_id")
-        try:
-            return checkpoint_sequence(checkpoint_id)
-        except InvalidIdError as error:
-            raise ManifestError(
-                f"checkpoint id {checkpoint_id!r}: {error.why}", checkpoint_id=checkpoint_id
-            ) from None
+
+def sequence_of(checkpoint_id: str) -> int:
+    """The checkpoint sequence of a valid id; a bad one is a :class:`ManifestError`."""
+    check_id(checkpoint_id, "checkpoint_id")
+    try:
+        return checkpoint_sequence(checkpoint_id)
+    except InvalidIdError as error:
+        raise ManifestError(
+            f"checkpoint id {checkpoint_id!r}: {error.why}", checkpoint_id=checkpoint_id
+        ) from None
 
 
-def _sequence_or_none(name: str) -> int | None:
+def sequence_or_none(name: str) -> int | None:
+    """The checkpoint sequence ``name`` has, or None for a name that is no checkpoint id."""
     try:
         return checkpoint_sequence(name)
     except InvalidIdError:

@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from turnpoint.ids import InvalidIdError, checkpoint_sequence
+from turnpoint.ids import checkpoint_sequence
 from turnpoint.protocol import ArtifactRef
 from turnpoint.storage import (
     ObjectExistsError,
@@ -46,7 +46,16 @@ from turnpoint.storage import (
     check_key,
     open_storage,
 )
-from turnpoint.trainer.storage.layout import PublishStep, SnapshotLayout, tree_digest
+from turnpoint.trainer.storage.layout import (
+    PublishedSnapshots,
+    PublishStep,
+    SnapshotLayout,
+    check_anchor_digest,
+    parse_published,
+    sequence_of,
+    sequence_or_none,
+    tree_digest,
+)
 from turnpoint.trainer.storage.manifest import (
     ANCHOR_DIR,
     LATEST_NAME,
@@ -64,7 +73,7 @@ _CHECK_THREADS = 16
 _MAX_MANIFEST_BYTES = 256 * 1024 * 1024
 
 
-class StoreLayout:
+class StoreLayout(PublishedSnapshots):
     """Publishes, lists, loads and retires snapshots kept in a :class:`Storage`.
 
     ``staging`` is a local directory for the anchor a source writes before it is put
@@ -120,7 +129,7 @@ class StoreLayout:
 
     def begin(self, checkpoint_id: str) -> Path:
         """As :meth:`SnapshotLayout.begin`; returns the local staging directory."""
-        sequence = _sequence_of(checkpoint_id)
+        sequence = sequence_of(checkpoint_id)
         if self.is_published(checkpoint_id):
             raise ManifestError(
                 f"snapshot {checkpoint_id!r} is already published", checkpoint_id=checkpoint_id
@@ -266,31 +275,14 @@ class StoreLayout:
             text = self.storage.get(LATEST_NAME, limit=256)
         except ObjectMissingError:
             return None
-        where = f"{self.root}/{LATEST_NAME}"
-        try:
-            checkpoint_id = text.decode("ascii").strip()
-            _sequence_of(checkpoint_id)
-        except (UnicodeDecodeError, ManifestError):
-            raise ManifestError(f"{where}: does not hold a checkpoint id: {text!r}") from None
-        if not self.is_published(checkpoint_id):
-            raise ManifestError(
-                f"{where} names {checkpoint_id!r}, which is not a published snapshot",
-                checkpoint_id=checkpoint_id,
-            )
-        return checkpoint_id
-
-    def _read_latest_leniently(self) -> str | None:
-        try:
-            return self.latest()
-        except ManifestError:
-            return None
+        return self._checked_latest(text, f"{self.root}/{LATEST_NAME}")
 
     def list_published(self) -> list[str]:
         """Published snapshot ids (a manifest object exists), newest first."""
         found: list[tuple[int, str]] = []
         for info in self.storage.list():
             name, _, rest = info.key.partition("/")
-            sequence = _sequence_or_none(name)
+            sequence = sequence_or_none(name)
             if rest == MANIFEST_NAME and sequence is not None:
                 found.append((sequence, name))
         found.sort(reverse=True)
@@ -310,13 +302,7 @@ class StoreLayout:
                 f"snapshot {checkpoint_id!r} is not published (no {MANIFEST_NAME})",
                 checkpoint_id=checkpoint_id,
             ) from None
-        manifest = SnapshotManifest.from_json(data)
-        if manifest.checkpoint_id != checkpoint_id:
-            raise ManifestError(
-                f"{self.root}/{key} describes {manifest.checkpoint_id!r}, not {checkpoint_id!r}",
-                checkpoint_id=checkpoint_id,
-                field="checkpoint_id",
-            )
+        manifest = parse_published(data, checkpoint_id, f"{self.root}/{key}")
         cache = self.path(checkpoint_id)
         shutil.rmtree(cache, ignore_errors=True)
         prefix = f"{checkpoint_id}/{manifest.anchor.path}/"
@@ -330,14 +316,9 @@ class StoreLayout:
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_bytes(self.storage.get(info.key))
         anchor = cache / manifest.anchor.path
-        digest = tree_digest(anchor) if anchor.is_dir() else "(no anchor objects)"
-        if digest != manifest.anchor.sha256:
-            raise ManifestError(
-                f"snapshot {checkpoint_id!r}: trainer anchor does not match its digest "
-                f"(found {digest}, manifest says {manifest.anchor.sha256})",
-                checkpoint_id=checkpoint_id,
-                field="anchor.sha256",
-            )
+        check_anchor_digest(
+            manifest, tree_digest(anchor) if anchor.is_dir() else "(no anchor objects)"
+        )
         return manifest
 
     # -- housekeeping ------------------------------------------------------------------
@@ -349,15 +330,8 @@ class StoreLayout:
         Every key a manifest names lies under its own ``<checkpoint_id>/``, so removing
         a doomed snapshot's prefix deletes nothing a retained manifest names.
         """
-        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
-            raise ValueError(f"keep must be an integer >= 1, got {keep!r}")
-        published = self.list_published()
-        protected = set(published[:keep])
-        latest = self._read_latest_leniently()
-        if latest is not None:
-            protected.add(latest)
-        doomed = [checkpoint_id for checkpoint_id in published if checkpoint_id not in protected]
-        for checkpoint_id in reversed(doomed):
+        doomed = self._doomed(keep)
+        for checkpoint_id in reversed(doomed):  # oldest first
             self.storage.delete(_manifest_key(checkpoint_id))
             self._delete_prefix(checkpoint_id)
             shutil.rmtree(self.path(checkpoint_id), ignore_errors=True)
@@ -370,7 +344,7 @@ class StoreLayout:
         by_snapshot: dict[str, bool] = {}
         for info in self.storage.list():
             name, _, rest = info.key.partition("/")
-            if rest and _sequence_or_none(name) is not None:
+            if rest and sequence_or_none(name) is not None:
                 by_snapshot[name] = by_snapshot.get(name, False) or rest == MANIFEST_NAME
         removed = []
         for name, published in sorted(by_snapshot.items()):
@@ -467,23 +441,6 @@ def _files_below(directory: Path) -> list[tuple[str, Path]]:
             path = Path(current, name)
             found.append((path.relative_to(directory).as_posix(), path))
     return sorted(found)
-
-
-def _sequence_of(checkpoint_id: str) -> int:
-    check_id(checkpoint_id, "checkpoint_id")
-    try:
-        return checkpoint_sequence(checkpoint_id)
-    except InvalidIdError as error:
-        raise ManifestError(
-            f"checkpoint id {checkpoint_id!r}: {error.why}", checkpoint_id=checkpoint_id
-        ) from None
-
-
-def _sequence_or_none(name: str) -> int | None:
-    try:
-        return checkpoint_sequence(name)
-    except InvalidIdError:
-        return None
 
 
 def open_layout(
