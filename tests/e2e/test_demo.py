@@ -20,6 +20,7 @@ agents): most of each run is the participants' and the trainer's start-up, twice
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 from dataclasses import dataclass
@@ -135,9 +136,17 @@ def assert_restored_and_continued(run: Run, checkpoint_id: str) -> dict[str, Any
 def test_the_short_demo_crashes_restores_and_passes_the_audit(tmp_path: Path) -> None:
     run = run_demo(tmp_path / "out")
 
+    # Better than before healing in place (docs/spec.md section 7.15): the agent is lost
+    # first and replaced alone, and only the trainer's SIGKILL later restarts the job.
     crash = next(event for event in run.supervisor if event["type"] == "crash")
-    assert crash["incarnation"] == 1 and crash["killed"][0] == "trainer"
-    assert [event["type"] for event in run.supervisor] == ["crash", "restart"]
+    assert crash["incarnation"] == 1 and crash["killed"] == ["trainer"]
+    assert [event["type"] for event in run.supervisor] == [
+        "agent_lost",
+        "replaced",
+        "crash",
+        "restart",
+    ]
+    assert_the_lost_agent_was_healed_in_place(run)
     assert_restored_the_newest_published(run)
     assert run.only("done", 2)["step"] == 8
     # docs/spec.md section 6.12: every trained turn's tool call applied once, through
@@ -146,6 +155,21 @@ def test_the_short_demo_crashes_restores_and_passes_the_audit(tmp_path: Path) ->
     assert len(tools) == 1 and ", each once; " in tools[0], run.stdout
     assert int(tools[0].split()[2]) > 0, tools[0]
     assert_the_status_history_shows_the_crash_and_every_snapshot(run)
+
+
+def assert_the_lost_agent_was_healed_in_place(run: Run) -> None:
+    """The agent fault cost no job restart: the first trainer asked the supervisor for a
+    replacement under the same name, restored what depended on it (at most what ran
+    then) and trained on; the report counts it apart from the job restarts."""
+    lost, replaced = run.supervisor[0], run.supervisor[1]
+    assert replaced["instance"] == lost["instance"] and replaced["incarnation"] == 1
+    heal = run.only("heal")
+    assert (heal["incarnation"], heal["lost"]) == (1, lost["instance"])
+    assert heal["continued"] + heal["rerun"] <= heal["running"], heal
+    assert run.of("train_step", 1)[-1]["t"] > heal["t"], "the first trainer trained on"
+    assert "participants replaced  │ 1" in run.stdout
+    assert "crashes / job restarts │ 1 / 1" in run.stdout
+    assert (run.out / "logs" / f"{lost['instance']}.2.stderr").is_file()
 
 
 def assert_the_status_history_shows_the_crash_and_every_snapshot(run: Run) -> None:
@@ -161,9 +185,11 @@ def assert_the_status_history_shows_the_crash_and_every_snapshot(run: Run) -> No
             assert rows[checkpoint_id]["status"] == "published", rows.get(checkpoint_id)
             assert rows[checkpoint_id]["epoch"] == incarnation
     events = [(e["kind"], e["epoch"]) for e in history.events_json()]  # type: ignore[index]
-    # The crash of the first trainer, the second's restore and its clean close.
+    # The first trainer's heal of the lost agent, its crash, the second's restore and
+    # its clean close.
     assert events == [
         ("fresh_start", 1),
+        ("participant_replaced", 1),
         ("trainer_ended", 1),
         ("restore", 2),
         ("trainer_closed", 2),
@@ -383,9 +409,10 @@ def _processes_mentioning(text: str) -> list[str]:
 @pytest.mark.timeout(660)
 def test_chaos_kill_and_pause_any_process_and_the_audit_still_passes(tmp_path: Path) -> None:
     """Five unplanned faults (SIGKILL and SIGSTOP of the trainer and of participants, the
-    first four covering each combination): each one restores the job onto fresh
-    processes from the last published snapshot (docs/spec.md section 7.11), and at the
-    end every prompt group was trained exactly once with the verifiers' rewards."""
+    first four covering each combination): a lost agent is replaced in place (docs/spec.md
+    section 7.15), any other fault restores the job onto fresh processes from the last
+    published snapshot (section 7.11), and at the end every prompt group was trained
+    exactly once with the verifiers' rewards."""
     faults = 5
     run = run_demo(
         tmp_path / "out",
@@ -414,11 +441,27 @@ def test_chaos_kill_and_pause_any_process_and_the_audit_still_passes(tmp_path: P
     kinds = {(e["victim"] == "trainer", e["signal"]) for e in injected}
     assert kinds == {(True, "SIGKILL"), (True, "SIGSTOP"), (False, "SIGKILL"), (False, "SIGSTOP")}
     crashes = [e for e in run.supervisor if e["type"] == "crash"]
-    assert len(crashes) == faults and all(e["unplanned"] for e in crashes)
+    replaced = [e for e in run.supervisor if e["type"] == "replaced"]
+    assert all(e["unplanned"] for e in crashes)
+    # Better than before healing in place: an agent fault costs no job restart (before,
+    # every fault did). Each fault is followed by its recovery before the next one.
+    for fault, after in zip(injected, [*injected[1:], None], strict=True):
+        until = after["t"] if after is not None else math.inf
+        recovered = [
+            e
+            for e in run.supervisor
+            if fault["t"] < e["t"] < until and e["type"] in ("crash", "restart", "replaced")
+        ]
+        if fault["victim"].startswith("agent-"):
+            assert [e["type"] for e in recovered] == ["replaced"], (fault, recovered)
+            assert recovered[0]["instance"] == fault["victim"]
+        else:
+            assert [e["type"] for e in recovered] == ["crash", "restart"], (fault, recovered)
+    assert len(crashes) + len(replaced) == faults
     # Every restart restored a published snapshot (or started over when none existed).
     restarts = [e for e in run.supervisor if e["type"] == "restart"]
-    assert [e["incarnation"] for e in restarts] == list(range(2, faults + 2))
-    assert run.only("done", faults + 1)["step"] == 45
+    assert [e["incarnation"] for e in restarts] == list(range(2, len(restarts) + 2))
+    assert run.only("done", len(restarts) + 1)["step"] == 45
 
 
 TS_RESOURCES = (

@@ -62,10 +62,12 @@ sys.exit(0)
 """
 
 # Follows the trainer's contract with made-up rollouts. The first incarnation trains
-# until the crash is due, then leaves a torn line and waits to be killed; a resumed one
+# until the crash is due; given --launcher, it then watches the agents' ports as the
+# liveness watch would, asks the supervisor to replace the one that went away and trains
+# one more step; then it leaves a torn line and waits to be killed. A resumed one
 # restores the step its "snapshot" recorded and finishes. FAKE_TRAINER=fail fails.
 _FAKE_TRAINER = r"""
-import argparse, json, os, signal, sys, time
+import argparse, json, os, signal, socket, sys, time
 parser = argparse.ArgumentParser()
 for flag in ("--topology", "--out", "--target-level"):
     parser.add_argument(flag, required=True)
@@ -73,6 +75,7 @@ for flag in ("--steps", "--group-size", "--groups-per-step", "--seed"):
     parser.add_argument(flag, type=int, required=True)
 parser.add_argument("--snapshot-interval", type=float, required=True)
 parser.add_argument("--resume", action="store_true")
+parser.add_argument("--launcher")
 parser.add_argument("--start-on-stdin", action="store_true")
 args = parser.parse_args()
 if args.start_on_stdin and not sys.stdin.readline():
@@ -115,6 +118,30 @@ def train(step, attempt):
          mean_reward=sum(s["reward"] for s in samples) / len(samples))
     emit("progress", step=step, in_flight=3, published=0, admission_closed=False, queue=0)
 
+def address(text):
+    host, _, port = text.rpartition(":")
+    return host, int(port)
+
+def heal(step):
+    lost = None
+    while lost is None:  # a liveness watch: until an agent's port refuses
+        for p in topology["participants"]:
+            if p["kind"] != "agent":
+                continue
+            try:
+                socket.create_connection(address(p["address"]), timeout=1).close()
+            except OSError:
+                lost = p["instance"]
+                break
+        else:
+            time.sleep(0.02)
+    with socket.create_connection(address(args.launcher)) as link:
+        link.sendall(json.dumps({"token": token, "replace": lost}).encode() + b"\n")
+        answer = json.loads(link.makefile().readline())
+    assert answer["address"], answer
+    emit("heal", lost=lost, participant_kind="AGENT", checkpoint_id="ckpt-1", continued=1,
+         rerun=1, running=3, step=step)
+
 restored = 0
 if args.resume:
     step = restored = int(open(latest).read())
@@ -134,6 +161,10 @@ while step < args.steps:
              t_start=time.time() - 0.2, t_end=time.time(), admission_closed_s=0.2,
              phases={"prepare": 0.1, "commit": 0.1}, continued=2, restarts=0)
     if not args.resume and step >= 2:
+        if args.launcher:
+            step += 1
+            heal(step)
+            train(step, 0)
         events.write('{"t": 1, "type": "progr')  # torn by the coming SIGKILL
         events.flush()
         signal.pause()
@@ -305,17 +336,22 @@ async def test_the_crash_restarts_the_job_and_the_resumed_trainer_finishes(tmp_p
     assert paths.timeline.read_bytes().startswith(b"\x89PNG")
 
     supervisor = _read_jsonl(paths.supervisor_log)
-    assert [e["type"] for e in supervisor] == ["crash", "restart"]
-    # --seed 1 picks the second agent.
-    assert supervisor[0]["killed"] == ["trainer", "agent-1"]
-    assert supervisor[0]["incarnation"] == 1 and supervisor[1]["incarnation"] == 2
+    assert [e["type"] for e in supervisor] == ["agent_lost", "replaced", "crash", "restart"]
+    # --seed 1 picks the second agent: lost first and replaced in place at the trainer's
+    # request, then the trainer alone is killed (docs/spec.md section 7.15).
+    assert supervisor[0]["instance"] == supervisor[1]["instance"] == "agent-1"
+    assert supervisor[2]["killed"] == ["trainer"]
+    assert supervisor[2]["incarnation"] == 1 and supervisor[3]["incarnation"] == 2
+    assert "participants replaced  │ 1" in text
+    assert "agent-1: 2 of 3 restored" in text
 
-    # A job restart: every participant twice, all of generation 2 stopped cleanly.
+    # The replacement, then a job restart: every participant twice, agent-1 once more;
+    # the lost one was SIGKILLed, every other stopped cleanly.
     instances = ["agent-0", "agent-1", "group-tools", "policy", "tools"]
-    assert sorted(p.spec.instance for p in launcher.started) == sorted(instances * 2)
-    statuses = {(p.spec.instance, i // 5): p.exit_status() for i, p in enumerate(launcher.started)}
-    assert statuses[("agent-1", 0)] == -9
-    assert all(s == 0 for key, s in statuses.items() if key != ("agent-1", 0))
+    assert sorted(p.spec.instance for p in launcher.started) == sorted(instances * 2 + ["agent-1"])
+    lost = next(p for p in launcher.started if p.spec.instance == "agent-1")
+    assert lost.exit_status() == -9
+    assert all(p.exit_status() == 0 for p in launcher.started if p is not lost)
 
     seen = _read_jsonl(paths.out / "seen-topology.jsonl")
     assert [(s["incarnation"], s["resume"]) for s in seen] == [(1, False), (2, True)]
@@ -324,7 +360,10 @@ async def test_the_crash_restarts_the_job_and_the_resumed_trainer_finishes(tmp_p
     )
     assert sorted(first) == sorted(second) == instances
     assert all(first[name] != second[name] for name in instances)
-    assert seen[1]["argv"] == trainer_command(options, paths, resume=True, program=())
+    launch_service = seen[1]["argv"][seen[1]["argv"].index("--launcher") + 1]
+    assert seen[1]["argv"] == trainer_command(
+        options, paths, resume=True, program=(), launcher=launch_service
+    )
 
     # The torn line the killed trainer left was cut before the next trainer appended.
     events = _read_jsonl(paths.events)

@@ -139,6 +139,12 @@ async def test_a_killed_agent_process_is_replaced_and_only_its_episode_is_restor
                 assert plan.replacement_scope == (saved,)
                 assert dict(plan.running_scope) == {"group-tools": (saved,)}
                 assert launcher.started == {"agent-1": 2}
+                # The status page's history records the heal as an event.
+                (replaced,) = [
+                    e for e in ckpt.history.events_json() if e["kind"] == "participant_replaced"
+                ]
+                assert replaced["participants"] == ["agent-1"]
+                assert (replaced["resumed_rollouts"], replaced["rerun_rollouts"]) == (1, 0)
 
                 ckpt.dispatch(stays[1])
                 ckpt.dispatch(lost[1])

@@ -168,10 +168,27 @@ def test_restores_and_losses_are_events() -> None:
     history = CheckpointHistory(wall_offset_s=10.0, epoch=2)
     history.on_restore(now=1.0, checkpoint_id="ck-7", restore_s=0.5, resumed_rollouts=3)
     history.on_lost(["tools"], 2.0, "answered nothing")
+    history.on_replaced(
+        "agent-1",
+        3.0,
+        checkpoint_id="ck-8",
+        resumed_rollouts=2,
+        rerun_rollouts=1,
+        untouched_rollouts=5,
+    )
+    # A heal is no restore of the job: the latest restore is still the open's.
     assert history.overview()["latest"]["restored"] == "ck-7"  # type: ignore[index]
     assert history.overview()["counts"]["restored"] == 1  # type: ignore[index]
-    kinds = [e["kind"] for e in history.events_json()]  # type: ignore[index]
-    assert kinds == ["restore", "participants_lost"]
+    events = history.events_json()
+    assert [e["kind"] for e in events] == [  # type: ignore[index]
+        "restore",
+        "participants_lost",
+        "participant_replaced",
+    ]
+    replaced = events[-1]  # type: ignore[index]
+    assert replaced["participants"] == ["agent-1"]  # type: ignore[index]
+    assert (replaced["checkpoint_id"], replaced["resumed_rollouts"]) == ("ck-8", 2)  # type: ignore[index]
+    assert replaced["rerun_rollouts"] == 1  # type: ignore[index]
 
 
 # -- restore choice --------------------------------------------------------------------

@@ -608,6 +608,80 @@ def load_run_from(run: _Run) -> Any:
     )
 
 
+def _healed_run() -> _Run:
+    """The good run with two agents lost and replaced in place before the crash."""
+    run = _good_run()
+    at = run.events[3]["t"]
+    for lost, continued, rerun, running in (("agent-0", 2, 1, 8), ("agent-1", 0, 0, 4)):
+        run.supervisor.append({"type": "agent_lost", "t": at, "instance": lost})
+        run.supervisor.append({"type": "replaced", "t": at + 0.5, "instance": lost, "n": 1})
+        run.events.insert(
+            4,
+            {
+                "t": at + 0.6,
+                "type": "heal",
+                "incarnation": 1,
+                "lost": lost,
+                "participant_kind": "AGENT",
+                "checkpoint_id": "ckpt-0002" if continued else None,
+                "continued": continued,
+                "rerun": rerun,
+                "running": running,
+                "step": 1,
+            },
+        )
+    return run
+
+
+def test_the_report_counts_replacements_apart_from_job_restarts() -> None:
+    report = build_report(load_run_from(_healed_run()), group_size=GROUP_SIZE, expected_steps=STEPS)
+
+    recovery = report.recovery
+    # The heals cost no job restart: the one restart is the crash's.
+    assert (recovery.participants_replaced, recovery.crashes, recovery.restarts) == (2, 1, 1)
+    assert [(h.lost, h.restored, h.running) for h in recovery.heals] == [
+        ("agent-1", 0, 4),
+        ("agent-0", 3, 8),
+    ]
+    assert recovery.restored_per_running == pytest.approx(3 / 12)
+    assert report.exit_status == 0
+
+
+def test_a_report_without_heals_has_no_restored_share() -> None:
+    recovery = build_report(
+        load_run_from(_good_run()), group_size=GROUP_SIZE, expected_steps=STEPS
+    ).recovery
+
+    assert (recovery.participants_replaced, recovery.heals) == (0, ())
+    assert recovery.restored_per_running is None
+
+
+def test_the_printed_report_shows_each_heal_against_what_was_running() -> None:
+    text, status = _rendered(_healed_run())
+
+    assert status == 0
+    assert "participants replaced  │ 2" in text
+    assert "crashes / job restarts │ 1 / 1" in text
+    assert "agent-1: 0 of 4 restored, agent-0: 3 of 8 restored" in text
+
+
+def test_a_heal_restoring_more_than_was_running_is_an_error() -> None:
+    run = _good_run()
+    run.emit(
+        "heal",
+        lost="tools",
+        participant_kind="RESOURCES",
+        checkpoint_id=None,
+        continued=3,
+        rerun=2,
+        running=4,
+        step=1,
+    )
+
+    with pytest.raises(EventLogError, match=r"\(heal\): continued and rerun"):
+        parse_events(run.events)
+
+
 def _rendered(run: _Run, timeline: Path | None = None) -> tuple[str, int]:
     report = build_report(load_run_from(run), group_size=GROUP_SIZE, expected_steps=STEPS)
     buffer = io.StringIO()
@@ -655,7 +729,8 @@ def test_moving_average_is_trailing() -> None:
 
 
 def test_the_timeline_is_a_png(tmp_path: Path) -> None:
-    run = _good_run()
+    # With the crash and both heals: each replacement is marked.
+    run = _healed_run()
     logs = load_run_from(run)
 
     path = render_timeline(logs.events, logs.supervisor, tmp_path / "timeline.png")

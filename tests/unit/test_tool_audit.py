@@ -178,6 +178,31 @@ def test_a_reply_that_disagrees_with_the_tools_fails() -> None:
     )
 
 
+def test_an_attempt_run_again_by_a_later_incarnation_is_audited_by_its_own_calls() -> None:
+    """A job restart reran g0-s1 from its prompt under the same attempt 0 (its snapshot
+    did not hold it) and it scored the same reward: the trained turns are those of the
+    second run, whose verdict was logged second."""
+    logs = _good()
+    logs.samples.pop()
+    second = [logs.execute("g0-s1", 0, turn, reply="lower") for turn in range(TURNS)]
+    logs.verify("g0-s1", 0, second)
+    logs.trained("g0-s1", 0, [0] * TURNS, replies=["lower"] * TURNS)
+    result = logs.audit()
+    assert result.passed, result.reason
+    assert result.tools is not None and result.tools.executed == 4
+
+
+def test_a_reply_no_run_of_the_attempt_gave_fails() -> None:
+    logs = _good()
+    logs.samples.pop()
+    second = [logs.execute("g0-s1", 0, turn, reply="lower") for turn in range(TURNS)]
+    logs.verify("g0-s1", 0, second)
+    logs.trained("g0-s1", 0, [0] * TURNS, replies=["higher", "lower"])
+    result = logs.audit()
+    assert not result.passed
+    assert result.reason is not None and "was trained with the reply" in result.reason
+
+
 def test_a_history_naming_an_execution_nobody_logged_fails() -> None:
     logs = _good()
     logs.verifier[0]["executions"] = ["tools-1-0", "ghost"]

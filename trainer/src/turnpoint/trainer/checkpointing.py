@@ -740,8 +740,6 @@ class Checkpointing:
         """
         if self._launcher is None:
             raise RuntimeError("heal needs a launcher (Checkpointing(launcher=...))")
-        coordinator, rollouts, layout = self.coordinator, self.rollouts, self._layout
-        assert layout is not None
         budget = self._heal_budgets.setdefault(
             lost,
             RestartBudget(
@@ -751,55 +749,85 @@ class Checkpointing:
         decision = budget.decide(time.monotonic(), f"{lost} lost")
         if not decision.allowed:
             raise HealRefusedError(lost, decision.reason)
-        async with self._snapshot_lock:
-            topology = coordinator.topology
-            if lost not in topology.participants:
-                raise ValueError(f"unknown participant instance {lost!r}")
-            is_agent = lost in topology.agents
-            if is_agent:
-                rollouts.close_dispatch_to(lost)
-            try:
-                latest = await asyncio.to_thread(layout.latest)
-                manifest = None if latest is None else await asyncio.to_thread(layout.load, latest)
-                self._heal_count += 1
-                plan = plan_heal(
-                    manifest,
-                    rollouts.in_flight(),
-                    lost,
-                    [
-                        Member(name, p.kind, p.environment)
-                        for name, p in topology.participants.items()
-                    ],
-                    coordinator.levels,
-                    target=self.config.target_level,
-                    restore_id=restore_id_for(coordinator.identity.epoch, self._heal_count),
-                )
-                cannot = sorted(
-                    n for n in plan.running_scope if not topology.participants[n].restore_running
-                )
-                if cannot:
-                    raise ValueError(
-                        f"{', '.join(cannot)} must be restored where they run but do not "
-                        "serve RestoreRunning (docs/spec.md section 4.16)"
-                    )
-                # No await since the plan was made: the touched attempts stop here before
-                # anything is sent to the replacement, which must never see them.
-                rollouts.end_for_heal(
-                    [step.rollout.episode for step in plan.continued]
-                    + [step.rollout.episode for step in plan.rerun]
-                )
-                address = await self._launcher.replace(lost)
-                info = await coordinator.replace_participant(lost, address)
-                if is_agent:
-                    endpoint = AgentEndpoint(info.data_plane_address or address, token=self._token)
-                    await rollouts.replace_agent(lost, endpoint)
-                if info.kind is ParticipantKind.MODEL:
-                    await self._reweigh(lost, info.data_plane_address or address)
-                await self._apply_heal(plan, manifest)
-            finally:
-                if is_agent:
-                    rollouts.reopen_dispatch_to(lost)
+        # A snapshot under way may be stuck on the lost participant itself (a paused
+        # process holds its abort to the control timeout, retried): the heal waits one
+        # control timeout for it, then gives up and the job restarts, as without a heal.
+        try:
+            await asyncio.wait_for(self._snapshot_lock.acquire(), self.config.control_timeout_s)
+        except TimeoutError:
+            raise CoordinatorError(
+                Reason.DEADLINE_EXCEEDED,
+                f"healing {lost} in place: the snapshot under way did not end within "
+                f"{self.config.control_timeout_s:g}s",
+                {"participant": lost},
+            ) from None
+        try:
+            plan = await self._heal_locked(lost)
+        finally:
+            self._snapshot_lock.release()
         self.heals.append(plan)
+        self.history.on_replaced(
+            lost,
+            time.monotonic(),
+            checkpoint_id=plan.checkpoint_id,
+            resumed_rollouts=len(plan.continued),
+            rerun_rollouts=len(plan.rerun),
+            untouched_rollouts=len(plan.untouched),
+        )
+        if self._history_log is not None:
+            self._history_log.append(self.history.event_record(self.history.events[-1]))
+        return plan
+
+    async def _heal_locked(self, lost: str) -> HealPlan:
+        """:meth:`heal` under the snapshot lock."""
+        assert self._launcher is not None
+        coordinator, rollouts = self.coordinator, self.rollouts
+        layout = self._layout
+        assert layout is not None
+        topology = coordinator.topology
+        if lost not in topology.participants:
+            raise ValueError(f"unknown participant instance {lost!r}")
+        is_agent = lost in topology.agents
+        if is_agent:
+            rollouts.close_dispatch_to(lost)
+        try:
+            latest = await asyncio.to_thread(layout.latest)
+            manifest = None if latest is None else await asyncio.to_thread(layout.load, latest)
+            self._heal_count += 1
+            plan = plan_heal(
+                manifest,
+                rollouts.in_flight(),
+                lost,
+                [Member(name, p.kind, p.environment) for name, p in topology.participants.items()],
+                coordinator.levels,
+                target=self.config.target_level,
+                restore_id=restore_id_for(coordinator.identity.epoch, self._heal_count),
+            )
+            cannot = sorted(
+                n for n in plan.running_scope if not topology.participants[n].restore_running
+            )
+            if cannot:
+                raise ValueError(
+                    f"{', '.join(cannot)} must be restored where they run but do not "
+                    "serve RestoreRunning (docs/spec.md section 4.16)"
+                )
+            # No await since the plan was made: the touched attempts stop here before
+            # anything is sent to the replacement, which must never see them.
+            rollouts.end_for_heal(
+                [step.rollout.episode for step in plan.continued]
+                + [step.rollout.episode for step in plan.rerun]
+            )
+            address = await self._launcher.replace(lost)
+            info = await coordinator.replace_participant(lost, address)
+            if is_agent:
+                endpoint = AgentEndpoint(info.data_plane_address or address, token=self._token)
+                await rollouts.replace_agent(lost, endpoint)
+            if info.kind is ParticipantKind.MODEL:
+                await self._reweigh(lost, info.data_plane_address or address)
+            await self._apply_heal(plan, manifest)
+        finally:
+            if is_agent:
+                rollouts.reopen_dispatch_to(lost)
         return plan
 
     async def _apply_heal(self, plan: HealPlan, manifest: SnapshotManifest | None) -> None:

@@ -45,8 +45,8 @@ def add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="run the main job: a real training run through an injected crash, then an audit",
         description=(
             "Start the example participants (policy, tools, group-tools, agents) as separate "
-            "servers, train through a crash of the trainer and one agent, restore from the "
-            "latest snapshot and audit that every prompt group was trained exactly once "
+            "servers, train through the loss of one agent (replaced in place) and then a crash "
+            "of the trainer, restore from the latest snapshot and audit that every prompt group was trained exactly once "
             "with the rewards the verifiers returned. Exits 1 if the audit fails."
         ),
     )
@@ -134,7 +134,8 @@ def add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--crash",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="kill the trainer and one agent mid-run, then restart the job",
+        help="kill one agent mid-run (the trainer replaces it in place), then the trainer "
+        "(the job restarts)",
     )
     parser.add_argument(
         "--crash-at",

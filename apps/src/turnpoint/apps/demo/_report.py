@@ -20,6 +20,11 @@ process, 2 for the one started after the crash, ...). The types this module read
   ``skipped``), ``reason``, ``t_start``, ``t_end``, ``admission_closed_s``, ``phases``.
 - ``restore``: ``checkpoint_id``, ``resumed_from_turn``, ``rerun_from_prompt``,
   ``groups_retried_whole``, ``seconds``.
+- ``heal``: a lost participant replaced in place (docs/spec.md section 7.15):
+  ``lost`` (its instance), ``participant_kind``, ``checkpoint_id`` (the snapshot the
+  touched rollouts went back to, or null), ``continued`` and ``rerun`` (the rollouts
+  restored: continued from a saved turn, rerun from their prompts) and ``running`` (the
+  rollouts in flight at that moment, touched or not), ``step``.
 - ``done``: ``step``.
 
 Types this module does not know are ignored, so the trainer may log more; a known type
@@ -29,7 +34,8 @@ A ``train_step`` sample may also carry ``turns``: the tokens training took from 
 ``{prompt, completion}`` per turn (token id lists).
 
 The supervisor writes ``<out>/supervisor.jsonl`` (``crash`` and ``restart`` with their
-``t``) and every verifier appends ``{verifier, rollout_id, attempt, reward}`` to
+``t``; ``agent_lost`` and, for each participant it replaced at the trainer's request,
+``replaced`` with its ``instance``) and every verifier appends ``{verifier, rollout_id, attempt, reward}`` to
 ``<out>/verifier-<instance>.jsonl``, with ``executions``: the ids of the tool executions
 its session applied, in order (when the server logs them). A resources server that logs
 its tool executions appends one line per execution to the same file: ``tools``,
@@ -233,7 +239,24 @@ class Done:
     step: int
 
 
-Event = Start | Progress | RolloutResult | TrainStep | Snapshot | Restore | Done
+@dataclass(frozen=True, slots=True)
+class Heal:
+    """One lost participant replaced in place: what it cost against what was running."""
+
+    incarnation: int
+    t: float
+    lost: str
+    checkpoint_id: str | None
+    continued: int
+    rerun: int
+    running: int
+
+    @property
+    def restored(self) -> int:
+        return self.continued + self.rerun
+
+
+Event = Start | Progress | RolloutResult | TrainStep | Snapshot | Restore | Heal | Done
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,6 +270,7 @@ class EventLog:
     snapshots: tuple[Snapshot, ...] = ()
     restores: tuple[Restore, ...] = ()
     dones: tuple[Done, ...] = ()
+    heals: tuple[Heal, ...] = ()
 
     @property
     def times(self) -> list[float]:
@@ -536,6 +560,22 @@ def parse_event(raw: Mapping[str, Any], where: str = "event") -> Event | None:
         )
     if kind == "done":
         return Done(incarnation, t, fields.integer("step"))
+    if kind == "heal":
+        heal = Heal(
+            incarnation,
+            t,
+            fields.text("lost"),
+            fields.optional_text("checkpoint_id"),
+            fields.integer("continued"),
+            fields.integer("rerun"),
+            fields.integer("running"),
+        )
+        if min(heal.continued, heal.rerun) < 0 or heal.restored > heal.running:
+            raise EventLogError(
+                f"{where} (heal): continued and rerun must be >= 0 and at most running "
+                f"together, got {heal.continued} + {heal.rerun} of {heal.running}"
+            )
+        return heal
     return None
 
 
@@ -554,6 +594,7 @@ def parse_events(raw_events: Iterable[Mapping[str, Any]]) -> EventLog:
         snapshots=tuple(buckets[Snapshot]),
         restores=tuple(buckets[Restore]),
         dones=tuple(buckets[Done]),
+        heals=tuple(buckets[Heal]),
     )
 
 
@@ -1110,7 +1151,7 @@ def _check_tool_calls(
             if not scored:
                 unaudited += 1
                 continue
-            history = max(scored, key=lambda v: v.attempt).executions or ()
+            history = _session_history(scored, sample, by_id)
             applied: dict[int, ExecutionEntry] = {}
             for execution_id in history:
                 logged = by_id.get(execution_id)
@@ -1153,6 +1194,28 @@ def _check_tool_calls(
                 if turn.answered_in is not None and turn.answered_in > ran.attempt:
                     from_record += 1
     return ToolAudit(executed, from_record, unaudited)
+
+
+def _session_history(
+    scored: Sequence[VerifierEntry], sample: TrainedRollout, by_id: Mapping[str, ExecutionEntry]
+) -> tuple[str, ...]:
+    """The executions of the verdict ``sample`` was trained with: the newest attempt's.
+    A job restart can run the same attempt again (a rollout its snapshot did not hold
+    starts over under the same attempt), with the same reward by chance: of several
+    verdicts of that attempt, the one whose replies are the trained turns' (else the
+    first logged, which the reply check then reports)."""
+    newest = max(v.attempt for v in scored)
+    verdicts = [v for v in scored if v.attempt == newest]
+    trained = [turn.reply for turn in sample.turns or ()]
+    for verdict in verdicts:
+        replies: dict[int, str | None] = {}
+        for execution_id in verdict.executions or ():
+            entry = by_id.get(execution_id)
+            if entry is not None:
+                replies[entry.turn] = entry.reply
+        if [replies.get(turn) for turn in range(len(trained))] == trained:
+            return verdict.executions or ()
+    return verdicts[0].executions or ()
 
 
 def _check_tokens(
@@ -1381,14 +1444,35 @@ class SnapshotSummary:
 
 
 @dataclass(frozen=True, slots=True)
+class HealSummary:
+    """One fault healed in place: the rollouts restored of those running then."""
+
+    lost: str
+    restored: int
+    running: int
+
+
+@dataclass(frozen=True, slots=True)
 class RecoverySummary:
     crashes: int
+    # Job restarts: the trainer and every participant started again.
     restarts: int
     restored_from: tuple[str, ...]
     resumed_from_turn: int
     rerun_from_prompt: int
     groups_retried_whole: int
     restore_seconds: tuple[float, ...]
+    # Participants the supervisor replaced in place, and each heal's cost.
+    participants_replaced: int = 0
+    heals: tuple[HealSummary, ...] = ()
+
+    @property
+    def restored_per_running(self) -> float | None:
+        """Rollouts restored per rollout running, over every heal (None: no heal)."""
+        running = sum(h.running for h in self.heals)
+        if not self.heals:
+            return None
+        return sum(h.restored for h in self.heals) / running if running else 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -1469,6 +1553,8 @@ def build_report(
         rerun_from_prompt=sum(r.rerun_from_prompt for r in events.restores),
         groups_retried_whole=sum(r.groups_retried_whole for r in events.restores),
         restore_seconds=tuple(r.seconds for r in events.restores),
+        participants_replaced=sum(1 for e in logs.supervisor if e.type == "replaced"),
+        heals=tuple(HealSummary(h.lost, h.restored, h.running) for h in events.heals),
     )
     return DemoReport(
         snapshots=_snapshot_summary(events.snapshots),
@@ -1520,7 +1606,14 @@ def render_report(
         f"p50 {_seconds(snaps.admission_closed_p50_s)}, p99 {_seconds(snaps.admission_closed_p99_s)}",
     )
     recovery = report.recovery
-    table.add_row("crashes / restarts", f"{recovery.crashes} / {recovery.restarts}")
+    table.add_row("crashes / job restarts", f"{recovery.crashes} / {recovery.restarts}")
+    table.add_row("participants replaced", str(recovery.participants_replaced))
+    if recovery.heals:
+        table.add_row(
+            "healed in place",
+            ", ".join(f"{h.lost}: {h.restored} of {h.running} restored" for h in recovery.heals)
+            + "; every other rollout kept running",
+        )
     if recovery.restored_from:
         table.add_row(
             "restored from",

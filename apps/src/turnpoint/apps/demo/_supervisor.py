@@ -23,6 +23,7 @@ serve every environment), then starts the trainer (:func:`trainer_command`)::
     python -m turnpoint.apps.demo._trainer --topology <out>/topology.json --out <out>
         --steps N --group-size N --groups-per-step N --snapshot-interval S
         --target-level LEVEL --seed N --start-on-stdin [--resume] [--kill-at POINT[:N]]
+        [--launcher HOST:PORT]
 
 The trainer process is spawned before the participants start (after a crash, before the
 old ones are stopped), and imports torch and the facade meanwhile: most of a start is
@@ -41,9 +42,25 @@ The trainer appends its events to ``<out>/events.jsonl`` (the contract is in
 the ``start`` events already in the log). Its stdout and stderr go to
 ``<out>/logs/trainer.<incarnation>.{stdout,stderr}``.
 
+Healing in place (docs/spec.md section 7.15). The supervisor owns every participant
+process, and it is the trainer's launcher: it serves replacement requests on loopback
+(:mod:`turnpoint.apps.demo._heal`; the trainer gets ``--launcher HOST:PORT``). When the
+trainer's liveness watch finds an agent lost, it asks for a replacement: the supervisor
+SIGKILLs what is left of it, starts it again with the same spec under the same name,
+rewrites ``topology.json``, records ``replaced`` and answers the new address; the
+trainer restores onto it (and onto the live participants) only what depended on it and
+logs ``heal``. Only agents: the policy's and the resources servers' addresses are wired
+into every agent, so their loss still restarts the job (the trainer's heal fails, it
+exits, and the supervisor restores the job as below). A dead agent the trainer does not
+ask about within :data:`HEAL_GRACE_S` restarts the job too. Not with ``--ray`` (the
+cluster places its actors), ``--participant-command`` (such participants may not serve
+RestoreRunning) or ``--hold-tools-after-restart`` (see below).
+
 The crash. Once the event log shows a published snapshot of the first trainer with
-rollouts in flight, 40-60% through the steps, the supervisor SIGKILLs the trainer and one
-agent, and records ``crash`` in ``<out>/supervisor.jsonl``. The recovery is a *job
+rollouts in flight, 40-60% through the steps, the supervisor SIGKILLs one agent
+(``agent_lost``); once the trainer replaced it in place and trained a step since, it
+SIGKILLs the trainer and records ``crash`` in ``<out>/supervisor.jsonl`` (without
+healing in place: the trainer and one agent at once). The recovery is a *job
 restart*: every participant is started again, fresh. The survivors get SIGTERM (a
 graceful drain) and a new set comes up under the same instance names on new ports;
 ``topology.json`` is rewritten and the trainer starts again with ``--resume``, restores
@@ -51,7 +68,11 @@ graceful drain) and a new set comes up under the same instance names on new port
 participant accepts a restore only while fresh (it must not mix restored episodes with
 ones it ran for a dead coordinator), which is what a cluster manager gives you anyway:
 Ray, for one, kills the actors a driver owns when that driver dies, so a restarted
-driver always meets new actors.
+driver always meets new actors. A trainer restarted alone could restore into the
+survivors with RestoreRunning (docs/spec.md section 4.16), but a rollout of the snapshot
+that finished after it had its attempt retired there since, and the participant refuses
+the whole restore for it (``STALE_ATTEMPT``, section 4.16 item 3): until the coordinator
+can leave such rollouts out, the demo restarts the job after a trainer crash.
 
 A crash at a named point. ``--crash-at POINT[:N]`` replaces the timed crash with a
 deterministic one: the first trainer gets ``--kill-at POINT[:N]`` and SIGKILLs itself at
@@ -101,6 +122,7 @@ from rich.text import Text
 from turnpoint._files import create_file, replace_file
 from turnpoint.apps._object_store import ObjectStore, loopback_s3_available
 from turnpoint.apps.chaos._proxy import FaultProxy, ProxyMode
+from turnpoint.apps.demo._heal import LaunchService, ReplaceRefused
 from turnpoint.apps.demo._progress import (
     EventTail,
     ProgressDisplay,
@@ -149,6 +171,9 @@ FIRST_RESTART_PAUSE_S = 0.5
 """The pause before the first unplanned restart; it doubles with each restart in the hour,
 so that a job that keeps crashing backs off instead of looping."""
 POLL_INTERVAL_S = 0.25
+HEAL_GRACE_S = 60.0
+"""How long a dead agent waits for the trainer to ask for its replacement (it notices
+within its 6 s liveness window) before the supervisor restarts the job instead."""
 
 GUESS = "guess"
 GUESS_GROUP = "guess-group"
@@ -207,6 +232,22 @@ class DemoOptions:
     # exists, so the restored trainer's snapshots wait in prepare (the status page's
     # live blocker, tests/e2e/test_status_page.py).
     hold_tools_after_restart: Path | None = None
+
+    @property
+    def heal_in_place(self) -> bool:
+        """Whether a lost agent is replaced alone (docs/spec.md section 7.15) rather
+        than the whole job restarted; a dead trainer still restarts the job. Not on Ray (its actors
+        are placed by the cluster), not with participants in other languages (they may
+        not serve RestoreRunning), not for agents of several workers (the trainer loses
+        and names one worker; the supervisor starts the group), and not when the
+        restarted job's tools must hold their calls (that test needs a freshly started
+        tools server)."""
+        return (
+            not self.ray
+            and not self.participant_commands
+            and not self.hold_tools_after_restart
+            and self.agent_workers == 1
+        )
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DemoOptions:
@@ -950,6 +991,7 @@ def trainer_command(
     resume: bool,
     program: Sequence[str] = DEFAULT_TRAINER_COMMAND,
     kill_at: str | None = None,
+    launcher: str | None = None,
 ) -> list[str]:
     """The trainer's command line; ``program`` is what runs it (tests substitute a fake).
 
@@ -982,6 +1024,8 @@ def trainer_command(
         command.append("--resume")
     if kill_at is not None:
         command += ["--kill-at", kill_at]
+    if launcher is not None:
+        command += ["--launcher", launcher]
     if options.metrics_port is not None:
         command += ["--metrics-port", str(options.metrics_port)]
     return command
@@ -1013,6 +1057,7 @@ class _Trainer:
         resume: bool,
         program: Sequence[str],
         kill_at: str | None = None,
+        launcher: str | None = None,
     ) -> _Trainer:
         stdout_path = paths.logs / f"trainer.{incarnation}.stdout"
         stderr_path = paths.logs / f"trainer.{incarnation}.stderr"
@@ -1023,7 +1068,14 @@ class _Trainer:
         stdout, stderr = await asyncio.to_thread(open_logs)
         try:
             process = await asyncio.create_subprocess_exec(
-                *trainer_command(options, paths, resume=resume, program=program, kill_at=kill_at),
+                *trainer_command(
+                    options,
+                    paths,
+                    resume=resume,
+                    program=program,
+                    kill_at=kill_at,
+                    launcher=launcher,
+                ),
                 stdin=asyncio.subprocess.PIPE,
                 stdout=stdout,
                 stderr=stderr,
@@ -1118,6 +1170,17 @@ class _Supervisor:
         self.trained = asyncio.Event()
         # --lose-node: the node removed, and the participants that were on it.
         self.node_lost: dict[str, Any] | None = None
+        # Healing in place: where the trainer asks for replacements, when each dead
+        # agent was first seen dead, and how many replacements each instance had.
+        self.launch_service: LaunchService | None = None
+        self.dead_since: dict[str, float] = {}
+        self.replaced: dict[str, int] = {}
+        # The default crash, healing in place: the agent SIGKILLed first (the trainer
+        # replaces it), the trainer later.
+        self.agent_lost: str | None = None
+        # One change of the participant table at a time: a replacement the trainer
+        # asked for never races a job restart or another replacement.
+        self.table_lock = asyncio.Lock()
 
     async def record(self, event_type: str, **detail: object) -> None:
         line = json.dumps({"type": event_type, "t": time.time(), **detail}) + "\n"
@@ -1144,6 +1207,7 @@ class _Supervisor:
             resume=resume,
             program=self.trainer_program,
             kill_at=self.options.crash_at if incarnation == 1 else None,
+            launcher=self.launch_service.address if self.launch_service is not None else None,
         )
 
     async def discard_next_trainer(self) -> None:
@@ -1170,6 +1234,7 @@ class _Supervisor:
             self.launcher, self.options, self.paths, self.generation
         )
         self.killed.clear()
+        self.dead_since.clear()
         addresses: dict[str, str] = {}
         if self.options.chaos_faults:
             # The trainer reaches every participant through a fault proxy, so --chaos can
@@ -1198,6 +1263,15 @@ class _Supervisor:
         self.trainer_restarted.set()
 
     async def run(self) -> None:
+        if self.options.heal_in_place:
+            self.launch_service = await LaunchService(self.token, self.replace).start()
+        try:
+            await self._run()
+        finally:
+            if self.launch_service is not None:
+                await self.launch_service.close()
+
+    async def _run(self) -> None:
         await self.launch(resume=False)
         await self.start_trainer()
         chaos = (
@@ -1251,9 +1325,14 @@ class _Supervisor:
                     )
                 )
                 continue
-            if self.state.crash_due() and self.node_lost is None:
+            if self.agent_lost is not None:
+                if self.healed_since():
+                    await self.crash_and_restart()
+            elif self.state.crash_due() and self.node_lost is None:
                 if self.options.lose_node:
                     await self.recover(await self.lose_node())
+                elif self.options.heal_in_place:
+                    await self.lose_agent()
                 else:
                     await self.crash_and_restart()
 
@@ -1370,10 +1449,21 @@ class _Supervisor:
         )
 
     async def lost_participant(self) -> DemoError | None:
-        """A participant that exited without being told to, as the reason to restore."""
+        """A participant that exited without being told to, as the reason to restore.
+
+        Healing in place, a dead agent is the trainer's to replace (it asks
+        :meth:`replace`); only one still dead after :data:`HEAL_GRACE_S` is."""
+        now = time.monotonic()
         for participant in self.participants.values():
             status = participant.exit_status()
-            if status is not None and participant.spec.instance not in self.killed:
+            instance = participant.spec.instance
+            if status is not None and instance not in self.killed:
+                if (
+                    self.options.heal_in_place
+                    and participant.spec.kind == "agent"
+                    and now - self.dead_since.setdefault(instance, now) < HEAL_GRACE_S
+                ):
+                    continue
                 return DemoError(
                     f"participant {participant.spec.instance} exited unexpectedly with status "
                     f"{status}; its stderr says:{_quote_tail(await participant.stderr_tail())}"
@@ -1404,23 +1494,97 @@ class _Supervisor:
         self.show()
         await asyncio.to_thread(_drop_torn_line, self.paths.events)
         await self.spawn_trainer(resume=True)
-        participants, self.participants = self.participants, {}
-        # SIGKILL, not a drain: a paused process never drains, and none of their state
-        # is kept (the restore starts every participant fresh).
-        for participant in participants.values():
-            await participant.kill()
-        await stop_participants(list(participants.values()), check=False)
-        # A verifier killed mid-append leaves a torn last line; its reward was never
-        # returned, so nothing the audit needs is lost by cutting it.
-        for log in self.paths.out.glob("verifier-*.jsonl"):
-            await asyncio.to_thread(_drop_torn_line, log)
-        await asyncio.sleep(decision.pause_s)
-        await self.launch(resume=True)
+        async with self.table_lock:
+            participants, self.participants = self.participants, {}
+            # SIGKILL, not a drain: a paused process never drains, and none of their
+            # state is kept (the restore starts every participant fresh).
+            for participant in participants.values():
+                await participant.kill()
+            await stop_participants(list(participants.values()), check=False)
+            # A verifier killed mid-append leaves a torn last line; its reward was never
+            # returned, so nothing the audit needs is lost by cutting it.
+            for log in self.paths.out.glob("verifier-*.jsonl"):
+                await asyncio.to_thread(_drop_torn_line, log)
+            await asyncio.sleep(decision.pause_s)
+            await self.launch(resume=True)
         await self.record(
             "restart", incarnation=self.trainer.incarnation + 1, reason=decision.reason
         )
         self.state.note_restart()
         await self.start_trainer()
+
+    async def replace(self, instance: str) -> str:
+        """The trainer's launcher (docs/spec.md section 7.15 item 9): end what is left of
+        ``instance``, start it again under the same name with the same spec, and return
+        where the trainer reaches it. Only agents: the others' addresses are wired into
+        every agent, so their loss restarts the job (the trainer's heal fails)."""
+        async with self.table_lock:
+            return await self._replace(instance)
+
+    async def _replace(self, instance: str) -> str:
+        old = self.participants.get(instance)
+        if old is None:
+            raise ReplaceRefused(f"no participant {instance} runs in this job")
+        if old.spec.kind != "agent":
+            raise ReplaceRefused(
+                f"{instance} ({old.spec.kind}) is wired into every agent; the job restarts"
+            )
+        self.killed.add(instance)
+        await old.kill()
+        self.generation += 1
+        try:
+            new = await self.launcher.start(old.spec, self.generation)
+        except DemoError as error:
+            raise ReplaceRefused(str(error)) from error
+        self.participants[instance] = new
+        self.killed.discard(instance)
+        self.dead_since.pop(instance, None)
+        self.replaced[instance] = self.replaced.get(instance, 0) + 1
+        # A recovery, like a trainer restart: --chaos paces its next fault after it.
+        self.steps_since_start = 0
+        self.trainer_restarted.set()
+        address = new.address
+        proxy = self.proxies.pop(instance, None)
+        if proxy is not None:
+            await proxy.close()
+            self.proxies[instance] = proxy = await FaultProxy(new.address).start()
+            address = proxy.address
+        addresses = {name: p.address for name, p in self.proxies.items()}
+        await asyncio.to_thread(write_topology, self.paths, self.participants, addresses)
+        await self.record(
+            "replaced",
+            instance=instance,
+            incarnation=self.trainer.incarnation if self.trainer else 0,
+            step=self.state.step,
+            n=self.replaced[instance],
+        )
+        return address
+
+    async def lose_agent(self) -> None:
+        """The default crash's first half, healing in place: SIGKILL one agent and let
+        the trainer replace it (docs/spec.md section 7.15); the trainer dies later."""
+        assert self.trainer is not None
+        victim = self.crash_victim()
+        self.agent_lost = victim.spec.instance
+        await victim.kill()
+        await self.record(
+            "agent_lost",
+            instance=victim.spec.instance,
+            incarnation=self.trainer.incarnation,
+            step=self.state.step,
+        )
+
+    def healed_since(self) -> bool:
+        """Whether the trainer's half of the default crash is due: the lost agent was
+        replaced, the trainer trained a step since and has steps left."""
+        state = self.state
+        return (
+            self.agent_lost in self.replaced
+            and self.steps_since_start > 0
+            and state.crashed_at_step is None
+            and not state.done
+            and state.step < state.total_steps
+        )
 
     def crash_victim(self) -> Participant:
         agents = sorted(
@@ -1454,9 +1618,13 @@ class _Supervisor:
 
     async def crash_and_restart(self) -> None:
         assert self.trainer is not None
-        victim = self.crash_victim()
-        self.killed.add(victim.spec.instance)
-        await asyncio.gather(self.trainer.kill(), victim.kill())
+        # Healing in place, the agent was lost (and replaced) before: the trainer alone.
+        victim = None if self.agent_lost is not None else self.crash_victim()
+        if victim is not None:
+            self.killed.add(victim.spec.instance)
+            await asyncio.gather(self.trainer.kill(), victim.kill())
+        else:
+            await self.trainer.kill()
         point: dict[str, Any] = {}
         if self.kill_event is not None:
             point = {
@@ -1468,7 +1636,7 @@ class _Supervisor:
             "crash",
             incarnation=self.trainer.incarnation,
             step=self.state.step,
-            killed=["trainer", victim.spec.instance],
+            killed=["trainer"] + ([victim.spec.instance] if victim is not None else []),
             **point,
         )
         await self.read_events()

@@ -4,6 +4,8 @@
 - a shaded span per attempted snapshot, ``t_start``..``t_end`` (admission closed), green
   when published and red when it failed;
 - a vertical line at the crash (supervisor log) and one at each restore (trainer log);
+- a dotted line at each participant lost and at each one replaced in place (supervisor
+  log: ``agent_lost``, ``fault``; ``replaced``), with the span between them shaded;
 - the mean reward of every train step on a second axis, with a moving average; steps a
   restore rolled back are drawn hollow, so the replaced history stays visible.
 
@@ -28,6 +30,7 @@ from turnpoint.apps.demo._report import (
 )
 
 _THROUGHPUT = "#4c72b0"
+_REPLACED = "#8172b2"
 _PUBLISHED = "#55a868"
 _FAILED = "#c44e52"
 _CRASH = "#c44e52"
@@ -71,7 +74,9 @@ def render_timeline(
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
 
-    times = log.times + [e.t for e in supervisor if e.type in ("crash", "restart")]
+    times = log.times + [
+        e.t for e in supervisor if e.type in ("crash", "restart", "agent_lost", "replaced")
+    ]
     times += [s.t_start for s in log.snapshots] + [s.t_end for s in log.snapshots]
     origin = min(times, default=0.0)
     end = max(times, default=origin)
@@ -116,6 +121,19 @@ def render_timeline(
     if crashes:
         legend.append(Line2D([], [], color=_CRASH, linewidth=2, linestyle="--", label="crash"))
         legend.append(Patch(color=_DOWN, alpha=0.25, label="job restart (until restored)"))
+    losses = [e.t for e in supervisor if e.type in ("agent_lost", "fault")]
+    replacements = [e.t for e in supervisor if e.type == "replaced"]
+    for replaced in replacements:
+        axes.axvline(replaced - origin, color=_REPLACED, linewidth=2, linestyle=":")
+        # From the loss to its replacement: one participant missing, the rest running.
+        lost = max((t for t in losses if t <= replaced), default=replaced)
+        axes.axvspan(lost - origin, replaced - origin, color=_REPLACED, alpha=0.1, linewidth=0)
+    if replacements:
+        legend.append(
+            Line2D(
+                [], [], color=_REPLACED, linewidth=2, linestyle=":", label="participant replaced"
+            )
+        )
     for restore in log.restores:
         axes.axvline(restore.t - origin, color=_RESTORE, linewidth=2)
     if log.restores:

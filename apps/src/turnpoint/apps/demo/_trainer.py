@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from turnpoint.apps.demo._heal import PARTICIPANT_LOST_STATUS, SupervisorLauncher
 from turnpoint.apps.demo._kill_switch import (
     Fired,
     KillSwitch,
@@ -81,9 +82,10 @@ from turnpoint.trainer.advanced import RolloutClient, SnapshotRunError
 # PARTICIPANT_LOST_STATUS a participant is lost (the supervisor restores the job);
 # NO_USABLE_SNAPSHOT_STATUS snapshots were published but none passes its checks;
 # WEIGHT_SYNC_STATUS a weight push ran out of retries.
-PARTICIPANT_LOST_STATUS = 4
 NO_USABLE_SNAPSHOT_STATUS = 5
 WEIGHT_SYNC_STATUS = 6
+LAUNCH_TIMEOUT_S = 150.0
+"""A replacement starts within the supervisor's 120 s per participant (torch imports)."""
 
 _LOG = logging.getLogger("turnpoint.demo.trainer")
 LEARNING_RATE = 1e-2
@@ -265,8 +267,24 @@ class DemoTrainer:
         stats = policy_gradient_step(self.model, self.optimizer, samples)
         return {"mean_reward": stats.mean_reward, "loss": stats.loss}
 
-    async def _progress(self, rollouts: RolloutClient, stop: asyncio.Event) -> None:
+    async def _progress(self, ckpt: Checkpointing, stop: asyncio.Event) -> None:
+        rollouts = ckpt.rollouts
+        heals_logged = 0
         while not stop.is_set():
+            for plan in ckpt.heals[heals_logged:]:
+                # What one lost participant cost: the rollouts it touched, against the
+                # ones running at that moment (touched + untouched).
+                self.events.write(
+                    "heal",
+                    lost=plan.lost.instance,
+                    participant_kind=plan.lost.kind.value,
+                    checkpoint_id=plan.checkpoint_id or None,
+                    continued=len(plan.continued),
+                    rerun=len(plan.rerun),
+                    running=plan.touched + len(plan.untouched),
+                    step=self.step,
+                )
+            heals_logged = len(ckpt.heals)
             self.events.write(
                 "progress",
                 step=self.step,
@@ -364,6 +382,11 @@ class DemoTrainer:
             # The status page, its API and /metrics on one port (docs/spec.md 7.13).
             status_port=self.args.metrics_port,
             snapshot_metrics=lambda: dict(self.last_stats),
+            # The supervisor replaces a lost participant under its name, and only what
+            # depended on it goes back to the last snapshot (docs/spec.md section 7.15).
+            launcher=SupervisorLauncher(self.args.launcher, self.token, timeout_s=LAUNCH_TIMEOUT_S)
+            if self.args.launcher is not None
+            else None,
         )
         try:
             async with checkpointing as ckpt:
@@ -372,7 +395,7 @@ class DemoTrainer:
                 self._start(ckpt)
                 stop = asyncio.Event()
                 background = [
-                    asyncio.create_task(self._progress(ckpt.rollouts, stop)),
+                    asyncio.create_task(self._progress(ckpt, stop)),
                     asyncio.create_task(self._watch_results(ckpt.rollouts, stop)),
                 ]
                 try:
@@ -454,7 +477,15 @@ class DemoTrainer:
             # No await since the step lock: push_weights names this version before it
             # yields, so a snapshot's anchor holds these weights and records this
             # version with them, pushed or not yet.
-            self._log_push(await ckpt.push_weights(self.step, state))
+            self._log_push(await ckpt.push_weights(_next_version(ckpt, self.step), state))
+
+
+def _next_version(ckpt: Checkpointing, step: int) -> int:
+    """The step, unless a policy server that outlived the last trainer holds a newer
+    version: the restored trainer pushed above it (docs/spec.md section 4.16, weights),
+    and versions never go down."""
+    current = ckpt.weights_version
+    return step if current is None or step > current else current + 1
 
 
 def _env_seed(seed: int, group: int) -> int:
@@ -531,6 +562,12 @@ def build_parser() -> argparse.ArgumentParser:
         "a published snapshot, and the first trainer's root is fresh",
     )
     parser.add_argument("--metrics-port", type=int, default=None, metavar="PORT")
+    parser.add_argument(
+        "--launcher",
+        default=None,
+        metavar="HOST:PORT",
+        help="the supervisor's launch service: lost participants are replaced in place",
+    )
     parser.add_argument(
         "--start-on-stdin",
         action="store_true",

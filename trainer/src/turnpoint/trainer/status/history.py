@@ -114,9 +114,10 @@ class CheckpointRow:
 
 @dataclass(frozen=True, slots=True)
 class RestoreEvent:
-    """A restore at open (``checkpoint_id`` None: a fresh start) or participants lost."""
+    """A restore at open (``checkpoint_id`` None: a fresh start), participants lost, or
+    one participant replaced and healed in place (docs/spec.md section 7.15)."""
 
-    kind: str  # "restore" | "fresh_start" | "participants_lost"
+    kind: str  # "restore" | "fresh_start" | "participants_lost" | "participant_replaced"
     at: float  # monotonic
     epoch: int
     checkpoint_id: str | None = None
@@ -268,6 +269,31 @@ class CheckpointHistory:
                 self.epoch,
                 participants=tuple(sorted(participants)),
                 detail=detail,
+            )
+        )
+
+    def on_replaced(
+        self,
+        participant: str,
+        now: float,
+        *,
+        checkpoint_id: str | None,
+        resumed_rollouts: int,
+        rerun_rollouts: int,
+        untouched_rollouts: int,
+    ) -> None:
+        """``participant`` was lost and replaced in place: ``resumed_rollouts`` continue
+        from ``checkpoint_id``, ``rerun_rollouts`` start over, the others keep running."""
+        self.events.append(
+            RestoreEvent(
+                "participant_replaced",
+                now,
+                self.epoch,
+                checkpoint_id or None,
+                resumed_rollouts=resumed_rollouts,
+                rerun_rollouts=rerun_rollouts,
+                participants=(participant,),
+                detail=f"{untouched_rollouts} rollout(s) kept running",
             )
         )
 

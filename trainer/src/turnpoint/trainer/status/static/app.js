@@ -128,6 +128,10 @@ function drawOverview(job) {
       text += "the trainer closed";
     } else if (event.kind === "trainer_ended") {
       text += "CRASH: " + event.detail;
+    } else if (event.kind === "participant_replaced") {
+      text += "replaced in place: " + event.participants.join(", ") + " (" +
+        event.resumed_rollouts + " resumed from " + (event.checkpoint_id || "no snapshot") +
+        ", " + event.rerun_rollouts + " rerun, " + event.detail + ")";
     } else {
       text += "participant(s) lost: " + event.participants.join(", ") + " — " + event.detail;
     }
