@@ -169,20 +169,9 @@ class ChatEndpoint:
         return app
 
     async def start(self) -> str:
-        # A client that goes away cancels its handler: a call held at the gate or
-        # streaming then leaves the participant's admission instead of running for nobody.
-        runner = web.AppRunner(
-            self.app(), access_log=None, handle_signals=False, handler_cancellation=True
+        self._runner, self.port = await serve_app(
+            self.app(), self._options.host, self._options.port
         )
-        await runner.setup()
-        site = web.TCPSite(runner, self._options.host, self._options.port, reuse_address=True)
-        try:
-            await site.start()
-        except BaseException:
-            await runner.cleanup()
-            raise
-        self._runner = runner
-        self.port = int(runner.addresses[0][1])
         return self.base_url
 
     async def close(self) -> None:
@@ -377,3 +366,20 @@ class _Tokens:
             tuple(self.weights_versions),
             finish,
         )
+
+
+async def serve_app(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, int]:
+    """Serve ``app`` on ``host:port`` (0: any free port); returns its runner and port.
+
+    A client that goes away cancels its handler (``handler_cancellation``): a call held
+    at a gate or streaming then leaves the participant's admission instead of running
+    for nobody.
+    """
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, handler_cancellation=True)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, host, port, reuse_address=True).start()
+    except BaseException:
+        await runner.cleanup()
+        raise
+    return runner, int(runner.addresses[0][1])

@@ -53,6 +53,7 @@ from turnpoint.server.openai_api._endpoint import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_CONCURRENT_CALLS,
     openai_errors,
+    serve_app,
 )
 
 _LOG = logging.getLogger(__name__)
@@ -397,19 +398,13 @@ class EgressRelay:
         self._session = aiohttp.ClientSession(
             timeout=aiohttp.ClientTimeout(total=self._options.upstream_timeout_s)
         )
-        runner = web.AppRunner(
-            self.app(), access_log=None, handle_signals=False, handler_cancellation=True
-        )
         try:
-            await runner.setup()
-            site = web.TCPSite(runner, self._options.host, self._options.port, reuse_address=True)
-            await site.start()
+            self._runner, self.port = await serve_app(
+                self.app(), self._options.host, self._options.port
+            )
         except BaseException:
-            await runner.cleanup()
             await self._session.close()
             raise
-        self._runner = runner
-        self.port = int(runner.addresses[0][1])
         return self.base_url
 
     async def close(self) -> None:
