@@ -22,6 +22,7 @@ from tests.support.participants import TOKEN, Topology, start_topology
 from turnpoint.apps.examples._guess_jobs import guess_rollouts
 from turnpoint.errors import Reason
 from turnpoint.trainer import (
+    AnchorError,
     Checkpointing,
     CoordinatorConfig,
     CoordinatorError,
@@ -41,11 +42,11 @@ def _facade(
     topology: Topology, config: dict[str, Any] | None = None, **options: Any
 ) -> Checkpointing:
     model = torch.nn.Linear(2, 2)
+    options.setdefault("anchor", TorchAnchorSource(model, None, step=lambda: 0))
     return Checkpointing(
         CoordinatorConfig(snapshot_root=topology.root, control_timeout_s=10.0, **(config or {})),
         {n: h.address for n, h in topology.participants.items()},
         token=TOKEN,
-        anchor=TorchAnchorSource(model, None, step=lambda: 0),
         load_anchor=torch_anchor_loader(model, None),
         periodic=False,
         **options,
@@ -206,15 +207,40 @@ async def test_no_final_snapshot_after_the_run_ended_on_a_lost_participant(
     assert SnapshotLayout(topology.root).latest() is None
 
 
-async def test_a_closed_facade_is_freed_without_the_garbage_collector(tmp_path: Path) -> None:
+class _FailingAnchor(TorchAnchorSource):
+    """An anchor whose first write fails, as a full disk does."""
+
+    def __init__(self) -> None:
+        super().__init__(torch.nn.Linear(2, 2), None, step=lambda: 0)
+        self.failed = False
+
+    async def write(self, snapshot: Path) -> Any:
+        if not self.failed:
+            self.failed = True
+            raise AnchorError("injected: no space left on device", snapshot)
+        return await super().write(snapshot)
+
+
+@pytest.mark.parametrize("first_write", ["succeeds", "fails"])
+async def test_a_closed_facade_is_freed_without_the_garbage_collector(
+    tmp_path: Path, first_write: str
+) -> None:
     # What a trainer closes must not wait for the cyclic garbage collector: a multi-rank
     # anchor's process groups that live until interpreter teardown abort the process
-    # there (exit -6, tests/e2e/test_multirank_anchor.py). Refcounting alone frees it.
+    # there (exit -6, tests/e2e/test_multirank_anchor.py). Refcounting alone frees it,
+    # also after a failed snapshot, whose report keeps the error (and so its traceback).
     async with start_topology(tmp_path / "p", agents=1, group_size=GROUP_SIZE) as topology:
-        ckpt = _facade(topology)
+        options = {"anchor": _FailingAnchor()} if first_write == "fails" else {}
+        ckpt = _facade(topology, **options)
         async with ckpt:
             ckpt.dispatch(_parked(ckpt.agents))
-            await ckpt.snapshot_now()
+            report = await ckpt.snapshot_now()
+            if first_write == "fails":
+                assert report.outcome is SnapshotOutcome.FAILED and report.error is not None
+                assert report.error.__traceback__ is not None  # still says where
+                report = await ckpt.snapshot_now()
+            assert report.outcome is SnapshotOutcome.PUBLISHED, report.detail
+        del report
         freed = weakref.ref(ckpt)
         gc.disable()
         try:

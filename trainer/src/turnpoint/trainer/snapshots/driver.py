@@ -74,6 +74,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, suppress
@@ -920,7 +921,7 @@ class SnapshotDriver:
             retry_of=retry_of,
             continued=attempt.continued,
             restarts=attempt.restarts,
-            error=error,
+            error=_without_locals(error),
         )
         self._log(report)
         if self._metrics is not None:
@@ -962,3 +963,25 @@ class SnapshotDriver:
                 report.continued,
                 report.restarts,
             )
+
+
+def _without_locals(error: BaseException | None) -> BaseException | None:
+    """``error`` as a report keeps it: its tracebacks (and those of its causes) still
+    say where it was raised, but their finished frames drop their locals.
+
+    Those frames are the driver's own (``self``): a report that keeps a failure with its
+    frames whole is a reference cycle through the trainer, freed only by the cyclic
+    collector, and a multi-rank anchor's process groups that live until interpreter
+    teardown abort the process there (tests/e2e/test_multirank_anchor.py, exit -6).
+    """
+    seen: set[int] = set()
+    pending = [error]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if current.__traceback__ is not None:
+            traceback.clear_frames(current.__traceback__)
+        pending += [current.__cause__, current.__context__]
+    return error
