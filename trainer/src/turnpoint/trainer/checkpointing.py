@@ -403,8 +403,7 @@ class Checkpointing:
             rerun_rollouts=resumed.rerun_rollouts,
             entries=plan.participants if plan is not None else (),
         )
-        if self._history_log is not None:
-            self._history_log.append(self.history.event_record(self.history.events[-1]))
+        self._log_newest_event()
         driver = SnapshotDriver(
             coordinator=coordinator,
             rollouts=rollouts,
@@ -702,8 +701,7 @@ class Checkpointing:
                 if self._launcher is not None and failed is None:
                     continue  # a new watch: the replacements' incarnations are theirs
                 self.history.on_lost(error.lost, time.monotonic(), error.message)
-                if self._history_log is not None:
-                    self._history_log.append(self.history.event_record(self.history.events[-1]))
+                self._log_newest_event()
                 if self._on_participant_lost is not None:
                     self._on_participant_lost(error)
                 if isinstance(failed, HealRefusedError):
@@ -774,9 +772,14 @@ class Checkpointing:
             rerun_rollouts=len(plan.rerun),
             untouched_rollouts=len(plan.untouched),
         )
+        self._log_newest_event()
+        return plan
+
+    def _log_newest_event(self) -> None:
+        """Append the history's newest event (a restore, a loss, a replacement) to the
+        history file, when there is one (a local snapshot root)."""
         if self._history_log is not None:
             self._history_log.append(self.history.event_record(self.history.events[-1]))
-        return plan
 
     async def _heal_locked(self, lost: str) -> HealPlan:
         """:meth:`heal` under the snapshot lock."""
