@@ -236,6 +236,8 @@ def test_coding_in_sandboxes_trains_through_its_crash_and_every_restored_tree_is
     lines = run.stdout.splitlines()
     [sandboxes] = [line for line in lines if line.startswith("sandboxes: ")]
     assert int(sandboxes.split()[1]) >= 1, sandboxes
+    # Processes are restart-only, and the report says why (CRIU was tried).
+    assert "; processes restart_only (criu " in sandboxes, sandboxes
     assert any(line.startswith("tool calls: ") for line in lines)
     assert run.only("done", 2)["step"] == 4
 

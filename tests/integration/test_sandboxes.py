@@ -11,6 +11,8 @@ import asyncio
 import hashlib
 import json
 import os
+import platform
+import shutil
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import replace
 from pathlib import Path
@@ -420,3 +422,45 @@ async def test_a_damaged_state_file_opens_nothing(
         await asyncio.to_thread(state.write_text, json.dumps(damaged))
         with pytest.raises(ProviderStateError):
             await LocalSandboxProvider.open(tmp_path / "provider", isolation=Isolation.BWRAP)
+
+
+_FAKE_CRIU = """#!/bin/sh
+echo "Error (criu/util.c:642): exited, status=1" >&2
+echo "Error (criu/vdso.c:381): vdso: Unexpected rt vDSO area bounds" >&2
+echo "Error (criu/kerndat.c:1615): kerndat_vdso_fill_symtable failed" >&2
+exit 1
+"""
+
+
+@pytest.mark.parametrize(
+    ("script", "said"),
+    [
+        (None, "criu is not installed"),
+        (_FAKE_CRIU, "criu check fails on kernel {kernel}: vdso: Unexpected rt vDSO area bounds"),
+        ("#!/bin/sh\nexit 0\n", "criu check passes on kernel {kernel}; provider version 1"),
+    ],
+    ids=["missing", "refused", "passes"],
+)
+async def test_the_report_says_why_processes_are_restart_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, script: str | None, said: str
+) -> None:
+    """Section 5.7.4 item 4: CRIU is tried, and the report says what came of it."""
+    if os.geteuid() != 0:
+        said = "criu needs root" if script else said
+    binaries = tmp_path / "bin"
+    binaries.mkdir()
+    if script is not None:
+        (binaries / "criu").write_text(script)
+        (binaries / "criu").chmod(0o755)
+    for tool in ("bwrap", "prlimit"):
+        (binaries / tool).symlink_to(shutil.which(tool) or tool)
+    monkeypatch.setenv("PATH", str(binaries))
+    opened = await LocalSandboxProvider.open(tmp_path / "provider", isolation=Isolation.BWRAP)
+    try:
+        report = opened.isolation
+        assert report.processes is ProcessRecovery.RESTART_ONLY
+        assert report.processes_why.startswith(said.format(kernel=platform.release()))
+        box = await opened.create("box")
+        assert (await opened.snapshot(box, retention_seconds=60)).processes is report.processes
+    finally:
+        await opened.close()

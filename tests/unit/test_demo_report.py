@@ -255,6 +255,16 @@ def test_the_sandbox_audit_counts_restored_trees_equal_to_their_cut() -> None:
     assert _audit(run).sandboxes is None
 
 
+def test_the_sandbox_audit_says_what_the_restores_did_with_processes_once() -> None:
+    said = "restart_only (criu is not installed)"
+    lines = [{**_restored_sandbox("a" * 64), "processes": said}] * 2
+    result = _audit(_good_run(), sandboxes=parse_sandbox_entries(lines))
+    assert result.sandboxes is not None
+    assert result.sandboxes.line == (
+        f"sandboxes: 2 restored, each tree equal to its digest at the cut; processes {said}"
+    )
+
+
 def test_a_restored_tree_other_than_its_cut_fails_the_audit() -> None:
     sandboxes = parse_sandbox_entries([_restored_sandbox("b" * 64)])
     result = _audit(_good_run(), sandboxes=sandboxes)

@@ -332,6 +332,7 @@ class SandboxEntry:
     generation: int
     cut_digest: str
     restored_digest: str
+    processes: str | None = None  # what the restore did with the processes, and why
 
 
 @dataclass(frozen=True, slots=True)
@@ -674,6 +675,7 @@ def parse_sandbox_entries(
                 fields.integer("generation"),
                 fields.text("cut_digest"),
                 fields.text("restored_digest"),
+                fields.optional_text("processes"),
             )
         )
     return entries
@@ -871,10 +873,15 @@ class SandboxAudit:
 
     restored: int = 0
     """Sandboxes a restore brought back, each tree equal to its digest at the cut."""
+    processes: tuple[str, ...] = ()
+    """What those restores did with the sandboxes' processes, each said once."""
 
     @property
     def line(self) -> str:
-        return f"sandboxes: {self.restored} restored, each tree equal to its digest at the cut"
+        line = f"sandboxes: {self.restored} restored, each tree equal to its digest at the cut"
+        if self.processes:
+            line += f"; processes {'; '.join(self.processes)}"
+        return line
 
 
 @dataclass(frozen=True, slots=True)
@@ -1121,7 +1128,8 @@ def _check_sandboxes(sandboxes: Sequence[SandboxEntry]) -> SandboxAudit | None:
                 f"{entry.restored_digest[:12]}, but its snapshot recorded "
                 f"{entry.cut_digest[:12]} at the cut"
             )
-    return SandboxAudit(len(sandboxes))
+    said = dict.fromkeys(entry.processes for entry in sandboxes if entry.processes)
+    return SandboxAudit(len(sandboxes), tuple(said))
 
 
 def _check_tool_calls(

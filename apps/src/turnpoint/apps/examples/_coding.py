@@ -214,6 +214,8 @@ class CodingTools(SandboxResourcesServer):
         # The demo's sandbox audit: the tree the restore made, measured, against the
         # digest its snapshot recorded at the cut.
         restored = await self.checkpoint(self.session(episode))
+        # And what it did with the processes: restart-only, and why (CRIU tried).
+        isolation = (await self.provider()).isolation
         await asyncio.to_thread(
             self.log.write,
             sandbox=restored.sandbox_id,
@@ -222,6 +224,7 @@ class CodingTools(SandboxResourcesServer):
             generation=restored.generation,
             cut_digest=SavedSession.from_json(state).handle.tree_digest,
             restored_digest=restored.tree_digest,
+            processes=f"{isolation.processes.value} ({isolation.processes_why})",
         )
 
 

@@ -14,19 +14,26 @@ Every mechanism runs under ``prlimit`` when it is present, so the kernel caps CP
 seconds, file size, address space and processes (the process cap does not bind uid 0,
 and the report says so). :func:`probe` runs a real command to decide; it never guesses
 from the presence of a binary alone.
+
+Processes are restart-only (section 5.7.2 item 3). :func:`probe` also tries CRIU
+(``criu check``) and the report says why no process snapshot is taken: CRIU missing, not
+root, the kernel refusing it (Debian bookworm's criu 3.17 fails on the vDSO layout of
+recent kernels), or, where it passes, that this provider version does not use it.
 """
 
 from __future__ import annotations
 
 import os
+import platform
 import shutil
 import subprocess
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Final
 
 from ._errors import IsolationUnavailableError
-from ._provider import Isolation, IsolationReport, Mount, ResourceLimits
+from ._provider import Isolation, IsolationReport, Mount, ProcessRecovery, ResourceLimits
 
 SANDBOX_MOUNT: Final = "/sandbox"
 _SYSTEM_DIRS: Final = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/etc")
@@ -42,9 +49,35 @@ def probe(wanted: Isolation | None, scratch: Path) -> IsolationReport:
     candidates = [wanted] if wanted is not None else list(Isolation)
     for mechanism in candidates:
         if mechanism is Isolation.NONE or _works(mechanism, scratch):
-            return _report(mechanism)
+            return replace(
+                _report(mechanism),
+                processes=ProcessRecovery.RESTART_ONLY,
+                processes_why=why_restart_only(),
+            )
     assert wanted is not None  # NONE always works
     raise IsolationUnavailableError(wanted.value)
+
+
+def why_restart_only() -> str:
+    """Why a snapshot holds no process here, after trying CRIU (blocking)."""
+    if shutil.which("criu") is None:
+        return "criu is not installed"
+    if os.geteuid() != 0:
+        return "criu needs root"
+    try:
+        done = subprocess.run(
+            ["criu", "check"], capture_output=True, text=True, timeout=_PROBE_SECONDS, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return f"criu check did not run: {type(error).__name__}"
+    kernel = platform.release()
+    if done.returncode == 0:
+        return f"criu check passes on kernel {kernel}; provider version 1 takes no process snapshot"
+    errors = [line for line in (done.stderr + done.stdout).splitlines() if "Error" in line]
+    # "Error (criu/vdso.c:381): vdso: ..." -> "vdso: ...": the first cause, not the last.
+    causes = [line.split("): ", 1)[-1] for line in errors if "exited, status" not in line]
+    cause = causes[0] if causes else f"exit status {done.returncode}"
+    return f"criu check fails on kernel {kernel}: {cause}"
 
 
 def _works(mechanism: Isolation, scratch: Path) -> bool:

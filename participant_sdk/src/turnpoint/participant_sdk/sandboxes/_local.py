@@ -7,6 +7,7 @@ Layout under the provider's root (everything it owns; nothing outside is written
 
     store.lock                   shared by captures and restores, taken alone by a prune,
                                  across every process over the root
+    state.lock                   held by each change of state.json, across every process
     state.json                   every live sandbox: active generation, its directory,
                                  base digest, last restore attempt, recorded commands;
                                  the last generation of every destroyed one
@@ -15,8 +16,12 @@ Layout under the provider's root (everything it owns; nothing outside is written
     sandboxes/<id>/g<N>-<hex>/   one generation's tree
 
 ``state.json`` is replaced atomically, so a restore of several sandboxes activates all
-of them in one rename or none. State changes happen on the event loop, one at a time
-(an ``asyncio.Lock``); the file work between them runs in threads.
+of them in one rename or none. Every change of state (create, clone, start, destroy,
+restore) runs in a thread holding ``state.lock``: it reads the file afresh, checks, does
+its file work and writes the file, so providers in several processes over one root
+change it one at a time and never from a stale copy. Calls on a sandbox read the file
+again when it has changed since this process last read it, and a generation another
+process replaced is fenced here too: its processes killed, every call refused.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from ._chunks import ChunkStore
 from ._errors import (
     DuplicateRestoreError,
     ProviderStateError,
+    SandboxError,
     SandboxExistsError,
     SandboxFencedError,
     SandboxNotFoundError,
@@ -80,20 +86,26 @@ _DRAIN_SECONDS: Final = 5.0
 _READ_BYTES: Final = 1 << 16
 _GENERATION_DIR: Final = re.compile(r"g[0-9]+-[0-9a-f]{8}")
 _STORE_LOCK: Final = "store.lock"
+_STATE_LOCK: Final = "state.lock"
 
 
 @contextlib.contextmanager
-def _store_lock(root: Path, *, exclusive: bool) -> Iterator[None]:
-    """Held (blocking: call in a thread) from a capture's first chunk to its handle record,
-    and over a restore's reads, shared; by a prune alone. A capture's chunks are
-    unreferenced until its record lands, so a prune of another process over the same
-    root must not run meanwhile (section 5.7.4 item 5)."""
-    fd = os.open(root / _STORE_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+def _flock(path: Path, *, exclusive: bool) -> Iterator[None]:
+    """``path`` locked across processes (blocking: call in a thread)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
         yield
     finally:
         os.close(fd)  # and the lock with it
+
+
+def _store_lock(root: Path, *, exclusive: bool) -> contextlib.AbstractContextManager[None]:
+    """Held from a capture's first chunk to its handle record, and over a restore's
+    reads, shared; by a prune alone. A capture's chunks are unreferenced until its record
+    lands, so a prune of another process over the same root must not run meanwhile
+    (section 5.7.4 item 5)."""
+    return _flock(root / _STORE_LOCK, exclusive=exclusive)
 
 
 @dataclass(frozen=True)
@@ -129,6 +141,43 @@ class _SandboxState:
         )
 
 
+@dataclass(frozen=True)
+class _State:
+    """What ``state.json`` holds: the live sandboxes, and the last generation of each
+    destroyed one (so a sandbox made again under its id starts past it and an old handle
+    stays fenced); ``stamp`` tells whether the file changed since it was read."""
+
+    live: dict[str, _SandboxState]
+    retired: dict[str, int]
+    serial: int = 0  # one more with each write: a copy read earlier is never adopted later
+    stamp: tuple[int, int, int] | None = None
+
+    def last_generation(self, sandbox_id: str) -> int:
+        state = self.live.get(sandbox_id)
+        if state is not None:
+            return state.generation
+        return self.retired.get(sandbox_id, 0)
+
+    def active(self, sandbox: Sandbox) -> _SandboxState:
+        """The sandbox's state if ``sandbox`` is its active generation; else fenced."""
+        state = self.live.get(sandbox.sandbox_id)
+        if state is None:
+            if sandbox.sandbox_id in self.retired:
+                raise SandboxFencedError(sandbox.sandbox_id, sandbox.generation, None)
+            raise SandboxNotFoundError(sandbox.sandbox_id)
+        if state.generation != sandbox.generation:
+            raise SandboxFencedError(sandbox.sandbox_id, sandbox.generation, state.generation)
+        return state
+
+
+def _stamp(path: Path) -> tuple[int, int, int] | None:
+    try:
+        status = path.stat()
+    except FileNotFoundError:
+        return None
+    return (status.st_ino, status.st_mtime_ns, status.st_size)
+
+
 class LocalSandboxProvider(SandboxProvider):
     """Sandboxes as directories on this machine; open one with :meth:`open`."""
 
@@ -150,9 +199,8 @@ class LocalSandboxProvider(SandboxProvider):
         self._limits = limits
         self._store = ChunkStore(root / "store", snapshot_limits)
         self._clock = clock
-        # The live sandboxes; and the last generation of each destroyed one, so that a
-        # sandbox made again under its id starts past it and an old handle stays fenced.
-        self._state, self._retired = self._load_state()
+        # This process's copy of state.json: what calls on a sandbox check against.
+        self._state = self._read_state()
         self._lock = asyncio.Lock()
         self._processes: dict[Sandbox, set[asyncio.subprocess.Process]] = {}
 
@@ -194,11 +242,14 @@ class LocalSandboxProvider(SandboxProvider):
 
     # ---------------------------------------------------------------- state
 
-    def _load_state(self) -> tuple[dict[str, _SandboxState], dict[str, int]]:
+    def _read_state(self) -> _State:
+        """``state.json`` as it is now (blocking)."""
+        path = self._root / "state.json"
         try:
-            text = (self._root / "state.json").read_text("utf-8")
+            stamp = _stamp(path)
+            text = path.read_text("utf-8")
         except FileNotFoundError:
-            return {}, {}
+            return _State({}, {})
         try:
             document = loads_strict(text)
             if document["state_version"] != _STATE_VERSION:
@@ -207,21 +258,68 @@ class LocalSandboxProvider(SandboxProvider):
                 validate_id(k, "sandbox_id"): _SandboxState.from_json(v)
                 for k, v in document["sandboxes"].items()
             }
-            return live, {k: int(v) for k, v in document["retired"].items()}
-        except (StrictJSONError, KeyError, TypeError, ValueError) as error:
-            detail = type(error).__name__
-            raise ProviderStateError(str(self._root / "state.json"), detail) from None
+            retired = {k: int(v) for k, v in document["retired"].items()}
+            serial = int(document.get("serial", 0))
+        except (StrictJSONError, KeyError, TypeError, ValueError, AttributeError) as error:
+            raise ProviderStateError(str(path), type(error).__name__) from None
+        return _State(live, retired, serial, stamp)
 
-    def _write_state(
-        self, state: dict[str, _SandboxState], retired: dict[str, int] | None = None
-    ) -> None:
+    def _write_state(self, state: _State) -> _State:
+        """Replace ``state.json`` with ``state`` (blocking; under the state lock)."""
         document = {
             "state_version": _STATE_VERSION,
-            "sandboxes": {k: v.to_json() for k, v in sorted(state.items())},
-            "retired": dict(sorted((self._retired if retired is None else retired).items())),
+            "serial": state.serial,
+            "sandboxes": {k: v.to_json() for k, v in sorted(state.live.items())},
+            "retired": dict(sorted(state.retired.items())),
         }
         data = json.dumps(document, indent=2, sort_keys=True).encode("utf-8")
-        replace_file(self._root / "state.json", data, temp_prefix=_TEMP_PREFIX)
+        path = self._root / "state.json"
+        replace_file(path, data, temp_prefix=_TEMP_PREFIX)
+        return replace(state, stamp=_stamp(path))
+
+    def _change(self, change: Callable[[_State], _State]) -> tuple[_State, _State]:
+        """Apply ``change`` to ``state.json`` as it is now, across processes (blocking):
+        the state it found and the state it wrote.
+
+        ``change`` may raise (nothing is written) or do file work; the state lock is held
+        from the read to the write, so no other process's change falls in between.
+        """
+        with _flock(self._root / _STATE_LOCK, exclusive=True):
+            current = self._read_state()
+            updated = replace(change(current), serial=current.serial + 1)
+            return current, self._write_state(updated)
+
+    async def _commit(self, change: Callable[[_State], _State]) -> _State:
+        """:meth:`_change` in a thread; this process then adopts what another process
+        changed before it, and what it wrote (each fences the generations it replaced)."""
+        try:
+            current, updated = await asyncio.to_thread(self._change, change)
+        except SandboxError:
+            await self._adopt(await asyncio.to_thread(self._read_state))
+            raise
+        await self._adopt(current)
+        await self._adopt(updated)
+        return updated
+
+    async def _adopt(self, state: _State) -> None:
+        """Take ``state`` as this process's copy, unless it already holds a later one;
+        fence every generation it replaced."""
+        if state.serial < self._state.serial:
+            return
+        previous, self._state = self._state, state
+        for sandbox_id, old in previous.live.items():
+            new = state.live.get(sandbox_id)
+            if new is None or new.generation != old.generation:
+                await self._fence(Sandbox(sandbox_id, old.generation), old)
+
+    async def _current(self, sandbox: Sandbox) -> tuple[_SandboxState, Path]:
+        """The sandbox's state and tree if ``sandbox`` is its active generation, as
+        ``state.json`` says now (another process may have replaced it); else fenced."""
+        path = self._root / "state.json"
+        if await asyncio.to_thread(_stamp, path) != self._state.stamp:
+            await self._adopt(await asyncio.to_thread(self._read_state))
+        state = self._state.active(sandbox)
+        return state, self._tree(sandbox.sandbox_id, state)
 
     def _tree(self, sandbox_id: str, state: _SandboxState) -> Path:
         return self._root / "sandboxes" / sandbox_id / state.directory
@@ -230,71 +328,57 @@ class LocalSandboxProvider(SandboxProvider):
         name = f"g{generation}-{secrets.token_hex(4)}"
         return name, self._root / "sandboxes" / sandbox_id / name
 
-    def _active(self, sandbox: Sandbox) -> tuple[_SandboxState, Path]:
-        """The sandbox's state if ``sandbox`` is its active generation; else fenced."""
-        state = self._state.get(sandbox.sandbox_id)
-        if state is None:
-            if sandbox.sandbox_id in self._retired:
-                raise SandboxFencedError(sandbox.sandbox_id, sandbox.generation, None)
-            raise SandboxNotFoundError(sandbox.sandbox_id)
-        if state.generation != sandbox.generation:
-            raise SandboxFencedError(sandbox.sandbox_id, sandbox.generation, state.generation)
-        return state, self._tree(sandbox.sandbox_id, state)
-
     # ---------------------------------------------------------------- lifecycle
 
     async def create(self, sandbox_id: str) -> Sandbox:
         validate_id(sandbox_id, "sandbox_id")
         async with self._lock:
-            if sandbox_id in self._state:
-                raise SandboxExistsError(sandbox_id)
             return await self._install(sandbox_id, lambda: TreeManifest(()))
 
     async def clone(self, sandbox: Sandbox, new_sandbox_id: str) -> Sandbox:
         validate_id(new_sandbox_id, "sandbox_id")
         async with self._lock:
-            _, tree = self._active(sandbox)
-            if new_sandbox_id in self._state:
-                raise SandboxExistsError(new_sandbox_id)
+            _, tree = await self._current(sandbox)
             return await self._install(new_sandbox_id, lambda: self._store.capture(tree).manifest)
 
     async def _install(self, sandbox_id: str, source: Callable[[], TreeManifest]) -> Sandbox:
         """A new sandbox holding the tree ``source`` returns (called in a thread)."""
-        generation = self._retired.get(sandbox_id, 0) + 1
-        name, tree = self._new_directory(sandbox_id, generation)
 
-        def materialize() -> str:
-            with _store_lock(self._root, exclusive=False):
-                manifest = source()
-                tree.parent.mkdir(exist_ok=True)
-                self._store.restore(manifest, tree)
-            return manifest.digest
+        def change(current: _State) -> _State:
+            if sandbox_id in current.live:
+                raise SandboxExistsError(sandbox_id)
+            generation = current.last_generation(sandbox_id) + 1
+            name, tree = self._new_directory(sandbox_id, generation)
+            try:
+                with _store_lock(self._root, exclusive=False):
+                    manifest = source()
+                    tree.parent.mkdir(exist_ok=True)
+                    self._store.restore(manifest, tree)
+                live = {
+                    **current.live,
+                    sandbox_id: _SandboxState(generation, name, manifest.digest, 0, ()),
+                }
+                retired = {k: v for k, v in current.retired.items() if k != sandbox_id}
+                return _State(live, retired)
+            except BaseException:
+                shutil.rmtree(tree, ignore_errors=True)
+                raise
 
-        base = await asyncio.to_thread(materialize)
-        state = dict(self._state)
-        state[sandbox_id] = _SandboxState(generation, name, base, 0, ())
-        retired = {k: v for k, v in self._retired.items() if k != sandbox_id}
-        try:
-            await asyncio.to_thread(self._write_state, state, retired)
-        except BaseException:
-            await asyncio.to_thread(shutil.rmtree, tree, True)
-            raise
-        self._state, self._retired = state, retired
-        sandbox = Sandbox(sandbox_id, generation)
+        updated = await self._commit(change)
+        sandbox = Sandbox(sandbox_id, updated.live[sandbox_id].generation)
         self._processes[sandbox] = set()
         return sandbox
 
     async def destroy(self, sandbox_id: str) -> None:
-        async with self._lock:
-            state = self._state.get(sandbox_id)
+        def change(current: _State) -> _State:
+            state = current.live.get(sandbox_id)
             if state is None:
                 raise SandboxNotFoundError(sandbox_id)
-            remaining = dict(self._state)
-            del remaining[sandbox_id]
-            retired = {**self._retired, sandbox_id: state.generation}
-            await asyncio.to_thread(self._write_state, remaining, retired)
-            self._state, self._retired = remaining, retired
-            await self._fence(Sandbox(sandbox_id, state.generation), state)
+            live = {k: v for k, v in current.live.items() if k != sandbox_id}
+            return _State(live, {**current.retired, sandbox_id: state.generation})
+
+        async with self._lock:
+            await self._commit(change)
 
     async def _fence(self, old: Sandbox, state: _SandboxState) -> None:
         """Kill what runs in a generation that is no longer active, and remove its tree."""
@@ -335,7 +419,7 @@ class LocalSandboxProvider(SandboxProvider):
             stderr.cancel()
         out, out_cut = stdout.result() if stdout in done else (b"", True)
         err, err_cut = stderr.result() if stderr in done else (b"", True)
-        self._active(sandbox)  # fenced while it ran: what it did went with the old tree
+        await self._current(sandbox)  # fenced while it ran: what it did went with the old tree
         return ExecResult(
             None if timed_out else process.returncode,
             out,
@@ -346,12 +430,14 @@ class LocalSandboxProvider(SandboxProvider):
 
     async def start(self, sandbox: Sandbox, argv: Sequence[str]) -> None:
         await self._spawn(sandbox, argv, piped=False)
+
+        def change(current: _State) -> _State:
+            state = current.active(sandbox)  # a restore that fenced it killed the process
+            command = replace(state, commands=(*state.commands, tuple(argv)))
+            return replace(current, live={**current.live, sandbox.sandbox_id: command})
+
         async with self._lock:
-            state, _ = self._active(sandbox)  # a restore that fenced it killed the process
-            updated = dict(self._state)
-            updated[sandbox.sandbox_id] = replace(state, commands=(*state.commands, tuple(argv)))
-            await asyncio.to_thread(self._write_state, updated)
-            self._state = updated
+            await self._commit(change)
 
     async def close(self) -> None:
         """Kill every process this provider started; the sandboxes' trees stay."""
@@ -369,7 +455,7 @@ class LocalSandboxProvider(SandboxProvider):
     ) -> asyncio.subprocess.Process:
         if not argv:
             raise ValueError("an empty command")
-        _, tree = self._active(sandbox)
+        _, tree = await self._current(sandbox)
         pipe = asyncio.subprocess.PIPE
         quiet = asyncio.subprocess.DEVNULL
         process = await asyncio.create_subprocess_exec(
@@ -382,7 +468,7 @@ class LocalSandboxProvider(SandboxProvider):
             env=_environment(),
         )
         try:
-            self._active(sandbox)  # a restore may have fenced it while it started
+            await self._current(sandbox)  # a restore may have fenced it while it started
         except BaseException:
             _kill(process)
             await process.wait()
@@ -393,18 +479,18 @@ class LocalSandboxProvider(SandboxProvider):
     # ---------------------------------------------------------------- files
 
     async def read_file(self, sandbox: Sandbox, path: str) -> bytes:
-        _, tree = self._active(sandbox)
+        _, tree = await self._current(sandbox)
         return await asyncio.to_thread(_read_inside, tree, _checked(path))
 
     async def write_file(self, sandbox: Sandbox, path: str, data: bytes, mode: int = 0o644) -> None:
-        _, tree = self._active(sandbox)
+        _, tree = await self._current(sandbox)
         await asyncio.to_thread(_write_inside, tree, _checked(path), data, mode & 0o777)
 
     # ---------------------------------------------------------------- snapshots
 
     async def snapshot(self, sandbox: Sandbox, *, retention_seconds: float) -> SnapshotHandle:
         async with self._lock:
-            state, tree = self._active(sandbox)
+            state, tree = await self._current(sandbox)
 
             def write() -> SnapshotHandle:
                 with _store_lock(self._root, exclusive=False):
@@ -485,11 +571,14 @@ class LocalSandboxProvider(SandboxProvider):
     async def restore(
         self, handles: Sequence[SnapshotHandle], *, attempt: int
     ) -> tuple[Restored, ...]:
-        async with self._lock:
+        staged: list[tuple[SnapshotHandle, Sandbox]] = []
+        made: list[Path] = []
+
+        def change(current: _State) -> _State:
             seen: set[str] = set()
             for handle in handles:
-                state = self._state.get(handle.sandbox_id)
-                if state is None and handle.sandbox_id not in self._retired:
+                state = current.live.get(handle.sandbox_id)
+                if state is None and handle.sandbox_id not in current.retired:
                     raise SandboxNotFoundError(handle.sandbox_id)
                 # A destroyed sandbox comes back too (its episode may have ended after
                 # the cut); its restore attempts were forgotten with it.
@@ -497,33 +586,29 @@ class LocalSandboxProvider(SandboxProvider):
                 if handle.sandbox_id in seen or attempt <= restored_attempt:
                     raise DuplicateRestoreError(handle.sandbox_id, attempt, restored_attempt)
                 seen.add(handle.sandbox_id)
-            staged = await asyncio.to_thread(self._stage, handles)
-            updated = dict(self._state)
-            for record, name, _ in staged:
-                updated[record.sandbox_id] = _SandboxState(
-                    self._last_generation(record.sandbox_id) + 1,
-                    name,
-                    record.base_digest,
-                    attempt,
-                    record.restart_commands,
+            live = dict(current.live)
+            trees = self._stage(current, handles)
+            for record, name, tree in trees:
+                made.append(tree)
+                generation = current.last_generation(record.sandbox_id) + 1
+                live[record.sandbox_id] = _SandboxState(
+                    generation, name, record.base_digest, attempt, record.restart_commands
                 )
-            retired = {k: v for k, v in self._retired.items() if k not in seen}
+                staged.append((record, Sandbox(record.sandbox_id, generation)))
+            retired = {k: v for k, v in current.retired.items() if k not in seen}
+            return _State(live, retired)
+
+        async with self._lock:
             try:
-                await asyncio.to_thread(self._write_state, updated, retired)
+                await self._commit(change)
             except BaseException:
-                await asyncio.to_thread(_remove_all, [tree for _, _, tree in staged])
+                # state.json not written: what was staged activates nothing.
+                await asyncio.to_thread(_remove_all, made)
                 raise
-            previous, self._state, self._retired = self._state, updated, retired
-            restored = []
-            for record, _, _ in staged:
-                old = previous.get(record.sandbox_id)
-                if old is not None:
-                    await self._fence(Sandbox(record.sandbox_id, old.generation), old)
-                new = Sandbox(record.sandbox_id, updated[record.sandbox_id].generation)
+            for _, new in staged:
                 self._processes[new] = set()
-                restored.append((record, new))
         results = []
-        for record, new in restored:
+        for record, new in staged:
             for command in record.restart_commands:
                 await self._spawn(new, command, piped=False)
             results.append(
@@ -531,31 +616,24 @@ class LocalSandboxProvider(SandboxProvider):
             )
         return tuple(results)
 
-    def _last_generation(self, sandbox_id: str) -> int:
-        state = self._state.get(sandbox_id)
-        return self._retired[sandbox_id] if state is None else state.generation
-
-    def _stage(self, handles: Sequence[SnapshotHandle]) -> list[tuple[SnapshotHandle, str, Path]]:
+    def _stage(
+        self, current: _State, handles: Sequence[SnapshotHandle]
+    ) -> list[tuple[SnapshotHandle, str, Path]]:
         """Every snapshot checked and materialized in a new directory, or none (blocking)."""
         with _store_lock(self._root, exclusive=False):
-            return self._stage_locked(handles)
-
-    def _stage_locked(
-        self, handles: Sequence[SnapshotHandle]
-    ) -> list[tuple[SnapshotHandle, str, Path]]:
-        records = [self._record(handle) for handle in handles]
-        staged: list[tuple[SnapshotHandle, str, Path]] = []
-        try:
-            for record in records:
-                manifest = self._store.load(record.tree_digest)
-                generation = self._last_generation(record.sandbox_id) + 1
-                name, tree = self._new_directory(record.sandbox_id, generation)
-                self._store.restore(manifest, tree)
-                staged.append((record, name, tree))
-        except BaseException:
-            _remove_all([tree for _, _, tree in staged])
-            raise
-        return staged
+            records = [self._record(handle) for handle in handles]
+            staged: list[tuple[SnapshotHandle, str, Path]] = []
+            try:
+                for record in records:
+                    manifest = self._store.load(record.tree_digest)
+                    generation = current.last_generation(record.sandbox_id) + 1
+                    name, tree = self._new_directory(record.sandbox_id, generation)
+                    self._store.restore(manifest, tree)
+                    staged.append((record, name, tree))
+            except BaseException:
+                _remove_all([tree for _, _, tree in staged])
+                raise
+            return staged
 
 
 def _remove_all(trees: list[Path]) -> None:

@@ -70,6 +70,9 @@ class IsolationReport:
     pid_namespace: bool
     limits_enforced: tuple[str, ...]  # resource caps the kernel applies to them
     notes: tuple[str, ...] = ()
+    # What a snapshot holds of them, and why not more (a process snapshot was tried).
+    processes: ProcessRecovery = ProcessRecovery.RESTART_ONLY
+    processes_why: str = ""
 
 
 @dataclass(frozen=True)
