@@ -376,3 +376,56 @@ async def test_snapshots_whose_retention_lapsed_are_pruned_once_a_checkpoint_end
                 await client.aclose()
     finally:
         await server.aclose()
+
+
+class _NotesRestoringNothing(_Notes):
+    """A restore hook that installs nothing: the episode would go on without its tree."""
+
+    async def restore_session(
+        self, saved: EpisodeId, episode: EpisodeId, state: Mapping[str, Any]
+    ) -> None:
+        return None
+
+
+@pytest.mark.parametrize("server_type", [_Notes, _NotesRestoringNothing])
+async def test_a_restore_asks_whether_the_session_is_held_and_takes_no_snapshot_for_it(
+    tmp_path: Path, server_type: type[_Notes]
+) -> None:
+    """docs/spec.md section 5.6 item 4 through ``holds_session``: asking the export
+    instead would snapshot the tree the restore just made."""
+    sandboxes = tmp_path / "sandboxes"
+
+    def open_provider() -> Awaitable[SandboxProvider]:
+        return LocalSandboxProvider.open(sandboxes, isolation=Isolation.BWRAP)
+
+    def records() -> int:
+        return len(list((sandboxes / "snapshots").glob("*.json")))
+
+    server = server_type(open_provider)
+    try:
+        async with (
+            host_scripted(tmp_path / "snapshots", instance="notes-0", resources=server) as served,
+            wire_to(served, "unary") as wire,
+        ):
+            client = ResourcesClient(served.address, token=TOKEN)
+            try:
+                await client.seed(EP, {})
+                await wire.prepare(ckpt(1), lease_s=60)
+                committed = await wire.commit(ckpt(1), "snap-1", [EP])
+                await wire.resume(ckpt(1))
+                exported = records()
+                if server_type is _NotesRestoringNothing:
+                    with pytest.raises(TurnpointError) as refused:
+                        await wire.restore_running(restore_id(1), "snap-1", committed, [EP])
+                    assert refused.value.reason is Reason.INVALID_CHECKPOINT_STATE
+                    return
+                restored = await wire.restore_running(restore_id(1), "snap-1", committed, [EP])
+                assert len(restored.installed) == 1
+                await wire.resume(restore_id(1))
+                assert records() == exported
+                verdict = await client.verify(EP.next_attempt(), {}, request_id=_key(0))
+                assert verdict.reward == 1.0
+            finally:
+                await client.aclose()
+    finally:
+        await server.aclose()

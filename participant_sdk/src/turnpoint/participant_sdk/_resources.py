@@ -149,6 +149,12 @@ class ResourcesServer(abc.ABC):
         """Raise ValueError if a saved session cannot be restored (checked before any install)."""
         return None
 
+    def holds_session(self, episode: EpisodeId) -> bool | None:
+        """EXPORTED: whether a session of ``episode`` is installed, or None (the default)
+        to let the SDK ask :meth:`export_sessions` after a restore instead. Override it
+        where an export is costly (docs/spec.md section 5.6 item 4)."""
+        return None
+
     async def admission_closed(self) -> None:
         """A checkpoint closed admission (a failure makes the prepare fail and reopen)."""
         return None
@@ -554,10 +560,12 @@ class ResourcesHost:
         state, replies = split_payload(record.payload)
         await self._server.restore_session(record.episode, episode, state)
         # docs/spec.md section 5.6 item 4: a restore hook that installs nothing would let
-        # the episode continue against an empty session. The server's own export is the
-        # one view of its sessions the SDK has: the restored one must be in it.
-        present = await self._server.export_sessions([episode])
-        if episode not in present:
+        # the episode continue against an empty session. The server says whether it holds
+        # it, or its own export is the one view of its sessions the SDK has.
+        held = self._server.holds_session(episode)
+        if held is None:
+            held = episode in await self._server.export_sessions([episode])
+        if not held:
             await self._server.retire_session(episode)
             raise TurnpointError(
                 Reason.INVALID_CHECKPOINT_STATE,

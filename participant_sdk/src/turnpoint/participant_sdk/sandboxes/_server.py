@@ -267,6 +267,10 @@ class SandboxResourcesServer(ResourcesServer):
     def validate_session(self, episode: EpisodeId, state: Mapping[str, Any]) -> None:
         self.check_data(SavedSession.from_json(state).data)
 
+    def holds_session(self, episode: EpisodeId) -> bool:
+        # Not an export: that would snapshot the tree the restore just made.
+        return episode in self._sessions
+
     async def restore_session(
         self, saved: EpisodeId, episode: EpisodeId, state: Mapping[str, Any]
     ) -> None:
