@@ -35,6 +35,7 @@ from turnpoint.apps.bench._ray_scale import NODE_RESOURCE, NoopParticipant, meas
 from turnpoint.ids import make_checkpoint_id
 from turnpoint.server import ServerOptions
 from turnpoint.server.ray import (
+    FleetError,
     FleetOptions,
     LocalCluster,
     ParticipantFleet,
@@ -138,6 +139,20 @@ async def test_a_fleet_spreads_serves_restarts_and_survives_a_lost_node(
         assert {n: i for n, i in after.items() if n != crashed} == {
             n: i for n, i in before.items() if n != crashed
         }
+
+        # Healing in place (docs/spec.md section 7.15): the fleet is the launcher. One
+        # participant is replaced under its name; no other actor is touched.
+        healed = "tools-1"
+        address = await fleet.replace(healed)
+        assert fleet.endpoints()[healed] == address and fleet.lost() == []
+        after_heal = await _incarnations(fleet.endpoints(), tmp_path)
+        assert after_heal[healed] != after[healed]
+        assert {n: i for n, i in after_heal.items() if n != healed} == {
+            n: i for n, i in after.items() if n != healed
+        }
+        with pytest.raises(FleetError):
+            await fleet.replace("tools-9")
+        after = after_heal
 
         # A node goes away with its participants; the job restart puts every replacement
         # on the remaining nodes, where the coordinator finds them all fresh.

@@ -18,7 +18,9 @@ by Ray after its process dies (the node still alive); :meth:`ParticipantFleet.re
 starts its participants again and returns the instances that came back, on new ports. A
 node lost with its actors is a job restart (docs/spec.md section 7.12):
 :meth:`ParticipantFleet.restart` stops every actor and launches fresh ones on the nodes
-alive now. A spread (or pinned) placement is a hard node affinity, so Ray never
+alive now; or, healing in place (section 7.15), the coordinator's launcher is the fleet
+itself: :meth:`ParticipantFleet.replace` ends what is left of one participant's actor and
+launches it again on a node alive now, the rest of the fleet untouched. A spread (or pinned) placement is a hard node affinity, so Ray never
 restarts an actor of a lost node elsewhere behind the job's back.
 
 :class:`LocalCluster` starts a head and more nodes on this machine
@@ -519,6 +521,7 @@ class ParticipantFleet:
         self._options = options
         self._actors: list[RayParticipants] = []
         self._stopping: set[str] = set()
+        self._spreader = _Spreader()
 
     async def __aenter__(self) -> ParticipantFleet:
         await self.start()
@@ -533,7 +536,7 @@ class ParticipantFleet:
 
     async def start(self) -> None:
         """Launch and serve every group; all or nothing."""
-        spreader = _Spreader()
+        spreader = self._spreader
         # Interleave the groups' actors, so that each kind spreads over the nodes too.
         planned = [
             (group, instances) for group in self._groups for instances in group.actor_instances()
@@ -586,6 +589,41 @@ class ParticipantFleet:
             await actor.start(self._options.start_timeout_s)
             back.extend(actor.instances)
         return back
+
+    async def replace(self, instance: str) -> str:
+        """A launcher for healing in place (the trainer's ``Launcher``): end the actor
+        serving ``instance``, whatever is left of it (a paused process must never come
+        back beside its replacement), launch it again on its node if that is alive, else
+        on another that fits its placement, and return the replacement's address once it serves.
+
+        Only an actor of one participant is replaced: the others of a shared actor would
+        come back fresh behind the coordinator's back, so :class:`FleetError` says so and
+        the job restarts instead. Also :class:`FleetError` when no node fits or the
+        replacement does not start.
+        """
+        index = next(
+            (n for n, actor in enumerate(self._actors) if instance in actor.instances), None
+        )
+        if index is None:
+            raise FleetError(f"no participant {instance} in this fleet")
+        old = self._actors[index]
+        if old.instances != (instance,):
+            raise FleetError(
+                f"participant {instance} shares its Ray actor with "
+                f"{', '.join(n for n in old.instances if n != instance)}: replacing it alone "
+                "is not possible (a job restart replaces them)"
+            )
+        await old.kill()
+        group = old.group
+        # Its own node while that lives (the fleet's spread stays as it was), else the next.
+        placement = group.placement
+        fits = alive_nodes(placement.num_cpus, placement.resources) if placement.spread else []
+        node = old.planned_node if old.planned_node in fits else self._spreader.node_for(placement)
+        new = RayParticipants.launch(group, old.instances, self._options, node_id=node)
+        self._actors[index] = new
+        await new.start(self._options.start_timeout_s)
+        (endpoint,) = new.endpoints()
+        return endpoint.address
 
     async def restart(self) -> None:
         """A job restart: end every actor, then launch the whole fleet fresh on the nodes
