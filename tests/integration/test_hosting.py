@@ -10,7 +10,7 @@ import socket
 import sys
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -457,6 +457,9 @@ class _Pki:
     server_key: Path
     client_cert: Path
     client_key: Path
+    # Signed by the same CA, naming "harness": an agent's harness, never the coordinator.
+    harness_cert: Path
+    harness_key: Path
 
 
 def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
@@ -545,18 +548,29 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Pki]:
         issuer,
         extensions=leaf(ExtendedKeyUsageOID.CLIENT_AUTH, [x509.DNSName("coordinator")]),
     )
+    harness_key = ec.generate_private_key(ec.SECP256R1())
+    harness_cert = _issue(
+        "harness",
+        harness_key,
+        issuer,
+        extensions=leaf(ExtendedKeyUsageOID.CLIENT_AUTH, [x509.DNSName("harness")]),
+    )
     paths = _Pki(
         ca=root / "ca.pem",
         server_cert=root / "server.pem",
         server_key=root / "server.key",
         client_cert=root / "client.pem",
         client_key=root / "client.key",
+        harness_cert=root / "harness.pem",
+        harness_key=root / "harness.key",
     )
     paths.ca.write_bytes(ca_cert.public_bytes(serialization.Encoding.PEM))
     paths.server_cert.write_bytes(server_cert.public_bytes(serialization.Encoding.PEM))
     paths.client_cert.write_bytes(client_cert.public_bytes(serialization.Encoding.PEM))
+    paths.harness_cert.write_bytes(harness_cert.public_bytes(serialization.Encoding.PEM))
     _write_key(paths.server_key, server_key)
     _write_key(paths.client_key, client_key)
+    _write_key(paths.harness_key, harness_key)
     yield paths
 
 
@@ -615,6 +629,69 @@ async def test_mutual_tls_refuses_a_client_without_a_certificate(pki: _Pki) -> N
         )
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     assert response.admission_open
+
+
+async def test_control_identities_bind_the_control_role_to_a_certificate(pki: _Pki) -> None:
+    """docs/spec.md section 10.2 item 6: the control token presented from a certificate
+    that names no control identity (a harness's machine) opens no control method, of any
+    streaming shape; the data plane stays open to it; the coordinator's is served."""
+    options = replace(_tls_options(pki, mutual=True), control_identities=("coordinator",))
+    coordinator = client_credentials(pki.ca, pki.client_cert, pki.client_key)
+    harness = client_credentials(pki.ca, pki.harness_cert, pki.harness_key)
+    token = auth_metadata(TOKEN)
+    async with _serving(options) as server:
+        served = await _get_status(server.address, coordinator, metadata=token)
+        assert served.admission_open
+        async with _channel(server.address, harness, FRESH_CONNECTION) as channel:
+            control = pb_grpc.CheckpointControlServiceStub(channel)
+            refusals = []
+            with pytest.raises(grpc.aio.AioRpcError) as unary:
+                await control.GetStatus(pb.GetStatusRequest(), metadata=token, timeout=RPC_TIMEOUT)
+            refusals.append(unary.value)
+            with pytest.raises(grpc.aio.AioRpcError) as streamed:
+                async for _ in control.WatchBoundaries(
+                    pb.WatchBoundariesRequest(), metadata=token, timeout=RPC_TIMEOUT
+                ):
+                    pass
+            refusals.append(streamed.value)
+            session = control.ControlSession(None, metadata=token, timeout=RPC_TIMEOUT)
+            with pytest.raises(grpc.aio.AioRpcError) as bidi:
+                await session.write(pb.ControlSessionRequest(request_id="r-1"))
+                await session.read()
+            refusals.append(bidi.value)
+            rollout = rollout_grpc.RolloutServiceStub(channel)
+            with pytest.raises(grpc.aio.AioRpcError) as data_plane:
+                await rollout.Acknowledge(
+                    rollout_pb.AcknowledgeRequest(), metadata=token, timeout=RPC_TIMEOUT
+                )
+        async with _channel(server.address, coordinator, FRESH_CONNECTION) as channel:
+            session = pb_grpc.CheckpointControlServiceStub(channel).ControlSession(
+                None, metadata=token, timeout=RPC_TIMEOUT
+            )
+            await session.write(pb.ControlSessionRequest(request_id="r-2"))
+            echoed = await session.read()
+            await session.done_writing()
+    for refusal in refusals:
+        assert refusal.code() == grpc.StatusCode.PERMISSION_DENIED, refusal
+        error = error_from_rpc(refusal)
+        assert error is not None and error.reason is Reason.PERMISSION_DENIED
+        assert error.metadata["cause"] == "the client certificate names no control identity"
+    # Let through to the base servicer (UNIMPLEMENTED): the data plane is not the control.
+    assert data_plane.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert isinstance(echoed, pb.ControlSessionResponse) and echoed.request_id == "r-2"
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {"control_identities": ("coordinator",)},
+        {"control_identities": ("",), "tls_client_ca_file": "ca.pem"},
+    ],
+    ids=["without-mutual-tls", "empty-name"],
+)
+def test_control_identities_are_refused_where_they_cannot_hold(fields: dict[str, Any]) -> None:
+    with pytest.raises(ValueError):
+        _options(tls_cert_file="cert.pem", tls_key_file="key.pem", **fields)
 
 
 # --- drain ----------------------------------------------------------------------------

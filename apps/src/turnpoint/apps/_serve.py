@@ -104,6 +104,14 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     parser.add_argument("--tls-cert", help="server certificate (PEM)")
     parser.add_argument("--tls-key", help="server private key (PEM)")
     parser.add_argument("--tls-client-ca", help="require client certificates signed by this CA")
+    parser.add_argument(
+        "--control-identity",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="with --tls-client-ca: only a client certificate naming NAME (a subject "
+        "alternative name or the common name) may call the control service; repeatable",
+    )
     parser.add_argument("--policy", help="agent: address of the policy server")
     parser.add_argument(
         "--resources",
@@ -184,6 +192,7 @@ def _serve_command(args: argparse.Namespace) -> int:
             tls_cert_file=args.tls_cert,
             tls_key_file=args.tls_key,
             tls_client_ca_file=args.tls_client_ca,
+            control_identities=tuple(args.control_identity),
             grace_seconds=args.grace,
         )
         if token is None and not args.insecure_no_auth:

@@ -11,7 +11,11 @@ Credentials have roles (section 10.2): the control token opens every protected s
 a data-plane token, when one is configured, opens only the services named data-plane.
 A data-plane token on any other service (the control service above all) is refused
 PERMISSION_DENIED: whoever holds it (an agent's harness) can neither fence, restore nor
-retire anything. Without a data-plane token the one token serves both roles.
+retire anything. Without a data-plane token the one token serves both roles. Under
+mutual TLS, ``control_identities`` also binds the control role to the connection: a call
+to any service but the data plane's then needs a client certificate naming one of them
+(a subject alternative name or the common name), else PERMISSION_DENIED, so a control
+token that leaked to a harness's machine is of no use from its certificate.
 
 The client side (:func:`turnpoint.auth.auth_metadata`) lives in the core, so that a
 coordinator authenticates without importing the server package.
@@ -23,7 +27,7 @@ import hashlib
 import hmac
 import logging
 import time
-from collections.abc import Awaitable, Callable, Collection, Hashable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Hashable, Iterable
 from typing import TYPE_CHECKING, Any, Final
 
 import grpc
@@ -63,6 +67,7 @@ class BearerTokenInterceptor(_InterceptorBase):
         open_services: Collection[str],
         data_token: str | None = None,
         data_services: Collection[str] = (),
+        control_identities: Collection[str] = (),
     ) -> None:
         # Comparing fixed-length digests keeps compare_digest from returning early on a
         # length mismatch, so timing reveals neither the token's bytes nor its length.
@@ -74,13 +79,15 @@ class BearerTokenInterceptor(_InterceptorBase):
             self._data_digest = _digest(validate_token(data_token).encode("ascii"))
         self._open_services = frozenset(open_services)
         self._data_services = frozenset(data_services)
+        self._control_identities = frozenset(control_identities)
         self._refusal_log = RateLimitedLog()
 
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(open_services={sorted(self._open_services)!r}, "
             f"data_services={sorted(self._data_services)!r}, "
-            f"data_token={self._data_digest is not None})"
+            f"data_token={self._data_digest is not None}, "
+            f"control_identities={sorted(self._control_identities)!r})"
         )
 
     def is_protected(self, method: str) -> bool:
@@ -132,10 +139,15 @@ class BearerTokenInterceptor(_InterceptorBase):
             return await continuation(handler_call_details)
         refusal = self._refusal(method, handler_call_details.invocation_metadata)
         handler = await continuation(handler_call_details)
-        if refusal is None or handler is None:
-            # An unknown method stays UNIMPLEMENTED: its shape is unknown, and reflection
-            # already tells anyone which methods exist.
+        # An unknown method (no handler) stays UNIMPLEMENTED: its shape is unknown, and
+        # reflection already tells anyone which methods exist.
+        checked = self._control_identities and _service(method) not in self._data_services
+        if handler is None or (refusal is None and not checked):
             return handler
+        if refusal is None:
+            return _identity_checked_handler(
+                handler, method, self._control_identities, self._refusal_log
+            )
         reason, cause = refusal
         return _rejecting_handler(handler, method, reason, cause, self._refusal_log)
 
@@ -168,6 +180,80 @@ class RateLimitedLog:
             self._last.clear()  # bounded memory under a flood of distinct keys
         self._last[key] = (now, 0)
         return 0 if last is None else last[1]
+
+
+def peer_identities(context: grpc.aio.ServicerContext[Any, Any]) -> frozenset[str]:
+    """The names the client's verified certificate carries: its subject alternative
+    names and its common name (empty without mutual TLS)."""
+    auth = context.auth_context()
+    names = [*auth.get("x509_subject_alternative_name", ()), *auth.get("x509_common_name", ())]
+    return frozenset(n.decode("utf-8", "replace") for n in names)
+
+
+def _identity_checked_handler(
+    handler: _Handler, method: str, identities: frozenset[str], refusal_log: RateLimitedLog
+) -> _Handler:
+    """``handler``, behind a check of the client certificate's names against the control
+    identities (section 10.2 item 6). The request is parsed only once the check passed:
+    this handler takes raw bytes and deserializes them itself."""
+    cause = "the client certificate names no control identity"
+    error = TurnpointError(
+        Reason.PERMISSION_DENIED, f"{method}: {cause}", {"method": method, "cause": cause}
+    )
+    status = error_to_grpc_status(error)
+    parse = handler.request_deserializer or (lambda raw: raw)
+
+    async def check(context: grpc.aio.ServicerContext[Any, Any]) -> None:
+        if peer_identities(context) & identities:
+            return
+        suppressed = refusal_log.admit((method, cause), time.monotonic())
+        if suppressed is not None:
+            more = f" ({suppressed} more like it not logged)" if suppressed else ""
+            _log.warning("refused %s from %s: %s%s", method, context.peer(), cause, more)
+        await context.abort_with_status(status)  # type: ignore[attr-defined]
+
+    async def parsed(requests: AsyncIterator[bytes]) -> AsyncIterator[Any]:
+        async for raw in requests:
+            yield parse(raw)
+
+    serialize = handler.response_serializer
+    if handler.request_streaming and handler.response_streaming:
+        stream_stream: Any = handler.stream_stream  # async under grpc.aio (the stubs say sync)
+        assert stream_stream is not None
+
+        async def bidi(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[Any]:
+            await check(context)
+            async for reply in stream_stream(parsed(requests), context):
+                yield reply
+
+        return grpc.stream_stream_rpc_method_handler(bidi, None, serialize)
+    if handler.request_streaming:
+        stream_unary: Any = handler.stream_unary  # async under grpc.aio (the stubs say sync)
+        assert stream_unary is not None
+
+        async def client_stream(requests: AsyncIterator[bytes], context: Any) -> Any:
+            await check(context)
+            return await stream_unary(parsed(requests), context)
+
+        return grpc.stream_unary_rpc_method_handler(client_stream, None, serialize)
+    if handler.response_streaming:
+        unary_stream: Any = handler.unary_stream  # async under grpc.aio (the stubs say sync)
+        assert unary_stream is not None
+
+        async def server_stream(raw: bytes, context: Any) -> AsyncIterator[Any]:
+            await check(context)
+            async for reply in unary_stream(parse(raw), context):
+                yield reply
+
+        return grpc.unary_stream_rpc_method_handler(server_stream, None, serialize)
+    unary_unary: Any = handler.unary_unary  # async under grpc.aio (the stubs say sync)
+    assert unary_unary is not None
+
+    async def unary(raw: bytes, context: Any) -> Any:
+        await check(context)
+        return await unary_unary(parse(raw), context)
+
+    return grpc.unary_unary_rpc_method_handler(unary, None, serialize)
 
 
 def _rejecting_handler(

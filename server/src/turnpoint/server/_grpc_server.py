@@ -93,7 +93,10 @@ class ServerOptions:
     data-plane services open and protects only the control service (and any service
     not known here). TLS needs ``tls_cert_file`` and ``tls_key_file``;
     ``tls_client_ca_file`` turns on mutual TLS: every client must present a certificate
-    that CA signed. ``metrics_port`` (None: off; 0 lets the OS pick) serves the
+    that CA signed; ``control_identities`` (mutual TLS only) then also binds the control
+    role to certificates: a call beyond the data plane needs a client certificate whose
+    subject alternative name or common name is one of them (docs/spec.md section 10.2
+    item 6). ``metrics_port`` (None: off; 0 lets the OS pick) serves the
     server's Prometheus metrics over HTTP on 127.0.0.1 (:mod:`turnpoint.server._metrics`,
     docs/spec.md section 7.10); read the address back from
     :attr:`ParticipantServer.metrics_address`. ``shared_port`` (a worker of a group,
@@ -111,6 +114,7 @@ class ServerOptions:
     tls_cert_file: str | Path | None = None
     tls_key_file: str | Path | None = None
     tls_client_ca_file: str | Path | None = None
+    control_identities: tuple[str, ...] = ()
     grace_seconds: float = 10.0
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     max_list_length: int = DEFAULT_MAX_LIST_LENGTH
@@ -136,6 +140,10 @@ class ServerOptions:
             raise ValueError("TLS needs both tls_cert_file and tls_key_file")
         if self.tls_client_ca_file is not None and self.tls_cert_file is None:
             raise ValueError("mutual TLS (tls_client_ca_file) needs tls_cert_file and tls_key_file")
+        if self.control_identities and (self.tls_client_ca_file is None or self.token is None):
+            raise ValueError("control_identities needs mutual TLS (tls_client_ca_file) and a token")
+        if any(not name for name in self.control_identities):
+            raise ValueError("a control identity must not be empty")
         if not self.grace_seconds >= 0:
             raise ValueError(f"grace_seconds must be >= 0, got {self.grace_seconds}")
         if self.max_message_bytes <= 0:
@@ -302,6 +310,7 @@ class ParticipantServer:
                     open_services=options.open_services(),
                     data_token=options.data_token,
                     data_services=DATA_PLANE_SERVICES,
+                    control_identities=options.control_identities,
                 )
             )
         if options.metrics_port is not None:
