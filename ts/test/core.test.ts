@@ -150,18 +150,19 @@ describe("readiness reports", () => {
   });
 
   it("keeps counts and blockers equal to a full scan through a random sequence", () => {
-    // A seeded generator: the same sequence every run.
+    // A seeded generator: the same sequence every run. 32-bit arithmetic (a product in
+    // doubles loses the low bits) and the high bits (the low ones cycle quickly).
     let seed = 7;
     const random = (n: number): number => {
-      seed = (seed * 1103515245 + 12345) % 2147483648;
-      return seed % n;
+      seed = (Math.imul(seed, 1103515245) + 12345) >>> 0;
+      return (seed >>> 16) % n;
     };
     const states: EpisodeState[] = ["RUNNING", "PARKED", "AWAITING_MODEL", "COMPLETED_UNACKED", "RESTART", "REQUEST_IN_FLIGHT", "IDLE", "RESTORED"];
     const core = new ParticipantCore();
     const keys: WorkKey[] = [];
     let checkpoint = 0;
     for (let step = 0; step < 2000; step++) {
-      const action = random(7);
+      const action = random(8);
       try {
         if (action === 0) {
           const key = run(`r${random(20)}`, random(3));
@@ -179,6 +180,22 @@ describe("readiness reports", () => {
           core.markRestart(keys[random(keys.length)] as WorkKey, step);
         } else if (action === 6 && keys.length > 0) {
           for (const key of core.beginRetire([(keys[random(keys.length)] as WorkKey).episode], step)) core.finishRetire(key, step);
+        } else if (action === 7) {
+          // A whole restore into the running core (section 4.16): retire, install N+1, resume.
+          const running = { scope: [episode(`r${random(20)}`, random(3))], retireUnscoped: random(3) === 0 };
+          const restoreId = `ck-${++checkpoint}`;
+          core.beginRestore(restoreId, "f", null, step, running);
+          for (const key of core.retireForRestore(restoreId, running, step)) core.finishRetire(key, step);
+          for (const e of running.scope) core.installRestored(run(e.rolloutId, e.attempt + 1), 0, 0, step);
+          core.finishRestore(restoreId, "answer");
+          for (const e of running.scope) {
+            assert.deepEqual(
+              core.keysOf(e.rolloutId).map((key) => key.episode.attempt),
+              [e.attempt + 1],
+            );
+          }
+          if (running.retireUnscoped) assert.equal([...core.allEntries()].length, running.scope.length);
+          core.resume(restoreId, step);
         }
       } catch (error) {
         if (!(error instanceof TurnpointError) && !(error instanceof Error && /already in the table|not in the table/.test(error.message))) throw error;
