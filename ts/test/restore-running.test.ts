@@ -347,4 +347,31 @@ describe("RestoreRunning without the wire", () => {
       if (event === null || event.type === "result") break;
     }
   });
+
+  it("a replaced session that cannot be freed is RETIRE_INCOMPLETE: nothing installed, admission open, the retired stays retired", async () => {
+    class StuckTools extends ToyTools {
+      stuck = true;
+      override async retireSession(e: EpisodeId): Promise<void> {
+        if (this.stuck) throw new Error("the sandbox did not answer");
+        await super.retireSession(e);
+      }
+    }
+    const tools = new StuckTools();
+    const rt = runtime(tempRoot(), { resources: tools, instance: "tools" });
+    const s = episode("s");
+    await rt.seedSession(s, {});
+    await rt.prepare(fenceOf(), "p", "ck-000000000001");
+    const committed = await rt.commit(fenceOf(), "c", "ck-000000000001", "ck-000000000001", [s]);
+    await rt.resume(fenceOf(), "r", "ck-000000000001");
+    const error = await refusal(rt.restoreRunning(fenceOf(), "h", "restore-1", "ck-000000000001", committed.manifest, committed.artifacts, [s]));
+    assert.equal(error.reason, "RETIRE_INCOMPLETE");
+    assert.equal(rt.core.phase, "IDLE");
+    assert.equal(rt.core.entry({ episode: next(s), slot: "session" }), undefined);
+    assert.equal(rt.core.refusalMark(s.rolloutId), 0);
+    assert.equal(tools.sessions.has("s#1"), false);
+    // A Retire finishes the job once the server answers; the coordinator reruns the rollout above it.
+    tools.stuck = false;
+    assert.deepEqual((await rt.retire(fenceOf(), "t", [s])).stopped, [s]);
+    assert.equal(rt.core.entry({ episode: s, slot: "session" }), undefined);
+  });
 });
