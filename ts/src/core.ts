@@ -17,7 +17,8 @@
  * - finished ids (section 4.4) and fencing with a bounded log of answered request ids
  *   (section 2.2);
  * - the work table with incrementally kept readiness counts (section 4.1);
- * - refusal marks of retired attempts, and the freshness a restore requires.
+ * - refusal marks of retired attempts, and the freshness a restore requires (a restore
+ *   into a running participant, section 4.16, needs none: it retires what it replaces).
  */
 import { TurnpointError } from "./errors.js";
 import type { EpisodeId } from "./ids.js";
@@ -213,6 +214,19 @@ export interface RestoreStart {
   readonly kind: StartKind;
   readonly answer?: unknown;
 }
+
+/**
+ * What a restore into a running participant replaces (section 4.16). `scope`: the saved
+ * attempts N it continues as N+1; every attempt of their rollouts up to N is retired
+ * first. `retireUnscoped`: every other entry held goes too.
+ */
+export interface RunningRestore {
+  readonly scope: readonly EpisodeId[];
+  readonly retireUnscoped: boolean;
+}
+
+type RestoreOperation = "restore" | "restore_running";
+const OTHER_RESTORE: { readonly [K in RestoreOperation]: RestoreOperation } = { restore: "restore_running", restore_running: "restore" };
 
 export interface CoreOptions {
   readonly defaultLeaseS?: number;
@@ -638,12 +652,24 @@ export class ParticipantCore {
     return ended;
   }
 
-  /** Close admission for a restore into an idle, fresh participant, or replay/join. */
-  beginRestore(restoreId: string, fingerprint: string, leaseS: number | null, now: number): RestoreStart {
+  /**
+   * Close admission for a restore (or replay/join a repeat of it). Without `running`: a
+   * restore into an idle, fresh participant (section 4.10). With it: a restore into a
+   * participant that may hold work (section 4.16); freshness is not required, but a
+   * scoped attempt this participant retired, or one it holds a newer attempt of, is
+   * refused before anything changes.
+   */
+  beginRestore(restoreId: string, fingerprint: string, leaseS: number | null, now: number, running: RunningRestore | null = null): RestoreStart {
     checkedId(restoreId, "restore_id");
     const lease = this.leaseLength(leaseS);
+    const operation: RestoreOperation = running === null ? "restore" : "restore_running";
     if (restoreId === this.active && this._phase === "RESTORED") {
-      const recorded = this.answers.get(`${restoreId}\u0000restore`);
+      const recorded = this.answers.get(`${restoreId}\u0000${operation}`);
+      if (recorded === undefined && this.answers.has(`${restoreId}\u0000${OTHER_RESTORE[operation]}`)) {
+        throw error("CHECKPOINT_CONFLICT", `restore ${JSON.stringify(restoreId)} was requested by another operation`, {
+          checkpoint_id: restoreId,
+        });
+      }
       if (recorded !== undefined && recorded[0] !== fingerprint) {
         throw error("CHECKPOINT_CONFLICT", `restore ${JSON.stringify(restoreId)} was requested with other arguments`, {
           checkpoint_id: restoreId,
@@ -659,11 +685,18 @@ export class ParticipantCore {
     if (this._phase !== "IDLE") {
       throw error("INVALID_PHASE", `restore needs an idle participant; phase is ${this._phase}`, { phase: this._phase });
     }
-    if (!this._fresh) {
+    if (running === null && !this._fresh) {
       throw error("INVALID_PHASE", "restore needs a fresh participant; this one already served work", {
         phase: this._phase,
         fresh: "false",
       });
+    }
+    if (running !== null) {
+      for (const e of [...running.scope].sort(compareEpisodes)) {
+        // A retired attempt is never continued. With retireUnscoped, a newer attempt
+        // held here came from the fenced incarnation: it goes instead.
+        if (!running.retireUnscoped || this.refused(e)) this.checkAttempt(e);
+      }
     }
     this.active = restoreId;
     this.activeEpoch = this.epoch;
@@ -672,8 +705,39 @@ export class ParticipantCore {
     this.setPhase("RESTORED");
     this._restoring = true;
     this.restoreInstalled = [];
-    this.answers.set(`${restoreId}\u0000restore`, [fingerprint, undefined]);
+    this.answers.set(`${restoreId}\u0000${operation}`, [fingerprint, undefined]);
     return { kind: "new" };
+  }
+
+  /**
+   * Flag RETIRING what a running restore replaces, before it installs anything (section
+   * 4.16 item 4). Every attempt of a scoped rollout up to the saved one is refused from
+   * now on (the refusal mark rises as a Retire's does); with `retireUnscoped` every other
+   * entry goes too, without a mark: its coordinator is fenced (section 6.9), and the new
+   * one may reuse those attempt numbers. Returns the keys to stop.
+   */
+  retireForRestore(restoreId: string, running: RunningRestore, now: number): WorkKey[] {
+    if (this.active !== restoreId || !this._restoring) throw new Error("retireForRestore outside its restore");
+    for (const e of running.scope) {
+      this.marks.set(e.rolloutId, Math.max(this.marks.get(e.rolloutId) ?? -1, e.attempt));
+      this._version++;
+    }
+    const scoped = new Set(running.scope.map((e) => e.rolloutId));
+    const keys: WorkKey[] = [];
+    for (const entry of [...this.entries.values()].sort((a, b) => compareKeys(a.key, b.key))) {
+      const rolloutId = entry.key.episode.rolloutId;
+      // A newer attempt of a scoped rollout is held only when the fenced incarnation
+      // left it (beginRestore refused it otherwise).
+      const goes = scoped.has(rolloutId)
+        ? entry.key.episode.attempt <= (this.marks.get(rolloutId) as number) || running.retireUnscoped
+        : running.retireUnscoped;
+      if (goes) {
+        this.pendingRestarts.delete(keyText(entry.key));
+        this.setState(entry.key, "RETIRING", now);
+        keys.push(entry.key);
+      }
+    }
+    return keys;
   }
 
   installRestored(key: WorkKey, boundaryIndex: number, turnIndex: number, now: number): void {
@@ -693,8 +757,9 @@ export class ParticipantCore {
     this._restoring = false;
     this._fresh = false;
     this.restoreInstalled = [];
-    const recorded = this.answers.get(`${restoreId}\u0000restore`) as [string, unknown];
-    this.answers.set(`${restoreId}\u0000restore`, [recorded[0], answer]);
+    const operation: RestoreOperation = this.answers.has(`${restoreId}\u0000restore`) ? "restore" : "restore_running";
+    const recorded = this.answers.get(`${restoreId}\u0000${operation}`) as [string, unknown];
+    this.answers.set(`${restoreId}\u0000${operation}`, [recorded[0], answer]);
     this._version++;
   }
 

@@ -17,6 +17,7 @@ export type { EpisodeId } from "./ids.js";
 export type {
   ArtifactRef,
   Blocker,
+  Capability,
   CompletionReceipt,
   EpisodeState,
   Fence,

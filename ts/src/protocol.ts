@@ -37,6 +37,8 @@ export type ParticipantKind = "AGENT" | "RESOURCES" | "MODEL" | "ENVIRONMENT";
 export type RecoveryMode = "STATELESS" | "EXPORTED" | "RESTART_ONLY";
 export type VerifyMode = "WAIT" | "REPLAY";
 export type RecoveryLevel = "TURN" | "SIBLING" | "PROMPT_GROUP";
+/** An optional control operation a participant serves (section 4.5 item 7). */
+export type Capability = "RESTORE_RUNNING";
 
 /** Who sends a control request. `epoch` is a uint64 on the wire, so a bigint here. */
 export interface Fence {

@@ -16,7 +16,7 @@ import { randomBytes } from "node:crypto";
 
 import { AgentHost } from "./agent.js";
 import type { Agent, RunFollower } from "./agent.js";
-import type { CoreEvent, WorkKey } from "./core.js";
+import type { CoreEvent, RunningRestore, WorkKey } from "./core.js";
 import { ParticipantCore, checkedId } from "./core.js";
 import { TurnpointError } from "./errors.js";
 import type { EpisodeId } from "./ids.js";
@@ -24,6 +24,7 @@ import { compareEpisodes, episodeKey, nextAttempt, sortedEpisodes, supersedes } 
 import type { KindHost } from "./kinds.js";
 import type {
   ArtifactRef,
+  Capability,
   CompletionReceipt,
   EpisodeState,
   Fence,
@@ -64,6 +65,8 @@ export interface Description {
   readonly supportedLevels: readonly RecoveryLevel[];
   readonly environment: string;
   readonly phase: Phase;
+  /** The optional operations served (section 4.5 item 7). */
+  readonly capabilities: readonly Capability[];
 }
 
 /** Times are seconds since the epoch (for a protobuf Timestamp). */
@@ -102,6 +105,8 @@ export interface RestoreResult {
   readonly restoreId: string;
   readonly installed: readonly EpisodeId[];
   readonly phase: Phase;
+  /** The attempts a restore into a running participant stopped before installing (sorted; section 4.16). */
+  readonly retired: readonly EpisodeId[];
 }
 export interface RetireResult {
   readonly stopped: readonly EpisodeId[];
@@ -815,7 +820,38 @@ export class ParticipantRuntime {
   ): Promise<RestoreResult> {
     const deadline = this.deadline(options);
     return this.control("restore", fence, requestId, () =>
-      this.doRestore(restoreId, snapshot, manifest, artifacts, scope, args.leaseS ?? null, deadline, options.signal),
+      this.doRestore(restoreId, snapshot, manifest, artifacts, scope, args.leaseS ?? null, deadline, null, options.signal),
+    );
+  }
+
+  /**
+   * Restore into a participant that may hold work (section 4.16): the restore above
+   * without the freshness it requires. Once every record is read and validated, every
+   * attempt of the scoped rollouts up to the saved one is retired (refused from then
+   * on), with `retireUnscoped` every other entry too, and only then are the saved
+   * episodes installed as N+1. Work it does not name keeps its state; the participant
+   * stays closed (RESTORED) until resume.
+   */
+  restoreRunning(
+    fence: Fence,
+    requestId: string,
+    restoreId: string,
+    snapshot: string,
+    manifest: ArtifactRef | null,
+    artifacts: readonly ArtifactRef[],
+    scope: readonly EpisodeId[],
+    args: { leaseS?: number | null; retireUnscoped?: boolean } = {},
+    options: CallOptions = {},
+  ): Promise<RestoreResult> {
+    if (!this.config.restoreRunning) {
+      return Promise.reject(
+        new TurnpointError("INVALID_ARGUMENT", "this participant does not serve RestoreRunning (no capability listed)", { field: "restore_running" }),
+      );
+    }
+    const deadline = this.deadline(options);
+    const running: RunningRestore = { scope: sortedEpisodes(scope), retireUnscoped: args.retireUnscoped ?? false };
+    return this.control("restore_running", fence, requestId, () =>
+      this.doRestore(restoreId, snapshot, manifest, artifacts, scope, args.leaseS ?? null, deadline, running, options.signal),
     );
   }
 
@@ -827,17 +863,19 @@ export class ParticipantRuntime {
     scope: readonly EpisodeId[],
     leaseS: number | null,
     deadline: Deadline,
+    running: RunningRestore | null,
     signal?: AbortSignal,
   ): Promise<RestoreResult> {
     checkedId(snapshot, "snapshot");
     const scopeKeys = sortedEpisodes(scope);
-    const fingerprint = JSON.stringify([snapshot, manifest, artifacts, scopeKeys.map(episodeKey)]);
-    const start = this.shared.change((core) => core.beginRestore(restoreId, fingerprint, leaseS, this.shared.now()));
+    // Section 4.16 item 2: the identity includes the set of the scope and retire_unscoped.
+    const fingerprint = JSON.stringify([snapshot, manifest, artifacts, scopeKeys.map(episodeKey), running?.retireUnscoped ?? null]);
+    const start = this.shared.change((core) => core.beginRestore(restoreId, fingerprint, leaseS, this.shared.now(), running));
     if (start.kind === "replay") return start.answer as RestoreResult;
     if (start.kind === "new" || this.restoreJob === null) {
       const job: RestoreJob = {
         restoreId,
-        run: observed(this.driveRestore(restoreId, snapshot, manifest, artifacts, scopeKeys)),
+        run: observed(this.driveRestore(restoreId, snapshot, manifest, artifacts, scopeKeys, running)),
         done: false,
       };
       void settled(job.run).then(() => (job.done = true));
@@ -852,6 +890,7 @@ export class ParticipantRuntime {
     manifest: ArtifactRef | null,
     artifacts: readonly ArtifactRef[],
     scope: readonly EpisodeId[],
+    running: RunningRestore | null,
   ): Promise<RestoreResult> {
     // Deferred one turn, so the job exists before its first failure can clear it.
     await Promise.resolve();
@@ -859,11 +898,12 @@ export class ParticipantRuntime {
     try {
       const records = await this.readRestored(restoreId, snapshot, manifest, artifacts, scope);
       const plan = this.validateRecords(records);
+      const retired = running === null ? [] : await this.retireForRestore(restoreId, running);
       for (const [record, host] of plan) {
         const key = await host.install(record, nextAttempt(record.episode));
         installed.push(key.episode);
       }
-      const result: RestoreResult = { restoreId, installed: sortedEpisodes(installed), phase: "RESTORED" };
+      const result: RestoreResult = { restoreId, installed: sortedEpisodes(installed), phase: "RESTORED", retired };
       this.shared.change((core) => core.finishRestore(restoreId, result));
       return result;
     } catch (error) {
@@ -878,6 +918,23 @@ export class ParticipantRuntime {
       }
       throw error;
     }
+  }
+
+  /**
+   * Stop and free what a running restore replaces; throw RETIRE_INCOMPLETE if any could
+   * not stop. What was retired stays retired if the restore then fails: the coordinator
+   * reruns those rollouts above the retired attempt (section 4.16 item 5).
+   */
+  private async retireForRestore(restoreId: string, running: RunningRestore): Promise<EpisodeId[]> {
+    const keys = this.shared.change((core) => core.retireForRestore(restoreId, running, this.shared.now()));
+    const outcomes = await Promise.allSettled(keys.map((key) => this.stopTask(key)));
+    const failed = outcomes.filter((o) => o.status === "rejected");
+    if (failed.length > 0) {
+      throw new TurnpointError("RETIRE_INCOMPLETE", `${failed.length} of ${keys.length} replaced attempts could not be stopped`, {
+        failed: String(failed.length),
+      });
+    }
+    return sortedEpisodes(keys.map((key) => key.episode));
   }
 
   /** The selected records of the snapshot, verified whole; none for a saved-nothing entry. */
@@ -1009,6 +1066,7 @@ export class ParticipantRuntime {
       supportedLevels: mode === "RESTART_ONLY" ? ["SIBLING", "PROMPT_GROUP"] : ["TURN", "SIBLING", "PROMPT_GROUP"],
       environment: this.environment,
       phase: this.core.phase,
+      capabilities: this.config.restoreRunning ? ["RESTORE_RUNNING"] : [],
     };
   }
 

@@ -42,6 +42,8 @@ export interface ServeOptions {
   readonly graceS?: number;
   /** The lease a checkpoint holds when the coordinator names none (default 60 s). */
   readonly leaseS?: number;
+  /** Serve RestoreRunning and list its capability (spec 4.16; default true). */
+  readonly restoreRunning?: boolean;
 }
 
 /**
@@ -56,7 +58,7 @@ export async function serve(hosted: Hosted, options: ServeOptions): Promise<numb
     const runtime = new ParticipantRuntime(options.instance, new SnapshotStore(options.root), {
       ...(hosted.agent !== undefined ? { agent: hosted.agent } : {}),
       ...(hosted.resources !== undefined ? { resources: hosted.resources } : {}),
-      config: { defaultLeaseS: options.leaseS ?? 60 },
+      config: { defaultLeaseS: options.leaseS ?? 60, restoreRunning: options.restoreRunning ?? true },
     });
     server = new ParticipantServer(runtime, {
       host,

@@ -32,6 +32,11 @@ export interface RuntimeConfig {
    * waits before it is refused with ADMISSION_CLOSED after all (section 5.2 item 1).
    */
   readonly runAdmissionWaitS: number;
+  /**
+   * Serve RestoreRunning and list CAPABILITY_RESTORE_RUNNING in Describe (section 4.16);
+   * off, the call is refused INVALID_ARGUMENT and a coordinator restores only while fresh.
+   */
+  readonly restoreRunning: boolean;
 }
 
 export const DEFAULT_CONFIG: RuntimeConfig = {
@@ -46,6 +51,7 @@ export const DEFAULT_CONFIG: RuntimeConfig = {
   modelRetryBackoffS: 0.5,
   watchQueueSize: 1024,
   runAdmissionWaitS: 5,
+  restoreRunning: true,
 };
 
 export function runtimeConfig(overrides: Partial<RuntimeConfig> = {}): RuntimeConfig {

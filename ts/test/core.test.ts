@@ -150,18 +150,19 @@ describe("readiness reports", () => {
   });
 
   it("keeps counts and blockers equal to a full scan through a random sequence", () => {
-    // A seeded generator: the same sequence every run.
+    // A seeded generator: the same sequence every run. 32-bit arithmetic (a product in
+    // doubles loses the low bits) and the high bits (the low ones cycle quickly).
     let seed = 7;
     const random = (n: number): number => {
-      seed = (seed * 1103515245 + 12345) % 2147483648;
-      return seed % n;
+      seed = (Math.imul(seed, 1103515245) + 12345) >>> 0;
+      return (seed >>> 16) % n;
     };
     const states: EpisodeState[] = ["RUNNING", "PARKED", "AWAITING_MODEL", "COMPLETED_UNACKED", "RESTART", "REQUEST_IN_FLIGHT", "IDLE", "RESTORED"];
     const core = new ParticipantCore();
     const keys: WorkKey[] = [];
     let checkpoint = 0;
     for (let step = 0; step < 2000; step++) {
-      const action = random(7);
+      const action = random(8);
       try {
         if (action === 0) {
           const key = run(`r${random(20)}`, random(3));
@@ -179,6 +180,22 @@ describe("readiness reports", () => {
           core.markRestart(keys[random(keys.length)] as WorkKey, step);
         } else if (action === 6 && keys.length > 0) {
           for (const key of core.beginRetire([(keys[random(keys.length)] as WorkKey).episode], step)) core.finishRetire(key, step);
+        } else if (action === 7) {
+          // A whole restore into the running core (section 4.16): retire, install N+1, resume.
+          const running = { scope: [episode(`r${random(20)}`, random(3))], retireUnscoped: random(3) === 0 };
+          const restoreId = `ck-${++checkpoint}`;
+          core.beginRestore(restoreId, "f", null, step, running);
+          for (const key of core.retireForRestore(restoreId, running, step)) core.finishRetire(key, step);
+          for (const e of running.scope) core.installRestored(run(e.rolloutId, e.attempt + 1), 0, 0, step);
+          core.finishRestore(restoreId, "answer");
+          for (const e of running.scope) {
+            assert.deepEqual(
+              core.keysOf(e.rolloutId).map((key) => key.episode.attempt),
+              [e.attempt + 1],
+            );
+          }
+          if (running.retireUnscoped) assert.equal([...core.allEntries()].length, running.scope.length);
+          core.resume(restoreId, step);
         }
       } catch (error) {
         if (!(error instanceof TurnpointError) && !(error instanceof Error && /already in the table|not in the table/.test(error.message))) throw error;
@@ -257,5 +274,89 @@ describe("data-plane fencing (section 6.9)", () => {
     assert.equal(reason(() => core.checkDataFence({ coordinatorId: "coord", epoch: 5n })), "ok");
     assert.equal(reason(() => core.checkDataFence({ coordinatorId: "new", epoch: 6n })), "ok");
     assert.equal(core.fence?.coordinatorId, "new");
+  });
+});
+
+describe("restore into a running participant (section 4.16)", () => {
+  const scoped = (attempt: number, retireUnscoped = false) => ({ scope: [episode("a", attempt)], retireUnscoped });
+
+  it("needs no freshness, closes admission, and retires the scoped rollout up to N before installing N+1", () => {
+    const core = new ParticipantCore();
+    core.admit(run("a", 0), "RUNNING", 0);
+    core.admit(run("b", 0), "RUNNING", 0);
+    assert.equal(reason(() => core.beginRestore("restore-1", "f", null, 1)), "INVALID_PHASE"); // plain Restore: not fresh
+    assert.equal(core.beginRestore("restore-1", "f", null, 1, scoped(0)).kind, "new");
+    assert.equal(core.phase, "RESTORED");
+    assert.equal(core.admissionOpen, false);
+    const keys = core.retireForRestore("restore-1", scoped(0), 2);
+    assert.deepEqual(keys, [run("a", 0)]);
+    assert.equal(core.entry(run("a", 0))?.state, "RETIRING");
+    assert.equal(core.entry(run("b", 0))?.state, "RUNNING"); // unscoped work goes on
+    assert.equal(core.refusalMark("a"), 0);
+    core.finishRetire(run("a", 0), 3);
+    core.installRestored(run("a", 1), 1, 1, 3);
+    core.finishRestore("restore-1", "answer");
+    assert.deepEqual(core.beginRestore("restore-1", "f", null, 4, scoped(0)), { kind: "replay", answer: "answer" });
+    assert.equal(core.resume("restore-1", 5), "restore-1");
+    assert.equal(reason(() => core.checkAttempt(episode("a", 0))), "STALE_ATTEMPT");
+    assert.equal(reason(() => core.beginRestore("restore-1", "f", null, 6, scoped(0))), "STALE_CHECKPOINT");
+  });
+
+  it("the same id with other arguments, or asked by the other operation, is CHECKPOINT_CONFLICT", () => {
+    const core = new ParticipantCore();
+    core.beginRestore("restore-1", "f", null, 0, scoped(0));
+    assert.equal(core.beginRestore("restore-1", "f", null, 0, scoped(0)).kind, "join"); // still installing
+    assert.equal(reason(() => core.beginRestore("restore-1", "g", null, 0, scoped(0))), "CHECKPOINT_CONFLICT");
+    assert.equal(reason(() => core.beginRestore("restore-1", "f", null, 0)), "CHECKPOINT_CONFLICT");
+    const fresh = new ParticipantCore();
+    fresh.beginRestore("restore-1", "f", null, 0);
+    assert.equal(reason(() => fresh.beginRestore("restore-1", "f", null, 0, scoped(0))), "CHECKPOINT_CONFLICT");
+  });
+
+  it("refuses a retired scope attempt, or one superseded here, before anything changes", () => {
+    const core = new ParticipantCore();
+    core.admit(run("a", 2), "RUNNING", 0);
+    core.admit(run("b", 0), "RUNNING", 0);
+    for (const attempt of [0, 1]) {
+      assert.equal(reason(() => core.beginRestore("restore-1", "f", null, 1, scoped(attempt))), "STALE_ATTEMPT");
+    }
+    for (const key of core.beginRetire([episode("b", 0)], 1)) core.finishRetire(key, 1);
+    const retired = { scope: [episode("b", 0)], retireUnscoped: true };
+    assert.equal(reason(() => core.beginRestore("restore-1", "f", null, 2, retired)), "STALE_ATTEMPT");
+    assert.equal(core.phase, "IDLE");
+    assert.equal(core.activeCheckpointId, null);
+    assert.equal(core.entry(run("a", 2))?.state, "RUNNING");
+    // With retireUnscoped a newer attempt held here came from the fenced incarnation: it goes.
+    core.beginRestore("restore-1", "f", null, 3, scoped(1, true));
+    assert.deepEqual(core.retireForRestore("restore-1", scoped(1, true), 3), [run("a", 2)]);
+    assert.equal(core.refusalMark("a"), 1);
+  });
+
+  it("retireUnscoped frees every other entry without a refusal mark", () => {
+    const core = new ParticipantCore();
+    core.admit(run("a", 0), "RUNNING", 0);
+    core.admit(workKey(episode("c", 0), "session"), "IDLE", 0);
+    core.beginRestore("restore-1", "f", null, 1, scoped(0, true));
+    const keys = core.retireForRestore("restore-1", scoped(0, true), 1);
+    assert.deepEqual(keys, [run("a", 0), workKey(episode("c", 0), "session")]);
+    for (const key of keys) core.finishRetire(key, 2);
+    assert.equal(core.refusalMark("c"), undefined);
+    assert.equal(core.refusalMark("a"), 0);
+    core.finishRestore("restore-1", "answer");
+    core.resume("restore-1", 3);
+    core.admit(workKey(episode("c", 0), "session"), "IDLE", 4); // the new incarnation may run it again
+  });
+
+  it("a failed install undoes the installs and reopens; what was retired stays retired", () => {
+    const core = new ParticipantCore();
+    core.admit(run("a", 0), "RUNNING", 0);
+    core.beginRestore("restore-1", "f", null, 1, scoped(0));
+    for (const key of core.retireForRestore("restore-1", scoped(0), 1)) core.finishRetire(key, 1);
+    core.installRestored(run("a", 1), 1, 1, 2);
+    assert.deepEqual(core.failRestore("restore-1", 3), [run("a", 1)]);
+    assert.equal(core.phase, "IDLE");
+    assert.equal(core.entry(run("a", 1)), undefined);
+    assert.equal(reason(() => core.checkAttempt(episode("a", 0))), "STALE_ATTEMPT");
+    assert.throws(() => core.retireForRestore("restore-1", scoped(0), 4), /outside its restore/);
   });
 });

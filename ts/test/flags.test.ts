@@ -140,7 +140,7 @@ describe("saved-nothing commits", () => {
     const root = tempRoot();
     const rt = runtime(root, { resources: new ToyTools(), instance: "tools" });
     const answer = await rt.restore(fence(), "x", "restore-1", "ck-1", null, [], []);
-    assert.deepEqual(answer, { restoreId: "restore-1", installed: [], phase: "RESTORED" });
+    assert.deepEqual(answer, { restoreId: "restore-1", installed: [], phase: "RESTORED", retired: [] });
     assert.equal((await rt.resume(fence(), "y", "restore-1")).endedActive, true);
 
     const fresh = runtime(root, { resources: new ToyTools(), instance: "tools" });

@@ -172,19 +172,6 @@ describe("a served agent", () => {
     });
   });
 
-  it("lists no capability and refuses RestoreRunning INVALID_ARGUMENT with an ErrorInfo (section 4.16)", async () => {
-    const client = new TurnpointClient(address, { token: TOKEN });
-    const described = await client.unary(CheckpointControlService, CheckpointControlService.method.describe, {});
-    assert.deepEqual(described.capabilities, []);
-    await assert.rejects(client.unary(CheckpointControlService, CheckpointControlService.method.restoreRunning, { requestId: "r-1", restoreId: "restore-2" }), (error: unknown) => {
-      assert.ok(error instanceof TurnpointError);
-      assert.equal(error.reason, "INVALID_ARGUMENT");
-      assert.equal(error.metadata.field, "restore_running");
-      return true;
-    });
-    client.close();
-  });
-
   it("runs an episode over Run with the acceptance header, then acknowledges it", async () => {
     const client = new TurnpointClient(address, { token: TOKEN });
     const e = episode("wire-run");

@@ -12,6 +12,8 @@ import type { ServerDuplexStream, ServerWritableStream } from "@grpc/grpc-js";
 import { TurnpointError, invalidArgument } from "../errors.js";
 import * as pb from "../gen/turnpoint/v1/checkpoint_control_service_pb.js";
 import * as types from "../gen/turnpoint/v1/types_pb.js";
+import type { EpisodeId } from "../ids.js";
+import type { ArtifactRef, Fence } from "../protocol.js";
 import type { ParticipantRuntime } from "../runtime.js";
 import {
   artifactFromProto,
@@ -37,13 +39,7 @@ const DEFAULT_SESSION_OP_TIMEOUT_S = 60;
 /** Control requests a session runs at once; more wait their turn (bounded memory). */
 const MAX_SESSION_INFLIGHT = 256;
 
-// RestoreRunning is optional (docs/spec.md section 4.16): this SDK does not serve it
-// and lists no capability in Describe, so a coordinator restores it only when fresh.
-type Operation = Exclude<pb.ControlSessionRequest["operation"]["case"], "cancel" | "restoreRunning" | undefined>;
-
-function notServedRestoreRunning(): Error {
-  return invalidArgument("this participant does not serve RestoreRunning (no capability listed)", { field: "restore_running" });
-}
+type Operation = Exclude<pb.ControlSessionRequest["operation"]["case"], "cancel" | undefined>;
 
 function requestId(value: string): string {
   if (!value) throw invalidArgument("request_id is required on every mutating request", { field: "request_id" });
@@ -53,6 +49,31 @@ function requestId(value: string): string {
 
 function phase(value: string): types.Phase {
   return enumValue(types.Phase, value);
+}
+
+/**
+ * What Restore and RestoreRunning both carry, checked, in the runtime's order: fence,
+ * request id, restore id, snapshot, manifest, artifacts, scope.
+ */
+function restoreArguments(
+  r: pb.RestoreRequest | pb.RestoreRunningRequest,
+): [Fence, string, string, string, ArtifactRef | null, ArtifactRef[], EpisodeId[]] {
+  const artifacts = r.entry?.artifacts ?? [];
+  checkListLength("entry.artifacts", artifacts.length);
+  // Section 4.10 item 2: no manifest names a participant that saved nothing.
+  const manifest = r.entry?.manifest;
+  if (manifest === undefined && artifacts.length > 0) {
+    throw invalidArgument("entry.manifest is required when entry.artifacts are named", { field: "entry.manifest" });
+  }
+  return [
+    fenceFromProto(r.fence),
+    requestId(r.requestId),
+    idFromProto(r.restoreId, "restore_id"),
+    idFromProto(r.snapshot, "snapshot"),
+    manifest === undefined ? null : artifactFromProto(manifest),
+    artifacts.map(artifactFromProto),
+    episodesFromProto(r.scope, "scope"),
+  ];
 }
 
 /** The control servicer; `close()` ends its long-lived streams (server drain). */
@@ -90,6 +111,7 @@ export class ControlServicer {
             supportedLevels: d.supportedLevels.map((level) => enumValue(types.RecoveryLevel, level)),
             environment: d.environment,
             phase: phase(d.phase),
+            capabilities: d.capabilities.map((capability) => enumValue(pb.Capability, capability)),
           }),
         };
       }
@@ -162,26 +184,7 @@ export class ControlServicer {
       }
       case "restore": {
         const r = request as pb.RestoreRequest;
-        const artifacts = r.entry?.artifacts ?? [];
-        checkListLength("entry.artifacts", artifacts.length);
-        // Section 4.10 item 2: no manifest names a participant that saved nothing.
-        const manifest = r.entry?.manifest;
-        if (manifest === undefined && artifacts.length > 0) {
-          throw invalidArgument("entry.manifest is required when entry.artifacts are named", { field: "entry.manifest" });
-        }
-        const fence = fenceFromProto(r.fence);
-        const rid = requestId(r.requestId);
-        const result = await rt.restore(
-          fence,
-          rid,
-          idFromProto(r.restoreId, "restore_id"),
-          idFromProto(r.snapshot, "snapshot"),
-          manifest === undefined ? null : artifactFromProto(manifest),
-          artifacts.map(artifactFromProto),
-          episodesFromProto(r.scope, "scope"),
-          { leaseS: secondsFromDuration(r.lease, "lease") },
-          options,
-        );
+        const result = await rt.restore(...restoreArguments(r), { leaseS: secondsFromDuration(r.lease, "lease") }, options);
         return {
           case: operation,
           value: create(pb.RestoreResponseSchema, {
@@ -189,6 +192,21 @@ export class ControlServicer {
             restoreId: result.restoreId,
             installed: result.installed.map(episodeToProto),
             phase: phase(result.phase),
+          }),
+        };
+      }
+      case "restoreRunning": {
+        const r = request as pb.RestoreRunningRequest;
+        const args = { leaseS: secondsFromDuration(r.lease, "lease"), retireUnscoped: r.retireUnscoped };
+        const result = await rt.restoreRunning(...restoreArguments(r), args, options);
+        return {
+          case: operation,
+          value: create(pb.RestoreRunningResponseSchema, {
+            header: this.header(),
+            restoreId: result.restoreId,
+            installed: result.installed.map(episodeToProto),
+            phase: phase(result.phase),
+            retired: result.retired.map(episodeToProto),
           }),
         };
       }
@@ -242,10 +260,6 @@ export class ControlServicer {
   implementation(door: Door): Implementation {
     const impl: Implementation = {};
     for (const operation of Object.keys(UNARY) as Operation[]) impl[UNARY[operation][0]] = this.unary(door, operation);
-    // Served only to refuse it typed (section 4.16: no capability listed), as the stream does.
-    impl.RestoreRunning = door.unary(Service, "RestoreRunning", pb.RestoreRunningRequestSchema, pb.RestoreRunningResponseSchema, async () => {
-      throw notServedRestoreRunning();
-    });
     impl.WatchBoundaries = door.serverStream(Service, "WatchBoundaries", pb.WatchBoundariesRequestSchema, pb.WatchBoundariesResponseSchema, (request, send, context, call) =>
       this.watchBoundaries(request, send, context, call),
     );
@@ -382,7 +396,6 @@ export class ControlServicer {
     try {
       if (operation === undefined) throw invalidArgument("a ControlSessionRequest must carry an operation", { field: "operation" });
       if (operation === "cancel") return null;
-      if (operation === "restoreRunning") throw notServedRestoreRunning();
       const timeoutS = secondsFromDuration(message.timeout, "timeout", DEFAULT_SESSION_OP_TIMEOUT_S);
       const inner = message.operation.value as { requestId?: string };
       if (inner.requestId !== undefined && inner.requestId !== message.requestId) {
@@ -409,6 +422,7 @@ const UNARY = {
   commit: ["Commit", pb.CommitRequestSchema, pb.CommitResponseSchema],
   resume: ["Resume", pb.ResumeRequestSchema, pb.ResumeResponseSchema],
   restore: ["Restore", pb.RestoreRequestSchema, pb.RestoreResponseSchema],
+  restoreRunning: ["RestoreRunning", pb.RestoreRunningRequestSchema, pb.RestoreRunningResponseSchema],
   retire: ["Retire", pb.RetireRequestSchema, pb.RetireResponseSchema],
   forget: ["Forget", pb.ForgetRequestSchema, pb.ForgetResponseSchema],
   getStatus: ["GetStatus", pb.GetStatusRequestSchema, pb.GetStatusResponseSchema],
