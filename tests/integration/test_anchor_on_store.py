@@ -1,5 +1,5 @@
 """The torch DCP anchor written onto the snapshot store through DCP's fsspec writer
-(docs/spec.md section 8.13, "The anchor on the store"), single rank.
+(docs/spec.md section 8.13.1), single rank.
 
 S3 on loopback (moto's server) and a shared mount: the anchor's objects go straight to
 the store (nothing staged locally), publication checks their digest there, and another

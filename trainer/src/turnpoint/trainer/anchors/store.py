@@ -1,5 +1,5 @@
 """The torch DCP anchor written and read on the snapshot store itself, through DCP's own
-fsspec writer and reader (docs/spec.md section 8.13, "The anchor on the store").
+fsspec writer and reader (docs/spec.md section 8.13.1).
 
 DCP's ``FsspecWriter`` and ``FsspecReader`` take any fsspec filesystem. Rather than s3fs
 (a second S3 client beside boto3, whose aiobotocore pins botocore below the boto3 the
