@@ -24,10 +24,9 @@ from turnpoint.protocol import ArtifactRef
 from turnpoint.storage import Storage, open_storage
 from turnpoint.trainer.anchors.dcp import AnchorWriter, load_anchor
 from turnpoint.trainer.anchors.source import AnchorError
+from turnpoint.trainer.storage.layout import tree_digest
 from turnpoint.trainer.storage.manifest import ANCHOR_DIR, ManifestError, SnapshotManifest
-from turnpoint.trainer.storage.objects import StoreLayout
-
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+from turnpoint.trainer.storage.objects import StoreLayout, object_key, stored_tree_digest
 
 
 @pytest.fixture(params=["s3", "shared"])
@@ -171,3 +170,19 @@ def test_publication_checks_the_stored_anchor_and_an_anchor_is_never_rewritten(
     with pytest.raises(ManifestError, match="anchor digest"):
         layout.publish(snapshot, manifest_for(layout.storage, checkpoint_id, ref.sha256))
     assert layout.list_published() == []
+
+
+def test_the_digest_over_objects_is_the_tree_digest_of_the_same_files(tmp_path: Path) -> None:
+    """An anchor staged and put, or written onto the store: one digest (spec 8.8, 8.13)."""
+    files = {".metadata": b"m" * 5, "__0_0.distcp": b"d" * 7, "x--odd name": b"o"}
+    directory = tmp_path / "anchor"
+    directory.mkdir()
+    storage = open_storage(str(tmp_path / "store"))
+    prefix = f"{ckpt(1)}/{ANCHOR_DIR}"
+    for name, data in files.items():
+        (directory / name).write_bytes(data)
+        storage.put(f"{prefix}/{object_key(name)}", data)
+    assert stored_tree_digest(storage, prefix) == tree_digest(directory)
+    assert stored_tree_digest(storage, prefix, files) == tree_digest(directory)
+    with pytest.raises(ManifestError, match="missing"):
+        stored_tree_digest(storage, prefix, [*files, "__1_0.distcp"])
