@@ -1,12 +1,14 @@
 """The trainer anchor across ranks (turnpoint.trainer.anchors.ranks) through real snapshots.
 
 Real rank processes on gloo (tests/support/multirank_trainer.py, an FSDP2 model sharded
-over the ranks) and real participants on 127.0.0.1:0. Two ranks train and snapshot; rank
+over the ranks) and real participants on 127.0.0.1:0, the snapshot root an S3 bucket on
+moto's server on loopback (each rank writes its own shards onto it through DCP's fsspec
+writer, docs/spec.md section 8.13). Two ranks train and snapshot; rank
 1 is out of step at the first attempt and its write fails at the second: both fail
 unpublished, and the retry publishes. The
 processes exit; fresh participants and 2, 1 and 3 ranks restore it: DCP reshards the
 sharded model and optimizer, and every restored tensor equals the saved one. A replicated
-(DDP) model restores on another number of ranks too.
+(DDP) model on a local snapshot root restores on another number of ranks too.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import pytest
 import torch
 
 from tests.support.participants import TOKEN, start_topology
+from tests.support.storage import make_bucket
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -32,7 +35,7 @@ STEPS = 3
 
 async def run_ranks(
     tmp: Path,
-    root: Path,
+    root: Path | str,
     addresses: dict[str, str],
     *,
     world: int,
@@ -80,8 +83,12 @@ def assert_same_state(restored: dict[str, Any], saved: dict[str, Any]) -> None:
             assert torch.equal(restored["optimizer"][index][key], value), (index, key)
 
 
-async def test_two_ranks_snapshot_and_restore_on_two_one_and_three_ranks(tmp_path: Path) -> None:
-    root = tmp_path / "snapshots"
+async def test_two_ranks_snapshot_on_the_store_and_restore_on_two_one_and_three_ranks(
+    tmp_path: Path, moto_endpoint: str
+) -> None:
+    # Every rank writes its shards onto the store itself; the restores read them from
+    # it with nothing local (a snapshot root on a directory: the replicated test below).
+    root = f"s3://{make_bucket(moto_endpoint)}/job"
     async with start_topology(root) as topology:
         addresses = {name: h.address for name, h in topology.participants.items()}
         await run_ranks(

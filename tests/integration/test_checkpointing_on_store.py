@@ -2,7 +2,8 @@
 :class:`Checkpointing` with ``snapshot_root="s3://..."`` (moto on loopback) takes real
 snapshot rounds with real participants whose stores get the same URL, and a second
 trainer with fresh participants, started in an empty directory, restores from the URL
-alone: the DCP anchor, the saved rollouts and the group-scored group that was half done.
+alone: the DCP anchor (written onto the store by DCP's fsspec writer), the saved
+rollouts and the group-scored group that was half done.
 A slow store slows a snapshot, a stalled one fails it, and neither ever holds the loop."""
 
 from __future__ import annotations
@@ -39,13 +40,14 @@ def _facade(
     url: str,
     model: torch.nn.Module,
     control_timeout_s: float = 10.0,
+    anchor_storage: str | None = None,
     **options: Any,
 ) -> Checkpointing:
     return Checkpointing(
         CoordinatorConfig(snapshot_root=url, control_timeout_s=control_timeout_s),
         {n: h.address for n, h in topology.participants.items()},
         token=TOKEN,
-        anchor=TorchAnchorSource(model, None, step=lambda: 0),
+        anchor=TorchAnchorSource(model, None, step=lambda: 0, storage=anchor_storage),
         load_anchor=torch_anchor_loader(model, None),
         periodic=False,
         **options,
@@ -63,7 +65,8 @@ async def test_snapshot_rounds_on_s3_and_a_restore_from_the_url_alone(
     trained = torch.nn.Linear(2, 2)
     async with (
         start_topology(url, agents=1, group_size=GROUP_SIZE) as topology,
-        _facade(topology, url, trained) as ckpt,
+        # The anchor goes onto the store through DCP's fsspec writer (spec 8.13.1).
+        _facade(topology, url, trained, anchor_storage=url) as ckpt,
     ):
         for rollout in guess_rollouts(0, GROUP_SIZE, 0, ckpt.agents):
             ckpt.dispatch(rollout, data_loader=1)
@@ -112,7 +115,7 @@ async def test_snapshot_rounds_on_s3_and_a_restore_from_the_url_alone(
     assert not torch.equal(restored_model.weight, trained.weight)
     async with (
         start_topology(url, agents=1, group_size=GROUP_SIZE) as topology,
-        _facade(topology, url, restored_model, status_port=0) as ckpt,
+        _facade(topology, url, restored_model, anchor_storage=url, status_port=0) as ckpt,
         aiohttp.ClientSession() as session,
     ):
         assert ckpt.resumed.checkpoint_id == final.checkpoint_id

@@ -116,9 +116,18 @@ def test_bench_storage_prints_both_storages_and_their_ratio(
 ) -> None:
     from turnpoint.apps._cli import main
 
-    assert main(["bench-storage", "--sizes", "2", "--records", "2"]) == 0
-    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    assert main(["bench-storage", "--sizes", "2", "--records", "2", "--anchor-mib", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = [line.split() for line in lines[2:4]]
     assert [row[:2] for row in rows] == [["2", "local"], ["2", "s3"]]
+    # The torch DCP anchor on both: DCP's two files (metadata, one shard) as two objects,
+    # the same bytes, and the store's write and load as ratios over local disk.
+    assert lines[4] == "" and "torch DCP anchor" in lines[5]
+    anchor_rows = [line.split() for line in lines[7:]]
+    assert [row[0] for row in anchor_rows] == ["local", "s3"]
+    assert anchor_rows[0][3] == anchor_rows[1][3] == "2"
+    assert anchor_rows[0][4] == anchor_rows[1][4] and float(anchor_rows[1][4]) > 0.9
+    assert len(anchor_rows[1]) == 7
     # Same snapshot on both: 2 records + 2 manifests, the anchor, the manifest, LATEST.
     assert rows[0][8] == rows[1][8] == "7"
     # commit, publish and the publication's four phases, objects, MiB and two ratios.

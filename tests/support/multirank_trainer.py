@@ -15,7 +15,8 @@ gathers the full model and optimizer state and rank 0 writes it to ``DIR/state-L
 and what it saw to ``DIR/rank0-L.json``. ``--out-of-step-rank R`` makes rank R claim
 to be a step ahead at the first save; ``--fail-write-rank R`` makes rank R's first DCP
 write fail, as a full disk there would; ``--rank0-dies`` makes rank 0 exit abruptly after
-its steps.
+its steps. ``ROOT`` may be a storage URL (``s3://...``): every rank then writes its
+shards onto the store itself and reads them back from it.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from turnpoint.trainer import Checkpointing, CoordinatorConfig, DistributedAnchor, SnapshotOutcome
-from turnpoint.trainer.advanced import SnapshotLayout
+from turnpoint.trainer.storage.objects import open_layout
 
 
 class Trainer:
@@ -85,7 +86,7 @@ async def lead(
 ) -> dict[str, Any]:
     """Rank 0: the coordinator's rank. Returns what it saw."""
     config = CoordinatorConfig.from_mapping({"snapshot_root": args.snapshot_root})
-    layout = SnapshotLayout(Path(args.snapshot_root))
+    layout = open_layout(args.snapshot_root)
     seen: dict[str, Any] = {"reports": []}
 
     def step_with_the_others() -> None:
@@ -169,6 +170,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         trainer.optimizer,
         step=lambda: trainer.step + (skew.pop() if skew else 0),
         data_loader=lambda: {"next_batch": trainer.step * 4},
+        # A store's URL: every rank writes its shards onto the store itself.
+        storage=args.snapshot_root if "://" in args.snapshot_root else None,
     )
     if args.rank == args.fail_write_rank:
         fail_first_write()

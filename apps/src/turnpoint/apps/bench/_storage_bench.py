@@ -11,6 +11,11 @@ over local disk per phase, with the objects and bytes one snapshot writes. The
 publication is split by its named steps: verify (the participants' objects: a HEAD each
 on the store), anchor (its files put), manifest (the commit write), latest (``LATEST``).
 
+Then the torch DCP anchor itself (a model and its Adam state of about ``--anchor-mib``
+MiB): written and loaded on local disk (DCP's file writer, fsync, tree digest) and on the
+store through DCP's fsspec writer over the same storage client (docs/spec.md section
+8.13.1: every file one put, the digest read back), with its objects and bytes.
+
 Loopback moto is an in-process Python server: the ratio measures the protocol's request
 count and the client's cost, not a real store's latency (add that per request).
 """
@@ -151,6 +156,81 @@ def _loopback_s3() -> Iterator[str]:
                     os.environ[name] = value
 
 
+@dataclass(frozen=True, slots=True)
+class AnchorFigure:
+    storage: str
+    write_s: float
+    load_s: float
+    objects: int
+    bytes_written: int
+
+
+def _anchor_on(root: str, mebibytes: int, sequence: int) -> AnchorFigure:
+    """One torch DCP anchor written, then loaded into a fresh model, on ``root``."""
+    import torch
+
+    from turnpoint.trainer.anchors.dcp import load_anchor, save_anchor
+
+    width = max(1, int((mebibytes * 2**20 / 4 / 3) ** 0.5))  # weights + Adam's two moments
+
+    def trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        model = torch.nn.Linear(width, width, bias=False)
+        optimizer = torch.optim.Adam(model.parameters())
+        model(torch.ones(1, width)).sum().backward()
+        optimizer.step()
+        return model, optimizer
+
+    is_url = "://" in root
+    storage = open_storage(root) if is_url else None
+    layout: SnapshotLayout | StoreLayout = (
+        StoreLayout(storage) if storage is not None else SnapshotLayout(Path(root))
+    )
+    checkpoint_id = make_checkpoint_id("anchor", sequence)
+    snapshot = layout.begin(checkpoint_id)
+    model, optimizer = trained()
+    started = time.perf_counter()
+    ref = save_anchor(snapshot, model, optimizer, step=sequence, storage=storage)
+    write_s = time.perf_counter() - started
+    if storage is not None:
+        stored = storage.list(f"{checkpoint_id}/{ANCHOR_DIR}/")
+        objects, size = len(stored), sum(info.size_bytes for info in stored)
+    else:
+        files = [path for path in (snapshot / ANCHOR_DIR).rglob("*") if path.is_file()]
+        objects, size = len(files), sum(path.stat().st_size for path in files)
+    fresh, fresh_optimizer = trained()
+    started = time.perf_counter()
+    load_anchor(snapshot, fresh, fresh_optimizer, expected=ref, storage=storage)
+    load_s = time.perf_counter() - started
+    layout.discard(checkpoint_id)
+    if isinstance(layout, StoreLayout):
+        layout.close()
+    return AnchorFigure("s3" if is_url else "local", write_s, load_s, objects, size)
+
+
+def _print_anchor_figures(local_root: str, s3_url: str, mebibytes: int, sequence: int) -> None:
+    local = _anchor_on(local_root, mebibytes, sequence)
+    remote = _anchor_on(s3_url, mebibytes, sequence)
+    print(
+        f"\ntorch DCP anchor, about {mebibytes} MiB (model and Adam state): "
+        "local file writer vs DCP's fsspec writer onto the store"
+    )
+    print(
+        f"{'storage':>12} {'write s':>9} {'load s':>9} {'objects':>7} {'MiB':>7} "
+        f"{'write x':>8} {'load x':>8}"
+    )
+    for figure in (local, remote):
+        ratios = (
+            f"{remote.write_s / local.write_s:>8.1f} {remote.load_s / local.load_s:>8.1f}"
+            if figure is remote
+            else f"{'':>8} {'':>8}"
+        )
+        print(
+            f"{figure.storage:>12} {figure.write_s:>9.3f} {figure.load_s:>9.3f} "
+            f"{figure.objects:>7} {figure.bytes_written / 2**20:>7.2f} {ratios}",
+            flush=True,
+        )
+
+
 def bench_storage_command(args: argparse.Namespace) -> int:
     sizes = tuple(int(size) for size in args.sizes.split(","))
     with contextlib.ExitStack() as stack:
@@ -184,6 +264,9 @@ def bench_storage_command(args: argparse.Namespace) -> int:
                     ),
                     flush=True,
                 )
+        if args.anchor_mib > 0:
+            # After the snapshots above: checkpoint sequences only increase.
+            _print_anchor_figures(str(local_root), s3_url, args.anchor_mib, len(sizes) + 1)
     return 0
 
 
@@ -198,4 +281,10 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     parser.add_argument("--records", type=int, default=20, help="records per participant")
     parser.add_argument("--root", help="local snapshot root (default: a temp dir)")
     parser.add_argument("--s3-url", help="s3://bucket/prefix (default: moto on loopback)")
+    parser.add_argument(
+        "--anchor-mib",
+        type=int,
+        default=16,
+        help="size of the torch DCP anchor measured on both (0: none)",
+    )
     parser.set_defaults(handler=bench_storage_command)

@@ -365,6 +365,9 @@ class DemoTrainer:
                 self.optimizer,
                 step=lambda: self.step,
                 data_loader=lambda: {"next_group": self.next_group},
+                # On a storage URL (--storage s3) the anchor goes onto the store through
+                # DCP's fsspec writer; nothing is staged on this machine (spec 8.13.1).
+                storage=self.snapshot_root if "://" in self.snapshot_root else None,
             ),
             load_anchor=torch_anchor_loader(self.model, self.optimizer),
             # The fresh policy servers get the trainer's (restored) weights on open.

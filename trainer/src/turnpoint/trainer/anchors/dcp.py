@@ -21,6 +21,11 @@ and the warning is left alone rather than muting it for the whole process.
 
 Loading verifies the tree digest (when the caller has one, as a restore always does)
 before DCP reads a byte, because DCP's metadata file is a pickle.
+
+Given the snapshot ``storage`` (an object store or a shared mount, section 8.13), the
+anchor is written onto it through DCP's fsspec writer (:mod:`.store`) instead of into
+the local directory, under ``<checkpoint_id>/trainer/anchor/``, and publication checks
+it there; nothing is staged locally.
 """
 
 from __future__ import annotations
@@ -48,9 +53,17 @@ from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_asyn
 
 from turnpoint._files import fsync_tree
 from turnpoint._json import StrictJSONError, loads_strict
+from turnpoint.storage import Storage, StorageError, open_storage
 from turnpoint.trainer.anchors.source import AnchorError, WrittenAnchor
+from turnpoint.trainer.anchors.store import (
+    anchor_prefix,
+    store_reader,
+    store_writer,
+    written_files,
+)
 from turnpoint.trainer.storage.layout import tree_digest
 from turnpoint.trainer.storage.manifest import ANCHOR_DIR, AnchorRef, JSONValue, ManifestError
+from turnpoint.trainer.storage.objects import stored_tree_digest
 
 ANCHOR_FORMAT = 1
 
@@ -110,6 +123,31 @@ def _finish(directory: Path) -> AnchorRef:
     return AnchorRef(sha256=tree_digest(directory), path=ANCHOR_DIR)
 
 
+def as_storage(storage: str | Storage | None) -> Storage | None:
+    """A storage URL opened (nothing is reached yet), a :class:`Storage` as it is."""
+    return open_storage(storage) if isinstance(storage, str) else storage
+
+
+def _fresh_anchor_prefix(storage: Storage, snapshot: Path) -> str:
+    prefix = anchor_prefix(snapshot)
+    if storage.list(f"{prefix}/"):
+        raise AnchorError(
+            f"{storage.url}/{prefix} already holds an anchor; anchors are never rewritten",
+            prefix,
+        )
+    return prefix
+
+
+def _finish_on_store(storage: Storage, prefix: str, files: list[str]) -> AnchorRef:
+    """The anchor's reference, its digest over exactly the objects its writers put."""
+    try:
+        return AnchorRef(sha256=stored_tree_digest(storage, prefix, files), path=ANCHOR_DIR)
+    except (ManifestError, StorageError) as error:
+        raise AnchorError(
+            f"cannot read back the anchor in {storage.url}/{prefix}: {error}", prefix
+        ) from error
+
+
 def save_anchor(
     snapshot: Path,
     model: torch.nn.Module,
@@ -117,9 +155,10 @@ def save_anchor(
     *,
     step: int,
     data_loader: JSONValue = None,
+    storage: str | Storage | None = None,
 ) -> AnchorRef:
     """Write the anchor synchronously and return its reference for the manifest."""
-    writer = AnchorWriter()
+    writer = AnchorWriter(storage)
     writer.start(snapshot, model, optimizer, step=step, data_loader=data_loader)
     return writer.wait()
 
@@ -129,11 +168,15 @@ class AnchorWriter:
 
     ``start`` returns once the state is copied; ``wait`` (or ``await wait_async()``)
     finishes it. Owned by one caller: it is not meant to be shared between threads.
+    With ``storage`` the anchor is written onto it (module docstring).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, storage: str | Storage | None = None) -> None:
+        self.storage = as_storage(storage)
         self._future: Future[Any] | None = None
         self._directory: Path | None = None
+        self._prefix: str | None = None
+        self._store_writer: Any = None
 
     @property
     def pending(self) -> bool:
@@ -158,6 +201,9 @@ class AnchorWriter:
             raise RuntimeError("an anchor save is still pending: wait() for it first")
         state = _state_dict(model, optimizer)
         state["trainer"] = _trainer_entry(step, data_loader)
+        if self.storage is not None:
+            self._start_on_store(self.storage, Path(snapshot), state)
+            return
         directory = _fresh_anchor_dir(Path(snapshot))
         try:
             # DCP would fsync its files itself; wait() fsyncs the whole tree once the
@@ -178,19 +224,39 @@ class AnchorWriter:
         self._future = result
         self._directory = directory
 
+    def _start_on_store(self, storage: Storage, snapshot: Path, state: dict[str, Any]) -> None:
+        try:
+            prefix = _fresh_anchor_prefix(storage, snapshot)
+            writer = store_writer(storage, prefix)
+            _quiet_single_process()
+            result = dcp_async_save(state, storage_writer=writer, no_dist=True)
+        except (OSError, RuntimeError, CheckpointException, StorageError) as error:
+            raise AnchorError(
+                f"cannot start writing the anchor in {storage.url}: {error}", storage.url
+            ) from error
+        if not isinstance(result, Future):
+            result = result.upload_completion
+        self._future = result
+        self._prefix = prefix
+        self._store_writer = writer
+
     def wait(self) -> AnchorRef:
         """Block until the pending save is durable; return its reference."""
-        future, directory = self._future, self._directory
-        if future is None or directory is None:
+        future, directory, prefix = self._future, self._directory, self._prefix
+        if future is None or (directory is None and prefix is None):
             raise RuntimeError("no anchor save is pending")
         self._future = None
         self._directory = None
+        self._prefix = None
+        where = directory if directory is not None else f"{self.storage}/{prefix}"
         try:
             future.result()
-        except (OSError, RuntimeError, CheckpointException) as error:
-            raise AnchorError(
-                f"writing the anchor in {directory} failed: {error}", directory
-            ) from error
+        except (OSError, RuntimeError, CheckpointException, StorageError) as error:
+            raise AnchorError(f"writing the anchor in {where} failed: {error}", where) from error
+        if self.storage is not None and prefix is not None:
+            writer, self._store_writer = self._store_writer, None
+            return _finish_on_store(self.storage, prefix, written_files(writer, prefix))
+        assert directory is not None
         try:
             return _finish(directory)
         except (OSError, ManifestError) as error:
@@ -209,8 +275,10 @@ def load_anchor(
     optimizer: torch.optim.Optimizer | None,
     *,
     expected: AnchorRef | None = None,
+    storage: str | Storage | None = None,
 ) -> AnchorState:
-    """Restore model and optimizer in place from ``<snapshot>/<anchor path>``.
+    """Restore model and optimizer in place from ``<snapshot>/<anchor path>``, or with
+    ``storage`` from the anchor's objects there, read through DCP's fsspec reader.
 
     With ``expected`` (the manifest's reference) the files are checked against its
     digest before anything is read. Raises :class:`AnchorError` when the anchor is
@@ -218,13 +286,30 @@ def load_anchor(
     DCP reads into the live tensors, so an anchor that passes its digest check but fails
     while loading may leave them partly overwritten: load another anchor or start over.
     """
-    directory = checked_anchor_dir(snapshot, expected)
+    opened = as_storage(storage)
+    directory: Path | str
+    if opened is None:
+        directory = checked_anchor_dir(snapshot, expected)
+        reader = None
+    else:
+        directory = checked_anchor_prefix(opened, snapshot, expected)
+        reader = store_reader(opened, directory)
     state = _state_dict(model, optimizer)
     state["trainer"] = _empty_trainer_entry()
     try:
         _quiet_single_process()
-        dcp_load(state, checkpoint_id=directory, no_dist=True)
-    except (OSError, RuntimeError, ValueError, EOFError, CheckpointException) as error:
+        if reader is None:
+            dcp_load(state, checkpoint_id=directory, no_dist=True)
+        else:
+            dcp_load(state, storage_reader=reader, no_dist=True)
+    except (
+        OSError,
+        RuntimeError,
+        ValueError,
+        EOFError,
+        CheckpointException,
+        StorageError,
+    ) as error:
         raise AnchorError(
             f"cannot load the trainer anchor in {directory}: {_first_line(error)}", directory
         ) from error
@@ -255,11 +340,32 @@ def checked_anchor_dir(snapshot: Path, expected: AnchorRef | None) -> Path:
     return directory
 
 
+def checked_anchor_prefix(storage: Storage, snapshot: Path, expected: AnchorRef | None) -> str:
+    """As :func:`checked_anchor_dir` for an anchor kept on ``storage``: the key prefix
+    of its objects, their digest checked against ``expected`` before DCP reads one."""
+    prefix = f"{anchor_prefix(snapshot).partition('/')[0]}/" + (
+        expected.path if expected is not None else ANCHOR_DIR
+    )
+    try:
+        digest = stored_tree_digest(storage, prefix)
+    except (ManifestError, StorageError) as error:
+        raise AnchorError(
+            f"no readable trainer anchor in {storage.url}/{prefix}: {error}", prefix
+        ) from error
+    if expected is not None and digest != expected.sha256:
+        raise AnchorError(
+            f"trainer anchor in {storage.url}/{prefix} is corrupt: digest {digest}, "
+            f"manifest says {expected.sha256}",
+            prefix,
+        )
+    return prefix
+
+
 def _empty_trainer_entry() -> dict[str, Any]:
     return {"format": 0, "step": 0, "data_loader": ""}
 
 
-def _read_trainer_entry(trainer: dict[str, Any], directory: Path) -> AnchorState:
+def _read_trainer_entry(trainer: dict[str, Any], directory: Path | str) -> AnchorState:
     if trainer.get("format") != ANCHOR_FORMAT:
         raise AnchorError(
             f"trainer anchor in {directory} has format {trainer.get('format')!r}, "
@@ -303,7 +409,8 @@ class TorchAnchorSource:
 
     ``step`` and ``data_loader`` are read when an anchor is written. torch is imported
     only when this class is used. One process; a trainer on many ranks uses
-    :class:`~turnpoint.trainer.anchors.ranks.DistributedAnchor` instead.
+    :class:`~turnpoint.trainer.anchors.ranks.DistributedAnchor` instead. ``storage``
+    (the snapshot root's URL when it is one) writes the anchor onto the store.
     """
 
     def __init__(
@@ -313,12 +420,13 @@ class TorchAnchorSource:
         *,
         step: Callable[[], int],
         data_loader: Callable[[], JSONValue] = lambda: None,
+        storage: str | Storage | None = None,
     ) -> None:
         self._model = model
         self._optimizer = optimizer
         self._step = step
         self._data_loader = data_loader
-        self.writer = AnchorWriter()
+        self.writer = AnchorWriter(storage)
 
     @property
     def step(self) -> int:

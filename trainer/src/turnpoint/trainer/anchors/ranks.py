@@ -31,8 +31,16 @@ in a collective the others skipped.
 Commands travel on a gloo group of the anchor's own that waits indefinitely (a follower
 may wait a whole restore or many minutes of rollouts for the next step); the saves and
 loads run on a second gloo group bounded by ``timeout_s``. If rank 0 dies, the followers'
-wait ends with a ``RuntimeError`` as soon as its connections close. All ranks must see the snapshot root
-at the same path (a shared filesystem), as DCP's file writer requires.
+wait ends with a ``RuntimeError`` as soon as its connections close.
+
+Where the anchor lives: on a local snapshot root every rank must see the root at the
+same path (a shared filesystem), as DCP's file writer requires. Given the snapshot
+``storage`` (an ``s3://`` or ``file://`` URL, the same on every rank), every rank instead
+writes its shards onto the store itself through DCP's fsspec writer (:mod:`.store`),
+with its own client: the ranks share nothing but the store. The ranks' agreement then
+also carries the objects each rank put, and rank 0 takes the anchor's digest over
+exactly those (never a listing, which may lag); a load reads every rank's part straight
+from the store, after rank 0 checked the digest there.
 
 Resharding: DCP keys every shard by its global offsets, so an anchor written by N ranks
 loads on M ranks when the state is replicated (plain tensors the same on every rank, as
@@ -61,20 +69,26 @@ from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from turnpoint._json import loads_strict
+from turnpoint.storage import Storage, StorageError
 from turnpoint.trainer.anchors.dcp import (
     ANCHOR_FORMAT,
     AnchorState,
     _apply_state,
     _empty_trainer_entry,
     _finish,
+    _finish_on_store,
     _first_line,
     _fresh_anchor_dir,
+    _fresh_anchor_prefix,
     _read_trainer_entry,
     _state_dict,
     _trainer_entry,
+    as_storage,
     checked_anchor_dir,
+    checked_anchor_prefix,
 )
 from turnpoint.trainer.anchors.source import AnchorError, WrittenAnchor
+from turnpoint.trainer.anchors.store import store_reader, store_writer, written_files
 from turnpoint.trainer.storage.manifest import AnchorRef, JSONValue, ManifestError
 
 _LOG = logging.getLogger(__name__)
@@ -91,13 +105,14 @@ _STATE_ERRORS: Final = (
     EOFError,
     CheckpointException,
     AnchorError,
+    StorageError,
 )
 
 
 @dataclass(frozen=True, slots=True)
 class _Command:
     kind: str  # "save", "load", "step" or "close"
-    directory: str = ""
+    directory: str = ""  # the anchor's directory, or its key prefix on the store
     step: int = 0
     data_loader: str = "null"  # canonical JSON text, as in the anchor's trainer entry
 
@@ -108,6 +123,8 @@ class DistributedAnchor:
     Construct it on every rank at the same point of the program, after
     ``torch.distributed.init_process_group`` (it creates two gloo groups, a collective
     call). ``step`` and ``data_loader`` are read on each rank; rank 0's are stored.
+    ``storage``, the same URL on every rank, keeps the anchor on the store (module
+    docstring).
 
     On rank 0: pass it as ``anchor`` and its :meth:`load` as ``load_anchor`` to
     :class:`~turnpoint.trainer.Checkpointing`, call :meth:`begin_step` at the start of
@@ -124,6 +141,7 @@ class DistributedAnchor:
         step: Callable[[], int],
         data_loader: Callable[[], JSONValue] = lambda: None,
         timeout_s: float = 1800.0,
+        storage: str | Storage | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError("DistributedAnchor needs torch.distributed initialised first")
@@ -131,6 +149,7 @@ class DistributedAnchor:
         self._optimizer = optimizer
         self._step = step
         self._data_loader = data_loader
+        self.storage = as_storage(storage)
         self._commands = dist.new_group(backend="gloo", timeout=_WAIT_FOREVER)
         self._work = dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))
         self.rank = dist.get_rank(self._work)
@@ -160,9 +179,12 @@ class DistributedAnchor:
         loads its part (resharded when the number of ranks changed); returns the step.
         Blocking: the restorer runs it in a thread."""
         self._require_rank0("load")
-        directory = checked_anchor_dir(snapshot, anchor)
+        if self.storage is None:
+            directory = str(checked_anchor_dir(snapshot, anchor))
+        else:
+            directory = checked_anchor_prefix(self.storage, Path(snapshot), anchor)
         with self._lock:
-            self._send(_Command("load", str(directory)))
+            self._send(_Command("load", directory))
             return self._load_together(directory).step
 
     def begin_step(self) -> None:
@@ -194,10 +216,19 @@ class DistributedAnchor:
         self.close()
 
     def _save(self, snapshot: Path, step: int, entry: dict[str, Any]) -> AnchorRef:
+        if self.storage is not None:
+            try:
+                prefix = _fresh_anchor_prefix(self.storage, snapshot)
+            except StorageError as error:
+                raise AnchorError(f"cannot reach {self.storage.url}: {error}", snapshot) from error
+            with self._lock:
+                self._send(_Command("save", prefix, step, entry["data_loader"]))
+                files = self._save_together(prefix, step, entry)
+            return _finish_on_store(self.storage, prefix, files)
         directory = _fresh_anchor_dir(snapshot)
         with self._lock:
             self._send(_Command("save", str(directory), step, entry["data_loader"]))
-            self._save_together(directory, step, entry)
+            self._save_together(str(directory), step, entry)
         try:
             return _finish(directory)
         except (OSError, ManifestError) as error:
@@ -237,7 +268,7 @@ class DistributedAnchor:
             command = received[0]
             if not isinstance(command, _Command):
                 raise RuntimeError(f"rank 0 sent {command!r}, not an anchor command")
-            directory = Path(command.directory)
+            directory = command.directory
             try:
                 if command.kind == "save":
                     entry = {
@@ -258,7 +289,9 @@ class DistributedAnchor:
 
     # -- every rank, together ----------------------------------------------------------
 
-    def _save_together(self, directory: Path, step: int, entry: dict[str, Any]) -> None:
+    def _save_together(self, directory: str, step: int, entry: dict[str, Any]) -> list[str]:
+        """Every rank writes its part; returns the files every rank put on the store
+        (nothing for a local directory, whose digest is taken over the files there)."""
         state: dict[str, Any] = {}
         refusal = None
         own_step = self._step()
@@ -272,14 +305,23 @@ class DistributedAnchor:
                 refusal = self._describe(error)
         self._agree("saving the anchor", refusal, directory)
         failure = None
+        files: list[str] = []
         try:
             # A write that fails on one rank fails dcp_save on every rank.
-            dcp_save(state, checkpoint_id=directory, process_group=self._work)
-        except (OSError, RuntimeError, CheckpointException) as error:
+            if self.storage is None:
+                dcp_save(state, checkpoint_id=Path(directory), process_group=self._work)
+            else:
+                writer = store_writer(self.storage, directory)
+                try:
+                    dcp_save(state, storage_writer=writer, process_group=self._work)
+                finally:
+                    files = written_files(writer, directory)
+        except (OSError, RuntimeError, CheckpointException, StorageError) as error:
             failure = self._describe(error)
-        self._agree("writing the anchor", failure, directory)
+        written = self._agree("writing the anchor", failure, directory, files)
+        return sorted({name for names in written for name in names})
 
-    def _load_together(self, directory: Path) -> AnchorState:
+    def _load_together(self, directory: str) -> AnchorState:
         state: dict[str, Any] = {}
         refusal = None
         try:
@@ -291,7 +333,11 @@ class DistributedAnchor:
         failure = None
         loaded = None
         try:
-            dcp_load(state, checkpoint_id=directory, process_group=self._work)
+            if self.storage is None:
+                dcp_load(state, checkpoint_id=Path(directory), process_group=self._work)
+            else:
+                reader = store_reader(self.storage, directory)
+                dcp_load(state, storage_reader=reader, process_group=self._work)
             loaded = _read_trainer_entry(state["trainer"], directory)
             _apply_state(self._model, self._optimizer, state)
         except _STATE_ERRORS as error:
@@ -301,20 +347,24 @@ class DistributedAnchor:
         self.restored = loaded
         return loaded
 
-    def _agree(self, what: str, failure: str | None, directory: Path) -> None:
-        """Every rank learns every rank's failure; all raise if any rank failed."""
-        failures: list[str | None] = [None] * self.world_size
+    def _agree(
+        self, what: str, failure: str | None, directory: str, files: list[str] | None = None
+    ) -> list[list[str]]:
+        """Every rank learns every rank's failure; all raise if any rank failed. Returns
+        every rank's ``files`` (what it wrote) when none did."""
+        gathered: list[tuple[str | None, list[str]]] = [(None, [])] * self.world_size
         try:
-            dist.all_gather_object(failures, failure, group=self._work)
+            dist.all_gather_object(gathered, (failure, files or []), group=self._work)
         except RuntimeError as error:
             raise AnchorError(
                 f"{what} in {directory}: the ranks could not agree: {_first_line(error)}",
                 directory,
             ) from error
         # DCP reports every rank's failure on every rank: each text once.
-        failed = list(dict.fromkeys(text for text in failures if text))
+        failed = list(dict.fromkeys(text for text, _ in gathered if text))
         if failed:
             raise AnchorError(f"{what} in {directory} failed: {'; '.join(failed)}", directory)
+        return [names for _, names in gathered]
 
     def _describe(self, error: BaseException) -> str:
         """The failure with the rank it happened on (DCP says which ranks failed)."""

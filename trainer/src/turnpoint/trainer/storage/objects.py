@@ -178,6 +178,7 @@ class StoreLayout(PublishedSnapshots):
                 f"snapshot {checkpoint_id!r} is already published", checkpoint_id=checkpoint_id
             )
         anchor = staged / manifest.anchor.path
+        anchor_on_store = not anchor.exists()
         for relative, _ in _files_below(staged):
             try:
                 object_key(relative)
@@ -185,7 +186,13 @@ class StoreLayout(PublishedSnapshots):
                 raise ManifestError(
                     f"snapshot {checkpoint_id!r}: {error}", checkpoint_id=checkpoint_id
                 ) from None
-        digest = tree_digest(anchor)
+        # An anchor source that writes onto the store itself (the torch DCP anchor given
+        # the storage) stages nothing: its objects are checked where they are.
+        digest = (
+            stored_tree_digest(self.storage, f"{checkpoint_id}/{manifest.anchor.path}")
+            if anchor_on_store
+            else tree_digest(anchor)
+        )
         if digest != manifest.anchor.sha256:
             raise ManifestError(
                 f"snapshot {checkpoint_id!r}: trainer anchor digest is {digest}, "
@@ -412,6 +419,29 @@ def file_path(key: str) -> str:
             raise ValueError(f"key component {part!r} does not name a file")
         parts.append(name)
     return "/".join(parts)
+
+
+def stored_tree_digest(storage: Storage, prefix: str, files: Iterable[str] | None = None) -> str:
+    """:func:`~turnpoint.trainer.storage.layout.tree_digest` of the files kept as objects
+    under ``prefix`` (docs/spec.md section 8.8 item 2, over the files' own names).
+
+    ``files`` names them (relative to ``prefix``) when the writer knows what it wrote,
+    so that no listing, which may lag, decides what the digest covers; without it the
+    objects under ``prefix`` are listed. ``ManifestError`` when there are none.
+    """
+    if files is None:
+        files = [file_path(info.key)[len(prefix) + 1 :] for info in storage.list(f"{prefix}/")]
+    names = sorted(set(files))
+    if not names:
+        raise ManifestError(f"{storage.url}/{prefix}: no objects")
+    listing = hashlib.sha256()
+    for name in names:
+        try:
+            data = storage.get(f"{prefix}/{object_key(name)}")
+        except ObjectMissingError:
+            raise ManifestError(f"{storage.url}/{prefix}: {name} is missing") from None
+        listing.update(f"{hashlib.sha256(data).hexdigest()}  {len(data)}  {name}\n".encode())
+    return listing.hexdigest()
 
 
 def _is_key_component(part: str) -> bool:
