@@ -6,6 +6,8 @@ The agent participant is snapshotted after a completed turn and killed (its runt
 down, its harness process tree killed, its relay gone); a fresh participant restores the
 snapshot and runs the next attempt: its fresh harness is answered from the record until
 the cut, then goes live, and the final transcript is the uninterrupted run's. The
+harness's tool is an HTTP service behind the relay whose every call has an effect: each
+reaches it exactly once across all the kills. The
 policy holds the call after the cut until the test lets it go, so the cut is exactly
 where the test says; waits are bounded polls on counters, never sleeps.
 """
@@ -25,6 +27,7 @@ from tests.support.scripted import ckpt, host_scripted, poll, restore_id, wire_t
 from turnpoint.apps.examples import react_harness
 from turnpoint.apps.examples._participants import TinyPolicyServer, new_policy
 from turnpoint.apps.examples.chat_template import MODEL_NAME, GuessChatTemplate
+from turnpoint.apps.examples.guess_tool import GuessTool
 from turnpoint.convert import struct_to_dict
 from turnpoint.ids import EpisodeId
 from turnpoint.participant_sdk import (
@@ -83,9 +86,10 @@ async def policy_endpoint(root: Path, policy: GatedPolicy) -> AsyncIterator[Chat
 
 @asynccontextmanager
 async def opaque_agent(
-    endpoint: ChatEndpoint, env: Mapping[str, str] | None = None
+    endpoint: ChatEndpoint, env: Mapping[str, str] | None = None, tool: GuessTool | None = None
 ) -> AsyncIterator[OpaqueAgent]:
-    options = RelayOptions(endpoint.base_url, MODEL_NAME, upstream_api_key=API_KEY)
+    tools = {} if tool is None else {"observe": tool.url}
+    options = RelayOptions(endpoint.base_url, MODEL_NAME, upstream_api_key=API_KEY, tools=tools)
     async with EgressRelay(options) as relay:
         yield OpaqueAgent(relay, HARNESS, model=MODEL_NAME, env=env)
 
@@ -98,9 +102,11 @@ def alive(pid: int) -> bool:
     return True
 
 
-async def run_through(root: Path, endpoint: ChatEndpoint, episode: EpisodeId) -> dict[str, Any]:
+async def run_through(
+    root: Path, endpoint: ChatEndpoint, episode: EpisodeId, tool: GuessTool
+) -> dict[str, Any]:
     async with (
-        opaque_agent(endpoint) as agent,
+        opaque_agent(endpoint, tool=tool) as agent,
         host_scripted(root, agent=agent) as hosted,
         wire_to(hosted, "unary") as wire,
     ):
@@ -116,11 +122,12 @@ async def test_killed_after_every_turn_in_turn_it_ends_as_the_uninterrupted_run(
     tmp_path: Path,
 ) -> None:
     policy = GatedPolicy()
-    async with policy_endpoint(tmp_path / "policy", policy) as endpoint:
-        whole = await run_through(tmp_path / "whole", endpoint, EpisodeId("whole-run", 0))
+    async with policy_endpoint(tmp_path / "policy", policy) as endpoint, GuessTool() as tool:
+        whole = await run_through(tmp_path / "whole", endpoint, EpisodeId("whole-run", 0), tool)
         calls = assistant_turns(whole)
         assert calls >= 3, whole  # long enough to cut after more than one turn
-        assert whole["replayed"] == 0 and whole["forwarded"] == calls
+        assert whole["replayed"] == 0 and whole["forwarded"] == whole["tools_forwarded"] == calls
+        assert tool.requests == calls
 
         root = tmp_path / "agent"
         episode = EpisodeId("crash-run", 0)
@@ -131,7 +138,7 @@ async def test_killed_after_every_turn_in_turn_it_ends_as_the_uninterrupted_run(
             policy.hold_at = hold_at
             policy.gate = asyncio.Event()
             async with (
-                opaque_agent(endpoint) as agent,
+                opaque_agent(endpoint, tool=tool) as agent,
                 host_scripted(root, agent=agent) as hosted,
                 wire_to(hosted, "unary") as wire,
             ):
@@ -153,7 +160,7 @@ async def test_killed_after_every_turn_in_turn_it_ends_as_the_uninterrupted_run(
         policy.hold_at = None
         assert committed is not None
         async with (
-            opaque_agent(endpoint) as agent,
+            opaque_agent(endpoint, tool=tool) as agent,
             host_scripted(root, agent=agent) as hosted,
             wire_to(hosted, "unary") as wire,
         ):
@@ -162,11 +169,16 @@ async def test_killed_after_every_turn_in_turn_it_ends_as_the_uninterrupted_run(
         continued = struct_to_dict(result.result)
 
     assert continued["transcript"] == whole["transcript"]
-    assert continued["turns"] == whole["turns"] == calls
-    # The cut's calls answered from the record, the one after it forwarded once.
-    assert continued["replayed"] == calls - 1
-    assert continued["forwarded"] == 1
+    # Each step is two turns: its model call and its tool call.
+    assert continued["turns"] == whole["turns"] == 2 * calls
+    # The cut's calls answered from the record, the step after it forwarded once.
+    assert continued["replayed"] == 2 * (calls - 1)
+    assert continued["forwarded"] == continued["tools_forwarded"] == 1
     assert continued["reruns"] == []
+    # Every tool call of both runs reached the tool once: no effect applied twice.
+    assert tool.requests == 2 * calls
+    assert set(tool.applied.values()) == {1} and len(tool.applied) == 2 * calls
+    assert tool.ledger["crash-run"] == tool.ledger["whole-run"]
 
 
 async def restore(wire: Any, n: int, committed: Any, episode: EpisodeId) -> None:
