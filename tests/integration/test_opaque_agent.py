@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -49,6 +49,8 @@ from turnpoint.v1 import types_pb2
 API_KEY = "sk-policy-endpoint"
 TASK = {"low": 2, "high": 9, "target": 8, "max_turns": 3, "seed": 3, "max_tokens": 3}
 HARNESS = [sys.executable, react_harness.__file__]
+# The same loop in Node 20 with plain fetch.
+NODE_HARNESS = ["node", str(Path(react_harness.__file__).with_suffix(".mjs"))]
 
 
 class GatedPolicy(TinyPolicyServer):
@@ -86,12 +88,15 @@ async def policy_endpoint(root: Path, policy: GatedPolicy) -> AsyncIterator[Chat
 
 @asynccontextmanager
 async def opaque_agent(
-    endpoint: ChatEndpoint, env: Mapping[str, str] | None = None, tool: GuessTool | None = None
+    endpoint: ChatEndpoint,
+    env: Mapping[str, str] | None = None,
+    tool: GuessTool | None = None,
+    harness: Sequence[str] = HARNESS,
 ) -> AsyncIterator[OpaqueAgent]:
     tools = {} if tool is None else {"observe": tool.url}
     options = RelayOptions(endpoint.base_url, MODEL_NAME, upstream_api_key=API_KEY, tools=tools)
     async with EgressRelay(options) as relay:
-        yield OpaqueAgent(relay, HARNESS, model=MODEL_NAME, env=env)
+        yield OpaqueAgent(relay, harness, model=MODEL_NAME, env=env)
 
 
 def alive(pid: int) -> bool:
@@ -103,10 +108,14 @@ def alive(pid: int) -> bool:
 
 
 async def run_through(
-    root: Path, endpoint: ChatEndpoint, episode: EpisodeId, tool: GuessTool
+    root: Path,
+    endpoint: ChatEndpoint,
+    episode: EpisodeId,
+    tool: GuessTool,
+    harness: Sequence[str] = HARNESS,
 ) -> dict[str, Any]:
     async with (
-        opaque_agent(endpoint, tool=tool) as agent,
+        opaque_agent(endpoint, tool=tool, harness=harness) as agent,
         host_scripted(root, agent=agent) as hosted,
         wire_to(hosted, "unary") as wire,
     ):
@@ -223,3 +232,16 @@ async def test_a_restored_harness_that_diverges_is_stopped_and_the_episode_rerun
     assert continued["replayed"] == 0
     assert continued["forwarded"] == assistant_turns(continued) == continued["turns"] - 1
     assert len(agent.harness_pids) == 2 and not any(map(alive, agent.harness_pids))
+
+
+async def test_the_node_harness_plays_the_same_loop_through_the_relay(tmp_path: Path) -> None:
+    policy = GatedPolicy()
+    async with policy_endpoint(tmp_path / "policy", policy) as endpoint, GuessTool() as tool:
+        python = await run_through(tmp_path / "py", endpoint, EpisodeId("py-run", 0), tool)
+        node = await run_through(
+            tmp_path / "node", endpoint, EpisodeId("node-run", 0), tool, NODE_HARNESS
+        )
+    assert node["transcript"] == python["transcript"]
+    calls = assistant_turns(node)
+    assert node["forwarded"] == node["tools_forwarded"] == calls and node["turns"] == 2 * calls
+    assert tool.ledger["node-run"] == tool.ledger["py-run"]
