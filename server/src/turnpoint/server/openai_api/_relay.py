@@ -601,8 +601,10 @@ class EgressRelay:
             IDEMPOTENCY_HEADER: key,
         }
         try:
+            # A redirect is the tool's answer, never followed: the relay reaches only the
+            # URLs it was configured with.
             async with self._session.post(
-                self._options.tools[tool], json=dict(body), headers=headers
+                self._options.tools[tool], json=dict(body), headers=headers, allow_redirects=False
             ) as answer:
                 payload = await answer.read()
                 status = answer.status
