@@ -402,3 +402,18 @@ async def test_a_tool_call_is_recorded_keyed_and_never_sent_to_its_tool_again() 
         # The call the cut did not hold goes to the tool again under the same key.
         assert fake.tool_seen[2]["headers"][IDEMPOTENCY_HEADER] == cut_key
         assert session.replayed == 2 and session.tools_forwarded == 1
+
+
+async def test_a_rerun_keys_its_tool_calls_past_every_earlier_harness() -> None:
+    async with upstream() as fake, aiohttp.ClientSession() as http, relay_to(fake) as relay:
+        session = relay.open_episode(EPISODE, turn=3)
+        fake.tool_gate.clear()  # the replaced harness's tool call never settles
+        lost = asyncio.create_task(use_tool(http, relay, session.api_key, "echo", {"n": 1}))
+        await poll(lambda: len(fake.tool_seen) == 1)
+        rerun_key = session.rerun()
+        fake.tool_gate.set()
+        assert await use_tool(http, relay, rerun_key, "echo", {"n": 2}) == (201, {"echo": {"n": 2}})
+        assert (await bounded(lost))[0] == 409  # its answer came back to a fenced harness
+    keys = [seen["headers"][IDEMPOTENCY_HEADER] for seen in fake.tool_seen]
+    assert keys == ["fx:rollout-r:3:0", "fx:rollout-r:4:0"]
+    assert session.record.states()["g0-t0"] is CallState.EXCLUDED

@@ -228,9 +228,10 @@ async def test_a_restored_harness_that_diverges_is_stopped_and_the_episode_rerun
 
     assert [rerun["position"] for rerun in continued["reruns"]] == [0]
     assert "call 0" in continued["reruns"][0]["reason"]
-    # Rerun from its prompt: nothing answered from the record, every call forwarded.
+    # Rerun from its prompt: nothing answered from the record, every call forwarded; the
+    # turns count on from the cut's, one more for the rerun (its tool keys are new).
     assert continued["replayed"] == 0
-    assert continued["forwarded"] == assistant_turns(continued) == continued["turns"] - 1
+    assert continued["forwarded"] == assistant_turns(continued) == continued["turns"] - 2
     assert len(agent.harness_pids) == 2 and not any(map(alive, agent.harness_pids))
 
 

@@ -114,6 +114,7 @@ class OpaqueAgent(Agent):
                         raise HarnessFailedError(None, f"diverged {len(reruns) + 1} times")
                     reruns.append({"position": outcome.position, "reason": outcome.reason})
                     session.rerun()
+                    turn = session.turn  # a rerun's calls are keyed past every earlier one
                     continue
                 return {
                     "transcript": outcome,

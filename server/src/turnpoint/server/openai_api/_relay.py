@@ -223,9 +223,16 @@ class RelayEpisode:
 
     def rerun(self) -> str:
         """Start over from the prompt: a new harness generation, an empty journal, no
-        replay; the old generation's unsettled calls are excluded. Returns the new key."""
+        replay; the old generation's unsettled calls are excluded. Returns the new key.
+
+        The turn moves on by one: a tool call the rerun makes before its first completed
+        call gets a key no earlier harness used (one in flight at the restored cut had
+        the restored turn's), so a tool never takes it for a call it answered already.
+        """
         generation = self.record.generation + 1
         self.record.fence(generation)
+        self.turn += 1
+        self._tool_calls_since_turn = 0
         self.journal = []
         self._replay, self._replay_answers = [], []
         self._position = 0
