@@ -47,7 +47,7 @@ async function main() {
     });
     const action = reply.choices[0].message.content ?? "";
     const observation = toolsUrl
-      ? (await post(`${toolsUrl}/observe`, { action, target })).observation
+      ? (await post(`${toolsUrl}/observe`, { action, target, step })).observation
       : observe(action, target);
     messages.push({ role: "assistant", content: action });
     messages.push({ role: "tool", content: String(observation) });

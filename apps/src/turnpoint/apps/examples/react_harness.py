@@ -33,11 +33,11 @@ def observe(action: str, target: int) -> str:
     return "higher" if guess < target else "lower"
 
 
-def call_tool(tools_url: str, action: str, target: int) -> str:
+def call_tool(tools_url: str, action: str, target: int, step: int) -> str:
     """The tool over HTTP, as a harness calls any tool: JSON in, JSON out."""
     request = urllib.request.Request(
         f"{tools_url}/observe",
-        data=json.dumps({"action": action, "target": target}).encode(),
+        data=json.dumps({"action": action, "target": target, "step": step}).encode(),
         headers={
             "Content-Type": "application/json",
             "Authorization": f"Bearer {os.environ['OPENAI_API_KEY']}",
@@ -63,7 +63,9 @@ def main() -> int:
         action = reply.choices[0].message.content or ""
         tools_url = os.environ.get("TURNPOINT_TOOLS_URL")
         target = int(task["target"])
-        observation = call_tool(tools_url, action, target) if tools_url else observe(action, target)
+        observation = (
+            call_tool(tools_url, action, target, step) if tools_url else observe(action, target)
+        )
         messages.append({"role": "assistant", "content": action})
         messages.append({"role": "tool", "content": observation})
         if observation == "correct":

@@ -116,16 +116,34 @@ class OpaqueAgent(Agent):
                     session.rerun()
                     turn = session.turn  # a rerun's calls are keyed past every earlier one
                     continue
-                return {
-                    "transcript": outcome,
-                    "turns": turn,
-                    "reruns": reruns,
-                    "replayed": session.replayed,
-                    "forwarded": session.forwarded,
-                    "tools_forwarded": session.tools_forwarded,
-                }
+                return await self.episode_result(
+                    ctx,
+                    task,
+                    session,
+                    {
+                        "transcript": outcome,
+                        "turns": turn,
+                        "reruns": reruns,
+                        "replayed": session.replayed,
+                        "forwarded": session.forwarded,
+                        "tools_forwarded": session.tools_forwarded,
+                    },
+                )
         finally:
             self._relay.close_episode(ctx.episode)
+
+    async def episode_result(
+        self,
+        ctx: EpisodeContext,
+        task: Mapping[str, Any],
+        session: RelayEpisode,
+        result: Mapping[str, Any],
+    ) -> Mapping[str, Any]:
+        """The episode's result, from the harness's (``result``) and the relay's journal
+        of the episode (``session.journal``: every completed call of the harness lineage
+        that finished, answers included). An environment that trains on the completions
+        or scores the episode overrides it; by default, ``result`` as it is."""
+        return result
 
     async def _run_harness(
         self, ctx: EpisodeContext, task: Mapping[str, Any], session: RelayEpisode, turn: int
