@@ -46,9 +46,9 @@ from turnpoint.server.openai_api import (
     ROLLOUT_HEADER,
     EgressRelay,
     OpaqueAgent,
+    RelayEpisode,
     RelayOptions,
 )
-from turnpoint.server.openai_api._relay import RelayEpisode
 
 NODE_HARNESS: Final = ("node", str(Path(react_harness.__file__).with_suffix(".mjs")))
 PYTHON_HARNESS: Final = (sys.executable, react_harness.__file__)

@@ -16,7 +16,8 @@ untrusted harness to that endpoint: per-episode credentials, every call recorded
 disposition, held while a snapshot is open, replayed after a restore (section 12.7);
 its HTTP tools too, each forwarded call keyed in the ``IDEMPOTENCY_HEADER`` (section 12.9).
 :class:`OpaqueAgent` is the participant that runs one harness process per episode behind
-it, each completed model call a turn boundary.
+it, each completed model or tool call a turn boundary; its ``episode_result`` sees the
+episode's :class:`RelayEpisode` (the relay's journal of it).
 """
 
 from turnpoint.server.openai_api._chat import (
@@ -31,6 +32,7 @@ from turnpoint.server.openai_api._opaque_agent import HarnessFailedError, Opaque
 from turnpoint.server.openai_api._relay import (
     IDEMPOTENCY_HEADER,
     EgressRelay,
+    RelayEpisode,
     RelayError,
     RelayOptions,
 )
@@ -46,6 +48,7 @@ __all__ = [
     "EndpointOptions",
     "HarnessFailedError",
     "OpaqueAgent",
+    "RelayEpisode",
     "RelayError",
     "RelayOptions",
     "TemplateError",
