@@ -511,12 +511,12 @@ def test_opaque_agents_train_through_the_crash_and_every_call_is_accounted_for(
     record until the cut. The audit covers the relay: every call of every trained
     rollout has one final disposition, each trained turn is one completed model call and
     one completed tool call, each tool effect applied once."""
-    flags = ("--agent", "opaque", "--agents", "1", "--crash-at", "published:2")
+    flags = ("--agent", "opaque", "--agents", "1", "--steps", "4", "--crash-at", "published:2")
     run = run_demo(tmp_path / "out", *flags)
 
     assert [event["type"] for event in run.supervisor] == ["crash", "restart"]
     assert_restored_and_continued(run, run.only("kill")["checkpoint_id"])
-    assert run.only("done", 2)["step"] == 8
+    assert run.only("done", 2)["step"] == 4
     tools = [line for line in run.stdout.splitlines() if line.startswith("tool calls: ")]
     assert len(tools) == 1 and ", each once; " in tools[0], run.stdout
     egress = [line for line in run.stdout.splitlines() if line.startswith("egress: ")]
