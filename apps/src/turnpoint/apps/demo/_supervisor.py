@@ -313,6 +313,11 @@ class DemoOptions:
                 "--agent opaque plays the guessing game in local processes: drop --env, "
                 "--ray, --cut-generations and --agent-workers"
             )
+        if self.agent == OPAQUE and shutil.which("node") is None:
+            problems.append(
+                "--agent opaque runs its harness with Node 20, and node is not on PATH: "
+                "install nodejs (./dev setup does)"
+            )
         problems.extend(self._worker_problems())
         if self.group_size < 2:
             problems.append(
