@@ -501,3 +501,28 @@ def test_the_demo_with_typescript_resources_servers_trains_through_its_crash(
     for instance in ("tools", "group-tools"):
         for artifact in entries[instance]["artifacts"]:
             assert (snapshots / latest / artifact["path"]).is_file()
+
+
+def test_opaque_agents_train_through_the_crash_and_every_call_is_accounted_for(
+    tmp_path: Path,
+) -> None:
+    """Issue 26: the agents run the example ReAct harness (Node, plain fetch) behind the
+    egress relay, its model calls through the policy's OpenAI endpoint and its tool
+    through the relay (docs/spec.md section 12). The short run with one agent and the
+    deterministic crash; the restored rollouts' harnesses are answered from the relay's
+    record until the cut. The audit covers the relay: every call of every trained
+    rollout has one final disposition, each trained turn is one completed model call and
+    one completed tool call, each tool effect applied once."""
+    flags = ("--agent", "opaque", "--agents", "1", "--steps", "4", "--crash-at", "published:2")
+    run = run_demo(tmp_path / "out", *flags)
+
+    assert [event["type"] for event in run.supervisor] == ["crash", "restart"]
+    assert_restored_and_continued(run, run.only("kill")["checkpoint_id"])
+    assert run.only("done", 2)["step"] == 4
+    tools = [line for line in run.stdout.splitlines() if line.startswith("tool calls: ")]
+    assert len(tools) == 1 and ", each once; " in tools[0], run.stdout
+    egress = [line for line in run.stdout.splitlines() if line.startswith("egress: ")]
+    assert len(egress) == 1 and "each with one final disposition" in egress[0], run.stdout
+    # The restored harnesses were answered from the record, not forwarded again.
+    resumed = [event for event in run.of("rollout", 2) if event["resumed"]]
+    assert sum(event["egress"]["replayed"] for event in resumed) > 0, resumed

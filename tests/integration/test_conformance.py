@@ -66,6 +66,8 @@ DATA_TOKEN = "conformance-data-Token-8c1d"
 # Needs a server on a sandbox provider and --snapshot-root
 # (tests/integration/test_conformance_sandboxes.py).
 SANDBOXES = {"sandboxes"}
+# Checked only when the kit is given an HTTP face (tests/integration/test_conformance_openai.py).
+HTTP_FACES = {"openai-endpoint", "egress-relay"}
 
 
 async def _check(
@@ -113,6 +115,7 @@ async def test_the_example_participants_pass_every_check(tmp_path: Path, instanc
         EQUIVALENCE
         | DATA_TOKEN_ONLY
         | SANDBOXES
+        | HTTP_FACES
         | (
             CUTTING_MODEL_ONLY | RESOURCES_ONLY
             if instance.startswith("agent")

@@ -563,6 +563,13 @@ def test_storage_flags_that_cannot_work_are_refused(tmp_path: Path) -> None:
     assert "drop --storage s3 or --participant-command" in problem
 
 
+def test_opaque_agents_play_the_guessing_game_in_local_processes_only(tmp_path: Path) -> None:
+    assert _options(tmp_path, agent="opaque").problems() == []
+    for other in ({"environment": "blackjack"}, {"ray": True}, {"agent_workers": 2}):
+        (problem,) = _options(tmp_path, agent="opaque", **other).problems()
+        assert problem.startswith("--agent opaque plays the guessing game"), problem
+
+
 def test_a_foreign_out_dir_is_never_wiped(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

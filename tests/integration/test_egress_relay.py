@@ -3,11 +3,14 @@
 Upstream is a small recording stand-in for the policy endpoint on 127.0.0.1:0 (it
 answers each call with the count of calls it has seen, and keeps their headers), so a
 test sees exactly what the relay forwarded; the opaque agent's test runs the real one.
+It serves a tool too (``/tool``: echoes its body, keeps what it saw, held while its gate
+is shut).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -24,6 +27,7 @@ from turnpoint.egress import CallState, Disposition
 from turnpoint.ids import EpisodeId
 from turnpoint.server.openai_api import (
     ATTEMPT_HEADER,
+    IDEMPOTENCY_HEADER,
     ROLLOUT_HEADER,
     EgressRelay,
     RelayError,
@@ -42,6 +46,14 @@ class Upstream:
 
     seen: list[dict[str, Any]] = field(default_factory=list)
     base_url: str = ""
+    tool_seen: list[dict[str, Any]] = field(default_factory=list)
+    tool_gate: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def tool(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.tool_seen.append({"headers": dict(request.headers), "body": body})
+        await self.tool_gate.wait()
+        return web.json_response({"echo": body}, status=201)
 
     async def chat(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -83,11 +95,13 @@ async def upstream() -> AsyncIterator[Upstream]:
     fake = Upstream()
     app = web.Application()
     app.router.add_post("/v1/chat/completions", fake.chat)
+    app.router.add_post("/tool", fake.tool)
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     fake.base_url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1"
+    fake.tool_gate.set()
     try:
         yield fake
     finally:
@@ -96,7 +110,10 @@ async def upstream() -> AsyncIterator[Upstream]:
 
 @asynccontextmanager
 async def relay_to(fake: Upstream) -> AsyncIterator[EgressRelay]:
-    options = RelayOptions(fake.base_url, MODEL, upstream_api_key=UPSTREAM_KEY, max_body_bytes=4096)
+    tools = {"echo": fake.base_url.removesuffix("/v1") + "/tool"}
+    options = RelayOptions(
+        fake.base_url, MODEL, upstream_api_key=UPSTREAM_KEY, max_body_bytes=4096, tools=tools
+    )
     async with EgressRelay(options) as relay:
         yield relay
 
@@ -327,3 +344,76 @@ async def test_a_harness_flooding_calls_gets_429s_past_the_cap_and_none_is_recor
             finally:
                 await harness.close()
             assert list(session.record.states().values()) == [CallState.COMPLETED]
+
+
+async def use_tool(
+    http: aiohttp.ClientSession, relay: EgressRelay, api_key: str, tool: str, body: Any
+) -> tuple[int, Any]:
+    async with http.post(
+        f"{relay.tools_url}/{tool}", json=body, headers={"Authorization": f"Bearer {api_key}"}
+    ) as answer:
+        return answer.status, await answer.json()
+
+
+async def test_a_tool_call_is_recorded_keyed_and_never_sent_to_its_tool_again() -> None:
+    async with upstream() as fake, aiohttp.ClientSession() as http:
+        async with relay_to(fake) as relay:
+            session = relay.open_episode(EPISODE, turn=4)
+            harness = client(relay, session.api_key)
+            try:
+                assert await ask(harness, "turn 0") == "1"
+                assert await use_tool(http, relay, session.api_key, "echo", {"n": 1}) == (
+                    201,
+                    {"echo": {"n": 1}},
+                )
+                assert (await use_tool(http, relay, session.api_key, "nope", {}))[0] == 404
+                assert (await use_tool(http, relay, "sk-guess", "echo", {}))[0] == 401
+                fake.tool_gate.clear()  # the next tool call is in flight at the cut
+                in_flight = asyncio.create_task(
+                    use_tool(http, relay, session.api_key, "echo", {"n": 2})
+                )
+                await poll(lambda: len(fake.tool_seen) == 2)
+                state = json.loads(json.dumps(session.export()))
+            finally:
+                await harness.close()
+            in_flight.cancel()  # the harness is killed with its call in flight
+            with contextlib.suppress(asyncio.CancelledError):
+                await in_flight
+            fake.tool_gate.set()
+        first_key = fake.tool_seen[0]["headers"][IDEMPOTENCY_HEADER]
+        cut_key = fake.tool_seen[1]["headers"][IDEMPOTENCY_HEADER]
+        # A call's key is its place after the episode's last boundary (section 6.12).
+        assert (first_key, cut_key) == ("fx:rollout-r:5:0", "fx:rollout-r:6:0")
+        assert fake.tool_seen[0]["headers"][ROLLOUT_HEADER] == "rollout-r"
+        assert [entry.tool for entry in session.journal] == [None, "echo"]
+        assert state["calls"]["g0-t2"] == "active_prefix"
+
+        async with relay_to(fake) as relay:
+            session = relay.open_episode(EPISODE.next_attempt(), state, turn=6)
+            harness = client(relay, session.api_key)
+            try:
+                assert await ask(harness, "turn 0") == "1"
+                replayed = await use_tool(http, relay, session.api_key, "echo", {"n": 1})
+                assert len(fake.tool_seen) == 2  # answered from the record, not the tool
+                resent = await use_tool(http, relay, session.api_key, "echo", {"n": 2})
+            finally:
+                await harness.close()
+        assert replayed == (201, {"echo": {"n": 1}}) and resent == (201, {"echo": {"n": 2}})
+        # The call the cut did not hold goes to the tool again under the same key.
+        assert fake.tool_seen[2]["headers"][IDEMPOTENCY_HEADER] == cut_key
+        assert session.replayed == 2 and session.tools_forwarded == 1
+
+
+async def test_a_rerun_keys_its_tool_calls_past_every_earlier_harness() -> None:
+    async with upstream() as fake, aiohttp.ClientSession() as http, relay_to(fake) as relay:
+        session = relay.open_episode(EPISODE, turn=3)
+        fake.tool_gate.clear()  # the replaced harness's tool call never settles
+        lost = asyncio.create_task(use_tool(http, relay, session.api_key, "echo", {"n": 1}))
+        await poll(lambda: len(fake.tool_seen) == 1)
+        rerun_key = session.rerun()
+        fake.tool_gate.set()
+        assert await use_tool(http, relay, rerun_key, "echo", {"n": 2}) == (201, {"echo": {"n": 2}})
+        assert (await bounded(lost))[0] == 409  # its answer came back to a fenced harness
+    keys = [seen["headers"][IDEMPOTENCY_HEADER] for seen in fake.tool_seen]
+    assert keys == ["fx:rollout-r:3:0", "fx:rollout-r:4:0"]
+    assert session.record.states()["g0-t0"] is CallState.EXCLUDED

@@ -6,6 +6,8 @@ The agent participant is snapshotted after a completed turn and killed (its runt
 down, its harness process tree killed, its relay gone); a fresh participant restores the
 snapshot and runs the next attempt: its fresh harness is answered from the record until
 the cut, then goes live, and the final transcript is the uninterrupted run's. The
+harness's tool is an HTTP service behind the relay whose every call has an effect: each
+reaches it exactly once across all the kills. The
 policy holds the call after the cut until the test lets it go, so the cut is exactly
 where the test says; waits are bounded polls on counters, never sleeps.
 """
@@ -15,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
-from collections.abc import AsyncGenerator, AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,7 @@ from tests.support.scripted import ckpt, host_scripted, poll, restore_id, wire_t
 from turnpoint.apps.examples import react_harness
 from turnpoint.apps.examples._participants import TinyPolicyServer, new_policy
 from turnpoint.apps.examples.chat_template import MODEL_NAME, GuessChatTemplate
+from turnpoint.apps.examples.guess_tool import GuessTool
 from turnpoint.convert import struct_to_dict
 from turnpoint.ids import EpisodeId
 from turnpoint.participant_sdk import (
@@ -46,6 +49,8 @@ from turnpoint.v1 import types_pb2
 API_KEY = "sk-policy-endpoint"
 TASK = {"low": 2, "high": 9, "target": 8, "max_turns": 3, "seed": 3, "max_tokens": 3}
 HARNESS = [sys.executable, react_harness.__file__]
+# The same loop in Node 20 with plain fetch.
+NODE_HARNESS = ["node", str(Path(react_harness.__file__).with_suffix(".mjs"))]
 
 
 class GatedPolicy(TinyPolicyServer):
@@ -83,11 +88,15 @@ async def policy_endpoint(root: Path, policy: GatedPolicy) -> AsyncIterator[Chat
 
 @asynccontextmanager
 async def opaque_agent(
-    endpoint: ChatEndpoint, env: Mapping[str, str] | None = None
+    endpoint: ChatEndpoint,
+    env: Mapping[str, str] | None = None,
+    tool: GuessTool | None = None,
+    harness: Sequence[str] = HARNESS,
 ) -> AsyncIterator[OpaqueAgent]:
-    options = RelayOptions(endpoint.base_url, MODEL_NAME, upstream_api_key=API_KEY)
+    tools = {} if tool is None else {"observe": tool.url}
+    options = RelayOptions(endpoint.base_url, MODEL_NAME, upstream_api_key=API_KEY, tools=tools)
     async with EgressRelay(options) as relay:
-        yield OpaqueAgent(relay, HARNESS, model=MODEL_NAME, env=env)
+        yield OpaqueAgent(relay, harness, model=MODEL_NAME, env=env)
 
 
 def alive(pid: int) -> bool:
@@ -98,9 +107,15 @@ def alive(pid: int) -> bool:
     return True
 
 
-async def run_through(root: Path, endpoint: ChatEndpoint, episode: EpisodeId) -> dict[str, Any]:
+async def run_through(
+    root: Path,
+    endpoint: ChatEndpoint,
+    episode: EpisodeId,
+    tool: GuessTool,
+    harness: Sequence[str] = HARNESS,
+) -> dict[str, Any]:
     async with (
-        opaque_agent(endpoint) as agent,
+        opaque_agent(endpoint, tool=tool, harness=harness) as agent,
         host_scripted(root, agent=agent) as hosted,
         wire_to(hosted, "unary") as wire,
     ):
@@ -116,11 +131,12 @@ async def test_killed_after_every_turn_in_turn_it_ends_as_the_uninterrupted_run(
     tmp_path: Path,
 ) -> None:
     policy = GatedPolicy()
-    async with policy_endpoint(tmp_path / "policy", policy) as endpoint:
-        whole = await run_through(tmp_path / "whole", endpoint, EpisodeId("whole-run", 0))
+    async with policy_endpoint(tmp_path / "policy", policy) as endpoint, GuessTool() as tool:
+        whole = await run_through(tmp_path / "whole", endpoint, EpisodeId("whole-run", 0), tool)
         calls = assistant_turns(whole)
         assert calls >= 3, whole  # long enough to cut after more than one turn
-        assert whole["replayed"] == 0 and whole["forwarded"] == calls
+        assert whole["replayed"] == 0 and whole["forwarded"] == whole["tools_forwarded"] == calls
+        assert tool.requests == calls
 
         root = tmp_path / "agent"
         episode = EpisodeId("crash-run", 0)
@@ -131,7 +147,7 @@ async def test_killed_after_every_turn_in_turn_it_ends_as_the_uninterrupted_run(
             policy.hold_at = hold_at
             policy.gate = asyncio.Event()
             async with (
-                opaque_agent(endpoint) as agent,
+                opaque_agent(endpoint, tool=tool) as agent,
                 host_scripted(root, agent=agent) as hosted,
                 wire_to(hosted, "unary") as wire,
             ):
@@ -153,7 +169,7 @@ async def test_killed_after_every_turn_in_turn_it_ends_as_the_uninterrupted_run(
         policy.hold_at = None
         assert committed is not None
         async with (
-            opaque_agent(endpoint) as agent,
+            opaque_agent(endpoint, tool=tool) as agent,
             host_scripted(root, agent=agent) as hosted,
             wire_to(hosted, "unary") as wire,
         ):
@@ -162,11 +178,16 @@ async def test_killed_after_every_turn_in_turn_it_ends_as_the_uninterrupted_run(
         continued = struct_to_dict(result.result)
 
     assert continued["transcript"] == whole["transcript"]
-    assert continued["turns"] == whole["turns"] == calls
-    # The cut's calls answered from the record, the one after it forwarded once.
-    assert continued["replayed"] == calls - 1
-    assert continued["forwarded"] == 1
+    # Each step is two turns: its model call and its tool call.
+    assert continued["turns"] == whole["turns"] == 2 * calls
+    # The cut's calls answered from the record, the step after it forwarded once.
+    assert continued["replayed"] == 2 * (calls - 1)
+    assert continued["forwarded"] == continued["tools_forwarded"] == 1
     assert continued["reruns"] == []
+    # Every tool call of both runs reached the tool once: no effect applied twice.
+    assert tool.requests == 2 * calls
+    assert set(tool.applied.values()) == {1} and len(tool.applied) == 2 * calls
+    assert tool.ledger["crash-run"] == tool.ledger["whole-run"]
 
 
 async def restore(wire: Any, n: int, committed: Any, episode: EpisodeId) -> None:
@@ -207,7 +228,21 @@ async def test_a_restored_harness_that_diverges_is_stopped_and_the_episode_rerun
 
     assert [rerun["position"] for rerun in continued["reruns"]] == [0]
     assert "call 0" in continued["reruns"][0]["reason"]
-    # Rerun from its prompt: nothing answered from the record, every call forwarded.
+    # Rerun from its prompt: nothing answered from the record, every call forwarded; the
+    # turns count on from the cut's, one more for the rerun (its tool keys are new).
     assert continued["replayed"] == 0
-    assert continued["forwarded"] == assistant_turns(continued) == continued["turns"] - 1
+    assert continued["forwarded"] == assistant_turns(continued) == continued["turns"] - 2
     assert len(agent.harness_pids) == 2 and not any(map(alive, agent.harness_pids))
+
+
+async def test_the_node_harness_plays_the_same_loop_through_the_relay(tmp_path: Path) -> None:
+    policy = GatedPolicy()
+    async with policy_endpoint(tmp_path / "policy", policy) as endpoint, GuessTool() as tool:
+        python = await run_through(tmp_path / "py", endpoint, EpisodeId("py-run", 0), tool)
+        node = await run_through(
+            tmp_path / "node", endpoint, EpisodeId("node-run", 0), tool, NODE_HARNESS
+        )
+    assert node["transcript"] == python["transcript"]
+    calls = assistant_turns(node)
+    assert node["forwarded"] == node["tools_forwarded"] == calls and node["turns"] == 2 * calls
+    assert tool.ledger["node-run"] == tool.ledger["py-run"]

@@ -17,6 +17,7 @@ from turnpoint.egress import (
     ReplayAction,
     replay_decision,
     request_digest,
+    tool_digest,
 )
 
 BODY = {"model": "m", "messages": [{"role": "user", "content": "range 2 5"}], "seed": 1}
@@ -29,6 +30,13 @@ def test_a_digest_ignores_key_order_and_transport_but_no_field_of_the_question()
     assert request_digest(BODY) == request_digest(streamed)
     assert request_digest(BODY) != request_digest({**BODY, "seed": 2})
     assert request_digest(BODY) != request_digest({**BODY, "temperature": 0})
+
+
+def test_a_tool_call_is_compared_by_its_tool_and_body_and_never_matches_a_model_call() -> None:
+    assert tool_digest("observe", {"a": 1, "b": 2}) == tool_digest("observe", {"b": 2, "a": 1})
+    assert tool_digest("observe", {"a": 1}) != tool_digest("observe", {"a": 2})
+    assert tool_digest("observe", {"a": 1}) != tool_digest("other", {"a": 1})
+    assert tool_digest("m", BODY) != request_digest(BODY)
 
 
 @given(

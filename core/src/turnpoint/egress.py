@@ -24,7 +24,8 @@ it through every interleaving.
 After a restore a fresh harness replays: :func:`replay_decision` says, for each of its
 calls in order, whether the record answers it, it goes live (past the cut), or it
 diverged from the record (the harness is stopped and the episode reruns from its
-prompt). :func:`request_digest` is what a call is compared by.
+prompt). :func:`request_digest` is what a model call is compared by, :func:`tool_digest`
+what a tool call is.
 """
 
 from __future__ import annotations
@@ -344,6 +345,17 @@ def request_digest(body: Mapping[str, object]) -> str:
     asked = {key: value for key, value in body.items() if key not in _TRANSPORT_FIELDS}
     canonical = json.dumps(asked, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def tool_digest(tool: str, body: Mapping[str, object]) -> str:
+    """What a tool call is compared by on replay: SHA-256 of the tool's name and its body.
+
+    Never equal to a model call's :func:`request_digest`: the hashed text starts with
+    ``tool``, a model call's with the ``{`` of its JSON, so a harness that calls a tool
+    where it called the model (or the reverse) has diverged.
+    """
+    canonical = json.dumps(dict(body), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(f"tool\0{tool}\0{canonical}".encode()).hexdigest()
 
 
 class ReplayAction(enum.Enum):

@@ -13,6 +13,7 @@ import secrets
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from turnpoint.apps.examples._build import (
     EXAMPLES,
@@ -37,6 +38,10 @@ from turnpoint.server import (
     worker_slot_from_env,
 )
 from turnpoint.storage import StorageError
+
+if TYPE_CHECKING:
+    from turnpoint.participant_sdk import ParticipantRuntime
+    from turnpoint.server.openai_api import ChatEndpoint
 
 
 def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -113,6 +118,18 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "alternative name or the common name) may call the control service; repeatable",
     )
     parser.add_argument("--policy", help="agent: address of the policy server")
+    parser.add_argument(
+        "--policy-openai",
+        metavar="URL",
+        help="opaque agent: the policy's OpenAI endpoint (http://host:port/v1)",
+    )
+    parser.add_argument(
+        "--openai-port",
+        type=int,
+        metavar="PORT",
+        help="model: also serve the OpenAI API in front of it on PORT (0: a free one), its "
+        "API key the data-plane token (docs/spec.md section 12)",
+    )
     parser.add_argument(
         "--resources",
         action="append",
@@ -279,6 +296,8 @@ async def _serve(
         root=args.root,
         token=peer_token,
         policy_address=args.policy,
+        policy_openai=args.policy_openai,
+        openai_port=args.openai_port,
         resources=resources,
         group_size=args.group_size,
         verifier_log=Path(args.verifier_log) if args.verifier_log else None,
@@ -316,6 +335,12 @@ async def _serve(
             await close()
         return 2
     hosted.server.install_signal_handlers()
+    if args.openai_port is not None and args.kind == "model":
+        endpoint = await _openai_endpoint(
+            hosted.runtime, options.host, args.openai_port, peer_token
+        )
+        closers.insert(0, endpoint.close)
+        print(f"turnpoint: openai endpoint {spec.instance} on {endpoint.base_url}", flush=True)
     print(
         f"turnpoint: serving {args.kind} {spec.instance} on {options.host}:{hosted.port}",
         flush=True,
@@ -329,3 +354,16 @@ async def _serve(
         for close in closers:
             await close()
     return 0
+
+
+async def _openai_endpoint(
+    runtime: ParticipantRuntime, host: str, port: int, api_key: str | None
+) -> ChatEndpoint:
+    """The example policy's OpenAI endpoint (its chat template the guessing task's)."""
+    from turnpoint.apps.examples.chat_template import MODEL_NAME, GuessChatTemplate
+    from turnpoint.server.openai_api import ChatEndpoint, EndpointOptions
+
+    options = EndpointOptions(model=MODEL_NAME, host=host, port=port, api_key=api_key)
+    endpoint = ChatEndpoint(runtime, GuessChatTemplate(), options)
+    await endpoint.start()
+    return endpoint

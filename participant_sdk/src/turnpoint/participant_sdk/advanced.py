@@ -10,10 +10,13 @@ way (another RPC stack, another process model) needs the same names:
   :class:`BoundaryEvent`) and what ``run_episode`` streams (:class:`BoundaryReport`
   then one :class:`RunResult` with its :class:`RunOutcome`);
 - :func:`hook_failure`: how an exception a hook raised becomes the protocol error the
-  caller sees (docs/spec.md section 5.1).
+  caller sees (docs/spec.md section 5.1);
+- :func:`effect_key` at a :class:`CallPosition`: the key a tool call carries so that a
+  retry or a restored attempt is answered from the tool's record (section 6.12).
 """
 
 from ._agent import BoundaryReport, RunOutcome, RunResult
+from ._effects import CallPosition, effect_key
 from ._failures import hook_failure
 from ._results import (
     AcknowledgeResult,
@@ -36,6 +39,7 @@ __all__ = [
     "AcknowledgeResult",
     "BoundaryEvent",
     "BoundaryReport",
+    "CallPosition",
     "CommitResult",
     "Description",
     "ForgetResult",
@@ -50,5 +54,6 @@ __all__ = [
     "RunResult",
     "StatusResult",
     "WatchEvent",
+    "effect_key",
     "hook_failure",
 ]

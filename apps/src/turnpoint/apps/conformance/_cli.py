@@ -10,7 +10,7 @@ from pathlib import Path
 
 from turnpoint.auth import load_token
 
-from ._kit import Workload, WorkloadError
+from ._kit import HttpFace, Workload, WorkloadError
 from ._report import CheckResult, render_line, render_table, report_to_json
 from ._runner import CHECKS, ConformanceOptions, run_conformance
 
@@ -53,6 +53,24 @@ def add_conformance_parser(sub: argparse._SubParsersAction[argparse.ArgumentPars
         "--data-token-file",
         help="file holding the target's data-plane token: the credential-roles check "
         "(docs/spec.md section 10.2) runs with it",
+    )
+    parser.add_argument(
+        "--openai-endpoint",
+        metavar="URL",
+        help="the OpenAI endpoint in front of the target (http://host:port/v1): the "
+        "openai-endpoint check (docs/spec.md sections 12.2-12.5) runs against it",
+    )
+    parser.add_argument("--openai-key-file", help="file holding that endpoint's API key")
+    parser.add_argument(
+        "--relay",
+        metavar="URL",
+        help="an egress relay (http://host:port/v1): the egress-relay check (section 12.8) "
+        "runs against it with the harness credential of --relay-key-file",
+    )
+    parser.add_argument("--relay-key-file", help="file holding a live harness's relay credential")
+    parser.add_argument(
+        "--relay-fenced-key-file",
+        help="file holding the credential of a replaced harness of the same episode",
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument(
@@ -119,6 +137,20 @@ def add_conformance_parser(sub: argparse._SubParsersAction[argparse.ArgumentPars
     parser.set_defaults(handler=conformance_command)
 
 
+def _face(url: str | None, key_file: str | None, fenced_file: str | None = None) -> HttpFace | None:
+    if url is None:
+        if key_file or fenced_file:
+            raise ValueError("a key file for an HTTP face needs its URL too")
+        return None
+    if not url.startswith(("http://", "https://")):
+        raise ValueError(f"expected an http:// URL, got {url!r}")
+    return HttpFace(
+        url.rstrip("/"),
+        load_token(key_file) if key_file else None,
+        load_token(fenced_file) if fenced_file else None,
+    )
+
+
 def conformance_command(args: argparse.Namespace) -> int:
     try:
         if args.workload and args.equivalence:
@@ -138,6 +170,8 @@ def conformance_command(args: argparse.Namespace) -> int:
             restore_targets=tuple(args.restore_target),
             snapshot_root=Path(args.snapshot_root) if args.snapshot_root else None,
             data_token=load_token(args.data_token_file) if args.data_token_file else None,
+            openai_endpoint=_face(args.openai_endpoint, args.openai_key_file),
+            relay=_face(args.relay, args.relay_key_file, args.relay_fenced_key_file),
         )
         unknown = sorted(set(options.only) - {c.name for c in CHECKS})
         if unknown:

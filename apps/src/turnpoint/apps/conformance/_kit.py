@@ -78,7 +78,9 @@ class Workload:
     ``generate`` is the prompt and length of a Generate (models). ``calls`` is a recorded
     episode of a resources server, ``[{"tool": NAME, "arguments": {...}}, ...]``, sent in
     order after the seed: what the equivalence check replays (docs/spec.md section 5.6); the effects check
-    sends the first one with a key (section 6.12).
+    sends the first one with a key (section 6.12). ``chat`` holds the messages of a chat
+    completion the target's model can read, and its ``max_tokens`` (the
+    ``openai-endpoint`` check, section 12.2).
     """
 
     task: Mapping[str, Any] | None = None
@@ -86,12 +88,16 @@ class Workload:
     prompt_token_ids: tuple[int, ...] = (1,)
     max_new_tokens: int = 1
     calls: tuple[tuple[str, Mapping[str, Any]], ...] = ()
+    chat: tuple[Mapping[str, Any], ...] | None = None
+    chat_max_tokens: int = 1
 
     @classmethod
     def from_mapping(cls, data: Mapping[str, Any]) -> Workload:
-        unknown = sorted(set(data) - {"task", "answer", "generate", "calls"})
+        unknown = sorted(set(data) - {"task", "answer", "generate", "calls", "chat"})
         if unknown:
-            raise WorkloadError(f"unknown keys {unknown}; valid: task, answer, generate, calls")
+            raise WorkloadError(
+                f"unknown keys {unknown}; valid: task, answer, generate, calls, chat"
+            )
         task = data.get("task")
         answer = data.get("answer", {})
         generate = data.get("generate", {})
@@ -107,7 +113,9 @@ class Workload:
             raise WorkloadError("generate.prompt_token_ids must be a list of integers")
         if not isinstance(length, int) or isinstance(length, bool) or length < 1:
             raise WorkloadError("generate.max_new_tokens must be an integer >= 1")
-        return cls(task, answer, tuple(prompt), length, _calls(data.get("calls", [])))
+        chat, chat_max_tokens = _chat(data.get("chat"))
+        calls = _calls(data.get("calls", []))
+        return cls(task, answer, tuple(prompt), length, calls, chat, chat_max_tokens)
 
     @classmethod
     def from_file(cls, path: str | Path) -> Workload:
@@ -118,6 +126,33 @@ class Workload:
         if not isinstance(data, dict):
             raise WorkloadError("the workload file must hold a JSON object")
         return cls.from_mapping(data)
+
+
+def _chat(raw: object) -> tuple[tuple[Mapping[str, Any], ...] | None, int]:
+    if raw is None:
+        return None, 1
+    messages = raw.get("messages") if isinstance(raw, dict) else None
+    max_tokens = raw.get("max_tokens", 1) if isinstance(raw, dict) else None
+    if (
+        not isinstance(messages, list)
+        or not messages
+        or not all(isinstance(m, dict) for m in messages)
+    ):
+        raise WorkloadError("chat must be {messages: [{role, content}, ...], max_tokens: N}")
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise WorkloadError("chat.max_tokens must be an integer >= 1")
+    return tuple(messages), max_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class HttpFace:
+    """An HTTP face of the target the kit checks (docs/spec.md section 12): its base URL
+    (``http://host:port/v1``) and the key a client of it holds (the endpoint's API key; a
+    harness's relay credential); for the relay, a replaced harness's credential too."""
+
+    base_url: str
+    key: str | None = None
+    fenced_key: str | None = None
 
 
 def _calls(raw: object) -> tuple[tuple[str, Mapping[str, Any]], ...]:
@@ -283,8 +318,12 @@ class Kit:
         episode_bound_s: float,
         restore_targets: Mapping[str, Kit] | None = None,
         snapshot_root: Path | None = None,
+        openai_endpoint: HttpFace | None = None,
+        relay: HttpFace | None = None,
     ) -> None:
         self.target = target
+        self.openai_endpoint = openai_endpoint
+        self.relay = relay
         # Freshly started processes of the target (its instance name, its snapshot
         # root): what a check needs to restore work the target did, since the target is
         # no longer fresh once it served any, and a participant takes one restore only

@@ -29,7 +29,7 @@ from ._control_checks import (
 from ._data_checks import check_acknowledge, check_admission, check_readiness, check_run_stream
 from ._effects_checks import check_effects
 from ._equivalence import check_equivalence, check_exported_sessions
-from ._kit import CheckFailed, CheckSkipped, Kit, Workload
+from ._kit import CheckFailed, CheckSkipped, HttpFace, Kit, Workload
 from ._lifecycle_checks import (
     check_commit,
     check_forget,
@@ -39,6 +39,7 @@ from ._lifecycle_checks import (
     check_resume,
     check_retire,
 )
+from ._openai_checks import check_egress_relay, check_openai_endpoint
 from ._report import CheckResult, ConformanceReport, Outcome
 from ._sandbox_checks import check_sandboxes
 from ._token_checks import check_token_cut
@@ -86,6 +87,8 @@ CHECKS: tuple[Check, ...] = (
     Check("exported-sessions", "5.3", check_exported_sessions),
     Check("equivalence", "5.6", check_equivalence),
     Check("sandboxes", "5.7", check_sandboxes),
+    Check("openai-endpoint", "12.2-12.5", check_openai_endpoint),
+    Check("egress-relay", "12.8", check_egress_relay),
     Check("hostile-input", "10.5", check_hostile_input),
 )
 
@@ -109,6 +112,10 @@ class ConformanceOptions:
     # The target's data-plane token (docs/spec.md section 10.2): the credential-roles
     # check runs with it and is skipped without it.
     data_token: str | None = None
+    # The target's HTTP faces (docs/spec.md section 12): the OpenAI endpoint in front of
+    # a policy, the egress relay in front of a harness (with a harness's credential).
+    openai_endpoint: HttpFace | None = None
+    relay: HttpFace | None = None
 
 
 Progress = Callable[[CheckResult], None]
@@ -148,6 +155,8 @@ async def run_conformance(
         episode_bound_s=options.episode_timeout_s,
         restore_targets=dict(zip(restoring, restore_targets, strict=False)),
         snapshot_root=options.snapshot_root,
+        openai_endpoint=options.openai_endpoint,
+        relay=options.relay,
     )
     report = ConformanceReport(target=options.target, coordinator_id=kit.coordinator_id)
     try:

@@ -59,6 +59,15 @@ def add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "coding in per-episode sandboxes (default: %(default)s)",
     )
     parser.add_argument(
+        "--agent",
+        default="gym",
+        choices=["gym", "opaque"],
+        help="the agents: the example agents written against the SDK (gym), or the example "
+        "ReAct harness (Node, plain fetch) run by an opaque agent behind the egress relay, "
+        "its model calls through the policy's OpenAI endpoint and its tool through the "
+        "relay (opaque; docs/spec.md section 12) (default: %(default)s)",
+    )
+    parser.add_argument(
         "--steps", type=int, default=DEFAULT_STEPS, help="training steps (default: %(default)s)"
     )
     parser.add_argument(

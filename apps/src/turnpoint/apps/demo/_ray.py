@@ -110,6 +110,10 @@ class RayParticipant:
         return self._actor.report.addresses[self._spec.instance]
 
     @property
+    def openai_url(self) -> str | None:
+        return None  # the opaque agents run in local processes only
+
+    @property
     def node_id(self) -> str:
         return self._actor.report.node_id
 

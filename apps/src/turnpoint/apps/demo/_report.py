@@ -92,6 +92,16 @@ digest its snapshot recorded at the cut) and ``restored_digest`` (the digest of 
 the restore made, measured). Every restored tree must equal its digest at the cut. That
 no command's effect is applied twice is the tool-call audit's: the coding environment
 logs its executions like the other servers.
+
+**The egress audit** (docs/spec.md sections 12.6 to 12.9), when the agents are opaque
+(``--agent opaque``): a ``rollout`` event then carries ``egress``, the relay's record of
+the episode at its end (``calls``: each call id, ``g<generation>-c<n>`` for a model call
+and ``g<generation>-t<n>`` for a tool call, to its disposition; ``replayed``;
+``reruns``). Of every trained rollout, every call has one final disposition (none is
+left ``active_prefix``), and its trained turns are its completed calls: one completed
+model call and one completed tool call per turn (at least, when the episode was rerun
+from its prompt). Each call is recorded once under its id, so no model call or tool call
+crossed into training twice; the trained tokens themselves are the token audit's.
 """
 
 from __future__ import annotations
@@ -161,6 +171,8 @@ class RolloutResult:
     reward: float
     resumed: bool
     turns: int
+    # An opaque agent's relay record of the episode (the egress audit), else None.
+    egress: Mapping[str, Any] | None = None
 
     @property
     def key(self) -> tuple[str, int]:
@@ -476,6 +488,7 @@ def parse_event(raw: Mapping[str, Any], where: str = "event") -> Event | None:
             fields.number("reward"),
             fields.flag("resumed"),
             fields.integer("turns"),
+            fields.mapping("egress") or None,
         )
     if kind == "train_step":
         groups = []
@@ -867,6 +880,31 @@ class ToolAudit:
         return line
 
 
+_FINAL_DISPOSITIONS = frozenset(("never_started", "completed", "terminal_failure", "excluded"))
+
+
+@dataclass(frozen=True, slots=True)
+class EgressAudit:
+    """The egress audit's counts (see the module docstring)."""
+
+    rollouts: int = 0
+    dispositions: Mapping[str, int] = field(default_factory=dict)
+    replayed: int = 0
+    reruns: int = 0
+
+    @property
+    def line(self) -> str:
+        calls = sum(self.dispositions.values())
+        shown = ", ".join(
+            f"{n} {d.replace('_', ' ')}" for d, n in sorted(self.dispositions.items())
+        )
+        return (
+            f"egress: {calls} model and tool calls of {self.rollouts} trained rollouts, each "
+            f"with one final disposition ({shown}); {self.replayed} answered from the record "
+            f"after a restore, {self.reruns} episodes rerun from the prompt"
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class SandboxAudit:
     """The sandbox audit's count (see the module docstring)."""
@@ -898,6 +936,8 @@ class AuditResult:
     tools: ToolAudit | None = None
     # None when the sandbox audit did not run (no restored sandbox logged).
     sandboxes: SandboxAudit | None = None
+    # None when the egress audit did not run (no opaque agent's record logged).
+    egress: EgressAudit | None = None
 
     @property
     def line(self) -> str:
@@ -939,6 +979,7 @@ def audit(
         tokens = _check_tokens(log, lineage, generations)
         tools = _check_tool_calls(lineage, verifier, executions)
         restored = _check_sandboxes(sandboxes)
+        egress = _check_egress(log, lineage)
     except _AuditFailure as failure:
         return AuditResult(False, str(failure), rolled_back_steps=len(lineage.rolled_back))
     return AuditResult(
@@ -951,7 +992,53 @@ def audit(
         tokens=tokens,
         tools=tools,
         sandboxes=restored,
+        egress=egress,
     )
+
+
+def _check_egress(log: EventLog, lineage: Lineage) -> EgressAudit | None:
+    """The egress audit (module docstring); None when no relay record was logged."""
+    records = {result.key: result.egress for result in log.rollouts if result.egress is not None}
+    if not records:
+        return None
+    dispositions: Counter[str] = Counter()
+    rollouts = replayed = reruns = 0
+    for step in lineage.steps:
+        for sample in step.rollouts:
+            record = records.get(sample.key)
+            if record is None:
+                raise _AuditFailure(
+                    f"rollout {sample.rollout_id} attempt {sample.attempt} was trained but its "
+                    "agent logged no relay record of it"
+                )
+            name = f"rollout {sample.rollout_id} attempt {sample.attempt}"
+            calls = record.get("calls")
+            if not isinstance(calls, dict):
+                raise _AuditFailure(f"the relay record of {name} has no calls")
+            unsettled = sorted(c for c, d in calls.items() if d not in _FINAL_DISPOSITIONS)
+            if unsettled:
+                raise _AuditFailure(
+                    f"calls {_few(unsettled)} of {name} ended without a final disposition"
+                )
+            rerun = len(record.get("reruns") or [])
+            if sample.turns is not None:
+                for kind, what in (("c", "model"), ("t", "tool")):
+                    done = sum(
+                        1
+                        for call, d in calls.items()
+                        if d == "completed" and call.partition("-")[2].startswith(kind)
+                    )
+                    turns = len(sample.turns)
+                    if done < turns or (not rerun and done != turns):
+                        raise _AuditFailure(
+                            f"{name} trained {turns} turns but its relay completed {done} "
+                            f"{what} calls"
+                        )
+            dispositions.update(calls.values())
+            replayed += int(record.get("replayed", 0))
+            reruns += rerun
+            rollouts += 1
+    return EgressAudit(rollouts, dict(dispositions), replayed, reruns)
 
 
 def _check_finished(log: EventLog, lineage: Lineage, expected_steps: int | None) -> None:
@@ -1659,6 +1746,8 @@ def render_report(
         console.print(Text(report.audit.tokens.line), soft_wrap=True)
     if report.audit.tools is not None:
         console.print(Text(report.audit.tools.line), soft_wrap=True)
+    if report.audit.egress is not None:
+        console.print(Text(report.audit.egress.line), soft_wrap=True)
     if report.audit.sandboxes is not None:
         console.print(Text(report.audit.sandboxes.line), soft_wrap=True)
     style = "bold green" if report.audit.passed else "bold red"

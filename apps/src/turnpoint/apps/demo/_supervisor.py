@@ -178,10 +178,12 @@ within its 6 s liveness window) before the supervisor restarts the job instead."
 GUESS = "guess"
 GUESS_GROUP = "guess-group"
 CODING = "coding"
+OPAQUE = "opaque"
 # What --env offers: the guessing game, and the exported environments the play agent plays.
 ENVIRONMENTS = (GUESS, "blackjack", "workplace", CODING)
 OUT_MARKER = ".turnpoint-demo"
 _SERVING = re.compile(r"^turnpoint: serving (?P<kind>\S+) (?P<instance>\S+) on (?P<address>\S+)$")
+_OPENAI_SERVING = re.compile(r"^turnpoint: openai endpoint (?P<instance>\S+) on (?P<url>\S+)$")
 _STDERR_TAIL_LINES = 15
 _STDERR_TAIL_BYTES = 8192
 
@@ -232,6 +234,9 @@ class DemoOptions:
     # exists, so the restored trainer's snapshots wait in prepare (the status page's
     # live blocker, tests/e2e/test_status_page.py).
     hold_tools_after_restart: Path | None = None
+    # "gym": the example agents written against the SDK; "opaque": the example ReAct
+    # harness behind the egress relay and the policy's OpenAI endpoint (spec section 12).
+    agent: str = "gym"
 
     @property
     def heal_in_place(self) -> bool:
@@ -286,6 +291,7 @@ class DemoOptions:
                 if getattr(args, "hold_tools_after_restart", None)
                 else None
             ),
+            agent=getattr(args, "agent", "gym"),
         )
 
     def problems(self) -> list[str]:
@@ -300,6 +306,18 @@ class DemoOptions:
             )
         if self.agents < 1:
             problems.append(f"--agents must be at least 1, got {self.agents}")
+        if self.agent == OPAQUE and (
+            self.environment != GUESS or self.ray or self.cut_generations or self.agent_workers > 1
+        ):
+            problems.append(
+                "--agent opaque plays the guessing game in local processes: drop --env, "
+                "--ray, --cut-generations and --agent-workers"
+            )
+        if self.agent == OPAQUE and shutil.which("node") is None:
+            problems.append(
+                "--agent opaque runs its harness with Node 20, and node is not on PATH: "
+                "install nodejs (./dev setup does)"
+            )
         problems.extend(self._worker_problems())
         if self.group_size < 2:
             problems.append(
@@ -571,6 +589,9 @@ class ParticipantSpec:
     generation_log: Path | None = None
     seed: int | None = None
     policy_address: str | None = None
+    # The policy serves the OpenAI API too; an opaque agent is given its URL.
+    openai: bool = False
+    policy_openai: str | None = None
     resources: Mapping[str, str] = field(default_factory=dict)
     turn_delay_s: float | None = None
     token_delay_s: float | None = None
@@ -607,6 +628,10 @@ class ParticipantSpec:
             arguments += ["--seed", str(self.seed)]
         if self.policy_address is not None:
             arguments += ["--policy", self.policy_address]
+        if self.openai:
+            arguments += ["--openai-port", "0"]
+        if self.policy_openai is not None:
+            arguments += ["--policy-openai", self.policy_openai]
         for environment, address in sorted(self.resources.items()):
             arguments += ["--resources", f"{environment}={address}"]
         if self.turn_delay_s:
@@ -638,6 +663,7 @@ def server_specs(
         seed=options.seed,
         token_delay_s=options.token_delay_s,
         generation_log=paths.generation_log("policy"),
+        openai=options.agent == OPAQUE,
     )
     if options.environment != GUESS:
         tools = ParticipantSpec(
@@ -680,12 +706,14 @@ def agent_specs(options: DemoOptions, servers: Mapping[str, Participant]) -> lis
         for p in servers.values()
         if p.spec.kind == "resources" and p.spec.environment is not None
     }
+    opaque = options.agent == OPAQUE
     return [
         ParticipantSpec(
             instance=f"agent-{index}",
             kind="agent",
-            example=GUESS if options.environment == GUESS else "play",
+            example=OPAQUE if opaque else GUESS if options.environment == GUESS else "play",
             policy_address=servers["policy"].address,
+            policy_openai=servers["policy"].openai_url if opaque else None,
             resources=resources,
             turn_delay_s=options.turn_delay_s,
             cut_generations=options.cut_generations,
@@ -703,6 +731,11 @@ class Participant(Protocol):
 
     @property
     def address(self) -> str: ...
+
+    @property
+    def openai_url(self) -> str | None:
+        """The OpenAI endpoint it serves besides (a policy asked to), else None."""
+        ...
 
     def exit_status(self) -> int | None:
         """None while it runs; its exit status once it ended (negative: killed by a signal)."""
@@ -758,10 +791,12 @@ class ProcessParticipant:
         process: asyncio.subprocess.Process,
         address: str,
         stderr_path: Path,
+        openai_url: str | None = None,
     ) -> None:
         self._spec = spec
         self._process = process
         self._address = address
+        self._openai_url = openai_url
         self._stderr_path = stderr_path
         # Keep reading stdout so that a chatty child never blocks on a full pipe.
         self._drain = asyncio.get_running_loop().create_task(self._drain_stdout())
@@ -773,6 +808,10 @@ class ProcessParticipant:
     @property
     def address(self) -> str:
         return self._address
+
+    @property
+    def openai_url(self) -> str | None:
+        return self._openai_url
 
     @property
     def pid(self) -> int:
@@ -852,8 +891,11 @@ class ProcessLauncher:
             )
         finally:
             stderr.close()
+        lines: dict[str, str] = {}
         try:
-            address = await asyncio.wait_for(_serving_address(process, spec), self._start_timeout_s)
+            address = await asyncio.wait_for(
+                _serving_address(process, spec, lines), self._start_timeout_s
+            )
             why = "" if address else f"it exited with status {await process.wait()}"
         except TimeoutError:
             address, why = None, "it never printed its serving line"
@@ -867,7 +909,7 @@ class ProcessLauncher:
                 f"participant {spec.instance} did not start within {self._start_timeout_s:g}s "
                 f"({why}); its stderr says:{_quote_tail(tail)}"
             )
-        return ProcessParticipant(spec, process, address, stderr_path)
+        return ProcessParticipant(spec, process, address, stderr_path, lines.get("openai"))
 
 
 def _child_env(token: str, paths: DemoPaths) -> dict[str, str]:
@@ -882,12 +924,19 @@ def _child_env(token: str, paths: DemoPaths) -> dict[str, str]:
 
 
 async def _serving_address(
-    process: asyncio.subprocess.Process, spec: ParticipantSpec
+    process: asyncio.subprocess.Process,
+    spec: ParticipantSpec,
+    lines: dict[str, str] | None = None,
 ) -> str | None:
-    """The address from the child's serving line; None if stdout ended without one."""
+    """The address from the child's serving line; None if stdout ended without one.
+    The OpenAI endpoint's line, printed before it, goes to ``lines["openai"]``."""
     assert process.stdout is not None
     while line := await process.stdout.readline():
-        match = _SERVING.match(line.decode("utf-8", "replace").strip())
+        text = line.decode("utf-8", "replace").strip()
+        endpoint = _OPENAI_SERVING.match(text)
+        if endpoint and endpoint["instance"] == spec.instance and lines is not None:
+            lines["openai"] = endpoint["url"]
+        match = _SERVING.match(text)
         if match and match["instance"] == spec.instance:
             return match["address"]
     return None

@@ -240,6 +240,8 @@ class DemoTrainer:
                 outcome=result.outcome.value,
                 resumed=result.rollout_id in self.resumed,
                 turns=result.turns,
+                # An opaque agent's relay record (the egress audit).
+                **({"egress": result.output["egress"]} if "egress" in result.output else {}),
             )
 
     # ------------------------------------------------------------------ training

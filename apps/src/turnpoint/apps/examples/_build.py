@@ -32,6 +32,10 @@ class ExampleSpec:
     # the deployment has one (docs/spec.md section 10.2).
     token: str | None = None
     policy_address: str | None = None
+    # The policy's OpenAI endpoint (http://host:port/v1): what an opaque agent's relay
+    # forwards to; on a model, whether to serve one (docs/spec.md section 12).
+    policy_openai: str | None = None
+    openai_port: int | None = None
     resources: dict[str, str] = field(default_factory=dict)
     group_size: int = 4
     verifier_log: Path | None = None
@@ -69,7 +73,7 @@ class ExampleSpec:
 EXAMPLES: dict[str, tuple[str, ...]] = {
     "model": ("tiny-policy",),
     "resources": ("guess", "guess-group", "counter", "blackjack", "workplace", "coding"),
-    "agent": ("guess", "play"),
+    "agent": ("guess", "play", "opaque"),
 }
 
 
@@ -148,6 +152,19 @@ def build_example(
         )
         closers.append(player.aclose)
         return ParticipantRuntime(spec.instance, store, agent=player, config=config), closers
+    if kind == "agent" and example == "opaque":
+        if not spec.policy_openai or not spec.resources:
+            raise ValueError(
+                "the opaque agent needs --policy-openai URL (the policy's OpenAI endpoint) "
+                "and --resources ENV=ADDRESS (one per environment it serves)"
+            )
+        from turnpoint.apps.examples._opaque_guess import OpaqueGuessAgent
+
+        opaque = OpaqueGuessAgent(
+            spec.policy_openai, spec.resources, spec.token, temperature=spec.temperature
+        )
+        closers.append(opaque.aclose)
+        return ParticipantRuntime(spec.instance, store, agent=opaque, config=config), closers
     if kind == "agent" and example == "guess":
         if not spec.policy_address or not spec.resources:
             raise ValueError(

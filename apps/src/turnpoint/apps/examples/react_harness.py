@@ -7,8 +7,10 @@ task comes as JSON in ``TURNPOINT_TASK`` (``low``, ``high``, ``target``, ``max_t
 ``seed``; ``HARNESS_TEMPERATURE`` overrides the temperature, as a user tuning their
 harness would). Each step the model reasons and acts (a guess, its first digit), the harness's
 one tool observes (``higher``, ``lower``, ``correct`` or ``invalid``), and the
-observation goes back as a ``tool`` message. The last line printed is the transcript.
-It imports nothing of turnpoint on purpose.
+observation goes back as a ``tool`` message. The tool is an HTTP service reached through
+the relay when ``TURNPOINT_TOOLS_URL`` says where (``POST <url>/observe`` with the same
+API key), else this script's own :func:`observe`. The last line printed is the
+transcript. It imports nothing of turnpoint on purpose.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import urllib.request
 
 from openai import OpenAI
 
@@ -28,6 +31,21 @@ def observe(action: str, target: int) -> str:
     if guess == target:
         return "correct"
     return "higher" if guess < target else "lower"
+
+
+def call_tool(tools_url: str, action: str, target: int, step: int) -> str:
+    """The tool over HTTP, as a harness calls any tool: JSON in, JSON out."""
+    request = urllib.request.Request(
+        f"{tools_url}/observe",
+        data=json.dumps({"action": action, "target": target, "step": step}).encode(),
+        headers={
+            "Content-Type": "application/json",
+            "Authorization": f"Bearer {os.environ['OPENAI_API_KEY']}",
+        },
+        method="POST",
+    )
+    with urllib.request.urlopen(request, timeout=60.0) as answer:
+        return str(json.loads(answer.read())["observation"])
 
 
 def main() -> int:
@@ -43,7 +61,11 @@ def main() -> int:
             seed=int(task.get("seed", 0)) + step,
         )
         action = reply.choices[0].message.content or ""
-        observation = observe(action, int(task["target"]))
+        tools_url = os.environ.get("TURNPOINT_TOOLS_URL")
+        target = int(task["target"])
+        observation = (
+            call_tool(tools_url, action, target, step) if tools_url else observe(action, target)
+        )
         messages.append({"role": "assistant", "content": action})
         messages.append({"role": "tool", "content": observation})
         if observation == "correct":

@@ -13,9 +13,11 @@ text; it raises :class:`TemplateError` for text its model cannot read.
 
 :class:`EgressRelay` (configured by :class:`RelayOptions`) is the only route from an
 untrusted harness to that endpoint: per-episode credentials, every call recorded with its
-disposition, held while a snapshot is open, replayed after a restore (section 12.7).
+disposition, held while a snapshot is open, replayed after a restore (section 12.7);
+its HTTP tools too, each forwarded call keyed in the ``IDEMPOTENCY_HEADER`` (section 12.9).
 :class:`OpaqueAgent` is the participant that runs one harness process per episode behind
-it, each completed model call a turn boundary.
+it, each completed model or tool call a turn boundary; its ``episode_result`` sees the
+episode's :class:`RelayEpisode` (the relay's journal of it).
 """
 
 from turnpoint.server.openai_api._chat import (
@@ -27,10 +29,17 @@ from turnpoint.server.openai_api._chat import (
 )
 from turnpoint.server.openai_api._endpoint import ChatEndpoint, EndpointOptions
 from turnpoint.server.openai_api._opaque_agent import HarnessFailedError, OpaqueAgent
-from turnpoint.server.openai_api._relay import EgressRelay, RelayError, RelayOptions
+from turnpoint.server.openai_api._relay import (
+    IDEMPOTENCY_HEADER,
+    EgressRelay,
+    RelayEpisode,
+    RelayError,
+    RelayOptions,
+)
 
 __all__ = [
     "ATTEMPT_HEADER",
+    "IDEMPOTENCY_HEADER",
     "ROLLOUT_HEADER",
     "ChatEndpoint",
     "ChatMessage",
@@ -39,6 +48,7 @@ __all__ = [
     "EndpointOptions",
     "HarnessFailedError",
     "OpaqueAgent",
+    "RelayEpisode",
     "RelayError",
     "RelayOptions",
     "TemplateError",

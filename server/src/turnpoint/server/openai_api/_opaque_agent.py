@@ -1,12 +1,14 @@
 """The opaque-agent participant: an :class:`~turnpoint.participant_sdk.Agent` whose turns
-are a harness process's model calls (docs/spec.md section 12.8).
+are a harness process's model and tool calls (docs/spec.md sections 12.8 and 12.9).
 
 Each episode runs one harness process tree, a command line given by the environment,
 with ``OPENAI_BASE_URL`` the relay's address and ``OPENAI_API_KEY`` the episode's relay
 credential; its environment holds nothing else of the host's but ``PATH`` (no control
-token, no policy key). Each model call the relay completes is a turn boundary: the
-boundary's state is the relay's record of the episode, sealed before the harness sees
-the answer. A restored attempt opens the episode at the relay from that state and starts
+token, no policy key). When the relay has tools, ``TURNPOINT_TOOLS_URL`` is where the
+harness calls them. Each call the relay completes (a model call or a tool call) is a turn
+boundary: the boundary's state is the relay's record of the episode, sealed before the
+harness sees the answer, so a recorded tool call is answered from the record after a
+restore and never reaches its tool twice. A restored attempt opens the episode at the relay from that state and starts
 a fresh harness, which the relay answers from the record until the cut; a harness that
 diverges is stopped and the episode reruns from its prompt, the divergence reported in
 the result.
@@ -57,7 +59,8 @@ class OpaqueAgent(Agent):
 
     The harness reads its task as JSON from ``TURNPOINT_TASK``, its stable execution
     identity (the rollout id) from ``TURNPOINT_EXECUTION`` and the model's name from
-    ``OPENAI_MODEL``; it prints its result as a JSON object on its last line of output.
+    ``OPENAI_MODEL``, and where its tools are from ``TURNPOINT_TOOLS_URL`` (when the relay
+    has tools); it prints its result as a JSON object on its last line of output.
     ``env`` adds variables (never a secret of the host's: the harness is untrusted).
     """
 
@@ -98,8 +101,8 @@ class OpaqueAgent(Agent):
     async def run(self, ctx: EpisodeContext, task: Mapping[str, Any]) -> Mapping[str, Any]:
         saved = ctx.restored
         state = saved.state.get(EGRESS_FIELD) if saved is not None else None
-        session = self._relay.open_episode(ctx.episode, state, sealed=True)
         turn = saved.turn_index if saved is not None else 0
+        session = self._relay.open_episode(ctx.episode, state, sealed=True, turn=turn)
         reruns: list[dict[str, Any]] = []
         try:
             if saved is None:
@@ -111,16 +114,36 @@ class OpaqueAgent(Agent):
                         raise HarnessFailedError(None, f"diverged {len(reruns) + 1} times")
                     reruns.append({"position": outcome.position, "reason": outcome.reason})
                     session.rerun()
+                    turn = session.turn  # a rerun's calls are keyed past every earlier one
                     continue
-                return {
-                    "transcript": outcome,
-                    "turns": turn,
-                    "reruns": reruns,
-                    "replayed": session.replayed,
-                    "forwarded": session.forwarded,
-                }
+                return await self.episode_result(
+                    ctx,
+                    task,
+                    session,
+                    {
+                        "transcript": outcome,
+                        "turns": turn,
+                        "reruns": reruns,
+                        "replayed": session.replayed,
+                        "forwarded": session.forwarded,
+                        "tools_forwarded": session.tools_forwarded,
+                    },
+                )
         finally:
             self._relay.close_episode(ctx.episode)
+
+    async def episode_result(
+        self,
+        ctx: EpisodeContext,
+        task: Mapping[str, Any],
+        session: RelayEpisode,
+        result: Mapping[str, Any],
+    ) -> Mapping[str, Any]:
+        """The episode's result, from the harness's (``result``) and the relay's journal
+        of the episode (``session.journal``: every completed call of the harness lineage
+        that finished, answers included). An environment that trains on the completions
+        or scores the episode overrides it; by default, ``result`` as it is."""
+        return result
 
     async def _run_harness(
         self, ctx: EpisodeContext, task: Mapping[str, Any], session: RelayEpisode, turn: int
@@ -134,6 +157,8 @@ class OpaqueAgent(Agent):
             "TURNPOINT_TASK": json.dumps(dict(task)),
             "TURNPOINT_EXECUTION": ctx.episode.rollout_id,
         }
+        if self._relay.tools:
+            env["TURNPOINT_TOOLS_URL"] = self._relay.tools_url
         process = await asyncio.create_subprocess_exec(
             *self._command,
             env=env,

@@ -1,6 +1,6 @@
-"""The egress relay: the only route from a harness to its model (docs/spec.md sections
-12.6 to 12.8), an aiohttp application in the endpoint's style that only checks, records
-and forwards.
+"""The egress relay: the only route from a harness to its model and its tools
+(docs/spec.md sections 12.6 to 12.9), an aiohttp application in the endpoint's style that
+only checks, records and forwards.
 
 A harness talks to the relay as its ``OPENAI_BASE_URL`` with a per-episode credential as
 its API key (:meth:`EgressRelay.open_episode` issues it, :meth:`EgressRelay.close_episode`
@@ -8,9 +8,13 @@ revokes it); it never holds the control token nor the policy endpoint's key. Eac
 is tagged with the credential's rollout id and attempt, accepted into the episode's
 :class:`~turnpoint.egress.EgressRecord` under the credential's harness generation,
 held while a snapshot is open, forwarded whole to the policy endpoint, and its answer
-kept in the episode's journal before the harness sees it. After a restore the journal
-answers the fresh harness's calls in order until the cut (the replay rule is
-:func:`~turnpoint.egress.replay_decision`).
+kept in the episode's journal before the harness sees it. A tool call
+(``POST /tools/<name>`` with a JSON object) goes the same way to the tool's URL, keyed
+for the tool by :func:`~turnpoint.participant_sdk.advanced.effect_key`, and the tool's
+answer (status and JSON body) is journaled like a completion. After a restore the journal
+answers the fresh harness's calls, model and tool alike, in order until the cut (the
+replay rule is :func:`~turnpoint.egress.replay_decision`): a recorded tool call never
+reaches its tool again.
 """
 
 from __future__ import annotations
@@ -21,8 +25,9 @@ import hashlib
 import itertools
 import json
 import logging
+import re
 import secrets
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -38,8 +43,10 @@ from turnpoint.egress import (
     ReplayAction,
     replay_decision,
     request_digest,
+    tool_digest,
 )
 from turnpoint.ids import EpisodeId
+from turnpoint.participant_sdk.advanced import CallPosition, effect_key
 from turnpoint.server.openai_api._chat import (
     ATTEMPT_HEADER,
     ROLLOUT_HEADER,
@@ -61,6 +68,9 @@ _LOG = logging.getLogger(__name__)
 # The version of an episode's exported relay state (docs/spec.md section 12.8).
 STATE_VERSION: Final = 1
 DEFAULT_UPSTREAM_TIMEOUT_S: Final = 120.0
+# The header a forwarded tool call carries its key in (docs/spec.md section 12.9).
+IDEMPOTENCY_HEADER: Final = "Idempotency-Key"
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
 
 class RelayError(ValueError):
@@ -73,7 +83,8 @@ class RelayOptions:
 
     ``upstream`` is the policy endpoint's base URL (``http://host:port/v1``) and
     ``upstream_api_key`` its key: the relay's, never handed to a harness. ``model`` is
-    the model name the relay lists at ``GET /v1/models``.
+    the model name the relay lists at ``GET /v1/models``. ``tools`` names each HTTP tool
+    a harness may call through the relay and the URL its calls are posted to.
     """
 
     upstream: str
@@ -84,21 +95,30 @@ class RelayOptions:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_concurrent_calls: int = DEFAULT_MAX_CONCURRENT_CALLS
     upstream_timeout_s: float = DEFAULT_UPSTREAM_TIMEOUT_S
+    tools: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.upstream or not self.model:
             raise ValueError("RelayOptions needs the upstream base URL and the model name")
+        for name, url in self.tools.items():
+            if not _TOOL_NAME.fullmatch(name) or not url.startswith(("http://", "https://")):
+                raise ValueError(f"tool {name!r}: a name of [A-Za-z0-9_-] and an HTTP URL")
         if self.max_body_bytes < 1024 or self.max_concurrent_calls < 1:
             raise ValueError("max_body_bytes must be >= 1024, max_concurrent_calls >= 1")
 
 
 @dataclass(frozen=True, slots=True)
 class JournalEntry:
-    """A completed call, in its harness's order: what replay answers it with."""
+    """A completed call, in its harness's order: what replay answers it with.
+
+    A model call's ``response`` is its completion; a tool call's (``tool`` its name) is
+    ``{"status", "body"}``, the tool's HTTP status and JSON answer.
+    """
 
     call_id: str
     request_digest: str
     response: Mapping[str, Any]
+    tool: str | None = None
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -141,6 +161,9 @@ class RelayEpisode:
     With ``sealed`` on, a completed call's answer is held until the episode's owner
     takes the :class:`Completed` event from :meth:`next_event` and releases it (the
     opaque agent seals its turn boundary first); off, it is answered at once.
+
+    ``turn`` is the episode's last boundary (the restored one after a restore); each
+    completed call is one more. A tool call's key is its position after that boundary.
     """
 
     def __init__(
@@ -151,6 +174,7 @@ class RelayEpisode:
         journal: list[JournalEntry],
         *,
         sealed: bool,
+        turn: int = 0,
     ) -> None:
         self._relay = relay
         self.episode = episode
@@ -162,6 +186,8 @@ class RelayEpisode:
         self._replay_answers = list(journal)
         self._position = 0  # calls the current harness made (answered or forwarded)
         self._ids = itertools.count(len(record.states()))
+        self.turn = turn
+        self._tool_calls_since_turn = 0
         self._sealed = sealed
         self._events: asyncio.Queue[Completed | Diverged] = asyncio.Queue()
         self._unreleased: set[Completed] = set()
@@ -169,7 +195,8 @@ class RelayEpisode:
         self._resumed.set()
         self.credential = self._issue(record.generation)
         self.replayed = 0  # calls answered from the record
-        self.forwarded = 0  # calls forwarded to the policy endpoint
+        self.forwarded = 0  # model calls forwarded to the policy endpoint
+        self.tools_forwarded = 0  # tool calls forwarded to their tools
         self.diverged: Diverged | None = None
 
     @property
@@ -196,9 +223,16 @@ class RelayEpisode:
 
     def rerun(self) -> str:
         """Start over from the prompt: a new harness generation, an empty journal, no
-        replay; the old generation's unsettled calls are excluded. Returns the new key."""
+        replay; the old generation's unsettled calls are excluded. Returns the new key.
+
+        The turn moves on by one: a tool call the rerun makes before its first completed
+        call gets a key no earlier harness used (one in flight at the restored cut had
+        the restored turn's), so a tool never takes it for a call it answered already.
+        """
         generation = self.record.generation + 1
         self.record.fence(generation)
+        self.turn += 1
+        self._tool_calls_since_turn = 0
         self.journal = []
         self._replay, self._replay_answers = [], []
         self._position = 0
@@ -222,14 +256,7 @@ class RelayEpisode:
             "version": STATE_VERSION,
             "generation": self.record.generation,
             "calls": calls,
-            "journal": [
-                {
-                    "call_id": entry.call_id,
-                    "request_digest": entry.request_digest,
-                    "response": dict(entry.response),
-                }
-                for entry in self.journal
-            ],
+            "journal": [_exported(entry) for entry in self.journal],
         }
 
     # ------------------------------------------------------------------ snapshots
@@ -246,11 +273,36 @@ class RelayEpisode:
 
     async def call(self, credential: _Credential, body: Mapping[str, Any]) -> Mapping[str, Any]:
         """One chat call of ``credential``'s harness: replayed, diverged or forwarded."""
+
+        async def forward(_key: str) -> Mapping[str, Any]:
+            self.forwarded += 1
+            return await self._relay._forward(self.episode, body)
+
+        return await self._relayed(credential, request_digest(body), None, forward)
+
+    async def call_tool(
+        self, credential: _Credential, tool: str, body: Mapping[str, Any]
+    ) -> Mapping[str, Any]:
+        """One tool call: replayed, diverged or forwarded under its key; ``{"status",
+        "body"}``, the tool's answer."""
+
+        async def forward(key: str) -> Mapping[str, Any]:
+            self.tools_forwarded += 1
+            return await self._relay._forward_tool(self.episode, tool, body, key)
+
+        return await self._relayed(credential, tool_digest(tool, body), tool, forward)
+
+    async def _relayed(
+        self,
+        credential: _Credential,
+        digest: str,
+        tool: str | None,
+        forward: Callable[[str], Awaitable[Mapping[str, Any]]],
+    ) -> Mapping[str, Any]:
         if credential.generation < self.record.generation:
             raise _fenced(credential.generation, self.record.generation)
         if self.diverged is not None:
             raise _diverged(self.diverged)
-        digest = request_digest(body)
         decision = replay_decision(self._replay, self._position, digest)
         if decision.action is ReplayAction.ANSWER:
             self._position += 1
@@ -260,26 +312,36 @@ class RelayEpisode:
             self.diverged = Diverged(decision.position, decision.reason)
             self._events.put_nowait(self.diverged)
             raise _diverged(self.diverged)
-        call_id = f"g{credential.generation}-c{next(self._ids)}"
+        kind = "c" if tool is None else "t"
+        call_id = f"g{credential.generation}-{kind}{next(self._ids)}"
         accepted = self.record.accept(call_id, credential.generation)
         if isinstance(accepted, Refusal):
             raise _refused(accepted)
         self._position += 1
+        # The same key for the same call on every attempt that continues from this
+        # boundary: a tool call in flight at a cut is sent again after the restore (its
+        # answer is not in the cut), and the tool answers it from its own record.
+        key = effect_key(
+            self.episode.rollout_id, CallPosition(self.turn, self._tool_calls_since_turn)
+        )
+        if tool is not None:
+            self._tool_calls_since_turn += 1
         try:
             while isinstance(started := self.record.start(call_id), Refusal):
                 if started.reason is not RefusalReason.SNAPSHOT_OPEN:
                     raise _refused(started)
                 await self._resumed.wait()  # held: no call starts while a snapshot is open
-            self.forwarded += 1
-            response = await self._relay._forward(self.episode, body)
+            response = await forward(key)
         except BaseException:
             self.record.fail(call_id)  # refused if it was excluded meanwhile: no change
             raise
         completed = self.record.complete(call_id)
         if isinstance(completed, Refusal):
             raise _refused(completed)  # fenced while it ran: its answer is not recorded
-        entry = JournalEntry(call_id, digest, response)
+        entry = JournalEntry(call_id, digest, response, tool)
         self.journal.append(entry)
+        self.turn += 1
+        self._tool_calls_since_turn = 0
         if self._sealed:
             event = Completed(entry)
             self._unreleased.add(event)
@@ -291,6 +353,17 @@ class RelayEpisode:
             if self.record.closed:
                 raise _refused(Refusal(RefusalReason.CLOSED, call_id))
         return response
+
+
+def _exported(entry: JournalEntry) -> dict[str, Any]:
+    exported = {
+        "call_id": entry.call_id,
+        "request_digest": entry.request_digest,
+        "response": dict(entry.response),
+    }
+    if entry.tool is not None:
+        exported["tool"] = entry.tool
+    return exported
 
 
 def _fenced(generation: int, current: int) -> ApiError:
@@ -342,20 +415,37 @@ class EgressRelay:
             raise RuntimeError("the relay is not started")
         return f"http://{self._options.host}:{self.port}/v1"
 
+    @property
+    def tools_url(self) -> str:
+        """Where a harness calls its tools: ``POST <tools_url>/<name>``."""
+        if self.port is None:
+            raise RuntimeError("the relay is not started")
+        return f"http://{self._options.host}:{self.port}/tools"
+
+    @property
+    def tools(self) -> tuple[str, ...]:
+        return tuple(self._options.tools)
+
     # ------------------------------------------------------------------ episodes
 
     def open_episode(
-        self, episode: EpisodeId, state: Mapping[str, Any] | None = None, *, sealed: bool = False
+        self,
+        episode: EpisodeId,
+        state: Mapping[str, Any] | None = None,
+        *,
+        sealed: bool = False,
+        turn: int = 0,
     ) -> RelayEpisode:
-        """Open ``episode`` (fresh, or installing an exported ``state`` to replay) and
-        issue its harness's credential. Raises :class:`RelayError` for a damaged state."""
+        """Open ``episode`` (fresh, or installing an exported ``state`` to replay, saved at
+        boundary ``turn``) and issue its harness's credential. Raises :class:`RelayError`
+        for a damaged state."""
         if episode in self._episodes:
             raise RelayError(f"the relay holds {episode} already")
         journal: list[JournalEntry] = []
         record = EgressRecord()
         if state is not None:
             record, journal = _installed(state)
-        opened = RelayEpisode(self, episode, record, journal, sealed=sealed)
+        opened = RelayEpisode(self, episode, record, journal, sealed=sealed, turn=turn)
         if self._open_snapshot is not None:
             opened.prepare(self._open_snapshot)
         self._episodes[episode] = opened
@@ -392,6 +482,7 @@ class EgressRelay:
         )
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/tools/{tool}", self.tool_call)
         return app
 
     async def start(self) -> str:
@@ -438,6 +529,34 @@ class EgressRelay:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         credential = self._authenticate(request)
+        self._admit(request)
+        self.calls_active += 1
+        try:
+            body = parse_json(await request.read())
+            stream = body.get("stream") is True
+            response = await credential.episode.call(credential, body)
+            if stream:
+                return await _streamed(request, response)
+            return web.json_response(response)
+        finally:
+            self.calls_active -= 1
+
+    async def tool_call(self, request: web.Request) -> web.StreamResponse:
+        credential = self._authenticate(request)
+        tool = request.match_info["tool"]
+        if tool not in self._options.tools:
+            raise ApiError(404, f"the relay has no tool {tool!r}", code="tool_not_found")
+        self._admit(request)
+        self.calls_active += 1
+        try:
+            body = parse_json(await request.read())
+            answer = await credential.episode.call_tool(credential, tool, body)
+            return web.json_response(answer["body"], status=int(answer["status"]))
+        finally:
+            self.calls_active -= 1
+
+    def _admit(self, request: web.Request) -> None:
+        """The caps every call is under: calls under way, and the body's size."""
         if self.calls_active >= self._options.max_concurrent_calls:
             raise ApiError(
                 429,
@@ -450,16 +569,6 @@ class EgressRelay:
             raise ApiError(
                 413, f"the request body is larger than {cap} bytes", code="request_too_large"
             )
-        self.calls_active += 1
-        try:
-            body = parse_json(await request.read())
-            stream = body.get("stream") is True
-            response = await credential.episode.call(credential, body)
-            if stream:
-                return await _streamed(request, response)
-            return web.json_response(response)
-        finally:
-            self.calls_active -= 1
 
     async def _forward(self, episode: EpisodeId, body: Mapping[str, Any]) -> Mapping[str, Any]:
         """The call, whole, to the policy endpoint under the episode's headers."""
@@ -486,6 +595,37 @@ class EgressRelay:
         if status != 200 or not isinstance(decoded, dict):
             raise _upstream_error(status, decoded)
         return decoded
+
+    async def _forward_tool(
+        self, episode: EpisodeId, tool: str, body: Mapping[str, Any], key: str
+    ) -> Mapping[str, Any]:
+        """The tool call to its tool under the episode's headers and its key. Whatever
+        status the tool answers with is its answer; one that is not JSON is a 502."""
+        assert self._session is not None, "the relay is not started"
+        headers = {
+            ROLLOUT_HEADER: episode.rollout_id,
+            ATTEMPT_HEADER: str(episode.attempt),
+            IDEMPOTENCY_HEADER: key,
+        }
+        try:
+            # A redirect is the tool's answer, never followed: the relay reaches only the
+            # URLs it was configured with.
+            async with self._session.post(
+                self._options.tools[tool], json=dict(body), headers=headers, allow_redirects=False
+            ) as answer:
+                payload = await answer.read()
+                status = answer.status
+        except (aiohttp.ClientError, TimeoutError) as error:
+            raise ApiError(
+                502, f"the tool {tool!r} is unreachable: {error}", "server_error", code="upstream"
+            ) from None
+        try:
+            decoded = json.loads(payload)
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            raise ApiError(
+                502, f"the tool {tool!r} answered no JSON", "server_error", code="upstream"
+            ) from None
+        return {"status": status, "body": decoded}
 
 
 def _upstream_error(status: int, decoded: object) -> ApiError:
@@ -545,7 +685,12 @@ def _installed(state: Mapping[str, Any]) -> tuple[EgressRecord, list[JournalEntr
         generation = int(state["generation"])
         calls = {str(call): Disposition(value) for call, value in state["calls"].items()}
         journal = [
-            JournalEntry(str(item["call_id"]), str(item["request_digest"]), dict(item["response"]))
+            JournalEntry(
+                str(item["call_id"]),
+                str(item["request_digest"]),
+                dict(item["response"]),
+                None if item.get("tool") is None else str(item["tool"]),
+            )
             for item in state["journal"]
         ]
     except RelayError:
