@@ -381,10 +381,63 @@ async def check_restore_running(kit: Kit) -> str:
         "RestoreRunning of a resumed restore id",
     )
     await kit.forget([retired.rollout_id])
+    d = kit.description
+    if (
+        kit.hosts_resources
+        and d.recovery_mode == types_pb2.RECOVERY_MODE_EXPORTED
+        and not d.group_scored
+        and kit.workload.task
+    ):
+        in_scope = await _restore_running_a_live_session(kit)
+    else:
+        in_scope = (
+            "a scope holding a live episode is checked on a resources target that exports "
+            "its sessions (not group-scored) with a workload task"
+        )
     return (
         "listed the capability; refused a retired scope attempt STALE_ATTEMPT with nothing "
         "changed; restored without freshness, RESTORED until resume; replayed; "
-        "CHECKPOINT_CONFLICT; then stale"
+        f"CHECKPOINT_CONFLICT; then stale; {in_scope}"
+    )
+
+
+def _same(e: types_pb2.EpisodeId, other: types_pb2.EpisodeId) -> bool:
+    return (e.rollout_id, e.attempt) == (other.rollout_id, other.attempt)
+
+
+async def _restore_running_a_live_session(kit: Kit) -> str:
+    """A session seeded, called and committed, then restored where it lives: the saved
+    attempt N retired, N+1 installed beside it and served, N refused."""
+    saved = episode(kit.rollout("running"), 0)
+    await kit.seed(saved)
+    for tool, arguments in kit.workload.calls:
+        await kit.call(saved, tool, arguments)
+    checkpoint = kit.checkpoint_id()
+    await kit.prepare(checkpoint, lease_s=HOLD_LEASE_S)
+    committed = await kit.commit(checkpoint, checkpoint, [saved])
+    await kit.resume(checkpoint)
+    entry = pb.ManifestEntry(manifest=committed.manifest, artifacts=list(committed.artifacts))
+    restore_id = kit.checkpoint_id()
+    restored = await kit.restore_running(restore_id, checkpoint, entry, [saved])
+    continued = episode(saved.rollout_id, saved.attempt + 1)
+    require(
+        len(restored.installed) == 1 and _same(restored.installed[0], continued),
+        f"RestoreRunning of {show(saved)} installed "
+        f"{[show(e) for e in restored.installed]}, expected {show(continued)}",
+    )
+    require(
+        any(_same(e, saved) for e in restored.retired),
+        f"RestoreRunning of {show(saved)} did not list it retired: "
+        f"{[show(e) for e in restored.retired]}",
+    )
+    await kit.resume(restore_id)
+    await kit.refused(kit.verify(saved), "STALE_ATTEMPT", f"Verify of {show(saved)} after N+1")
+    await kit.verify(continued)
+    await kit.retire([continued])
+    await kit.forget([saved.rollout_id])
+    return (
+        f"a live session restored in place: {show(saved)} retired, {show(continued)} "
+        "installed and served, the old attempt refused STALE_ATTEMPT"
     )
 
 

@@ -242,7 +242,8 @@ def _left_behind(kit: Kit) -> list[str]:
         "must start above it (or restart the participant)",
         "finished checkpoint ids with prefix conf*: harmless to other prefixes",
         "with a workload, the participant is no longer fresh (it admitted the kit's "
-        "episodes): restart it before it takes part in a restore",
+        "episodes): restart it before it takes part in a restore, unless it lists "
+        "CAPABILITY_RESTORE_RUNNING (a coordinator then restores it where it runs)",
         *sorted(set(kit.notes)),
         "one more lease expiry in GetStatus.lease_expiries",
     ]
