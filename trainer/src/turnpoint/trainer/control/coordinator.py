@@ -36,7 +36,7 @@ from typing import Any, Protocol, Self
 import grpc
 
 from turnpoint.convert import duration_from_seconds, episode_to_proto, readiness_from_proto
-from turnpoint.errors import Reason
+from turnpoint.errors import Reason, TurnpointError
 from turnpoint.ids import (
     EpisodeId,
     InvalidIdError,
@@ -80,6 +80,7 @@ from turnpoint.trainer.control.outcomes import (
 )
 from turnpoint.trainer.control.topology import ParticipantInfo, Topology, group_workers
 from turnpoint.trainer.metrics import CoordinatorMetrics
+from turnpoint.trainer.restore.stale import stale_refusals
 from turnpoint.trainer.snapshots.core import (
     FinishedProbe,
     Outcome,
@@ -764,11 +765,19 @@ class Coordinator:
         *,
         instances: Iterable[str] | None = None,
         retire_unscoped: bool = True,
+        another_round: bool = False,
     ) -> AsyncIterator[RestoredCheckpoint]:
         """Restore everywhere for the body, then always reopen every participant once.
 
         ``instances`` and ``retire_unscoped`` as :meth:`restore` takes them: a heal
         restores, cleans up and reopens only those participants.
+
+        ``another_round``: the caller restores again, under the next restore id, if
+        running participants refuse only saved attempts they have moved past (docs/spec.md
+        section 4.16 item 3; the error's ``seen_since``). The replacements are then not
+        retired, only every participant resumed: the next round's RestoreRunning, with
+        ``retire_unscoped``, replaces them, and a retire would raise their marks to N+1
+        and make every other continuation impossible.
 
         A restore that fails on ANY participant has an uncertain outcome on all of them:
         the replacement attempts (N+1) are retired everywhere, every participant is
@@ -794,8 +803,20 @@ class Coordinator:
             )
         except RestoreFailed as error:
             await renewer.stop()
-            cleanup = await self._discard_restore(restore_id, replacements, chosen)
-            raise RestoreFailed(restore_id, error.failures, replacements, cleanup) from error
+            seen_since = stale_refusals(
+                (f.reason, f.error.metadata if isinstance(f.error, TurnpointError) else {})
+                for f in error.failures.values()
+            )
+            keep = another_round and retire_unscoped and seen_since is not None
+            cleanup = await self._discard_restore(restore_id, () if keep else replacements, chosen)
+            raise RestoreFailed(
+                restore_id,
+                error.failures,
+                replacements,
+                cleanup,
+                seen_since=seen_since,
+                replacements_kept=keep,
+            ) from error
         except BaseException:
             await renewer.stop()
             await self._discard_restore(restore_id, replacements, chosen)
