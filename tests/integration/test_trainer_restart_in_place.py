@@ -5,7 +5,7 @@ Real participants on 127.0.0.1:0 (policy, both resources servers, one agent), ne
 restarted. The first trainer parks one group-scored sibling of each of two groups at its
 verify (alone, it waits for its sibling forever, so both are in flight whatever the
 timing) and publishes snapshot C. After C, as fenced incarnations would have done before
-dying: group 1's parked sibling finished (its sibling came, the group was trained) and
+dying (the last of them inside a snapshot, every participant left prepared): group 1's parked sibling finished (its sibling came, the group was trained) and
 was retired everywhere (refusal mark 0 = the saved attempt), and group 3's was retried
 as attempt 1 and retired on the group-scored resources server (mark 1 = the N+1 a
 restore would install). A new trainer then restores C into the same processes:
@@ -25,7 +25,7 @@ import torch
 
 from tests.support.participants import TOKEN, start_topology
 from turnpoint.apps.examples._guess_jobs import guess_rollouts
-from turnpoint.ids import EpisodeId
+from turnpoint.ids import EpisodeId, make_checkpoint_id
 from turnpoint.trainer import (
     Checkpointing,
     CoordinatorConfig,
@@ -35,6 +35,7 @@ from turnpoint.trainer import (
     torch_anchor_loader,
 )
 from turnpoint.trainer.advanced import Coordinator, bump_epoch
+from turnpoint.trainer.snapshots.driver import EPOCH_STRIDE
 
 GROUP_SIZE = 2
 BOUND_S = 60.0
@@ -93,6 +94,8 @@ async def test_a_new_trainer_restores_into_running_participants_above_what_they_
             every["group-tools"] = [saved_finished, saved_retried.next_attempt()]
             report_retire = await fenced.retire(every)
             assert not report_retire.failures, report_retire
+            # It died inside a snapshot: every participant is left prepared, closed.
+            await fenced.prepare(make_checkpoint_id("ck", identity.epoch * EPOCH_STRIDE + 1))
 
         second = _trainer(root, participants)
         async with second:

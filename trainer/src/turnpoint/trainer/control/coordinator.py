@@ -638,6 +638,25 @@ class Coordinator:
                 )
         return result
 
+    async def release_left_open(self) -> ControlReport:
+        """Resume whatever an earlier incarnation left open on the participants: the
+        checkpoint or restore it never resumed (it died inside a snapshot), as each
+        lease would, without waiting for it (docs/spec.md section 7.7 item 6). Read
+        from ``GetStatus``; a participant that does not answer is left to the restore,
+        which then fails on it as it would have."""
+        result = await self.status_round(self.config.control_timeout_s)
+        left_open: dict[str, list[str]] = {}
+        for name, response in sorted(result.responses.items()):
+            if response.phase != types_pb2.PHASE_IDLE and response.active_checkpoint_id:
+                left_open.setdefault(response.active_checkpoint_id, []).append(name)
+        reports = []
+        for checkpoint_id, names in sorted(left_open.items()):
+            _LOG.info(
+                "resuming %s, left open on %s by an earlier incarnation", checkpoint_id, names
+            )
+            reports.append(await self.resume(checkpoint_id, names))
+        return ControlReport.merge("resume", "left-open", reports)
+
     def statuses(self) -> Mapping[str, ParticipantStatus]:
         """Each participant's latest status answer (the liveness watch's), if any."""
         return MappingProxyType(dict(self._statuses))

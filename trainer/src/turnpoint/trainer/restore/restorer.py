@@ -688,6 +688,9 @@ class Restorer:
         if selected is None:
             return None
         target = RecoveryLevel.parse(self._config.target_level)
+        # Participants that outlived a trainer killed inside a snapshot are still closed
+        # under its id: a restore needs them idle (docs/spec.md section 7.7 item 6).
+        await coordinator.release_left_open()
         seen_since: dict[str, int] = {}
         kept: set[EpisodeId] = set()
         stale_rounds = 0
