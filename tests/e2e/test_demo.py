@@ -314,6 +314,10 @@ def test_a_kill_at_each_point_restores_the_last_published_snapshot(
     crash = next(event for event in run.supervisor if event["type"] == "crash")
     assert (crash["point"], crash["checkpoint_id"]) == (point.value, killed)
     assert [event["type"] for event in run.supervisor] == ["crash", "restart"]
+    # Better than before (docs/spec.md section 7.11 item 2): the trainer alone restarted,
+    # restoring into the participants where they ran, whatever the killed attempt left
+    # open on them (section 7.7 item 6).
+    assert crash["killed"] == ["trainer"] and run.supervisor[1]["participants_restarted"] == 0
     before = published(run, 1)
     # The trainer died inside the killed attempt: it never reported it.
     assert before and killed not in before, before
