@@ -1508,7 +1508,9 @@ class _Supervisor:
         if not decision.allowed:
             raise DemoError(f"{cause}\n{decision.reason}")
         if alone:
-            await self.restart_trainer(cause=str(cause), pause_s=decision.pause_s)
+            await self.restart_trainer(
+                cause=str(cause), pause_s=decision.pause_s, reason=decision.reason
+            )
             return
         await self.record(
             "crash",
@@ -1560,7 +1562,9 @@ class _Supervisor:
             return False
         return not (self.trainer_alone and self.steps_since_start == 0)
 
-    async def restart_trainer(self, *, cause: str | None = None, pause_s: float = 0.0) -> None:
+    async def restart_trainer(
+        self, *, cause: str | None = None, pause_s: float = 0.0, reason: str | None = None
+    ) -> None:
         """Kill the trainer and start the next one alone: it restores the last published
         snapshot into the participants where they run (RestoreRunning, docs/spec.md
         section 4.16), none of them restarted, and its epoch fences the dead one."""
@@ -1591,7 +1595,10 @@ class _Supervisor:
         await self.spawn_trainer(resume=True)
         await asyncio.sleep(pause_s)
         await self.record(
-            "restart", incarnation=self.trainer.incarnation + 1, participants_restarted=0
+            "restart",
+            incarnation=self.trainer.incarnation + 1,
+            participants_restarted=0,
+            **({"reason": reason} if reason is not None else {}),
         )
         self.state.note_restart()
         self.trainer_alone = True
