@@ -826,7 +826,14 @@ class Coordinator:
                 (f.reason, f.error.metadata if isinstance(f.error, TurnpointError) else {})
                 for f in error.failures.values()
             )
-            keep = another_round and retire_unscoped and seen_since is not None
+            # A fresh-only participant restored in this round is no longer fresh: no
+            # second round can reach it, so this round is cleaned up as any failure is.
+            keep = (
+                another_round
+                and retire_unscoped
+                and seen_since is not None
+                and all(self.topology.participants[n].restore_running for n in chosen)
+            )
             cleanup = await self._discard_restore(restore_id, () if keep else replacements, chosen)
             raise RestoreFailed(
                 restore_id,
