@@ -137,9 +137,12 @@ def test_the_short_demo_crashes_restores_and_passes_the_audit(tmp_path: Path) ->
     run = run_demo(tmp_path / "out")
 
     # Better than before healing in place (docs/spec.md section 7.15): the agent is lost
-    # first and replaced alone, and only the trainer's SIGKILL later restarts the job.
+    # first and replaced alone; the trainer's SIGKILL later restarts the trainer alone,
+    # which restores into the participants where they run (section 4.16).
     crash = next(event for event in run.supervisor if event["type"] == "crash")
     assert crash["incarnation"] == 1 and crash["killed"] == ["trainer"]
+    restart = next(event for event in run.supervisor if event["type"] == "restart")
+    assert restart["participants_restarted"] == 0
     assert [event["type"] for event in run.supervisor] == [
         "agent_lost",
         "replaced",
@@ -168,8 +171,18 @@ def assert_the_lost_agent_was_healed_in_place(run: Run) -> None:
     assert heal["continued"] + heal["rerun"] <= heal["running"], heal
     assert run.of("train_step", 1)[-1]["t"] > heal["t"], "the first trainer trained on"
     assert "participants replaced  │ 1" in run.stdout
-    assert "crashes / job restarts │ 1 / 1" in run.stdout
-    assert (run.out / "logs" / f"{lost['instance']}.2.stderr").is_file()
+    assert "crashes / job restarts │ 1 / 0" in run.stdout
+    assert "trainer restarts       │ 1 (participants restarted: 0)" in run.stdout
+    # Each participant process started once, the lost agent's replacement aside: the
+    # trainer's restart restarted none.
+    started = sorted(
+        path.name.removesuffix(".stderr")
+        for path in (run.out / "logs").glob("*.stderr")
+        if not path.name.startswith("trainer.")
+    )
+    assert started == sorted(
+        {name.rsplit(".", 1)[0] + ".1" for name in started} | {f"{lost['instance']}.2"}
+    ), started
 
 
 def assert_the_status_history_shows_the_crash_and_every_snapshot(run: Run) -> None:
@@ -303,6 +316,10 @@ def test_a_kill_at_each_point_restores_the_last_published_snapshot(
     crash = next(event for event in run.supervisor if event["type"] == "crash")
     assert (crash["point"], crash["checkpoint_id"]) == (point.value, killed)
     assert [event["type"] for event in run.supervisor] == ["crash", "restart"]
+    # Better than before (docs/spec.md section 7.11 item 2): the trainer alone restarted,
+    # restoring into the participants where they ran, whatever the killed attempt left
+    # open on them (section 7.7 item 6).
+    assert crash["killed"] == ["trainer"] and run.supervisor[1]["participants_restarted"] == 0
     before = published(run, 1)
     # The trainer died inside the killed attempt: it never reported it.
     assert before and killed not in before, before
@@ -459,6 +476,10 @@ def test_chaos_kill_and_pause_any_process_and_the_audit_still_passes(tmp_path: P
             assert recovered[0]["instance"] == fault["victim"]
         else:
             assert [e["type"] for e in recovered] == ["crash", "restart"], (fault, recovered)
+        if fault["victim"] == "trainer":
+            # Better than before: a trainer fault restarts the trainer alone, restored
+            # into the participants where they run (docs/spec.md section 7.11 item 2).
+            assert recovered[-1]["participants_restarted"] == 0, (fault, recovered)
     assert len(crashes) + len(replaced) == faults
     # Every restart restored a published snapshot (or started over when none existed).
     restarts = [e for e in run.supervisor if e["type"] == "restart"]

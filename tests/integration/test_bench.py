@@ -182,6 +182,14 @@ def test_the_json_has_every_figure_as_a_positive_number(
         )
     assert _positive(figures["throughput_ratio_on_vs_off"])
     assert _positive(figures["restore_seconds"])
+    # The same crash's trainer restarted alone, into the participants that survived it.
+    trainer_restart = figures["details"]["trainer_restart"]
+    assert _positive(trainer_restart["seconds"]), trainer_restart
+    assert trainer_restart["start_participants_s"] is None and trainer_restart["resumed"] > 0
+    assert figures["targets"]["trainer_restart_s"]["value"] == trainer_restart["seconds"]
+    assert figures["details"]["trainer_restart_vs_cold_start"] == pytest.approx(
+        trainer_restart["seconds"] / figures["restore_seconds"], rel=0.01, abs=0.001
+    )
     assert _positive(figures["bookkeeping_us_per_episode"])
     # docs/spec.md section 7.13.1: the status API polled every 100 ms vs not, a ratio.
     polling = figures["details"]["status_polling"]

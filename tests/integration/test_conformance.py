@@ -246,6 +246,7 @@ async def test_the_restore_running_check_runs_only_where_the_capability_is_liste
         assert result.outcome is Outcome.PASS, render_table(report)
         assert "refused a retired scope attempt STALE_ATTEMPT" in result.detail
         assert "a live session restored in place" in result.detail, result.detail
+        assert "with retire_unscoped, one whose N+1 was retired, listed" in result.detail
     else:
         assert result.outcome is Outcome.SKIP, render_table(report)
         assert "CAPABILITY_RESTORE_RUNNING" in result.detail

@@ -657,6 +657,25 @@ def test_the_report_counts_replacements_apart_from_job_restarts() -> None:
     assert report.exit_status == 0
 
 
+def test_a_trainer_restarted_alone_is_counted_apart_from_job_restarts() -> None:
+    # The same run, its restart the trainer's alone (docs/spec.md section 7.11 item 2).
+    run = _healed_run()
+    restart = next(e for e in run.supervisor if e["type"] == "restart")
+    restart["participants_restarted"] = 0
+    recovery = build_report(
+        load_run_from(run), group_size=GROUP_SIZE, expected_steps=STEPS
+    ).recovery
+    assert (recovery.crashes, recovery.restarts, recovery.trainer_restarts) == (1, 0, 1)
+    text, status = _rendered(run)
+    assert status == 0
+    assert "crashes / job restarts │ 1 / 0" in text
+    assert "trainer restarts       │ 1 (participants restarted: 0)" in text
+    # A job restart names how many participants it started again.
+    restart["participants_restarted"] = 5
+    text, _ = _rendered(run)
+    assert "crashes / job restarts │ 1 / 1" in text and "trainer restarts       │ 0" in text
+
+
 def test_a_report_without_heals_has_no_restored_share() -> None:
     recovery = build_report(
         load_run_from(_good_run()), group_size=GROUP_SIZE, expected_steps=STEPS

@@ -336,6 +336,47 @@ def test_a_running_restore_with_retire_unscoped_frees_everything_without_marks()
     assert core.refusal_mark("rollout-a") == 2 and core.refusal_mark("rollout-b") is None
 
 
+def test_a_new_incarnations_restore_continues_a_saved_attempt_retired_since_but_not_past_it() -> (
+    None
+):
+    # The fenced incarnation finished rollout-a's saved attempt 2 and retired it (mark 2):
+    # its N+1 was never seen, so the new incarnation continues the snapshot's state.
+    core = core_with()
+    core.begin_retire([EpisodeId("rollout-a", 2), EpisodeId("rollout-b", 4)], now=0.0)
+    for key in (run(EpisodeId("rollout-a", 2)), run(EpisodeId("rollout-b", 4))):
+        core.finish_retire(key, now=0.0)
+    # rollout-b's saved attempt 3 would continue as 4, which was retired here; rollout-c
+    # is past its saved attempt too. Both are listed in one refusal, with their marks.
+    core.begin_retire([EpisodeId("rollout-c", 1)], now=0.0)
+    core.finish_retire(run(EpisodeId("rollout-c", 1)), now=0.0)
+    moved = RunningRestore(
+        frozenset({EpisodeId("rollout-a", 2), EpisodeId("rollout-b", 3), EP_C}),
+        retire_unscoped=True,
+    )
+    error = raises(
+        Reason.STALE_ATTEMPT,
+        lambda: core.begin_restore("restore-1", "fp", 10.0, 0.0, running=moved),
+    )
+    assert error.metadata["episode"] == "rollout-b#3"
+    assert error.metadata["retired_through"] == "4"
+    assert error.metadata["stale_episodes"] == "rollout-b#3:4,rollout-c#0:1"
+    assert phase(core) is Phase.IDLE and is_open(core)
+    # Without them the same saved attempt of rollout-a is accepted and installed as 3.
+    fine = RunningRestore(frozenset({EpisodeId("rollout-a", 2)}), retire_unscoped=True)
+    core.begin_restore("restore-2", "fp", 10.0, 0.0, running=fine)
+    assert core.retire_for_restore("restore-2", fine, now=1.0) == ()
+    core.install_restored(run(EpisodeId("rollout-a", 3)), 1, 1, now=1.0)
+    assert core.refusal_mark("rollout-a") == 2
+    # A heal (retire_unscoped off) never continues a retired attempt.
+    core.finish_restore("restore-2", "answer")
+    core.resume("restore-2", now=2.0)
+    heal = RunningRestore(frozenset({EpisodeId("rollout-a", 2)}))
+    raises(
+        Reason.STALE_ATTEMPT,
+        lambda: core.begin_restore("restore-3", "fp", 10.0, 3.0, running=heal),
+    )
+
+
 def test_a_running_restore_refuses_a_retired_or_superseded_scope_and_other_arguments() -> None:
     core = core_with((EpisodeId("rollout-a", 1), EpisodeState.RUNNING))
     stale = RunningRestore(frozenset({EP_A}))

@@ -700,6 +700,43 @@ def test_plan_continues_at_turn_level_and_reruns_restarts_and_waiting() -> None:
     assert not plan.lowered
 
 
+def test_plan_reruns_what_a_running_participant_saw_past_above_it_and_continues_the_rest() -> None:
+    # docs/spec.md section 7.7 item 7: r1's N+1 was seen (retired through 4) where it
+    # ran; round one installed r1 and r2 as attempt 1 elsewhere before the refusal.
+    a, b = rollout(EP1), rollout(EP2, group="g2")
+    manifest = plan_manifest(continued=[a, b], resources_export=[EP1, EP2])
+
+    plan = plan_restore(
+        manifest,
+        group_topology(),
+        RecoveryLevel.TURN,
+        restore_id="restore-2",
+        seen_since={"r1": 4},
+        retired=[EpisodeId("r1", 1), EpisodeId("r2", 1)],
+    )
+
+    assert [r.episode for r in plan.redispatch] == [EpisodeId("r2", 1)]
+    assert [(r.episode, r.reason) for r in plan.rerun] == [
+        (EpisodeId("r1", 5), RerunReason.SEEN_SINCE)
+    ]
+    assert plan.restore_scope == {AGENT: (EP2,), RESOURCES: (EP2,)}
+    # A group-scored group with such a sibling reruns whole, every sibling above it.
+    c = rollout(EpisodeId("r3", 0), sibling=1)
+    grouped = plan_manifest(continued=[a, c], resources_export=[EP1])
+    whole = plan_restore(
+        grouped,
+        group_topology(group_scored=True),
+        RecoveryLevel.TURN,
+        restore_id="restore-2",
+        seen_since={"r1": 1},
+    )
+    assert whole.redispatch == () and whole.groups_retried_whole == 1
+    assert {(r.episode, r.reason) for r in whole.rerun} == {
+        (EpisodeId("r1", 2), RerunReason.GROUP),
+        (EpisodeId("r3", 1), RerunReason.GROUP),
+    }
+
+
 def test_plan_at_sibling_level_reruns_saved_siblings_and_keeps_finished_ones() -> None:
     a = rollout(EP1)
     manifest = plan_manifest(continued=[a], queue=[finished("done", "g1", 1)])

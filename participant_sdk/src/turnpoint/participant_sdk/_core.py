@@ -299,6 +299,10 @@ class RunningRestore:
 
 _OTHER_RESTORE = {"restore": "restore_running", "restore_running": "restore"}
 
+MAX_STALE_LISTED = 64
+"""Saved attempts listed in one ``stale_episodes`` refusal: trailers stay small; the
+coordinator's next round learns the rest (docs/spec.md section 4.16 item 3)."""
+
 
 @dataclass(frozen=True, slots=True)
 class ResumeOutcome:
@@ -815,12 +819,13 @@ class ParticipantCore:
                 phase=self._phase.name,
                 fresh="false",
             )
-        if running is not None:
+        if running is not None and not running.retire_unscoped:
+            # A heal: an attempt retired here, or one a newer attempt held here has
+            # replaced, is never continued.
             for episode in sorted(running.scope):
-                # A retired attempt is never continued. With retire_unscoped, a newer
-                # attempt held here came from the fenced incarnation: it goes instead.
-                if not running.retire_unscoped or self._refused(episode):
-                    self.check_attempt(episode)
+                self.check_attempt(episode)
+        elif running is not None:
+            self._refuse_reused_installs(running.scope)
         self._active = restore_id
         self._active_epoch = self.epoch
         self._lease_expires_at = None
@@ -902,6 +907,36 @@ class ParticipantCore:
         return installed
 
     # ------------------------------------------------------------------ the work table
+
+    def _refuse_reused_installs(self, scope: Iterable[EpisodeId]) -> None:
+        """A new incarnation's restore (``retire_unscoped``): refuse every saved attempt N
+        whose N+1 this participant has retired (docs/spec.md section 4.16 item 3).
+
+        N itself may be retired here (the fenced incarnation finished it, or retried it,
+        after the snapshot): the restore continues the snapshot's state of N, never what
+        this participant held, and N+1 is above the mark. A retired N+1 is not: the
+        installed attempt would be refused itself, and late calls of the retired one
+        would reach it. The refusal lists every such attempt with its rollout's mark
+        (``stale_episodes``, section 9.5), so that the coordinator reruns them all above
+        their marks in one more round. A newer attempt merely held goes with the other
+        unscoped work, as item 4 says.
+        """
+        stale = [e for e in sorted(scope) if self._refused(e.next_attempt())]
+        if not stale:
+            return
+        first = stale[0]
+        listed = ",".join(
+            f"{e.rollout_id}#{e.attempt}:{self._marks[e.rollout_id]}"
+            for e in stale[:MAX_STALE_LISTED]
+        )
+        raise _error(
+            Reason.STALE_ATTEMPT,
+            f"{len(stale)} saved attempt(s) would continue as an attempt retired here, "
+            f"first {first} (retired through {self._marks[first.rollout_id]})",
+            episode=first,
+            retired_through=self._marks[first.rollout_id],
+            stale_episodes=listed,
+        )
 
     def _refused(self, episode: EpisodeId) -> bool:
         mark = self._marks.get(episode.rollout_id)

@@ -387,6 +387,9 @@ class Checkpointing:
         self._weight_sync = sync
         restored_version = sync.adopt_restore(plan)
         if plan is not None:
+            # A restore of several rounds used the epoch's first restore ids: heals
+            # number theirs above them (docs/spec.md section 2.6 item 4).
+            self._heal_count = plan.stale_rounds
             apply_plan(plan, rollouts)
             rollouts.set_data_loader(plan.trainer_state.data_loader)
             self.resumed = _resumed_from(

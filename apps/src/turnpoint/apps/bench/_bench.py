@@ -128,6 +128,16 @@ class BenchReport:
     sandbox_snapshots: tuple[SandboxSnapshotRow, ...] = ()
     sandbox_admission: SandboxAdmission | None = None
     egress_relay: RelayFigures | None = None
+    # The same crash's trainer restarted alone, into the participants that survived it
+    # (docs/spec.md section 7.11 item 2), beside :attr:`restore`'s cold start.
+    trainer_restart: RestoreResult | None = None
+
+    @property
+    def trainer_restart_vs_cold_start(self) -> float | None:
+        """The trainer restart's seconds over the cold start's, both of the same crash."""
+        warm = None if self.trainer_restart is None else self.trainer_restart.seconds
+        cold = self.restore.seconds
+        return None if warm is None or not cold else warm / cold
 
     @property
     def throughput_ratio_on_vs_off(self) -> float | None:
@@ -197,6 +207,13 @@ class BenchReport:
             ),
             Target("bookkeeping_us_per_episode", self.bookkeeping_us, 60.0, 30.0),
             Target("restart_s", self.restore_seconds, 5.0, 2.0),
+            # Issue 24: no participant process starts, so under a second.
+            Target(
+                "trainer_restart_s",
+                None if self.trainer_restart is None else self.trainer_restart.seconds,
+                1.0,
+                0.5,
+            ),
             Target(
                 "status_page_polled_vs_quiet",
                 None if self.status_polling is None else self.status_polling.ratio,
@@ -291,6 +308,12 @@ class BenchReport:
                 },
                 "throughput": self.throughput.to_json(),
                 "restore": self.restore.to_json(),
+                "trainer_restart": None
+                if self.trainer_restart is None
+                else self.trainer_restart.to_json(),
+                "trainer_restart_vs_cold_start": None
+                if self.trainer_restart_vs_cold_start is None
+                else round(self.trainer_restart_vs_cold_start, 3),
                 "status_polling": None
                 if self.status_polling is None
                 else self.status_polling.to_json(),
@@ -383,7 +406,9 @@ async def _run(options: BenchOptions, root: Path, progress: Progress) -> BenchRe
         token=token,
         progress=progress,
     )
-    throughput, restore = await run_workload(root, options.workload, token=token, progress=progress)
+    throughput, restore, trainer_restart = await run_workload(
+        root, options.workload, token=token, progress=progress
+    )
     progress(f"bookkeeping: {options.bookkeeping_episodes} episodes in process")
     bookkeeping = await bookkeeping_us(options.bookkeeping_episodes, root / "bookkeeping")
     progress(f"sandbox snapshots: {_sizes_left(options.sandbox_mb)} MB, full then unchanged")
@@ -408,6 +433,7 @@ async def _run(options: BenchOptions, root: Path, progress: Progress) -> BenchRe
         control_overhead=tuple(rows),
         throughput=throughput,
         restore=restore,
+        trainer_restart=trainer_restart,
         workers=options.workers,
         warmup=options.warmup,
         snapshot_root=str(root),

@@ -123,7 +123,9 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
             "spread, and admission-closed seconds per snapshot (median, p99); (4) "
             "bookkeeping: the SDK's microseconds per episode (begin, 5 boundaries, finish, "
             "acknowledge); (5) restart: from a cold start after a crash (participant start-up "
-            "included) to the first redispatched rollout; (6, not with --quick) long "
+            "included) to the first redispatched rollout, and before it, the same crash's "
+            "trainer restarted alone into the participants that survived it; (6, not with "
+            "--quick) long "
             "generations: admission-closed seconds per snapshot with and without "
             "token-prefix cutting at several generation lengths, and their plot; (7) the "
             "status page: the control path with the trainer's status API polled every "
@@ -503,6 +505,27 @@ def render_table(report: BenchReport, out: TextIO) -> None:
         workload.add_row("  episodes resumed / rerun", f"{restore.resumed} / {restore.rerun}")
     for checkpoint_id, problem in restore.rejected_snapshots:
         workload.add_row(f"  {checkpoint_id} could not have been restored", problem)
+    warm = report.trainer_restart
+    if warm is not None:
+        workload.add_row(
+            "trainer restart s (new trainer to first redispatched rollout, participants kept)",
+            _s(warm.seconds),
+        )
+        if warm.seconds is None:
+            workload.add_row("  not measured", warm.note)
+        else:
+            workload.add_row(
+                "  restore into the running participants s (rounds)",
+                f"{_s(warm.restore_s)} ({warm.rounds})",
+            )
+            workload.add_row(
+                "  then first progress of a redispatched rollout s", _s(warm.first_progress_s)
+            )
+            workload.add_row("  episodes resumed / rerun", f"{warm.resumed} / {warm.rerun}")
+            ratio = report.trainer_restart_vs_cold_start
+            workload.add_row(
+                "  vs the cold start of the same crash", "n/a" if ratio is None else f"{ratio:.3f}"
+            )
     polling = report.status_polling
     if polling is not None:
         workload.add_row(

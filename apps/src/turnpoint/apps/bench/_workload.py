@@ -18,15 +18,24 @@ process (as ``turnpoint serve`` would host each). The bench writes the
   :data:`MIN_SNAPSHOTS` snapshots each (``min_snapshots_per_run`` says whether they
   were). Admission-closed seconds per published snapshot are reported as a median and
   a 99th percentile over every snapshot of every run.
-- **Restore**: a third run is crashed (SIGKILL of the trainer and of every participant)
-  as soon as a published snapshot holds episodes in flight and the restore planner
-  accepts it (a snapshot it would refuse is reported, with the planner's reason, and
-  the run goes on to the next one). The clock starts when new
-  participant processes are started on the same snapshot root and stops at the first
-  sign of life of a redispatched rollout (a new boundary, or its result), through a new
-  coordinator (the next epoch), the :class:`~turnpoint.trainer.restore.restorer.Restorer`
-  (discover, verify every digest, load the anchor, restore and resume every
-  participant) and a fresh rollout client.
+- **Restore**: a third run's trainer is crashed (SIGKILL) as soon as a published
+  snapshot holds episodes in flight and the restore planner accepts it (a snapshot it
+  would refuse is reported, with the planner's reason, and the run goes on to the next
+  one). Two restores of that snapshot follow, each timed to the first sign of life of a
+  redispatched rollout (a new boundary, or its result), through a new coordinator (the
+  next epoch), the :class:`~turnpoint.trainer.restore.restorer.Restorer` (discover,
+  verify every digest, load the anchor, restore and resume every participant) and a
+  fresh rollout client:
+
+  - *trainer restart* (docs/spec.md sections 4.16, 7.11 item 2): the participants
+    survived the trainer; the new trainer restores into them where they run
+    (RestoreRunning). The clock starts with the new trainer (its process imports
+    aside: the bench's own process has them).
+  - *cold start*: then every participant is SIGKILLed too, and the clock starts when new
+    participant processes are started on the same snapshot root.
+
+  Both come from the same crash and the same snapshot, so their ratio is the
+  participants' start-up and fresh restore against none.
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import importlib
 import json
 import math
 import os
@@ -215,10 +225,14 @@ class RestoreResult:
     resumed: int = 0
     rerun: int = 0
     rejected_snapshots: tuple[tuple[str, str], ...] = ()
+    # Restore rounds: more than one when running participants had moved past saved
+    # attempts (docs/spec.md section 7.7 item 7).
+    rounds: int = 1
 
     def to_json(self) -> dict[str, Any]:
         return {
             "seconds": _round(self.seconds),
+            "rounds": self.rounds,
             "note": self.note,
             "checkpoint_id": self.checkpoint_id,
             "resumable_in_snapshot": self.resumable_in_snapshot,
@@ -504,9 +518,10 @@ async def _describe(run: _Run) -> Topology:
 
 async def _crash_with_episodes_in_flight(
     run: _Run, options: WorkloadOptions, progress: Progress
-) -> _Crash:
+) -> tuple[_Crash, WorkerProcess]:
     """Run the trainer until it publishes a snapshot that holds episodes in flight and
-    that a restore can use, then kill the trainer and every participant at once."""
+    that a restore can use, then kill the trainer. Returns the snapshot and the
+    participants, which survived it (the caller ends them)."""
     await asyncio.to_thread(run.snapshots.mkdir, parents=True, exist_ok=True)
     worker = await _start_participants(run, options)
     layout = SnapshotLayout(run.snapshots)
@@ -543,9 +558,9 @@ async def _crash_with_episodes_in_flight(
                         break
                 # The crash: no drain, no resume, no goodbye.
                 await trainer.kill()
-            await worker.wait_killed()
-    finally:
+    except BaseException:
         await worker.stop()
+        raise
     # A snapshot published between the check and the kill is what a restore gets.
     final = await asyncio.to_thread(layout.latest)
     assert final is not None and topology is not None
@@ -553,7 +568,7 @@ async def _crash_with_episodes_in_flight(
         checked[final] = await asyncio.to_thread(_restore_problem, layout, final, topology)
     resumable, problem = checked[final]
     progress(f"  crashed after {final} ({resumable} episodes in flight to resume)")
-    return _Crash(final, resumable, problem, tuple(rejected))
+    return _Crash(final, resumable, problem, tuple(rejected)), worker
 
 
 def _progressed(client: RolloutClient, redispatched: Mapping[EpisodeId, int]) -> bool:
@@ -565,14 +580,29 @@ def _progressed(client: RolloutClient, redispatched: Mapping[EpisodeId, int]) ->
     )
 
 
-async def _cold_restore(
-    run: _Run, options: WorkloadOptions, crash: _Crash, progress: Progress
+async def _timed_restore(
+    run: _Run,
+    options: WorkloadOptions,
+    crash: _Crash,
+    progress: Progress,
+    *,
+    fresh_participants: bool,
 ) -> RestoreResult:
+    """Restore ``crash``'s snapshot and time it to the first redispatched rollout: onto
+    new participant processes (``fresh_participants``, the cold start, clocked from
+    their start) or into the ones that survived the trainer (clocked from the new
+    trainer's first step, bumping the epoch)."""
     import torch
 
     from turnpoint.apps.demo._trainer import LEARNING_RATE
     from turnpoint.apps.examples._participants import new_policy
 
+    # Off the clock, as a trainer process imports and builds its model before it
+    # starts: the anchor loader's torch.distributed.checkpoint and the optimizer load
+    # parts of torch on their first use, and whichever restore came first would pay.
+    await asyncio.to_thread(importlib.import_module, "turnpoint.trainer.anchors.dcp")
+    model = new_policy(options.seed)
+    optimizer = torch.optim.Adam(model.parameters(), lr=LEARNING_RATE)
     measured = RestoreResult(
         None,
         checkpoint_id=crash.checkpoint_id,
@@ -580,9 +610,10 @@ async def _cold_restore(
         rejected_snapshots=crash.rejected,
     )
     started = time.perf_counter()
-    worker = await _start_participants(run, options)
+    worker = await _start_participants(run, options) if fresh_participants else None
     coordinator: Coordinator | None = None
     client: RolloutClient | None = None
+    label = "the cold start" if fresh_participants else "the trainer's restart"
     try:
         serving = time.perf_counter()
         identity = await asyncio.to_thread(bump_epoch, run.snapshots)
@@ -595,8 +626,6 @@ async def _cold_restore(
             epoch=identity.epoch,
             config=config,
         )
-        model = new_policy(options.seed)
-        optimizer = torch.optim.Adam(model.parameters(), lr=LEARNING_RATE)
         restorer = Restorer(
             coordinator,
             SnapshotLayout(run.snapshots),
@@ -607,10 +636,13 @@ async def _cold_restore(
             plan = await restorer.restore()
         restored = time.perf_counter()
         measured = dataclasses.replace(
-            measured, start_participants_s=serving - started, restore_s=restored - serving
+            measured,
+            start_participants_s=serving - started if fresh_participants else None,
+            restore_s=restored - serving,
         )
         if plan is None:
             return dataclasses.replace(measured, note="the restore found no published snapshot")
+        measured = dataclasses.replace(measured, rounds=plan.stale_rounds + 1)
         if not plan.redispatch:
             note = (
                 f"snapshot {plan.checkpoint_id} continued no episode at this recovery level "
@@ -621,6 +653,7 @@ async def _cold_restore(
         client = RolloutClient(
             {name: AgentEndpoint(endpoints[name], run.token) for name in agents},
             settings=RolloutClientSettings(max_concurrency=256),
+            fence=coordinator.fence,
         )
         await client.start()
         apply_plan(plan, client)
@@ -636,8 +669,9 @@ async def _cold_restore(
             rerun=plan.rerun_count,
         )
         progress(
-            f"  restored {plan.checkpoint_id}: {first - started:.2f} s from the cold start to the "
-            f"first redispatched rollout ({plan.resumed} resumed, {plan.rerun_count} rerun)"
+            f"  restored {plan.checkpoint_id}: {first - started:.2f} s from {label} to the "
+            f"first redispatched rollout ({plan.resumed} resumed, {plan.rerun_count} rerun, "
+            f"{plan.stale_rounds + 1} round(s))"
         )
         return result
     finally:
@@ -647,7 +681,8 @@ async def _cold_restore(
                     await client.aclose()
         if coordinator is not None:
             await coordinator.close()
-        await worker.stop()
+        if worker is not None:
+            await worker.stop()
 
 
 # ---------------------------------------------------------------------------- all
@@ -655,8 +690,9 @@ async def _cold_restore(
 
 async def run_workload(
     root: Path, options: WorkloadOptions, *, token: str, progress: Progress
-) -> tuple[ThroughputResult, RestoreResult]:
-    """Throughput with snapshots off and on, then a crash and a cold restore."""
+) -> tuple[ThroughputResult, RestoreResult, RestoreResult]:
+    """Throughput with snapshots off and on, then a crash of the trainer, its restart
+    into the participants that survived, and a cold restore onto new ones."""
     work = root / "workload"
     progress(
         f"throughput: demo trainer, {options.steps} steps of {options.groups_per_step} groups "
@@ -676,17 +712,28 @@ async def run_workload(
     throughput = ThroughputResult(
         options.steps, options.snapshot_interval_s, tuple(runs["off"]), tuple(runs["on"])
     )
-    progress("restore: a run crashed with episodes in flight, then a cold start")
+    progress(
+        "restore: a trainer crashed with episodes in flight, restarted into the surviving "
+        "participants, then a cold start"
+    )
     crashed = _Run(work / "crash", token)
-    crash = await _crash_with_episodes_in_flight(crashed, options, progress)
-    if crash.problem is not None:
-        restore = RestoreResult(
-            None,
-            note=f"the restore of {crash.checkpoint_id} would fail: {crash.problem}",
-            checkpoint_id=crash.checkpoint_id,
-            resumable_in_snapshot=crash.resumable,
-            rejected_snapshots=crash.rejected,
+    crash, survivors = await _crash_with_episodes_in_flight(crashed, options, progress)
+    try:
+        if crash.problem is not None:
+            unusable = RestoreResult(
+                None,
+                note=f"the restore of {crash.checkpoint_id} would fail: {crash.problem}",
+                checkpoint_id=crash.checkpoint_id,
+                resumable_in_snapshot=crash.resumable,
+                rejected_snapshots=crash.rejected,
+            )
+            return throughput, unusable, unusable
+        trainer_restart = await _timed_restore(
+            crashed, options, crash, progress, fresh_participants=False
         )
-    else:
-        restore = await _cold_restore(crashed, options, crash, progress)
-    return throughput, restore
+        # The cold start's crash: the participants die too.
+        await survivors.wait_killed()
+    finally:
+        await survivors.stop()
+    restore = await _timed_restore(crashed, options, crash, progress, fresh_participants=True)
+    return throughput, restore, trainer_restart

@@ -539,6 +539,7 @@ class Kit:
         scope: Sequence[types_pb2.EpisodeId] = (),
         *,
         rid: str | None = None,
+        retire_unscoped: bool = False,
     ) -> pb.RestoreRunningResponse:
         self._left.checkpoints.add(restore_id)
         request = pb.RestoreRunningRequest(
@@ -549,6 +550,7 @@ class Kit:
             entry=entry,
             scope=list(scope),
             lease=duration(HOLD_LEASE_S),
+            retire_unscoped=retire_unscoped,
         )
         return await self.target.call(
             self.target.control.RestoreRunning, request, name="RestoreRunning"

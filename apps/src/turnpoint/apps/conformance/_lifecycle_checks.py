@@ -321,7 +321,8 @@ async def check_restore(kit: Kit) -> str:
 async def check_restore_running(kit: Kit) -> str:
     """Section 4.16: a participant that lists CAPABILITY_RESTORE_RUNNING restores while
     it holds work: no freshness needed, RESTORED until resume, replayed, conflicting,
-    stale once resumed, and a retired scope attempt refused before anything changes."""
+    stale once resumed, and a retired scope attempt refused before anything changes (with
+    ``retire_unscoped``, one whose N+1 was retired, listed in ``stale_episodes``)."""
     described = await kit.describe()
     if pb.CAPABILITY_RESTORE_RUNNING not in described.capabilities:
         raise CheckSkipped(
@@ -341,6 +342,18 @@ async def check_restore_running(kit: Kit) -> str:
         "STALE_ATTEMPT",
         "RestoreRunning continuing an attempt retired here",
         keys=("episode",),
+    )
+    require_idle(await kit.status(), "after a refused RestoreRunning (nothing changed)")
+    # A new incarnation's restore (retire_unscoped) continues a saved attempt N retired
+    # here, but never as an N+1 retired here too: that is refused, listing it with its mark.
+    await kit.retire([episode(retired.rollout_id, 1)])
+    await kit.refused(
+        kit.restore_running(
+            kit.checkpoint_id(), checkpoint, entry, [retired], retire_unscoped=True
+        ),
+        "STALE_ATTEMPT",
+        "RestoreRunning with retire_unscoped continuing as an attempt retired here",
+        keys=("episode", "stale_episodes"),
     )
     require_idle(await kit.status(), "after a refused RestoreRunning (nothing changed)")
     restore_id = kit.checkpoint_id()
@@ -396,7 +409,8 @@ async def check_restore_running(kit: Kit) -> str:
         )
     return (
         "listed the capability; refused a retired scope attempt STALE_ATTEMPT with nothing "
-        "changed; restored without freshness, RESTORED until resume; replayed; "
+        "changed (with retire_unscoped, one whose N+1 was retired, listed); restored "
+        "without freshness, RESTORED until resume; replayed; "
         f"CHECKPOINT_CONFLICT; then stale; {in_scope}"
     )
 

@@ -1560,6 +1560,9 @@ class RecoverySummary:
     # Participants the supervisor replaced in place, and each heal's cost.
     participants_replaced: int = 0
     heals: tuple[HealSummary, ...] = ()
+    # Trainer restarts: the trainer alone started again, restored into the participants
+    # that kept running (docs/spec.md section 7.11 item 2), none of them restarted.
+    trainer_restarts: int = 0
 
     @property
     def restored_per_running(self) -> float | None:
@@ -1590,6 +1593,11 @@ class DemoReport:
     @property
     def exit_status(self) -> int:
         return 0 if self.audit.passed else 1
+
+
+def _trainer_only(event: SupervisorEvent) -> bool:
+    """A ``restart`` that started the trainer alone (``participants_restarted`` 0)."""
+    return event.detail.get("participants_restarted") == 0
 
 
 def _snapshot_summary(snapshots: Sequence[Snapshot]) -> SnapshotSummary:
@@ -1642,7 +1650,10 @@ def build_report(
         lineage = Lineage((), ())
     recovery = RecoverySummary(
         crashes=sum(1 for e in logs.supervisor if e.type == "crash"),
-        restarts=sum(1 for e in logs.supervisor if e.type == "restart"),
+        restarts=sum(1 for e in logs.supervisor if e.type == "restart" and not _trainer_only(e)),
+        trainer_restarts=sum(
+            1 for e in logs.supervisor if e.type == "restart" and _trainer_only(e)
+        ),
         restored_from=tuple(r.checkpoint_id for r in events.restores),
         resumed_from_turn=sum(r.resumed_from_turn for r in events.restores),
         rerun_from_prompt=sum(r.rerun_from_prompt for r in events.restores),
@@ -1702,6 +1713,12 @@ def render_report(
     )
     recovery = report.recovery
     table.add_row("crashes / job restarts", f"{recovery.crashes} / {recovery.restarts}")
+    table.add_row(
+        "trainer restarts",
+        f"{recovery.trainer_restarts} (participants restarted: 0)"
+        if recovery.trainer_restarts
+        else "0",
+    )
     table.add_row("participants replaced", str(recovery.participants_replaced))
     if recovery.heals:
         table.add_row(

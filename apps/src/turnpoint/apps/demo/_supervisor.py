@@ -59,29 +59,36 @@ RestoreRunning) or ``--hold-tools-after-restart`` (see below).
 The crash. Once the event log shows a published snapshot of the first trainer with
 rollouts in flight, 40-60% through the steps, the supervisor SIGKILLs one agent
 (``agent_lost``); once the trainer replaced it in place and trained a step since, it
-SIGKILLs the trainer and records ``crash`` in ``<out>/supervisor.jsonl`` (without
-healing in place: the trainer and one agent at once). The recovery is a *job
-restart*: every participant is started again, fresh. The survivors get SIGTERM (a
-graceful drain) and a new set comes up under the same instance names on new ports;
-``topology.json`` is rewritten and the trainer starts again with ``--resume``, restores
-``LATEST`` and finishes the run (``restart`` is recorded). Why not keep the survivors: a
-participant accepts a restore only while fresh (it must not mix restored episodes with
-ones it ran for a dead coordinator), which is what a cluster manager gives you anyway:
-Ray, for one, kills the actors a driver owns when that driver dies, so a restarted
-driver always meets new actors. A trainer restarted alone could restore into the
-survivors with RestoreRunning (docs/spec.md section 4.16), but a rollout of the snapshot
-that finished after it had its attempt retired there since, and the participant refuses
-the whole restore for it (``STALE_ATTEMPT``, section 4.16 item 3): until the coordinator
-can leave such rollouts out, the demo restarts the job after a trainer crash.
+SIGKILLs the trainer and records ``crash`` in ``<out>/supervisor.jsonl``. The recovery
+is a *trainer restart*: every participant keeps running, the trainer starts again with
+``--resume`` and restores ``LATEST`` into them where they run (RestoreRunning,
+docs/spec.md section 4.16; its epoch fences the dead one, whatever that left on them is
+stopped, and a saved rollout it finished or retried since is continued or rerun above
+what they saw, section 7.7 item 7), then finishes the run (``restart`` is recorded with
+``participants_restarted`` 0). An unplanned recovery (a trainer that died, stalled or
+crashed, every participant still running and none paused) is a trainer restart too; a
+trainer restarted alone that fails before its first step restarts the job.
+
+Where the participants cannot all be restored in place (``DemoOptions.restart_trainer_alone``
+is false: ``--participant-command`` participants such as the
+TypeScript resources servers do not serve RestoreRunning, Ray places its own actors,
+and ``--hold-tools-after-restart`` needs a freshly started tools server), and after a
+participant's loss that healing in place does not cover, the recovery is a *job
+restart*: the planned crash kills the trainer and one agent at once, the survivors get
+SIGTERM (a graceful drain) and a new set comes up under the same instance names on new
+ports; ``topology.json`` is rewritten and the trainer starts again with ``--resume``,
+restores ``LATEST`` onto the fresh participants and finishes the run (``restart`` is
+recorded with ``participants_restarted``, every one of them).
 
 A crash at a named point. ``--crash-at POINT[:N]`` replaces the timed crash with a
 deterministic one: the first trainer gets ``--kill-at POINT[:N]`` and SIGKILLs itself at
 that point of a snapshot (:mod:`turnpoint.apps.demo._kill_switch`, test-only fault
 injection; it first appends a ``kill`` event naming the point and the checkpoint to
 ``events.jsonl``). The supervisor takes that trainer's SIGKILL exit as the injected
-crash: it SIGKILLs one agent at that moment, records ``crash`` with the point, and
-restarts the job exactly as above. A trainer that dies of SIGKILL without its ``kill``
-event fails the demo like any other trainer failure.
+crash: it records ``crash`` with the point and restarts the trainer alone, or, where
+it cannot, SIGKILLs one agent at that moment and restarts the job, exactly as above. A
+trainer that dies of SIGKILL without its ``kill`` event fails the demo like any other
+trainer failure.
 
 A held prepare, for the status page's browser test. ``--hold-tools-after-restart FILE``
 starts every participant set after the first with ``tools`` told to hold its tool calls
@@ -253,6 +260,17 @@ class DemoOptions:
             and not self.hold_tools_after_restart
             and self.agent_workers == 1
         )
+
+    @property
+    def restart_trainer_alone(self) -> bool:
+        """Whether a dead or stuck trainer is restarted alone, restoring into the
+        participants that kept running (docs/spec.md sections 4.16 and 7.11 item 2),
+        rather than with the whole job. Where a lost agent heals in place: every
+        participant is then the Python SDK's and serves RestoreRunning (the TypeScript
+        resources servers of ``--participant-command`` do not), the supervisor owns their
+        processes (on Ray, the cluster does), and the restarted trainer needs no freshly
+        started tools server (``--hold-tools-after-restart``)."""
+        return self.heal_in_place
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DemoOptions:
@@ -1230,6 +1248,11 @@ class _Supervisor:
         # One change of the participant table at a time: a replacement the trainer
         # asked for never races a job restart or another replacement.
         self.table_lock = asyncio.Lock()
+        # Participants --chaos paused (SIGSTOP): a trainer restarted alone would wait on
+        # them, so a recovery while any is paused restarts the job.
+        self.paused: set[str] = set()
+        # Whether the current trainer was started alone into running participants.
+        self.trainer_alone = False
 
     async def record(self, event_type: str, **detail: object) -> None:
         line = json.dumps({"type": event_type, "t": time.time(), **detail}) + "\n"
@@ -1284,6 +1307,7 @@ class _Supervisor:
         )
         self.killed.clear()
         self.dead_since.clear()
+        self.paused.clear()
         addresses: dict[str, str] = {}
         if self.options.chaos_faults:
             # The trainer reaches every participant through a fault proxy, so --chaos can
@@ -1420,6 +1444,8 @@ class _Supervisor:
                 signal_name = rng.choice(("SIGKILL", "SIGKILL", "SIGSTOP"))
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, getattr(signal, signal_name))
+            if name != "trainer" and signal_name == "SIGSTOP":
+                self.paused.add(name)
             self.faults_injected += 1
             await self.record(
                 "fault",
@@ -1524,9 +1550,17 @@ class _Supervisor:
         from the last published snapshot onto fresh processes (docs/spec.md section
         7.11), within the restart budget; past it, the run ends with the cause."""
         assert self.trainer is not None
-        decision = self.restarts.decide(time.monotonic(), "job restore")
+        alone = self.trainer_can_restart_alone()
+        decision = self.restarts.decide(
+            time.monotonic(), "trainer restart" if alone else "job restore"
+        )
         if not decision.allowed:
             raise DemoError(f"{cause}\n{decision.reason}")
+        if alone:
+            await self.restart_trainer(
+                cause=str(cause), pause_s=decision.pause_s, reason=decision.reason
+            )
+            return
         await self.record(
             "crash",
             incarnation=self.trainer.incarnation,
@@ -1557,9 +1591,66 @@ class _Supervisor:
             await asyncio.sleep(decision.pause_s)
             await self.launch(resume=True)
         await self.record(
-            "restart", incarnation=self.trainer.incarnation + 1, reason=decision.reason
+            "restart",
+            incarnation=self.trainer.incarnation + 1,
+            reason=decision.reason,
+            participants_restarted=len(self.participants),
         )
         self.state.note_restart()
+        self.trainer_alone = False
+        await self.start_trainer()
+
+    def trainer_can_restart_alone(self) -> bool:
+        """Whether an unplanned recovery restarts only the trainer: every participant
+        still runs (none exited, none paused by --chaos), so the trainer's own fault (a
+        SIGKILL, a pause, a crash) is the cause; and the last trainer started alone
+        trained at least a step (one whose restore failed restarts the job instead)."""
+        if not self.options.restart_trainer_alone or self.paused:
+            return False
+        if any(p.exit_status() is not None for p in self.participants.values()):
+            return False
+        return not (self.trainer_alone and self.steps_since_start == 0)
+
+    async def restart_trainer(
+        self, *, cause: str | None = None, pause_s: float = 0.0, reason: str | None = None
+    ) -> None:
+        """Kill the trainer and start the next one alone: it restores the last published
+        snapshot into the participants where they run (RestoreRunning, docs/spec.md
+        section 4.16), none of them restarted, and its epoch fences the dead one."""
+        assert self.trainer is not None
+        point: dict[str, Any] = {}
+        if self.kill_event is not None and cause is None:
+            point = {
+                "point": self.kill_event.get("point"),
+                "nth": self.kill_event.get("nth"),
+                "checkpoint_id": self.kill_event.get("checkpoint_id"),
+            }
+        detail: dict[str, Any] = {"unplanned": True, "cause": cause} if cause is not None else {}
+        await self.record(
+            "crash",
+            incarnation=self.trainer.incarnation,
+            step=self.state.step,
+            killed=["trainer"],
+            **point,
+            **detail,
+        )
+        await self.trainer.kill()
+        await self.read_events()
+        self.state.note_crash()
+        self.state.phase = "crashed: restarting the trainer alone"
+        self.show()
+        # SIGKILL can tear the last event line; the next incarnation appends after it.
+        await asyncio.to_thread(_drop_torn_line, self.paths.events)
+        await self.spawn_trainer(resume=True)
+        await asyncio.sleep(pause_s)
+        await self.record(
+            "restart",
+            incarnation=self.trainer.incarnation + 1,
+            participants_restarted=0,
+            **({"reason": reason} if reason is not None else {}),
+        )
+        self.state.note_restart()
+        self.trainer_alone = True
         await self.start_trainer()
 
     async def replace(self, instance: str) -> str:
@@ -1588,6 +1679,7 @@ class _Supervisor:
         self.participants[instance] = new
         self.killed.discard(instance)
         self.dead_since.pop(instance, None)
+        self.paused.discard(instance)
         self.replaced[instance] = self.replaced.get(instance, 0) + 1
         # A recovery, like a trainer restart: --chaos paces its next fault after it.
         self.steps_since_start = 0
@@ -1666,7 +1758,13 @@ class _Supervisor:
         )
 
     async def crash_and_restart(self) -> None:
+        """The planned crash: the trainer alone where it can restart alone (the agent
+        lost first, if any, was healed in place); else the trainer and one agent at once,
+        and the job restarts."""
         assert self.trainer is not None
+        if self.options.restart_trainer_alone:
+            await self.restart_trainer()
+            return
         # Healing in place, the agent was lost (and replaced) before: the trainer alone.
         victim = None if self.agent_lost is not None else self.crash_victim()
         if victim is not None:
@@ -1699,8 +1797,13 @@ class _Supervisor:
         await self.spawn_trainer(resume=True)
         await stop_participants(survivors)
         await self.launch(resume=True)
-        await self.record("restart", incarnation=self.trainer.incarnation + 1)
+        await self.record(
+            "restart",
+            incarnation=self.trainer.incarnation + 1,
+            participants_restarted=len(self.participants),
+        )
         self.state.note_restart()
+        self.trainer_alone = False
         await self.start_trainer()
 
     async def abort(self) -> None:

@@ -36,7 +36,7 @@ from typing import Any, Protocol, Self
 import grpc
 
 from turnpoint.convert import duration_from_seconds, episode_to_proto, readiness_from_proto
-from turnpoint.errors import Reason
+from turnpoint.errors import Reason, TurnpointError
 from turnpoint.ids import (
     EpisodeId,
     InvalidIdError,
@@ -80,6 +80,7 @@ from turnpoint.trainer.control.outcomes import (
 )
 from turnpoint.trainer.control.topology import ParticipantInfo, Topology, group_workers
 from turnpoint.trainer.metrics import CoordinatorMetrics
+from turnpoint.trainer.restore.stale import stale_refusals
 from turnpoint.trainer.snapshots.core import (
     FinishedProbe,
     Outcome,
@@ -637,6 +638,25 @@ class Coordinator:
                 )
         return result
 
+    async def release_left_open(self) -> ControlReport:
+        """Resume whatever an earlier incarnation left open on the participants: the
+        checkpoint or restore it never resumed (it died inside a snapshot), as each
+        lease would, without waiting for it (docs/spec.md section 7.7 item 6). Read
+        from ``GetStatus``; a participant that does not answer is left to the restore,
+        which then fails on it as it would have."""
+        result = await self.status_round(self.config.control_timeout_s)
+        left_open: dict[str, list[str]] = {}
+        for name, response in sorted(result.responses.items()):
+            if response.phase != types_pb2.PHASE_IDLE and response.active_checkpoint_id:
+                left_open.setdefault(response.active_checkpoint_id, []).append(name)
+        reports = []
+        for checkpoint_id, names in sorted(left_open.items()):
+            _LOG.info(
+                "resuming %s, left open on %s by an earlier incarnation", checkpoint_id, names
+            )
+            reports.append(await self.resume(checkpoint_id, names))
+        return ControlReport.merge("resume", "left-open", reports)
+
     def statuses(self) -> Mapping[str, ParticipantStatus]:
         """Each participant's latest status answer (the liveness watch's), if any."""
         return MappingProxyType(dict(self._statuses))
@@ -764,11 +784,19 @@ class Coordinator:
         *,
         instances: Iterable[str] | None = None,
         retire_unscoped: bool = True,
+        another_round: bool = False,
     ) -> AsyncIterator[RestoredCheckpoint]:
         """Restore everywhere for the body, then always reopen every participant once.
 
         ``instances`` and ``retire_unscoped`` as :meth:`restore` takes them: a heal
         restores, cleans up and reopens only those participants.
+
+        ``another_round``: the caller restores again, under the next restore id, if
+        running participants refuse only saved attempts they have moved past (docs/spec.md
+        section 4.16 item 3; the error's ``seen_since``). The replacements are then not
+        retired, only every participant resumed: the next round's RestoreRunning, with
+        ``retire_unscoped``, replaces them, and a retire would raise their marks to N+1
+        and make every other continuation impossible.
 
         A restore that fails on ANY participant has an uncertain outcome on all of them:
         the replacement attempts (N+1) are retired everywhere, every participant is
@@ -794,8 +822,27 @@ class Coordinator:
             )
         except RestoreFailed as error:
             await renewer.stop()
-            cleanup = await self._discard_restore(restore_id, replacements, chosen)
-            raise RestoreFailed(restore_id, error.failures, replacements, cleanup) from error
+            seen_since = stale_refusals(
+                (f.reason, f.error.metadata if isinstance(f.error, TurnpointError) else {})
+                for f in error.failures.values()
+            )
+            # A fresh-only participant restored in this round is no longer fresh: no
+            # second round can reach it, so this round is cleaned up as any failure is.
+            keep = (
+                another_round
+                and retire_unscoped
+                and seen_since is not None
+                and all(self.topology.participants[n].restore_running for n in chosen)
+            )
+            cleanup = await self._discard_restore(restore_id, () if keep else replacements, chosen)
+            raise RestoreFailed(
+                restore_id,
+                error.failures,
+                replacements,
+                cleanup,
+                seen_since=seen_since,
+                replacements_kept=keep,
+            ) from error
         except BaseException:
             await renewer.stop()
             await self._discard_restore(restore_id, replacements, chosen)

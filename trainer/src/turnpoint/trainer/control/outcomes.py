@@ -106,14 +106,32 @@ class RestoreFailed(OperationFailed):
         failures: Mapping[str, Failure],
         replacements: Iterable[EpisodeId] = (),
         cleanup: Mapping[str, Failure] | None = None,
+        seen_since: Mapping[str, int] | None = None,
+        replacements_kept: bool = False,
     ) -> None:
         super().__init__("restore", restore_id, failures)
         self.restore_id = restore_id
         self.replacements: tuple[EpisodeId, ...] = tuple(sorted(set(replacements)))
         self.cleanup: dict[str, Failure] = dict(cleanup or {})
+        # Every refusal was a running participant's stale scope (docs/spec.md section
+        # 4.16 item 3): per rollout, the highest attempt seen there.
+        self.seen_since: dict[str, int] | None = None if seen_since is None else dict(seen_since)
+        # The replacements were left installed (not retired) for the next round's
+        # RestoreRunning, which replaces them: only with ``seen_since``.
+        self.replacements_kept = replacements_kept
 
     def __reduce__(self) -> tuple[object, ...]:
-        return (type(self), (self.restore_id, self.failures, self.replacements, self.cleanup))
+        return (
+            type(self),
+            (
+                self.restore_id,
+                self.failures,
+                self.replacements,
+                self.cleanup,
+                self.seen_since,
+                self.replacements_kept,
+            ),
+        )
 
 
 # ------------------------------------------------------------------------ reports

@@ -59,6 +59,7 @@ from turnpoint.trainer.errors import CoordinatorError
 from turnpoint.trainer.metrics import CoordinatorMetrics
 from turnpoint.trainer.restore.choice import Candidate, RestoreChoice, metrics_of, rank_candidates
 from turnpoint.trainer.restore.heal import restore_id_for
+from turnpoint.trainer.restore.stale import merge_stale
 from turnpoint.trainer.rollouts.side import InFlightRollout
 from turnpoint.trainer.snapshots.levels import LevelDecision, decide_levels
 from turnpoint.trainer.storage.layout import SnapshotLayout
@@ -79,6 +80,12 @@ if TYPE_CHECKING:
 _LOG = logging.getLogger(__name__)
 
 _CHUNK: Final = 1 << 20
+
+MAX_STALE_ROUNDS: Final = 4
+"""Restore rounds after the first, each after running participants refused saved
+attempts they had moved past (docs/spec.md section 7.7 item 7). Each round reruns what
+the refusals listed, so it takes more than one only when a participant listed no more
+than its cap (64) of them."""
 
 AnchorLoader = Callable[[Path, AnchorRef], int]
 """``(snapshot directory, anchor reference) -> step``: load the trainer anchor in place
@@ -161,6 +168,9 @@ class RerunReason(enum.Enum):
     GROUP = "group"
     # A participant's restore failed: every continuation starts over.
     RESTORE_FAILED = "restore_failed"
+    # A participant that kept running has seen its N+1 since the snapshot (the fenced
+    # incarnation retried or healed it): N+1 cannot be installed (spec section 4.16).
+    SEEN_SINCE = "seen_since"
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,6 +232,10 @@ class RestorePlan:
     # The manifest's participants: what each committed (the status history's drill-down
     # of a snapshot whose report was lost with its trainer).
     participants: tuple[ParticipantEntry, ...] = ()
+    # Restore rounds beyond the first: each one after running participants refused
+    # saved attempts they had moved past (docs/spec.md section 7.7 item 7). The restore
+    # id is the epoch's ``stale_rounds``-th; a heal numbers its ids above it.
+    stale_rounds: int = 0
 
     @property
     def resumed(self) -> int:
@@ -287,6 +301,7 @@ def plan_restore(
     restore_failed: bool = False,
     retired: Iterable[EpisodeId] = (),
     levels: Mapping[str, LevelDecision] | None = None,
+    seen_since: Mapping[str, int] | None = None,
 ) -> RestorePlan:
     """Decide what every unfinished rollout of ``manifest`` does after the restore.
 
@@ -294,8 +309,12 @@ def plan_restore(
     restore failed); ``retired`` are replacement attempts that were installed and then
     retired, whose reruns must use a higher attempt. ``levels`` are the recovery levels
     the coordinator decided at discovery (docs/spec.md section 7.1 item 3); without
-    them they are decided here from ``topology`` alike.
+    them they are decided here from ``topology`` alike. ``seen_since`` gives, per
+    rollout, the highest attempt a running participant has seen since the snapshot (its
+    refusal of the restore, :func:`~turnpoint.trainer.restore.stale.stale_refusals`):
+    such a rollout reruns from its prompt above it instead of continuing.
     """
+    seen = dict(seen_since or {})
     checkpoint_id = manifest.checkpoint_id
     state = manifest.rollout_state
 
@@ -362,7 +381,9 @@ def plan_restore(
     def next_attempt(rollout: InFlightRollout) -> int:
         number = max(ledger.get(rollout.episode.rollout_id, -1), rollout.episode.attempt) + 1
         burned = retired_ids.get(rollout.episode.rollout_id)
-        return number if burned is None else max(number, burned + 1)
+        number = number if burned is None else max(number, burned + 1)
+        moved = seen.get(rollout.episode.rollout_id)
+        return number if moved is None else max(number, moved + 1)
 
     def resumable(rollout_id: str, level: RecoveryLevel) -> bool:
         return (
@@ -370,6 +391,7 @@ def plan_restore(
             and accepted[rollout_id]
             and level <= RecoveryLevel.TURN  # token: a cut generation continues too
             and not restore_failed
+            and rollout_id not in seen
         )
 
     groups: dict[str, list[InFlightRollout]] = {}
@@ -406,6 +428,8 @@ def plan_restore(
                 reason = RerunReason.GROUP
             elif restore_failed and rollout_id in continued:
                 reason = RerunReason.RESTORE_FAILED
+            elif rollout_id in continued and rollout_id in seen and accepted[rollout_id]:
+                reason = RerunReason.SEEN_SINCE
             elif not accepted[rollout_id]:
                 reason = RerunReason.NOT_ACCEPTED
             elif rollout_id in restarts:
@@ -650,52 +674,88 @@ class Restorer:
     async def restore(self, restore_id: str | None = None) -> RestorePlan | None:
         """Restore the run; ``None`` when nothing was ever published (a fresh start).
 
-        ``restore_id`` defaults to :func:`restore_id_for` the coordinator's epoch.
+        ``restore_id`` defaults to :func:`restore_id_for` the coordinator's epoch; then,
+        when running participants refuse saved attempts they have moved past, the rest
+        is restored in more rounds under the epoch's next restore ids (docs/spec.md
+        section 7.7 item 7; at most :data:`MAX_STALE_ROUNDS`), those rollouts rerun from
+        their prompts above what was seen. An explicit ``restore_id`` gets one round.
         """
         coordinator = self._coordinator
-        restore_id = restore_id or restore_id_for(coordinator.identity.epoch)
+        epoch = coordinator.identity.epoch
+        rounds = MAX_STALE_ROUNDS if restore_id is None else 0
         topology = await coordinator.discover()
         selected = await self.select(topology)
         if selected is None:
             return None
         target = RecoveryLevel.parse(self._config.target_level)
-        # The levels discovery decided (and warned about once): the plan uses those.
-        plan = plan_restore(
-            selected.manifest,
-            topology,
-            target,
-            restore_id=restore_id,
-            step=selected.step,
-            levels=coordinator.levels,
-        )
-        try:
-            async with coordinator.restored(
-                restore_id, selected.checkpoint_id, selected.manifest, plan.restore_scope
-            ) as restored:
-                pass
-            if restored.release is not None and restored.release.failures:
-                plan = replace(plan, unreleased=frozenset(restored.release.failures))
-        except RestoreFailed as error:
-            if not self._allow_degraded:
-                raise RestoreRefusedError(selected.checkpoint_id, error) from error
-            _LOG.warning(
-                "restore %s of %s failed; every continuation starts over from its prompt: %s",
-                restore_id,
-                selected.checkpoint_id,
-                error,
-            )
+        # Participants that outlived a trainer killed inside a snapshot are still closed
+        # under its id: a restore needs them idle (docs/spec.md section 7.7 item 6).
+        await coordinator.release_left_open()
+        seen_since: dict[str, int] = {}
+        kept: set[EpisodeId] = set()
+        stale_rounds = 0
+        while True:
+            round_id = restore_id or restore_id_for(epoch, stale_rounds)
+            # The levels discovery decided (and warned about once): the plan uses those.
             plan = plan_restore(
                 selected.manifest,
                 topology,
                 target,
-                restore_id=restore_id,
+                restore_id=round_id,
                 step=selected.step,
-                restore_failed=True,
-                retired=error.replacements,
                 levels=coordinator.levels,
+                seen_since=seen_since,
+                retired=kept,
             )
-            # A failed cleanup (its retire or its resume) may leave a participant closed.
-            plan = replace(plan, unreleased=frozenset(error.cleanup))
+            plan = replace(plan, stale_rounds=stale_rounds)
+            try:
+                async with coordinator.restored(
+                    round_id,
+                    selected.checkpoint_id,
+                    selected.manifest,
+                    plan.restore_scope,
+                    another_round=stale_rounds < rounds,
+                ) as restored:
+                    pass
+                if restored.release is not None and restored.release.failures:
+                    plan = replace(plan, unreleased=frozenset(restored.release.failures))
+                break
+            except RestoreFailed as error:
+                if error.seen_since is not None:
+                    seen_since = merge_stale(seen_since, error.seen_since)
+                if error.replacements_kept:
+                    _LOG.info(
+                        "restore %s of %s: %d saved rollout(s) moved on where they ran; "
+                        "they rerun from their prompts, the rest is restored again",
+                        round_id,
+                        selected.checkpoint_id,
+                        len(error.seen_since or {}),
+                    )
+                    kept |= set(error.replacements)
+                    stale_rounds += 1
+                    continue
+                if not self._allow_degraded:
+                    raise RestoreRefusedError(selected.checkpoint_id, error) from error
+                _LOG.warning(
+                    "restore %s of %s failed; every continuation starts over from its prompt: %s",
+                    round_id,
+                    selected.checkpoint_id,
+                    error,
+                )
+                plan = plan_restore(
+                    selected.manifest,
+                    topology,
+                    target,
+                    restore_id=round_id,
+                    step=selected.step,
+                    restore_failed=True,
+                    retired=kept | set(error.replacements),
+                    levels=coordinator.levels,
+                    seen_since=seen_since,
+                )
+                # A failed cleanup (its retire or its resume) may leave a participant closed.
+                plan = replace(plan, unreleased=frozenset(error.cleanup), stale_rounds=stale_rounds)
+                break
         if self._metrics is not None:
             self._metrics.observe_restore(
                 resumed=plan.resumed,
