@@ -22,7 +22,7 @@
  */
 import { TurnpointError } from "./errors.js";
 import type { EpisodeId } from "./ids.js";
-import { compareEpisodes, episodeKey, sequenceKey, supersedes, validateId } from "./ids.js";
+import { compareEpisodes, episodeKey, nextAttempt, sequenceKey, supersedes, validateId } from "./ids.js";
 import type { Blocker, CompletionReceipt, EpisodeState, Fence, Phase, ReadinessReport } from "./protocol.js";
 import { BLOCKING_STATES } from "./protocol.js";
 
@@ -226,6 +226,10 @@ export interface RunningRestore {
 }
 
 type RestoreOperation = "restore" | "restore_running";
+/** Saved attempts listed in one `stale_episodes` refusal: the trailer stays small, and the
+ * coordinator's next round learns the rest (section 4.16 item 3). */
+export const MAX_STALE_LISTED = 64;
+
 const OTHER_RESTORE: { readonly [K in RestoreOperation]: RestoreOperation } = { restore: "restore_running", restore_running: "restore" };
 
 export interface CoreOptions {
@@ -691,12 +695,12 @@ export class ParticipantCore {
         fresh: "false",
       });
     }
-    if (running !== null) {
-      for (const e of [...running.scope].sort(compareEpisodes)) {
-        // A retired attempt is never continued. With retireUnscoped, a newer attempt
-        // held here came from the fenced incarnation: it goes instead.
-        if (!running.retireUnscoped || this.refused(e)) this.checkAttempt(e);
-      }
+    if (running !== null && !running.retireUnscoped) {
+      // A heal: an attempt retired here, or one a newer attempt held here has replaced,
+      // is never continued.
+      for (const e of [...running.scope].sort(compareEpisodes)) this.checkAttempt(e);
+    } else if (running !== null) {
+      this.refuseReusedInstalls(running.scope);
     }
     this.active = restoreId;
     this.activeEpoch = this.epoch;
@@ -780,6 +784,31 @@ export class ParticipantCore {
   }
 
   // ---------------------------------------------------------------- the work table
+
+  /**
+   * A new incarnation's restore (`retireUnscoped`): refuse every saved attempt N whose
+   * N+1 this participant has retired (section 4.16 item 3). N itself may be retired here
+   * (the fenced incarnation finished or retried it after the snapshot): the restore
+   * continues the snapshot's state of N, and N+1 is above the mark. A retired N+1 is
+   * not. The refusal lists every such attempt with its rollout's mark
+   * (`stale_episodes`, section 9.5), so the coordinator reruns them all above their marks
+   * in one more round. A newer attempt merely held goes with the other unscoped work.
+   */
+  private refuseReusedInstalls(scope: readonly EpisodeId[]): void {
+    const stale = [...scope].sort(compareEpisodes).filter((e) => this.refused(nextAttempt(e)));
+    const first = stale[0];
+    if (first === undefined) return;
+    const markOf = (e: EpisodeId): number => this.marks.get(e.rolloutId) as number;
+    const listed = stale
+      .slice(0, MAX_STALE_LISTED)
+      .map((e) => `${e.rolloutId}#${e.attempt}:${markOf(e)}`)
+      .join(",");
+    throw error(
+      "STALE_ATTEMPT",
+      `${stale.length} saved attempt(s) would continue as an attempt retired here, first ${episodeKey(first)} (retired through ${markOf(first)})`,
+      { episode: episodeKey(first), retired_through: markOf(first), stale_episodes: listed },
+    );
+  }
 
   private refused(e: EpisodeId): boolean {
     const mark = this.marks.get(e.rolloutId);

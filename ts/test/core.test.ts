@@ -320,9 +320,18 @@ describe("restore into a running participant (section 4.16)", () => {
     for (const attempt of [0, 1]) {
       assert.equal(reason(() => core.beginRestore("restore-1", "f", null, 1, scoped(attempt))), "STALE_ATTEMPT");
     }
-    for (const key of core.beginRetire([episode("b", 0)], 1)) core.finishRetire(key, 1);
-    const retired = { scope: [episode("b", 0)], retireUnscoped: true };
-    assert.equal(reason(() => core.beginRestore("restore-1", "f", null, 2, retired)), "STALE_ATTEMPT");
+    // A new incarnation (retireUnscoped) continues a saved N retired here as N+1, but
+    // refuses one whose N+1 is retired too, listing it with its mark (section 4.16 item 3).
+    for (const key of core.beginRetire([episode("b", 1)], 1)) core.finishRetire(key, 1);
+    const reused = { scope: [episode("b", 0)], retireUnscoped: true };
+    assert.throws(
+      () => core.beginRestore("restore-1", "f", null, 2, reused),
+      (error: unknown) =>
+        error instanceof TurnpointError &&
+        error.reason === "STALE_ATTEMPT" &&
+        error.metadata["stale_episodes"] === "b#0:1" &&
+        error.metadata["retired_through"] === "1",
+    );
     assert.equal(core.phase, "IDLE");
     assert.equal(core.activeCheckpointId, null);
     assert.equal(core.entry(run("a", 2))?.state, "RUNNING");
