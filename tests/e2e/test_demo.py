@@ -512,6 +512,10 @@ def test_the_demo_with_typescript_resources_servers_trains_through_its_crash(
         f"group-tools={command}",
     )
     assert_restored_the_newest_published(run)
+    # The TypeScript servers serve RestoreRunning: the trainer's restart restored into
+    # them where they ran, no participant restarted (docs/spec.md section 4.16).
+    restart = next(event for event in run.supervisor if event["type"] == "restart")
+    assert restart["participants_restarted"] == 0, run.supervisor
     # The newest snapshot names the TypeScript servers as participants; every file they
     # wrote there is one the coordinator verified before publishing it.
     snapshots = tmp_path / "out" / "snapshots"

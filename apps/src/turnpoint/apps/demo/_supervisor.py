@@ -70,9 +70,8 @@ crashed, every participant still running and none paused) is a trainer restart t
 trainer restarted alone that fails before its first step restarts the job.
 
 Where the participants cannot all be restored in place (``DemoOptions.restart_trainer_alone``
-is false: ``--participant-command`` participants such as the
-TypeScript resources servers do not serve RestoreRunning, Ray places its own actors,
-and ``--hold-tools-after-restart`` needs a freshly started tools server), and after a
+is false: Ray places its own actors, and ``--hold-tools-after-restart`` needs a freshly
+started tools server), and after a
 participant's loss that healing in place does not cover, the recovery is a *job
 restart*: the planned crash kills the trainer and one agent at once, the survivors get
 SIGTERM (a graceful drain) and a new set comes up under the same instance names on new
@@ -248,28 +247,23 @@ class DemoOptions:
     @property
     def heal_in_place(self) -> bool:
         """Whether a lost agent is replaced alone (docs/spec.md section 7.15) rather
-        than the whole job restarted; a dead trainer still restarts the job. Not on Ray (its actors
-        are placed by the cluster), not with participants in other languages (they may
-        not serve RestoreRunning), not for agents of several workers (the trainer loses
-        and names one worker; the supervisor starts the group), and not when the
-        restarted job's tools must hold their calls (that test needs a freshly started
-        tools server)."""
-        return (
-            not self.ray
-            and not self.participant_commands
-            and not self.hold_tools_after_restart
-            and self.agent_workers == 1
-        )
+        than the whole job restarted. Not on Ray (its actors are placed by the cluster),
+        not for agents of several workers (the trainer loses and names one worker; the
+        supervisor starts the group), and not when the restarted job's tools must hold
+        their calls (that test needs a freshly started tools server). Participants of
+        ``--participant-command`` (the TypeScript resources servers) serve RestoreRunning
+        as the Python SDK's do."""
+        return not self.ray and not self.hold_tools_after_restart and self.agent_workers == 1
 
     @property
     def restart_trainer_alone(self) -> bool:
         """Whether a dead or stuck trainer is restarted alone, restoring into the
         participants that kept running (docs/spec.md sections 4.16 and 7.11 item 2),
         rather than with the whole job. Where a lost agent heals in place: every
-        participant is then the Python SDK's and serves RestoreRunning (the TypeScript
-        resources servers of ``--participant-command`` do not), the supervisor owns their
-        processes (on Ray, the cluster does), and the restarted trainer needs no freshly
-        started tools server (``--hold-tools-after-restart``)."""
+        participant then serves RestoreRunning (the Python SDK's and the TypeScript
+        SDK's), the supervisor owns their processes (on Ray, the cluster does), and the
+        restarted trainer needs no freshly started tools server
+        (``--hold-tools-after-restart``)."""
         return self.heal_in_place
 
     @classmethod
