@@ -129,7 +129,7 @@ class BenchReport:
     sandbox_admission: SandboxAdmission | None = None
     egress_relay: RelayFigures | None = None
     # The same crash's trainer restarted alone, into the participants that survived it
-    # (docs/spec.md section 7.11 item 2), beside :attr:`restore`'s cold start.
+    # (docs/spec.md section 7.11 item 3), beside :attr:`restore`'s cold start.
     trainer_restart: RestoreResult | None = None
 
     @property

@@ -27,7 +27,7 @@ process (as ``turnpoint serve`` would host each). The bench writes the
   verify every digest, load the anchor, restore and resume every participant) and a
   fresh rollout client:
 
-  - *trainer restart* (docs/spec.md sections 4.16, 7.11 item 2): the participants
+  - *trainer restart* (docs/spec.md sections 4.16, 7.11 item 3): the participants
     survived the trainer; the new trainer restores into them where they run
     (RestoreRunning). The clock starts with the new trainer (its process imports
     aside: the bench's own process has them).

@@ -24,7 +24,7 @@ _MAX_LINE: Final = 64 * 1024
 
 PARTICIPANT_LOST_STATUS: Final = 4
 """The trainer's exit status when a participant was lost and not healed in place: the
-supervisor then restarts the whole job (docs/spec.md section 7.11 item 2)."""
+supervisor then restarts the whole job (docs/spec.md section 7.11 item 4)."""
 
 
 class ReplaceRefused(Exception):

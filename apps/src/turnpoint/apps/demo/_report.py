@@ -1561,7 +1561,7 @@ class RecoverySummary:
     participants_replaced: int = 0
     heals: tuple[HealSummary, ...] = ()
     # Trainer restarts: the trainer alone started again, restored into the participants
-    # that kept running (docs/spec.md section 7.11 item 2), none of them restarted.
+    # that kept running (docs/spec.md section 7.11 item 3), none of them restarted.
     trainer_restarts: int = 0
 
     @property

@@ -258,7 +258,7 @@ class DemoOptions:
     @property
     def restart_trainer_alone(self) -> bool:
         """Whether a dead or stuck trainer is restarted alone, restoring into the
-        participants that kept running (docs/spec.md sections 4.16 and 7.11 item 2),
+        participants that kept running (docs/spec.md sections 4.16 and 7.11 item 3),
         rather than with the whole job. Where a lost agent heals in place: every
         participant then serves RestoreRunning (the Python SDK's and the TypeScript
         SDK's), the supervisor owns their processes (on Ray, the cluster does), and the
