@@ -316,7 +316,7 @@ def test_a_kill_at_each_point_restores_the_last_published_snapshot(
     crash = next(event for event in run.supervisor if event["type"] == "crash")
     assert (crash["point"], crash["checkpoint_id"]) == (point.value, killed)
     assert [event["type"] for event in run.supervisor] == ["crash", "restart"]
-    # Better than before (docs/spec.md section 7.11 item 2): the trainer alone restarted,
+    # Better than before (docs/spec.md section 7.11 item 3): the trainer alone restarted,
     # restoring into the participants where they ran, whatever the killed attempt left
     # open on them (section 7.7 item 6).
     assert crash["killed"] == ["trainer"] and run.supervisor[1]["participants_restarted"] == 0
@@ -478,7 +478,7 @@ def test_chaos_kill_and_pause_any_process_and_the_audit_still_passes(tmp_path: P
             assert [e["type"] for e in recovered] == ["crash", "restart"], (fault, recovered)
         if fault["victim"] == "trainer":
             # Better than before: a trainer fault restarts the trainer alone, restored
-            # into the participants where they run (docs/spec.md section 7.11 item 2).
+            # into the participants where they run (docs/spec.md section 7.11 item 3).
             assert recovered[-1]["participants_restarted"] == 0, (fault, recovered)
     assert len(crashes) + len(replaced) == faults
     # Every restart restored a published snapshot (or started over when none existed).

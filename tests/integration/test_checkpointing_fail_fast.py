@@ -158,7 +158,7 @@ async def test_fresh_participants_without_the_capability_are_restored_the_old_wa
             await trainer_a.rollouts.wait_for(
                 lambda: any(r.boundaries_seen >= 1 for r in trainer_a.rollouts.in_flight()), 60.0
             )
-    # The job restarts whole (docs/spec.md section 7.11 item 2): fresh processes, same names.
+    # The job restarts whole (docs/spec.md section 7.11 item 4): fresh processes, same names.
     async with (
         start_topology(root, agents=1, group_size=GROUP_SIZE, restore_running=False) as job,
         _facade(job, final_snapshot=False) as trainer_b,

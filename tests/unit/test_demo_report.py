@@ -658,7 +658,7 @@ def test_the_report_counts_replacements_apart_from_job_restarts() -> None:
 
 
 def test_a_trainer_restarted_alone_is_counted_apart_from_job_restarts() -> None:
-    # The same run, its restart the trainer's alone (docs/spec.md section 7.11 item 2).
+    # The same run, its restart the trainer's alone (docs/spec.md section 7.11 item 3).
     run = _healed_run()
     restart = next(e for e in run.supervisor if e["type"] == "restart")
     restart["participants_restarted"] = 0
