@@ -1,8 +1,8 @@
 """``turnpoint bench`` end to end with tiny sizes: the JSON it prints, the table, cleanup.
 
-The bench runs once for the module (it starts worker processes, three demo trainer runs
-and a crash) with two and three participants, two measured rounds and three-step demo
-runs. Nothing here looks at how fast anything was: only that every figure is there, is a
+The bench runs once for the module, ``--quick`` as CI runs it (it starts worker
+processes and one demo trainer run, crashed after three steps), with two and three
+participants and one measured round. Nothing here looks at how fast anything was: only that every figure is there, is a
 positive number, and that the ratios are the ratios of the figures next to them.
 """
 
@@ -29,9 +29,16 @@ from turnpoint.apps.bench._sandbox_admission import (
     measure_sandbox_admission,
 )
 from turnpoint.apps.bench._sandbox_snapshots import SandboxSnapshotRow, measure_sandbox_snapshots
-from turnpoint.apps.bench._workload import RestoreResult, RunFigures, ThroughputResult
+from turnpoint.apps.bench._workload import (
+    RestoreResult,
+    RunFigures,
+    ThroughputResult,
+    WorkloadError,
+    run_figures,
+)
 
 SIZES = (2, 3)
+ROUNDS = 1
 ROW_KEYS = {
     "participants",
     "overhead_ms",
@@ -65,17 +72,21 @@ def _children() -> list[int]:
 def bench(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], list[int], Path]:
     """The bench's JSON output, and the child processes left once it returned."""
     root = tmp_path_factory.mktemp("bench")
+    # --quick, as CI's gate runs it: no demo run each way, the crashed run measures the
+    # cost of snapshots; long generations have their own test
+    # (test_long_generations_bench.py), the on/off arithmetic the unit tests below.
     argv = [
         "bench",
+        "--quick",
         "--json",
         "--sizes",
         ",".join(map(str, SIZES)),
         "--workers",
         "2",
         "--rounds",
-        "2",
+        str(ROUNDS),
         "--warmup",
-        "1",
+        "0",
         "--steps",
         "3",
         "--groups-per-step",
@@ -84,8 +95,6 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], lis
         "2",
         "--snapshot-interval",
         "0.3",
-        "--repeats",
-        "1",
         "--bookkeeping-episodes",
         "50",
         "--sandbox-mb",
@@ -96,12 +105,6 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], lis
         "4",
         "--replay-turns",
         "2,3",
-        "--generation-lengths",
-        "8,24",
-        "--token-delay",
-        "0.002",
-        "--long-generations-plot",
-        str(root / "long.png"),
         "--root",
         str(root),
     ]
@@ -126,6 +129,7 @@ def test_the_json_has_every_figure_as_a_positive_number(
         "control_overhead",
         "durable_commit",
         "throughput_ratio_on_vs_off",
+        "dispatch_closed_fraction",
         "bookkeeping_us_per_episode",
         "restore_seconds",
         "status_page_polled_vs_quiet",
@@ -134,7 +138,6 @@ def test_the_json_has_every_figure_as_a_positive_number(
         "egress_relay",
         "targets",
         "details",
-        "long_generations",
     }
     # docs/spec.md section 5.7.3: the unchanged tree writes its handle record only.
     [sandbox] = figures["sandbox_snapshots"]
@@ -160,16 +163,6 @@ def test_the_json_has_every_figure_as_a_positive_number(
     for row in relay["replay"]:
         assert _positive(row["live_s"]) and _positive(row["replay_s"]) and row["state_bytes"] > 0
     assert figures["targets"]["relay_relayed_vs_direct"]["value"] > 0
-    # Long generations with and without token-prefix cutting, per length (spec 5.5).
-    long = figures["long_generations"]
-    assert sorted((row["tokens"], row["cut"]) for row in long["rows"]) == [
-        (8, False),
-        (8, True),
-        (24, False),
-        (24, True),
-    ]
-    assert long["must_have"]["token_mismatches"] == 0
-    assert Path(long["plot"]).is_file()
     rows = figures["control_overhead"]
     assert [row["participants"] for row in rows] == list(SIZES)
     for row in rows:
@@ -180,7 +173,10 @@ def test_the_json_has_every_figure_as_a_positive_number(
         assert row["ratio_vs_http_json"] == pytest.approx(
             row["overhead_ms"] / row["http_json_ms"], rel=0.01
         )
-    assert _positive(figures["throughput_ratio_on_vs_off"])
+    # --quick makes no run each way: no on/off ratio, the cost of snapshots instead.
+    assert figures["throughput_ratio_on_vs_off"] is None
+    assert figures["dispatch_closed_fraction"] is not None
+    assert 0 <= figures["dispatch_closed_fraction"] < 1
     assert _positive(figures["restore_seconds"])
     assert _positive(figures["bookkeeping_us_per_episode"])
     # docs/spec.md section 7.13.1: the status API polled every 100 ms vs not, a ratio.
@@ -221,7 +217,7 @@ def test_the_json_has_every_figure_as_a_positive_number(
 @pytest.mark.timeout(600)
 def test_the_details_say_what_was_measured(bench: tuple[dict[str, Any], list[int], Path]) -> None:
     details = bench[0]["details"]
-    assert details["rounds"] == {str(n): 2 for n in SIZES}
+    assert details["rounds"] == {str(n): ROUNDS for n in SIZES}
     for n in SIZES:
         phases = details["phases_ms"][str(n)]
         assert set(phases) == {"prepare", "commit", "publish", "resume"}
@@ -230,17 +226,23 @@ def test_the_details_say_what_was_measured(bench: tuple[dict[str, Any], list[int
     assert details["control_root_on_tmpfs"] is Path("/dev/shm").is_dir()
     assert not details["control_root"].startswith(str(bench[2]))
     throughput = details["throughput"]
-    # Three steps of two groups of two: every run trains on the same twelve rollouts.
-    assert throughput["runs_per_side"] == 1
-    assert throughput["rollouts_per_run"] == [12]
-    assert _positive(throughput["rollouts_per_s_off"])
+    # The crashed run is the one run with snapshots on: it trained its three steps of
+    # two groups of two (twelve rollouts) and published a snapshot before the crash.
+    assert (throughput["runs_off"], throughput["runs_on"]) == (0, 1)
+    assert throughput["closed_measured_on_crash_run"] is True
+    [rollouts] = throughput["rollouts_per_run"]
+    assert rollouts >= 12
+    [published] = throughput["snapshots_per_run"]
+    assert published >= 1
     assert _positive(throughput["rollouts_per_s_on"])
-    # One repeat: the median ratio is that repeat's, its spread a single point.
-    ratio = throughput["ratio_on_vs_off_median"]
-    assert throughput["ratio_on_vs_off_runs"] == [ratio]
-    assert throughput["ratio_on_vs_off_spread"] == [ratio, ratio]
-    assert bench[0]["throughput_ratio_on_vs_off"] == pytest.approx(ratio, abs=0.002)
-    assert len(throughput["snapshots_per_run"]) == 1
+    assert throughput["ratio_on_vs_off_median"] is None
+    assert throughput["ratio_on_vs_off_interval"] is None
+    # The fraction is the closed rollout-seconds over the run's, both reported.
+    assert _positive(throughput["rollout_seconds"])
+    assert throughput["dispatch_closed_fraction"] == pytest.approx(
+        throughput["closed_rollout_seconds"] / throughput["rollout_seconds"], abs=0.002
+    )
+    assert bench[0]["targets"]["dispatch_closed_fraction"]["gated"] is True
     assert throughput["enough_snapshots"] is (throughput["min_snapshots_per_run"] >= 10)
     if throughput["snapshots_published"]:
         assert throughput["admission_closed_p99_s"] >= throughput["admission_closed_median_s"]
@@ -423,4 +425,64 @@ def test_the_relay_figures_are_shown_and_reported_not_gated() -> None:
     assert targets["relay_replay_vs_live_longest"]["value"] == pytest.approx(0.75)
     assert targets["relay_relayed_vs_direct"]["regressed"] is True
     assert targets["relay_replay_vs_live_longest"]["regressed"] is False
+    assert report.regressions() == []
+
+
+def test_a_crashed_run_s_figures_run_to_its_last_event() -> None:
+    """The quick bench's run with snapshots on is the one it crashes: no ``done``
+    event, so it is measured to its last event; the closed rollout-seconds are each
+    snapshot's admission-closed seconds times the episodes it held in flight."""
+    events = [
+        {"t": 100.0, "type": "start"},
+        {"t": 100.0, "type": "progress", "in_flight": 8},
+        {"t": 102.0, "type": "progress", "in_flight": 8},
+        {"t": 102.5, "type": "snapshot", "outcome": "published", "t_start": 102.4,
+         "t_end": 102.5, "admission_closed_s": 0.05, "continued": 8},
+        {"t": 103.0, "type": "train_step", "rollouts": [{}] * 16},
+        {"t": 104.0, "type": "progress", "in_flight": 8},
+    ]  # fmt: skip
+    figures = run_figures(events, crashed=True)
+    assert figures.crashed and figures.seconds == 4.0 and figures.rollouts == 16
+    assert figures.rollout_seconds == pytest.approx(32.0)
+    assert figures.closed_rollout_seconds == pytest.approx(0.4)
+    assert figures.closed_fraction == pytest.approx(0.4 / 32.0)
+    with pytest.raises(WorkloadError):
+        run_figures(events)  # a finished run needs its done event
+
+
+def test_the_full_bench_reports_the_on_off_interval_beside_the_cost_of_snapshots() -> None:
+    def run(rate: float, closed: float = 0.0) -> RunFigures:
+        return RunFigures(
+            rollouts=int(rate * 20), seconds=20.0, closed_rollout_seconds=closed,
+            rollout_seconds=640.0 if closed else 0.0,
+        )  # fmt: skip
+
+    throughput = ThroughputResult(
+        steps=90,
+        snapshot_interval_s=2.0,
+        off=tuple(run(rate) for rate in (80, 79, 81, 80, 80)),
+        on=tuple(run(rate, 6.4) for rate in (79, 78, 80, 79, 79)),
+    )
+    report = BenchReport(
+        control_overhead=(),
+        throughput=throughput,
+        restore=RestoreResult(None),
+        workers=1,
+        warmup=0,
+        snapshot_root="/nowhere",
+    )
+    figures = report.to_json()
+    interval = figures["details"]["throughput"]["ratio_on_vs_off_interval"]
+    assert interval["ratio"] == pytest.approx(395 / 400, abs=1e-4)
+    assert interval["low"] < interval["ratio"] < interval["high"]
+    assert figures["dispatch_closed_fraction"] == pytest.approx(0.01)
+    targets = figures["targets"]
+    assert targets["throughput_on_vs_off_interval_low"]["value"] == pytest.approx(
+        interval["low"], abs=1e-3
+    )
+    assert targets["throughput_on_vs_off_interval_width"]["gated"] is False
+    assert targets["dispatch_closed_fraction"]["met_aim"] is True
+    out = io.StringIO()
+    render_table(report, out)
+    assert "bootstrap 95% interval" in out.getvalue() and "1.00%" in out.getvalue()
     assert report.regressions() == []

@@ -39,12 +39,16 @@ if TYPE_CHECKING:
 
 
 # Long enough for at least ten snapshots 2 s apart in a run with snapshots on, on two
-# cores (the demo trainer makes 1.5 to 2.5 steps a second there), three runs a side.
+# cores (the demo trainer makes 1.5 to 2.5 steps a second there), five runs a side for
+# a bootstrap interval of the on/off ratio.
 _FULL_STEPS = 90
-_FULL_REPEATS = 3
+_FULL_REPEATS = 5
 _FILE_WIDTH = 160
-_QUICK_STEPS = 60
-_QUICK_REPEATS = 3
+# --quick makes no run each way: the crashed run trains this many steps with snapshots
+# on first (about eight snapshots 2 s apart), and the share of its rollout-seconds that
+# dispatch was closed is the throughput figure (a ratio within one run).
+_QUICK_STEPS = 40
+_QUICK_REPEATS = 0
 _QUICK_BOOKKEEPING = 2000
 _FULL_BOOKKEEPING = 5000
 
@@ -95,6 +99,16 @@ def _positive_int(text: str) -> int:
     return value
 
 
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
+    return value
+
+
 def _seconds(text: str) -> float:
     try:
         value = float(text)
@@ -119,8 +133,10 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
             "participants on the disk root (--root), with the fsyncs per snapshot of the "
             "participants and of the coordinator; (3) throughput: rollouts per second of the "
             "demo trainer with a snapshot every 2 s vs none, runs long enough for ten "
-            "snapshots, sides interleaved, three runs a side, the median ratio with its "
-            "spread, and admission-closed seconds per snapshot (median, p99); (4) "
+            "snapshots, sides interleaved, five runs a side, the median ratio with its "
+            "spread and the ratio of means with its bootstrap 95% interval, the share of "
+            "the rollout-seconds that snapshots held dispatch closed, and admission-closed "
+            "seconds per snapshot (median, p99); (4) "
             "bookkeeping: the SDK's microseconds per episode (begin, 5 boundaries, finish, "
             "acknowledge); (5) restart: from a cold start after a crash (participant start-up "
             "included) to the first redispatched rollout; (6, not with --quick) long "
@@ -143,8 +159,10 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     parser.add_argument(
         "--quick",
         action="store_true",
-        help=f"sizes {','.join(map(str, QUICK_SIZES))}, {_QUICK_STEPS}-step demo runs, "
-        f"{_QUICK_REPEATS} each way, {_QUICK_BOOKKEEPING} bookkeeping episodes, a "
+        help=f"sizes {','.join(map(str, QUICK_SIZES))}, no demo run each way: the "
+        f"crashed run trains {_QUICK_STEPS} steps with snapshots on and its share of "
+        "rollout-seconds with dispatch closed is the throughput figure, "
+        f"{_QUICK_BOOKKEEPING} bookkeeping episodes, a "
         f"{','.join(map(str, QUICK_SANDBOX_MB))} MB sandbox, {QUICK_SANDBOX_ROUNDS} busy "
         f"sandbox rounds, {QUICK_RELAY_CALLS} relay calls each way",
     )
@@ -227,9 +245,9 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     )
     parser.add_argument(
         "--repeats",
-        type=_positive_int,
-        help=f"demo runs each way, snapshots off and on (default {_FULL_REPEATS}, quick "
-        f"{_QUICK_REPEATS})",
+        type=_count,
+        help=f"demo runs each way, snapshots off and on, interleaved (default {_FULL_REPEATS}; "
+        f"quick {_QUICK_REPEATS}: the crashed run measures the cost of snapshots alone)",
     )
     parser.add_argument(
         "--agents",
@@ -267,7 +285,9 @@ def _options(args: argparse.Namespace) -> BenchOptions:
         group_size=args.group_size,
         groups_per_step=args.groups_per_step,
         snapshot_interval_s=args.snapshot_interval,
-        repeats=args.repeats or (_QUICK_REPEATS if quick else _FULL_REPEATS),
+        repeats=args.repeats
+        if args.repeats is not None
+        else (_QUICK_REPEATS if quick else _FULL_REPEATS),
     )
     return BenchOptions(
         sizes=args.sizes or (QUICK_SIZES if quick else FULL_SIZES),
@@ -472,6 +492,18 @@ def render_table(report: BenchReport, out: TextIO) -> None:
     )
     if spread is not None:
         workload.add_row("  spread (lowest, highest)", f"{spread[0]:.3f}, {spread[1]:.3f}")
+    interval = throughput.interval
+    if interval is not None:
+        workload.add_row(
+            f"  ratio of means, bootstrap {interval.confidence:.0%} interval",
+            f"{interval.ratio:.3f} [{interval.low:.3f}, {interval.high:.3f}]",
+        )
+    closed = throughput.closed_fraction
+    workload.add_row(
+        "rollout-seconds with dispatch closed by snapshots"
+        + (" (the crashed run)" if details["closed_measured_on_crash_run"] else ""),
+        "n/a" if closed is None else f"{closed:.2%}",
+    )
     workload.add_row(
         "snapshots per run with snapshots on",
         " ".join(str(n) for n in details["snapshots_per_run"]),

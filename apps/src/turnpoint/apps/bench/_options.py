@@ -34,7 +34,8 @@ def default_rounds(participants: int) -> int:
 class WorkloadOptions:
     """The demo trainer's run: ``steps`` training steps of ``groups_per_step`` prompt
     groups of ``group_size`` siblings, on ``agents`` agent servers, with a snapshot every
-    ``snapshot_interval_s`` when snapshots are on; ``repeats`` runs each way.
+    ``snapshot_interval_s`` when snapshots are on; ``repeats`` runs each way (0: none,
+    the crashed run measures the cost of snapshots on its own, as ``--quick`` does).
     ``run_timeout_s`` bounds each run."""
 
     # 8 agent servers and 8 groups of 4 in flight: the load the admission-closed target
@@ -102,9 +103,11 @@ class BenchOptions:
         if not self.replay_turns or any(n < 1 for n in self.replay_turns):
             raise ValueError("replay episode lengths must be turns >= 1")
         workload = self.workload
-        for name in ("agents", "steps", "group_size", "groups_per_step", "repeats"):
+        for name in ("agents", "steps", "group_size", "groups_per_step"):
             if getattr(workload, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if workload.repeats < 0:
+            raise ValueError("repeats must be >= 0")
         if not workload.snapshot_interval_s > 0 or not workload.run_timeout_s > 0:
             raise ValueError("the snapshot interval and the run timeout must be > 0")
 
