@@ -21,14 +21,17 @@ import pytest
 from turnpoint.apps._cli import main
 from turnpoint.apps.bench._bench import BenchReport, Target
 from turnpoint.apps.bench._cli import render_table
-from turnpoint.apps.bench._control_overhead import OverheadRow
+from turnpoint.apps.bench._control_overhead import OverheadRow, SnapshotTree
 from turnpoint.apps.bench._egress_relay import RelayFigures, RelayOverhead, ReplayRow
+from turnpoint.apps.bench._options import RealStateCase
+from turnpoint.apps.bench._real_state import measure_real_state, physical_floor
 from turnpoint.apps.bench._sandbox_admission import (
     BUSY_SANDBOXES,
     SandboxAdmission,
     measure_sandbox_admission,
 )
 from turnpoint.apps.bench._sandbox_snapshots import SandboxSnapshotRow, measure_sandbox_snapshots
+from turnpoint.apps.bench._workers import counting_fsyncs
 from turnpoint.apps.bench._workload import (
     RestoreResult,
     RunFigures,
@@ -97,6 +100,8 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], lis
         "0.3",
         "--bookkeeping-episodes",
         "50",
+        "--bookkeeping-repeats",
+        "2",
         "--sandbox-mb",
         "2",
         "--sandbox-rounds",
@@ -136,9 +141,23 @@ def test_the_json_has_every_figure_as_a_positive_number(
         "sandbox_snapshots",
         "sandbox_admission",
         "egress_relay",
+        "real_state",
         "targets",
         "details",
     }
+    # Real-state snapshots are the full bench's (their own test below); --quick says so.
+    assert figures["real_state"] == []
+    for name in (
+        "real_state_64x32x16KB_vs_floor",
+        "real_state_1000_episodes_us_beyond_floor",
+        "real_state_fsyncs_per_file_and_directory",
+        "throughput_on_vs_off_interval_low",
+        "throughput_on_vs_off_interval_width",
+    ):
+        assert figures["targets"][name]["value"] is None, name
+    bookkeeping = figures["details"]["bookkeeping_us"]
+    assert bookkeeping["repeats"] == 2 and len(bookkeeping["values"]) == 2
+    assert bookkeeping["low"] <= bookkeeping["median"] <= bookkeeping["high"]
     # docs/spec.md section 5.7.3: the unchanged tree writes its handle record only.
     [sandbox] = figures["sandbox_snapshots"]
     assert sandbox["megabytes"] == 2
@@ -486,3 +505,44 @@ def test_the_full_bench_reports_the_on_off_interval_beside_the_cost_of_snapshots
     render_table(report, out)
     assert "bootstrap 95% interval" in out.getvalue() and "1.00%" in out.getvalue()
     assert report.regressions() == []
+
+
+async def test_a_snapshot_carrying_real_state_is_measured_against_its_floor(
+    tmp_path: Path,
+) -> None:
+    """Two participants of three parked episodes of 1 KB each: every episode exported,
+    every fsync counted, the floor written from the published snapshot's own shape."""
+    case = RealStateCase(2, 3, 1024)
+    row = await measure_real_state(
+        tmp_path, case, workers=1, rounds=1, warmup=0, token="t" * 32, progress=lambda _: None
+    )
+    tree = row.commit.tree
+    assert tree is not None
+    records = [size for name, size in tree.files if "/records-" in name]
+    # One records file per participant, holding its three episodes' state.
+    assert len(records) == 2 and all(size > 3 * 1024 for size in records)
+    assert row.episodes == 6 and row.floor_median_s > 0 and row.snapshot_s > 0
+    # docs/spec.md 8.4: a participant syncs its records, its manifest, its directory and
+    # the snapshot's directory (its new entry) once each.
+    assert row.commit.participant_fsyncs == 8
+    assert row.fsyncs_per_durable_item == row.commit.fsyncs / tree.durable_items
+    shown = row.to_json()
+    assert shown["snapshot_vs_floor"] == pytest.approx(row.ratio, abs=1e-3)
+    assert shown["commit"]["snapshot"]["files"] == len(tree.files)
+
+
+def test_the_floor_writes_the_same_files_with_one_fsync_each_and_per_directory(
+    tmp_path: Path,
+) -> None:
+    tree = SnapshotTree(
+        files=(("ck/a/records-1.jsonl", 5000), ("ck/a/MANIFEST.json", 300), ("ck/M", 10)),
+        directories=("ck", "ck/a", "ck/b"),
+    )
+    with counting_fsyncs() as fsyncs:
+        seconds = physical_floor(tree, tmp_path)
+    assert seconds > 0
+    # Three files, three directories, the pointer file and the root.
+    assert fsyncs.value == tree.durable_items == 8
+    for name, size in tree.files:
+        assert (tmp_path / name).stat().st_size == size
+    assert (tmp_path / "ck" / "b").is_dir()

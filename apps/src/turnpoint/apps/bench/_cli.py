@@ -25,12 +25,14 @@ from turnpoint.apps.bench._options import (
     QUICK_SANDBOX_MB,
     QUICK_SANDBOX_ROUNDS,
     QUICK_SIZES,
+    REAL_STATE,
     RELAY_CALLS,
     REPLAY_TURNS,
     SANDBOX_MB,
     SANDBOX_ROUNDS,
     TMPFS,
     BenchOptions,
+    RealStateCase,
     WorkloadOptions,
 )
 
@@ -51,6 +53,8 @@ _QUICK_STEPS = 40
 _QUICK_REPEATS = 0
 _QUICK_BOOKKEEPING = 2000
 _FULL_BOOKKEEPING = 5000
+_QUICK_BOOKKEEPING_REPEATS = 3
+_FULL_BOOKKEEPING_REPEATS = 5
 
 
 def _sizes(text: str) -> tuple[int, ...]:
@@ -87,6 +91,15 @@ def _turns(text: str) -> tuple[int, ...]:
     if not turns or any(n < 1 for n in turns):
         raise argparse.ArgumentTypeError("--replay-turns takes turns >= 1")
     return turns
+
+
+def _real_state(text: str) -> tuple[RealStateCase, ...]:
+    if text.strip().lower() == "none":
+        return ()
+    try:
+        return tuple(RealStateCase.parse(part.strip()) for part in text.split(",") if part.strip())
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _positive_int(text: str) -> int:
@@ -191,6 +204,13 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         help="snapshots of the 16 busy sandboxes, and of them idle (default "
         f"{SANDBOX_ROUNDS}, quick {QUICK_SANDBOX_ROUNDS})",
     )
+    parser.add_argument(
+        "--real-state",
+        type=_real_state,
+        help="snapshots carrying real state against the disk's floor, as "
+        "PARTICIPANTSxEPISODESxBYTES[,...] (default "
+        f"{','.join(case.label for case in REAL_STATE)}; quick: none; 'none' for none)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
         "--check",
@@ -210,6 +230,12 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         type=_positive_int,
         help=f"episodes of the bookkeeping figure (default {_FULL_BOOKKEEPING}, quick "
         f"{_QUICK_BOOKKEEPING})",
+    )
+    parser.add_argument(
+        "--bookkeeping-repeats",
+        type=_positive_int,
+        help=f"repeats of the bookkeeping figure, for its spread (default "
+        f"{_FULL_BOOKKEEPING_REPEATS}, quick {_QUICK_BOOKKEEPING_REPEATS})",
     )
     parser.add_argument(
         "--sizes", type=_sizes, help="participant counts, e.g. 1,8,64 (overrides --quick)"
@@ -299,10 +325,15 @@ def _options(args: argparse.Namespace) -> BenchOptions:
         tmpfs=args.tmpfs,
         bookkeeping_episodes=args.bookkeeping_episodes
         or (_QUICK_BOOKKEEPING if quick else _FULL_BOOKKEEPING),
+        bookkeeping_repeats=args.bookkeeping_repeats
+        or (_QUICK_BOOKKEEPING_REPEATS if quick else _FULL_BOOKKEEPING_REPEATS),
         sandbox_mb=args.sandbox_mb or (QUICK_SANDBOX_MB if quick else SANDBOX_MB),
         sandbox_rounds=args.sandbox_rounds or (QUICK_SANDBOX_ROUNDS if quick else SANDBOX_ROUNDS),
         relay_calls=args.relay_calls or (QUICK_RELAY_CALLS if quick else RELAY_CALLS),
         replay_turns=args.replay_turns,
+        real_state=args.real_state
+        if args.real_state is not None
+        else (() if quick else REAL_STATE),
     )
 
 
@@ -470,6 +501,37 @@ def render_table(report: BenchReport, out: TextIO) -> None:
         )
         console.print(commit)
 
+    if report.real_state:
+        real = Table(
+            title="Snapshots carrying real state on disk vs the physical floor (the same "
+            "files and bytes, one fsync per file and directory), medians",
+            title_justify="left",
+        )
+        for column in (
+            "participants x episodes x bytes",
+            "MB",
+            "snapshot ms",
+            "floor ms",
+            "ratio",
+            "us/episode beyond",
+            "fsyncs",
+            "files+dirs",
+        ):
+            real.add_column(column, justify="right")
+        for case in report.real_state:
+            tree = case.commit.tree
+            real.add_row(
+                case.case.label,
+                "n/a" if tree is None else f"{tree.bytes / (1 << 20):.1f}",
+                f"{case.snapshot_s * 1000:.1f}",
+                f"{case.floor_median_s * 1000:.1f}",
+                f"{case.ratio:.2f}x",
+                f"{case.beyond_floor_us_per_episode:.1f}",
+                f"{case.commit.fsyncs:.1f}",
+                "n/a" if tree is None else str(tree.durable_items),
+            )
+        console.print(real)
+
     throughput = report.throughput
     workload = Table(
         title=f"Demo trainer, {throughput.steps} steps per run, {len(throughput.on)} run(s) "
@@ -520,6 +582,12 @@ def render_table(report: BenchReport, out: TextIO) -> None:
         "SDK bookkeeping us per episode",
         "n/a" if bookkeeping is None else f"{bookkeeping:.1f}",
     )
+    repeats = report.bookkeeping_repeats_us
+    if len(repeats) > 1:
+        workload.add_row(
+            f"  spread over {len(repeats)} repeats (lowest, highest)",
+            f"{min(repeats):.1f}, {max(repeats):.1f}",
+        )
     restore = report.restore
     workload.add_row("restore s (cold start to first redispatched rollout)", _s(restore.seconds))
     if restore.seconds is None:

@@ -16,6 +16,36 @@ QUICK_SANDBOX_ROUNDS: Final = 2
 RELAY_CALLS: Final = 200
 QUICK_RELAY_CALLS: Final = 40
 REPLAY_TURNS: Final = (5, 20, 50)
+
+
+@dataclass(frozen=True, slots=True)
+class RealStateCase:
+    """``participants`` each holding ``parked`` episodes of ``state_bytes`` each."""
+
+    participants: int
+    parked: int
+    state_bytes: int
+
+    def __post_init__(self) -> None:
+        if self.participants < 1 or self.parked < 1 or self.state_bytes < 1:
+            raise ValueError("a real-state case needs participants, episodes and bytes >= 1")
+
+    @property
+    def label(self) -> str:
+        return f"{self.participants}x{self.parked}x{self.state_bytes}"
+
+    @classmethod
+    def parse(cls, text: str) -> RealStateCase:
+        """``PARTICIPANTSxEPISODESxBYTES``, e.g. ``64x32x16384``."""
+        parts = text.lower().split("x")
+        if len(parts) != 3 or not all(part.isdigit() for part in parts):
+            raise ValueError(f"a real-state case is PARTICIPANTSxEPISODESxBYTES, got {text!r}")
+        return cls(int(parts[0]), int(parts[1]), int(parts[2]))
+
+
+REAL_STATE: Final = (RealStateCase(64, 32, 16384), RealStateCase(1, 1000, 1024))
+"""Snapshots that carry real state (PARTICIPANTSxEPISODESxBYTES): 64 participants of 32
+parked episodes of 16 KB (32 MB a snapshot), and 1,000 episodes of 1 KB on one."""
 TMPFS: Final = Path("/dev/shm")
 """Where the control path's snapshot roots go by default (Linux shared memory, tmpfs)."""
 DURABLE_SIZE: Final = 64
@@ -58,11 +88,14 @@ class BenchOptions:
     demo workload); None: a fresh temporary directory, removed afterwards. ``tmpfs`` is
     where the control path's snapshot roots go (a fresh directory under it, removed
     afterwards); None, or a directory that does not exist: under ``root`` instead, and
-    the report says so. ``bookkeeping_episodes`` in-process episodes time the SDK.
+    the report says so. ``bookkeeping_episodes`` in-process episodes time the SDK, ``bookkeeping_repeats`` times (the
+    figure is the median of the repeats' medians, their spread reported).
     ``sandbox_mb``: the sizes of the sandboxes whose snapshots are timed;
     ``sandbox_rounds``: checkpoints each way (busy, idle) over the busy sandboxes.
     ``relay_calls``: chat calls each way of the egress relay's overhead figure;
     ``replay_turns``: the episode lengths whose restore by replay is timed.
+    ``real_state``: the snapshots carrying real state measured against the disk's floor,
+    as ``PARTICIPANTSxEPISODESxBYTES`` (none with ``--quick``).
     """
 
     sizes: tuple[int, ...] = FULL_SIZES
@@ -73,10 +106,12 @@ class BenchOptions:
     root: Path | None = None
     tmpfs: Path | None = TMPFS
     bookkeeping_episodes: int = 3000
+    bookkeeping_repeats: int = 5
     sandbox_mb: tuple[int, ...] = SANDBOX_MB
     sandbox_rounds: int = SANDBOX_ROUNDS
     relay_calls: int = RELAY_CALLS
     replay_turns: tuple[int, ...] = REPLAY_TURNS
+    real_state: tuple[RealStateCase, ...] = REAL_STATE
 
     @property
     def durable_size(self) -> int:
@@ -92,8 +127,8 @@ class BenchOptions:
             raise ValueError("rounds must be >= 1")
         if self.warmup < 0:
             raise ValueError("warmup must be >= 0")
-        if self.bookkeeping_episodes < 1:
-            raise ValueError("bookkeeping_episodes must be >= 1")
+        if self.bookkeeping_episodes < 1 or self.bookkeeping_repeats < 1:
+            raise ValueError("bookkeeping_episodes and bookkeeping_repeats must be >= 1")
         if not self.sandbox_mb or any(n < 1 for n in self.sandbox_mb):
             raise ValueError("sandbox sizes must be megabytes >= 1")
         if self.sandbox_rounds < 1:
