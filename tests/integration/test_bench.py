@@ -31,6 +31,7 @@ from turnpoint.apps.bench._sandbox_admission import (
     measure_sandbox_admission,
 )
 from turnpoint.apps.bench._sandbox_snapshots import SandboxSnapshotRow, measure_sandbox_snapshots
+from turnpoint.apps.bench._scale import measure_scale
 from turnpoint.apps.bench._workers import counting_fsyncs
 from turnpoint.apps.bench._workload import (
     RestoreResult,
@@ -39,6 +40,7 @@ from turnpoint.apps.bench._workload import (
     WorkloadError,
     run_figures,
 )
+from turnpoint.trainer.advanced import SnapshotLayout
 
 SIZES = (2, 3)
 ROUNDS = 1
@@ -142,12 +144,17 @@ def test_the_json_has_every_figure_as_a_positive_number(
         "sandbox_admission",
         "egress_relay",
         "real_state",
+        "scale",
         "targets",
         "details",
     }
     # Real-state snapshots are the full bench's (their own test below); --quick says so.
     assert figures["real_state"] == []
+    assert figures["scale"] is None
     for name in (
+        "scale_coordinator_bytes_per_episode",
+        "scale_manifest_bytes_per_episode",
+        "scale_snapshot_per_episode_growth",
         "real_state_64x32x16KB_vs_floor",
         "real_state_1000_episodes_us_beyond_floor",
         "real_state_fsyncs_per_file_and_directory",
@@ -546,3 +553,42 @@ def test_the_floor_writes_the_same_files_with_one_fsync_each_and_per_directory(
     for name, size in tree.files:
         assert (tmp_path / name).stat().st_size == size
     assert (tmp_path / "ck" / "b").is_dir()
+
+
+def test_the_books_and_the_manifest_are_measured_per_episode_in_flight(tmp_path: Path) -> None:
+    """Small sizes of the scale figure: every episode is in the books and continued in
+    the published manifest; the figures and their line are in the JSON and the table."""
+    figures = measure_scale(tmp_path, (20, 80), lambda _: None)
+    small, large = figures.rows
+    assert (small.episodes, large.episodes) == (20, 80)
+    for row in figures.rows:
+        assert row.books_bytes > 0 and row.cut_peak_bytes > 0 and row.manifest_bytes > 0
+        assert len(row.snapshot_s) == 3
+    # Each continued episode is listed in the manifest: more episodes, more bytes.
+    assert large.manifest_bytes > 3 * small.manifest_bytes
+    layout = SnapshotLayout(tmp_path / "scale-80")
+    latest = layout.latest()
+    assert latest is not None and len(layout.load(latest).continued) == 80
+    shown = figures.to_json()
+    assert shown["snapshot_per_episode_growth"] == pytest.approx(
+        figures.per_episode_growth, abs=1e-3
+    )
+    # Two sizes make a line, not a curvature.
+    assert shown["snapshot_curvature_share_at_largest"] is None
+    report = BenchReport(
+        control_overhead=(),
+        throughput=ThroughputResult(steps=1, snapshot_interval_s=2.0, off=(), on=()),
+        restore=RestoreResult(None),
+        workers=1,
+        warmup=0,
+        snapshot_root="/nowhere",
+        scale=figures,
+    )
+    targets = report.to_json()["targets"]
+    assert targets["scale_coordinator_bytes_per_episode"]["value"] == pytest.approx(
+        large.books_bytes / 80, abs=1e-3
+    )
+    assert targets["scale_manifest_bytes_per_episode"]["gated"] is False
+    out = io.StringIO()
+    render_table(report, out)
+    assert "episodes in flight grow" in out.getvalue()

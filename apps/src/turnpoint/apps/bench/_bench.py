@@ -16,6 +16,8 @@ The figures (docs: README "Benchmarks"):
   32 x 16 KB; 1,000 x 1 KB on one), on the disk root, against the same files written
   by a plain program with one fsync per file and directory, fsyncs counted
   (:mod:`._real_state`);
+- **scale**: the trainer's books (tracemalloc) and manifest bytes per episode in flight
+  at 1k, 10k and 100k, and the slope of its snapshot time (:mod:`._scale`);
 - **bookkeeping**: the SDK's cost per episode, the median of repeats with their spread
   (:mod:`._participant_bench`);
 - **restart**: a cold start after a crash to the first redispatched rollout;
@@ -62,6 +64,7 @@ from turnpoint.apps.bench._sandbox_admission import (
     measure_sandbox_admission,
 )
 from turnpoint.apps.bench._sandbox_snapshots import SandboxSnapshotRow, measure_sandbox_snapshots
+from turnpoint.apps.bench._scale import ScaleFigures, measure_scale
 from turnpoint.apps.bench._status_polling import StatusPolling, measure_status_polling
 from turnpoint.apps.bench._workload import RestoreResult, ThroughputResult, run_workload
 
@@ -141,6 +144,7 @@ class BenchReport:
     sandbox_admission: SandboxAdmission | None = None
     egress_relay: RelayFigures | None = None
     real_state: tuple[RealStateRow, ...] = ()
+    scale: ScaleFigures | None = None
 
     @property
     def throughput_ratio_on_vs_off(self) -> float | None:
@@ -167,6 +171,7 @@ class BenchReport:
         interval = self.throughput.interval
         big = self._real_state(RealStateCase(64, 32, 16384))
         many = self._real_state(RealStateCase(1, 1000, 1024))
+        largest = None if self.scale is None else self.scale.largest
         return [
             Target(
                 "control_path_64_vs_floor",
@@ -215,6 +220,30 @@ class BenchReport:
                 None if big is None else big.fsyncs_per_durable_item,
                 1.0,
                 gated=True,
+            ),
+            # Issue 30 item 5, in process at 1k, 10k and 100k episodes in flight: the
+            # trainer's books per episode (tracemalloc, at the largest size: a count,
+            # gated), the manifest's bytes per episode, and the snapshot's cost per
+            # episode at the largest size over the smallest (1 is linear, 100 quadratic;
+            # timed: reported).
+            Target(
+                "scale_coordinator_bytes_per_episode",
+                None if largest is None else largest.books_bytes / largest.episodes,
+                2048.0,
+                1024.0,
+                gated=True,
+            ),
+            Target(
+                "scale_manifest_bytes_per_episode",
+                None if largest is None else largest.manifest_bytes / largest.episodes,
+                1024.0,
+                512.0,
+            ),
+            Target(
+                "scale_snapshot_per_episode_growth",
+                None if self.scale is None else self.scale.per_episode_growth,
+                2.0,
+                1.2,
             ),
             Target(
                 "durable_publish_ms_at_64",
@@ -349,6 +378,7 @@ class BenchReport:
             else self.sandbox_admission.to_json(),
             "egress_relay": None if self.egress_relay is None else self.egress_relay.to_json(),
             "real_state": [row.to_json() for row in self.real_state],
+            "scale": None if self.scale is None else self.scale.to_json(),
             "targets": {target.name: target.to_json() for target in self.targets()},
             "details": {
                 "workers": self.workers,
@@ -474,6 +504,15 @@ async def _run(options: BenchOptions, root: Path, progress: Progress) -> BenchRe
         )
         for case in options.real_state
     ]
+    scale = None
+    if options.scale_episodes:
+        progress(
+            f"scale: the trainer's books, manifest and snapshot with "
+            f"{_sizes_left(options.scale_episodes)} episodes in flight"
+        )
+        scale = await asyncio.to_thread(
+            measure_scale, root / "scale", options.scale_episodes, progress
+        )
     throughput, restore = await run_workload(root, options.workload, token=token, progress=progress)
     progress(
         f"bookkeeping: {options.bookkeeping_repeats} repeat(s) of "
@@ -519,6 +558,7 @@ async def _run(options: BenchOptions, root: Path, progress: Progress) -> BenchRe
         sandbox_admission=sandbox_admission,
         egress_relay=egress_relay,
         real_state=tuple(real_state),
+        scale=scale,
     )
 
 

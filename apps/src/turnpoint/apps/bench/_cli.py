@@ -30,6 +30,7 @@ from turnpoint.apps.bench._options import (
     REPLAY_TURNS,
     SANDBOX_MB,
     SANDBOX_ROUNDS,
+    SCALE_EPISODES,
     TMPFS,
     BenchOptions,
     RealStateCase,
@@ -100,6 +101,20 @@ def _real_state(text: str) -> tuple[RealStateCase, ...]:
         return tuple(RealStateCase.parse(part.strip()) for part in text.split(",") if part.strip())
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _episode_counts(text: str) -> tuple[int, ...]:
+    if text.strip().lower() == "none":
+        return ()
+    try:
+        counts = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--scale-episodes takes numbers like 1000,10000, got {text!r}"
+        ) from None
+    if not counts or any(n < 1 for n in counts):
+        raise argparse.ArgumentTypeError("--scale-episodes takes episode counts >= 1")
+    return counts
 
 
 def _positive_int(text: str) -> int:
@@ -210,6 +225,13 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         help="snapshots carrying real state against the disk's floor, as "
         "PARTICIPANTSxEPISODESxBYTES[,...] (default "
         f"{','.join(case.label for case in REAL_STATE)}; quick: none; 'none' for none)",
+    )
+    parser.add_argument(
+        "--scale-episodes",
+        type=_episode_counts,
+        help="episodes in flight whose trainer books (tracemalloc), manifest bytes and "
+        "snapshot time are measured, in process (default "
+        f"{','.join(map(str, SCALE_EPISODES))}; quick: none; 'none' for none)",
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
@@ -334,6 +356,9 @@ def _options(args: argparse.Namespace) -> BenchOptions:
         real_state=args.real_state
         if args.real_state is not None
         else (() if quick else REAL_STATE),
+        scale_episodes=args.scale_episodes
+        if args.scale_episodes is not None
+        else (() if quick else SCALE_EPISODES),
     )
 
 
@@ -531,6 +556,40 @@ def render_table(report: BenchReport, out: TextIO) -> None:
                 "n/a" if tree is None else str(tree.durable_items),
             )
         console.print(real)
+
+    scale = report.scale
+    if scale is not None and scale.rows:
+        grown = Table(
+            title="The trainer's books, manifest and snapshot as episodes in flight grow",
+            title_justify="left",
+        )
+        for column in (
+            "episodes",
+            "books B/episode",
+            "cut peak B/episode",
+            "manifest B/episode",
+            "snapshot ms",
+            "us/episode",
+        ):
+            grown.add_column(column, justify="right")
+        for size in scale.rows:
+            shown = size.to_json()
+            grown.add_row(
+                str(size.episodes),
+                f"{shown['coordinator_bytes_per_episode']:.0f}",
+                f"{shown['cut_peak_bytes_per_episode']:.0f}",
+                f"{shown['manifest_bytes_per_episode']:.0f}",
+                f"{size.snapshot_median_s * 1000:.1f}",
+                f"{shown['snapshot_us_per_episode']:.1f}",
+            )
+        console.print(grown)
+        summary = scale.to_json()
+        console.print(
+            f"Snapshot time slope {summary['snapshot_s_slope_us_per_episode']} us per episode "
+            f"(least squares), per-episode cost largest / smallest "
+            f"{summary['snapshot_per_episode_growth']}; books "
+            f"{summary['memory_slope_bytes_per_episode']} B per episode"
+        )
 
     throughput = report.throughput
     workload = Table(

@@ -46,6 +46,8 @@ class RealStateCase:
 REAL_STATE: Final = (RealStateCase(64, 32, 16384), RealStateCase(1, 1000, 1024))
 """Snapshots that carry real state (PARTICIPANTSxEPISODESxBYTES): 64 participants of 32
 parked episodes of 16 KB (32 MB a snapshot), and 1,000 episodes of 1 KB on one."""
+SCALE_EPISODES: Final = (1_000, 10_000, 100_000)
+"""Episodes in flight whose books, manifest and snapshot time the full bench measures."""
 TMPFS: Final = Path("/dev/shm")
 """Where the control path's snapshot roots go by default (Linux shared memory, tmpfs)."""
 DURABLE_SIZE: Final = 64
@@ -95,7 +97,9 @@ class BenchOptions:
     ``relay_calls``: chat calls each way of the egress relay's overhead figure;
     ``replay_turns``: the episode lengths whose restore by replay is timed.
     ``real_state``: the snapshots carrying real state measured against the disk's floor,
-    as ``PARTICIPANTSxEPISODESxBYTES`` (none with ``--quick``).
+    as ``PARTICIPANTSxEPISODESxBYTES`` (none with ``--quick``). ``scale_episodes``: the
+    numbers of episodes in flight whose trainer books, manifest bytes and snapshot time
+    are measured (none with ``--quick``).
     """
 
     sizes: tuple[int, ...] = FULL_SIZES
@@ -112,6 +116,7 @@ class BenchOptions:
     relay_calls: int = RELAY_CALLS
     replay_turns: tuple[int, ...] = REPLAY_TURNS
     real_state: tuple[RealStateCase, ...] = REAL_STATE
+    scale_episodes: tuple[int, ...] = SCALE_EPISODES
 
     @property
     def durable_size(self) -> int:
@@ -137,6 +142,8 @@ class BenchOptions:
             raise ValueError("relay_calls must be >= 1")
         if not self.replay_turns or any(n < 1 for n in self.replay_turns):
             raise ValueError("replay episode lengths must be turns >= 1")
+        if any(n < 1 for n in self.scale_episodes):
+            raise ValueError("scale episodes must be >= 1")
         workload = self.workload
         for name in ("agents", "steps", "group_size", "groups_per_step"):
             if getattr(workload, name) < 1:
