@@ -593,13 +593,17 @@ def render_table(report: BenchReport, out: TextIO) -> None:
 
     throughput = report.throughput
     workload = Table(
-        title=f"Demo trainer, {throughput.steps} steps per run, {len(throughput.on)} run(s) "
-        "each way",
+        title=f"Demo trainer, {throughput.steps} steps per run, {len(throughput.off)} run(s) "
+        f"without snapshots and {len(throughput.on)} with"
+        + (" (the crashed run)" if any(run.crashed for run in throughput.on) else ""),
         title_justify="left",
     )
     workload.add_column("figure")
     workload.add_column("value", justify="right")
-    workload.add_row("rollouts/s, no snapshots", f"{throughput.per_second_off:.1f}")
+    workload.add_row(
+        "rollouts/s, no snapshots",
+        f"{throughput.per_second_off:.1f}" if throughput.off else "n/a (no run without)",
+    )
     workload.add_row(
         f"rollouts/s, a snapshot every {throughput.snapshot_interval_s:g} s",
         f"{throughput.per_second_on:.1f}",
