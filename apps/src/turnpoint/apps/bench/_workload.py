@@ -331,6 +331,9 @@ def run_figures(events: Sequence[Mapping[str, Any]], *, crashed: bool = False) -
         for e in events
         if e.get("type") == "progress" and float(e["t"]) >= starts[0]
     ]
+    if in_flight and in_flight[-1][0] < ends[-1]:
+        # The last sample holds until the run's end (samples are 0.5 s apart).
+        in_flight.append((ends[-1], in_flight[-1][1]))
     closed = [
         (float(e.get("admission_closed_s", 0.0)), int(e.get("continued", 0))) for e in snapshots
     ]
@@ -528,6 +531,13 @@ def _steps_trained(events: Sequence[Mapping[str, Any]]) -> int:
     return sum(1 for event in events if event.get("type") == "train_step")
 
 
+def _logged(events: Sequence[Mapping[str, Any]], checkpoint_id: str) -> bool:
+    return any(
+        event.get("type") == "snapshot" and event.get("checkpoint_id") == checkpoint_id
+        for event in events
+    )
+
+
 def _restore_problem(
     layout: SnapshotLayout, checkpoint_id: str, topology: Topology
 ) -> tuple[int, str | None]:
@@ -600,10 +610,14 @@ async def _crash_with_episodes_in_flight(
                     if latest is None or latest in checked or latest in early:
                         continue
                     if min_steps:
-                        # Read once per new snapshot, not per poll.
+                        # Read once per new snapshot (and until its event is logged).
                         events = await asyncio.to_thread(read_events, run.events)
                         if _steps_trained(events) < min_steps:
                             early.add(latest)
+                            continue
+                        if not _logged(events, latest):
+                            # Published, its report not written yet: the run's figures
+                            # must hold the snapshot that ends it.
                             continue
                     if topology is None:
                         topology = await _describe(run)
