@@ -1,8 +1,8 @@
 """``turnpoint bench`` end to end with tiny sizes: the JSON it prints, the table, cleanup.
 
-The bench runs once for the module (it starts worker processes, three demo trainer runs
-and a crash) with two and three participants, two measured rounds and three-step demo
-runs. Nothing here looks at how fast anything was: only that every figure is there, is a
+The bench runs once for the module, ``--quick`` as CI runs it (it starts worker
+processes and one demo trainer run, crashed after three steps), with two and three
+participants and one measured round. Nothing here looks at how fast anything was: only that every figure is there, is a
 positive number, and that the ratios are the ratios of the figures next to them.
 """
 
@@ -21,17 +21,29 @@ import pytest
 from turnpoint.apps._cli import main
 from turnpoint.apps.bench._bench import BenchReport, Target
 from turnpoint.apps.bench._cli import render_table
-from turnpoint.apps.bench._control_overhead import OverheadRow
+from turnpoint.apps.bench._control_overhead import OverheadRow, SnapshotTree
 from turnpoint.apps.bench._egress_relay import RelayFigures, RelayOverhead, ReplayRow
+from turnpoint.apps.bench._options import RealStateCase
+from turnpoint.apps.bench._real_state import measure_real_state, physical_floor
 from turnpoint.apps.bench._sandbox_admission import (
     BUSY_SANDBOXES,
     SandboxAdmission,
     measure_sandbox_admission,
 )
 from turnpoint.apps.bench._sandbox_snapshots import SandboxSnapshotRow, measure_sandbox_snapshots
-from turnpoint.apps.bench._workload import RestoreResult, RunFigures, ThroughputResult
+from turnpoint.apps.bench._scale import measure_scale
+from turnpoint.apps.bench._workers import counting_fsyncs
+from turnpoint.apps.bench._workload import (
+    RestoreResult,
+    RunFigures,
+    ThroughputResult,
+    WorkloadError,
+    run_figures,
+)
+from turnpoint.trainer.advanced import SnapshotLayout
 
 SIZES = (2, 3)
+ROUNDS = 1
 ROW_KEYS = {
     "participants",
     "overhead_ms",
@@ -65,17 +77,21 @@ def _children() -> list[int]:
 def bench(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], list[int], Path]:
     """The bench's JSON output, and the child processes left once it returned."""
     root = tmp_path_factory.mktemp("bench")
+    # --quick, as CI's gate runs it: no demo run each way, the crashed run measures the
+    # cost of snapshots; long generations have their own test
+    # (test_long_generations_bench.py), the on/off arithmetic the unit tests below.
     argv = [
         "bench",
+        "--quick",
         "--json",
         "--sizes",
         ",".join(map(str, SIZES)),
         "--workers",
         "2",
         "--rounds",
-        "2",
+        str(ROUNDS),
         "--warmup",
-        "1",
+        "0",
         "--steps",
         "3",
         "--groups-per-step",
@@ -84,10 +100,10 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], lis
         "2",
         "--snapshot-interval",
         "0.3",
-        "--repeats",
-        "1",
         "--bookkeeping-episodes",
         "50",
+        "--bookkeeping-repeats",
+        "2",
         "--sandbox-mb",
         "2",
         "--sandbox-rounds",
@@ -96,12 +112,6 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], lis
         "4",
         "--replay-turns",
         "2,3",
-        "--generation-lengths",
-        "8,24",
-        "--token-delay",
-        "0.002",
-        "--long-generations-plot",
-        str(root / "long.png"),
         "--root",
         str(root),
     ]
@@ -126,16 +136,35 @@ def test_the_json_has_every_figure_as_a_positive_number(
         "control_overhead",
         "durable_commit",
         "throughput_ratio_on_vs_off",
+        "dispatch_closed_fraction",
         "bookkeeping_us_per_episode",
         "restore_seconds",
         "status_page_polled_vs_quiet",
         "sandbox_snapshots",
         "sandbox_admission",
         "egress_relay",
+        "real_state",
+        "scale",
         "targets",
         "details",
-        "long_generations",
     }
+    # Real-state snapshots are the full bench's (their own test below); --quick says so.
+    assert figures["real_state"] == []
+    assert figures["scale"] is None
+    for name in (
+        "scale_coordinator_bytes_per_episode",
+        "scale_manifest_bytes_per_episode",
+        "scale_snapshot_per_episode_growth",
+        "real_state_64x32x16KB_vs_floor",
+        "real_state_1000_episodes_us_beyond_floor",
+        "real_state_fsyncs_per_file_and_directory",
+        "throughput_on_vs_off_interval_low",
+        "throughput_on_vs_off_interval_width",
+    ):
+        assert figures["targets"][name]["value"] is None, name
+    bookkeeping = figures["details"]["bookkeeping_us"]
+    assert bookkeeping["repeats"] == 2 and len(bookkeeping["values"]) == 2
+    assert bookkeeping["low"] <= bookkeeping["median"] <= bookkeeping["high"]
     # docs/spec.md section 5.7.3: the unchanged tree writes its handle record only.
     [sandbox] = figures["sandbox_snapshots"]
     assert sandbox["megabytes"] == 2
@@ -160,16 +189,6 @@ def test_the_json_has_every_figure_as_a_positive_number(
     for row in relay["replay"]:
         assert _positive(row["live_s"]) and _positive(row["replay_s"]) and row["state_bytes"] > 0
     assert figures["targets"]["relay_relayed_vs_direct"]["value"] > 0
-    # Long generations with and without token-prefix cutting, per length (spec 5.5).
-    long = figures["long_generations"]
-    assert sorted((row["tokens"], row["cut"]) for row in long["rows"]) == [
-        (8, False),
-        (8, True),
-        (24, False),
-        (24, True),
-    ]
-    assert long["must_have"]["token_mismatches"] == 0
-    assert Path(long["plot"]).is_file()
     rows = figures["control_overhead"]
     assert [row["participants"] for row in rows] == list(SIZES)
     for row in rows:
@@ -180,7 +199,9 @@ def test_the_json_has_every_figure_as_a_positive_number(
         assert row["ratio_vs_http_json"] == pytest.approx(
             row["overhead_ms"] / row["http_json_ms"], rel=0.01
         )
-    assert _positive(figures["throughput_ratio_on_vs_off"])
+    # --quick makes no run each way: no on/off ratio, the cost of snapshots instead.
+    assert figures["throughput_ratio_on_vs_off"] is None
+    assert "dispatch_closed_fraction" in figures["targets"]
     assert _positive(figures["restore_seconds"])
     # The same crash's trainer restarted alone, into the participants that survived it.
     trainer_restart = figures["details"]["trainer_restart"]
@@ -229,7 +250,7 @@ def test_the_json_has_every_figure_as_a_positive_number(
 @pytest.mark.timeout(600)
 def test_the_details_say_what_was_measured(bench: tuple[dict[str, Any], list[int], Path]) -> None:
     details = bench[0]["details"]
-    assert details["rounds"] == {str(n): 2 for n in SIZES}
+    assert details["rounds"] == {str(n): ROUNDS for n in SIZES}
     for n in SIZES:
         phases = details["phases_ms"][str(n)]
         assert set(phases) == {"prepare", "commit", "publish", "resume"}
@@ -238,17 +259,29 @@ def test_the_details_say_what_was_measured(bench: tuple[dict[str, Any], list[int
     assert details["control_root_on_tmpfs"] is Path("/dev/shm").is_dir()
     assert not details["control_root"].startswith(str(bench[2]))
     throughput = details["throughput"]
-    # Three steps of two groups of two: every run trains on the same twelve rollouts.
-    assert throughput["runs_per_side"] == 1
-    assert throughput["rollouts_per_run"] == [12]
-    assert _positive(throughput["rollouts_per_s_off"])
+    # The crashed run is the one run with snapshots on: it trained its three steps of
+    # two groups of two (twelve rollouts) and published a snapshot before the crash.
+    assert (throughput["runs_off"], throughput["runs_on"]) == (0, 1)
+    assert throughput["closed_measured_on_crash_run"] is True
+    [rollouts] = throughput["rollouts_per_run"]
+    assert rollouts >= 12
+    # The run ends at a snapshot whose report it logged: the figures count it.
+    [published] = throughput["snapshots_per_run"]
+    assert published >= 1
     assert _positive(throughput["rollouts_per_s_on"])
-    # One repeat: the median ratio is that repeat's, its spread a single point.
-    ratio = throughput["ratio_on_vs_off_median"]
-    assert throughput["ratio_on_vs_off_runs"] == [ratio]
-    assert throughput["ratio_on_vs_off_spread"] == [ratio, ratio]
-    assert bench[0]["throughput_ratio_on_vs_off"] == pytest.approx(ratio, abs=0.002)
-    assert len(throughput["snapshots_per_run"]) == 1
+    assert throughput["ratio_on_vs_off_median"] is None
+    assert throughput["ratio_on_vs_off_interval"] is None
+    # The fraction is the closed rollout-seconds over the run's, both reported (a run
+    # this short may have sampled no rollout in flight, and then has no fraction).
+    closed = bench[0]["dispatch_closed_fraction"]
+    assert closed == throughput["dispatch_closed_fraction"]
+    if throughput["rollout_seconds"] > 0:
+        assert closed == pytest.approx(
+            throughput["closed_rollout_seconds"] / throughput["rollout_seconds"], abs=0.002
+        )
+    else:
+        assert closed is None
+    assert bench[0]["targets"]["dispatch_closed_fraction"]["gated"] is True
     assert throughput["enough_snapshots"] is (throughput["min_snapshots_per_run"] >= 10)
     if throughput["snapshots_published"]:
         assert throughput["admission_closed_p99_s"] >= throughput["admission_closed_median_s"]
@@ -432,3 +465,143 @@ def test_the_relay_figures_are_shown_and_reported_not_gated() -> None:
     assert targets["relay_relayed_vs_direct"]["regressed"] is True
     assert targets["relay_replay_vs_live_longest"]["regressed"] is False
     assert report.regressions() == []
+
+
+def test_a_crashed_run_s_figures_run_to_its_last_event() -> None:
+    """The quick bench's run with snapshots on is the one it crashes: no ``done``
+    event, so it is measured to its last event; the closed rollout-seconds are each
+    snapshot's admission-closed seconds times the episodes it held in flight."""
+    events = [
+        {"t": 100.0, "type": "start"},
+        {"t": 100.0, "type": "progress", "in_flight": 8},
+        {"t": 102.0, "type": "progress", "in_flight": 8},
+        {"t": 102.5, "type": "snapshot", "outcome": "published", "t_start": 102.4,
+         "t_end": 102.5, "admission_closed_s": 0.05, "continued": 8},
+        {"t": 103.0, "type": "train_step", "rollouts": [{}] * 16},
+        {"t": 104.0, "type": "progress", "in_flight": 8},
+    ]  # fmt: skip
+    figures = run_figures(events, crashed=True)
+    assert figures.crashed and figures.seconds == 4.0 and figures.rollouts == 16
+    assert figures.rollout_seconds == pytest.approx(32.0)
+    assert figures.closed_rollout_seconds == pytest.approx(0.4)
+    assert figures.closed_fraction == pytest.approx(0.4 / 32.0)
+    with pytest.raises(WorkloadError):
+        run_figures(events)  # a finished run needs its done event
+
+
+def test_the_full_bench_reports_the_on_off_interval_beside_the_cost_of_snapshots() -> None:
+    def run(rate: float, closed: float = 0.0) -> RunFigures:
+        return RunFigures(
+            rollouts=int(rate * 20), seconds=20.0, closed_rollout_seconds=closed,
+            rollout_seconds=640.0 if closed else 0.0,
+        )  # fmt: skip
+
+    throughput = ThroughputResult(
+        steps=90,
+        snapshot_interval_s=2.0,
+        off=tuple(run(rate) for rate in (80, 79, 81, 80, 80)),
+        on=tuple(run(rate, 6.4) for rate in (79, 78, 80, 79, 79)),
+    )
+    report = BenchReport(
+        control_overhead=(),
+        throughput=throughput,
+        restore=RestoreResult(None),
+        workers=1,
+        warmup=0,
+        snapshot_root="/nowhere",
+    )
+    figures = report.to_json()
+    interval = figures["details"]["throughput"]["ratio_on_vs_off_interval"]
+    assert interval["ratio"] == pytest.approx(395 / 400, abs=1e-4)
+    assert interval["low"] < interval["ratio"] < interval["high"]
+    assert figures["dispatch_closed_fraction"] == pytest.approx(0.01)
+    targets = figures["targets"]
+    assert targets["throughput_on_vs_off_interval_low"]["value"] == pytest.approx(
+        interval["low"], abs=1e-3
+    )
+    assert targets["throughput_on_vs_off_interval_width"]["gated"] is False
+    assert targets["dispatch_closed_fraction"]["met_aim"] is True
+    out = io.StringIO()
+    render_table(report, out)
+    assert "bootstrap 95% interval" in out.getvalue() and "1.00%" in out.getvalue()
+    assert report.regressions() == []
+
+
+async def test_a_snapshot_carrying_real_state_is_measured_against_its_floor(
+    tmp_path: Path,
+) -> None:
+    """Two participants of three parked episodes of 1 KB each: every episode exported,
+    every fsync counted, the floor written from the published snapshot's own shape."""
+    case = RealStateCase(2, 3, 1024)
+    row = await measure_real_state(
+        tmp_path, case, workers=1, rounds=1, warmup=0, token="t" * 32, progress=lambda _: None
+    )
+    tree = row.commit.tree
+    assert tree is not None
+    records = [size for name, size in tree.files if "/records-" in name]
+    # One records file per participant, holding its three episodes' state.
+    assert len(records) == 2 and all(size > 3 * 1024 for size in records)
+    assert row.episodes == 6 and row.floor_median_s > 0 and row.snapshot_s > 0
+    # docs/spec.md 8.4: a participant syncs its records, its manifest, its directory and
+    # the snapshot's directory (its new entry) once each.
+    assert row.commit.participant_fsyncs == 8
+    assert row.fsyncs_per_durable_item == row.commit.fsyncs / tree.durable_items
+    shown = row.to_json()
+    assert shown["snapshot_vs_floor"] == pytest.approx(row.ratio, abs=1e-3)
+    assert shown["commit"]["snapshot"]["files"] == len(tree.files)
+
+
+def test_the_floor_writes_the_same_files_with_one_fsync_each_and_per_directory(
+    tmp_path: Path,
+) -> None:
+    tree = SnapshotTree(
+        files=(("ck/a/records-1.jsonl", 5000), ("ck/a/MANIFEST.json", 300), ("ck/M", 10)),
+        directories=("ck", "ck/a", "ck/b"),
+    )
+    with counting_fsyncs() as fsyncs:
+        seconds = physical_floor(tree, tmp_path)
+    assert seconds > 0
+    # Three files, three directories, the pointer file and the root.
+    assert fsyncs.value == tree.durable_items == 8
+    for name, size in tree.files:
+        assert (tmp_path / name).stat().st_size == size
+    assert (tmp_path / "ck" / "b").is_dir()
+
+
+def test_the_books_and_the_manifest_are_measured_per_episode_in_flight(tmp_path: Path) -> None:
+    """Small sizes of the scale figure: every episode is in the books and continued in
+    the published manifest; the figures and their line are in the JSON and the table."""
+    figures = measure_scale(tmp_path, (20, 80), lambda _: None)
+    small, large = figures.rows
+    assert (small.episodes, large.episodes) == (20, 80)
+    for row in figures.rows:
+        assert row.books_bytes > 0 and row.cut_peak_bytes > 0 and row.manifest_bytes > 0
+        assert len(row.snapshot_s) == 3
+    # Each continued episode is listed in the manifest: more episodes, more bytes.
+    assert large.manifest_bytes > 3 * small.manifest_bytes
+    layout = SnapshotLayout(tmp_path / "scale-80")
+    latest = layout.latest()
+    assert latest is not None and len(layout.load(latest).continued) == 80
+    shown = figures.to_json()
+    assert shown["snapshot_per_episode_growth"] == pytest.approx(
+        figures.per_episode_growth, abs=1e-3
+    )
+    # Two sizes make a line, not a curvature.
+    assert shown["snapshot_curvature_share_at_largest"] is None
+    report = BenchReport(
+        control_overhead=(),
+        throughput=ThroughputResult(steps=1, snapshot_interval_s=2.0, off=(), on=()),
+        restore=RestoreResult(None),
+        workers=1,
+        warmup=0,
+        snapshot_root="/nowhere",
+        scale=figures,
+    )
+    targets = report.to_json()["targets"]
+    assert targets["scale_coordinator_bytes_per_episode"]["value"] == pytest.approx(
+        large.books_bytes / 80, abs=1e-3
+    )
+    assert targets["scale_manifest_bytes_per_episode"]["gated"] is False
+    out = io.StringIO()
+    render_table(report, out)
+    assert "episodes in flight grow" in out.getvalue()

@@ -33,6 +33,7 @@ PURE_CORES = (
     "turnpoint.trainer.weights.core",
     "turnpoint.storage._objects",
     "turnpoint.egress",
+    "turnpoint.apps.bench._arithmetic",
 )
 # What a pure core may not load, even indirectly.
 WIRE_AND_LOOP = ("grpc", "asyncio", "google.protobuf", "turnpoint.v1")

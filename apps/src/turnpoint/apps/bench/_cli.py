@@ -25,12 +25,15 @@ from turnpoint.apps.bench._options import (
     QUICK_SANDBOX_MB,
     QUICK_SANDBOX_ROUNDS,
     QUICK_SIZES,
+    REAL_STATE,
     RELAY_CALLS,
     REPLAY_TURNS,
     SANDBOX_MB,
     SANDBOX_ROUNDS,
+    SCALE_EPISODES,
     TMPFS,
     BenchOptions,
+    RealStateCase,
     WorkloadOptions,
 )
 
@@ -39,14 +42,20 @@ if TYPE_CHECKING:
 
 
 # Long enough for at least ten snapshots 2 s apart in a run with snapshots on, on two
-# cores (the demo trainer makes 1.5 to 2.5 steps a second there), three runs a side.
+# cores (the demo trainer makes 1.5 to 2.5 steps a second there), five runs a side for
+# a bootstrap interval of the on/off ratio.
 _FULL_STEPS = 90
-_FULL_REPEATS = 3
+_FULL_REPEATS = 5
 _FILE_WIDTH = 160
-_QUICK_STEPS = 60
-_QUICK_REPEATS = 3
+# --quick makes no run each way: the crashed run trains this many steps with snapshots
+# on first (about eight snapshots 2 s apart), and the share of its rollout-seconds that
+# dispatch was closed is the throughput figure (a ratio within one run).
+_QUICK_STEPS = 40
+_QUICK_REPEATS = 0
 _QUICK_BOOKKEEPING = 2000
 _FULL_BOOKKEEPING = 5000
+_QUICK_BOOKKEEPING_REPEATS = 3
+_FULL_BOOKKEEPING_REPEATS = 5
 
 
 def _sizes(text: str) -> tuple[int, ...]:
@@ -85,6 +94,29 @@ def _turns(text: str) -> tuple[int, ...]:
     return turns
 
 
+def _real_state(text: str) -> tuple[RealStateCase, ...]:
+    if text.strip().lower() == "none":
+        return ()
+    try:
+        return tuple(RealStateCase.parse(part.strip()) for part in text.split(",") if part.strip())
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _episode_counts(text: str) -> tuple[int, ...]:
+    if text.strip().lower() == "none":
+        return ()
+    try:
+        counts = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"--scale-episodes takes numbers like 1000,10000, got {text!r}"
+        ) from None
+    if not counts or any(n < 1 for n in counts):
+        raise argparse.ArgumentTypeError("--scale-episodes takes episode counts >= 1")
+    return counts
+
+
 def _positive_int(text: str) -> int:
     try:
         value = int(text)
@@ -92,6 +124,16 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a number >= 1, got {value}")
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {value}")
     return value
 
 
@@ -119,8 +161,10 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
             "participants on the disk root (--root), with the fsyncs per snapshot of the "
             "participants and of the coordinator; (3) throughput: rollouts per second of the "
             "demo trainer with a snapshot every 2 s vs none, runs long enough for ten "
-            "snapshots, sides interleaved, three runs a side, the median ratio with its "
-            "spread, and admission-closed seconds per snapshot (median, p99); (4) "
+            "snapshots, sides interleaved, five runs a side, the median ratio with its "
+            "spread and the ratio of means with its bootstrap 95% interval, the share of "
+            "the rollout-seconds that snapshots held dispatch closed, and admission-closed "
+            "seconds per snapshot (median, p99); (4) "
             "bookkeeping: the SDK's microseconds per episode (begin, 5 boundaries, finish, "
             "acknowledge); (5) restart: from a cold start after a crash (participant start-up "
             "included) to the first redispatched rollout, and before it, the same crash's "
@@ -145,8 +189,10 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     parser.add_argument(
         "--quick",
         action="store_true",
-        help=f"sizes {','.join(map(str, QUICK_SIZES))}, {_QUICK_STEPS}-step demo runs, "
-        f"{_QUICK_REPEATS} each way, {_QUICK_BOOKKEEPING} bookkeeping episodes, a "
+        help=f"sizes {','.join(map(str, QUICK_SIZES))}, no demo run each way: the "
+        f"crashed run trains {_QUICK_STEPS} steps with snapshots on and its share of "
+        "rollout-seconds with dispatch closed is the throughput figure, "
+        f"{_QUICK_BOOKKEEPING} bookkeeping episodes, a "
         f"{','.join(map(str, QUICK_SANDBOX_MB))} MB sandbox, {QUICK_SANDBOX_ROUNDS} busy "
         f"sandbox rounds, {QUICK_RELAY_CALLS} relay calls each way",
     )
@@ -175,6 +221,20 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         help="snapshots of the 16 busy sandboxes, and of them idle (default "
         f"{SANDBOX_ROUNDS}, quick {QUICK_SANDBOX_ROUNDS})",
     )
+    parser.add_argument(
+        "--real-state",
+        type=_real_state,
+        help="snapshots carrying real state against the disk's floor, as "
+        "PARTICIPANTSxEPISODESxBYTES[,...] (default "
+        f"{','.join(case.label for case in REAL_STATE)}; quick: none; 'none' for none)",
+    )
+    parser.add_argument(
+        "--scale-episodes",
+        type=_episode_counts,
+        help="episodes in flight whose trainer books (tracemalloc), manifest bytes and "
+        "snapshot time are measured, in process (default "
+        f"{','.join(map(str, SCALE_EPISODES))}; quick: none; 'none' for none)",
+    )
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument(
         "--check",
@@ -194,6 +254,12 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         type=_positive_int,
         help=f"episodes of the bookkeeping figure (default {_FULL_BOOKKEEPING}, quick "
         f"{_QUICK_BOOKKEEPING})",
+    )
+    parser.add_argument(
+        "--bookkeeping-repeats",
+        type=_positive_int,
+        help=f"repeats of the bookkeeping figure, for its spread (default "
+        f"{_FULL_BOOKKEEPING_REPEATS}, quick {_QUICK_BOOKKEEPING_REPEATS})",
     )
     parser.add_argument(
         "--sizes", type=_sizes, help="participant counts, e.g. 1,8,64 (overrides --quick)"
@@ -229,9 +295,9 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     )
     parser.add_argument(
         "--repeats",
-        type=_positive_int,
-        help=f"demo runs each way, snapshots off and on (default {_FULL_REPEATS}, quick "
-        f"{_QUICK_REPEATS})",
+        type=_count,
+        help=f"demo runs each way, snapshots off and on, interleaved (default {_FULL_REPEATS}; "
+        f"quick {_QUICK_REPEATS}: the crashed run measures the cost of snapshots alone)",
     )
     parser.add_argument(
         "--agents",
@@ -269,7 +335,9 @@ def _options(args: argparse.Namespace) -> BenchOptions:
         group_size=args.group_size,
         groups_per_step=args.groups_per_step,
         snapshot_interval_s=args.snapshot_interval,
-        repeats=args.repeats or (_QUICK_REPEATS if quick else _FULL_REPEATS),
+        repeats=args.repeats
+        if args.repeats is not None
+        else (_QUICK_REPEATS if quick else _FULL_REPEATS),
     )
     return BenchOptions(
         sizes=args.sizes or (QUICK_SIZES if quick else FULL_SIZES),
@@ -281,10 +349,18 @@ def _options(args: argparse.Namespace) -> BenchOptions:
         tmpfs=args.tmpfs,
         bookkeeping_episodes=args.bookkeeping_episodes
         or (_QUICK_BOOKKEEPING if quick else _FULL_BOOKKEEPING),
+        bookkeeping_repeats=args.bookkeeping_repeats
+        or (_QUICK_BOOKKEEPING_REPEATS if quick else _FULL_BOOKKEEPING_REPEATS),
         sandbox_mb=args.sandbox_mb or (QUICK_SANDBOX_MB if quick else SANDBOX_MB),
         sandbox_rounds=args.sandbox_rounds or (QUICK_SANDBOX_ROUNDS if quick else SANDBOX_ROUNDS),
         relay_calls=args.relay_calls or (QUICK_RELAY_CALLS if quick else RELAY_CALLS),
         replay_turns=args.replay_turns,
+        real_state=args.real_state
+        if args.real_state is not None
+        else (() if quick else REAL_STATE),
+        scale_episodes=args.scale_episodes
+        if args.scale_episodes is not None
+        else (() if quick else SCALE_EPISODES),
     )
 
 
@@ -452,15 +528,84 @@ def render_table(report: BenchReport, out: TextIO) -> None:
         )
         console.print(commit)
 
+    if report.real_state:
+        real = Table(
+            title="Snapshots carrying real state on disk vs the physical floor (the same "
+            "files and bytes, one fsync per file and directory), medians",
+            title_justify="left",
+        )
+        for column in (
+            "participants x episodes x bytes",
+            "MB",
+            "snapshot ms",
+            "floor ms",
+            "ratio",
+            "us/episode beyond",
+            "fsyncs",
+            "files+dirs",
+        ):
+            real.add_column(column, justify="right")
+        for case in report.real_state:
+            tree = case.commit.tree
+            real.add_row(
+                case.case.label,
+                "n/a" if tree is None else f"{tree.bytes / (1 << 20):.1f}",
+                f"{case.snapshot_s * 1000:.1f}",
+                f"{case.floor_median_s * 1000:.1f}",
+                f"{case.ratio:.2f}x",
+                f"{case.beyond_floor_us_per_episode:.1f}",
+                f"{case.commit.fsyncs:.1f}",
+                "n/a" if tree is None else str(tree.durable_items),
+            )
+        console.print(real)
+
+    scale = report.scale
+    if scale is not None and scale.rows:
+        grown = Table(
+            title="The trainer's books, manifest and snapshot as episodes in flight grow",
+            title_justify="left",
+        )
+        for column in (
+            "episodes",
+            "books B/episode",
+            "cut peak B/episode",
+            "manifest B/episode",
+            "snapshot ms",
+            "us/episode",
+        ):
+            grown.add_column(column, justify="right")
+        for size in scale.rows:
+            shown = size.to_json()
+            grown.add_row(
+                str(size.episodes),
+                f"{shown['coordinator_bytes_per_episode']:.0f}",
+                f"{shown['cut_peak_bytes_per_episode']:.0f}",
+                f"{shown['manifest_bytes_per_episode']:.0f}",
+                f"{size.snapshot_median_s * 1000:.1f}",
+                f"{shown['snapshot_us_per_episode']:.1f}",
+            )
+        console.print(grown)
+        summary = scale.to_json()
+        console.print(
+            f"Snapshot time slope {summary['snapshot_s_slope_us_per_episode']} us per episode "
+            f"(least squares), per-episode cost largest / smallest "
+            f"{summary['snapshot_per_episode_growth']}; books "
+            f"{summary['memory_slope_bytes_per_episode']} B per episode"
+        )
+
     throughput = report.throughput
     workload = Table(
-        title=f"Demo trainer, {throughput.steps} steps per run, {len(throughput.on)} run(s) "
-        "each way",
+        title=f"Demo trainer, {throughput.steps} steps per run, {len(throughput.off)} run(s) "
+        f"without snapshots and {len(throughput.on)} with"
+        + (" (the crashed run)" if any(run.crashed for run in throughput.on) else ""),
         title_justify="left",
     )
     workload.add_column("figure")
     workload.add_column("value", justify="right")
-    workload.add_row("rollouts/s, no snapshots", f"{throughput.per_second_off:.1f}")
+    workload.add_row(
+        "rollouts/s, no snapshots",
+        f"{throughput.per_second_off:.1f}" if throughput.off else "n/a (no run without)",
+    )
     workload.add_row(
         f"rollouts/s, a snapshot every {throughput.snapshot_interval_s:g} s",
         f"{throughput.per_second_on:.1f}",
@@ -474,6 +619,18 @@ def render_table(report: BenchReport, out: TextIO) -> None:
     )
     if spread is not None:
         workload.add_row("  spread (lowest, highest)", f"{spread[0]:.3f}, {spread[1]:.3f}")
+    interval = throughput.interval
+    if interval is not None:
+        workload.add_row(
+            f"  ratio of means, bootstrap {interval.confidence:.0%} interval",
+            f"{interval.ratio:.3f} [{interval.low:.3f}, {interval.high:.3f}]",
+        )
+    closed = throughput.closed_fraction
+    workload.add_row(
+        "rollout-seconds with dispatch closed by snapshots"
+        + (" (the crashed run)" if details["closed_measured_on_crash_run"] else ""),
+        "n/a" if closed is None else f"{closed:.2%}",
+    )
     workload.add_row(
         "snapshots per run with snapshots on",
         " ".join(str(n) for n in details["snapshots_per_run"]),
@@ -490,6 +647,12 @@ def render_table(report: BenchReport, out: TextIO) -> None:
         "SDK bookkeeping us per episode",
         "n/a" if bookkeeping is None else f"{bookkeeping:.1f}",
     )
+    repeats = report.bookkeeping_repeats_us
+    if len(repeats) > 1:
+        workload.add_row(
+            f"  spread over {len(repeats)} repeats (lowest, highest)",
+            f"{min(repeats):.1f}, {max(repeats):.1f}",
+        )
     restore = report.restore
     workload.add_row("restore s (cold start to first redispatched rollout)", _s(restore.seconds))
     if restore.seconds is None:

@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import itertools
+import os
 import statistics
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
@@ -54,8 +55,9 @@ from turnpoint.apps.bench._workers import (
     WorkerProcess,
     counting_fsyncs,
     fleet_job,
+    parked_episodes,
 )
-from turnpoint.ids import checkpoint_sequence, make_checkpoint_id
+from turnpoint.ids import EpisodeId, checkpoint_sequence, make_checkpoint_id
 from turnpoint.trainer import CoordinatorConfig
 from turnpoint.trainer.advanced import (
     AnchorRef,
@@ -146,10 +148,21 @@ class DurableCommit:
     publish_fsyncs: float
     other_coordinator_fsyncs: float
     root: str
+    parked: int = 0
+    state_bytes: int = 0
+    # The last published snapshot's shape: every file with its size, every directory.
+    tree: SnapshotTree | None = None
+
+    @property
+    def fsyncs(self) -> float:
+        """Every fsync of one snapshot, participants' and coordinator's."""
+        return self.participant_fsyncs + self.publish_fsyncs + self.other_coordinator_fsyncs
 
     def to_json(self) -> dict[str, object]:
         return {
             "participants": self.participants,
+            "parked_per_participant": self.parked,
+            "state_bytes_per_episode": self.state_bytes,
             "rounds": self.rounds,
             "total_ms": round(self.total_ms, 3),
             "phases_ms": {k: round(v, 3) for k, v in self.phases_ms.items()},
@@ -159,7 +172,51 @@ class DurableCommit:
                 "coordinator_other": round(self.other_coordinator_fsyncs, 2),
             },
             "root": self.root,
+            "snapshot": None if self.tree is None else self.tree.to_json(),
         }
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotTree:
+    """What one published snapshot holds on disk, relative to the snapshot root:
+    ``files`` (path, bytes) and ``directories``, the snapshot's own directory first.
+    Publishing it also writes ``LATEST`` and a new entry in the root, which
+    :attr:`durable_items` counts: the files and directories one snapshot makes durable."""
+
+    files: tuple[tuple[str, int], ...]
+    directories: tuple[str, ...]
+
+    @property
+    def bytes(self) -> int:
+        return sum(size for _, size in self.files)
+
+    @property
+    def durable_items(self) -> int:
+        # + LATEST (a file) and the root (a directory whose entries changed).
+        return len(self.files) + len(self.directories) + 2
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "files": len(self.files),
+            "directories": len(self.directories),
+            "bytes": self.bytes,
+            "files_and_directories_made_durable": self.durable_items,
+        }
+
+
+def snapshot_tree(root: Path, checkpoint_id: str) -> SnapshotTree:
+    """The shape of ``<root>/<checkpoint_id>`` (blocking: walks the tree)."""
+    top = root / checkpoint_id
+    files: list[tuple[str, int]] = []
+    directories = [checkpoint_id]
+    for here, names, leaves in os.walk(top):
+        names.sort()
+        relative = Path(here).relative_to(root)
+        directories.extend(str(relative / name) for name in names)
+        files.extend(
+            (str(relative / leaf), (Path(here) / leaf).stat().st_size) for leaf in sorted(leaves)
+        )
+    return SnapshotTree(tuple(files), tuple(directories))
 
 
 # -------------------------------------------------------------------------- fleet
@@ -184,6 +241,8 @@ class Fleet:
         *,
         baselines: bool = True,
         count_fsyncs: bool = False,
+        parked: int = 0,
+        state_bytes: int = 0,
     ) -> None:
         if size < 1 or workers < 1:
             raise ValueError("a fleet needs at least one server and one worker")
@@ -198,6 +257,8 @@ class Fleet:
                     [participant_name(j) for j in range(w, size, workers)],
                     len(range(w, size, workers)) if baselines else 0,
                     count_fsyncs=count_fsyncs,
+                    parked=parked,
+                    state_bytes=state_bytes,
                 ),
                 token,
             )
@@ -282,9 +343,11 @@ class _SnapshotRounds:
         fsyncs: FsyncCount | None = None,
         *,
         commit_in_prepare: bool = True,
+        scope: Mapping[str, Sequence[EpisodeId]] | None = None,
     ) -> None:
         self._coordinator = coordinator
         self._commit_in_prepare = commit_in_prepare
+        self._scope = scope or {}
         self._layout = layout
         self._ids = ids
         self._anchor: AnchorRef | None = None
@@ -328,6 +391,7 @@ class _SnapshotRounds:
             anchor,
             self._publish,
             commit_in_prepare=self._commit_in_prepare,
+            scope=self._scope,
         )
         await asyncio.to_thread(self._tidy)
         self.rounds += 1
@@ -470,23 +534,41 @@ async def measure_durable_commit(
     token: str,
     progress: Progress,
     settle_s: float = SETTLE_S,
+    parked: int = 0,
+    state_bytes: int = 0,
+    label: str = "durable",
 ) -> DurableCommit:
-    """The turnpoint path alone for ``n`` participants on ``root`` (a disk), fsyncs counted."""
-    fleet_root = root / "durable"
+    """The turnpoint path alone for ``n`` participants on ``root`` (a disk), fsyncs
+    counted. With ``parked``, every participant holds that many episodes parked with
+    ``state_bytes`` of state each, and every snapshot exports them all."""
+    fleet_root = root / label
     fleet_root.mkdir(parents=True, exist_ok=True)
-    progress(f"durable commit: {n} participants on {fleet_root}, fsyncs counted")
+    if not parked:
+        progress(f"durable commit: {n} participants on {fleet_root}, fsyncs counted")
     layout = SnapshotLayout(fleet_root)
     ids = await asyncio.to_thread(_checkpoint_ids, layout)
     totals: list[float] = []
     phases: dict[str, list[float]] = {phase: [] for phase in PHASES}
-    fleet = Fleet(fleet_root, n, workers, token, baselines=False, count_fsyncs=True)
+    fleet = Fleet(
+        fleet_root,
+        n,
+        workers,
+        token,
+        baselines=False,
+        count_fsyncs=True,
+        parked=parked,
+        state_bytes=state_bytes,
+    )
     with counting_fsyncs() as fsyncs:
         async with fleet:
             coordinator = await _coordinator(fleet, n)
             try:
                 async with asyncio.timeout(_ROUND_TIMEOUT_S):
                     await coordinator.discover()
-                snapshots = _SnapshotRounds(coordinator, layout, ids, fsyncs)
+                scope = {name: parked_episodes(name, parked) for name in fleet.endpoints(n)}
+                snapshots = _SnapshotRounds(
+                    coordinator, layout, ids, fsyncs, scope=scope if parked else None
+                )
                 for index in range(warmup + rounds):
                     async with asyncio.timeout(_ROUND_TIMEOUT_S):
                         laps = await snapshots.round()
@@ -498,6 +580,8 @@ async def measure_durable_commit(
             finally:
                 await coordinator.close()
     done = max(snapshots.rounds, 1)
+    latest = await asyncio.to_thread(layout.latest)
+    tree = None if latest is None else await asyncio.to_thread(snapshot_tree, fleet_root, latest)
     result = DurableCommit(
         participants=n,
         rounds=rounds,
@@ -509,7 +593,12 @@ async def measure_durable_commit(
         publish_fsyncs=snapshots.publish_fsyncs / done,
         other_coordinator_fsyncs=snapshots.other_fsyncs / done,
         root=str(fleet_root),
+        parked=parked,
+        state_bytes=state_bytes,
+        tree=tree,
     )
+    if parked:
+        return result
     progress(
         f"  N={n} on disk: {_ms(totals)} ms (publish {result.phases_ms['publish']:.1f} ms); "
         f"fsyncs per snapshot: participants {result.participant_fsyncs:.1f}, coordinator "
@@ -526,13 +615,15 @@ async def timed_snapshot(
     publish: Callable[[Path, SnapshotManifest], object],
     *,
     commit_in_prepare: bool = True,
+    scope: Mapping[str, Sequence[EpisodeId]] | None = None,
 ) -> list[float]:
     """One snapshot's four phases through the real coordinator, timed: the
     ``perf_counter`` before prepare and after each of prepare, commit, publish
     (``publish`` runs in a thread) and resume. An abort still resumes: a fleet is never
     left closed for the next round. ``commit_in_prepare`` offers the snapshot in the
     prepare, as the trainer's driver does (docs/spec.md section 4.6 item 8); False
-    sends every participant its Commit."""
+    sends every participant its Commit. ``scope``: the episodes each participant
+    exports (none by default)."""
     laps = [time.perf_counter()]
     resumed = False
     try:
@@ -540,7 +631,7 @@ async def timed_snapshot(
             checkpoint_id, snapshot=checkpoint_id if commit_in_prepare else None
         )
         laps.append(time.perf_counter())
-        entries = await coordinator.commit(checkpoint_id, checkpoint_id, {})
+        entries = await coordinator.commit(checkpoint_id, checkpoint_id, scope or {})
         laps.append(time.perf_counter())
         manifest = SnapshotManifest(
             checkpoint_id=checkpoint_id,

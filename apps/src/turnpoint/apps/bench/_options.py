@@ -16,6 +16,38 @@ QUICK_SANDBOX_ROUNDS: Final = 2
 RELAY_CALLS: Final = 200
 QUICK_RELAY_CALLS: Final = 40
 REPLAY_TURNS: Final = (5, 20, 50)
+
+
+@dataclass(frozen=True, slots=True)
+class RealStateCase:
+    """``participants`` each holding ``parked`` episodes of ``state_bytes`` each."""
+
+    participants: int
+    parked: int
+    state_bytes: int
+
+    def __post_init__(self) -> None:
+        if self.participants < 1 or self.parked < 1 or self.state_bytes < 1:
+            raise ValueError("a real-state case needs participants, episodes and bytes >= 1")
+
+    @property
+    def label(self) -> str:
+        return f"{self.participants}x{self.parked}x{self.state_bytes}"
+
+    @classmethod
+    def parse(cls, text: str) -> RealStateCase:
+        """``PARTICIPANTSxEPISODESxBYTES``, e.g. ``64x32x16384``."""
+        parts = text.lower().split("x")
+        if len(parts) != 3 or not all(part.isdigit() for part in parts):
+            raise ValueError(f"a real-state case is PARTICIPANTSxEPISODESxBYTES, got {text!r}")
+        return cls(int(parts[0]), int(parts[1]), int(parts[2]))
+
+
+REAL_STATE: Final = (RealStateCase(64, 32, 16384), RealStateCase(1, 1000, 1024))
+"""Snapshots that carry real state (PARTICIPANTSxEPISODESxBYTES): 64 participants of 32
+parked episodes of 16 KB (32 MB a snapshot), and 1,000 episodes of 1 KB on one."""
+SCALE_EPISODES: Final = (1_000, 10_000, 100_000)
+"""Episodes in flight whose books, manifest and snapshot time the full bench measures."""
 TMPFS: Final = Path("/dev/shm")
 """Where the control path's snapshot roots go by default (Linux shared memory, tmpfs)."""
 DURABLE_SIZE: Final = 64
@@ -34,7 +66,8 @@ def default_rounds(participants: int) -> int:
 class WorkloadOptions:
     """The demo trainer's run: ``steps`` training steps of ``groups_per_step`` prompt
     groups of ``group_size`` siblings, on ``agents`` agent servers, with a snapshot every
-    ``snapshot_interval_s`` when snapshots are on; ``repeats`` runs each way.
+    ``snapshot_interval_s`` when snapshots are on; ``repeats`` runs each way (0: none,
+    the crashed run measures the cost of snapshots on its own, as ``--quick`` does).
     ``run_timeout_s`` bounds each run."""
 
     # 8 agent servers and 8 groups of 4 in flight: the load the admission-closed target
@@ -57,11 +90,16 @@ class BenchOptions:
     demo workload); None: a fresh temporary directory, removed afterwards. ``tmpfs`` is
     where the control path's snapshot roots go (a fresh directory under it, removed
     afterwards); None, or a directory that does not exist: under ``root`` instead, and
-    the report says so. ``bookkeeping_episodes`` in-process episodes time the SDK.
+    the report says so. ``bookkeeping_episodes`` in-process episodes time the SDK, ``bookkeeping_repeats`` times (the
+    figure is the median of the repeats' medians, their spread reported).
     ``sandbox_mb``: the sizes of the sandboxes whose snapshots are timed;
     ``sandbox_rounds``: checkpoints each way (busy, idle) over the busy sandboxes.
     ``relay_calls``: chat calls each way of the egress relay's overhead figure;
     ``replay_turns``: the episode lengths whose restore by replay is timed.
+    ``real_state``: the snapshots carrying real state measured against the disk's floor,
+    as ``PARTICIPANTSxEPISODESxBYTES`` (none with ``--quick``). ``scale_episodes``: the
+    numbers of episodes in flight whose trainer books, manifest bytes and snapshot time
+    are measured (none with ``--quick``).
     """
 
     sizes: tuple[int, ...] = FULL_SIZES
@@ -72,10 +110,13 @@ class BenchOptions:
     root: Path | None = None
     tmpfs: Path | None = TMPFS
     bookkeeping_episodes: int = 3000
+    bookkeeping_repeats: int = 5
     sandbox_mb: tuple[int, ...] = SANDBOX_MB
     sandbox_rounds: int = SANDBOX_ROUNDS
     relay_calls: int = RELAY_CALLS
     replay_turns: tuple[int, ...] = REPLAY_TURNS
+    real_state: tuple[RealStateCase, ...] = REAL_STATE
+    scale_episodes: tuple[int, ...] = SCALE_EPISODES
 
     @property
     def durable_size(self) -> int:
@@ -91,8 +132,8 @@ class BenchOptions:
             raise ValueError("rounds must be >= 1")
         if self.warmup < 0:
             raise ValueError("warmup must be >= 0")
-        if self.bookkeeping_episodes < 1:
-            raise ValueError("bookkeeping_episodes must be >= 1")
+        if self.bookkeeping_episodes < 1 or self.bookkeeping_repeats < 1:
+            raise ValueError("bookkeeping_episodes and bookkeeping_repeats must be >= 1")
         if not self.sandbox_mb or any(n < 1 for n in self.sandbox_mb):
             raise ValueError("sandbox sizes must be megabytes >= 1")
         if self.sandbox_rounds < 1:
@@ -101,10 +142,14 @@ class BenchOptions:
             raise ValueError("relay_calls must be >= 1")
         if not self.replay_turns or any(n < 1 for n in self.replay_turns):
             raise ValueError("replay episode lengths must be turns >= 1")
+        if any(n < 1 for n in self.scale_episodes):
+            raise ValueError("scale episodes must be >= 1")
         workload = self.workload
-        for name in ("agents", "steps", "group_size", "groups_per_step", "repeats"):
+        for name in ("agents", "steps", "group_size", "groups_per_step"):
             if getattr(workload, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
+        if workload.repeats < 0:
+            raise ValueError("repeats must be >= 0")
         if not workload.snapshot_interval_s > 0 or not workload.run_timeout_s > 0:
             raise ValueError("the snapshot interval and the run timeout must be > 0")
 

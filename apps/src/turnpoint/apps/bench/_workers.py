@@ -40,7 +40,15 @@ from turnpoint.apps.bench._baselines import start_echo_server, start_http_server
 from turnpoint.apps.examples._build import ExampleSpec, build_example
 from turnpoint.auth import TOKEN_ENV, load_token
 from turnpoint.ids import EpisodeId
-from turnpoint.participant_sdk import ParticipantRuntime, ResourcesServer, SnapshotStore, Verdict
+from turnpoint.participant_sdk import (
+    Agent,
+    EpisodeContext,
+    ParticipantRuntime,
+    ResourcesServer,
+    SnapshotStore,
+    Verdict,
+)
+from turnpoint.protocol import EpisodeState
 from turnpoint.server import HostedParticipant, ServerOptions, host_participant
 
 _LOG = logging.getLogger(__name__)
@@ -48,6 +56,7 @@ _LOG = logging.getLogger(__name__)
 HOST: Final = "127.0.0.1"
 _STOP_TIMEOUT_S: Final = 15.0
 _MODULE: Final = "turnpoint.apps.bench._workers"
+_PARK_TIMEOUT_S: Final = 120.0
 
 
 class FsyncCount:
@@ -107,17 +116,53 @@ class NoopResources(ResourcesServer):
         return None
 
 
+class ParkedStateAgent(Agent):
+    """An agent whose every episode seals one boundary with ``task["state_bytes"]``
+    characters of incompressible state (hex of random bytes, made here so that the
+    task itself stays small) and then waits on a model call that never returns: parked
+    at its boundary, holding that state for every snapshot to export."""
+
+    def __init__(self) -> None:
+        self._never: asyncio.Future[None] | None = None
+
+    async def _wait_forever(self) -> None:
+        if self._never is None:
+            self._never = asyncio.get_running_loop().create_future()
+        await self._never
+
+    async def run(self, ctx: EpisodeContext, task: Mapping[str, Any]) -> Mapping[str, Any]:
+        size = int(task["state_bytes"])
+        await ctx.boundary(0, {"state": os.urandom((size + 1) // 2).hex()[:size]})
+        await ctx.model_call(self._wait_forever)
+        return {}
+
+
+def parked_episodes(instance: str, parked: int) -> list[EpisodeId]:
+    """The episodes a fleet participant with ``parked`` episodes holds."""
+    return [EpisodeId(f"{instance}-e{k:05d}", 0) for k in range(parked)]
+
+
 def fleet_job(
-    root: Path, participants: Sequence[str], baselines: int, *, count_fsyncs: bool = False
+    root: Path,
+    participants: Sequence[str],
+    baselines: int,
+    *,
+    count_fsyncs: bool = False,
+    parked: int = 0,
+    state_bytes: int = 0,
 ) -> dict[str, Any]:
     """The job of a fleet worker: these participant instances and ``baselines`` servers
-    of each baseline kind; with ``count_fsyncs``, report the fsyncs made on exit."""
+    of each baseline kind; with ``count_fsyncs``, report the fsyncs made on exit. With
+    ``parked``, each participant is an agent holding that many episodes parked at a
+    boundary with ``state_bytes`` of state each (:class:`ParkedStateAgent`)."""
     return {
         "mode": "fleet",
         "root": str(root),
         "participants": list(participants),
         "baselines": baselines,
         "count_fsyncs": count_fsyncs,
+        "parked": parked,
+        "state_bytes": state_bytes,
     }
 
 
@@ -143,13 +188,34 @@ async def _host_fleet(job: Mapping[str, Any], token: str) -> tuple[dict[str, Any
     closers: list[Closer] = []
     participants: dict[str, int] = {}
 
+    parked = int(job.get("parked", 0))
+    state_bytes = int(job.get("state_bytes", 0))
+
     async def participant(instance: str) -> HostedParticipant:
-        runtime = ParticipantRuntime(instance, SnapshotStore(root), resources=NoopResources())
+        if parked:
+            runtime = ParticipantRuntime(instance, SnapshotStore(root), agent=ParkedStateAgent())
+        else:
+            runtime = ParticipantRuntime(instance, SnapshotStore(root), resources=NoopResources())
         return await host_participant(
             runtime, ServerOptions(host=HOST, port=0, token=token)
         ).start()
 
+    async def park(runtime: ParticipantRuntime) -> None:
+        for episode in parked_episodes(runtime.instance_name, parked):
+            stream = await runtime.accept_run(episode, {"state_bytes": state_bytes})
+            closers.append(stream.aclose)
+        settled = await runtime.wait_until(
+            lambda core: (
+                core.ready and core.recount()[1].get(EpisodeState.AWAITING_MODEL) == parked
+            ),
+            _PARK_TIMEOUT_S,
+        )
+        if not settled:
+            raise RuntimeError(f"{runtime.instance_name}: the episodes never parked")
+
     hosted = await asyncio.gather(*(participant(name) for name in job["participants"]))
+    if parked:
+        await asyncio.gather(*(park(item.runtime) for item in hosted))
     for item in hosted:
         participants[item.runtime.instance_name] = item.port
         closers.append(functools.partial(item.stop, 0))

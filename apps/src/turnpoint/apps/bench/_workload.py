@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import IO, Any, Final
 
 from turnpoint._files import create_file, replace_file
+from turnpoint.apps.bench._arithmetic import Interval, integrate, ratio_interval
 from turnpoint.apps.bench._options import WorkloadOptions
 from turnpoint.apps.bench._workers import WorkerProcess, topology_job
 from turnpoint.ids import EpisodeId
@@ -108,10 +109,21 @@ class RunFigures:
     snapshots_failed: int = 0
     snapshot_seconds: tuple[float, ...] = ()
     admission_closed_seconds: tuple[float, ...] = ()
+    # Rollout-seconds stalled by snapshots (dispatch closed x episodes held in flight)
+    # and the run's rollout-seconds (the integral of rollouts in flight).
+    closed_rollout_seconds: float = 0.0
+    rollout_seconds: float = 0.0
+    crashed: bool = False
 
     @property
     def per_second(self) -> float:
         return self.rollouts / self.seconds if self.seconds > 0 else 0.0
+
+    @property
+    def closed_fraction(self) -> float | None:
+        if self.rollout_seconds <= 0:
+            return None
+        return self.closed_rollout_seconds / self.rollout_seconds
 
 
 def _pooled_rate(runs: Sequence[RunFigures]) -> float:
@@ -160,6 +172,23 @@ class ThroughputResult:
         return statistics.median(ratios) if ratios else None
 
     @property
+    def interval(self) -> Interval | None:
+        """The pooled on/off ratio (mean rate on over mean rate off) with its bootstrap
+        95% interval over the runs of each side."""
+        return ratio_interval(
+            [run.per_second for run in self.on], [run.per_second for run in self.off]
+        )
+
+    @property
+    def closed_fraction(self) -> float | None:
+        """Rollout-seconds that snapshots held closed over the rollout-seconds of the
+        runs with snapshots on (pooled): the cost of snapshots where it arises."""
+        run = sum(run.rollout_seconds for run in self.on)
+        if run <= 0:
+            return None
+        return sum(run.closed_rollout_seconds for run in self.on) / run
+
+    @property
     def admission_closed_s(self) -> tuple[float, ...]:
         return tuple(seconds for run in self.on for seconds in run.admission_closed_seconds)
 
@@ -178,8 +207,19 @@ class ThroughputResult:
     def to_json(self) -> dict[str, Any]:
         ratios = self.ratios
         admission = self.admission_closed_s
+        interval = self.interval
+        closed = self.closed_fraction
         return {
             "steps": self.steps,
+            "dispatch_closed_fraction": None if closed is None else round(closed, 5),
+            "dispatch_closed_fraction_runs": [
+                None if run.closed_fraction is None else round(run.closed_fraction, 5)
+                for run in self.on
+            ],
+            "closed_rollout_seconds": round(sum(r.closed_rollout_seconds for r in self.on), 3),
+            "rollout_seconds": round(sum(r.rollout_seconds for r in self.on), 3),
+            "closed_measured_on_crash_run": any(run.crashed for run in self.on),
+            "ratio_on_vs_off_interval": None if interval is None else interval.to_json(),
             "ratio_on_vs_off_median": _round(self.ratio),
             "ratio_on_vs_off_runs": [round(r, 3) for r in ratios],
             "ratio_on_vs_off_spread": [round(min(ratios), 3), round(max(ratios), 3)]
@@ -191,7 +231,8 @@ class ThroughputResult:
             "snapshots_per_run": [run.snapshots_published for run in self.on],
             "min_snapshots_per_run": self.min_snapshots_per_run,
             "enough_snapshots": self.min_snapshots_per_run >= MIN_SNAPSHOTS,
-            "runs_per_side": len(self.on),
+            "runs_off": len(self.off),
+            "runs_on": len(self.on),
             "rollouts_per_run": [run.rollouts for run in self.on],
             "rollouts_per_s_off": round(self.per_second_off, 3),
             "rollouts_per_s_on": round(self.per_second_on, 3),
@@ -285,18 +326,36 @@ def read_events(path: Path) -> list[dict[str, Any]]:
     return events
 
 
-def run_figures(events: Sequence[Mapping[str, Any]]) -> RunFigures:
-    """Rollouts trained on and seconds from ``start`` to ``done`` of one finished run."""
+def run_figures(events: Sequence[Mapping[str, Any]], *, crashed: bool = False) -> RunFigures:
+    """Rollouts trained on and seconds from ``start`` to ``done`` of one finished run
+    (``crashed``: to its last event, for a run that was killed)."""
     starts = [float(e["t"]) for e in events if e.get("type") == "start"]
-    dones = [float(e["t"]) for e in events if e.get("type") == "done"]
-    if not starts or not dones:
+    if crashed:
+        ends = [max(float(e["t"]) for e in events if "t" in e)] if starts else []
+    else:
+        ends = [float(e["t"]) for e in events if e.get("type") == "done"]
+    if not starts or not ends:
         raise WorkloadError("the trainer's event log has no start and done events")
     rollouts = sum(len(e.get("rollouts", ())) for e in events if e.get("type") == "train_step")
     snapshots = [e for e in events if e.get("type") == "snapshot"]
     published = [e for e in snapshots if e.get("outcome") == "published"]
+    in_flight = [
+        (float(e["t"]), float(e.get("in_flight", 0)))
+        for e in events
+        if e.get("type") == "progress" and float(e["t"]) >= starts[0]
+    ]
+    if in_flight and in_flight[-1][0] < ends[-1]:
+        # The last sample holds until the run's end (samples are 0.5 s apart).
+        in_flight.append((ends[-1], in_flight[-1][1]))
+    closed = [
+        (float(e.get("admission_closed_s", 0.0)), int(e.get("continued", 0))) for e in snapshots
+    ]
     return RunFigures(
         rollouts=rollouts,
-        seconds=dones[-1] - starts[0],
+        seconds=ends[-1] - starts[0],
+        closed_rollout_seconds=sum(seconds * held for seconds, held in closed),
+        rollout_seconds=integrate(in_flight),
+        crashed=crashed,
         snapshots_published=len(published),
         snapshots_failed=sum(e.get("outcome") == "failed" for e in snapshots),
         snapshot_seconds=tuple(float(e["t_end"]) - float(e["t_start"]) for e in published),
@@ -459,7 +518,8 @@ async def _finished_run(
     figures = run_figures(await asyncio.to_thread(read_events, run.events))
     progress(
         f"    {figures.rollouts} rollouts in {figures.seconds:.1f} s: "
-        f"{figures.per_second:.1f} rollouts/s ({figures.snapshots_published} snapshots)"
+        f"{figures.per_second:.1f} rollouts/s ({figures.snapshots_published} snapshots, "
+        f"dispatch closed for {_share(figures.closed_fraction)} of the rollout-seconds)"
     )
     return figures
 
@@ -470,12 +530,25 @@ async def _finished_run(
 @dataclass(frozen=True, slots=True)
 class _Crash:
     """The snapshot a crashed run left as ``LATEST``, and the ones a restore could not
-    have used (``rejected``: id and the planner's reason)."""
+    have used (``rejected``: id and the planner's reason). ``figures``: what the run
+    measured up to the crash."""
 
     checkpoint_id: str
     resumable: int
     problem: str | None = None
     rejected: tuple[tuple[str, str], ...] = ()
+    figures: RunFigures | None = None
+
+
+def _steps_trained(events: Sequence[Mapping[str, Any]]) -> int:
+    return sum(1 for event in events if event.get("type") == "train_step")
+
+
+def _logged(events: Sequence[Mapping[str, Any]], checkpoint_id: str) -> bool:
+    return any(
+        event.get("type") == "snapshot" and event.get("checkpoint_id") == checkpoint_id
+        for event in events
+    )
 
 
 def _restore_problem(
@@ -517,17 +590,23 @@ async def _describe(run: _Run) -> Topology:
 
 
 async def _crash_with_episodes_in_flight(
-    run: _Run, options: WorkloadOptions, progress: Progress
+    run: _Run, options: WorkloadOptions, progress: Progress, *, min_steps: int = 0
 ) -> tuple[_Crash, WorkerProcess]:
     """Run the trainer until it publishes a snapshot that holds episodes in flight and
     that a restore can use, then kill the trainer. Returns the snapshot and the
-    participants, which survived it (the caller ends them)."""
+    participants, which survived it (the caller ends them).
+
+    With ``min_steps``, only a snapshot published once that many steps were trained
+    ends the run: the run up to the crash is then a run with snapshots on, measured
+    (its figures in :attr:`_Crash.figures`), so that the quick bench needs no run of
+    its own for the cost of snapshots."""
     await asyncio.to_thread(run.snapshots.mkdir, parents=True, exist_ok=True)
     worker = await _start_participants(run, options)
     layout = SnapshotLayout(run.snapshots)
     topology: Topology | None = None
     checked: dict[str, tuple[int, str | None]] = {}
     rejected: list[tuple[str, str]] = []
+    early: set[str] = set()
     try:
         # More steps than it needs: it is killed long before the end.
         argv = _trainer_argv(run, options, options.snapshot_interval_s, options.steps * 20)
@@ -542,8 +621,18 @@ async def _crash_with_episodes_in_flight(
                     # A monitor, not a synchronisation: the trainer publishes on its own.
                     await asyncio.sleep(_WATCH_PERIOD_S)
                     latest = await asyncio.to_thread(layout.latest)
-                    if latest is None or latest in checked:
+                    if latest is None or latest in checked or latest in early:
                         continue
+                    if min_steps:
+                        # Read once per new snapshot (and until its event is logged).
+                        events = await asyncio.to_thread(read_events, run.events)
+                        if _steps_trained(events) < min_steps:
+                            early.add(latest)
+                            continue
+                        if not _logged(events, latest):
+                            # Published, its report not written yet: the run's figures
+                            # must hold the snapshot that ends it.
+                            continue
                     if topology is None:
                         topology = await _describe(run)
                     found = await asyncio.to_thread(_restore_problem, layout, latest, topology)
@@ -567,8 +656,20 @@ async def _crash_with_episodes_in_flight(
     if final not in checked:
         checked[final] = await asyncio.to_thread(_restore_problem, layout, final, topology)
     resumable, problem = checked[final]
+    figures = None
+    if min_steps:
+        figures = run_figures(await asyncio.to_thread(read_events, run.events), crashed=True)
+        progress(
+            f"    {figures.rollouts} rollouts in {figures.seconds:.1f} s up to the crash "
+            f"({figures.snapshots_published} snapshots, dispatch closed for "
+            f"{_share(figures.closed_fraction)} of the rollout-seconds)"
+        )
     progress(f"  crashed after {final} ({resumable} episodes in flight to resume)")
-    return _Crash(final, resumable, problem, tuple(rejected)), worker
+    return _Crash(final, resumable, problem, tuple(rejected), figures), worker
+
+
+def _share(fraction: float | None) -> str:
+    return "n/a" if fraction is None else f"{fraction:.2%}"
 
 
 def _progressed(client: RolloutClient, redispatched: Mapping[EpisodeId, int]) -> bool:
@@ -578,6 +679,15 @@ def _progressed(client: RolloutClient, redispatched: Mapping[EpisodeId, int]) ->
         rollout.episode in redispatched and rollout.boundaries_seen > redispatched[rollout.episode]
         for rollout in client.in_flight()
     )
+
+
+def _load_restore_modules() -> None:
+    for module in (
+        "torch",
+        "turnpoint.apps.demo._trainer",
+        "turnpoint.apps.examples._participants",
+    ):
+        importlib.import_module(module)
 
 
 async def _timed_restore(
@@ -692,13 +802,20 @@ async def run_workload(
     root: Path, options: WorkloadOptions, *, token: str, progress: Progress
 ) -> tuple[ThroughputResult, RestoreResult, RestoreResult]:
     """Throughput with snapshots off and on, then a crash of the trainer, its restart
-    into the participants that survived, and a cold restore onto new ones."""
+    into the participants that survived, and a cold restore onto new ones.
+
+    With no repeats (``--quick``), no run is made each way: the crashed run trains
+    ``options.steps`` steps with snapshots on before it may crash, and the cost of its
+    snapshots (the share of its rollout-seconds that dispatch was closed) is the
+    throughput figure; there is no on/off ratio."""
     work = root / "workload"
-    progress(
-        f"throughput: demo trainer, {options.steps} steps of {options.groups_per_step} groups "
-        f"x {options.group_size}, {options.agents} agents; {options.repeats} run(s) without "
-        f"snapshots and as many with one every {options.snapshot_interval_s:g} s"
-    )
+    if options.repeats:
+        progress(
+            f"throughput: demo trainer, {options.steps} steps of {options.groups_per_step} "
+            f"groups x {options.group_size}, {options.agents} agents; {options.repeats} "
+            "run(s) without snapshots and as many with one every "
+            f"{options.snapshot_interval_s:g} s, interleaved"
+        )
     runs: dict[str, list[RunFigures]] = {"off": [], "on": []}
     for repeat in range(options.repeats):
         # Off, on, then on, off: a machine that speeds up or slows down during the runs
@@ -709,15 +826,35 @@ async def run_workload(
             run = _Run(work / f"{side}-{repeat}", token)
             progress(f"  run {repeat + 1}, snapshots {side}")
             runs[side].append(await _finished_run(run, options, interval, progress))
+    measured_before_crash = 0 if options.repeats else options.steps
+    if measured_before_crash:
+        progress(
+            f"restore and the cost of snapshots: a run of {options.steps} steps of "
+            f"{options.groups_per_step} groups x {options.group_size}, {options.agents} agents, "
+            f"a snapshot every {options.snapshot_interval_s:g} s, its trainer crashed with "
+            "episodes in flight and restarted into the surviving participants, then a cold start"
+        )
+    else:
+        progress(
+            "restore: a trainer crashed with episodes in flight, restarted into the surviving "
+            "participants, then a cold start"
+        )
+    crashed = _Run(work / "crash", token)
+    # The restores build the demo's policy in this process: torch and the demo's modules
+    # load in a thread while the crashed run's processes start (its trainer loads torch
+    # too before its first event), rather than after the crash.
+    preload = asyncio.ensure_future(asyncio.to_thread(_load_restore_modules))
+    try:
+        crash, survivors = await _crash_with_episodes_in_flight(
+            crashed, options, progress, min_steps=measured_before_crash
+        )
+    finally:
+        await preload
+    if crash.figures is not None:
+        runs["on"].append(crash.figures)
     throughput = ThroughputResult(
         options.steps, options.snapshot_interval_s, tuple(runs["off"]), tuple(runs["on"])
     )
-    progress(
-        "restore: a trainer crashed with episodes in flight, restarted into the surviving "
-        "participants, then a cold start"
-    )
-    crashed = _Run(work / "crash", token)
-    crash, survivors = await _crash_with_episodes_in_flight(crashed, options, progress)
     try:
         if crash.problem is not None:
             unusable = RestoreResult(

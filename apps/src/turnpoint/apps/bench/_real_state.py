@@ -1,0 +1,190 @@
+"""Snapshots that carry real state, against the disk's own floor (issue 30 item 2).
+
+A fleet of participants each holding parked episodes with incompressible state
+(:class:`~turnpoint.apps.bench._workers.ParkedStateAgent`) is snapshotted through the
+real coordinator on the disk root, every episode exported, fsyncs counted
+(:func:`~turnpoint.apps.bench._control_overhead.measure_durable_commit`). The floor is
+measured in the same run by a plain program: the last published snapshot's files,
+the same sizes, written afresh with one fsync per file and one per directory (and the
+two the publication adds: a pointer file and the root), one writer thread per
+directory as the participants write in parallel. The figures: the whole snapshot
+(prepare to resume) over the floor, the microseconds per episode beyond it, and the
+fsyncs per snapshot over the files and directories it makes durable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import statistics
+import tempfile
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from turnpoint.apps.bench._arithmetic import beyond_floor_us
+from turnpoint.apps.bench._control_overhead import (
+    DurableCommit,
+    SnapshotTree,
+    measure_durable_commit,
+)
+from turnpoint.apps.bench._options import RealStateCase
+
+Progress = Callable[[str], None]
+_MAX_WRITERS: Final = 64
+_FILE_MODE: Final = 0o644
+
+
+@dataclass(frozen=True, slots=True)
+class RealStateRow:
+    """One case: the snapshot (median seconds, fsyncs) and the floor's seconds."""
+
+    case: RealStateCase
+    commit: DurableCommit
+    floor_s: tuple[float, ...]
+
+    @property
+    def snapshot_s(self) -> float:
+        return self.commit.total_ms / 1000
+
+    @property
+    def floor_median_s(self) -> float:
+        return statistics.median(self.floor_s)
+
+    @property
+    def ratio(self) -> float:
+        return self.snapshot_s / self.floor_median_s
+
+    @property
+    def episodes(self) -> int:
+        return self.case.participants * self.case.parked
+
+    @property
+    def beyond_floor_us_per_episode(self) -> float:
+        return beyond_floor_us(self.snapshot_s, self.floor_median_s, self.episodes)
+
+    @property
+    def fsyncs_per_durable_item(self) -> float | None:
+        tree = self.commit.tree
+        return None if tree is None else self.commit.fsyncs / tree.durable_items
+
+    def to_json(self) -> dict[str, Any]:
+        per_item = self.fsyncs_per_durable_item
+        return {
+            "participants": self.case.participants,
+            "episodes_per_participant": self.case.parked,
+            "state_bytes_per_episode": self.case.state_bytes,
+            "snapshot_s": round(self.snapshot_s, 4),
+            "floor_s": round(self.floor_median_s, 4),
+            "floor_runs_s": [round(s, 4) for s in self.floor_s],
+            "snapshot_vs_floor": round(self.ratio, 3),
+            "beyond_floor_us_per_episode": round(self.beyond_floor_us_per_episode, 2),
+            "fsyncs_per_snapshot": round(self.commit.fsyncs, 2),
+            "fsyncs_per_file_and_directory": None if per_item is None else round(per_item, 3),
+            "commit": self.commit.to_json(),
+        }
+
+
+def _write_file(path: Path, data: memoryview) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, _FILE_MODE)
+    try:
+        written = 0
+        while written < len(data):
+            written += os.write(fd, data[written:])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def physical_floor(tree: SnapshotTree, scratch: Path) -> float:
+    """Seconds to write ``tree`` under ``scratch`` (a fresh directory) with one fsync per
+    file and per directory, plus a pointer file and the fsync of ``scratch`` itself.
+    Blocking; the bytes are drawn before the clock starts."""
+    largest = max((size for _, size in tree.files), default=0)
+    data = memoryview(os.urandom(max(largest, 1)))
+    by_directory: dict[str, list[tuple[str, int]]] = defaultdict(list)
+    for name, size in tree.files:
+        by_directory[str(Path(name).parent)].append((name, size))
+    parents = {str(Path(d).parent) for d in tree.directories}
+    # The participants' directories are written in parallel, each by its own writer;
+    # a directory holding others is done after them, deepest first, as the publication
+    # does the snapshot's own directory last.
+    leaves = [d for d in tree.directories if d not in parents]
+    inner = sorted((d for d in tree.directories if d in parents), key=lambda d: -d.count("/"))
+
+    def write_directory(directory: str) -> None:
+        for name, size in by_directory.get(directory, ()):
+            _write_file(scratch / name, data[:size])
+        _fsync_dir(scratch / directory)
+
+    start = time.perf_counter()
+    for directory in tree.directories:
+        (scratch / directory).mkdir()
+    with ThreadPoolExecutor(
+        min(max(len(leaves), 1), _MAX_WRITERS), thread_name_prefix="bench-floor"
+    ) as pool:
+        list(pool.map(write_directory, leaves))
+    for directory in inner:
+        write_directory(directory)
+    _write_file(scratch / "LATEST", memoryview(b"pointer\n"))
+    _fsync_dir(scratch)
+    return time.perf_counter() - start
+
+
+async def measure_real_state(
+    root: Path,
+    case: RealStateCase,
+    *,
+    workers: int,
+    rounds: int,
+    warmup: int,
+    token: str,
+    progress: Progress,
+) -> RealStateRow:
+    """One case's snapshots on ``root``, then the floor as many times in the same run."""
+    progress(
+        f"real state: {case.participants} participant(s) x {case.parked} parked episodes x "
+        f"{case.state_bytes} B on {root}, fsyncs counted, then the physical floor"
+    )
+    commit = await measure_durable_commit(
+        root,
+        case.participants,
+        workers=min(workers, case.participants),
+        rounds=rounds,
+        warmup=warmup,
+        token=token,
+        progress=progress,
+        parked=case.parked,
+        state_bytes=case.state_bytes,
+        label=f"real-state-{case.label}",
+    )
+    tree = commit.tree
+    if tree is None:
+        raise RuntimeError(f"real state {case.label}: no snapshot was published")
+    floors = []
+    for _ in range(rounds):
+        with tempfile.TemporaryDirectory(
+            prefix="floor-", dir=root, ignore_cleanup_errors=True
+        ) as scratch:
+            floors.append(await asyncio.to_thread(physical_floor, tree, Path(scratch)))
+    row = RealStateRow(case, commit, tuple(floors))
+    progress(
+        f"  {case.label}: snapshot {row.snapshot_s * 1000:.1f} ms, floor "
+        f"{row.floor_median_s * 1000:.1f} ms ({tree.bytes / (1 << 20):.1f} MB in "
+        f"{len(tree.files)} files, {len(tree.directories)} directories): "
+        f"{row.ratio:.2f}x, {row.beyond_floor_us_per_episode:.1f} us per episode beyond it; "
+        f"{commit.fsyncs:.1f} fsyncs for {tree.durable_items} files and directories"
+    )
+    return row
