@@ -27,6 +27,7 @@ PURE_CORES = (
     "turnpoint.trainer.restore.restarts",
     "turnpoint.trainer.restore.choice",
     "turnpoint.trainer.restore.heal",
+    "turnpoint.apps.bench._heal_figures",
     "turnpoint.trainer.status.history",
     "turnpoint.trainer.storage.manifest",
     "turnpoint.trainer.weights.core",
