@@ -49,6 +49,8 @@ def test_bench_heal_measures_both_ways_and_leaves_no_process(tmp_path: Path) -> 
     assert figure["time_to_whole_heal_vs_restart"] == pytest.approx(
         heal["time_to_whole_s"] / restart["time_to_whole_s"], abs=2e-3
     )
+    for side in (heal, restart):
+        assert 0 < side["detected_s"] <= side["time_to_whole_s"]
     assert _children() == []
 
 

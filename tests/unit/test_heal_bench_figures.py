@@ -35,7 +35,7 @@ def test_negative_or_boolean_boundaries_are_refused(
         turns_recomputed(reached, resumed_from)
 
 
-def _side(way: str, cut: int, turns: int, seconds: float) -> RecoveryFigures:
+def _side(way: str, cut: int, turns: int, seconds: float, detected: float = 0.0) -> RecoveryFigures:
     return RecoveryFigures(
         way,  # type: ignore[arg-type]
         episodes_in_flight=256,
@@ -43,6 +43,7 @@ def _side(way: str, cut: int, turns: int, seconds: float) -> RecoveryFigures:
         turns_recomputed=turns,
         time_to_whole_s=seconds,
         processes_started=1 if way == "heal" else 3,
+        detected_s=detected,
     )
 
 
@@ -58,11 +59,24 @@ def test_the_ratios_are_heal_over_restart() -> None:
     assert "0.0125" in figure.lines()[-1]
 
 
+def test_the_recovery_leaves_out_the_detection_both_ways_share() -> None:
+    heal = _side("heal", 4, 8, 3.0, detected=2.0)
+    restart = _side("restart", 256, 640, 6.0, detected=2.0)
+    figure = HealFigure(64, 256, heal, restart)
+    assert (heal.recovery_s, restart.recovery_s) == (1.0, 4.0)
+    assert figure.recovery_ratio == pytest.approx(0.25)
+    assert figure.time_ratio == pytest.approx(0.5)
+    assert figure.to_json()["recovery_heal_vs_restart"] == 0.25
+    assert figure.to_json()["heal"]["recovery_s"] == 1.0
+
+
 def test_a_restart_that_redid_nothing_has_no_ratio() -> None:
     figure = HealFigure(2, 1, _side("heal", 0, 0, 1.0), _side("restart", 0, 0, 0.0))
     assert figure.turns_ratio is None and figure.time_ratio is None
     assert figure.to_json()["turns_recomputed_heal_vs_restart"] is None
-    assert figure.lines()[-1].endswith("turns recomputed n/a, time to whole n/a")
+    assert figure.lines()[-1].endswith(
+        "turns recomputed n/a, time to whole n/a, from the loss found to whole n/a"
+    )
 
 
 def test_the_figures_refuse_what_cannot_be() -> None:
@@ -72,6 +86,8 @@ def test_the_figures_refuse_what_cannot_be() -> None:
         _side("heal", 300, 1, 1.0)
     with pytest.raises(ValueError, match=">= 0"):
         _side("heal", 1, -1, 1.0)
+    with pytest.raises(ValueError, match="not within"):
+        _side("heal", 1, 1, 1.0, detected=1.5)
     with pytest.raises(ValueError, match="in that order"):
         HealFigure(2, 1, _side("restart", 1, 1, 1.0), _side("heal", 1, 1, 1.0))
 

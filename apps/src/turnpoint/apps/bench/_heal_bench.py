@@ -42,7 +42,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
 
@@ -65,7 +65,7 @@ from turnpoint.apps.bench._heal_fleet import (
 )
 
 if TYPE_CHECKING:
-    from turnpoint.trainer import Checkpointing, LocalProcessLauncher, Rollout
+    from turnpoint.trainer import Checkpointing, Launcher, LocalProcessLauncher, Rollout
     from turnpoint.trainer.advanced import RolloutClient
     from turnpoint.trainer.restore.heal import HealPlan
 
@@ -126,6 +126,20 @@ class _Fleet:
             await self.launcher.aclose()
         for group in self.groups:
             await group.kill()
+
+
+class _NotingLauncher:
+    """The fleet's launcher, noting when the trainer first asks for a replacement: the
+    moment the heal acts on the loss."""
+
+    def __init__(self, launcher: LocalProcessLauncher) -> None:
+        self._launcher = launcher
+        self.asked_at: float | None = None
+
+    async def replace(self, instance: str) -> str:
+        if self.asked_at is None:
+            self.asked_at = time.perf_counter()
+        return await self._launcher.replace(instance)
 
 
 def _shares(names: Sequence[str], processes: int) -> list[list[str]]:
@@ -220,7 +234,7 @@ def _trainer(
     options: HealOptions,
     token: str,
     *,
-    launcher: LocalProcessLauncher | None = None,
+    launcher: Launcher | None = None,
     on_lost: Callable[[Exception], None] | None = None,
 ) -> Checkpointing:
     from turnpoint.trainer import (
@@ -284,14 +298,22 @@ async def _one_way(
     bound = options.timeout_s
     fleet = await _start_fleet(root, options, token)
     lost = asyncio.Event()
+    lost_at: list[float] = []
+
+    def on_lost(_error: Exception) -> None:
+        lost_at.append(time.perf_counter())
+        lost.set()
+
     try:
+        assert fleet.launcher is not None
+        noting = _NotingLauncher(fleet.launcher)
         ckpt = _trainer(
             root,
             fleet.addresses,
             options,
             token,
-            launcher=fleet.launcher if way == "heal" else None,
-            on_lost=lambda _error: lost.set(),
+            launcher=noting if way == "heal" else None,
+            on_lost=on_lost,
         )
         async with ckpt:
             client = ckpt.rollouts
@@ -320,10 +342,11 @@ async def _one_way(
             reached, attempts = _boundaries(client), _attempts(client)
             progress(f"  {way}: {checkpoint_id} published; SIGKILL of {options.victim}")
             killed = time.perf_counter()
-            assert fleet.launcher is not None
             await fleet.launcher.kill(options.victim)
             if way == "heal":
-                return await _healed(ckpt, options, checkpoint_id, reached, attempts, killed)
+                healed = await _healed(ckpt, options, checkpoint_id, reached, attempts, killed)
+                assert noting.asked_at is not None  # the heal asked for its replacement
+                return replace(healed, detected_s=noting.asked_at - killed)
             async with asyncio.timeout(bound):
                 await lost.wait()
             # The supervisor stops every participant; the survivors ran on until now.
@@ -333,7 +356,10 @@ async def _one_way(
     finally:
         await fleet.kill_all()
     progress(f"  restart: {options.participants} participants started again, restoring")
-    return await _restarted(root, options, token, checkpoint_id, saved, reached, attempts, killed)
+    restarted = await _restarted(
+        root, options, token, checkpoint_id, saved, reached, attempts, killed
+    )
+    return replace(restarted, detected_s=lost_at[0] - killed)
 
 
 async def _healed(

@@ -53,7 +53,10 @@ class RecoveryFigures:
     or rerun from their prompts); ``turns_recomputed`` their turns sealed again (see
     :func:`turns_recomputed`); ``time_to_whole_s``: from the SIGKILL until every
     participant serves again and every episode cut back has sealed a new turn (the
-    detection of the loss included, the same bound both ways); ``processes_started``:
+    detection of the loss included, the same bound both ways); ``detected_s``: from
+    the SIGKILL until the trainer acted on the loss (the heal asked its launcher for a
+    replacement; the restart's trainer gave the run up), so that
+    :attr:`recovery_s` is what the two ways do differently; ``processes_started``:
     participant processes started to recover.
     """
 
@@ -64,6 +67,7 @@ class RecoveryFigures:
     time_to_whole_s: float
     processes_started: int
     checkpoint_id: str = ""
+    detected_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.way not in WAYS:
@@ -76,10 +80,20 @@ class RecoveryFigures:
         )
         if any(n < 0 for n in counts) or not self.time_to_whole_s >= 0:
             raise ValueError("counts and times must be >= 0")
+        if not 0 <= self.detected_s <= self.time_to_whole_s:
+            raise ValueError(
+                f"detected after {self.detected_s} s, not within the {self.time_to_whole_s} s "
+                "to whole"
+            )
         if self.episodes_cut_back > self.episodes_in_flight:
             raise ValueError(
                 f"{self.episodes_cut_back} episodes cut back of {self.episodes_in_flight} in flight"
             )
+
+    @property
+    def recovery_s(self) -> float:
+        """From the loss found until the fleet is whole."""
+        return self.time_to_whole_s - self.detected_s
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -87,6 +101,8 @@ class RecoveryFigures:
             "episodes_cut_back": self.episodes_cut_back,
             "turns_recomputed": self.turns_recomputed,
             "time_to_whole_s": round(self.time_to_whole_s, 3),
+            "detected_s": round(self.detected_s, 3),
+            "recovery_s": round(self.recovery_s, 3),
             "processes_started": self.processes_started,
             "checkpoint_id": self.checkpoint_id,
         }
@@ -120,18 +136,24 @@ class HealFigure:
         return _ratio(self.heal.time_to_whole_s, self.restart.time_to_whole_s)
 
     @property
+    def recovery_ratio(self) -> float | None:
+        """From the loss found until whole, healed over restarted."""
+        return _ratio(self.heal.recovery_s, self.restart.recovery_s)
+
+    @property
     def regressed(self) -> bool:
         """The turns ratio is past :data:`TURNS_RATIO_MUST` by the margin, or missing."""
         turns = self.turns_ratio
         return turns is None or turns > TURNS_RATIO_MUST * REGRESSION_MARGIN
 
     def to_json(self) -> dict[str, Any]:
-        turns, time = self.turns_ratio, self.time_ratio
+        turns, time, recovery = self.turns_ratio, self.time_ratio, self.recovery_ratio
         return {
             "participants": self.participants,
             "episodes": self.episodes,
             "turns_recomputed_heal_vs_restart": None if turns is None else round(turns, 4),
             "time_to_whole_heal_vs_restart": None if time is None else round(time, 3),
+            "recovery_heal_vs_restart": None if recovery is None else round(recovery, 3),
             "heal": self.heal.to_json(),
             "restart": self.restart.to_json(),
             "turn_delay_s": self.turn_delay_s,
@@ -143,24 +165,28 @@ class HealFigure:
 
     def lines(self) -> list[str]:
         """The figure as a few lines of text (what ``turnpoint bench-heal`` prints)."""
-        turns, time = self.turns_ratio, self.time_ratio
+        turns, time, recovery = self.turns_ratio, self.time_ratio, self.recovery_ratio
         rows = [
             f"Heal in place vs job restart: one agent SIGKILLed, {self.participants} "
             f"participants, {self.episodes} episodes in flight (a turn every "
             f"{self.turn_delay_s:g} s, lost after {self.lost_after_s:g} s of silence, load "
             + ("n/a" if self.load_average_1m is None else f"{self.load_average_1m:.2f}")
             + ")",
-            f"{'':>8} {'cut back':>9} {'turns redone':>13} {'to whole s':>11} {'started':>8}",
+            f"{'':>8} {'cut back':>9} {'turns redone':>13} {'to whole s':>11} "
+            f"{'found s':>8} {'then s':>7} {'started':>8}",
         ]
         for side in (self.heal, self.restart):
             rows.append(
                 f"{side.way:>8} {side.episodes_cut_back:>9} {side.turns_recomputed:>13} "
-                f"{side.time_to_whole_s:>11.3f} {side.processes_started:>8}"
+                f"{side.time_to_whole_s:>11.3f} {side.detected_s:>8.3f} "
+                f"{side.recovery_s:>7.3f} {side.processes_started:>8}"
             )
         rows.append(
             "heal / restart: turns recomputed "
             + ("n/a" if turns is None else f"{turns:.4f}")
             + ", time to whole "
             + ("n/a" if time is None else f"{time:.3f}")
+            + ", from the loss found to whole "
+            + ("n/a" if recovery is None else f"{recovery:.3f}")
         )
         return rows
