@@ -17,11 +17,12 @@ is the real :class:`Checkpointing` facade in this process, watching liveness. Ea
    (the work a recovery may throw away); the victim is SIGKILLed;
 2. **heal**: the facade, given the launcher, finds the victim lost, has it replaced and
    restores its episodes from C; the others keep running. Whole: every episode of the
-   heal's plan has sealed a turn past where it resumed;
+   heal's plan runs again (its agent accepted its new attempt, restored from C or
+   rerun from its prompt);
 3. **restart**: the facade, given no launcher, ends the run on the loss; as the demo's
    supervisor does, every participant process is SIGKILLed and the trainer closed,
    then the whole fleet is started again and a new trainer incarnation (the next epoch)
-   restores C. Whole: every restored episode has sealed a turn past where it resumed.
+   restores C. Whole: every restored episode runs again (accepted as its new attempt).
    The trainer runs in this process, so its own restart (an interpreter and torch) is
    not counted: the restart's time is a lower bound.
 
@@ -41,7 +42,7 @@ import secrets
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Final
@@ -199,19 +200,13 @@ def _attempts(client: RolloutClient) -> dict[str, int]:
     return {r.episode.rollout_id: r.episode.attempt for r in client.in_flight()}
 
 
-def _progressed(
-    client: RolloutClient, resumed_from: Mapping[str, int], attempts: Mapping[str, int]
+def _running_again(
+    client: RolloutClient, episodes: Iterable[str], attempts: Mapping[str, int]
 ) -> bool:
-    """Every episode in ``resumed_from`` runs as a later attempt than ``attempts`` and
-    has sealed a turn past where it resumed."""
-    live = {r.episode.rollout_id: r for r in client.in_flight()}
-    for rollout_id, start in resumed_from.items():
-        rollout = live.get(rollout_id)
-        if rollout is None or rollout.episode.attempt <= attempts.get(rollout_id, -1):
-            return False
-        if rollout.boundaries_seen <= start:
-            return False
-    return True
+    """Every one of ``episodes`` runs again: its agent accepted a later attempt than
+    the one in ``attempts`` (the one the SIGKILL or the teardown stopped)."""
+    live = _attempts(client)
+    return all(live.get(rid, -1) > attempts.get(rid, -1) for rid in episodes)
 
 
 def _saved_boundaries(root: Path, checkpoint_id: str) -> dict[str, int]:
@@ -375,7 +370,7 @@ async def _healed(
     def whole() -> bool:
         if not ckpt.heals:
             return False
-        return _progressed(client, _resumed_from_heal(ckpt.heals[0]), attempts)
+        return _running_again(client, _resumed_from_heal(ckpt.heals[0]), attempts)
 
     await client.wait_for(whole, options.timeout_s)
     healed = time.perf_counter()
@@ -421,7 +416,7 @@ async def _restarted(
                 resumed_from.update(dict.fromkeys(rerun, 0))
             client = ckpt.rollouts
             await client.wait_for(
-                lambda: _progressed(client, resumed_from, attempts), options.timeout_s
+                lambda: _running_again(client, resumed_from, attempts), options.timeout_s
             )
             whole = time.perf_counter()
     finally:

@@ -52,8 +52,9 @@ class RecoveryFigures:
     ``episodes_cut_back``: episodes that went back to the snapshot (continued from it
     or rerun from their prompts); ``turns_recomputed`` their turns sealed again (see
     :func:`turns_recomputed`); ``time_to_whole_s``: from the SIGKILL until every
-    participant serves again and every episode cut back has sealed a new turn (the
-    detection of the loss included, the same bound both ways); ``detected_s``: from
+    participant serves again and every episode cut back runs again, accepted by its
+    agent as its new attempt (the detection of the loss included, the same bound both
+    ways); ``detected_s``: from
     the SIGKILL until the trainer acted on the loss (the heal asked its launcher for a
     replacement; the restart's trainer gave the run up), so that
     :attr:`recovery_s` is what the two ways do differently; ``processes_started``:
