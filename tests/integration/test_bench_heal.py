@@ -28,7 +28,7 @@ def test_bench_heal_measures_both_ways_and_leaves_no_process(tmp_path: Path) -> 
     argv = [
         "bench-heal",
         *("--participants", "4", "--episodes", "8", "--processes", "1"),
-        *("--turn-delay", "0.02", "--lost-after", "1.0"),
+        *("--turn-delay", "0.02", "--lost-after", "1.0", "--timeout", "60"),
         *("--advance-turns", str(ADVANCE_TURNS), "--root", str(tmp_path), "--json"),
     ]
     with contextlib.redirect_stdout(out):

@@ -339,7 +339,9 @@ async def _one_way(
             killed = time.perf_counter()
             await fleet.launcher.kill(options.victim)
             if way == "heal":
-                healed = await _healed(ckpt, options, checkpoint_id, reached, attempts, killed)
+                healed = await _healed(
+                    ckpt, options, checkpoint_id, reached, attempts, killed, lost
+                )
                 assert noting.asked_at is not None  # the heal asked for its replacement
                 return replace(healed, detected_s=noting.asked_at - killed)
             async with asyncio.timeout(bound):
@@ -364,6 +366,7 @@ async def _healed(
     reached: Mapping[str, int],
     attempts: Mapping[str, int],
     killed: float,
+    failed: asyncio.Event,
 ) -> RecoveryFigures:
     client = ckpt.rollouts
 
@@ -372,8 +375,22 @@ async def _healed(
             return False
         return _running_again(client, _resumed_from_heal(ckpt.heals[0]), attempts)
 
-    await client.wait_for(whole, options.timeout_s)
+    # The facade reports a loss it could not heal (the heal failed, or another
+    # participant was lost): that ends the measurement at once, not at the timeout.
+    waits = [
+        asyncio.ensure_future(client.wait_for(whole, options.timeout_s)),
+        asyncio.ensure_future(failed.wait()),
+    ]
+    try:
+        done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for wait in waits:
+            wait.cancel()
+        await asyncio.gather(*waits, return_exceptions=True)
     healed = time.perf_counter()
+    if waits[0] not in done:
+        raise HealBenchError(f"{options.victim} was not healed in place: the run ended")
+    waits[0].result()  # a timeout is raised here
     (plan,) = ckpt.heals
     if plan.checkpoint_id != checkpoint_id:
         raise HealBenchError(f"the heal restored {plan.checkpoint_id}, not {checkpoint_id}")
@@ -485,6 +502,7 @@ def _options(args: argparse.Namespace) -> HealOptions:
         advance_turns=args.advance_turns,
         lost_after_s=args.lost_after,
         processes=args.processes,
+        timeout_s=args.timeout,
     )
 
 
@@ -552,6 +570,9 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     )
     parser.add_argument(
         "--processes", type=int, default=defaults.processes, help="processes hosting the fleet"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=defaults.timeout_s, help="seconds each wait may take"
     )
     parser.add_argument("--root", type=Path, help="snapshot roots (default: a temp dir)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
