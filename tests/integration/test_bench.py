@@ -102,6 +102,10 @@ def bench(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], lis
         "0.002",
         "--long-generations-plot",
         str(root / "long.png"),
+        "--heal-participants",
+        "3",
+        "--heal-turn-delay",
+        "0.02",
         "--root",
         str(root),
     ]
@@ -135,7 +139,12 @@ def test_the_json_has_every_figure_as_a_positive_number(
         "targets",
         "details",
         "long_generations",
+        "heal_in_place",
     }
+    # Issue 24: agent-1 of two holds 6 of the 12 episodes; the restart cuts back all.
+    heal = figures["heal_in_place"]
+    assert (heal["participants"], heal["episodes"]) == (3, 12)
+    assert (heal["heal"]["episodes_cut_back"], heal["restart"]["episodes_cut_back"]) == (6, 12)
     # docs/spec.md section 5.7.3: the unchanged tree writes its handle record only.
     [sandbox] = figures["sandbox_snapshots"]
     assert sandbox["megabytes"] == 2

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 from rich.console import Console
 from rich.table import Table
 
+from turnpoint.apps.bench._heal_bench import add_heal_arguments
 from turnpoint.apps.bench._long_generations import add_long_generation_arguments
 from turnpoint.apps.bench._options import (
     DURABLE_SIZE,
@@ -256,6 +257,7 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         help="where --ray-scale writes its plot (default: %(default)s)",
     )
     add_long_generation_arguments(parser)
+    add_heal_arguments(parser)
     parser.set_defaults(handler=bench_command)
 
 
@@ -369,8 +371,8 @@ def bench_command(args: argparse.Namespace) -> int:
         from turnpoint.apps.bench._heal_fleet import HealBenchError
 
         try:
-            heal, heal_text = heal_in_place_section(_progress)
-        except (HealBenchError, TimeoutError, OSError) as error:
+            heal, heal_text = heal_in_place_section(args, _progress)
+        except (HealBenchError, TimeoutError, OSError, ValueError) as error:
             print(f"turnpoint bench: {type(error).__name__}: {error}", file=sys.stderr)
             return 1
     if args.json:

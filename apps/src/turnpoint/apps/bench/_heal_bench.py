@@ -75,6 +75,7 @@ Progress = Callable[[str], None]
 # An episode never finishes within a run: only the recovery moves it.
 _TARGET: Final = 10**6
 _START_TIMEOUT_S: Final = 120.0
+_EPISODES_PER_PARTICIPANT: Final = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +104,17 @@ class HealOptions:
             raise ValueError("warm_turns, advance_turns and processes must be >= 1")
         if not (self.turn_delay_s > 0 and self.lost_after_s > 0 and self.timeout_s > 0):
             raise ValueError("the turn delay, the loss bound and the timeout must be > 0")
+
+    @classmethod
+    def sized(cls, participants: int, turn_delay_s: float) -> HealOptions:
+        """The full bench's figure: four episodes per participant (256 at 64), and a
+        participant silent for two turns (at least 1 s) taken for lost."""
+        return cls(
+            participants=participants,
+            episodes=_EPISODES_PER_PARTICIPANT * participants,
+            turn_delay_s=turn_delay_s,
+            lost_after_s=max(1.0, 2 * turn_delay_s),
+        )
 
     @property
     def agents(self) -> tuple[str, ...]:
@@ -506,10 +518,33 @@ def _options(args: argparse.Namespace) -> HealOptions:
     )
 
 
-def heal_in_place_section(progress: Progress) -> tuple[dict[str, Any], str]:
-    """The full ``turnpoint bench``'s part: the default figure, as JSON and as text
-    (its ``regressed`` says whether ``--check`` fails on it)."""
-    figure = asyncio.run(measure_heal_in_place(HealOptions(), progress))
+def add_heal_arguments(parser: argparse.ArgumentParser) -> None:
+    """The full ``turnpoint bench``'s options for this figure."""
+    defaults = HealOptions()
+    parser.add_argument(
+        "--heal-participants",
+        type=int,
+        default=defaults.participants,
+        metavar="N",
+        help="heal in place vs job restart: participants, four episodes each (default %(default)s)",
+    )
+    parser.add_argument(
+        "--heal-turn-delay",
+        type=float,
+        default=defaults.turn_delay_s,
+        metavar="SECONDS",
+        help="heal in place vs job restart: seconds per turn (default %(default)s)",
+    )
+
+
+def heal_in_place_section(
+    args: argparse.Namespace, progress: Progress
+) -> tuple[dict[str, Any], str]:
+    """The full ``turnpoint bench``'s part, as JSON and as text (its ``regressed`` says
+    whether ``--check`` fails on it). Raises ``ValueError`` for options out of range."""
+    options = HealOptions.sized(args.heal_participants, args.heal_turn_delay)
+    root = None if args.root is None else args.root / "heal-in-place"
+    figure = asyncio.run(measure_heal_in_place(options, progress, root))
     return figure.to_json(), "\n".join(figure.lines())
 
 
