@@ -28,6 +28,7 @@ PURE_CORES = (
     "turnpoint.trainer.restore.choice",
     "turnpoint.trainer.restore.heal",
     "turnpoint.trainer.restore.stale",
+    "turnpoint.apps.bench._heal_figures",
     "turnpoint.trainer.status.history",
     "turnpoint.trainer.storage.manifest",
     "turnpoint.trainer.weights.core",

@@ -31,6 +31,7 @@ _APPLICATIONS = (
     ("turnpoint.apps.bench._participant_bench", "add_bench_parser", "demo"),
     ("turnpoint.apps.bench._cli", "add_bench_parser", "demo"),
     ("turnpoint.apps.bench._storage_bench", "add_bench_parser", "demo"),
+    ("turnpoint.apps.bench._heal_bench", "add_bench_parser", "demo"),
     ("turnpoint.apps.demo", "add_demo_parser", "demo"),
     ("turnpoint.apps.conformance", "add_conformance_parser", "demo"),
 )
@@ -40,6 +41,7 @@ _COMMANDS = {
     "turnpoint.apps.bench._participant_bench": ("bench-participant",),
     "turnpoint.apps.bench._cli": ("bench",),
     "turnpoint.apps.bench._storage_bench": ("bench-storage",),
+    "turnpoint.apps.bench._heal_bench": ("bench-heal",),
     "turnpoint.apps.demo": ("demo",),
     "turnpoint.apps.conformance": ("conformance",),
 }

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 from rich.console import Console
 from rich.table import Table
 
+from turnpoint.apps.bench._heal_bench import add_heal_arguments
 from turnpoint.apps.bench._long_generations import add_long_generation_arguments
 from turnpoint.apps.bench._options import (
     DURABLE_SIZE,
@@ -324,6 +325,7 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         help="where --ray-scale writes its plot (default: %(default)s)",
     )
     add_long_generation_arguments(parser)
+    add_heal_arguments(parser)
     parser.set_defaults(handler=bench_command)
 
 
@@ -438,18 +440,37 @@ def bench_command(args: argparse.Namespace) -> int:
         except (TimeoutError, OSError) as error:
             print(f"turnpoint bench: {type(error).__name__}: {error}", file=sys.stderr)
             return 1
+    # The full run also measures healing in place against a job restart (issue 24);
+    # --quick leaves it to ``turnpoint bench-heal``.
+    heal: dict[str, Any] | None = None
+    heal_text = ""
+    if not args.quick:
+        from turnpoint.apps.bench._heal_bench import heal_in_place_section
+        from turnpoint.apps.bench._heal_fleet import HealBenchError
+
+        try:
+            heal, heal_text = heal_in_place_section(args, _progress)
+        except (HealBenchError, TimeoutError, OSError, ValueError) as error:
+            print(f"turnpoint bench: {type(error).__name__}: {error}", file=sys.stderr)
+            return 1
     if args.json:
         figures = report.to_json()
         if long_generations is not None:
             figures["long_generations"] = long_generations
+        if heal is not None:
+            figures["heal_in_place"] = heal
         print(json.dumps(figures, indent=2))
     else:
         render_table(report, sys.stdout)
         if long_text:
             print(long_text)
+        if heal_text:
+            print(heal_text)
     regressions = report.regressions()
     if long_generations is not None and long_generations_failed(long_generations):
         regressions.append("long generations: with cutting, admission-closed grows with length")
+    if heal is not None and heal["regressed"]:
+        regressions.append("heal in place: turns recomputed heal / restart")
     if args.check and regressions:
         print(
             "turnpoint bench: past the must-have by 1.5x: " + ", ".join(regressions),
