@@ -337,7 +337,6 @@ def _run(options: DemoOptions, paths: DemoPaths, token: str, console: Console) -
     else:
         launcher = ProcessLauncher(
             paths,
-            token,
             start_timeout_s=options.start_timeout_s,
             commands=options.participant_commands,
         )
