@@ -306,6 +306,9 @@ def test_the_demo_on_a_local_ray_cluster(tmp_path: Path) -> None:
     assert "starting participants (Ray actors)" in run.stdout
     assert [event["type"] for event in run.supervisor] == ["crash", "restart"]
     assert_restored_the_newest_published(run)
+    # The actors served the data-plane token beside the control one: the agents called
+    # their peers with it all through the run (docs/spec.md section 10.2 item 6).
+    assert_the_run_had_two_tokens(run)
 
 
 # ---------------------------------------------------------------------- kill points
