@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -158,6 +159,17 @@ def test_the_short_demo_crashes_restores_and_passes_the_audit(tmp_path: Path) ->
     assert len(tools) == 1 and ", each once; " in tools[0], run.stdout
     assert int(tools[0].split()[2]) > 0, tools[0]
     assert_the_status_history_shows_the_crash_and_every_snapshot(run)
+    assert_the_run_had_two_tokens(run)
+
+
+def assert_the_run_had_two_tokens(run: Run) -> None:
+    """docs/spec.md section 10.2 item 6: a control token (the trainer's) and a distinct
+    data-plane token, both owner-only; the agents trained through the crash calling their
+    peers with the data-plane one (tests/integration/test_demo_supervisor.py reads a live
+    agent's argv and environment: no control token there)."""
+    control, data = run.out / "token", run.out / "data-token"
+    assert stat.S_IMODE(control.stat().st_mode) == stat.S_IMODE(data.stat().st_mode) == 0o600
+    assert data.read_text().strip() not in ("", control.read_text().strip())
 
 
 def assert_the_lost_agent_was_healed_in_place(run: Run) -> None:
@@ -294,6 +306,9 @@ def test_the_demo_on_a_local_ray_cluster(tmp_path: Path) -> None:
     assert "starting participants (Ray actors)" in run.stdout
     assert [event["type"] for event in run.supervisor] == ["crash", "restart"]
     assert_restored_the_newest_published(run)
+    # The actors served the data-plane token beside the control one: the agents called
+    # their peers with it all through the run (docs/spec.md section 10.2 item 6).
+    assert_the_run_had_two_tokens(run)
 
 
 # ---------------------------------------------------------------------- kill points

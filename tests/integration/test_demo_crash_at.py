@@ -87,7 +87,6 @@ async def _run(tmp_path: Path, crash_at: str, *, max_restarts: int = 3) -> tuple
     paths, token = prepare_out_dir(options.out)
     launcher = ProcessLauncher(
         paths,
-        token,
         start_timeout_s=TIMEOUT_S,
         serve_command=_script(tmp_path, "fake_serve.py", _FAKE_SERVE),
     )

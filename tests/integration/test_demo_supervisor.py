@@ -10,6 +10,7 @@ crash is due. The whole flow then takes a second instead of two real runs.
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import os
@@ -32,6 +33,7 @@ from turnpoint.apps.demo._supervisor import (
     Participant,
     ParticipantSpec,
     ProcessLauncher,
+    ProcessParticipant,
     prepare_out_dir,
     run_demo,
     server_specs,
@@ -220,7 +222,7 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 async def test_real_participants_serve_with_the_run_token_and_stop_cleanly(tmp_path: Path) -> None:
     options = _options(tmp_path / "out", agents=1)
     paths, token = prepare_out_dir(options.out)
-    launcher = ProcessLauncher(paths, token, start_timeout_s=TIMEOUT_S)
+    launcher = ProcessLauncher(paths, start_timeout_s=TIMEOUT_S)
 
     participants = await start_participants(launcher, options, paths, generation=1)
     try:
@@ -245,11 +247,23 @@ async def test_real_participants_serve_with_the_run_token_and_stop_cleanly(tmp_p
                     pb.DescribeRequest(), metadata=auth_metadata(token), timeout=TIMEOUT_S
                 )
                 assert described.instance_name == entry["instance"]
+        # docs/spec.md section 10.2 item 6: the agent (code that calls out) holds the
+        # control token in neither its argv nor its environment; it is given both
+        # tokens by file, the data-plane one for its own calls.
+        agent = participants["agent-0"]
+        assert isinstance(agent, ProcessParticipant)
+        proc = Path(f"/proc/{agent.pid}")
+        argv = await asyncio.to_thread((proc / "cmdline").read_bytes)
+        environ = b"\0" + await asyncio.to_thread((proc / "environ").read_bytes)
+        assert token.encode() not in argv and token.encode() not in environ
+        assert b"\0TURNPOINT_TOKEN=" not in environ and b"\0TURNPOINT_TOKEN_FILE=" not in environ
+        assert f"\0--data-token-file\0{paths.data_token_file}\0".encode() in argv
     finally:
         await stop_participants(participants.values())
 
     assert all(p.exit_status() == 0 for p in participants.values())
-    assert stat.S_IMODE(paths.token_file.stat().st_mode) == 0o600
+    for credential in (paths.token_file, paths.data_token_file):
+        assert stat.S_IMODE(credential.stat().st_mode) == 0o600
     assert sorted(p.name for p in paths.logs.iterdir()) == [
         "agent-0.1.stderr",
         "group-tools.1.stderr",
@@ -261,8 +275,8 @@ async def test_real_participants_serve_with_the_run_token_and_stop_cleanly(tmp_p
 async def test_a_participant_that_exits_before_serving_fails_fast_with_its_stderr(
     tmp_path: Path,
 ) -> None:
-    paths, token = prepare_out_dir(tmp_path / "out")
-    launcher = ProcessLauncher(paths, token, start_timeout_s=TIMEOUT_S)
+    paths, _ = prepare_out_dir(tmp_path / "out")
+    launcher = ProcessLauncher(paths, start_timeout_s=TIMEOUT_S)
     bogus = ParticipantSpec(instance="tools", kind="resources", example="bogus")
 
     with pytest.raises(DemoError) as caught:
@@ -277,9 +291,9 @@ async def test_a_participant_that_exits_before_serving_fails_fast_with_its_stder
 
 
 async def test_a_participant_that_never_serves_is_killed_at_the_timeout(tmp_path: Path) -> None:
-    paths, token = prepare_out_dir(tmp_path / "out")
+    paths, _ = prepare_out_dir(tmp_path / "out")
     silent = [sys.executable, "-c", "import signal; signal.pause()"]
-    launcher = ProcessLauncher(paths, token, start_timeout_s=0.5, serve_command=silent)
+    launcher = ProcessLauncher(paths, start_timeout_s=0.5, serve_command=silent)
 
     with pytest.raises(DemoError) as caught:
         await launcher.start(ParticipantSpec(instance="policy", kind="model", example="x"), 1)
@@ -292,7 +306,7 @@ async def test_a_participant_that_never_serves_is_killed_at_the_timeout(tmp_path
 
 async def test_when_one_participant_fails_the_others_are_stopped(tmp_path: Path) -> None:
     options = _options(tmp_path / "out")
-    paths, token = prepare_out_dir(options.out)
+    paths, _ = prepare_out_dir(options.out)
     fake = _fake_serve(tmp_path)
     # Every server starts except group-tools, whose command exits at once.
     failing = [
@@ -301,7 +315,7 @@ async def test_when_one_participant_fails_the_others_are_stopped(tmp_path: Path)
         "import sys; sys.exit(7) if 'group-tools' in sys.argv else exec(open(sys.argv[1]).read())",
         fake[1],
     ]
-    launcher = _RecordingLauncher(paths, token, start_timeout_s=TIMEOUT_S, serve_command=failing)
+    launcher = _RecordingLauncher(paths, start_timeout_s=TIMEOUT_S, serve_command=failing)
 
     with pytest.raises(DemoError, match=r"participant group-tools did not start .*status 7"):
         await start_participants(launcher, options, paths, generation=1)
@@ -317,7 +331,7 @@ async def test_the_crash_restarts_the_job_and_the_resumed_trainer_finishes(tmp_p
     options = _options(tmp_path / "out", steps=4, seed=1)
     paths, token = prepare_out_dir(options.out)
     launcher = _RecordingLauncher(
-        paths, token, start_timeout_s=TIMEOUT_S, serve_command=_fake_serve(tmp_path)
+        paths, start_timeout_s=TIMEOUT_S, serve_command=_fake_serve(tmp_path)
     )
     output = io.StringIO()
 
@@ -386,7 +400,7 @@ async def test_participants_that_never_come_up_leave_no_trainer_behind(tmp_path:
         "import sys; sys.exit(7) if 'group-tools' in sys.argv else exec(open(sys.argv[1]).read())",
         _fake_serve(tmp_path)[1],
     ]
-    launcher = _RecordingLauncher(paths, token, start_timeout_s=TIMEOUT_S, serve_command=failing)
+    launcher = _RecordingLauncher(paths, start_timeout_s=TIMEOUT_S, serve_command=failing)
 
     with pytest.raises(DemoError, match=r"participant group-tools did not start .*status 7"):
         await run_demo(
@@ -425,7 +439,7 @@ async def test_a_failing_trainer_fails_the_demo_with_its_stderr_and_stops_everyt
     options = _options(tmp_path / "out", max_restarts=0)
     paths, token = prepare_out_dir(options.out)
     launcher = _RecordingLauncher(
-        paths, token, start_timeout_s=TIMEOUT_S, serve_command=_fake_serve(tmp_path)
+        paths, start_timeout_s=TIMEOUT_S, serve_command=_fake_serve(tmp_path)
     )
 
     with pytest.raises(DemoError) as caught:
@@ -457,7 +471,7 @@ async def test_a_trainer_that_keeps_failing_is_restored_max_restarts_times_then_
     options = _options(tmp_path / "out", max_restarts=2, first_restart_pause_s=0.01)
     paths, token = prepare_out_dir(options.out)
     launcher = _RecordingLauncher(
-        paths, token, start_timeout_s=TIMEOUT_S, serve_command=_fake_serve(tmp_path)
+        paths, start_timeout_s=TIMEOUT_S, serve_command=_fake_serve(tmp_path)
     )
 
     with pytest.raises(DemoError, match=r"max_restarts=2\); the run ends") as caught:
@@ -590,11 +604,15 @@ def test_a_foreign_out_dir_is_never_wiped(
 def test_a_previous_demo_out_dir_is_wiped(tmp_path: Path) -> None:
     first, _ = prepare_out_dir(tmp_path / "out")
     (first.out / "events.jsonl").write_text("old\n")
+    first_data_token = first.data_token_file.read_text().strip()
 
     second, token = prepare_out_dir(tmp_path / "out")
 
     assert not (second.out / "events.jsonl").exists()
     assert second.token_file.read_text().strip() == token
+    # Two credentials, fresh each run (docs/spec.md section 10.2 item 6).
+    data_token = second.data_token_file.read_text().strip()
+    assert data_token not in ("", token, first_data_token)
     assert second.snapshots.is_dir() and second.logs.is_dir()
 
 
@@ -631,7 +649,7 @@ def test_only_the_restarted_tools_server_holds_its_calls(tmp_path: Path) -> None
 
     def holding(generation: int) -> dict[str, list[str]]:
         return {
-            spec.instance: spec.serve_arguments(paths.snapshots)[-2:]
+            spec.instance: spec.serve_arguments(paths)[-2:]
             for spec in server_specs(options, paths, generation)
             if spec.hold_calls_until is not None
         }

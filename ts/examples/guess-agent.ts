@@ -17,7 +17,7 @@ import { PolicyService, ResourcesService, TurnpointClient, episodeKey } from "..
 import type { Agent, EpisodeContext, EpisodeId, JsonObject } from "../src/index.js";
 import type { Reply, Task, Turn } from "./guess-task.js";
 import { MAX_NEW_TOKENS_PER_TURN, encodeContext, episodeAnswer, isFinished, parseGuess, taskFromJson, turnFromJson, turnToJson } from "./guess-task.js";
-import { serveExample } from "./serve.js";
+import { peerToken, serveExample } from "./serve.js";
 
 function episodeProto(e: EpisodeId): { rolloutId: string; attempt: number } {
   return { rolloutId: e.rolloutId, attempt: e.attempt };
@@ -164,7 +164,7 @@ const code = await serveExample("agent", ["guess"], (args) => {
   if (args.policy === undefined || args.resources.size === 0) {
     throw new RangeError("the guess agent needs --policy ADDRESS and --resources ENV=ADDRESS (one per environment it serves)");
   }
-  agent = new GuessAgent(args.policy, args.resources, args.token, 1.0, args.turnDelayS);
+  agent = new GuessAgent(args.policy, args.resources, peerToken(args), 1.0, args.turnDelayS);
   return { agent, close: async () => agent?.close() };
 });
 process.exitCode = code;

@@ -17,6 +17,8 @@ export interface ServeArgs {
   readonly port: number;
   readonly root: string;
   readonly token: string | null;
+  /** The data-plane credential (spec 10.2): what the example's own calls out present. */
+  readonly dataToken: string | null;
   readonly insecureNoAuth: boolean;
   readonly tlsCert?: string;
   readonly tlsKey?: string;
@@ -53,6 +55,7 @@ export function parseServeArgs(argv: readonly string[], kind: string, examples: 
         port: { type: "string", default: "0" },
         root: { type: "string", default: "snapshots" },
         "token-file": { type: "string" },
+        "data-token-file": { type: "string" },
         "insecure-no-auth": { type: "boolean", default: false },
         "tls-cert": { type: "string" },
         "tls-key": { type: "string" },
@@ -90,6 +93,8 @@ export function parseServeArgs(argv: readonly string[], kind: string, examples: 
   if (token === null && !v["insecure-no-auth"]) {
     throw new UsageError("no token: set TURNPOINT_TOKEN or pass --token-file (or --insecure-no-auth for a local experiment)");
   }
+  const dataTokenFile = v["data-token-file"];
+  const dataToken = dataTokenFile === undefined ? null : loadToken(dataTokenFile);
   const port = number(v.port, "port", 0);
   if (!Number.isInteger(port) || port > 65535) throw new UsageError(`--port must be in 0..65535, got ${v.port}`);
   return {
@@ -100,6 +105,7 @@ export function parseServeArgs(argv: readonly string[], kind: string, examples: 
     port,
     root: v.root ?? "snapshots",
     token,
+    dataToken,
     insecureNoAuth: v["insecure-no-auth"] ?? false,
     ...(v["tls-cert"] !== undefined ? { tlsCert: v["tls-cert"] } : {}),
     ...(v["tls-key"] !== undefined ? { tlsKey: v["tls-key"] } : {}),
@@ -112,6 +118,11 @@ export function parseServeArgs(argv: readonly string[], kind: string, examples: 
     graceS: number(v.grace, "grace", 10),
     turnDelayS: number(v["turn-delay"], "turn-delay", 0),
   };
+}
+
+/** What an example presents on its own calls out: the data-plane token when there is one. */
+export function peerToken(args: ServeArgs): string | null {
+  return args.dataToken ?? args.token;
 }
 
 /** Parse the command line, build the example and serve it with the SDK's `serve`. */
@@ -135,6 +146,7 @@ export async function serveExample(
     host: args.host,
     port: args.port,
     token: args.token,
+    dataToken: args.dataToken,
     allowInsecureNoAuth: args.insecureNoAuth,
     graceS: args.graceS,
     leaseS: args.leaseS,

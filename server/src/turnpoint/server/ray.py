@@ -190,7 +190,9 @@ class FleetOptions:
 
     The token: ``server.token`` travels to the actors through Ray; ``token_file`` is read
     on each actor's node instead (the same path everywhere), so the token never leaves
-    the file system. With neither, ``$TURNPOINT_TOKEN`` of the actor's process.
+    the file system. With neither, ``$TURNPOINT_TOKEN`` of the actor's process. The
+    data-plane token (docs/spec.md section 10.2) likewise: ``server.data_token``, else
+    ``data_token_file`` read on the actor's node, else none (the token serves both roles).
 
     ``environment``: variables every actor's process gets (Ray's ``runtime_env``), for
     what a node does not have of its own: the snapshot store's endpoint, for one
@@ -200,6 +202,7 @@ class FleetOptions:
 
     server: ServerOptions = field(default_factory=ServerOptions)
     token_file: str | None = None
+    data_token_file: str | None = None
     environment: Mapping[str, str] = field(default_factory=dict)
     start_timeout_s: float = DEFAULT_START_TIMEOUT_S
     stop_timeout_s: float = DEFAULT_STOP_TIMEOUT_S
@@ -267,7 +270,12 @@ class ParticipantActor:
         token = template.token
         if token is None:
             token = await asyncio.to_thread(load_token, self._options.token_file)
-        server = dataclasses.replace(template, host=host, port=0, token=token)
+        data_token = template.data_token
+        if data_token is None and self._options.data_token_file is not None:
+            data_token = await asyncio.to_thread(load_token, self._options.data_token_file)
+        server = dataclasses.replace(
+            template, host=host, port=0, token=token, data_token=data_token
+        )
         try:
             for instance in self._instances:
                 built = self._build(instance)

@@ -237,8 +237,8 @@ def add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         default=[],
         metavar="INSTANCE=COMMAND",
         help="run INSTANCE (tools, group-tools, policy, agent-N) with COMMAND instead of "
-        "'turnpoint serve': any program that takes its arguments and prints its serving "
-        "line, e.g. tools='node ts/dist/examples/guess-resources.js' (repeatable)",
+        "'turnpoint serve': any program that takes its arguments (the two tokens come as "
+        "--token-file and --data-token-file) and prints its serving line, e.g. tools='node ts/dist/examples/guess-resources.js' (repeatable)",
     )
     parser.add_argument(
         "--chaos",
@@ -337,7 +337,6 @@ def _run(options: DemoOptions, paths: DemoPaths, token: str, console: Console) -
     else:
         launcher = ProcessLauncher(
             paths,
-            token,
             start_timeout_s=options.start_timeout_s,
             commands=options.participant_commands,
         )

@@ -63,15 +63,19 @@ _GRACE_S: Final = 10.0
 
 @dataclass(frozen=True)
 class DemoBuild:
-    """Builds one example participant inside its actor (pickled to the actor's node)."""
+    """Builds one example participant inside its actor (pickled to the actor's node).
+
+    ``peer_token_file``: what the participant presents on its own calls out (an agent's
+    to its policy and resources), the run's data-plane token, never the control one
+    (docs/spec.md section 10.2)."""
 
     spec: ParticipantSpec
     snapshot_root: str
-    token_file: str
+    peer_token_file: str
 
     async def __call__(self, instance: str) -> Built:
         spec = self.spec
-        token = await asyncio.to_thread(load_token, self.token_file)
+        token = await asyncio.to_thread(load_token, self.peer_token_file)
         # The examples import torch: seconds of import that must not stall the loop.
         await asyncio.to_thread(importlib.import_module, "turnpoint.apps.examples._participants")
         example = ExampleSpec(
@@ -166,6 +170,7 @@ class RayLauncher:
         self._options = FleetOptions(
             server=ServerOptions(grace_seconds=_GRACE_S),
             token_file=str(paths.token_file),
+            data_token_file=str(paths.data_token_file),
             start_timeout_s=start_timeout_s,
             # --storage s3: the store's endpoint and dummy credentials, as for processes.
             environment=paths.store.environment if paths.store is not None else {},
@@ -197,7 +202,7 @@ class RayLauncher:
         group = ParticipantGroup(
             kind=spec.kind,
             instances=(spec.instance,),
-            build=DemoBuild(spec, self._paths.snapshot_root, str(self._paths.token_file)),
+            build=DemoBuild(spec, self._paths.snapshot_root, str(self._paths.data_token_file)),
             placement=self._placement,
         )
         failed: set[str] = set()

@@ -5,8 +5,13 @@ OS-picked port (or, with ``--ray``, a Ray actor hosting its own gRPC server, see
 :mod:`turnpoint.apps.demo._ray`): the policy model server ``policy``, the resources
 servers ``tools`` (environment ``guess``, a per-sibling verifier) and ``group-tools``
 (``guess-group``, group-scored), and agents ``agent-0`` .. ``agent-{N-1}`` that serve both
-environments. They share one bearer token (a fresh one per run, in ``<out>/token``, mode
-0600; the children get it as ``$TURNPOINT_TOKEN``) and one snapshot root
+environments. They run on two bearer tokens, fresh each run, mode 0600 (docs/spec.md
+section 10.2): the control token ``<out>/token``, the trainer's (and the supervisor's),
+and the data-plane token ``<out>/data-token``, the one every participant's own calls out
+use (an agent's to its policy and resources; the OpenAI endpoint's API key, so the
+opaque agents' relay too). A participant gets both as files (``--token-file``,
+``--data-token-file``), the control one only to check the coordinator's calls; no
+participant's argv or environment holds the control token. They share one snapshot root
 ``<out>/snapshots`` (with ``--storage s3``: ``s3://<bucket>/snapshots`` on moto's S3
 server, which the supervisor runs on loopback in its own process; the children get its
 endpoint and dummy credentials in boto3's environment variables, and every other file of
@@ -527,7 +532,14 @@ class DemoPaths:
 
     @property
     def token_file(self) -> Path:
+        """The control credential: the trainer's (docs/spec.md section 10.2)."""
         return self.out / "token"
+
+    @property
+    def data_token_file(self) -> Path:
+        """The data-plane credential: what an agent presents to its policy and resources,
+        and the only one a participant's own calls out hold (docs/spec.md section 10.2)."""
+        return self.out / "data-token"
 
     @property
     def snapshots(self) -> Path:
@@ -561,7 +573,8 @@ class DemoPaths:
 
 
 def prepare_out_dir(out: Path, store: ObjectStore | None = None) -> tuple[DemoPaths, str]:
-    """Wipe and recreate ``out``; write a fresh token (0600). Returns the paths and token.
+    """Wipe and recreate ``out``; write a fresh control token and a fresh data-plane token
+    (both 0600, never equal). Returns the paths and the control token.
 
     With ``store`` the snapshots go there and ``out`` gets no ``snapshots`` directory.
 
@@ -580,8 +593,15 @@ def prepare_out_dir(out: Path, store: ObjectStore | None = None) -> tuple[DemoPa
     if store is None:
         paths.snapshots.mkdir()
     token = secrets.token_urlsafe(32)
+    data_token = secrets.token_urlsafe(32)
     # Owner-only, whole from its first instant, never replacing an existing file.
     create_file(paths.token_file, (token + "\n").encode("ascii"), temp_prefix=".token-", mode=0o600)
+    create_file(
+        paths.data_token_file,
+        (data_token + "\n").encode("ascii"),
+        temp_prefix=".data-token-",
+        mode=0o600,
+    )
     return paths, token
 
 
@@ -615,7 +635,12 @@ class ParticipantSpec:
     # The coding environment: its sandboxes and their snapshots, on this machine.
     sandbox_root: Path | None = None
 
-    def serve_arguments(self, snapshot_root: str) -> list[str]:
+    def serve_arguments(self, paths: DemoPaths) -> list[str]:
+        """``turnpoint serve``'s arguments. The credentials go by file, never by value:
+        the control token only to check the coordinator's calls, the data-plane token for
+        the participant's own calls out (an agent's to its policy and resources, the
+        OpenAI endpoint's API key), so no argv or environment of a participant holds the
+        control token (docs/spec.md section 10.2 item 6)."""
         arguments = [
             "--kind",
             self.kind,
@@ -628,7 +653,11 @@ class ParticipantSpec:
             "--port",
             "0",
             "--root",
-            snapshot_root,
+            paths.snapshot_root,
+            "--token-file",
+            str(paths.token_file),
+            "--data-token-file",
+            str(paths.data_token_file),
         ]
         if self.group_size is not None:
             arguments += ["--group-size", str(self.group_size)]
@@ -875,7 +904,6 @@ class ProcessLauncher:
     def __init__(
         self,
         paths: DemoPaths,
-        token: str,
         *,
         start_timeout_s: float = START_TIMEOUT_S,
         serve_command: Sequence[str] = DEFAULT_SERVE_COMMAND,
@@ -887,7 +915,7 @@ class ProcessLauncher:
         # Per instance, another program that takes `turnpoint serve`'s arguments and
         # prints its serving line: a participant written in another language.
         self._commands = {name: tuple(command) for name, command in (commands or {}).items()}
-        self._env = _child_env(token, paths)
+        self._env = _child_env(paths)
 
     async def start(self, spec: ParticipantSpec, generation: int) -> ProcessParticipant:
         stderr_path = self._paths.logs / f"{spec.instance}.{generation}.stderr"
@@ -895,7 +923,7 @@ class ProcessLauncher:
         try:
             process = await asyncio.create_subprocess_exec(
                 *self._commands.get(spec.instance, self._serve_command),
-                *spec.serve_arguments(self._paths.snapshot_root),
+                *spec.serve_arguments(self._paths),
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=stderr,
@@ -924,10 +952,15 @@ class ProcessLauncher:
         return ProcessParticipant(spec, process, address, stderr_path, lines.get("openai"))
 
 
-def _child_env(token: str, paths: DemoPaths) -> dict[str, str]:
+def _child_env(paths: DemoPaths, token: str | None = None) -> dict[str, str]:
+    """A child's environment: the trainer's holds the control ``token``; a participant's
+    none (its credentials come by file, :meth:`ParticipantSpec.serve_arguments`), not
+    even one the supervisor was started with."""
     env = dict(os.environ)
-    env[TOKEN_ENV] = token
+    env.pop(TOKEN_ENV, None)
     env.pop(TOKEN_FILE_ENV, None)
+    if token is not None:
+        env[TOKEN_ENV] = token
     env["PYTHONUNBUFFERED"] = "1"
     if paths.store is not None:
         # The store's endpoint and credentials reach the children only this way.
@@ -1140,7 +1173,7 @@ class _Trainer:
                 stdin=asyncio.subprocess.PIPE,
                 stdout=stdout,
                 stderr=stderr,
-                env=_child_env(token, paths),
+                env=_child_env(paths, token),
             )
         finally:
             stdout.close()
