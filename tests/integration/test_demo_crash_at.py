@@ -101,13 +101,18 @@ async def _run(tmp_path: Path, crash_at: str, *, max_restarts: int = 3) -> tuple
     return paths.out, status
 
 
-async def test_the_trainers_own_kill_is_the_crash_and_the_job_restarts(tmp_path: Path) -> None:
+async def test_the_trainers_own_kill_is_the_crash_and_the_trainer_restarts_alone(
+    tmp_path: Path,
+) -> None:
     out, _ = await _run(tmp_path, "commit-sent:2")
 
     supervisor = _jsonl(out / "supervisor.jsonl")
     assert [event["type"] for event in supervisor] == ["crash", "restart"]
     crash = supervisor[0]
-    assert crash["killed"] == ["trainer", "agent-0"]
+    # Every participant serves RestoreRunning: the next trainer restores into them where
+    # they run (docs/spec.md section 7.11 item 3), none of them restarted.
+    assert crash["killed"] == ["trainer"]
+    assert supervisor[1]["participants_restarted"] == 0
     assert (crash["point"], crash["nth"], crash["checkpoint_id"]) == ("commit-sent", 2, "ck-2")
     # --kill-at goes to the first trainer only; the second restores.
     first, second = _jsonl(out / "argv.jsonl")
