@@ -36,6 +36,7 @@ from turnpoint.apps.bench._options import (
     BenchOptions,
     RealStateCase,
     WorkloadOptions,
+    positive_ints,
 )
 
 if TYPE_CHECKING:
@@ -59,40 +60,10 @@ _QUICK_BOOKKEEPING_REPEATS = 3
 _FULL_BOOKKEEPING_REPEATS = 5
 
 
-def _sizes(text: str) -> tuple[int, ...]:
-    try:
-        sizes = tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--sizes takes numbers like 1,8,64, got {text!r}"
-        ) from None
-    if not sizes or any(n < 1 for n in sizes):
-        raise argparse.ArgumentTypeError("--sizes takes participant counts >= 1")
-    return sizes
-
-
-def _megabytes(text: str) -> tuple[int, ...]:
-    try:
-        sizes = tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--sandbox-mb takes numbers like 10,100, got {text!r}"
-        ) from None
-    if not sizes or any(n < 1 for n in sizes):
-        raise argparse.ArgumentTypeError("--sandbox-mb takes megabytes >= 1")
-    return sizes
-
-
-def _turns(text: str) -> tuple[int, ...]:
-    try:
-        turns = tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--replay-turns takes numbers like 5,20,50, got {text!r}"
-        ) from None
-    if not turns or any(n < 1 for n in turns):
-        raise argparse.ArgumentTypeError("--replay-turns takes turns >= 1")
-    return turns
+_sizes = positive_ints("--sizes", "1,8,64", "participant counts")
+_megabytes = positive_ints("--sandbox-mb", "10,100", "megabytes")
+_turns = positive_ints("--replay-turns", "5,20,50", "turns")
+_scale_counts = positive_ints("--scale-episodes", "1000,10000", "episode counts")
 
 
 def _real_state(text: str) -> tuple[RealStateCase, ...]:
@@ -105,17 +76,7 @@ def _real_state(text: str) -> tuple[RealStateCase, ...]:
 
 
 def _episode_counts(text: str) -> tuple[int, ...]:
-    if text.strip().lower() == "none":
-        return ()
-    try:
-        counts = tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"--scale-episodes takes numbers like 1000,10000, got {text!r}"
-        ) from None
-    if not counts or any(n < 1 for n in counts):
-        raise argparse.ArgumentTypeError("--scale-episodes takes episode counts >= 1")
-    return counts
+    return () if text.strip().lower() == "none" else _scale_counts(text)
 
 
 def _positive_int(text: str) -> int:

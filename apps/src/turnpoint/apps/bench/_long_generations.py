@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from turnpoint.apps.bench._options import positive_ints
+
 LENGTHS: Final = (50, 200, 800)
 TOKEN_DELAY_S: Final = 0.005
 SNAPSHOTS: Final = 5
@@ -166,16 +168,7 @@ def render_plot(rows: Sequence[LongGenerationRow], path: Path, token_delay_s: fl
     plt.close(figure)
 
 
-def _lengths(text: str) -> tuple[int, ...]:
-    try:
-        lengths = tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected token counts like 50,200,800, got {text!r}"
-        ) from None
-    if not lengths or any(n < 1 for n in lengths):
-        raise argparse.ArgumentTypeError("token counts must be >= 1")
-    return lengths
+_lengths = positive_ints("--generation-lengths", "50,200,800", "token counts")
 
 
 def _delay(text: str) -> float:

@@ -3,6 +3,8 @@ builds them before anything heavy is loaded)."""
 
 from __future__ import annotations
 
+import argparse
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
@@ -16,6 +18,23 @@ QUICK_SANDBOX_ROUNDS: Final = 2
 RELAY_CALLS: Final = 200
 QUICK_RELAY_CALLS: Final = 40
 REPLAY_TURNS: Final = (5, 20, 50)
+
+
+def positive_ints(flag: str, example: str, what: str) -> Callable[[str], tuple[int, ...]]:
+    """An argparse type for ``flag``: comma-separated integers, each at least 1."""
+
+    def parse(text: str) -> tuple[int, ...]:
+        try:
+            values = tuple(int(part) for part in text.split(",") if part.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{flag} takes numbers like {example}, got {text!r}"
+            ) from None
+        if not values or any(n < 1 for n in values):
+            raise argparse.ArgumentTypeError(f"{flag} takes {what} >= 1")
+        return values
+
+    return parse
 
 
 @dataclass(frozen=True, slots=True)
