@@ -578,16 +578,9 @@ class EgressRelay:
         headers = {ROLLOUT_HEADER: episode.rollout_id, ATTEMPT_HEADER: str(episode.attempt)}
         if self._options.upstream_api_key is not None:
             headers["Authorization"] = f"Bearer {self._options.upstream_api_key}"
-        try:
-            async with self._session.post(
-                self._options.upstream + "/chat/completions", json=whole, headers=headers
-            ) as answer:
-                payload = await answer.read()
-                status = answer.status
-        except (aiohttp.ClientError, TimeoutError) as error:
-            raise ApiError(
-                502, f"the policy endpoint is unreachable: {error}", "server_error", code="upstream"
-            ) from None
+        status, payload = await self._post(
+            self._options.upstream + "/chat/completions", whole, headers, "the policy endpoint"
+        )
         try:
             decoded = json.loads(payload)
         except (UnicodeDecodeError, json.JSONDecodeError):
@@ -595,6 +588,22 @@ class EgressRelay:
         if status != 200 or not isinstance(decoded, dict):
             raise _upstream_error(status, decoded)
         return decoded
+
+    async def _post(
+        self, url: str, body: Mapping[str, Any], headers: Mapping[str, str], what: str
+    ) -> tuple[int, bytes]:
+        """POST ``body`` to ``url``: the status and the body. A redirect is the answer,
+        never followed: the relay reaches only the URLs it was configured with."""
+        assert self._session is not None, "the relay is not started"
+        try:
+            async with self._session.post(
+                url, json=dict(body), headers=dict(headers), allow_redirects=False
+            ) as answer:
+                return answer.status, await answer.read()
+        except (aiohttp.ClientError, TimeoutError) as error:
+            raise ApiError(
+                502, f"{what} is unreachable: {error}", "server_error", code="upstream"
+            ) from None
 
     async def _forward_tool(
         self, episode: EpisodeId, tool: str, body: Mapping[str, Any], key: str
@@ -607,18 +616,9 @@ class EgressRelay:
             ATTEMPT_HEADER: str(episode.attempt),
             IDEMPOTENCY_HEADER: key,
         }
-        try:
-            # A redirect is the tool's answer, never followed: the relay reaches only the
-            # URLs it was configured with.
-            async with self._session.post(
-                self._options.tools[tool], json=dict(body), headers=headers, allow_redirects=False
-            ) as answer:
-                payload = await answer.read()
-                status = answer.status
-        except (aiohttp.ClientError, TimeoutError) as error:
-            raise ApiError(
-                502, f"the tool {tool!r} is unreachable: {error}", "server_error", code="upstream"
-            ) from None
+        status, payload = await self._post(
+            self._options.tools[tool], dict(body), headers, f"the tool {tool!r}"
+        )
         try:
             decoded = json.loads(payload)
         except (UnicodeDecodeError, json.JSONDecodeError):
