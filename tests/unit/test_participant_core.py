@@ -336,6 +336,28 @@ def test_a_running_restore_with_retire_unscoped_frees_everything_without_marks()
     assert core.refusal_mark("rollout-a") == 2 and core.refusal_mark("rollout-b") is None
 
 
+def test_a_new_incarnations_restore_forgets_the_marks_of_unscoped_rollouts() -> None:
+    """docs/spec.md section 4.16 item 4: rollout-b ran to its end after the snapshot and
+    was retired (acknowledged) by the fenced incarnation; the new one, whose lineage never
+    had it, dispatches it again from attempt 0, which a kept mark would refuse."""
+    core = core_with()
+    core.begin_retire([EpisodeId("rollout-b", 0)], now=0.0)
+    core.finish_retire(run(EpisodeId("rollout-b", 0)), now=0.0)
+    assert core.refusal_mark("rollout-b") == 0
+    running = RunningRestore(frozenset({EpisodeId("rollout-a", 2)}), retire_unscoped=True)
+    core.begin_restore("restore-1", "fp", 10.0, 0.0, running=running)
+    core.retire_for_restore("restore-1", running, now=1.0)
+    assert core.refusal_mark("rollout-b") is None and core.refusal_mark("rollout-a") == 2
+    # A heal (retire_unscoped off) keeps every mark of the rollouts it does not name.
+    heal = core_with()
+    heal.begin_retire([EpisodeId("rollout-b", 0)], now=0.0)
+    heal.finish_retire(run(EpisodeId("rollout-b", 0)), now=0.0)
+    scoped = RunningRestore(frozenset({EpisodeId("rollout-a", 2)}), retire_unscoped=False)
+    heal.begin_restore("restore-1", "fp", 10.0, 0.0, running=scoped)
+    heal.retire_for_restore("restore-1", scoped, now=1.0)
+    assert heal.refusal_mark("rollout-b") == 0
+
+
 def test_a_new_incarnations_restore_continues_a_saved_attempt_retired_since_but_not_past_it() -> (
     None
 ):

@@ -717,11 +717,23 @@ export class ParticipantCore {
    * Flag RETIRING what a running restore replaces, before it installs anything (section
    * 4.16 item 4). Every attempt of a scoped rollout up to the saved one is refused from
    * now on (the refusal mark rises as a Retire's does); with `retireUnscoped` every other
-   * entry goes too, without a mark: its coordinator is fenced (section 6.9), and the new
-   * one may reuse those attempt numbers. Returns the keys to stop.
+   * entry goes too, without a mark, and every unscoped rollout's mark is forgotten: its
+   * coordinator is fenced (section 6.9), and the new one may reuse those attempt numbers.
+   * Returns the keys to stop.
    */
   retireForRestore(restoreId: string, running: RunningRestore, now: number): WorkKey[] {
     if (this.active !== restoreId || !this._restoring) throw new Error("retireForRestore outside its restore");
+    if (running.retireUnscoped) {
+      // The fenced incarnation's marks of unscoped rollouts go too: what it ran of them
+      // after the snapshot is not in the new one's lineage, which dispatches them again.
+      const scopedIds = new Set(running.scope.map((e) => e.rolloutId));
+      for (const rolloutId of [...this.marks.keys()]) {
+        if (!scopedIds.has(rolloutId)) {
+          this.marks.delete(rolloutId);
+          this._version++;
+        }
+      }
+    }
     for (const e of running.scope) {
       this.marks.set(e.rolloutId, Math.max(this.marks.get(e.rolloutId) ?? -1, e.attempt));
       this._version++;

@@ -341,6 +341,20 @@ describe("restore into a running participant (section 4.16)", () => {
     assert.equal(core.refusalMark("a"), 1);
   });
 
+  it("retireUnscoped forgets the marks of unscoped rollouts; a heal keeps them", () => {
+    for (const retireUnscoped of [true, false]) {
+      const core = new ParticipantCore();
+      core.admit(run("b", 0), "RUNNING", 0);
+      for (const key of core.beginRetire([episode("b", 0)], 0)) core.finishRetire(key, 0);
+      assert.equal(core.refusalMark("b"), 0);
+      const running = { scope: [episode("a", 2)], retireUnscoped };
+      core.beginRestore("restore-1", "f", null, 1, running);
+      core.retireForRestore("restore-1", running, 1);
+      assert.equal(core.refusalMark("b"), retireUnscoped ? undefined : 0);
+      assert.equal(core.refusalMark("a"), 2);
+    }
+  });
+
   it("retireUnscoped frees every other entry without a refusal mark", () => {
     const core = new ParticipantCore();
     core.admit(run("a", 0), "RUNNING", 0);

@@ -843,11 +843,17 @@ class ParticipantCore:
 
         Every attempt of a scoped rollout up to the saved one is refused from now on (the
         refusal mark rises as a Retire's does); with ``retire_unscoped`` every other entry
-        goes too, without a mark: its coordinator is fenced (docs/spec.md section 6.9),
-        and the new one may reuse those attempt numbers. Returns the keys to stop.
+        goes too, without a mark, and the marks of every unscoped rollout are forgotten:
+        its coordinator is fenced (docs/spec.md section 6.9), what it ran of them after
+        the snapshot is not in the new one's lineage, and the new one may reuse those
+        attempt numbers (it dispatches them again from attempt 0). Returns the keys to stop.
         """
         if self._active != restore_id or not self._restoring:
             raise RuntimeError("retire_for_restore outside its restore")
+        if running.retire_unscoped:
+            for rollout_id in [r for r in self._marks if r not in running.rollouts]:
+                del self._marks[rollout_id]
+                self._version += 1
         for episode in running.scope:
             mark = self._marks.get(episode.rollout_id, -1)
             self._marks[episode.rollout_id] = max(mark, episode.attempt)
