@@ -563,6 +563,8 @@ def test_opaque_agents_train_through_the_crash_and_every_call_is_accounted_for(
     assert len(tools) == 1 and ", each once; " in tools[0], run.stdout
     egress = [line for line in run.stdout.splitlines() if line.startswith("egress: ")]
     assert len(egress) == 1 and "each with one final disposition" in egress[0], run.stdout
-    # The restored harnesses were answered from the record, not forwarded again.
+    # The restored harnesses followed their records: none diverged and reran. (How many
+    # calls each replayed depends on where the cut fell, possibly at its first boundary,
+    # before any call: tests/integration/test_opaque_agent.py cuts after every turn.)
     resumed = [event for event in run.of("rollout", 2) if event["resumed"]]
-    assert sum(event["egress"]["replayed"] for event in resumed) > 0, resumed
+    assert resumed and all(event["egress"]["reruns"] == [] for event in resumed), resumed
