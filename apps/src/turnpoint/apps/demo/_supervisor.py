@@ -1272,6 +1272,8 @@ class _Supervisor:
         # The default crash, healing in place: the agent SIGKILLed first (the trainer
         # replaces it), the trainer later.
         self.agent_lost: str | None = None
+        # The instances whose heal the current trainer logged (its ``heal`` events).
+        self.healed: set[str] = set()
         # One change of the participant table at a time: a replacement the trainer
         # asked for never races a job restart or another replacement.
         self.table_lock = asyncio.Lock()
@@ -1536,6 +1538,10 @@ class _Supervisor:
             if event.get("type") == "train_step" and event.get("incarnation") == current:
                 self.steps_since_start += 1
                 self.trained.set()
+            if event.get("type") == "heal" and event.get("incarnation") == current:
+                # The trainer finished healing it: steps count from here.
+                self.healed.add(str(event.get("lost")))
+                self.steps_since_start = 0
             self.state.apply(event)
 
     def killed_itself(self, status: int) -> bool:
@@ -1744,10 +1750,12 @@ class _Supervisor:
 
     def healed_since(self) -> bool:
         """Whether the trainer's half of the default crash is due: the lost agent was
-        replaced, the trainer trained a step since and has steps left."""
+        replaced, the trainer logged its heal (restored what depended on it), trained a
+        step since and has steps left."""
         state = self.state
         return (
             self.agent_lost in self.replaced
+            and self.agent_lost in self.healed
             and self.steps_since_start > 0
             and state.crashed_at_step is None
             and not state.done

@@ -153,6 +153,7 @@ class DemoTrainer:
         self.resumed: set[str] = set()
         self.logged: set[tuple[str, int]] = set()
         self.published = 0
+        self._heals_logged = 0
 
     # ------------------------------------------------------------------ set-up
 
@@ -269,24 +270,28 @@ class DemoTrainer:
         stats = policy_gradient_step(self.model, self.optimizer, samples)
         return {"mean_reward": stats.mean_reward, "loss": stats.loss}
 
+    def _log_heals(self, ckpt: Checkpointing) -> None:
+        """A ``heal`` event for each heal not logged yet: what one lost participant cost,
+        the rollouts it touched against the ones running at that moment. Called by the
+        progress loop and before every training step, so a heal is in the log before
+        the step the supervisor's planned crash waits for (the crash may follow at once)."""
+        for plan in ckpt.heals[self._heals_logged :]:
+            self.events.write(
+                "heal",
+                lost=plan.lost.instance,
+                participant_kind=plan.lost.kind.value,
+                checkpoint_id=plan.checkpoint_id or None,
+                continued=len(plan.continued),
+                rerun=len(plan.rerun),
+                running=plan.touched + len(plan.untouched),
+                step=self.step,
+            )
+        self._heals_logged = len(ckpt.heals)
+
     async def _progress(self, ckpt: Checkpointing, stop: asyncio.Event) -> None:
         rollouts = ckpt.rollouts
-        heals_logged = 0
         while not stop.is_set():
-            for plan in ckpt.heals[heals_logged:]:
-                # What one lost participant cost: the rollouts it touched, against the
-                # ones running at that moment (touched + untouched).
-                self.events.write(
-                    "heal",
-                    lost=plan.lost.instance,
-                    participant_kind=plan.lost.kind.value,
-                    checkpoint_id=plan.checkpoint_id or None,
-                    continued=len(plan.continued),
-                    rerun=len(plan.rerun),
-                    running=plan.touched + len(plan.untouched),
-                    step=self.step,
-                )
-            heals_logged = len(ckpt.heals)
+            self._log_heals(ckpt)
             self.events.write(
                 "progress",
                 step=self.step,
@@ -463,6 +468,7 @@ class DemoTrainer:
                 self.last_stats = {name: float(value) for name, value in stats.items()}
                 self.step += 1
                 state = await asyncio.to_thread(self.model.state_bytes)
+            self._log_heals(ckpt)
             self.events.write(
                 "train_step",
                 step=self.step,
