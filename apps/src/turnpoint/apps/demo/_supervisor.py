@@ -637,6 +637,8 @@ class ParticipantSpec:
     # that the addresses wired into the agents stay right (docs/spec.md section 7.15).
     port: int = 0
     openai_port: int = 0
+    # A model's replacement takes no generation before the trainer's weights reach it.
+    await_weights: bool = False
     # The coding environment: its sandboxes and their snapshots, on this machine.
     sandbox_root: Path | None = None
 
@@ -672,6 +674,8 @@ class ParticipantSpec:
             arguments += ["--generation-log", str(self.generation_log)]
         if self.seed is not None:
             arguments += ["--seed", str(self.seed)]
+        if self.await_weights:
+            arguments.append("--await-weights")
         if self.policy_address is not None:
             arguments += ["--policy", self.policy_address]
         if self.openai:
@@ -1715,15 +1719,27 @@ class _Supervisor:
         spec = old.spec
         if spec.kind != "agent":
             spec = dataclasses.replace(
-                spec, port=_port_of(old.address), openai_port=_port_of(old.openai_url)
+                spec,
+                port=_port_of(old.address),
+                openai_port=_port_of(old.openai_url),
+                await_weights=spec.kind == "model",
             )
         self.killed.add(instance)
+        # Killed and reaped before the replacement binds: the port is free again (the
+        # servers bind with SO_REUSEADDR, so the old connections do not hold it).
         await old.kill()
         self.generation += 1
         try:
             new = await self.launcher.start(spec, self.generation)
         except DemoError as error:
+            # A port taken meanwhile: the replacement could not bind it.
             raise ReplaceRefused(str(error)) from error
+        if spec.port and _port_of(new.address) != spec.port:
+            await new.kill()
+            raise ReplaceRefused(
+                f"{instance}'s replacement serves on {new.address}, not on its "
+                f"predecessor's port {spec.port} that the agents call"
+            )
         self.participants[instance] = new
         self.killed.discard(instance)
         self.dead_since.pop(instance, None)
