@@ -465,7 +465,7 @@ async def test_a_stuck_instance_times_out_and_the_healthy_one_is_still_resumed(
 async def test_a_participant_given_up_on_fails_the_prepare_under_way_at_once(
     fleet: Fleet,
 ) -> None:
-    """docs/spec.md section 7.15 item 8: a participant declared lost (a paused process
+    """docs/spec.md section 7.15 item 7: a participant declared lost (a paused process
     answers nothing) fails every call at once, the prepare waiting on it and the
     abort's resume, so the snapshot fails now instead of holding the heal for its
     timeouts; the live participants are still resumed."""

@@ -159,7 +159,7 @@ def _resumed_from(plan: RestorePlan, *, weights_version: int | None, restore_s: 
 
 class HealRefusedError(CoordinatorError):
     """``instance`` was replaced too often to be healed again (``detail`` says how
-    often, in which window): the run ends with this reason (docs/spec.md 7.15 item 10)."""
+    often, in which window): the run ends with this reason (docs/spec.md 7.15 item 11)."""
 
     def __init__(self, instance: str, detail: str) -> None:
         super().__init__(Reason.UNAVAILABLE, detail, {"participant": instance})

@@ -50,14 +50,16 @@ the ``start`` events already in the log). Its stdout and stderr go to
 Healing in place (docs/spec.md section 7.15). The supervisor owns every participant
 process, and it is the trainer's launcher: it serves replacement requests on loopback
 (:mod:`turnpoint.apps.demo._heal`; the trainer gets ``--launcher HOST:PORT``). When the
-trainer's liveness watch finds an agent lost, it asks for a replacement: the supervisor
-SIGKILLs what is left of it, starts it again with the same spec under the same name,
-rewrites ``topology.json``, records ``replaced`` and answers the new address; the
-trainer restores onto it (and onto the live participants) only what depended on it and
-logs ``heal``. Only agents: the policy's and the resources servers' addresses are wired
-into every agent, so their loss still restarts the job (the trainer's heal fails, it
-exits, and the supervisor restores the job as below). A dead agent the trainer does not
-ask about within :data:`HEAL_GRACE_S` restarts the job too. Not with ``--ray`` (the
+trainer's liveness watch finds a participant lost, it asks for a replacement: the
+supervisor SIGKILLs what is left of it, starts it again with the same spec under the
+same name, rewrites ``topology.json``, records ``replaced`` and answers the new address;
+the trainer restores onto it (and onto the live participants) only what depended on it
+and logs ``heal``. The policy's and the resources servers' addresses are wired into
+every agent, so their replacements bind their predecessors' ports (the policy's OpenAI
+endpoint too), and a replaced policy takes no generation before the trainer's weights
+reach it (``--await-weights``); a port taken meanwhile fails the heal, and the job
+restarts as below. A dead participant the trainer does not ask about within
+:data:`HEAL_GRACE_S` restarts the job too. Not with ``--ray`` (the
 cluster places its actors), ``--participant-command`` (such participants may not serve
 RestoreRunning) or ``--hold-tools-after-restart`` (see below).
 

@@ -403,7 +403,7 @@ class ParticipantControlClient:
         """Fail every call to this participant at once, the pending ones and all later
         ones (``UNAVAILABLE``, transient): it was declared lost (docs/spec.md section
         7.11 item 1), and nothing may wait on a paused process, not even the snapshot
-        under way (section 7.15 item 8). Its replacement is addressed by a new client.
+        under way (section 7.15 item 7). Its replacement is addressed by a new client.
         A unary call already sent (a participant without sessions) still runs to its
         own timeout."""
         self._given_up = detail
