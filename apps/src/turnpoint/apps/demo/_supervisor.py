@@ -252,13 +252,18 @@ class DemoOptions:
     @property
     def heal_in_place(self) -> bool:
         """Whether a lost agent is replaced alone (docs/spec.md section 7.15) rather
-        than the whole job restarted. Not on Ray (its actors are placed by the cluster),
-        not for agents of several workers (the trainer loses and names one worker; the
+        than the whole job restarted. On Ray only for ``--lose-node``: the lost node's
+        agents are started again on live nodes (the servers stay on the head node, see
+        :mod:`turnpoint.apps.demo._ray`); not for agents of several workers (the trainer loses and names one worker; the
         supervisor starts the group), and not when the restarted job's tools must hold
         their calls (that test needs a freshly started tools server). Participants of
         ``--participant-command`` (the TypeScript resources servers) serve RestoreRunning
         as the Python SDK's do."""
-        return not self.ray and not self.hold_tools_after_restart and self.agent_workers == 1
+        return (
+            (not self.ray or self.lose_node)
+            and not self.hold_tools_after_restart
+            and self.agent_workers == 1
+        )
 
     @property
     def restart_trainer_alone(self) -> bool:
@@ -268,8 +273,9 @@ class DemoOptions:
         participant then serves RestoreRunning (the Python SDK's and the TypeScript
         SDK's), the supervisor owns their processes (on Ray, the cluster does), and the
         restarted trainer needs no freshly started tools server
-        (``--hold-tools-after-restart``)."""
-        return self.heal_in_place
+        (``--hold-tools-after-restart``). Not on Ray: the actors end with the driver's
+        job restart."""
+        return self.heal_in_place and not self.ray
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DemoOptions:
@@ -1432,7 +1438,9 @@ class _Supervisor:
                     await self.crash_and_restart()
             elif self.state.crash_due() and self.node_lost is None:
                 if self.options.lose_node:
-                    await self.recover(await self.lose_node())
+                    # The trainer heals the node's agents in place; if it cannot, its
+                    # failure (or an agent still dead after HEAL_GRACE_S) restarts the job.
+                    await self.lose_node()
                 elif self.options.heal_in_place:
                     await self.lose_agent()
                 else:
@@ -1769,10 +1777,11 @@ class _Supervisor:
         )
         return agents[self.options.seed % len(agents)]
 
-    async def lose_node(self) -> DemoError:
+    async def lose_node(self) -> None:
         """``--lose-node``: remove the Ray node hosting an agent, every process on it
-        killed at once; returns the loss, which the supervisor's ordinary path restores
-        the job from onto the remaining nodes (docs/spec.md section 7.12)."""
+        killed at once. Only agents run there (the servers on the head node): the
+        trainer finds each lost and asks :meth:`replace` for it on a live node
+        (docs/spec.md sections 7.12 and 7.15)."""
         remover = getattr(self.launcher, "remove_node_of", None)
         if remover is None:
             raise DemoError("--lose-node needs participants on Ray nodes (--ray-nodes)")
@@ -1787,9 +1796,6 @@ class _Supervisor:
             incarnation=self.trainer.incarnation if self.trainer else 0,
             step=self.state.step,
             **lost,
-        )
-        return DemoError(
-            f"Ray node {lost['node_id']} was lost, and with it {', '.join(lost['instances'])}"
         )
 
     async def crash_and_restart(self) -> None:
