@@ -22,6 +22,8 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from tests.support.fakes import FakeAnchor
 from tests.support.participants import TOKEN
 from tests.support.scripted import ckpt, host_scripted, poll, restore_id, wire_to
@@ -29,6 +31,7 @@ from turnpoint.apps.examples import react_harness
 from turnpoint.apps.examples._participants import TinyPolicyServer, new_policy
 from turnpoint.apps.examples.chat_template import MODEL_NAME, GuessChatTemplate
 from turnpoint.apps.examples.guess_tool import GuessTool
+from turnpoint.auth import CONTROL_TOKEN_SHA256_ENV, TOKEN_ENV, TOKEN_FILE_ENV, token_sha256
 from turnpoint.convert import struct_to_dict
 from turnpoint.ids import EpisodeId
 from turnpoint.participant_sdk import (
@@ -329,3 +332,31 @@ async def test_a_harness_declared_not_replayable_is_restart_only_and_a_restore_r
     # From its prompt: one fresh harness, nothing answered from a record.
     assert len(agent.harness_pids) == 1
     assert done.output["replayed"] == 0 and done.output["reruns"] == []
+
+
+async def test_the_harness_environment_holds_no_control_credential(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/spec.md sections 10.2 item 8 and 12.8 item 5: whatever the participant's own
+    environment holds, the harness gets neither the control token nor its digest."""
+    for name, value in (
+        (TOKEN_ENV, "control-token-of-the-host"),
+        (TOKEN_FILE_ENV, str(tmp_path / "token")),
+        (CONTROL_TOKEN_SHA256_ENV, token_sha256("control-token-of-the-host")),
+    ):
+        monkeypatch.setenv(name, value)
+    print_env = [sys.executable, "-c", "import json, os; print(json.dumps(dict(os.environ)))"]
+    async with (
+        policy_endpoint(tmp_path / "policy", GatedPolicy()) as endpoint,
+        opaque_agent(endpoint, harness=print_env) as agent,
+        host_scripted(tmp_path / "agent", agent=agent) as hosted,
+        wire_to(hosted, "unary") as wire,
+    ):
+        result = await wire.run(EpisodeId("env-run", 0), TASK).done()
+    seen = struct_to_dict(result.result)["transcript"]
+    assert TOKEN_ENV not in seen and TOKEN_FILE_ENV not in seen
+    assert CONTROL_TOKEN_SHA256_ENV not in seen
+    values = "\n".join(map(str, seen.values()))
+    assert "control-token-of-the-host" not in values
+    assert token_sha256("control-token-of-the-host") not in values
+    assert seen["OPENAI_API_KEY"].startswith("tp-egress-") and API_KEY not in values
