@@ -182,8 +182,12 @@ class RayLauncher:
             connect(address, num_cpus=num_cpus)
         self._placement = Placement(resources=resources)
         self._options = FleetOptions(
-            server=ServerOptions(grace_seconds=_GRACE_S),
-            token_file=str(paths.token_file),
+            # The actors check the coordinator's calls against the control token's
+            # digest and never hold the token (docs/spec.md section 10.2 item 8).
+            server=ServerOptions(
+                grace_seconds=_GRACE_S,
+                token_sha256=paths.token_digest_file.read_text(encoding="ascii").strip(),
+            ),
             data_token_file=str(paths.data_token_file),
             start_timeout_s=start_timeout_s,
             # --storage s3: the store's endpoint and dummy credentials, as for processes.

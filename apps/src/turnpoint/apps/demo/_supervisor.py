@@ -9,9 +9,11 @@ environments. They run on two bearer tokens, fresh each run, mode 0600 (docs/spe
 section 10.2): the control token ``<out>/token``, the trainer's (and the supervisor's),
 and the data-plane token ``<out>/data-token``, the one every participant's own calls out
 use (an agent's to its policy and resources; the OpenAI endpoint's API key, so the
-opaque agents' relay too). A participant gets both as files (``--token-file``,
-``--data-token-file``), the control one only to check the coordinator's calls; no
-participant's argv or environment holds the control token. They share one snapshot root
+opaque agents' relay too). A participant gets, by file, the data-plane token and only
+the control token's SHA-256 ``<out>/token.sha256`` (``--control-token-digest-file``,
+``--data-token-file``), to check the coordinator's calls: no participant, nor a harness
+it runs, holds or can read a credential that reaches a control plane (section 10.2
+item 7). They share one snapshot root
 ``<out>/snapshots`` (with ``--storage s3``: ``s3://<bucket>/snapshots`` on moto's S3
 server, which the supervisor runs on loopback in its own process; the children get its
 endpoint and dummy credentials in boto3's environment variables, and every other file of
@@ -147,7 +149,7 @@ from turnpoint.apps.demo._report import (
     load_run,
     render_report,
 )
-from turnpoint.auth import TOKEN_ENV, TOKEN_FILE_ENV
+from turnpoint.auth import TOKEN_ENV, TOKEN_FILE_ENV, token_sha256
 from turnpoint.trainer.advanced import RestartBudget
 from turnpoint.trainer.testing import SnapshotPoint
 
@@ -542,6 +544,12 @@ class DemoPaths:
         return self.out / "token"
 
     @property
+    def token_digest_file(self) -> Path:
+        """The control token's SHA-256 (hex): what a participant checks the coordinator's
+        calls against, never holding the token itself (docs/spec.md section 10.2 item 8)."""
+        return self.out / "token.sha256"
+
+    @property
     def data_token_file(self) -> Path:
         """The data-plane credential: what an agent presents to its policy and resources,
         and the only one a participant's own calls out hold (docs/spec.md section 10.2)."""
@@ -608,6 +616,12 @@ def prepare_out_dir(out: Path, store: ObjectStore | None = None) -> tuple[DemoPa
         temp_prefix=".data-token-",
         mode=0o600,
     )
+    create_file(
+        paths.token_digest_file,
+        (token_sha256(token) + "\n").encode("ascii"),
+        temp_prefix=".token-sha256-",
+        mode=0o600,
+    )
     return paths, token
 
 
@@ -643,10 +657,11 @@ class ParticipantSpec:
 
     def serve_arguments(self, paths: DemoPaths) -> list[str]:
         """``turnpoint serve``'s arguments. The credentials go by file, never by value:
-        the control token only to check the coordinator's calls, the data-plane token for
-        the participant's own calls out (an agent's to its policy and resources, the
-        OpenAI endpoint's API key), so no argv or environment of a participant holds the
-        control token (docs/spec.md section 10.2 item 6)."""
+        the control token's digest, to check the coordinator's calls, and the data-plane
+        token for the participant's own calls out (an agent's to its policy and
+        resources, the OpenAI endpoint's API key), so no participant, nor anything it
+        runs, holds or can read a credential that reaches a control plane (docs/spec.md
+        section 10.2 items 6 and 8)."""
         arguments = [
             "--kind",
             self.kind,
@@ -660,8 +675,8 @@ class ParticipantSpec:
             "0",
             "--root",
             paths.snapshot_root,
-            "--token-file",
-            str(paths.token_file),
+            "--control-token-digest-file",
+            str(paths.token_digest_file),
             "--data-token-file",
             str(paths.data_token_file),
         ]
