@@ -23,7 +23,7 @@ from tests.support.scripted import bounded, rid
 from turnpoint._status import error_from_rpc
 from turnpoint.apps.examples._build import ExampleSpec, build_example
 from turnpoint.apps.examples._task import make_prompt
-from turnpoint.auth import auth_metadata
+from turnpoint.auth import auth_metadata, token_sha256
 from turnpoint.convert import duration_from_seconds, episode_to_proto, struct_from_mapping
 from turnpoint.errors import Reason, TurnpointError
 from turnpoint.ids import EpisodeId
@@ -64,10 +64,17 @@ class Roles:
 
 
 @asynccontextmanager
-async def serve_roles(root: Path, *, data_token: str | None) -> AsyncIterator[Roles]:
-    """The three participants, each served with ``CONTROL_TOKEN`` and ``data_token``; the
-    agent calls its peers with the data-plane token when there is one."""
-    options = ServerOptions(port=0, token=CONTROL_TOKEN, data_token=data_token)
+async def serve_roles(
+    root: Path, *, data_token: str | None, digest_only: bool = False
+) -> AsyncIterator[Roles]:
+    """The three participants, each served with ``CONTROL_TOKEN`` (or, ``digest_only``,
+    only its SHA-256) and ``data_token``; the agent calls its peers with the data-plane
+    token when there is one."""
+    options = (
+        ServerOptions(port=0, token_sha256=token_sha256(CONTROL_TOKEN), data_token=data_token)
+        if digest_only
+        else ServerOptions(port=0, token=CONTROL_TOKEN, data_token=data_token)
+    )
     peer_token = data_token or CONTROL_TOKEN
     async with AsyncExitStack() as stack:
 
@@ -285,11 +292,62 @@ async def test_one_token_serves_both_roles(tmp_path: Path) -> None:
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
 
 
+async def test_a_participant_holding_only_the_control_digest_serves_the_coordinator(
+    tmp_path: Path,
+) -> None:
+    """docs/spec.md section 10.2 item 8: the participants never hold the control token;
+    the coordinator's token passes, the data-plane token, a wrong token and the digest
+    itself do not."""
+    async with serve_roles(tmp_path, data_token=DATA_TOKEN, digest_only=True) as roles:
+        result = await bounded(run_episode(roles.channel, DATA))
+        assert result.outcome == ro_pb.RUN_OUTCOME_COMPLETED, result.error_message
+        await ro_grpc.RolloutServiceStub(roles.channel).Acknowledge(
+            ro_pb.AcknowledgeRequest(request_id=rid(), receipts=[result.receipt]),
+            metadata=DATA,
+            timeout=RPC_TIMEOUT,
+        )
+        stub = roles.control()
+        prepared = await stub.Prepare(
+            pb.PrepareRequest(
+                fence=COORDINATOR,
+                request_id=rid(),
+                checkpoint_id="ckpt-1",
+                lease=duration_from_seconds(60),
+            ),
+            metadata=CONTROL,
+            timeout=RPC_TIMEOUT,
+        )
+        assert prepared.phase == types_pb2.PHASE_PREPARED
+        await stub.Resume(
+            pb.ResumeRequest(fence=COORDINATOR, request_id=rid(), checkpoint_id="ckpt-1"),
+            metadata=CONTROL,
+            timeout=RPC_TIMEOUT,
+        )
+        await refusal(
+            stub.Describe(pb.DescribeRequest(fence=PINNED), metadata=DATA, timeout=RPC_TIMEOUT)
+        )
+        for wrong in ("not-the-token", token_sha256(CONTROL_TOKEN)):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await stub.Describe(
+                    pb.DescribeRequest(fence=PINNED),
+                    metadata=auth_metadata(wrong),
+                    timeout=RPC_TIMEOUT,
+                )
+            assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert roles.agent.runtime.core.epoch == COORDINATOR.epoch
+
+
 @pytest.mark.parametrize(
     ("fields", "match"),
     [
         ({"data_token": DATA_TOKEN}, "needs a control token"),
         ({"token": CONTROL_TOKEN, "data_token": CONTROL_TOKEN}, "must differ"),
+        (
+            {"token_sha256": token_sha256(CONTROL_TOKEN), "data_token": CONTROL_TOKEN},
+            "must differ",
+        ),
+        ({"token": CONTROL_TOKEN, "token_sha256": token_sha256(CONTROL_TOKEN)}, "not both"),
+        ({"token_sha256": "abc"}, "64 hex digits"),
         ({"token": CONTROL_TOKEN, "data_token": DATA_TOKEN, "auth_data_plane": False}, "no use"),
         ({"token": CONTROL_TOKEN, "data_token": "has space"}, "visible ASCII"),
     ],
@@ -303,3 +361,6 @@ def test_the_data_token_is_not_in_the_repr() -> None:
     options = ServerOptions(token=CONTROL_TOKEN, data_token=DATA_TOKEN)
     assert DATA_TOKEN not in repr(options)
     assert CONTROL_TOKEN not in repr(options)
+    digest = token_sha256(CONTROL_TOKEN)
+    assert digest not in repr(ServerOptions(token_sha256=digest.upper()))
+    assert ServerOptions(token_sha256=digest.upper()).token_sha256 == digest

@@ -45,7 +45,7 @@ from turnpoint.apps.demo._supervisor import (
     trainer_command,
     write_topology,
 )
-from turnpoint.auth import auth_metadata
+from turnpoint.auth import auth_metadata, token_sha256
 from turnpoint.v1 import checkpoint_control_service_pb2 as pb
 from turnpoint.v1 import checkpoint_control_service_pb2_grpc as pb_grpc
 
@@ -261,12 +261,19 @@ async def test_real_participants_serve_with_the_run_token_and_stop_cleanly(tmp_p
         assert token.encode() not in argv and token.encode() not in environ
         assert b"\0TURNPOINT_TOKEN=" not in environ and b"\0TURNPOINT_TOKEN_FILE=" not in environ
         assert f"\0--data-token-file\0{paths.data_token_file}\0".encode() in argv
+        # Section 10.2 item 8: every participant has only the control token's digest.
+        for participant in participants.values():
+            assert isinstance(participant, ProcessParticipant)
+            argv = await asyncio.to_thread(Path(f"/proc/{participant.pid}/cmdline").read_bytes)
+            assert b"\0--token-file\0" not in argv
+            assert f"\0--control-token-digest-file\0{paths.token_digest_file}\0".encode() in argv
     finally:
         await stop_participants(participants.values())
 
     assert all(p.exit_status() == 0 for p in participants.values())
-    for credential in (paths.token_file, paths.data_token_file):
+    for credential in (paths.token_file, paths.data_token_file, paths.token_digest_file):
         assert stat.S_IMODE(credential.stat().st_mode) == 0o600
+    assert paths.token_digest_file.read_text().strip() == token_sha256(token)
     assert sorted(p.name for p in paths.logs.iterdir()) == [
         "agent-0.1.stderr",
         "group-tools.1.stderr",

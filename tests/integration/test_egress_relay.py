@@ -38,6 +38,7 @@ from turnpoint.server.openai_api._relay import Completed, Diverged
 MODEL = "tiny"
 UPSTREAM_KEY = "sk-policy-only"
 EPISODE = EpisodeId("rollout-r", 2)
+HUGE_BYTES = 256 << 20
 
 
 @dataclass
@@ -48,6 +49,31 @@ class Upstream:
     base_url: str = ""
     tool_seen: list[dict[str, Any]] = field(default_factory=list)
     tool_gate: asyncio.Event = field(default_factory=asyncio.Event)
+    # /huge: a JSON answer of HUGE_BYTES, streamed; how much of it left, and when it ended.
+    huge_calls: int = 0
+    huge_sent: int = 0
+    huge_done: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def huge(self, request: web.Request) -> web.StreamResponse:
+        """A tool whose answer is far past any cap, sent without a length, until the
+        reader hangs up."""
+        await request.read()
+        self.huge_calls += 1
+        response = web.StreamResponse(headers={"Content-Type": "application/json"})
+        await response.prepare(request)
+        piece = b"x" * (1 << 16)
+        try:
+            await response.write(b'{"padding": "')
+            while self.huge_sent < HUGE_BYTES:
+                await response.write(piece)
+                self.huge_sent += len(piece)
+            await response.write(b'"}')
+            await response.write_eof()
+        except (ConnectionError, asyncio.CancelledError):
+            pass  # the relay hung up: that is the point
+        finally:
+            self.huge_done.set()
+        return response
 
     async def tool(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -96,6 +122,7 @@ async def upstream() -> AsyncIterator[Upstream]:
     app = web.Application()
     app.router.add_post("/v1/chat/completions", fake.chat)
     app.router.add_post("/tool", fake.tool)
+    app.router.add_post("/huge", fake.huge)
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
@@ -110,7 +137,8 @@ async def upstream() -> AsyncIterator[Upstream]:
 
 @asynccontextmanager
 async def relay_to(fake: Upstream) -> AsyncIterator[EgressRelay]:
-    tools = {"echo": fake.base_url.removesuffix("/v1") + "/tool"}
+    root = fake.base_url.removesuffix("/v1")
+    tools = {"echo": root + "/tool", "huge": root + "/huge"}
     options = RelayOptions(
         fake.base_url, MODEL, upstream_api_key=UPSTREAM_KEY, max_body_bytes=4096, tools=tools
     )
@@ -417,3 +445,24 @@ async def test_a_rerun_keys_its_tool_calls_past_every_earlier_harness() -> None:
     keys = [seen["headers"][IDEMPOTENCY_HEADER] for seen in fake.tool_seen]
     assert keys == ["fx:rollout-r:3:0", "fx:rollout-r:4:0"]
     assert session.record.states()["g0-t0"] is CallState.EXCLUDED
+
+
+async def test_a_tool_answer_past_the_cap_is_dropped_unread_and_fails_the_call_once() -> None:
+    """docs/spec.md section 12.9 item 2: the relay reads at most its cap (1 MiB by
+    default) of an answer streamed without a length, hangs up, records no answer, and
+    the call is a terminal failure; the harness gets an OpenAI-shaped 502."""
+    async with upstream() as fake, aiohttp.ClientSession() as http, relay_to(fake) as relay:
+        session = relay.open_episode(EPISODE)
+        status, error = await bounded(use_tool(http, relay, session.api_key, "huge", {"n": 1}))
+        assert status == 502
+        assert error["error"]["code"] == "upstream_too_large"
+        assert error["error"]["type"] == "server_error"
+        assert str(1 << 20) in error["error"]["message"]
+        assert list(session.record.states().values()) == [CallState.TERMINAL_FAILURE]
+        assert session.journal == [] and session.tools_forwarded == fake.huge_calls == 1
+        assert session.export()["calls"] == {"g0-t0": "terminal_failure"}
+        # The tool's writer ended because the relay hung up, far from the whole answer.
+        await bounded(fake.huge_done.wait())
+        assert fake.huge_sent < HUGE_BYTES // 4
+        # The episode goes on: the next call is served.
+        assert (await use_tool(http, relay, session.api_key, "echo", {"n": 2}))[0] == 201

@@ -22,12 +22,16 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+from tests.support.fakes import FakeAnchor
 from tests.support.participants import TOKEN
 from tests.support.scripted import ckpt, host_scripted, poll, restore_id, wire_to
 from turnpoint.apps.examples import react_harness
 from turnpoint.apps.examples._participants import TinyPolicyServer, new_policy
 from turnpoint.apps.examples.chat_template import MODEL_NAME, GuessChatTemplate
 from turnpoint.apps.examples.guess_tool import GuessTool
+from turnpoint.auth import CONTROL_TOKEN_SHA256_ENV, TOKEN_ENV, TOKEN_FILE_ENV, token_sha256
 from turnpoint.convert import struct_to_dict
 from turnpoint.ids import EpisodeId
 from turnpoint.participant_sdk import (
@@ -36,6 +40,7 @@ from turnpoint.participant_sdk import (
     ParticipantRuntime,
     SnapshotStore,
 )
+from turnpoint.protocol import RecoveryMode
 from turnpoint.server import ServerOptions, host_participant
 from turnpoint.server.openai_api import (
     ChatEndpoint,
@@ -44,6 +49,17 @@ from turnpoint.server.openai_api import (
     OpaqueAgent,
     RelayOptions,
 )
+from turnpoint.trainer import CoordinatorConfig, Rollout, RolloutOutcome, SnapshotOutcome
+from turnpoint.trainer.advanced import (
+    AgentEndpoint,
+    Coordinator,
+    Restorer,
+    RolloutClient,
+    SnapshotDriver,
+    SnapshotLayout,
+    apply_plan,
+)
+from turnpoint.trainer.restore.restorer import RerunReason
 from turnpoint.v1 import types_pb2
 
 API_KEY = "sk-policy-endpoint"
@@ -92,11 +108,13 @@ async def opaque_agent(
     env: Mapping[str, str] | None = None,
     tool: GuessTool | None = None,
     harness: Sequence[str] = HARNESS,
+    *,
+    replayable: bool = True,
 ) -> AsyncIterator[OpaqueAgent]:
     tools = {} if tool is None else {"observe": tool.url}
     options = RelayOptions(endpoint.base_url, MODEL_NAME, upstream_api_key=API_KEY, tools=tools)
     async with EgressRelay(options) as relay:
-        yield OpaqueAgent(relay, harness, model=MODEL_NAME, env=env)
+        yield OpaqueAgent(relay, harness, model=MODEL_NAME, env=env, replayable=replayable)
 
 
 def alive(pid: int) -> bool:
@@ -246,3 +264,99 @@ async def test_the_node_harness_plays_the_same_loop_through_the_relay(tmp_path: 
     calls = assistant_turns(node)
     assert node["forwarded"] == node["tools_forwarded"] == calls and node["turns"] == 2 * calls
     assert tool.ledger["node-run"] == tool.ledger["py-run"]
+
+
+async def test_a_harness_declared_not_replayable_is_restart_only_and_a_restore_reruns_it(
+    tmp_path: Path,
+) -> None:
+    """docs/spec.md section 12.8 item 7, with a real coordinator: the episode is in no
+    cut, and the restore reruns it from its prompt, counted as a restart."""
+    policy = GatedPolicy()
+    root = tmp_path / "snapshots"
+    config = CoordinatorConfig(snapshot_root=root, control_timeout_s=5.0, resume_retry_pause_s=0)
+    layout = SnapshotLayout(root)
+    rollout = Rollout("fresh-run", "fresh", 0, 1, OpaqueAgent.environment, TASK, "agent-0")
+
+    @asynccontextmanager
+    async def trainer(epoch: int) -> AsyncIterator[tuple[Coordinator, RolloutClient, OpaqueAgent]]:
+        async with (
+            opaque_agent(endpoint, replayable=False) as agent,
+            host_scripted(tmp_path / f"agent-{epoch}", agent=agent) as hosted,
+        ):
+            coordinator = Coordinator(
+                {"agent-0": hosted.address},
+                token=TOKEN,
+                coordinator_id="coord-opaque",
+                epoch=epoch,
+                config=config,
+            )
+            await coordinator.discover()
+            agents = {"agent-0": AgentEndpoint(hosted.address, TOKEN)}
+            async with coordinator, RolloutClient(agents) as client:
+                yield coordinator, client, agent
+
+    async with policy_endpoint(tmp_path / "policy", policy) as endpoint:
+        policy.hold_at = 2  # the first call completes, the second is in flight at the cut
+        async with trainer(1) as (coordinator, client, agent):
+            assert agent.recovery_mode is RecoveryMode.RESTART_ONLY
+            client.dispatch(rollout)
+            await poll(lambda: policy.started >= 2)
+            driver = SnapshotDriver(
+                coordinator=coordinator,
+                rollouts=client,
+                anchor=FakeAnchor(),
+                layout=layout,
+                config=config,
+                epoch=coordinator.identity.epoch,
+            )
+            report = await driver.take()
+        policy.gate.set()
+        policy.hold_at = None
+        assert report.outcome is SnapshotOutcome.PUBLISHED, report.detail
+        manifest = layout.load(report.checkpoint_id)
+        episode = EpisodeId("fresh-run", 0)
+        assert [p.episode for p in manifest.restarts] == [episode]
+        assert manifest.continued == () and manifest.participant("agent-0").exported == ()
+
+        async with trainer(2) as (coordinator, client, agent):
+            restorer = Restorer(coordinator, layout, config, load_anchor=lambda snapshot, ref: 1)
+            plan = await restorer.restore()
+            assert plan is not None and plan.redispatch == ()
+            assert [(r.episode, r.reason) for r in plan.rerun] == [
+                (episode.next_attempt(), RerunReason.RESTART)
+            ]
+            apply_plan(plan, client)
+            await client.wait_for(lambda: len(client.results()) == 1, 30.0)
+            (done,) = client.results()
+    assert done.outcome is RolloutOutcome.COMPLETED and done.episode == episode.next_attempt()
+    # From its prompt: one fresh harness, nothing answered from a record.
+    assert len(agent.harness_pids) == 1
+    assert done.output["replayed"] == 0 and done.output["reruns"] == []
+
+
+async def test_the_harness_environment_holds_no_control_credential(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/spec.md sections 10.2 item 8 and 12.8 item 5: whatever the participant's own
+    environment holds, the harness gets neither the control token nor its digest."""
+    for name, value in (
+        (TOKEN_ENV, "control-token-of-the-host"),
+        (TOKEN_FILE_ENV, str(tmp_path / "token")),
+        (CONTROL_TOKEN_SHA256_ENV, token_sha256("control-token-of-the-host")),
+    ):
+        monkeypatch.setenv(name, value)
+    print_env = [sys.executable, "-c", "import json, os; print(json.dumps(dict(os.environ)))"]
+    async with (
+        policy_endpoint(tmp_path / "policy", GatedPolicy()) as endpoint,
+        opaque_agent(endpoint, harness=print_env) as agent,
+        host_scripted(tmp_path / "agent", agent=agent) as hosted,
+        wire_to(hosted, "unary") as wire,
+    ):
+        result = await wire.run(EpisodeId("env-run", 0), TASK).done()
+    seen = struct_to_dict(result.result)["transcript"]
+    assert TOKEN_ENV not in seen and TOKEN_FILE_ENV not in seen
+    assert CONTROL_TOKEN_SHA256_ENV not in seen
+    values = "\n".join(map(str, seen.values()))
+    assert "control-token-of-the-host" not in values
+    assert token_sha256("control-token-of-the-host") not in values
+    assert seen["OPENAI_API_KEY"].startswith("tp-egress-") and API_KEY not in values

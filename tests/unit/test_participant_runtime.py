@@ -996,6 +996,52 @@ async def test_a_restart_never_blocks_parks_or_is_exported_and_a_retiring_one_bl
         await expect(Reason.STALE_ATTEMPT, bounded(call))
 
 
+class RestartOnlyAgent(StepAgent):
+    """A StepAgent that cannot continue a saved turn (a harness that cannot be replayed)."""
+
+    recovery_mode = RecoveryMode.RESTART_ONLY
+
+
+async def test_a_restart_only_agent_never_parks_blocks_or_exports_and_a_cancel_starts_over(
+    store: SnapshotStore,
+) -> None:
+    agent = RestartOnlyAgent()
+    async with hosted(make_runtime(store, agent=agent)) as runtime:
+        described = await runtime.describe()
+        assert described.recovery_mode is RecoveryMode.RESTART_ONLY
+        assert described.supported_levels == (RecoveryLevel.SIBLING, RecoveryLevel.PROMPT_GROUP)
+        follower = await start_episode(runtime, EP_A)
+        assert state_of(runtime.core, EP_A) is EpisodeState.RESTART
+        # Mid-turn, yet prepare does not wait for it: it is reported as a restart.
+        prepared = await runtime.prepare(FENCE, rid(), ckpt(1), timeout_s=1)
+        assert prepared.readiness.ready and prepared.readiness.restarts == (EP_A,)
+        # Its boundaries do not park it while the checkpoint is open.
+        agent.release(EP_A, 2)
+        await bounded(runtime.wait_until(lambda core: boundary_of(core, EP_A) == 2))
+        assert state_of(runtime.core, EP_A) is EpisodeState.RESTART
+        await expect(
+            Reason.RESTART_IN_SCOPE, runtime.commit(FENCE, rid(), ckpt(1), "snap-1", [EP_A])
+        )
+        committed = await runtime.commit(FENCE, rid(), ckpt(1), "snap-1", [])
+        assert committed.exported == () and agent.exports == 0
+        await runtime.resume(FENCE, rid(), ckpt(1))
+        # Cancelled after a boundary, nothing stays claimable: a new Run starts over.
+        await follower.cancel()
+        await bounded(runtime.wait_until(lambda core: state_of(core, EP_A) is None))
+        again = Follower(runtime.run_episode(EP_A, {"turns": 1}))
+        agent.release(EP_A)
+        assert (await again.done()).result == {"history": [0]}
+        assert agent.started == [(EP_A, None), (EP_A, None)]
+
+
+def test_an_agent_is_exported_or_restart_only(store: SnapshotStore) -> None:
+    class Stateless(StepAgent):
+        recovery_mode = RecoveryMode.STATELESS
+
+    with pytest.raises(ConfigurationError, match="EXPORTED or RESTART_ONLY"):
+        make_runtime(store, agent=Stateless())
+
+
 async def test_an_episode_becomes_a_restart_only_while_no_checkpoint_is_open(
     store: SnapshotStore,
 ) -> None:

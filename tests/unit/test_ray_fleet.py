@@ -81,6 +81,10 @@ def test_cluster_flags_that_cannot_work_are_refused(
 def test_a_lost_node_on_three_nodes_is_a_valid_demo(tmp_path: Path) -> None:
     options = DemoOptions(ray=True, ray_nodes=3, lose_node=True, out=tmp_path / "out")
     assert options.problems() == []
+    # The node's agents heal in place (docs/spec.md 7.15); the trainer never restarts alone
+    # on Ray, and a plain Ray run still restarts the job for a lost agent.
+    assert options.heal_in_place and not options.restart_trainer_alone
+    assert not DemoOptions(ray=True, ray_nodes=3, out=tmp_path / "out").heal_in_place
 
 
 def test_the_bench_takes_the_ray_scale_option() -> None:

@@ -6,7 +6,7 @@
 import { randomBytes } from "node:crypto";
 import { parseArgs } from "node:util";
 
-import { loadToken, serve, validateId } from "../src/index.js";
+import { loadToken, loadTokenSha256, serve, validateId } from "../src/index.js";
 import type { Hosted } from "../src/index.js";
 
 export interface ServeArgs {
@@ -17,6 +17,8 @@ export interface ServeArgs {
   readonly port: number;
   readonly root: string;
   readonly token: string | null;
+  /** The control token's SHA-256 in its place (spec 10.2 item 8). */
+  readonly tokenSha256: string | null;
   /** The data-plane credential (spec 10.2): what the example's own calls out present. */
   readonly dataToken: string | null;
   readonly insecureNoAuth: boolean;
@@ -56,6 +58,7 @@ export function parseServeArgs(argv: readonly string[], kind: string, examples: 
         root: { type: "string", default: "snapshots" },
         "token-file": { type: "string" },
         "data-token-file": { type: "string" },
+        "control-token-digest-file": { type: "string" },
         "insecure-no-auth": { type: "boolean", default: false },
         "tls-cert": { type: "string" },
         "tls-key": { type: "string" },
@@ -89,8 +92,10 @@ export function parseServeArgs(argv: readonly string[], kind: string, examples: 
     if (at <= 0 || at === item.length - 1) throw new UsageError(`--resources takes ENV=ADDRESS, got ${JSON.stringify(item)}`);
     resources.set(item.slice(0, at), item.slice(at + 1));
   }
-  const token = loadToken(v["token-file"] ?? null);
-  if (token === null && !v["insecure-no-auth"]) {
+  const tokenSha256 = loadTokenSha256(v["control-token-digest-file"] ?? null);
+  if (tokenSha256 !== null && v["token-file"] !== undefined) throw new UsageError("give --token-file or --control-token-digest-file, not both");
+  const token = tokenSha256 === null ? loadToken(v["token-file"] ?? null) : null;
+  if (token === null && tokenSha256 === null && !v["insecure-no-auth"]) {
     throw new UsageError("no token: set TURNPOINT_TOKEN or pass --token-file (or --insecure-no-auth for a local experiment)");
   }
   const dataTokenFile = v["data-token-file"];
@@ -105,6 +110,7 @@ export function parseServeArgs(argv: readonly string[], kind: string, examples: 
     port,
     root: v.root ?? "snapshots",
     token,
+    tokenSha256,
     dataToken,
     insecureNoAuth: v["insecure-no-auth"] ?? false,
     ...(v["tls-cert"] !== undefined ? { tlsCert: v["tls-cert"] } : {}),
@@ -146,6 +152,7 @@ export async function serveExample(
     host: args.host,
     port: args.port,
     token: args.token,
+    tokenSha256: args.tokenSha256,
     dataToken: args.dataToken,
     allowInsecureNoAuth: args.insecureNoAuth,
     graceS: args.graceS,

@@ -26,6 +26,7 @@ import { sameJson } from "./kinds.js";
 import type { CompletionReceipt, JsonObject, RecoveryMode } from "./protocol.js";
 import type { Record } from "./records.js";
 import type { Shared } from "./shared.js";
+import { ConfigurationError } from "./resources.js";
 import { invalidRecord } from "./shared.js";
 
 const SLOT = "run";
@@ -81,7 +82,12 @@ export interface SavedTurn {
  *     };
  */
 export interface Agent {
-  /** Agents export the state they seal, so they are EXPORTED unless they say otherwise. */
+  /**
+   * Agents export the state they seal, so they are EXPORTED unless they say otherwise. An
+   * agent that cannot continue a saved turn (a harness that cannot be replayed) declares
+   * RESTART_ONLY: its episodes are restarts, never exported or parked, rerun from their
+   * prompts after a restore (section 5.2 item 7). Nothing else is an agent's mode.
+   */
   readonly recoveryMode?: RecoveryMode;
   readonly environment?: string;
   run(ctx: EpisodeContext, task: JsonObject): Promise<JsonObject>;
@@ -233,17 +239,29 @@ export class RunFollower {
 /** Hosts one Agent: its executions, their parking and their export. */
 export class AgentHost implements KindHost {
   readonly slot = SLOT;
-  readonly recordKey = SLOT;
   readonly kind = "AGENT" as const;
   private readonly executions = new Map<string, Execution>();
 
   constructor(
     readonly shared: Shared,
     private readonly agent: Agent,
-  ) {}
+  ) {
+    const mode = this.recoveryMode;
+    if (mode !== "EXPORTED" && mode !== "RESTART_ONLY") {
+      throw new ConfigurationError(`the agent declares recoveryMode ${mode}: an agent is EXPORTED or RESTART_ONLY`);
+    }
+  }
 
   get recoveryMode(): RecoveryMode {
     return this.agent.recoveryMode ?? "EXPORTED";
+  }
+
+  get recordKey(): string | null {
+    return this.restartOnly ? null : SLOT;
+  }
+
+  private get restartOnly(): boolean {
+    return this.recoveryMode === "RESTART_ONLY";
   }
 
   describe(): KindDescription {
@@ -317,7 +335,9 @@ export class AgentHost implements KindHost {
       ex = new Execution(episode, task, existing.saved, budgetS, now);
       core.claimRestored(ex.key, core.admissionOpen ? "RUNNING" : "PARKED", now);
     } else {
-      core.admit(workKey(episode, SLOT), "RUNNING", now);
+      // A restart-only agent's episode is a restart from its start: in no cut, never
+      // parked, never blocking a prepare (section 5.2 item 7).
+      core.admit(workKey(episode, SLOT), this.restartOnly ? "RESTART" : "RUNNING", now);
       ex = new Execution(episode, task, null, budgetS, now);
     }
     this.executions.set(id, ex);
@@ -389,7 +409,7 @@ export class AgentHost implements KindHost {
     if (outcome === "CANCELLED") {
       ex.result = { ...base, outcome, receipt: null, result: {} };
       if (ex.stop === "retired" || ex.stop === "shutdown" || !mine) return; // the retire (or shutdown) frees it
-      if (ex.saved !== null && core.entry(ex.key) !== undefined) {
+      if (ex.saved !== null && !this.restartOnly && core.entry(ex.key) !== undefined) {
         // Nothing owed, but the sealed boundary stays committable and claimable.
         core.setState(ex.key, "PARKED", now, { detail: `cancelled at boundary ${ex.saved.boundaryIndex}` });
       } else {

@@ -45,7 +45,7 @@ export { DEFAULT_CONFIG } from "./shared.js";
 export type { RuntimeConfig } from "./shared.js";
 export { SnapshotConflictError, SnapshotStore, WriteCancelled, WriteTicket } from "./store.js";
 export type { FaultHook, FaultPoint } from "./store.js";
-export { bearer, loadToken, validateToken } from "./wire/auth.js";
+export { bearer, loadToken, loadTokenSha256, tokenSha256, validateToken } from "./wire/auth.js";
 export { TurnpointClient, callError } from "./wire/client.js";
 export { ParticipantServer } from "./wire/server.js";
 export type { ServerOptions } from "./wire/server.js";

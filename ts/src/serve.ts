@@ -32,6 +32,8 @@ export interface ServeOptions {
   /** 0 (the default) picks a free port. */
   readonly port?: number;
   readonly token?: string | null;
+  /** The control token's SHA-256 (hex) instead of the token (spec 10.2 item 8). */
+  readonly tokenSha256?: string | null;
   /** The data-plane credential (spec 10.2); without it `token` serves both roles. */
   readonly dataToken?: string | null;
   readonly allowInsecureNoAuth?: boolean;
@@ -63,7 +65,9 @@ export async function serve(hosted: Hosted, options: ServeOptions): Promise<numb
     server = new ParticipantServer(runtime, {
       host,
       port: options.port ?? 0,
-      token: options.token === undefined ? loadToken(null) : options.token,
+      // Given the digest, the token is not read from the environment at all.
+      token: options.token === undefined ? ((options.tokenSha256 ?? null) === null ? loadToken(null) : null) : options.token,
+      tokenSha256: options.tokenSha256 ?? null,
       dataToken: options.dataToken ?? null,
       allowInsecureNoAuth: options.allowInsecureNoAuth ?? false,
       graceS: options.graceS ?? 10,

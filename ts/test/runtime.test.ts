@@ -192,6 +192,31 @@ describe("agents", () => {
     assert.equal(agent.started.length, 2);
   });
 
+  it("a restart-only agent never parks, blocks or exports; a cancel starts over (5.2 item 7)", async () => {
+    const agent = Object.assign(new ToyAgent(2), { recoveryMode: "RESTART_ONLY" as const });
+    const rt = runtime(tempRoot(), { agent });
+    assert.deepEqual(rt.describe(null).supportedLevels, ["SIBLING", "PROMPT_GROUP"]);
+    const e = episode("restart");
+    const gate = agent.gate(e, 2);
+    const first = rt.acceptRun(e, {});
+    assert.equal((await first.next())?.type, "boundary");
+    assert.equal(rt.core.entry({ episode: e, slot: "run" })?.state, "RESTART");
+    const ready = await rt.prepare(fence(), "p", "ck-1", { leaseS: 30 }, { timeoutS: 1 });
+    assert.equal(ready.phase, "PREPARED");
+    assert.deepEqual(ready.readiness.restarts, [e]);
+    const committed = await rt.commit(fence(), "c", "ck-1", "ck-1", []);
+    assert.deepEqual(committed.exported, []);
+    await rt.resume(fence(), "r", "ck-1");
+    first.close();
+    await until(() => rt.core.entry({ episode: e, slot: "run" }) === undefined, "dropped after cancel");
+    gate.open();
+    const events = await drain(rt.acceptRun(e, {}));
+    const result = events.at(-1);
+    assert.equal(result?.type === "result" && JSON.stringify(result.result.history), "[10,20]");
+    assert.deepEqual(agent.started, [episodeKey(e), episodeKey(e)]);
+    assert.throws(() => runtime(tempRoot(), { agent: Object.assign(new ToyAgent(1), { recoveryMode: "STATELESS" as const }) }), /EXPORTED or RESTART_ONLY/);
+  });
+
   it("retire stops a running episode; its Run ends STALE_ATTEMPT", async () => {
     const agent = new ToyAgent(2);
     const rt = runtime(tempRoot(), { agent });

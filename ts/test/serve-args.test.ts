@@ -10,6 +10,7 @@ import path from "node:path";
 import { describe, it } from "node:test";
 
 import { parseServeArgs, peerToken } from "../examples/serve.js";
+import { tokenSha256 } from "../src/index.js";
 import { tempRoot } from "./helpers.js";
 
 function tokenFile(dir: string, name: string, token: string): string {
@@ -38,5 +39,19 @@ describe("the examples' serve arguments", () => {
 
     assert.equal(args.dataToken, null);
     assert.equal(peerToken(args), "control-token-1234");
+  });
+
+  it("take the control token's digest in its place: the process holds no control credential", () => {
+    const dir = tempRoot();
+    const digest = tokenFile(dir, "token.sha256", tokenSha256("control-token-1234"));
+    const data = tokenFile(dir, "data-token", "data-token-5678");
+
+    const args = parseServeArgs(["--control-token-digest-file", digest, "--data-token-file", data], "agent", ["guess"]);
+
+    assert.equal(args.token, null);
+    assert.equal(args.tokenSha256, tokenSha256("control-token-1234"));
+    assert.equal(peerToken(args), "data-token-5678");
+    const control = tokenFile(dir, "token", "control-token-1234");
+    assert.throws(() => parseServeArgs(["--control-token-digest-file", digest, "--token-file", control], "agent", ["guess"]), /not both/);
   });
 });

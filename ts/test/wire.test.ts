@@ -18,7 +18,7 @@ import { CheckpointControlService, ParticipantServer, RolloutService, TurnpointC
 import * as pb from "../src/gen/turnpoint/v1/checkpoint_control_service_pb.js";
 import * as health from "../src/gen/grpc/health/v1/health_pb.js";
 import * as types from "../src/gen/turnpoint/v1/types_pb.js";
-import { TokenCheck } from "../src/wire/auth.js";
+import { TokenCheck, tokenSha256 } from "../src/wire/auth.js";
 import { DATA_PLANE_SERVICES } from "../src/wire/server.js";
 import { errorFromServiceError } from "../src/wire/status.js";
 import { Gate, ToyAgent, runtime, tempRoot } from "./helpers.js";
@@ -55,6 +55,20 @@ describe("token checks", () => {
     assert.equal(check.refusal(metadata(`Bearer ${TOKEN}`), "/turnpoint.v1.CheckpointControlService/Prepare"), null);
     assert.equal(check.refusal(metadata(`Bearer ${TOKEN}`), "/turnpoint.v1.RolloutService/Run"), null);
     assert.throws(() => new TokenCheck(TOKEN, TOKEN), RangeError);
+  });
+
+  it("checks the control token against its SHA-256 without holding it (section 10.2 item 8)", () => {
+    const check = new TokenCheck({ sha256: tokenSha256(TOKEN) }, DATA_TOKEN, DATA_PLANE_SERVICES);
+    const prepare = "/turnpoint.v1.CheckpointControlService/Prepare";
+    assert.equal(check.refusal(metadata(`Bearer ${TOKEN}`), prepare), null);
+    assert.equal(check.refusal(metadata(`Bearer ${DATA_TOKEN}`), prepare)?.reason, "PERMISSION_DENIED");
+    assert.equal(check.refusal(metadata("Bearer wrong"), prepare)?.reason, "UNAUTHENTICATED");
+    // The digest itself is no credential.
+    assert.equal(check.refusal(metadata(`Bearer ${tokenSha256(TOKEN)}`), prepare)?.reason, "UNAUTHENTICATED");
+    assert.throws(() => new TokenCheck({ sha256: tokenSha256(DATA_TOKEN) }, DATA_TOKEN), RangeError);
+    assert.throws(() => new TokenCheck({ sha256: "not-hex" }), RangeError);
+    const rt = runtime(tempRoot(), { agent: new ToyAgent(1), instance: "agent-digest" });
+    assert.throws(() => new ParticipantServer(rt, { token: TOKEN, tokenSha256: tokenSha256(TOKEN) }), RangeError);
   });
 });
 

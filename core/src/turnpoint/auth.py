@@ -9,6 +9,7 @@ the coordinator's pure parts may import it freely.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Mapping
 from pathlib import Path
@@ -20,6 +21,10 @@ if TYPE_CHECKING:
 
 TOKEN_ENV: Final = "TURNPOINT_TOKEN"
 TOKEN_FILE_ENV: Final = "TURNPOINT_TOKEN_FILE"
+# docs/spec.md section 10.2 item 8: a participant may check the control token against
+# its SHA-256 (64 hex digits) instead of holding the token itself.
+CONTROL_TOKEN_SHA256_ENV: Final = "TURNPOINT_CONTROL_TOKEN_SHA256"
+_SHA256_HEX_CHARS: Final = 64
 
 AUTHORIZATION_KEY: Final = "authorization"
 BEARER_SCHEME: Final = "bearer"
@@ -68,6 +73,39 @@ def load_token(
     except (OSError, UnicodeDecodeError) as err:
         raise ValueError(f"cannot read the token file {str(token_file)!r}: {err}") from None
     return validate_token(text.strip())
+
+
+def token_sha256(token: str) -> str:
+    """The digest a participant checks the control ``token`` against: SHA-256 of its
+    ASCII bytes, 64 lower-case hex digits (docs/spec.md section 10.2 item 8)."""
+    return hashlib.sha256(validate_token(token).encode("ascii")).hexdigest()
+
+
+def validate_token_sha256(digest: str) -> str:
+    """``digest`` as 64 lower-case hex digits; the error never quotes it."""
+    normalized = digest.strip().lower()
+    if len(normalized) != _SHA256_HEX_CHARS or not all(c in "0123456789abcdef" for c in normalized):
+        raise ValueError("a control token digest is 64 hex digits (SHA-256 of the token)")
+    return normalized
+
+
+def load_token_sha256(
+    digest_file: str | Path | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+) -> str | None:
+    """The control token's digest: ``digest_file``, else
+    ``$TURNPOINT_CONTROL_TOKEN_SHA256``; None when neither is configured. Reads a file:
+    call it before the event loop starts or through ``asyncio.to_thread``."""
+    env = os.environ if environ is None else environ
+    if digest_file is None:
+        inline = env.get(CONTROL_TOKEN_SHA256_ENV)
+        return validate_token_sha256(inline) if inline else None
+    try:
+        text = Path(digest_file).read_text(encoding="ascii")
+    except (OSError, UnicodeDecodeError) as err:
+        raise ValueError(f"cannot read the digest file {str(digest_file)!r}: {err}") from None
+    return validate_token_sha256(text)
 
 
 def auth_metadata(token: str) -> tuple[tuple[str, str], ...]:

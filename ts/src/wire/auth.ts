@@ -18,6 +18,8 @@ import { TurnpointError } from "../errors.js";
 
 export const TOKEN_ENV = "TURNPOINT_TOKEN";
 export const TOKEN_FILE_ENV = "TURNPOINT_TOKEN_FILE";
+/** Section 10.2 item 8: the control token's SHA-256 (hex), checked instead of the token. */
+export const CONTROL_TOKEN_SHA256_ENV = "TURNPOINT_CONTROL_TOKEN_SHA256";
 const MAX_TOKEN_CHARS = 4096;
 /**
  * Node's HTTP/2 layer keeps only the first `authorization` header of a request; the
@@ -55,6 +57,33 @@ export function loadToken(tokenFile: string | null = null, env: NodeJS.ProcessEn
   return validateToken(text.trim());
 }
 
+/** The control token's digest a participant checks calls against: SHA-256, 64 hex digits. */
+export function tokenSha256(token: string): string {
+  return createHash("sha256").update(Buffer.from(validateToken(token), "ascii")).digest("hex");
+}
+
+/** `text` as 64 lower-case hex digits; the error never quotes it. */
+export function validateTokenSha256(text: string): string {
+  const normalized = text.trim().toLowerCase();
+  if (!/^[0-9a-f]{64}$/.test(normalized)) throw new RangeError("a control token digest is 64 hex digits (SHA-256 of the token)");
+  return normalized;
+}
+
+/** The control token's digest: `digestFile`, else $TURNPOINT_CONTROL_TOKEN_SHA256; null when neither is set. */
+export function loadTokenSha256(digestFile: string | null = null, env: NodeJS.ProcessEnv = process.env): string | null {
+  if (digestFile === null) {
+    const inline = env[CONTROL_TOKEN_SHA256_ENV];
+    return inline ? validateTokenSha256(inline) : null;
+  }
+  let text: string;
+  try {
+    text = readFileSync(digestFile, "ascii");
+  } catch (error) {
+    throw new RangeError(`cannot read the digest file ${JSON.stringify(digestFile)}: ${(error as Error).message}`);
+  }
+  return validateTokenSha256(text);
+}
+
 /** Call metadata that authenticates one call. */
 export function bearer(token: string): string {
   return `Bearer ${validateToken(token)}`;
@@ -77,13 +106,17 @@ export class TokenCheck {
   private readonly dataServices: ReadonlySet<string>;
 
   /**
-   * `token` is the control credential. `dataToken` (distinct from it) opens only the
+   * `token` is the control credential, or `{ sha256 }` its digest (section 10.2 item 8:
+   * checked without holding the token). `dataToken` (distinct from it) opens only the
    * services named in `dataServices` (full names, `turnpoint.v1.RolloutService`).
    */
-  constructor(token: string, dataToken: string | null = null, dataServices: Iterable<string> = []) {
-    this.expected = digest(Buffer.from(validateToken(token), "ascii"));
-    if (dataToken !== null && dataToken === token) throw new RangeError("the data-plane token must differ from the control token");
+  constructor(token: string | { readonly sha256: string }, dataToken: string | null = null, dataServices: Iterable<string> = []) {
+    this.expected =
+      typeof token === "string" ? digest(Buffer.from(validateToken(token), "ascii")) : Buffer.from(validateTokenSha256(token.sha256), "hex");
     this.dataExpected = dataToken === null ? null : digest(Buffer.from(validateToken(dataToken), "ascii"));
+    if (this.dataExpected !== null && timingSafeEqual(this.dataExpected, this.expected)) {
+      throw new RangeError("the data-plane token must differ from the control token");
+    }
     this.dataServices = new Set(dataServices);
   }
 

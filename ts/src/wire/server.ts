@@ -18,7 +18,7 @@ import * as policy from "../gen/turnpoint/v1/policy_service_pb.js";
 import * as resources from "../gen/turnpoint/v1/resources_service_pb.js";
 import * as rollout from "../gen/turnpoint/v1/rollout_service_pb.js";
 import type { ParticipantRuntime } from "../runtime.js";
-import { DUPLICATE_AUTHORIZATION, TokenCheck, validateToken } from "./auth.js";
+import { DUPLICATE_AUTHORIZATION, TokenCheck, validateToken, validateTokenSha256 } from "./auth.js";
 import { ControlServicer } from "./control.js";
 import { resourcesImplementation, rolloutImplementation } from "./data.js";
 import { Door, rawDefinition } from "./door.js";
@@ -33,8 +33,13 @@ export const MAX_MESSAGE_BYTES = 16 * 1024 * 1024;
 export interface ServerOptions {
   readonly host?: string;
   readonly port?: number;
-  /** Never shown in logs or errors. Null needs `allowInsecureNoAuth`. */
+  /** Never shown in logs or errors. Null needs `allowInsecureNoAuth` (or `tokenSha256`). */
   readonly token: string | null;
+  /**
+   * The control token's SHA-256 (hex) in place of `token` (section 10.2 item 8): the
+   * server checks the coordinator's calls without holding a control credential.
+   */
+  readonly tokenSha256?: string | null;
   /**
    * A second, data-plane credential (section 10.2): it opens Rollout/Resources/Policy
    * and is refused PERMISSION_DENIED on the control service. Never shown. Without it
@@ -84,7 +89,10 @@ export class ParticipantServer {
     readonly runtime: ParticipantRuntime,
     private readonly options: ServerOptions,
   ) {
-    if (options.token === null && options.allowInsecureNoAuth !== true) {
+    const tokenSha256 = options.tokenSha256 ?? null;
+    if (options.token !== null && tokenSha256 !== null) throw new RangeError("give the control token or its SHA-256 digest, not both");
+    const controlCredential = options.token ?? (tokenSha256 === null ? null : { sha256: validateTokenSha256(tokenSha256) });
+    if (controlCredential === null && options.allowInsecureNoAuth !== true) {
       throw new RangeError(
         "no bearer token configured: set $TURNPOINT_TOKEN or $TURNPOINT_TOKEN_FILE (or pass a token file), " +
           "or explicitly allow insecure serving without auth",
@@ -94,8 +102,7 @@ export class ParticipantServer {
     const dataToken = options.dataToken ?? null;
     if (dataToken !== null) {
       validateToken(dataToken);
-      if (options.token === null) throw new RangeError("a data-plane token needs a control token beside it");
-      if (dataToken === options.token) throw new RangeError("the data-plane token must differ from the control token");
+      if (controlCredential === null) throw new RangeError("a data-plane token needs a control token beside it");
       if (options.authDataPlane === false) throw new RangeError("a data-plane token has no use when the data plane is open");
     }
     if ((options.tlsCertFile === undefined) !== (options.tlsKeyFile === undefined)) throw new RangeError("TLS needs both a certificate and a key");
@@ -106,7 +113,8 @@ export class ParticipantServer {
       "grpc.max_receive_message_length": MAX_MESSAGE_BYTES,
       "grpc.max_send_message_length": MAX_MESSAGE_BYTES,
     });
-    const door = new Door(options.token === null ? null : new TokenCheck(options.token, dataToken, DATA_PLANE_SERVICES));
+    // TokenCheck refuses a data-plane token equal to the control one (by digest).
+    const door = new Door(controlCredential === null ? null : new TokenCheck(controlCredential, dataToken, DATA_PLANE_SERVICES));
     const openData = options.authDataPlane === false;
     this.controlServicer = new ControlServicer(runtime);
     this.add(control.CheckpointControlService, this.controlServicer.implementation(door));
@@ -160,7 +168,7 @@ export class ParticipantServer {
     this.runtime.start();
     for (const name of ["", ...this.services]) this.healthService.set(name, true);
     this._state = "serving";
-    if (options.token === null) console.warn("turnpoint: serving WITHOUT authentication: anyone who can connect controls it");
+    if (options.token === null && (options.tokenSha256 ?? null) === null) console.warn("turnpoint: serving WITHOUT authentication: anyone who can connect controls it");
     else if (options.tlsCertFile === undefined && !isLoopback(options.host ?? "127.0.0.1")) {
       console.warn(`turnpoint: the bearer token travels in plaintext: ${options.host} is not loopback`);
     }

@@ -24,7 +24,7 @@ from turnpoint.apps.examples._build import (
     kind_of,
     load_participant,
 )
-from turnpoint.auth import load_token
+from turnpoint.auth import load_token, load_token_sha256
 from turnpoint.ids import InvalidIdError, validate_id
 from turnpoint.participant_sdk import SnapshotStore
 from turnpoint.server import (
@@ -104,6 +104,13 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "--data-token-file",
         help="file holding the data-plane token: it opens Rollout/Resources/Policy and "
         "never the control service; an agent uses it to call its policy and resources",
+    )
+    parser.add_argument(
+        "--control-token-digest-file",
+        help="file holding the SHA-256 (hex) of the control token, instead of the token: "
+        "the participant checks the coordinator's calls without holding a credential that "
+        "can reach a control plane ($TURNPOINT_CONTROL_TOKEN_SHA256 likewise; docs/spec.md "
+        "section 10.2 item 8); it calls out with --data-token-file",
     )
     parser.add_argument("--insecure-no-auth", action="store_true")
     parser.add_argument("--tls-cert", help="server certificate (PEM)")
@@ -201,7 +208,10 @@ def _serve_command(args: argparse.Namespace) -> int:
         elif args.workers < 1:
             raise ValueError(f"--workers must be at least 1, got {args.workers}")
         own = _own_participant(args)
-        token = load_token(args.token_file)
+        digest = load_token_sha256(args.control_token_digest_file)
+        if digest is not None and args.token_file:
+            raise ValueError("give --token-file or --control-token-digest-file, not both")
+        token = None if digest is not None else load_token(args.token_file)
         data_token = load_token(args.data_token_file) if args.data_token_file else None
         example = own or args.example or EXAMPLES[args.kind][0]
         if args.instance is not None:
@@ -210,6 +220,7 @@ def _serve_command(args: argparse.Namespace) -> int:
             host=args.host,
             port=args.port,
             token=token,
+            token_sha256=digest,
             data_token=data_token,
             allow_insecure_no_auth=args.insecure_no_auth,
             tls_cert_file=args.tls_cert,
@@ -218,7 +229,7 @@ def _serve_command(args: argparse.Namespace) -> int:
             control_identities=tuple(args.control_identity),
             grace_seconds=args.grace,
         )
-        if token is None and not args.insecure_no_auth:
+        if not options.authenticates and not args.insecure_no_auth:
             raise ValueError(
                 "no token: set TURNPOINT_TOKEN or pass --token-file "
                 "(or --insecure-no-auth for a local experiment)"

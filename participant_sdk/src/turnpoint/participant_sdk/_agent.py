@@ -42,7 +42,7 @@ from turnpoint.protocol import (
 from ._core import ActiveClock, ParticipantCore, WorkKey
 from ._effects import CallPosition, effect_key
 from ._model import GenerateChunk
-from ._resources import Verdict
+from ._resources import ConfigurationError, Verdict
 from ._shared import Shared, invalid_record, logger
 from ._store_format import Record, json_copy_object
 from ._token_prefix import Generation, GenerationRequest, WeightsChange
@@ -126,8 +126,12 @@ class Agent(abc.ABC):
                 return {"answer": history[-1]}
     """
 
-    # Agents export the state they hand to ctx.boundary, so they can always continue a turn.
-    recovery_mode: ClassVar[RecoveryMode] = RecoveryMode.EXPORTED
+    # Agents export the state they hand to ctx.boundary, so they can always continue a
+    # turn. An agent that cannot continue one (a harness that cannot be replayed)
+    # declares RESTART_ONLY: its episodes are restarts (docs/spec.md section 5.2 item 7),
+    # never exported, never parked, rerun from their prompts after a restore. An
+    # instance may set it (a class whose harnesses differ decides per instance).
+    recovery_mode: RecoveryMode = RecoveryMode.EXPORTED
     environment: ClassVar[str] = ""
     # docs/spec.md section 5.5: ``ctx.generate`` asks the policy to cut its generations
     # at a checkpoint and records the cuts. Set it only when the policy server cuts (it
@@ -388,10 +392,14 @@ class AgentHost:
     """Hosts one :class:`Agent`: its executions, their parking and their export."""
 
     slot = SLOT
-    record_key: str | None = SLOT
     kind = ParticipantKind.AGENT
 
     def __init__(self, shared: Shared, agent: Agent) -> None:
+        if agent.recovery_mode not in (RecoveryMode.EXPORTED, RecoveryMode.RESTART_ONLY):
+            raise ConfigurationError(
+                f"{type(agent).__name__} declares recovery_mode "
+                f"{agent.recovery_mode.name}: an agent is EXPORTED or RESTART_ONLY"
+            )
         self._shared = shared
         self._agent = agent
         self._executions: dict[EpisodeId, _Execution] = {}
@@ -400,6 +408,14 @@ class AgentHost:
     @property
     def recovery_mode(self) -> RecoveryMode:
         return self._agent.recovery_mode
+
+    @property
+    def _restart_only(self) -> bool:
+        return self._agent.recovery_mode is RecoveryMode.RESTART_ONLY
+
+    @property
+    def record_key(self) -> str | None:
+        return None if self._restart_only else SLOT
 
     def describe(self) -> Mapping[str, object]:
         return {
@@ -573,7 +589,10 @@ class AgentHost:
             )
         else:
             execution = _Execution(episode, task, None, budget_s, now, weights_change)
-            core.admit(execution.key, EpisodeState.RUNNING, now)
+            # A restart-only agent's episode is a restart from its start: in no cut, never
+            # parked, never blocking a prepare (docs/spec.md section 5.2 item 7).
+            state = EpisodeState.RESTART if self._restart_only else EpisodeState.RUNNING
+            core.admit(execution.key, state, now)
         self._executions[episode] = execution
         execution.runner = asyncio.create_task(
             self._execute(execution), name=f"turnpoint-run-{episode}"
@@ -663,7 +682,7 @@ class AgentHost:
             )
             if execution.stop in (_Stop.RETIRED, _Stop.SHUTDOWN) or not mine:
                 return  # the retire (or shutdown) frees it
-            if execution.has_boundary and core.state_of(key) is not None:
+            if execution.has_boundary and not self._restart_only and core.state_of(key) is not None:
                 # Nothing owed, but the sealed boundary stays committable and claimable.
                 core.set_state(
                     key,

@@ -33,7 +33,12 @@ from typing import TYPE_CHECKING, Any, Final
 import grpc
 
 from turnpoint._status import error_to_grpc_status
-from turnpoint.auth import AUTHORIZATION_KEY, BEARER_SCHEME, validate_token
+from turnpoint.auth import (
+    AUTHORIZATION_KEY,
+    BEARER_SCHEME,
+    validate_token,
+    validate_token_sha256,
+)
 from turnpoint.errors import Reason, TurnpointError
 
 _log = logging.getLogger(__name__)
@@ -55,28 +60,37 @@ def _digest(value: bytes) -> bytes:
 class BearerTokenInterceptor(_InterceptorBase):
     """Refuses calls to every service not in ``open_services`` without the right token.
 
-    ``token`` is the control credential: it opens every protected service. ``data_token``
-    (optional, distinct from ``token``) opens only ``data_services``; presented anywhere
+    ``token`` is the control credential: it opens every protected service. Given
+    ``token_sha256`` instead (its SHA-256, hex), the interceptor checks the control token
+    without holding it (docs/spec.md section 10.2 item 8). ``data_token`` (optional,
+    distinct from the control token) opens only ``data_services``; presented anywhere
     else it is refused PERMISSION_DENIED.
     """
 
     def __init__(
         self,
-        token: str,
+        token: str | None = None,
         *,
+        token_sha256: str | None = None,
         open_services: Collection[str],
         data_token: str | None = None,
         data_services: Collection[str] = (),
         control_identities: Collection[str] = (),
     ) -> None:
+        if (token is None) == (token_sha256 is None):
+            raise ValueError("give the control token or its SHA-256 digest, not both")
         # Comparing fixed-length digests keeps compare_digest from returning early on a
         # length mismatch, so timing reveals neither the token's bytes nor its length.
-        self._expected_digest = _digest(validate_token(token).encode("ascii"))
+        self._expected_digest = (
+            _digest(validate_token(token).encode("ascii"))
+            if token is not None
+            else bytes.fromhex(validate_token_sha256(token_sha256 or ""))
+        )
         self._data_digest: bytes | None = None
         if data_token is not None:
-            if data_token == token:
-                raise ValueError("the data-plane token must differ from the control token")
             self._data_digest = _digest(validate_token(data_token).encode("ascii"))
+            if hmac.compare_digest(self._data_digest, self._expected_digest):
+                raise ValueError("the data-plane token must differ from the control token")
         self._open_services = frozenset(open_services)
         self._data_services = frozenset(data_services)
         self._control_identities = frozenset(control_identities)

@@ -30,7 +30,8 @@ from prometheus_client import CollectorRegistry
 
 from turnpoint._keepalive import DEFAULT_MAX_MESSAGE_BYTES, server_options
 from turnpoint._tls import server_credentials
-from turnpoint.auth import validate_token
+from turnpoint.auth import token_sha256 as digest_of_token
+from turnpoint.auth import validate_token, validate_token_sha256
 from turnpoint.errors import Reason, TurnpointError
 from turnpoint.server._auth import BearerTokenInterceptor
 from turnpoint.server._metrics import (
@@ -89,7 +90,11 @@ class ServerOptions:
     server refuses to start unless ``allow_insecure_no_auth``. ``data_token`` (also never
     shown) is a second, data-plane credential: it opens the turnpoint data-plane services
     and nothing else, so whoever holds it (an agent's harness) cannot fence, restore or
-    retire anything (docs/spec.md section 10.2); without it ``token`` serves both roles. ``auth_data_plane`` False leaves the turnpoint
+    retire anything (docs/spec.md section 10.2); without it ``token`` serves both roles.
+    ``token_sha256`` (SHA-256 of the control token, hex) replaces ``token``: the server
+    checks the control credential without holding it, so nothing it runs (a harness)
+    can read a credential that reaches a control plane (section 10.2 item 8); a server
+    that calls out does so with ``data_token``. ``auth_data_plane`` False leaves the turnpoint
     data-plane services open and protects only the control service (and any service
     not known here). TLS needs ``tls_cert_file`` and ``tls_key_file``;
     ``tls_client_ca_file`` turns on mutual TLS: every client must present a certificate
@@ -108,6 +113,7 @@ class ServerOptions:
     host: str = "127.0.0.1"
     port: int = 0
     token: str | None = field(default=None, repr=False)
+    token_sha256: str | None = field(default=None, repr=False)
     data_token: str | None = field(default=None, repr=False)
     allow_insecure_no_auth: bool = False
     auth_data_plane: bool = True
@@ -128,11 +134,15 @@ class ServerOptions:
             raise ValueError(f"port must be in 0..65535, got {self.port}")
         if self.token is not None:
             validate_token(self.token)
+        if self.token_sha256 is not None:
+            if self.token is not None:
+                raise ValueError("give the control token or its SHA-256 digest, not both")
+            object.__setattr__(self, "token_sha256", validate_token_sha256(self.token_sha256))
         if self.data_token is not None:
             validate_token(self.data_token)
-            if self.token is None:
+            if not self.authenticates:
                 raise ValueError("a data-plane token needs a control token beside it")
-            if self.data_token == self.token:
+            if digest_of_token(self.data_token) == self.control_token_sha256:
                 raise ValueError("the data-plane token must differ from the control token")
             if not self.auth_data_plane:
                 raise ValueError("a data-plane token has no use when the data plane is open")
@@ -140,7 +150,7 @@ class ServerOptions:
             raise ValueError("TLS needs both tls_cert_file and tls_key_file")
         if self.tls_client_ca_file is not None and self.tls_cert_file is None:
             raise ValueError("mutual TLS (tls_client_ca_file) needs tls_cert_file and tls_key_file")
-        if self.control_identities and (self.tls_client_ca_file is None or self.token is None):
+        if self.control_identities and (self.tls_client_ca_file is None or not self.authenticates):
             raise ValueError("control_identities needs mutual TLS (tls_client_ca_file) and a token")
         if any(not name for name in self.control_identities):
             raise ValueError("a control identity must not be empty")
@@ -154,6 +164,16 @@ class ServerOptions:
             raise ValueError(f"metrics_port must be in 0..65535, got {self.metrics_port}")
         if self.shared_port is not None and not 0 < self.shared_port <= 65535:
             raise ValueError(f"shared_port must be in 1..65535, got {self.shared_port}")
+
+    @property
+    def authenticates(self) -> bool:
+        """Whether a control credential is configured (the token or its digest)."""
+        return self.token is not None or self.token_sha256 is not None
+
+    @property
+    def control_token_sha256(self) -> str | None:
+        """The digest the control token is checked against (None: no authentication)."""
+        return digest_of_token(self.token) if self.token is not None else self.token_sha256
 
     @property
     def tls(self) -> bool:
@@ -223,7 +243,7 @@ class ParticipantServer:
         *,
         on_drain: DrainHook | None = None,
     ) -> None:
-        if options.token is None and not options.allow_insecure_no_auth:
+        if not options.authenticates and not options.allow_insecure_no_auth:
             raise ValueError(
                 "no bearer token configured: set $TURNPOINT_TOKEN or $TURNPOINT_TOKEN_FILE "
                 "(or pass a token file), or explicitly allow insecure serving without auth"
@@ -303,10 +323,11 @@ class ParticipantServer:
                 options.tls_client_ca_file,
             )
         interceptors: list[grpc.aio.ServerInterceptor[Any, Any]] = []
-        if options.token is not None:
+        if options.authenticates:
             interceptors.append(
                 BearerTokenInterceptor(
                     options.token,
+                    token_sha256=options.token_sha256,
                     open_services=options.open_services(),
                     data_token=options.data_token,
                     data_services=DATA_PLANE_SERVICES,
@@ -354,7 +375,11 @@ class ParticipantServer:
     def _serve_metrics(self, port: int) -> MetricsEndpoint:
         assert self._metrics is not None and self._options.metrics_port is not None
         closers: tuple[Callable[[], None], ...] = ()
-        if not self._options.tls:
+        # The self-reader calls GetStatus, a control call: a server that holds only the
+        # control token's digest cannot make it, and serves its metrics without it.
+        if not self._options.tls and (
+            self._options.token is not None or not self._options.authenticates
+        ):
             host = self._options.host
             dial = host if _is_loopback(host) else "127.0.0.1"
             reader = SelfStatusReader(_join_host_port(dial, port), self._options.token)
@@ -396,7 +421,7 @@ class ParticipantServer:
 
     def _log_started(self) -> None:
         options = self._options
-        if options.token is None:
+        if not options.authenticates:
             _log.warning("serving WITHOUT authentication: anyone who can connect controls it")
         elif not options.tls and not _is_loopback(options.host):
             _log.warning("the bearer token travels in plaintext: %s is not loopback", options.host)
@@ -406,7 +431,7 @@ class ParticipantServer:
             self.address,
             options.tls,
             options.mutual_tls,
-            options.token is not None,
+            options.authenticates,
             options.data_token is not None,
         )
 

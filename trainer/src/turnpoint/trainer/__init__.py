@@ -18,7 +18,9 @@ This face is what a trainer author needs (docs/embedding.md):
   :class:`FailureReason`, and the states an attempt passes through,
   :class:`SnapshotState` (``Checkpointing(on_transition=...)``);
 - healing a lost participant in place (``Checkpointing(launcher=...)``): the
-  :class:`Launcher` the job supplies, :class:`LocalProcessLauncher`, :class:`LaunchError`;
+  :class:`Launcher` the job supplies, :class:`LocalProcessLauncher`,
+  :class:`StableAddressLauncher` (a worker group's or a pod's own supervisor restarts
+  it), :class:`LaunchError`;
 - the coordinator's Prometheus metrics: :class:`CoordinatorMetrics`
   (``Checkpointing(metrics=...)``);
 - the errors, all :class:`CoordinatorError`: :class:`NoUsableSnapshotError`,
@@ -63,6 +65,9 @@ if TYPE_CHECKING:
     from turnpoint.trainer.restore.launcher import Launcher as Launcher
     from turnpoint.trainer.restore.launcher import LaunchError as LaunchError
     from turnpoint.trainer.restore.launcher import LocalProcessLauncher as LocalProcessLauncher
+    from turnpoint.trainer.restore.launcher import (
+        StableAddressLauncher as StableAddressLauncher,
+    )
     from turnpoint.trainer.restore.restorer import AnchorLoader as AnchorLoader
     from turnpoint.trainer.restore.restorer import NoUsableSnapshotError as NoUsableSnapshotError
     from turnpoint.trainer.restore.restorer import RestoreRefusedError as RestoreRefusedError
@@ -115,6 +120,7 @@ _OWNERS = {
     "SnapshotOutcome": "turnpoint.trainer.snapshots.report",
     "SnapshotReport": "turnpoint.trainer.snapshots.report",
     "SnapshotState": "turnpoint.trainer.snapshots.attempt",
+    "StableAddressLauncher": "turnpoint.trainer.restore.launcher",
     "TorchAnchorSource": "turnpoint.trainer.anchors.dcp",
     "WeightSync": "turnpoint.trainer.weights.sync",
     "WeightSyncError": "turnpoint.trainer.weights.core",

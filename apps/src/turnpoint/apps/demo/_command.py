@@ -324,6 +324,7 @@ def _run(options: DemoOptions, paths: DemoPaths, token: str, console: Console) -
                 address=options.ray_address,
                 nodes=options.ray_nodes,
                 start_timeout_s=options.start_timeout_s,
+                servers_on_head=options.lose_node,
             )
         except (ConnectionError, RuntimeError, ValueError, TimeoutError) as error:
             where = (

@@ -18,10 +18,16 @@ spread one node after the other over the nodes that offer slots, the head last.
 
 ``--lose-node`` (with ``--ray-nodes``): the injected fault is the loss of a whole node
 instead: the node hosting an agent (not the head) is removed from the cluster, and every
-participant on it dies with it. The supervisor sees them lost and restores the whole job
-from the last published snapshot onto replacements on the remaining nodes (docs/spec.md
-section 7.12). Every start is logged to ``<out>/logs/ray-placement.jsonl`` (generation,
-instance, node, address), so a reader (and the tests) can see where each one ran.
+participant on it dies with it. Only those are replaced, each on a node alive at that
+moment, and the trainer heals each in place (docs/spec.md sections 7.12 and 7.15): it
+asks the supervisor, whose table this launcher's actors are in, and the supervisor
+starts the agent again here (:meth:`RayLauncher.start`, which never picks a removed
+node). The job does not restart. The policy and resources servers then run on the head
+node, which is never removed (``servers_on_head``): their addresses are wired into every
+agent, so a lost one cannot be healed in place, and the loss would restart the job. A
+heal that fails falls back to that job restart. Every start is logged to
+``<out>/logs/ray-placement.jsonl`` (generation, instance, node, address; a replacement
+is a generation of its own), so a reader (and the tests) can see where each one ran.
 """
 
 from __future__ import annotations
@@ -143,7 +149,11 @@ class RayParticipant:
 
 
 class RayLauncher:
-    """Starts participants as Ray actors; construct it before the event loop runs."""
+    """Starts participants as Ray actors; construct it before the event loop runs.
+
+    ``servers_on_head`` (a cluster of ``nodes`` only): the policy and resources servers
+    go to the head node, the agents spread over every node, so that removing a node
+    other than the head loses agents only (``--lose-node`` heals them in place)."""
 
     description = "Ray actors"
 
@@ -155,7 +165,11 @@ class RayLauncher:
         nodes: int | None = None,
         start_timeout_s: float = START_TIMEOUT_S,
         num_cpus: int | None = None,
+        servers_on_head: bool = False,
     ) -> None:
+        if servers_on_head and nodes is None:
+            raise ValueError("servers_on_head needs a cluster the demo starts (nodes)")
+        self._servers_on_head = servers_on_head
         self._paths = paths
         self._start_timeout_s = start_timeout_s
         self._cluster: LocalCluster | None = None
@@ -168,8 +182,12 @@ class RayLauncher:
             connect(address, num_cpus=num_cpus)
         self._placement = Placement(resources=resources)
         self._options = FleetOptions(
-            server=ServerOptions(grace_seconds=_GRACE_S),
-            token_file=str(paths.token_file),
+            # The actors check the coordinator's calls against the control token's
+            # digest and never hold the token (docs/spec.md section 10.2 item 8).
+            server=ServerOptions(
+                grace_seconds=_GRACE_S,
+                token_sha256=paths.token_digest_file.read_text(encoding="ascii").strip(),
+            ),
             data_token_file=str(paths.data_token_file),
             start_timeout_s=start_timeout_s,
             # --storage s3: the store's endpoint and dummy credentials, as for processes.
@@ -198,6 +216,14 @@ class RayLauncher:
         self._turn += 1
         return node
 
+    def _head_node(self) -> str:
+        assert self._cluster is not None
+        workers = set(self._cluster.worker_node_ids())
+        heads = [n for n in alive_nodes(resources=self._placement.resources) if n not in workers]
+        if not heads:
+            raise DemoError("the Ray head node cannot host a participant")
+        return heads[0]
+
     async def start(self, spec: ParticipantSpec, generation: int) -> RayParticipant:
         group = ParticipantGroup(
             kind=spec.kind,
@@ -207,7 +233,10 @@ class RayLauncher:
         )
         failed: set[str] = set()
         while True:
-            node = self._node_for(generation, failed)
+            if self._servers_on_head and spec.kind != "agent":
+                node = self._head_node()
+            else:
+                node = self._node_for(generation, failed)
             actor = RayParticipants.launch(group, group.instances, self._options, node_id=node)
             try:
                 await actor.start(self._start_timeout_s)

@@ -9,9 +9,11 @@ environments. They run on two bearer tokens, fresh each run, mode 0600 (docs/spe
 section 10.2): the control token ``<out>/token``, the trainer's (and the supervisor's),
 and the data-plane token ``<out>/data-token``, the one every participant's own calls out
 use (an agent's to its policy and resources; the OpenAI endpoint's API key, so the
-opaque agents' relay too). A participant gets both as files (``--token-file``,
-``--data-token-file``), the control one only to check the coordinator's calls; no
-participant's argv or environment holds the control token. They share one snapshot root
+opaque agents' relay too). A participant gets, by file, the data-plane token and only
+the control token's SHA-256 ``<out>/token.sha256`` (``--control-token-digest-file``,
+``--data-token-file``), to check the coordinator's calls: no participant, nor a harness
+it runs, holds or can read a credential that reaches a control plane (section 10.2
+item 7). They share one snapshot root
 ``<out>/snapshots`` (with ``--storage s3``: ``s3://<bucket>/snapshots`` on moto's S3
 server, which the supervisor runs on loopback in its own process; the children get its
 endpoint and dummy credentials in boto3's environment variables, and every other file of
@@ -150,7 +152,7 @@ from turnpoint.apps.demo._report import (
     load_run,
     render_report,
 )
-from turnpoint.auth import TOKEN_ENV, TOKEN_FILE_ENV
+from turnpoint.auth import TOKEN_ENV, TOKEN_FILE_ENV, token_sha256
 from turnpoint.trainer.advanced import RestartBudget
 from turnpoint.trainer.testing import SnapshotPoint
 
@@ -255,13 +257,18 @@ class DemoOptions:
     @property
     def heal_in_place(self) -> bool:
         """Whether a lost agent is replaced alone (docs/spec.md section 7.15) rather
-        than the whole job restarted. Not on Ray (its actors are placed by the cluster),
-        not for agents of several workers (the trainer loses and names one worker; the
+        than the whole job restarted. On Ray only for ``--lose-node``: the lost node's
+        agents are started again on live nodes (the servers stay on the head node, see
+        :mod:`turnpoint.apps.demo._ray`); not for agents of several workers (the trainer loses and names one worker; the
         supervisor starts the group), and not when the restarted job's tools must hold
         their calls (that test needs a freshly started tools server). Participants of
         ``--participant-command`` (the TypeScript resources servers) serve RestoreRunning
         as the Python SDK's do."""
-        return not self.ray and not self.hold_tools_after_restart and self.agent_workers == 1
+        return (
+            (not self.ray or self.lose_node)
+            and not self.hold_tools_after_restart
+            and self.agent_workers == 1
+        )
 
     @property
     def restart_trainer_alone(self) -> bool:
@@ -271,8 +278,9 @@ class DemoOptions:
         participant then serves RestoreRunning (the Python SDK's and the TypeScript
         SDK's), the supervisor owns their processes (on Ray, the cluster does), and the
         restarted trainer needs no freshly started tools server
-        (``--hold-tools-after-restart``)."""
-        return self.heal_in_place
+        (``--hold-tools-after-restart``). Not on Ray: the actors end with the driver's
+        job restart."""
+        return self.heal_in_place and not self.ray
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> DemoOptions:
@@ -539,6 +547,12 @@ class DemoPaths:
         return self.out / "token"
 
     @property
+    def token_digest_file(self) -> Path:
+        """The control token's SHA-256 (hex): what a participant checks the coordinator's
+        calls against, never holding the token itself (docs/spec.md section 10.2 item 8)."""
+        return self.out / "token.sha256"
+
+    @property
     def data_token_file(self) -> Path:
         """The data-plane credential: what an agent presents to its policy and resources,
         and the only one a participant's own calls out hold (docs/spec.md section 10.2)."""
@@ -605,6 +619,12 @@ def prepare_out_dir(out: Path, store: ObjectStore | None = None) -> tuple[DemoPa
         temp_prefix=".data-token-",
         mode=0o600,
     )
+    create_file(
+        paths.token_digest_file,
+        (token_sha256(token) + "\n").encode("ascii"),
+        temp_prefix=".token-sha256-",
+        mode=0o600,
+    )
     return paths, token
 
 
@@ -646,10 +666,11 @@ class ParticipantSpec:
 
     def serve_arguments(self, paths: DemoPaths) -> list[str]:
         """``turnpoint serve``'s arguments. The credentials go by file, never by value:
-        the control token only to check the coordinator's calls, the data-plane token for
-        the participant's own calls out (an agent's to its policy and resources, the
-        OpenAI endpoint's API key), so no argv or environment of a participant holds the
-        control token (docs/spec.md section 10.2 item 6)."""
+        the control token's digest, to check the coordinator's calls, and the data-plane
+        token for the participant's own calls out (an agent's to its policy and
+        resources, the OpenAI endpoint's API key), so no participant, nor anything it
+        runs, holds or can read a credential that reaches a control plane (docs/spec.md
+        section 10.2 items 6 and 8)."""
         arguments = [
             "--kind",
             self.kind,
@@ -663,8 +684,8 @@ class ParticipantSpec:
             str(self.port),
             "--root",
             paths.snapshot_root,
-            "--token-file",
-            str(paths.token_file),
+            "--control-token-digest-file",
+            str(paths.token_digest_file),
             "--data-token-file",
             str(paths.data_token_file),
         ]
@@ -1451,7 +1472,9 @@ class _Supervisor:
                     await self.crash_and_restart()
             elif self.state.crash_due() and self.node_lost is None:
                 if self.options.lose_node:
-                    await self.recover(await self.lose_node())
+                    # The trainer heals the node's agents in place; if it cannot, its
+                    # failure (or an agent still dead after HEAL_GRACE_S) restarts the job.
+                    await self.lose_node()
                 elif self.options.heal_in_place:
                     await self.lose_agent()
                 else:
@@ -1805,10 +1828,11 @@ class _Supervisor:
         )
         return agents[self.options.seed % len(agents)]
 
-    async def lose_node(self) -> DemoError:
+    async def lose_node(self) -> None:
         """``--lose-node``: remove the Ray node hosting an agent, every process on it
-        killed at once; returns the loss, which the supervisor's ordinary path restores
-        the job from onto the remaining nodes (docs/spec.md section 7.12)."""
+        killed at once. Only agents run there (the servers on the head node): the
+        trainer finds each lost and asks :meth:`replace` for it on a live node
+        (docs/spec.md sections 7.12 and 7.15)."""
         remover = getattr(self.launcher, "remove_node_of", None)
         if remover is None:
             raise DemoError("--lose-node needs participants on Ray nodes (--ray-nodes)")
@@ -1823,9 +1847,6 @@ class _Supervisor:
             incarnation=self.trainer.incarnation if self.trainer else 0,
             step=self.state.step,
             **lost,
-        )
-        return DemoError(
-            f"Ray node {lost['node_id']} was lost, and with it {', '.join(lost['instances'])}"
         )
 
     async def crash_and_restart(self) -> None:

@@ -5,7 +5,8 @@
   when published and red when it failed;
 - a vertical line at the crash (supervisor log) and one at each restore (trainer log);
 - a dotted line at each participant lost and at each one replaced in place (supervisor
-  log: ``agent_lost``, ``fault``; ``replaced``), with the span between them shaded;
+  log: ``agent_lost``, ``node_lost``, ``fault``; ``replaced``), with the span between
+  them shaded;
 - the mean reward of every train step on a second axis, with a moving average; steps a
   restore rolled back are drawn hollow, so the replaced history stays visible.
 
@@ -75,7 +76,9 @@ def render_timeline(
     from matplotlib.patches import Patch
 
     times = log.times + [
-        e.t for e in supervisor if e.type in ("crash", "restart", "agent_lost", "replaced")
+        e.t
+        for e in supervisor
+        if e.type in ("crash", "restart", "agent_lost", "node_lost", "replaced")
     ]
     times += [s.t_start for s in log.snapshots] + [s.t_end for s in log.snapshots]
     origin = min(times, default=0.0)
@@ -121,7 +124,7 @@ def render_timeline(
     if crashes:
         legend.append(Line2D([], [], color=_CRASH, linewidth=2, linestyle="--", label="crash"))
         legend.append(Patch(color=_DOWN, alpha=0.25, label="job restart (until restored)"))
-    losses = [e.t for e in supervisor if e.type in ("agent_lost", "fault")]
+    losses = [e.t for e in supervisor if e.type in ("agent_lost", "node_lost", "fault")]
     replacements = [e.t for e in supervisor if e.type == "replaced"]
     for replaced in replacements:
         axes.axvline(replaced - origin, color=_REPLACED, linewidth=2, linestyle=":")

@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Mapping, Sequence
 from typing import Any, Final
 
 from turnpoint.ids import EpisodeId
-from turnpoint.participant_sdk import Agent, EpisodeContext
+from turnpoint.participant_sdk import Agent, EpisodeContext, RecoveryMode
 from turnpoint.server.openai_api._relay import (
     Completed,
     Diverged,
@@ -62,6 +62,12 @@ class OpaqueAgent(Agent):
     ``OPENAI_MODEL``, and where its tools are from ``TURNPOINT_TOOLS_URL`` (when the relay
     has tools); it prints its result as a JSON object on its last line of output.
     ``env`` adds variables (never a secret of the host's: the harness is untrusted).
+
+    ``replayable=False`` declares a harness that cannot be answered from the record (it
+    reads a clock, a random source or the network around the relay, so a fresh process
+    would not repeat its calls): the participant is then ``RESTART_ONLY`` (docs/spec.md
+    section 12.8 item 7). Its episodes are restarts: never exported, never parked, and
+    after a restore rerun from their prompts by the coordinator, counted as restarts.
     """
 
     environment = "opaque"
@@ -73,9 +79,11 @@ class OpaqueAgent(Agent):
         *,
         model: str,
         env: Mapping[str, str] | None = None,
+        replayable: bool = True,
     ) -> None:
         if not command:
             raise ValueError("the harness command line is empty")
+        self.recovery_mode = RecoveryMode.EXPORTED if replayable else RecoveryMode.RESTART_ONLY
         self._relay = relay
         self._command = tuple(command)
         self._model = model

@@ -71,6 +71,8 @@ DEFAULT_UPSTREAM_TIMEOUT_S: Final = 120.0
 # The header a forwarded tool call carries its key in (docs/spec.md section 12.9).
 IDEMPOTENCY_HEADER: Final = "Idempotency-Key"
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+# What one read of an upstream answer takes at most.
+_READ_PIECE_BYTES: Final = 1 << 16
 
 
 class RelayError(ValueError):
@@ -85,6 +87,9 @@ class RelayOptions:
     ``upstream_api_key`` its key: the relay's, never handed to a harness. ``model`` is
     the model name the relay lists at ``GET /v1/models``. ``tools`` names each HTTP tool
     a harness may call through the relay and the URL its calls are posted to.
+    ``max_answer_bytes`` caps what the relay reads of an answer (a tool's, the policy
+    endpoint's): a larger one is read no further, recorded nowhere and passed on as a
+    502 (docs/spec.md section 12.9 item 2), so no upstream makes the relay hold more.
     """
 
     upstream: str
@@ -96,6 +101,7 @@ class RelayOptions:
     max_concurrent_calls: int = DEFAULT_MAX_CONCURRENT_CALLS
     upstream_timeout_s: float = DEFAULT_UPSTREAM_TIMEOUT_S
     tools: Mapping[str, str] = field(default_factory=dict)
+    max_answer_bytes: int = DEFAULT_MAX_BODY_BYTES
 
     def __post_init__(self) -> None:
         if not self.upstream or not self.model:
@@ -105,6 +111,8 @@ class RelayOptions:
                 raise ValueError(f"tool {name!r}: a name of [A-Za-z0-9_-] and an HTTP URL")
         if self.max_body_bytes < 1024 or self.max_concurrent_calls < 1:
             raise ValueError("max_body_bytes must be >= 1024, max_concurrent_calls >= 1")
+        if self.max_answer_bytes < 1024:
+            raise ValueError("max_answer_bytes must be >= 1024")
 
 
 @dataclass(frozen=True, slots=True)
@@ -599,7 +607,9 @@ class EgressRelay:
             async with self._session.post(
                 url, json=dict(body), headers=dict(headers), allow_redirects=False
             ) as answer:
-                return answer.status, await answer.read()
+                return answer.status, await _read_capped(
+                    answer, self._options.max_answer_bytes, what
+                )
         except (aiohttp.ClientError, TimeoutError) as error:
             raise ApiError(
                 502, f"{what} is unreachable: {error}", "server_error", code="upstream"
@@ -626,6 +636,29 @@ class EgressRelay:
                 502, f"the tool {tool!r} answered no JSON", "server_error", code="upstream"
             ) from None
         return {"status": status, "body": decoded}
+
+
+async def _read_capped(answer: aiohttp.ClientResponse, cap: int, what: str) -> bytes:
+    """The answer's body, read piece by piece and never past ``cap`` bytes: a larger one
+    (declared or streamed) is refused as soon as it shows, and leaving the response
+    unread closes its connection."""
+    if answer.content_length is not None and answer.content_length > cap:
+        raise _too_large(what, cap)
+    kept = bytearray()
+    async for piece in answer.content.iter_chunked(_READ_PIECE_BYTES):
+        kept += piece
+        if len(kept) > cap:
+            raise _too_large(what, cap)
+    return bytes(kept)
+
+
+def _too_large(what: str, cap: int) -> ApiError:
+    return ApiError(
+        502,
+        f"{what} answered more than {cap} bytes: the answer was dropped unread",
+        "server_error",
+        code="upstream_too_large",
+    )
 
 
 def _upstream_error(status: int, decoded: object) -> ApiError:
