@@ -462,6 +462,41 @@ async def test_a_stuck_instance_times_out_and_the_healthy_one_is_still_resumed(
         await stuck.until(lambda: [op for op, _ in stuck.cancelled] == ["prepare"])
 
 
+async def test_a_participant_given_up_on_fails_the_prepare_under_way_at_once(
+    fleet: Fleet,
+) -> None:
+    """docs/spec.md section 7.15 item 7: a participant declared lost (a paused process
+    answers nothing) fails every call at once, the prepare waiting on it and the
+    abort's resume, so the snapshot fails now instead of holding the heal for its
+    timeouts; the live participants are still resumed."""
+    healthy = await fleet.start("agent-0")
+    paused = await fleet.start("tools", "resources")
+    paused.script["prepare"] = hang
+    paused.script["resume"] = hang
+    # Timeouts far beyond the test's bound: only giving up can end the prepare in time.
+    coordinator = await fleet.coordinator(
+        fleet.config(control_timeout_s=600.0, prepare_timeout_s=600.0, resume_attempts=3)
+    )
+
+    async def prepare() -> None:
+        async with coordinator.prepared("ck-000000000001"):
+            raise AssertionError("the body must not run")
+
+    preparing = asyncio.create_task(prepare())
+    await paused.until(lambda: len(paused.calls("prepare")) == 1)
+    coordinator.give_up_on(["tools"])
+
+    async with asyncio.timeout(BOUND_S):
+        with pytest.raises(PrepareFailed) as info:
+            await preparing
+    failure = info.value.failures["tools"]
+    assert (failure.kind, failure.code) == (FailureKind.TRANSIENT, grpc.StatusCode.UNAVAILABLE)
+    assert set(info.value.failures) == {"tools"}
+    assert [r.checkpoint_id for r in healthy.calls("resume")] == ["ck-000000000001"]
+    # Nothing more reached the lost participant: its resume failed before it was sent.
+    assert paused.calls("resume") == []
+
+
 async def test_an_unacknowledged_completion_is_resolved_while_prepare_waits(
     fleet: Fleet,
 ) -> None:

@@ -14,6 +14,7 @@ import asyncio
 import io
 import json
 import os
+import socket
 import stat
 import sys
 from collections.abc import Sequence
@@ -26,6 +27,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rich.console import Console
 
 from turnpoint.apps._cli import main
+from turnpoint.apps.demo._heal import ReplaceRefused
 from turnpoint.apps.demo._report import DemoError
 from turnpoint.apps.demo._supervisor import (
     DemoOptions,
@@ -34,6 +36,7 @@ from turnpoint.apps.demo._supervisor import (
     ParticipantSpec,
     ProcessLauncher,
     ProcessParticipant,
+    _Supervisor,
     prepare_out_dir,
     run_demo,
     server_specs,
@@ -650,6 +653,74 @@ def test_the_trainer_command_carries_every_setting(tmp_path: Path) -> None:
         "--snapshot-interval", "2.5", "--target-level", "sibling", "--seed", "9",
         "--start-on-stdin", "--resume",
     ]  # fmt: skip
+
+
+# Like _FAKE_SERVE, on the port it is given (0 picks one); a taken port exits 1.
+_FAKE_SERVE_ON_PORT = _FAKE_SERVE.replace(
+    'listener.bind(("127.0.0.1", 0))',
+    'listener.bind(("127.0.0.1", int(args[args.index("--port") + 1])))',
+)
+
+
+class _Squatting:
+    """A launcher that lets another process take the port a replacement is to bind,
+    between the predecessor's kill and the replacement's start."""
+
+    def __init__(self, launcher: ProcessLauncher) -> None:
+        self.launcher = launcher
+        self.squatters: list[socket.socket] = []
+
+    async def start(self, spec: ParticipantSpec, generation: int) -> ProcessParticipant:
+        squatter = socket.socket()
+        squatter.bind(("127.0.0.1", spec.port))
+        squatter.listen()
+        self.squatters.append(squatter)
+        return await self.launcher.start(spec, generation)
+
+
+@pytest.mark.parametrize("squatted", [False, True], ids=["port-free", "port-taken"])
+async def test_a_resources_server_is_replaced_on_its_port_or_the_heal_is_refused(
+    tmp_path: Path, squatted: bool
+) -> None:
+    """docs/spec.md section 7.15 item 9: the agents call a resources server at the
+    address they were started with, so its replacement binds its predecessor's port; a
+    port another process took meanwhile refuses the replacement (the trainer's heal
+    fails with a typed LaunchError, and the job restarts)."""
+    options = _options(tmp_path / "out")
+    paths, token = prepare_out_dir(options.out)
+    script = tmp_path / "fake_serve_on_port.py"
+    script.write_text(_FAKE_SERVE_ON_PORT)
+    processes = ProcessLauncher(
+        paths, start_timeout_s=TIMEOUT_S, serve_command=[sys.executable, str(script)]
+    )
+    launcher = _Squatting(processes) if squatted else processes
+    supervisor = _Supervisor(options, paths, token, launcher, _NoDisplay(), [sys.executable])
+    spec = ParticipantSpec(instance="tools", kind="resources", example="guess", environment="guess")
+    old = await processes.start(spec, 1)
+    supervisor.participants["tools"] = old
+    try:
+        if squatted:
+            with pytest.raises(ReplaceRefused, match="tools did not start"):
+                await supervisor.replace("tools")
+            return
+        address = await supervisor.replace("tools")
+        new = supervisor.participants["tools"]
+        assert address == new.address == old.address and new is not old
+        assert "replaced" in paths.supervisor_log.read_text()
+        await new.kill()
+    finally:
+        await old.kill()
+        if isinstance(launcher, _Squatting):
+            for squatter in launcher.squatters:
+                squatter.close()
+
+
+class _NoDisplay:
+    def update(self, state: object, now: float) -> None:
+        pass
+
+    def close(self, state: object) -> None:
+        pass
 
 
 def test_only_the_restarted_tools_server_holds_its_calls(tmp_path: Path) -> None:

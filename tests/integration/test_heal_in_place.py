@@ -1,4 +1,4 @@
-"""A lost agent process is replaced and healed in place (docs/spec.md section 7.15).
+"""A lost participant is replaced and healed in place (docs/spec.md section 7.15).
 
 Real participants on 127.0.0.1:0: the policy, both resources servers and agent-0 in this
 process, agent-1 a ``turnpoint serve`` child started by :class:`LocalProcessLauncher`.
@@ -21,9 +21,13 @@ import torch
 
 from tests.support.participants import TOKEN, start_topology
 from tests.support.scripted import poll
+from turnpoint.apps.examples._build import ExampleSpec, build_example
 from turnpoint.apps.examples._guess_jobs import guess_rollouts
+from turnpoint.apps.examples._participants import new_policy
 from turnpoint.auth import TOKEN_ENV
 from turnpoint.ids import EpisodeId
+from turnpoint.protocol import ParticipantKind
+from turnpoint.server import HostedParticipant, ServerOptions, host_participant
 from turnpoint.trainer import (
     Checkpointing,
     CoordinatorConfig,
@@ -200,3 +204,71 @@ async def test_a_participant_replaced_too_often_ends_the_run_with_the_reason(
         assert "max_restarts=0" in refused.value.detail
         assert isinstance(refused.value.__cause__, ParticipantLostError)
         assert ckpt.heals == []
+
+
+class _PolicyOnItsPort:
+    """Replaces the lost policy server in this process, on the port the agents call,
+    refusing generations until the trainer's weights reach it (section 7.15 item 9)."""
+
+    def __init__(self, root: Path, lost: HostedParticipant) -> None:
+        self._root = root
+        self._port = int(lost.address.rpartition(":")[2])
+        self.replacement: HostedParticipant | None = None
+
+    async def replace(self, instance: str) -> str:
+        assert instance == "policy" and self.replacement is None
+        spec = ExampleSpec(instance="policy", root=self._root, token=TOKEN, await_weights=True)
+        runtime, closers = build_example("model", "tiny-policy", spec)
+        hosted = host_participant(runtime, ServerOptions(port=self._port, token=TOKEN))
+        hosted.on_close.extend(closers)
+        self.replacement = await hosted.start()
+        return self.replacement.address
+
+
+async def test_a_lost_policy_is_replaced_on_its_port_with_the_current_weights(
+    tmp_path: Path,
+) -> None:
+    """The policy holds no episode: its replacement restores nothing, gets the trainer's
+    current weights (section 7.15 item 1) and the agents' generations go on there."""
+    root = tmp_path / "p"
+    async with start_topology(root, agents=1, group_size=GROUP_SIZE) as topology:
+        launcher = _PolicyOnItsPort(root, topology.policy)
+        trainer_policy = new_policy(0)
+        model = torch.nn.Linear(2, 2)
+        ckpt = Checkpointing(
+            CoordinatorConfig(
+                snapshot_root=root,
+                control_timeout_s=10.0,
+                liveness_interval_s=0.25,
+                participant_lost_after_s=1.0,
+            ),
+            {n: h.address for n, h in topology.participants.items()},
+            token=TOKEN,
+            anchor=TorchAnchorSource(model, None, step=lambda: 0),
+            load_anchor=torch_anchor_loader(model, None),
+            periodic=False,
+            final_snapshot=False,
+            watch_liveness=True,
+            launcher=launcher,
+            weights=trainer_policy.state_bytes,
+        )
+        try:
+            async with ckpt:
+                trainer_policy.weights_version = 3
+                await ckpt.push_weights(3)
+                await topology.policy.stop(0)
+                await poll(lambda: len(ckpt.heals) == 1, BOUND_S)
+                (plan,) = ckpt.heals
+                assert plan.lost.instance == "policy"
+                assert plan.lost.kind is ParticipantKind.MODEL
+                assert (plan.continued, plan.rerun) == ((), ())
+                for rollout in guess_rollouts(0, GROUP_SIZE, 0, ("agent-0",)):
+                    ckpt.dispatch(rollout)
+                assert await ckpt.wait_groups(1, timeout_s=BOUND_S)
+                (group,) = ckpt.take_ready_groups(1)
+            assert {r.outcome for r in group} == {RolloutOutcome.COMPLETED}
+            versions = {v for r in group for v in r.output["weights_versions"]}
+            assert versions == {3}
+        finally:
+            if launcher.replacement is not None:
+                await launcher.replacement.stop(0)

@@ -31,6 +31,7 @@ from turnpoint.participant_sdk import (
     EpisodeContext,
     GenerateChunk,
     GenerateRequest,
+    GenerationRequest,
     ParticipantRuntime,
     PolicyModel,
     RecoveryMode,
@@ -41,6 +42,7 @@ from turnpoint.participant_sdk import (
     Verdict,
     VerifyMode,
 )
+from turnpoint.participant_sdk import _tool_client as tool_client
 from turnpoint.participant_sdk.advanced import (
     BoundaryEvent,
     BoundaryReport,
@@ -1549,6 +1551,119 @@ async def test_a_replay_verify_in_flight_does_not_block_prepare(store: SnapshotS
         assert state_of(runtime.core, EP_A, "session") is EpisodeState.IDLE
         await runtime.retire(FENCE, rid(), [EP_A])
         assert state_of(runtime.core, EP_A, "session") is None
+
+
+# ====================================================== unreachable servers (spec 7.15)
+
+
+class UnreachableAgent(Agent):
+    """Seals boundary 0, generates through a policy that is unreachable ``failures``
+    times, then calls a tool on a resources server unreachable as often."""
+
+    def __init__(self, failures: int) -> None:
+        self.failures = failures
+        self.generations = 0
+        self.tools = UnreachableTools(failures)
+
+    async def run(self, ctx: EpisodeContext, task: Mapping[str, Any]) -> Mapping[str, Any]:
+        await ctx.boundary(0, {})
+        generation = await ctx.generate((1, 2), 2, self._stream)
+        reply = await ctx.call(self.tools, "check", {"guess": 3})
+        return {"tokens": list(generation.token_ids), **reply}
+
+    async def _stream(self, request: GenerationRequest) -> AsyncIterator[GenerateChunk]:
+        self.generations += 1
+        if self.generations <= self.failures:
+            raise TurnpointError(Reason.UNAVAILABLE, "the policy server is down")
+        yield GenerateChunk((3, 4), (-0.1, -0.2), True, 1)
+
+
+class UnreachableTools:
+    """A resources connection whose server is unreachable for the first ``failures``
+    calls (the lost server not yet replaced), then answers."""
+
+    def __init__(self, failures: int) -> None:
+        self.failures = failures
+        self.calls: list[str] = []
+
+    async def seed(self, episode: EpisodeId, task: Mapping[str, Any]) -> bool:
+        raise AssertionError("not seeded in these tests")
+
+    async def call(
+        self, episode: EpisodeId, tool: str, arguments: Mapping[str, Any], *, request_id: str
+    ) -> Mapping[str, Any]:
+        self.calls.append(request_id)
+        if len(self.calls) <= self.failures:
+            raise TurnpointError(Reason.UNAVAILABLE, "the resources server is down")
+        return {"reply": "higher"}
+
+    async def verify(
+        self, episode: EpisodeId, answer: Mapping[str, Any], *, request_id: str
+    ) -> Verdict:
+        raise AssertionError("not verified in these tests")
+
+
+@pytest.fixture
+def quick_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tool_client, "TOOL_RETRY_FIRST_DELAY_S", 0.001)
+    monkeypatch.setattr(tool_client, "TOOL_RETRY_MAX_DELAY_S", 0.001)
+
+
+@pytest.mark.usefixtures("quick_backoff")
+async def test_an_episode_waits_for_its_unreachable_policy_and_tools_instead_of_failing(
+    store: SnapshotStore,
+) -> None:
+    """A lost policy or resources server is replaced where it was (docs/spec.md section
+    7.15): its calls are asked again past the three retries of a transient fault, with
+    the same key, and the episode completes instead of failing (a failed episode would
+    be trained with no verdict)."""
+    agent = UnreachableAgent(failures=tool_client.TOOL_RETRIES + 2)
+    async with hosted(make_runtime(store, agent=agent)) as runtime:
+        done = await Follower(runtime.run_episode(EP_A, {})).done()
+    assert done.outcome is RunOutcome.COMPLETED, done.error_message
+    assert done.result == {"tokens": [3, 4], "reply": "higher"}
+    assert agent.generations == tool_client.TOOL_RETRIES + 3
+    assert len(set(agent.tools.calls)) == 1  # one key, sent again
+
+
+@pytest.mark.usefixtures("quick_backoff")
+async def test_a_server_unreachable_for_longer_than_the_wait_fails_the_episode(
+    store: SnapshotStore,
+) -> None:
+    agent = UnreachableAgent(failures=1_000_000)
+    config = replace(FAST, unreachable_wait_s=0.01)
+    async with hosted(make_runtime(store, agent=agent, config=config)) as runtime:
+        done = await Follower(runtime.run_episode(EP_A, {})).done()
+    assert done.outcome is RunOutcome.FAILED
+    assert "the policy server is down" in done.error_message
+
+
+async def test_a_model_awaiting_weights_refuses_generations_until_its_first_update(
+    store: SnapshotStore,
+) -> None:
+    """A policy server started to replace a lost one serves the trainer's current
+    weights, never its initial ones (docs/spec.md section 7.15 item 1)."""
+    model = WeightedStreamer()
+    config = replace(FAST, await_weights=True)
+    async with hosted(make_runtime(store, instance="policy-0", model=model, config=config)) as (
+        runtime
+    ):
+        refused = Collector(runtime.generate(EP_A, GenerateRequest((1,), 1)))
+        await bounded(refused.task)
+        assert isinstance(refused.error, TurnpointError)
+        assert refused.error.reason is Reason.UNAVAILABLE
+        assert model.started == []
+        assert runtime.model is not None
+        assert await runtime.model.update_weights(7, b"weights", "push-7") == 7
+        model.feeds[EP_A].put_nowait(None)
+        served = Collector(runtime.generate(EP_A, GenerateRequest((1,), 1)))
+        await bounded(served.task)
+        assert served.error is None and model.started == [EP_A]
+
+
+class WeightedStreamer(Streamer):
+    async def update_weights(self, weights_version: int, state: bytes) -> int:
+        return weights_version
 
 
 # ====================================================================== models

@@ -150,6 +150,12 @@ def add_serve_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "--generation-log", help="model: append every generation streamed to this file"
     )
     parser.add_argument("--seed", type=int, default=0, help="model: initial weights seed")
+    parser.add_argument(
+        "--await-weights",
+        action="store_true",
+        help="model: refuse generations (UNAVAILABLE) until the trainer's first weights "
+        "are installed, as a replacement healed in place must (docs/spec.md section 7.15)",
+    )
     parser.add_argument("--lease", type=float, default=60.0, help="default lease seconds")
     parser.add_argument("--faults", default="", help="store faults, e.g. records_write:1:ENOSPC")
     parser.add_argument("--grace", type=float, default=10.0, help="drain grace seconds")
@@ -314,6 +320,7 @@ async def _serve(
         verifier_log=Path(args.verifier_log) if args.verifier_log else None,
         generation_log=Path(args.generation_log) if args.generation_log else None,
         seed=args.seed,
+        await_weights=args.await_weights,
         faults=args.faults,
         lease_s=args.lease,
         turn_delay_s=args.turn_delay,

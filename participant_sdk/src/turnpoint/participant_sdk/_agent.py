@@ -28,7 +28,7 @@ from collections.abc import (
 )
 from dataclasses import dataclass, replace
 from types import MappingProxyType
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Final, TypeVar
 
 from turnpoint.errors import Reason, TurnpointError
 from turnpoint.ids import EpisodeId
@@ -46,13 +46,7 @@ from ._resources import ConfigurationError, Verdict
 from ._shared import Shared, invalid_record, logger
 from ._store_format import Record, json_copy_object
 from ._token_prefix import Generation, GenerationRequest, WeightsChange
-from ._tool_client import (
-    RETRIED_REASONS,
-    TOOL_RETRIES,
-    TOOL_RETRY_FIRST_DELAY_S,
-    TOOL_RETRY_MAX_DELAY_S,
-    ResourcesConnection,
-)
+from ._tool_client import ResourcesConnection, retried
 
 T = TypeVar("T")
 
@@ -67,6 +61,9 @@ _MAX_WEIGHT_RERUNS = 3
 
 # Opens one policy stream for a request (prompt plus any prefix, the budget left).
 GenerationStream = Callable[[GenerationRequest], AsyncIterator[GenerateChunk]]
+
+
+_UNREACHABLE: Final = frozenset({Reason.UNAVAILABLE})
 
 
 class RunOutcome(enum.Enum):
@@ -787,8 +784,14 @@ class AgentHost:
         """docs/spec.md section 5.5: stream, record cuts, continue, until it finishes."""
         if execution.saved is None:
             # Before the first boundary there is nowhere to record a cut: a plain call.
-            return await self._stream_once(
-                Generation(prompt, max_new_tokens), stream, cuttable=False
+            return await retried(
+                lambda: self._stream_once(
+                    Generation(prompt, max_new_tokens), stream, cuttable=False
+                ),
+                unreachable_wait_s=self._shared.config.unreachable_wait_s,
+                retries=0,
+                reasons=_UNREACHABLE,
+                what=f"generation of {execution.episode}",
             )
         generation = execution.saved.generation
         if generation is not None and not generation.matches(prompt, max_new_tokens):
@@ -827,7 +830,16 @@ class AgentHost:
                     # ends, which a cutting model hurries at the next token.
                     core.set_state(execution.key, EpisodeState.RUNNING, shared.now())
             try:
-                generation = await self._stream_once(generation, stream, cuttable)
+                # A policy server lost with the stream open is replaced where it was
+                # (docs/spec.md section 7.15): the request is asked again (what it had
+                # streamed is dropped) until it answers, or the wait runs out.
+                generation = await retried(
+                    functools.partial(self._stream_once, generation, stream, cuttable),
+                    unreachable_wait_s=self._shared.config.unreachable_wait_s,
+                    retries=0,
+                    reasons=_UNREACHABLE,
+                    what=f"generation of {execution.episode}",
+                )
             except TurnpointError as error:
                 if error.reason is not Reason.ADMISSION_CLOSED:
                     await self._running(execution)
@@ -912,18 +924,12 @@ class AgentHost:
     async def _tool_call(self, execution: _Execution, factory: Callable[[], Awaitable[T]]) -> T:
         """A keyed call, parked like a model call, retried on a lost reply or connection."""
 
-        async def with_retries() -> T:
-            delay = TOOL_RETRY_FIRST_DELAY_S
-            for retry in range(TOOL_RETRIES + 1):
-                try:
-                    return await factory()
-                except TurnpointError as error:
-                    if error.reason not in RETRIED_REASONS or retry == TOOL_RETRIES:
-                        raise
-                    logger.debug("tool call of %s retried: %s", execution.episode, error.reason)
-                await asyncio.sleep(delay)  # a backoff, not a synchronisation
-                delay = min(delay * 2, TOOL_RETRY_MAX_DELAY_S)
-            raise AssertionError("unreachable")
+        def with_retries() -> Awaitable[T]:
+            return retried(
+                factory,
+                unreachable_wait_s=self._shared.config.unreachable_wait_s,
+                what=f"tool call of {execution.episode}",
+            )
 
         return await self._model_call(execution, with_retries)
 

@@ -196,6 +196,13 @@ class ModelHost:
     ) -> AsyncGenerator[GenerateChunk, None]:
         check_request(self._model, request)
         shared = self._shared
+        if self._installed is None and shared.config.await_weights:
+            # A replacement before the trainer's weights reach it: the agent asks again.
+            raise TurnpointError(
+                Reason.UNAVAILABLE,
+                "this policy server has not received the trainer's weights yet",
+                {"episode": str(episode)},
+            )
         cuttable = request.accept_cut and self._model.can_cut
         async with shared.changing() as core:
             while True:

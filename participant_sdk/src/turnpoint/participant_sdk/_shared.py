@@ -44,6 +44,12 @@ class RuntimeConfig:
     it is refused with ADMISSION_CLOSED after all. ``restore_running``: serve
     RestoreRunning and list its capability in Describe (docs/spec.md section 4.16); off,
     a coordinator restores this participant only when it is fresh (section 4.10).
+    ``unreachable_wait_s``: how long an agent keeps re-issuing a model or tool call whose
+    server is unreachable (``UNAVAILABLE``) before the episode fails: long enough for a
+    lost server to be found and replaced where it was (section 7.15).
+    ``await_weights``: a model refuses every generation (``UNAVAILABLE``) until its
+    first weights update is installed; a policy server started to replace a lost one
+    serves the trainer's current weights, never its initial ones (section 7.15 item 1).
     """
 
     default_lease_s: float = 60.0
@@ -58,6 +64,8 @@ class RuntimeConfig:
     watch_queue_size: int = 1024
     run_admission_wait_s: float = 5.0
     restore_running: bool = True
+    unreachable_wait_s: float = 60.0
+    await_weights: bool = False
 
     def __post_init__(self) -> None:
         for name in (
@@ -65,6 +73,7 @@ class RuntimeConfig:
             "default_call_timeout_s",
             "model_retry_backoff_s",
             "run_admission_wait_s",
+            "unreachable_wait_s",
         ):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")

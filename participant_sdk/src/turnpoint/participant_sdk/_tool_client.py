@@ -11,10 +11,13 @@ item 4) and the bounded retries of a transient fault, with the same key.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any, Protocol
+import asyncio
+import itertools
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Protocol, TypeVar
 
-from turnpoint.errors import Reason
+from turnpoint.errors import Reason, TurnpointError
 from turnpoint.ids import EpisodeId
 
 from ._resources import Verdict
@@ -30,6 +33,44 @@ TOOL_RETRY_MAX_DELAY_S = 2.0
 RETRIED_REASONS = frozenset(
     {Reason.UNAVAILABLE, Reason.DEADLINE_EXCEEDED, Reason.NOT_READY, Reason.STORAGE_UNAVAILABLE}
 )
+
+
+T = TypeVar("T")
+logger = logging.getLogger("turnpoint.participant_sdk")
+
+
+async def retried(
+    factory: Callable[[], Awaitable[T]],
+    *,
+    unreachable_wait_s: float,
+    retries: int = TOOL_RETRIES,
+    reasons: frozenset[Reason] = RETRIED_REASONS,
+    what: str = "a call",
+) -> T:
+    """``factory()``, re-issued on a transient fault: on any of ``reasons`` at most
+    ``retries`` times, and on ``UNAVAILABLE`` (the server unreachable) for as long as
+    ``unreachable_wait_s`` from its first failure, backing off from the first delay,
+    doubling, up to the last. A lost server is replaced where it was (docs/spec.md
+    section 7.15): the episode waits for it instead of failing."""
+    loop = asyncio.get_running_loop()
+    delay = TOOL_RETRY_FIRST_DELAY_S
+    first_failure: float | None = None
+    for retry in itertools.count():
+        try:
+            return await factory()
+        except TurnpointError as error:
+            now = loop.time()
+            if first_failure is None:
+                first_failure = now
+            waiting = error.reason is Reason.UNAVAILABLE and now - first_failure < (
+                unreachable_wait_s
+            )
+            if error.reason not in reasons or (retry >= retries and not waiting):
+                raise
+            logger.debug("%s retried: %s", what, error.reason)
+        await asyncio.sleep(delay)  # a backoff, not a synchronisation
+        delay = min(delay * 2, TOOL_RETRY_MAX_DELAY_S)
+    raise AssertionError("unreachable")
 
 
 class ResourcesConnection(Protocol):

@@ -159,7 +159,7 @@ def _resumed_from(plan: RestorePlan, *, weights_version: int | None, restore_s: 
 
 class HealRefusedError(CoordinatorError):
     """``instance`` was replaced too often to be healed again (``detail`` says how
-    often, in which window): the run ends with this reason (docs/spec.md 7.15 item 10)."""
+    often, in which window): the run ends with this reason (docs/spec.md 7.15 item 11)."""
 
     def __init__(self, instance: str, detail: str) -> None:
         super().__init__(Reason.UNAVAILABLE, detail, {"participant": instance})
@@ -750,9 +750,11 @@ class Checkpointing:
         decision = budget.decide(time.monotonic(), f"{lost} lost")
         if not decision.allowed:
             raise HealRefusedError(lost, decision.reason)
-        # A snapshot under way may be stuck on the lost participant itself (a paused
-        # process holds its abort to the control timeout, retried): the heal waits one
-        # control timeout for it, then gives up and the job restarts, as without a heal.
+        # A snapshot under way may wait on the lost participant itself (a paused process
+        # answers nothing): every call to it fails from now on, so that snapshot fails
+        # at once and is taken again after the heal. The heal still waits at most one
+        # control timeout for it (a snapshot held elsewhere), then the job restarts.
+        self.coordinator.give_up_on([lost])
         try:
             await asyncio.wait_for(self._snapshot_lock.acquire(), self.config.control_timeout_s)
         except TimeoutError:

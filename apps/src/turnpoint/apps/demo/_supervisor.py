@@ -52,14 +52,16 @@ the ``start`` events already in the log). Its stdout and stderr go to
 Healing in place (docs/spec.md section 7.15). The supervisor owns every participant
 process, and it is the trainer's launcher: it serves replacement requests on loopback
 (:mod:`turnpoint.apps.demo._heal`; the trainer gets ``--launcher HOST:PORT``). When the
-trainer's liveness watch finds an agent lost, it asks for a replacement: the supervisor
-SIGKILLs what is left of it, starts it again with the same spec under the same name,
-rewrites ``topology.json``, records ``replaced`` and answers the new address; the
-trainer restores onto it (and onto the live participants) only what depended on it and
-logs ``heal``. Only agents: the policy's and the resources servers' addresses are wired
-into every agent, so their loss still restarts the job (the trainer's heal fails, it
-exits, and the supervisor restores the job as below). A dead agent the trainer does not
-ask about within :data:`HEAL_GRACE_S` restarts the job too. Not with ``--ray`` (the
+trainer's liveness watch finds a participant lost, it asks for a replacement: the
+supervisor SIGKILLs what is left of it, starts it again with the same spec under the
+same name, rewrites ``topology.json``, records ``replaced`` and answers the new address;
+the trainer restores onto it (and onto the live participants) only what depended on it
+and logs ``heal``. The policy's and the resources servers' addresses are wired into
+every agent, so their replacements bind their predecessors' ports (the policy's OpenAI
+endpoint too), and a replaced policy takes no generation before the trainer's weights
+reach it (``--await-weights``); a port taken meanwhile fails the heal, and the job
+restarts as below. A dead participant the trainer does not ask about within
+:data:`HEAL_GRACE_S` restarts the job too. Not with ``--ray`` (the
 cluster places its actors), ``--participant-command`` (such participants may not serve
 RestoreRunning) or ``--hold-tools-after-restart`` (see below).
 
@@ -113,6 +115,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import difflib
 import json
 import os
@@ -652,6 +655,12 @@ class ParticipantSpec:
     workers: int = 1
     # Testing: a guess server holds every tool call until this file exists.
     hold_calls_until: Path | None = None
+    # 0: the OS picks. A replacement healed in place takes its predecessor's ports, so
+    # that the addresses wired into the agents stay right (docs/spec.md section 7.15).
+    port: int = 0
+    openai_port: int = 0
+    # A model's replacement takes no generation before the trainer's weights reach it.
+    await_weights: bool = False
     # The coding environment: its sandboxes and their snapshots, on this machine.
     sandbox_root: Path | None = None
 
@@ -672,7 +681,7 @@ class ParticipantSpec:
             "--host",
             "127.0.0.1",
             "--port",
-            "0",
+            str(self.port),
             "--root",
             paths.snapshot_root,
             "--control-token-digest-file",
@@ -688,10 +697,12 @@ class ParticipantSpec:
             arguments += ["--generation-log", str(self.generation_log)]
         if self.seed is not None:
             arguments += ["--seed", str(self.seed)]
+        if self.await_weights:
+            arguments.append("--await-weights")
         if self.policy_address is not None:
             arguments += ["--policy", self.policy_address]
         if self.openai:
-            arguments += ["--openai-port", "0"]
+            arguments += ["--openai-port", str(self.openai_port)]
         if self.policy_openai is not None:
             arguments += ["--policy-openai", self.policy_openai]
         for environment, address in sorted(self.resources.items()):
@@ -971,6 +982,14 @@ class ProcessLauncher:
                 f"({why}); its stderr says:{_quote_tail(tail)}"
             )
         return ProcessParticipant(spec, process, address, stderr_path, lines.get("openai"))
+
+
+def _port_of(address: str | None) -> int:
+    """The port of ``host:port`` or of a URL ``http://host:port/...``; 0 for None."""
+    if address is None:
+        return 0
+    netloc = address.split("://", 1)[-1].split("/", 1)[0]
+    return int(netloc.rpartition(":")[2])
 
 
 def _child_env(paths: DemoPaths, token: str | None = None) -> dict[str, str]:
@@ -1582,7 +1601,7 @@ class _Supervisor:
     async def lost_participant(self) -> DemoError | None:
         """A participant that exited without being told to, as the reason to restore.
 
-        Healing in place, a dead agent is the trainer's to replace (it asks
+        Healing in place, a dead participant is the trainer's to replace (it asks
         :meth:`replace`); only one still dead after :data:`HEAL_GRACE_S` is."""
         now = time.monotonic()
         for participant in self.participants.values():
@@ -1591,7 +1610,6 @@ class _Supervisor:
             if status is not None and instance not in self.killed:
                 if (
                     self.options.heal_in_place
-                    and participant.spec.kind == "agent"
                     and now - self.dead_since.setdefault(instance, now) < HEAL_GRACE_S
                 ):
                     continue
@@ -1712,8 +1730,10 @@ class _Supervisor:
     async def replace(self, instance: str) -> str:
         """The trainer's launcher (docs/spec.md section 7.15 item 9): end what is left of
         ``instance``, start it again under the same name with the same spec, and return
-        where the trainer reaches it. Only agents: the others' addresses are wired into
-        every agent, so their loss restarts the job (the trainer's heal fails)."""
+        where the trainer reaches it. A policy or resources server's address is wired
+        into every agent: its replacement binds the same port (and the policy's OpenAI
+        endpoint its same port), so the agents reach it where they did; a port taken
+        meanwhile fails the heal, and the job restarts."""
         async with self.table_lock:
             return await self._replace(instance)
 
@@ -1721,17 +1741,30 @@ class _Supervisor:
         old = self.participants.get(instance)
         if old is None:
             raise ReplaceRefused(f"no participant {instance} runs in this job")
-        if old.spec.kind != "agent":
-            raise ReplaceRefused(
-                f"{instance} ({old.spec.kind}) is wired into every agent; the job restarts"
+        spec = old.spec
+        if spec.kind != "agent":
+            spec = dataclasses.replace(
+                spec,
+                port=_port_of(old.address),
+                openai_port=_port_of(old.openai_url),
+                await_weights=spec.kind == "model",
             )
         self.killed.add(instance)
+        # Killed and reaped before the replacement binds: the port is free again (the
+        # servers bind with SO_REUSEADDR, so the old connections do not hold it).
         await old.kill()
         self.generation += 1
         try:
-            new = await self.launcher.start(old.spec, self.generation)
+            new = await self.launcher.start(spec, self.generation)
         except DemoError as error:
+            # A port taken meanwhile: the replacement could not bind it.
             raise ReplaceRefused(str(error)) from error
+        if spec.port and _port_of(new.address) != spec.port:
+            await new.kill()
+            raise ReplaceRefused(
+                f"{instance}'s replacement serves on {new.address}, not on its "
+                f"predecessor's port {spec.port} that the agents call"
+            )
         self.participants[instance] = new
         self.killed.discard(instance)
         self.dead_since.pop(instance, None)
@@ -1741,10 +1774,13 @@ class _Supervisor:
         self.steps_since_start = 0
         self.trainer_restarted.set()
         address = new.address
-        proxy = self.proxies.pop(instance, None)
-        if proxy is not None:
+        proxy = self.proxies.get(instance)
+        if proxy is not None and new.address != old.address:
             await proxy.close()
             self.proxies[instance] = proxy = await FaultProxy(new.address).start()
+        if proxy is not None:
+            # On the same port, the proxy stays: the trainer's weight sync and control
+            # channels keep the address they had.
             address = proxy.address
         addresses = {name: p.address for name, p in self.proxies.items()}
         await asyncio.to_thread(write_topology, self.paths, self.participants, addresses)

@@ -42,6 +42,9 @@ class ExampleSpec:
     # The policy appends every generation it streams here (the demo's token audit).
     generation_log: Path | None = None
     seed: int = 0
+    # A model that takes no generation before the trainer's first weights (a
+    # replacement healed in place, docs/spec.md section 7.15).
+    await_weights: bool = False
     faults: str = ""
     lease_s: float = 60.0
     temperature: float = 1.0
@@ -100,7 +103,11 @@ def build_example(
     store = SnapshotStore(
         spec.root, faults=StoreFaults.from_spec(spec.faults) if spec.faults else None
     )
-    config = RuntimeConfig(default_lease_s=spec.lease_s, restore_running=spec.restore_running)
+    config = RuntimeConfig(
+        default_lease_s=spec.lease_s,
+        restore_running=spec.restore_running,
+        await_weights=spec.await_weights,
+    )
     closers: list[Callable[[], Awaitable[None]]] = []
     if kind == "model" and example == "tiny-policy":
         model = TinyPolicyServer(
@@ -254,7 +261,11 @@ def build_participant(
     store = SnapshotStore(
         spec.root, faults=StoreFaults.from_spec(spec.faults) if spec.faults else None
     )
-    config = RuntimeConfig(default_lease_s=spec.lease_s, restore_running=spec.restore_running)
+    config = RuntimeConfig(
+        default_lease_s=spec.lease_s,
+        restore_running=spec.restore_running,
+        await_weights=spec.await_weights,
+    )
     if isinstance(participant, Agent):
         runtime = ParticipantRuntime(spec.instance, store, agent=participant, config=config)
     elif isinstance(participant, ResourcesServer):

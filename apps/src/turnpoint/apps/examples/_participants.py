@@ -39,7 +39,10 @@ from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping, Se
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import grpc
+
 from turnpoint._keepalive import data_channel
+from turnpoint._status import error_from_rpc
 from turnpoint.apps.examples._task import (
     MAX_NEW_TOKENS_PER_TURN,
     VOCAB_SIZE,
@@ -57,7 +60,7 @@ from turnpoint.apps.examples._task import (
 )
 from turnpoint.auth import auth_metadata
 from turnpoint.convert import episode_to_proto
-from turnpoint.errors import Reason
+from turnpoint.errors import Reason, TurnpointError
 from turnpoint.ids import EpisodeId
 from turnpoint.participant_sdk import (
     Agent,
@@ -603,13 +606,30 @@ class _GymAgent(Agent):
             metadata=self._metadata,
             timeout=120,
         )
-        async for chunk in call:
-            yield generate_chunk_from_proto(chunk)
+        try:
+            async for chunk in call:
+                yield generate_chunk_from_proto(chunk)
+        except grpc.aio.AioRpcError as error:
+            raise _policy_error(error) from None
 
     async def aclose(self) -> None:
         await self._policy_channel.close(None)
         for client in self._resources.values():
             await client.aclose()
+
+
+def _policy_error(error: grpc.aio.AioRpcError) -> Exception:
+    """The typed error of a failed Generate: the policy's verdict, else UNAVAILABLE for
+    a server unreachable (its process lost: ``ctx.generate`` waits for its
+    replacement, docs/spec.md section 7.15), else the call's own error."""
+    typed = error_from_rpc(error)
+    if typed is not None:
+        return typed
+    if error.code() is grpc.StatusCode.UNAVAILABLE:
+        return TurnpointError(
+            Reason.UNAVAILABLE, f"the policy server is unreachable: {error.details()}"
+        )
+    return error
 
 
 def _episode_output(

@@ -284,6 +284,10 @@ class _Session:
             if task is not current:
                 task.cancel()
 
+    def give_up(self, detail: str) -> None:
+        """Fail every pending call now (the participant is lost) and end the stream."""
+        self._break(grpc.StatusCode.UNAVAILABLE, detail)
+
     async def close(self) -> None:
         self._break(None, "client closed")
         await asyncio.gather(self._reader, self._writer, return_exceptions=True)
@@ -370,6 +374,8 @@ class ParticipantControlClient:
         self._session_supported: bool | None = None
         self._watches: set[BoundaryWatch] = set()
         self._closed = False
+        # Set once the participant is declared lost: every call fails at once with it.
+        self._given_up: str | None = None
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self._participant_name!r}, {self._address!r})"
@@ -392,6 +398,17 @@ class ParticipantControlClient:
         """Calls waiting for a reply on the current session."""
         session = self._session
         return 0 if session is None or session.broken else session.pending
+
+    def give_up(self, detail: str) -> None:
+        """Fail every call to this participant at once, the pending ones and all later
+        ones (``UNAVAILABLE``, transient): it was declared lost (docs/spec.md section
+        7.11 item 1), and nothing may wait on a paused process, not even the snapshot
+        under way (section 7.15 item 7). Its replacement is addressed by a new client.
+        A unary call already sent (a participant without sessions) still runs to its
+        own timeout."""
+        self._given_up = detail
+        if self._session is not None:
+            self._session.give_up(detail)
 
     def _stub_for_call(self) -> CheckpointControlServiceAsyncStub:
         if self._closed:
@@ -449,6 +466,13 @@ class ParticipantControlClient:
         """
         _check_timeout(timeout_s)
         operation = _operation_of(request)
+        if self._given_up is not None:
+            raise SessionBrokenError(
+                self._participant_name,
+                operation.method,
+                self._given_up,
+                grpc.StatusCode.UNAVAILABLE,
+            )
         request_id = self._request_id_of(operation, request)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s

@@ -277,6 +277,15 @@ class Coordinator:
             self._clients[name] = self._new_client(name, address)
         self._clients = dict(sorted(self._clients.items()))
 
+    def give_up_on(self, instances: Iterable[str]) -> None:
+        """``instances`` were declared lost (docs/spec.md section 7.11 item 1): every call
+        to them, pending or later, fails at once (``UNAVAILABLE``), so an operation under
+        way that includes them (a snapshot's prepare, its abort, a retire) fails fast
+        instead of waiting on a paused process; the snapshot fails and is taken again
+        after the heal. :meth:`replace_participant` addresses each one's replacement."""
+        for name in self._checked(instances):
+            self._clients[name].give_up(f"{name} was declared lost; it is being replaced")
+
     async def replace_participant(self, instance: str, address: str) -> ParticipantInfo:
         """Address the replacement of lost ``instance``, started under the same name at
         ``address`` (docs/spec.md section 7.15), and describe it.
