@@ -11,6 +11,7 @@ crash is due. The whole flow then takes a second instead of two real runs.
 from __future__ import annotations
 
 import asyncio
+import errno
 import io
 import json
 import os
@@ -27,6 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rich.console import Console
 
 from turnpoint.apps._cli import main
+from turnpoint.apps.demo._command import _with_metrics_port
 from turnpoint.apps.demo._heal import ReplaceRefused
 from turnpoint.apps.demo._report import DemoError
 from turnpoint.apps.demo._supervisor import (
@@ -46,6 +48,10 @@ from turnpoint.apps.demo._supervisor import (
     write_topology,
 )
 from turnpoint.auth import auth_metadata, token_sha256
+from turnpoint.trainer import CoordinatorConfig
+from turnpoint.trainer.status.history import CheckpointHistory
+from turnpoint.trainer.status.server import StatusServer, StatusSources
+from turnpoint.trainer.storage.layout import SnapshotLayout
 from turnpoint.v1 import checkpoint_control_service_pb2 as pb
 from turnpoint.v1 import checkpoint_control_service_pb2_grpc as pb_grpc
 
@@ -76,7 +82,7 @@ import argparse, json, os, signal, socket, sys, time
 parser = argparse.ArgumentParser()
 for flag in ("--topology", "--out", "--target-level"):
     parser.add_argument(flag, required=True)
-for flag in ("--steps", "--group-size", "--groups-per-step", "--seed"):
+for flag in ("--steps", "--group-size", "--groups-per-step", "--seed", "--incarnation"):
     parser.add_argument(flag, type=int, required=True)
 parser.add_argument("--snapshot-interval", type=float, required=True)
 parser.add_argument("--resume", action="store_true")
@@ -90,8 +96,6 @@ if os.environ.get("FAKE_TRAINER") == "fail":
     sys.exit(3)
 out = args.out
 log = os.path.join(out, "events.jsonl")
-starts = open(log).read().count('"type": "start"') if os.path.exists(log) else 0
-args.incarnation = starts + 1
 topology = json.load(open(args.topology))
 token = open(topology["token_file"]).read().strip()
 assert os.environ["TURNPOINT_TOKEN"] == token
@@ -388,7 +392,7 @@ async def test_the_crash_restarts_the_job_and_the_resumed_trainer_finishes(tmp_p
     assert {name for name in instances if first[name] != second[name]} == {"agent-1"}
     launch_service = seen[1]["argv"][seen[1]["argv"].index("--launcher") + 1]
     assert seen[1]["argv"] == trainer_command(
-        options, paths, resume=True, program=(), launcher=launch_service
+        options, paths, resume=True, incarnation=2, program=(), launcher=launch_service
     )
 
     # The torn line the killed trainer left was cut before the next trainer appended.
@@ -643,7 +647,7 @@ def test_the_trainer_command_carries_every_setting(tmp_path: Path) -> None:
     )
     paths = DemoPaths(tmp_path)
 
-    command = trainer_command(options, paths, resume=True)
+    command = trainer_command(options, paths, resume=True, incarnation=3)
 
     assert command == [
         sys.executable, "-m", "turnpoint.apps.demo._trainer",
@@ -651,7 +655,7 @@ def test_the_trainer_command_carries_every_setting(tmp_path: Path) -> None:
         "--out", str(tmp_path),
         "--steps", "7", "--group-size", "3", "--groups-per-step", "5",
         "--snapshot-interval", "2.5", "--target-level", "sibling", "--seed", "9",
-        "--start-on-stdin", "--resume",
+        "--incarnation", "3", "--start-on-stdin", "--resume",
     ]  # fmt: skip
 
 
@@ -762,3 +766,38 @@ def test_ray_address_implies_ray() -> None:
     options = DemoOptions.from_args(build_parser().parse_args(parser_args))
     assert options.ray and options.ray_address == "10.0.0.1:6379"
     assert os.fspath(options.out) == "turnpoint-demo-out"
+
+
+async def test_the_status_port_stays_held_for_the_run_between_two_trainers(
+    tmp_path: Path,
+) -> None:
+    """The demo reserves the status port for the whole run (a socket bound with
+    SO_REUSEPORT that never listens): a process binding on its own cannot take it, and
+    each trainer in turn serves the page on it. A port only probed and closed was once
+    taken by a participant started meanwhile, and the next trainer died on it."""
+    options = _options(tmp_path / "out", metrics_port=0)
+    held, reserved = _with_metrics_port(options, Console(file=io.StringIO()))
+    try:
+        port = held.metrics_port
+        assert port is not None and port > 0
+        with socket.socket() as intruder, pytest.raises(OSError) as taken:
+            intruder.bind(("127.0.0.1", port))
+        assert taken.value.errno == errno.EADDRINUSE
+        sources = StatusSources(
+            history=CheckpointHistory(wall_offset_s=0.0),
+            layout=SnapshotLayout(tmp_path / "snapshots"),
+            config=CoordinatorConfig(snapshot_root=tmp_path / "snapshots"),
+        )
+        for _trainer in range(2):
+            server = StatusServer(sources, port=port, reuse_port=True)
+            await server.start()
+            try:
+                assert server.port == port
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(b"GET /api/checkpoints HTTP/1.0\r\n\r\n")
+                assert (await reader.readline()).startswith(b"HTTP/1.0 200")
+                writer.close()
+            finally:
+                await server.close()
+    finally:
+        reserved.close()

@@ -221,6 +221,9 @@ class Checkpointing:
     ``status_port`` (0: a free one) serves the status page, its REST API and, with
     ``metrics``, ``/metrics`` on ``status_host``; :attr:`status_address` is its address
     once :meth:`open` has started it (it needs aiohttp, ``turnpoint-trainer[status]``).
+    ``status_reuse_port`` binds it with ``SO_REUSEPORT``: a job that holds the port
+    reserved (a socket bound with it that never listens) keeps the page's address across
+    trainer restarts, and no other process can take the port meanwhile.
     ``snapshot_metrics``, if given, is read with the anchor and recorded in each
     snapshot's manifest (``extra["metrics"]``): ``config.restore_from = "best:<name>"``
     restores the best snapshot by one of them.
@@ -250,6 +253,7 @@ class Checkpointing:
         testing_hooks: SnapshotHooks | None = None,
         status_port: int | None = None,
         status_host: str = "127.0.0.1",
+        status_reuse_port: bool = False,
         snapshot_metrics: Callable[[], Mapping[str, float]] | None = None,
         launcher: Launcher | None = None,
     ) -> None:
@@ -261,6 +265,7 @@ class Checkpointing:
         self.heals: list[HealPlan] = []
         self._status_port = status_port
         self._status_host = status_host
+        self._status_reuse_port = status_reuse_port
         self._snapshot_metrics = snapshot_metrics
         self._status: StatusServer | None = None
         self.history = CheckpointHistory(wall_offset_s=time.time() - time.monotonic())
@@ -453,7 +458,12 @@ class Checkpointing:
             config=self.config,
             registry=self._metrics.registry if self._metrics is not None else None,
         )
-        server = StatusServer(sources, host=self._status_host, port=self._status_port or 0)
+        server = StatusServer(
+            sources,
+            host=self._status_host,
+            port=self._status_port or 0,
+            reuse_port=self._status_reuse_port,
+        )
         await server.start()
         self._status = server
         self._stack.push_async_callback(server.close)

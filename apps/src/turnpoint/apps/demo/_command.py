@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import importlib.machinery
 import importlib.util
+import socket
 import sys
 
 from rich.console import Console
@@ -288,9 +289,18 @@ def demo_command(args: argparse.Namespace) -> int:
         )
         return 1
     console = Console()
-    if options.metrics_port is not None:
-        options = _with_metrics_port(options, console)
     with contextlib.ExitStack() as stack:
+        if options.metrics_port is not None:
+            try:
+                options, reserved = _with_metrics_port(options, console)
+            except OSError as error:
+                print(
+                    f"turnpoint demo: cannot hold the status port {options.metrics_port}: "
+                    f"{error.strerror}",
+                    file=sys.stderr,
+                )
+                return 1
+            stack.callback(reserved.close)
         store = None
         if options.storage == "s3":
             from turnpoint.apps._object_store import loopback_s3
@@ -358,17 +368,26 @@ def _run(options: DemoOptions, paths: DemoPaths, token: str, console: Console) -
                 ray_launcher.shutdown()
 
 
-def _with_metrics_port(options: DemoOptions, console: Console) -> DemoOptions:
+def _with_metrics_port(options: DemoOptions, console: Console) -> tuple[DemoOptions, socket.socket]:
     """Fix the status port once (0: a free one), so every trainer restart serves the same
-    address, and print the page's and the metrics' addresses (docs/spec.md 7.13)."""
-    import dataclasses
-    import socket
+    address, and print the page's and the metrics' addresses (docs/spec.md 7.13).
 
-    port = options.metrics_port or 0
-    if port == 0:
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = int(probe.getsockname()[1])
+    The port stays reserved for the whole run: a socket bound with ``SO_REUSEPORT`` that
+    never listens (the caller closes it at the end). Each trainer binds it the same way
+    (``status_reuse_port``), and no other process (a participant started meanwhile on a
+    free port) can take it between two trainers: a port only probed and closed could be
+    taken, and the next trainer died on it."""
+    import dataclasses
+
+    reserved = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        reserved.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        reserved.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        reserved.bind(("127.0.0.1", options.metrics_port or 0))
+    except OSError:
+        reserved.close()
+        raise
+    port = int(reserved.getsockname()[1])
     console.print(
         f"status page: http://127.0.0.1:{port}/ (snapshots, participants, restore points); "
         f"metrics: http://127.0.0.1:{port}/metrics",
@@ -376,4 +395,4 @@ def _with_metrics_port(options: DemoOptions, console: Console) -> DemoOptions:
         highlight=False,
         soft_wrap=True,
     )
-    return dataclasses.replace(options, metrics_port=port)
+    return dataclasses.replace(options, metrics_port=port), reserved

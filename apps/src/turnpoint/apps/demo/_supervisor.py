@@ -1123,13 +1123,16 @@ def trainer_command(
     paths: DemoPaths,
     *,
     resume: bool,
+    incarnation: int,
     program: Sequence[str] = DEFAULT_TRAINER_COMMAND,
     kill_at: str | None = None,
     launcher: str | None = None,
 ) -> list[str]:
     """The trainer's command line; ``program`` is what runs it (tests substitute a fake).
 
-    ``kill_at`` (``--crash-at``) goes to the first incarnation only.
+    ``kill_at`` (``--crash-at``) goes to the first incarnation only. The supervisor
+    numbers the incarnation: a trainer that died before it logged its start must not
+    make the next one take its number (the supervisor would wait for steps of another).
     """
     command = [
         *program,
@@ -1149,6 +1152,8 @@ def trainer_command(
         options.target_level,
         "--seed",
         str(options.seed),
+        "--incarnation",
+        str(incarnation),
         # Spawned while the participants start; it waits for the supervisor's word.
         "--start-on-stdin",
     ]
@@ -1206,6 +1211,7 @@ class _Trainer:
                     options,
                     paths,
                     resume=resume,
+                    incarnation=incarnation,
                     program=program,
                     kill_at=kill_at,
                     launcher=launcher,

@@ -141,7 +141,8 @@ class DemoTrainer:
         self.participants: list[dict[str, str]] = topology["participants"]
         self.out = Path(args.out)
         events = self.out / "events.jsonl"
-        self.events = EventLog(events, _incarnation(events))
+        incarnation = args.incarnation if args.incarnation is not None else _incarnation(events)
+        self.events = EventLog(events, incarnation)
         torch.manual_seed(args.seed)
         self.model = new_policy(args.seed)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=LEARNING_RATE)
@@ -391,6 +392,8 @@ class DemoTrainer:
             testing_hooks=kill,
             # The status page, its API and /metrics on one port (docs/spec.md 7.13).
             status_port=self.args.metrics_port,
+            # The supervisor holds the port reserved with SO_REUSEPORT for the whole run.
+            status_reuse_port=True,
             snapshot_metrics=lambda: dict(self.last_stats),
             # The supervisor replaces a lost participant under its name, and only what
             # depended on it goes back to the last snapshot (docs/spec.md section 7.15).
@@ -573,6 +576,14 @@ def build_parser() -> argparse.ArgumentParser:
         "a published snapshot, and the first trainer's root is fresh",
     )
     parser.add_argument("--metrics-port", type=int, default=None, metavar="PORT")
+    parser.add_argument(
+        "--incarnation",
+        type=int,
+        default=None,
+        metavar="N",
+        help="this trainer's incarnation, numbered by the supervisor (default: one more "
+        "than the starts logged in <out>/events.jsonl)",
+    )
     parser.add_argument(
         "--launcher",
         default=None,

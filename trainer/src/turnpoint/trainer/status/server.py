@@ -378,10 +378,18 @@ class StatusApi:
 class StatusServer:
     """Serves :class:`StatusApi` on ``host:port`` (0: a free port) until :meth:`close`."""
 
-    def __init__(self, sources: StatusSources, *, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self,
+        sources: StatusSources,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        reuse_port: bool = False,
+    ) -> None:
         self.api = StatusApi(sources)
         self._host = host
         self._port = port
+        self._reuse_port = reuse_port
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
 
@@ -394,7 +402,9 @@ class StatusServer:
     async def start(self) -> str:
         runner = web.AppRunner(self.api.app(), access_log=None, handle_signals=False)
         await runner.setup()
-        site = web.TCPSite(runner, self._host, self._port, reuse_address=True)
+        site = web.TCPSite(
+            runner, self._host, self._port, reuse_address=True, reuse_port=self._reuse_port or None
+        )
         try:
             await site.start()
         except BaseException:
