@@ -505,15 +505,18 @@ class RolloutLedger:
 
     # ------------------------------------------------------------------ what a Run says
 
-    def accept(self, attempt: Attempt, now: float) -> bool:
+    def accept(self, attempt: Attempt, now: float, incarnation: str = "") -> bool:
         """The participant accepted the Run (its header, or its first message): the
-        attempt is owned from now on and its budget starts. Returns whether it became
-        owned just now."""
+        attempt is owned from now on and its budget starts. ``incarnation`` is the
+        participant incarnation that accepted ("" when it did not say), which every
+        later re-attach names. Returns whether it became owned just now."""
         if attempt.phase is AttemptPhase.ENDED:
             return False
         if attempt.phase is AttemptPhase.PENDING:
             raise RuntimeError(f"{attempt.episode} was accepted but never sent")
         attempt.accepted_once = True
+        if incarnation:
+            attempt.incarnation = incarnation
         if attempt.phase is AttemptPhase.OWNED:
             return False
         attempt.phase = AttemptPhase.OWNED
@@ -598,6 +601,17 @@ class RolloutLedger:
         self._stats.reattaches += 1
         self._changed()
         return NextCall(True, detail, pause_s=backoff_s(self._settings, attempt.broken))
+
+    def lost(self, attempt: Attempt, detail: str) -> NextCall:
+        """Another incarnation refused the re-attach (section 6.5 item 5): the execution
+        is gone with the process that accepted it, and no Run of the attempt is sent
+        again. Otherwise it goes the way of an unreachable participant: it stays owned
+        (in flight, so a heal of that participant continues or reruns it), counts as a
+        broken call at each pause, and past the re-attach bound is abandoned."""
+        if not attempt.lost and attempt.phase is not AttemptPhase.ENDED:
+            attempt.lost = True
+            self._stats.lost += 1
+        return self.broken(attempt, detail)
 
     def clear_hurry(self, attempt: Attempt) -> None:
         """The driver's pause of ``attempt`` ended; a later pause is not hurried."""
