@@ -848,6 +848,36 @@ async def test_a_restored_attempt_the_participant_does_not_hold_waits_for_the_ga
     await client.wait_for(lambda: owned(client) == [episode], BOUND_S)
 
 
+async def test_a_restored_attempt_names_the_incarnation_it_was_installed_into(
+    world: World,
+) -> None:
+    agent = world.agents["agent-0"]
+    client = await world.client(
+        reattach_attempts=1000, retry_backoff_s=0.001, max_retry_backoff_s=0.005
+    )
+    client.install(
+        TrainerRolloutState(
+            attempts={"r0": 2},
+            in_flight=(
+                SavedRollout(
+                    InFlightRollout(EpisodeId("r0", 2), "agent-0", "g0", 0, 1, "guess", 3),
+                    budget_s=None,
+                    accepted=True,
+                ).to_json(),
+            ),
+        )
+    )
+    # Installed into inc-1, which died before the Run came: inc-2 must not start it.
+    agent.restart()
+    (saved,) = client.rollout_state().in_flight
+    episode = client.redispatch(SavedRollout.from_json(saved).rollout, incarnation="inc-1")
+    await client.wait_for(lambda: client.stats().lost == 1, BOUND_S)
+    (run,) = agent.runs_of(episode)
+    assert run.participant_incarnation == "inc-1" and run.boundaries_seen == 3
+    assert episode not in agent.executions
+    assert owned(client) == [episode], "in flight until its heal"
+
+
 def test_results_and_saved_rollouts_parse_strictly() -> None:
     result = RolloutResult(
         episode=EpisodeId("r0", 1),

@@ -587,7 +587,9 @@ class RolloutClient:
         """
         return self._ledger.install(state)
 
-    def redispatch(self, rollout: InFlightRollout, instance: str | None = None) -> EpisodeId:
+    def redispatch(
+        self, rollout: InFlightRollout, instance: str | None = None, *, incarnation: str = ""
+    ) -> EpisodeId:
         """Continue a saved attempt N as N+1 on ``instance`` (default: the one that saved it).
 
         ``rollout`` is the descriptor the snapshot recorded (attempt N). The participant
@@ -595,8 +597,12 @@ class RolloutClient:
         budget running) and its Run passes even a closed gate, as the participant admits
         a restored replacement. If the participant refuses it nevertheless (it does not
         hold it), it falls back to an ordinary dispatch that waits for the gate.
+        ``incarnation``: the participant incarnation the restore installed N+1 into, which
+        its Runs name (docs/spec.md section 6.5 item 5); "" names none.
         """
-        attempt = self._ledger.redispatch(rollout, instance, now=self._clock())
+        attempt = self._ledger.redispatch(
+            rollout, instance, now=self._clock(), incarnation=incarnation
+        )
         self._timer_wake.set()
         return attempt.episode
 

@@ -175,7 +175,12 @@ class RolloutLedger:
         return tuple(saved)
 
     def redispatch(
-        self, rollout: InFlightRollout, instance: str | None = None, *, now: float
+        self,
+        rollout: InFlightRollout,
+        instance: str | None = None,
+        *,
+        now: float,
+        incarnation: str = "",
     ) -> Attempt:
         """Continue a saved attempt N as N+1 on ``instance`` (default: the one that saved it).
 
@@ -183,7 +188,9 @@ class RolloutLedger:
         (in the cut, its budget running) and its Run passes even a closed gate, as the
         participant admits a restored replacement. If the participant refuses it
         nevertheless (it does not hold it), it falls back to an ordinary dispatch that
-        waits for the gate.
+        waits for the gate. ``incarnation`` is the participant incarnation the restore
+        installed N+1 into: its first Run names it, so that a process restarted since
+        refuses instead of starting N+1 from its prompt (docs/spec.md section 6.5 item 5).
         """
         target = rollout.instance if instance is None else instance
         rollout_id = rollout.episode.rollout_id
@@ -198,6 +205,7 @@ class RolloutLedger:
             boundaries_seen=rollout.boundaries_seen,
             phase=AttemptPhase.OWNED,
             restored=True,
+            incarnation=incarnation,
             request_id=self._request_ids(),
         )
         self._add_live(attempt)
