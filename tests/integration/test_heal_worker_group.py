@@ -10,7 +10,8 @@ agents-w1 is SIGKILLed: the group's parent restarts it on its own port, the live
 watch finds it lost, and :class:`StableAddressLauncher` starts nothing but waits until
 that address answers as a new incarnation. Only its sibling is restored there (as
 attempt 1, by RestoreRunning: the Python SDK serves it) while agents-w0's keeps running
-as attempt 0. Then each group's second sibling is dispatched and both groups finish.
+as attempt 0. A re-attach naming the dead worker's incarnation is refused by the new
+one. Then each group's second sibling is dispatched and both groups finish.
 """
 
 from __future__ import annotations
@@ -21,13 +22,17 @@ import signal
 import sys
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 
-from tests.support.participants import TOKEN, start_topology
+from tests.support.participants import METADATA, TOKEN, start_topology
 from tests.support.scripted import poll
+from turnpoint._status import error_from_rpc
 from turnpoint.apps.examples._guess_jobs import guess_rollouts
 from turnpoint.auth import TOKEN_ENV
+from turnpoint.convert import episode_to_proto
+from turnpoint.errors import Reason, TurnpointError
 from turnpoint.ids import EpisodeId
 from turnpoint.server import WorkerGroup
 from turnpoint.trainer import (
@@ -41,6 +46,8 @@ from turnpoint.trainer import (
     TorchAnchorSource,
     torch_anchor_loader,
 )
+from turnpoint.v1 import rollout_service_pb2 as pb
+from turnpoint.v1 import rollout_service_pb2_grpc as pb_grpc
 
 GROUP_SIZE = 2
 BOUND_S = 60.0
@@ -72,6 +79,24 @@ def _worker_command(root: Path, policy: str, tools: str, group_tools: str) -> li
     ]
 
 
+async def _reattach(address: str, episode: EpisodeId, incarnation: str) -> TurnpointError | None:
+    """A raw re-attaching Run of ``episode`` naming ``incarnation``: its refusal."""
+    request = pb.RunRequest(
+        request_id="reattach",
+        episode=episode_to_proto(episode),
+        boundaries_seen=1,
+        participant_incarnation=incarnation,
+    )
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = pb_grpc.RolloutServiceStub(channel).Run(request, metadata=METADATA, timeout=BOUND_S)
+        try:
+            async for _ in call:
+                pass
+        except grpc.aio.AioRpcError as error:
+            return error_from_rpc(error)
+    return None
+
+
 async def test_a_killed_worker_is_healed_in_place_at_its_own_address(tmp_path: Path) -> None:
     root = tmp_path / "p"
     async with start_topology(root, agents=0, group_size=GROUP_SIZE) as topology:
@@ -89,6 +114,7 @@ async def test_a_killed_worker_is_healed_in_place_at_its_own_address(tmp_path: P
             )
             assert await launcher.learn() == {m.instance: m.address for m in group.members}
             first = launcher.incarnation("agents-w1")
+            assert first is not None
             participants = {n: h.address for n, h in topology.participants.items()}
             participants["agents"] = group.shared_address
             model = torch.nn.Linear(2, 2)
@@ -148,6 +174,13 @@ async def test_a_killed_worker_is_healed_in_place_at_its_own_address(tmp_path: P
                 assert ckpt.coordinator.endpoints["agents-w1"] == group.members[1].address
                 # The replacement serves RestoreRunning: its saved sibling went there so.
                 assert after.restore_running
+                # A re-attach of the lost attempt that names the dead worker's incarnation,
+                # as the rollout client's do, is refused there and starts nothing
+                # (docs/spec.md section 6.5 item 5), before or after the heal.
+                refusal = await _reattach(group.members[1].address, saved, first)
+                assert refusal is not None and refusal.reason is Reason.STALE_ATTEMPT
+                assert refusal.metadata["request_incarnation"] == first
+                assert refusal.metadata["incarnation"] == after.incarnation
 
                 ckpt.dispatch(stays[1])
                 ckpt.dispatch(lost[1])

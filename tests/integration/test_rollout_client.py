@@ -22,6 +22,7 @@ import pytest
 
 from tests.support.fakes import FakeClock
 from turnpoint._status import error_to_grpc_status
+from turnpoint.auth import accepted_metadata
 from turnpoint.convert import episode_from_proto, episode_to_proto, struct_from_mapping
 from turnpoint.errors import Reason, TurnpointError
 from turnpoint.ids import EpisodeId
@@ -30,7 +31,6 @@ from turnpoint.protocol import EpisodeState, Fence
 from turnpoint.server import ServerOptions, host_participant
 from turnpoint.trainer import Rollout, RolloutClientSettings, RolloutOutcome, RolloutResult
 from turnpoint.trainer.advanced import AgentEndpoint, InFlightRollout, ManifestError, RolloutClient
-from turnpoint.trainer.rollouts.run_stream import ACCEPTED_METADATA_KEY
 from turnpoint.trainer.rollouts.values import SavedRollout
 from turnpoint.trainer.storage.manifest import TrainerRolloutState
 from turnpoint.v1 import rollout_service_pb2 as pb
@@ -88,9 +88,13 @@ class ScriptedAgent(pb_grpc.RolloutServiceServicer):
         self.break_after_accept = 0
         # Episodes refused with STALE_ATTEMPT.
         self.stale: set[EpisodeId] = set()
+        # Changed by restart(): a re-attach naming another one is refused.
+        self.incarnation = "inc-1"
 
     def header(self) -> types_pb2.ResponseHeader:
-        return types_pb2.ResponseHeader(participant_id=self.name, incarnation="inc-1", epoch=1)
+        return types_pb2.ResponseHeader(
+            participant_id=self.name, incarnation=self.incarnation, epoch=1
+        )
 
     def runs_of(self, episode: EpisodeId) -> list[pb.RunRequest]:
         return [run for run in self.runs if episode_from_proto(run.episode) == episode]
@@ -121,6 +125,15 @@ class ScriptedAgent(pb_grpc.RolloutServiceServicer):
         self.executions[episode].breaks += 1
         self.signal.notify()
 
+    def restart(self) -> None:
+        """The process died and came back at the same address: every stream breaks,
+        every execution is gone, and the incarnation is new."""
+        for execution in self.executions.values():
+            execution.breaks += 1
+        self.executions = {}
+        self.incarnation = "inc-2"
+        self.signal.notify()
+
     # -- the service ------------------------------------------------------------------
 
     async def Run(
@@ -134,6 +147,14 @@ class ScriptedAgent(pb_grpc.RolloutServiceServicer):
             await gate.wait()
         if episode in self.stale:
             await self._abort(context, Reason.STALE_ATTEMPT, f"{episode} was retired")
+        named = request.participant_incarnation
+        if named and named != self.incarnation:
+            await self._abort(
+                context,
+                Reason.STALE_ATTEMPT,
+                f"{episode} was accepted by another incarnation",
+                {"request_incarnation": named, "incarnation": self.incarnation},
+            )
         execution = self.executions.get(episode)
         if execution is None:
             if not self.admission_open:
@@ -142,7 +163,7 @@ class ScriptedAgent(pb_grpc.RolloutServiceServicer):
         # Read before accepting: a test breaks streams as soon as the client sees the
         # acceptance, which may be before this handler runs again after sending it.
         breaks = execution.breaks
-        await context.send_initial_metadata(((ACCEPTED_METADATA_KEY, "1"),))
+        await context.send_initial_metadata(accepted_metadata(self.incarnation))
         self.signal.notify()
         if self.break_after_accept:
             self.break_after_accept -= 1
@@ -196,9 +217,13 @@ class ScriptedAgent(pb_grpc.RolloutServiceServicer):
         return pb.AcknowledgeResponse(header=self.header(), acknowledged=taken)
 
     async def _abort(
-        self, context: grpc.aio.ServicerContext[Any, Any], reason: Reason, message: str
+        self,
+        context: grpc.aio.ServicerContext[Any, Any],
+        reason: Reason,
+        message: str,
+        metadata: dict[str, str] | None = None,
     ) -> None:
-        status = error_to_grpc_status(TurnpointError(reason, message))
+        status = error_to_grpc_status(TurnpointError(reason, message, metadata))
         await context.abort_with_status(status)  # type: ignore[attr-defined]
 
 
@@ -525,6 +550,54 @@ async def test_a_stale_attempt_is_dropped_without_a_retire_and_rerun(world: Worl
     assert client.attempts() == {"r0": 1}
 
 
+async def test_a_reattach_refused_by_a_new_incarnation_is_never_sent_again_and_reruns(
+    world: World,
+) -> None:
+    agent = world.agents["agent-0"]
+    client = await world.client(reattach_attempts=2)
+    episode = client.dispatch(rollout("r0"))
+    await client.wait_for(lambda: owned(client) == [episode], BOUND_S)
+    agent.seal(episode)
+    await client.wait_for(lambda: boundaries_of(client, episode) == 1, BOUND_S)
+
+    agent.restart()
+    rerun = episode.next_attempt()
+    await client.wait_for(lambda: owned(client) == [rerun], BOUND_S)
+    # The first Run named no incarnation; the re-attach named the one that accepted,
+    # was refused, and was never sent again: the bound abandoned it without a call.
+    first, reattach = agent.runs_of(episode)
+    assert (first.participant_incarnation, reattach.participant_incarnation) == ("", "inc-1")
+    assert reattach.request_id == first.request_id and reattach.boundaries_seen == 1
+    assert episode not in agent.executions, "the new incarnation started nothing"
+    assert client.stats().lost == 1
+    assert client.pending_retires() == {"agent-0": (episode,)}
+    # The rerun is a first Run: it names no incarnation, and the new one takes it.
+    (fresh,) = agent.runs_of(rerun)
+    assert fresh.participant_incarnation == "" and fresh.boundaries_seen == 0
+    agent.complete(rerun)
+    await client.wait_for(lambda: len(client.results()) == 1, BOUND_S)
+
+
+async def test_a_lost_attempt_waits_for_its_heal_without_another_run(world: World) -> None:
+    agent = world.agents["agent-0"]
+    # The heal, not the client, decides its fate: the bound is out of reach.
+    client = await world.client(
+        reattach_attempts=1000, retry_backoff_s=0.001, max_retry_backoff_s=0.005
+    )
+    episode = client.dispatch(rollout("r0"))
+    await client.wait_for(lambda: owned(client) == [episode], BOUND_S)
+    agent.restart()
+    await client.wait_for(lambda: client.stats().lost == 1, BOUND_S)
+    # Several pauses counted as broken calls later, still only the refused re-attach.
+    await client.wait_for(lambda: client.stats().reattaches >= 5, BOUND_S)
+    assert len(agent.runs_of(episode)) == 2
+    assert owned(client) == [episode], "in flight: the heal of its participant takes it"
+    client.end_for_heal([episode])
+    assert client.in_flight() == ()
+    assert client.pending_retires() == {}
+    assert len(agent.runs_of(episode)) == 2
+
+
 async def test_the_rollout_is_abandoned_once_its_attempts_are_spent(world: World) -> None:
     agent = world.agents["agent-0"]
     client = await world.client(reattach_attempts=0, max_attempts=2)
@@ -773,6 +846,36 @@ async def test_a_restored_attempt_the_participant_does_not_hold_waits_for_the_ga
     agent.admission_open = True
     client.reopen_dispatch()
     await client.wait_for(lambda: owned(client) == [episode], BOUND_S)
+
+
+async def test_a_restored_attempt_names_the_incarnation_it_was_installed_into(
+    world: World,
+) -> None:
+    agent = world.agents["agent-0"]
+    client = await world.client(
+        reattach_attempts=1000, retry_backoff_s=0.001, max_retry_backoff_s=0.005
+    )
+    client.install(
+        TrainerRolloutState(
+            attempts={"r0": 2},
+            in_flight=(
+                SavedRollout(
+                    InFlightRollout(EpisodeId("r0", 2), "agent-0", "g0", 0, 1, "guess", 3),
+                    budget_s=None,
+                    accepted=True,
+                ).to_json(),
+            ),
+        )
+    )
+    # Installed into inc-1, which died before the Run came: inc-2 must not start it.
+    agent.restart()
+    (saved,) = client.rollout_state().in_flight
+    episode = client.redispatch(SavedRollout.from_json(saved).rollout, incarnation="inc-1")
+    await client.wait_for(lambda: client.stats().lost == 1, BOUND_S)
+    (run,) = agent.runs_of(episode)
+    assert run.participant_incarnation == "inc-1" and run.boundaries_seen == 3
+    assert episode not in agent.executions
+    assert owned(client) == [episode], "in flight until its heal"
 
 
 def test_results_and_saved_rollouts_parse_strictly() -> None:

@@ -295,6 +295,34 @@ def test_past_the_reattach_bound_the_attempt_is_retired_and_the_rollout_rerun() 
     assert books.attempts() == {"r0": 1} and books.stats().reruns == 1
 
 
+def test_the_accepting_incarnation_is_kept_and_a_refusal_by_another_loses_the_attempt() -> None:
+    books = ledger()
+    books.dispatch(rollout("r0"))
+    attempt = books.take_startable()
+    assert attempt is not None and attempt.incarnation == ""
+    books.begin_call(attempt)
+    assert books.accept(attempt, 0.0, "inc-1") and attempt.incarnation == "inc-1"
+    assert not books.accept(attempt, 1.0), "a re-attach that says no incarnation keeps it"
+    assert attempt.incarnation == "inc-1"
+
+    # Another incarnation refused the re-attach: lost there, still in flight (a heal of
+    # its participant takes it), each pause a broken call, counted lost once.
+    step = books.lost(attempt, "STALE_ATTEMPT: accepted by inc-1")
+    assert step.again and step.pause_s == pytest.approx(0.2)
+    assert attempt.lost and books.stats().lost == 1
+    assert in_flight_ids(books) == [EpisodeId("r0", 0)]
+    assert books.lost(attempt, "again").again
+    assert books.stats().lost == 1
+    # Past the re-attach bound it goes the way of an unreachable participant's attempt.
+    step = books.lost(attempt, "again")
+    assert not step.again and "3 broken call(s)" in step.reason
+    assert books.pending_retires() == {"agent-0": (EpisodeId("r0", 0),)}
+    (rerun,) = books.live()
+    assert rerun.episode == EpisodeId("r0", 1) and not rerun.lost and rerun.incarnation == ""
+    assert not books.lost(attempt, "late").again, "an ended attempt stays ended"
+    assert books.stats().lost == 1
+
+
 def test_a_rollout_is_recorded_abandoned_once_its_attempts_are_spent() -> None:
     books = ledger()
     books.dispatch(rollout("r0"))

@@ -1140,14 +1140,31 @@ export class ParticipantRuntime {
     return this.resources;
   }
 
-  /** RolloutService.Run: accept now (errors throw here), then follow; close the follower. */
+  /**
+   * RolloutService.Run: accept now (errors throw here), then follow; close the follower.
+   * `participantIncarnation` (a re-attach: the incarnation that accepted the attempt)
+   * other than this one's is STALE_ATTEMPT before anything starts: that execution died
+   * with its process (docs/spec.md section 6.5 item 5).
+   */
   acceptRun(
     episode: EpisodeId,
     task: JsonObject,
-    options: { boundariesSeen?: number; budgetS?: number | null; fence?: Fence | null } = {},
+    options: { boundariesSeen?: number; budgetS?: number | null; fence?: Fence | null; participantIncarnation?: string } = {},
   ): RunFollower {
     this.core.checkDataFence(options.fence ?? null);
+    this.checkIncarnation(episode, options.participantIncarnation ?? "");
     return this.agentHost().acceptRun(episode, task, options);
+  }
+
+  private checkIncarnation(episode: EpisodeId, named: string): void {
+    if (named !== "" && named !== this.incarnation) {
+      const id = episodeKey(episode);
+      throw new TurnpointError(
+        "STALE_ATTEMPT",
+        `${id} was accepted by incarnation ${named}, not by this one (${this.incarnation}): that execution is gone`,
+        { episode: id, incarnation: this.incarnation, request_incarnation: named },
+      );
+    }
   }
 
   /**
@@ -1158,10 +1175,17 @@ export class ParticipantRuntime {
   async admitRun(
     episode: EpisodeId,
     task: JsonObject,
-    options: { boundariesSeen?: number; budgetS?: number | null; fence?: Fence | null; waitForAdmission?: boolean } = {},
+    options: {
+      boundariesSeen?: number;
+      budgetS?: number | null;
+      fence?: Fence | null;
+      waitForAdmission?: boolean;
+      participantIncarnation?: string;
+    } = {},
     signal?: AbortSignal,
   ): Promise<RunFollower> {
     this.core.checkDataFence(options.fence ?? null);
+    this.checkIncarnation(episode, options.participantIncarnation ?? "");
     return this.agentHost().admitRun(episode, task, options, signal);
   }
 

@@ -216,6 +216,32 @@ describe("a served agent", () => {
       call.on("data", () => undefined);
     });
     assert.deepEqual(headers.get("turnpoint-accepted"), ["1"]);
+    // With it, the incarnation that accepted, which a re-attach names (section 6.5 item 5).
+    assert.deepEqual(headers.get("turnpoint-incarnation"), [server.runtime.incarnation]);
+    client.close();
+  });
+
+  it("refuses a re-attach naming another incarnation STALE_ATTEMPT and starts nothing", async () => {
+    const client = new TurnpointClient(address, { token: TOKEN });
+    const request = { requestId: "gone", episode: { rolloutId: "gone" }, task: {}, boundariesSeen: 1, participantIncarnation: "a-dead-process" };
+    await assert.rejects(
+      (async () => {
+        for await (const _ of client.serverStream(RolloutService, RolloutService.method.run, request)) void _;
+      })(),
+      (error: unknown) => {
+        assert.ok(error instanceof TurnpointError);
+        assert.equal(error.reason, "STALE_ATTEMPT");
+        assert.equal(error.metadata.request_incarnation, "a-dead-process");
+        assert.equal(error.metadata.incarnation, server.runtime.incarnation);
+        return true;
+      },
+    );
+    assert.ok(!agent.started.includes("gone#0"), "the run hook was never called");
+    // Naming this incarnation is a plain re-attach (nothing held: it starts, as before).
+    const own = { ...request, requestId: "own", boundariesSeen: 0, participantIncarnation: server.runtime.incarnation };
+    const messages = [];
+    for await (const message of client.serverStream(RolloutService, RolloutService.method.run, own)) messages.push(message);
+    assert.equal(messages.at(-1)?.event.case, "result");
     client.close();
   });
 

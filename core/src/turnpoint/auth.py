@@ -34,6 +34,15 @@ _MAX_TOKEN_CHARS: Final = 4096
 # trainer can count the attempt as dispatched before the first boundary arrives.
 ACCEPTED_METADATA_KEY: Final = "turnpoint-accepted"
 ACCEPTED_METADATA: Final = ((ACCEPTED_METADATA_KEY, "1"),)
+# Sent with it: the incarnation that accepted, which the trainer names on every re-attach
+# so that a process restarted at the same address refuses instead of starting the
+# attempt again (docs/spec.md section 6.5 item 5).
+INCARNATION_METADATA_KEY: Final = "turnpoint-incarnation"
+
+
+def accepted_metadata(incarnation: str) -> tuple[tuple[str, str], ...]:
+    """The initial metadata of an accepted Run: accepted, and by which incarnation."""
+    return (*ACCEPTED_METADATA, (INCARNATION_METADATA_KEY, incarnation))
 
 
 def validate_token(token: str) -> str:

@@ -29,6 +29,8 @@ import type { Door, Implementation } from "./door.js";
 
 /** Initial metadata a Run sends once the participant owns the attempt (section 6.1 item 2). */
 export const ACCEPTED_METADATA_KEY = "turnpoint-accepted";
+/** Sent with it: the incarnation that accepted, which every re-attach names (section 6.5 item 5). */
+export const INCARNATION_METADATA_KEY = "turnpoint-incarnation";
 /** The longest data-plane request id (docs/spec.md section 2.8), as the Python servicer. */
 const MAX_REQUEST_ID = 256;
 
@@ -80,7 +82,13 @@ export function rolloutImplementation(runtime: ParticipantRuntime, door: Door, o
         const follower = await runtime.admitRun(
           episode,
           task,
-          { boundariesSeen: request.boundariesSeen, budgetS, fence, waitForAdmission: request.waitForAdmission },
+          {
+            boundariesSeen: request.boundariesSeen,
+            budgetS,
+            fence,
+            waitForAdmission: request.waitForAdmission,
+            participantIncarnation: request.participantIncarnation,
+          },
           context.signal,
         );
         // Closing the follower when the call ends (also by cancellation) is what
@@ -89,6 +97,7 @@ export function rolloutImplementation(runtime: ParticipantRuntime, door: Door, o
         try {
           const accepted = new Metadata();
           accepted.set(ACCEPTED_METADATA_KEY, "1");
+          accepted.set(INCARNATION_METADATA_KEY, runtime.incarnation);
           call.sendMetadata(accepted);
           for (;;) {
             const next = await follower.next(context.signal);

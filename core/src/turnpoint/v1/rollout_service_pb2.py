@@ -28,27 +28,27 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from turnpoint.v1 import types_pb2 as turnpoint_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"turnpoint/v1/rollout_service.proto\x12\x0cturnpoint.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x18turnpoint/v1/types.proto\"\xee\x02\n\nRunRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x07\x65pisode\x18\x02 \x01(\x0b\x32\x17.turnpoint.v1.EpisodeId\x12%\n\x04task\x18\x03 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x17\n\x0fprompt_group_id\x18\x04 \x01(\t\x12\x15\n\rsibling_index\x18\x05 \x01(\r\x12\x12\n\ngroup_size\x18\x06 \x01(\r\x12)\n\x06\x62udget\x18\x07 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x17\n\x0f\x62oundaries_seen\x18\x08 \x01(\r\x12\"\n\x05\x66\x65nce\x18\t \x01(\x0b\x32\x13.turnpoint.v1.Fence\x12\x33\n\x0eweights_change\x18\n \x01(\x0e\x32\x1b.turnpoint.v1.WeightsChange\x12\x1a\n\x12wait_for_admission\x18\x0b \x01(\x08\"\x95\x01\n\x0e\x42oundaryReport\x12(\n\x07\x65pisode\x18\x01 \x01(\x0b\x32\x17.turnpoint.v1.EpisodeId\x12\x16\n\x0e\x62oundary_index\x18\x02 \x01(\r\x12\x12\n\nturn_index\x18\x03 \x01(\r\x12-\n\tsealed_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\x91\x02\n\tRunResult\x12(\n\x07\x65pisode\x18\x01 \x01(\x0b\x32\x17.turnpoint.v1.EpisodeId\x12)\n\x07outcome\x18\x02 \x01(\x0e\x32\x18.turnpoint.v1.RunOutcome\x12\x30\n\x07receipt\x18\x03 \x01(\x0b\x32\x1f.turnpoint.v1.CompletionReceipt\x12\'\n\x06result\x18\x04 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\r\n\x05turns\x18\x05 \x01(\r\x12.\n\x0b\x61\x63tive_time\x18\x06 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x15\n\rerror_message\x18\x07 \x01(\t\"\xa1\x01\n\x0bRunResponse\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.turnpoint.v1.ResponseHeader\x12\x30\n\x08\x62oundary\x18\x02 \x01(\x0b\x32\x1c.turnpoint.v1.BoundaryReportH\x00\x12)\n\x06result\x18\x03 \x01(\x0b\x32\x17.turnpoint.v1.RunResultH\x00\x42\x07\n\x05\x65vent\"\x7f\n\x12\x41\x63knowledgeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x31\n\x08receipts\x18\x02 \x03(\x0b\x32\x1f.turnpoint.v1.CompletionReceipt\x12\"\n\x05\x66\x65nce\x18\x03 \x01(\x0b\x32\x13.turnpoint.v1.Fence\"\x8b\x01\n\x13\x41\x63knowledgeResponse\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.turnpoint.v1.ResponseHeader\x12\x14\n\x0c\x61\x63knowledged\x18\x02 \x01(\r\x12\x30\n\x07unknown\x18\x03 \x03(\x0b\x32\x1f.turnpoint.v1.CompletionReceipt*\x99\x01\n\nRunOutcome\x12\x1b\n\x17RUN_OUTCOME_UNSPECIFIED\x10\x00\x12\x19\n\x15RUN_OUTCOME_COMPLETED\x10\x01\x12\x19\n\x15RUN_OUTCOME_CANCELLED\x10\x02\x12\x16\n\x12RUN_OUTCOME_FAILED\x10\x03\x12 \n\x1cRUN_OUTCOME_BUDGET_EXHAUSTED\x10\x04\x32\xa2\x01\n\x0eRolloutService\x12<\n\x03Run\x12\x18.turnpoint.v1.RunRequest\x1a\x19.turnpoint.v1.RunResponse0\x01\x12R\n\x0b\x41\x63knowledge\x12 .turnpoint.v1.AcknowledgeRequest\x1a!.turnpoint.v1.AcknowledgeResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"turnpoint/v1/rollout_service.proto\x12\x0cturnpoint.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1cgoogle/protobuf/struct.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x18turnpoint/v1/types.proto\"\x8f\x03\n\nRunRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12(\n\x07\x65pisode\x18\x02 \x01(\x0b\x32\x17.turnpoint.v1.EpisodeId\x12%\n\x04task\x18\x03 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x17\n\x0fprompt_group_id\x18\x04 \x01(\t\x12\x15\n\rsibling_index\x18\x05 \x01(\r\x12\x12\n\ngroup_size\x18\x06 \x01(\r\x12)\n\x06\x62udget\x18\x07 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x17\n\x0f\x62oundaries_seen\x18\x08 \x01(\r\x12\"\n\x05\x66\x65nce\x18\t \x01(\x0b\x32\x13.turnpoint.v1.Fence\x12\x33\n\x0eweights_change\x18\n \x01(\x0e\x32\x1b.turnpoint.v1.WeightsChange\x12\x1a\n\x12wait_for_admission\x18\x0b \x01(\x08\x12\x1f\n\x17participant_incarnation\x18\x0c \x01(\t\"\x95\x01\n\x0e\x42oundaryReport\x12(\n\x07\x65pisode\x18\x01 \x01(\x0b\x32\x17.turnpoint.v1.EpisodeId\x12\x16\n\x0e\x62oundary_index\x18\x02 \x01(\r\x12\x12\n\nturn_index\x18\x03 \x01(\r\x12-\n\tsealed_at\x18\x04 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\x91\x02\n\tRunResult\x12(\n\x07\x65pisode\x18\x01 \x01(\x0b\x32\x17.turnpoint.v1.EpisodeId\x12)\n\x07outcome\x18\x02 \x01(\x0e\x32\x18.turnpoint.v1.RunOutcome\x12\x30\n\x07receipt\x18\x03 \x01(\x0b\x32\x1f.turnpoint.v1.CompletionReceipt\x12\'\n\x06result\x18\x04 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\r\n\x05turns\x18\x05 \x01(\r\x12.\n\x0b\x61\x63tive_time\x18\x06 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x15\n\rerror_message\x18\x07 \x01(\t\"\xa1\x01\n\x0bRunResponse\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.turnpoint.v1.ResponseHeader\x12\x30\n\x08\x62oundary\x18\x02 \x01(\x0b\x32\x1c.turnpoint.v1.BoundaryReportH\x00\x12)\n\x06result\x18\x03 \x01(\x0b\x32\x17.turnpoint.v1.RunResultH\x00\x42\x07\n\x05\x65vent\"\x7f\n\x12\x41\x63knowledgeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x31\n\x08receipts\x18\x02 \x03(\x0b\x32\x1f.turnpoint.v1.CompletionReceipt\x12\"\n\x05\x66\x65nce\x18\x03 \x01(\x0b\x32\x13.turnpoint.v1.Fence\"\x8b\x01\n\x13\x41\x63knowledgeResponse\x12,\n\x06header\x18\x01 \x01(\x0b\x32\x1c.turnpoint.v1.ResponseHeader\x12\x14\n\x0c\x61\x63knowledged\x18\x02 \x01(\r\x12\x30\n\x07unknown\x18\x03 \x03(\x0b\x32\x1f.turnpoint.v1.CompletionReceipt*\x99\x01\n\nRunOutcome\x12\x1b\n\x17RUN_OUTCOME_UNSPECIFIED\x10\x00\x12\x19\n\x15RUN_OUTCOME_COMPLETED\x10\x01\x12\x19\n\x15RUN_OUTCOME_CANCELLED\x10\x02\x12\x16\n\x12RUN_OUTCOME_FAILED\x10\x03\x12 \n\x1cRUN_OUTCOME_BUDGET_EXHAUSTED\x10\x04\x32\xa2\x01\n\x0eRolloutService\x12<\n\x03Run\x12\x18.turnpoint.v1.RunRequest\x1a\x19.turnpoint.v1.RunResponse0\x01\x12R\n\x0b\x41\x63knowledge\x12 .turnpoint.v1.AcknowledgeRequest\x1a!.turnpoint.v1.AcknowledgeResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'turnpoint.v1.rollout_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_RUNOUTCOME']._serialized_start=1406
-  _globals['_RUNOUTCOME']._serialized_end=1559
+  _globals['_RUNOUTCOME']._serialized_start=1439
+  _globals['_RUNOUTCOME']._serialized_end=1592
   _globals['_RUNREQUEST']._serialized_start=174
-  _globals['_RUNREQUEST']._serialized_end=540
-  _globals['_BOUNDARYREPORT']._serialized_start=543
-  _globals['_BOUNDARYREPORT']._serialized_end=692
-  _globals['_RUNRESULT']._serialized_start=695
-  _globals['_RUNRESULT']._serialized_end=968
-  _globals['_RUNRESPONSE']._serialized_start=971
-  _globals['_RUNRESPONSE']._serialized_end=1132
-  _globals['_ACKNOWLEDGEREQUEST']._serialized_start=1134
-  _globals['_ACKNOWLEDGEREQUEST']._serialized_end=1261
-  _globals['_ACKNOWLEDGERESPONSE']._serialized_start=1264
-  _globals['_ACKNOWLEDGERESPONSE']._serialized_end=1403
-  _globals['_ROLLOUTSERVICE']._serialized_start=1562
-  _globals['_ROLLOUTSERVICE']._serialized_end=1724
+  _globals['_RUNREQUEST']._serialized_end=573
+  _globals['_BOUNDARYREPORT']._serialized_start=576
+  _globals['_BOUNDARYREPORT']._serialized_end=725
+  _globals['_RUNRESULT']._serialized_start=728
+  _globals['_RUNRESULT']._serialized_end=1001
+  _globals['_RUNRESPONSE']._serialized_start=1004
+  _globals['_RUNRESPONSE']._serialized_end=1165
+  _globals['_ACKNOWLEDGEREQUEST']._serialized_start=1167
+  _globals['_ACKNOWLEDGEREQUEST']._serialized_end=1294
+  _globals['_ACKNOWLEDGERESPONSE']._serialized_start=1297
+  _globals['_ACKNOWLEDGERESPONSE']._serialized_end=1436
+  _globals['_ROLLOUTSERVICE']._serialized_start=1595
+  _globals['_ROLLOUTSERVICE']._serialized_end=1757
 # @@protoc_insertion_point(module_scope)

@@ -72,6 +72,7 @@ class RunRequest(_message.Message):
     FENCE_FIELD_NUMBER: _builtins.int
     WEIGHTS_CHANGE_FIELD_NUMBER: _builtins.int
     WAIT_FOR_ADMISSION_FIELD_NUMBER: _builtins.int
+    PARTICIPANT_INCARNATION_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Idempotency key of this invocation; a re-invocation may reuse it."""
     prompt_group_id: _builtins.str
@@ -94,6 +95,13 @@ class RunRequest(_message.Message):
     admission reopens and only then sends `turnpoint-accepted`. A waiting Run is not in
     the work table, so it is in no cut and blocks no prepare (docs/spec.md section 5.2
     item 1). A participant that does not implement it refuses as before.
+    """
+    participant_incarnation: _builtins.str
+    """The participant incarnation (`ResponseHeader.incarnation`, also sent with
+    `turnpoint-accepted` as `turnpoint-incarnation`) that accepted this attempt, on a
+    re-attach: only that execution may answer. A participant of another incarnation (it
+    restarted at the same address) refuses with STALE_ATTEMPT and starts nothing
+    (docs/spec.md section 6.5 item 5). Empty on a first Run: not checked.
     """
     @_builtins.property
     def episode(self) -> _types_pb2.EpisodeId:
@@ -128,10 +136,11 @@ class RunRequest(_message.Message):
         fence: _types_pb2.Fence | None = ...,
         weights_change: _types_pb2.WeightsChange.ValueType = ...,
         wait_for_admission: _builtins.bool = ...,
+        participant_incarnation: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["budget", b"budget", "episode", b"episode", "fence", b"fence", "task", b"task"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["boundaries_seen", b"boundaries_seen", "budget", b"budget", "episode", b"episode", "fence", b"fence", "group_size", b"group_size", "prompt_group_id", b"prompt_group_id", "request_id", b"request_id", "sibling_index", b"sibling_index", "task", b"task", "wait_for_admission", b"wait_for_admission", "weights_change", b"weights_change"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["boundaries_seen", b"boundaries_seen", "budget", b"budget", "episode", b"episode", "fence", b"fence", "group_size", b"group_size", "participant_incarnation", b"participant_incarnation", "prompt_group_id", b"prompt_group_id", "request_id", b"request_id", "sibling_index", b"sibling_index", "task", b"task", "wait_for_admission", b"wait_for_admission", "weights_change", b"weights_change"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

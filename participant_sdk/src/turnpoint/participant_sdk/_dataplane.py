@@ -26,6 +26,7 @@ class DataPlane:
     """RolloutService, ResourcesService and PolicyService calls of one participant."""
 
     _shared: Shared
+    _incarnation: str
     agent: AgentHost | None
     resources: ResourcesHost | None
     model: ModelHost | None
@@ -35,6 +36,19 @@ class DataPlane:
             return  # not fenced (a tool): no need to take the lock
         async with self._shared.changing() as core:
             core.check_data_fence(fence)
+
+    def _check_incarnation(self, episode: EpisodeId, named: str) -> None:
+        if named and named != self._incarnation:
+            raise TurnpointError(
+                Reason.STALE_ATTEMPT,
+                f"{episode} was accepted by incarnation {named}, not by this one "
+                f"({self._incarnation}): that execution is gone",
+                {
+                    "episode": str(episode),
+                    "incarnation": self._incarnation,
+                    "request_incarnation": named,
+                },
+            )
 
     def _agent(self) -> AgentHost:
         if self.agent is None:
@@ -79,9 +93,16 @@ class DataPlane:
         fence: Fence | None = None,
         weights_change: WeightsChange | None = None,
         wait_for_admission: bool = False,
+        participant_incarnation: str = "",
     ) -> AsyncGenerator[BoundaryReport | RunResult, None]:
-        """Accept a Run now (errors raise here), then follow it; see :meth:`AgentHost.accept_run`."""
+        """Accept a Run now (errors raise here), then follow it; see :meth:`AgentHost.accept_run`.
+
+        ``participant_incarnation`` (a re-attach: the incarnation that accepted the
+        attempt) other than this process's is ``STALE_ATTEMPT`` before anything starts:
+        the execution it names died with that process (docs/spec.md section 6.5 item 5).
+        """
         await self._check_data_fence(fence)
+        self._check_incarnation(episode, participant_incarnation)
         return await self._agent().accept_run(
             episode,
             task,

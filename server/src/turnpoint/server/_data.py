@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 
 from turnpoint._status import abort
-from turnpoint.auth import ACCEPTED_METADATA
+from turnpoint.auth import accepted_metadata
 from turnpoint.convert import (
     bad_argument,
     check_list_length,
@@ -46,9 +46,6 @@ from turnpoint.v1 import (
     rollout_service_pb2_grpc,
     types_pb2,
 )
-
-# Initial metadata a Run sends the moment the participant owns the attempt, before the
-# first boundary: the trainer counts an attempt as dispatched only from then on.
 
 Context = grpc.aio.ServicerContext[Any, Any]
 _log = logging.getLogger(__name__)
@@ -123,11 +120,17 @@ class RolloutServicer(rollout_service_pb2_grpc.RolloutServiceServicer):
                 fence=fence,
                 weights_change=weights_change,
                 wait_for_admission=request.wait_for_admission,
+                participant_incarnation=request.participant_incarnation,
             )
             # Closing the stream when the call ends (also by cancellation, which gRPC
             # delivers as CancelledError here) is what cancels the execution.
             async with contextlib.aclosing(stream):
-                await context.send_initial_metadata(ACCEPTED_METADATA)
+                # Sent the moment the participant owns the attempt, before the first
+                # boundary: the trainer counts it dispatched from then on, and names this
+                # incarnation when it re-attaches (docs/spec.md sections 6.1 and 6.5).
+                await context.send_initial_metadata(
+                    accepted_metadata(self._runtime.header().incarnation)
+                )
                 async for event in stream:
                     yield self._event(event)
 

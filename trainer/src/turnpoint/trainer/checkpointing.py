@@ -138,6 +138,13 @@ def _by_instance(pairs: list[tuple[str, str]]) -> Mapping[str, tuple[str, ...]]:
     return MappingProxyType({name: tuple(ids) for name, ids in grouped.items()})
 
 
+def _incarnations(coordinator: Coordinator) -> dict[str, str]:
+    """Each participant's incarnation as the coordinator last described it: the one a
+    restore or heal installed its continued attempts into, which their Runs name
+    (docs/spec.md section 6.5 item 5)."""
+    return {name: p.incarnation for name, p in coordinator.topology.participants.items()}
+
+
 def _resumed_from(plan: RestorePlan, *, weights_version: int | None, restore_s: float) -> Resumed:
     return Resumed(
         step=plan.step,
@@ -395,7 +402,7 @@ class Checkpointing:
             # A restore of several rounds used the epoch's first restore ids: heals
             # number theirs above them (docs/spec.md section 2.6 item 4).
             self._heal_count = plan.stale_rounds
-            apply_plan(plan, rollouts)
+            apply_plan(plan, rollouts, _incarnations(coordinator))
             rollouts.set_data_loader(plan.trainer_state.data_loader)
             self.resumed = _resumed_from(
                 plan,
@@ -873,8 +880,11 @@ class Checkpointing:
                 for step in continued:
                     rollouts.rerun_from_prompt(step.rollout, attempt=step.episode.attempt + 1)
                 continued = ()
+        restored_into = _incarnations(coordinator)
         for step in continued:
-            rollouts.redispatch(step.rollout)
+            rollouts.redispatch(
+                step.rollout, incarnation=restored_into.get(step.rollout.instance, "")
+            )
         for rerun in plan.rerun:
             rollouts.rerun_from_prompt(rerun.rollout, attempt=rerun.attempt)
 

@@ -395,8 +395,9 @@ def _stream_problems(kit: Kit, stream: RunStream, first_index: int = 1) -> list[
 
 async def check_run_stream(kit: Kit) -> str:
     """Section 6.1 to 6.3, 6.5, 6.6, 2.5 item 3: acceptance header, boundary reports,
-    one final result with its receipt, re-invocation without a second execution,
-    argument checks, stale attempts and cancellation at a boundary."""
+    one final result with its receipt, re-invocation without a second execution, a
+    re-attach naming another incarnation refused, argument checks, stale attempts and
+    cancellation at a boundary."""
     if not kit.hosts_agent:
         raise CheckSkipped("the target hosts no agent (RolloutService is for agents)")
     kit.need_task()
@@ -410,6 +411,14 @@ async def check_run_stream(kit: Kit) -> str:
     kit.owe(result)
     problems = _stream_problems(kit, stream)
     require(not problems, "; ".join(problems))
+    incarnation = await stream.incarnation()
+    own = stream.headers[0].incarnation if stream.headers else ""
+    require(
+        incarnation != "" and incarnation == own,
+        f"initial metadata turnpoint-incarnation is {incarnation!r}, the response header "
+        f"says {own!r} (section 6.1 item 2)",
+    )
+    await _reattach_elsewhere_is_refused(kit, incarnation)
     require(result.outcome in _FINAL_OUTCOMES, f"{show(e)} ended with outcome {result.outcome}")
     seen = 1 if stream.boundaries else 0
     again = kit.run(e, rid=rid, boundaries_seen=seen)
@@ -458,11 +467,40 @@ async def check_run_stream(kit: Kit) -> str:
     )
     await kit.acknowledge([final.receipt])
     return (
-        f"accepted with the header; {len(stream.boundaries)} boundaries then one result with "
-        "its receipt; re-invocation replayed it; another task INVALID_ARGUMENT; a lower "
+        f"accepted with the header and its incarnation; {len(stream.boundaries)} boundaries "
+        "then one result with its receipt; re-invocation replayed it; a re-attach naming "
+        "another incarnation STALE_ATTEMPT, starting nothing; another task INVALID_ARGUMENT; a lower "
         "attempt STALE_ATTEMPT; a negative budget refused; a Run cancelled after a boundary "
         "continued from it"
     )
+
+
+async def _reattach_elsewhere_is_refused(kit: Kit, incarnation: str) -> None:
+    """Section 6.5 item 5: a re-attach naming an incarnation other than the target's
+    (the process that accepted it died) is STALE_ATTEMPT and leaves nothing behind: a
+    first Run of the same attempt is then taken and runs to its result."""
+    gone = episode(kit.rollout("gone"), 0)
+    another = f"not-{incarnation}"
+    reattach = kit.run(gone, boundaries_seen=1, participant_incarnation=another)
+    error = await reattach.refusal(
+        f"a re-attach of {show(gone)} naming another incarnation (section 6.5 item 5)"
+    )
+    problems = error_problems(error, "STALE_ATTEMPT", ("episode", "request_incarnation"))
+    require(not problems, f"a re-attach naming another incarnation: {'; '.join(problems)}")
+    require(
+        error.metadata.get("request_incarnation") == another,
+        f"STALE_ATTEMPT metadata request_incarnation is "
+        f"{error.metadata.get('request_incarnation')!r}, not {another!r}",
+    )
+    fresh = kit.run(gone)
+    require(
+        await fresh.accepted(),
+        f"a first Run of {show(gone)} after the refused re-attach was not accepted: the "
+        "refusal must start, hold and retire nothing (section 6.5 item 5)",
+    )
+    final = await fresh.finished()
+    kit.owe(final)
+    await kit.acknowledge([final.receipt])
 
 
 # ---------------------------------------------------------------------- acknowledge

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import grpc
 from google.protobuf import duration_pb2, struct_pb2
 
-from turnpoint.auth import ACCEPTED_METADATA_KEY
+from turnpoint.auth import ACCEPTED_METADATA_KEY, INCARNATION_METADATA_KEY
 from turnpoint.v1 import checkpoint_control_service_pb2 as pb
 from turnpoint.v1 import policy_service_pb2, resources_service_pb2, rollout_service_pb2, types_pb2
 
@@ -245,6 +245,17 @@ class RunStream:
         except (grpc.aio.AioRpcError, TimeoutError):
             return False
         return any(key == ACCEPTED_METADATA_KEY and value == "1" for key, value in metadata or ())
+
+    async def incarnation(self) -> str:
+        """The ``turnpoint-incarnation`` the initial metadata named ("" if none)."""
+        try:
+            metadata = await asyncio.wait_for(
+                self._call.initial_metadata(), self.kit.episode_bound_s
+            )
+        except (grpc.aio.AioRpcError, TimeoutError):
+            return ""
+        named = [value for key, value in metadata or () if key == INCARNATION_METADATA_KEY]
+        return str(named[0]) if named else ""
 
     async def wait_for(self, predicate: Callable[[], bool], what: str) -> None:
         async def wait() -> None:
@@ -631,14 +642,17 @@ class Kit:
         task: Mapping[str, Any] | None = None,
         boundaries_seen: int = 0,
         budget_s: float | None = None,
+        participant_incarnation: str = "",
     ) -> RunStream:
-        """Start a Run of ``e`` with the workload's task (or ``task``)."""
+        """Start a Run of ``e`` with the workload's task (or ``task``); a re-attach names
+        the ``participant_incarnation`` that accepted it."""
         chosen = self.workload.task if task is None else task
         request = rollout_service_pb2.RunRequest(
             request_id=rid or f"run-{show(e)}",
             episode=e,
             task=struct(chosen or {}),
             boundaries_seen=boundaries_seen,
+            participant_incarnation=participant_incarnation,
         )
         if budget_s is not None:
             request.budget.CopyFrom(duration(budget_s))

@@ -502,7 +502,9 @@ class RestoreTarget(Protocol):
 
     def install(self, state: TrainerRolloutState) -> Sequence[Any]: ...
 
-    def redispatch(self, rollout: InFlightRollout, instance: str | None = None) -> EpisodeId: ...
+    def redispatch(
+        self, rollout: InFlightRollout, instance: str | None = None, *, incarnation: str = ""
+    ) -> EpisodeId: ...
 
     def rerun_from_prompt(
         self,
@@ -513,11 +515,16 @@ class RestoreTarget(Protocol):
     ) -> EpisodeId: ...
 
 
-def apply_plan(plan: RestorePlan, target: RestoreTarget) -> None:
-    """Reinstall the trainer state, continue what continues, rerun the rest."""
+def apply_plan(
+    plan: RestorePlan, target: RestoreTarget, incarnations: Mapping[str, str] | None = None
+) -> None:
+    """Reinstall the trainer state, continue what continues, rerun the rest.
+    ``incarnations`` (instance -> the incarnation restored into) are what each continued
+    attempt's Runs name (docs/spec.md section 6.5 item 5)."""
     target.install(plan.trainer_state)
     for action in plan.redispatch:
-        target.redispatch(action.rollout, action.instance)
+        named = (incarnations or {}).get(action.instance, "")
+        target.redispatch(action.rollout, action.instance, incarnation=named)
     for rerun in plan.rerun:
         target.rerun_from_prompt(rerun.rollout, instance=rerun.instance, attempt=rerun.attempt)
 

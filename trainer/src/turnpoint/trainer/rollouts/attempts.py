@@ -44,6 +44,14 @@ class Attempt:
     restored: bool = False
     # Some Run of this attempt was accepted, so the participant held it at some point.
     accepted_once: bool = False
+    # The participant incarnation that last accepted a Run of it ("" while none said):
+    # every re-attach names it, so a process restarted at the same address refuses
+    # instead of starting the attempt a second time (docs/spec.md section 6.5 item 5).
+    incarnation: str = ""
+    # A Run of it was refused by another incarnation: the execution died with the
+    # process that accepted it, so no Run of it is sent again; it waits, as for an
+    # unreachable participant, for the heal or its abandonment (section 6.10 item 3).
+    lost: bool = False
     # Attempts of this rollout started by this client, this one included.
     spent: int = 1
     # Consecutive broken calls without progress.
@@ -165,6 +173,8 @@ class RolloutStats:
     accepted: int = 0
     admission_refusals: int = 0
     reattaches: int = 0
+    # Re-attaches refused by another incarnation of their participant (section 6.5 item 5).
+    lost: int = 0
     abandoned: int = 0
     reruns: int = 0
     groups_retried_whole: int = 0

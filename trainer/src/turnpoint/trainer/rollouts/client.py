@@ -21,9 +21,12 @@ one task per followed attempt, a dispatcher, a budget timer and the Acknowledge 
   the participant closed on its own while our gate stayed open. It spends neither a
   retry nor budget: budgets start at acceptance.
 - **Re-attach.** A stream that breaks (``UNAVAILABLE``, an end without a result, a
-  malformed message...) is re-invoked with the same request id, the same ``EpisodeId``
-  and the boundaries seen so far: the participant attaches to the running execution or
-  returns the kept result. After ``reattach_attempts`` consecutive broken calls without
+  malformed message...) is re-invoked with the same request id, the same ``EpisodeId``,
+  the boundaries seen so far and the participant incarnation that accepted it (sent
+  with ``turnpoint-accepted`` as ``turnpoint-incarnation``): the participant attaches to
+  the running execution or returns the kept result. A process restarted at the same
+  address refuses it ``STALE_ATTEMPT`` and starts nothing, and the attempt is lost
+  there: abandoned at once, as below, never re-attached again. After ``reattach_attempts`` consecutive broken calls without
   progress the attempt is abandoned: queued for ``Retire``
   (:meth:`~RolloutClient.pending_retires`) and the rollout rerun from its prompt as the
   next attempt (the attempt ledger is bumped), at most ``max_attempts`` per rollout.
@@ -584,7 +587,9 @@ class RolloutClient:
         """
         return self._ledger.install(state)
 
-    def redispatch(self, rollout: InFlightRollout, instance: str | None = None) -> EpisodeId:
+    def redispatch(
+        self, rollout: InFlightRollout, instance: str | None = None, *, incarnation: str = ""
+    ) -> EpisodeId:
         """Continue a saved attempt N as N+1 on ``instance`` (default: the one that saved it).
 
         ``rollout`` is the descriptor the snapshot recorded (attempt N). The participant
@@ -592,8 +597,12 @@ class RolloutClient:
         budget running) and its Run passes even a closed gate, as the participant admits
         a restored replacement. If the participant refuses it nevertheless (it does not
         hold it), it falls back to an ordinary dispatch that waits for the gate.
+        ``incarnation``: the participant incarnation the restore installed N+1 into, which
+        its Runs name (docs/spec.md section 6.5 item 5); "" names none.
         """
-        attempt = self._ledger.redispatch(rollout, instance, now=self._clock())
+        attempt = self._ledger.redispatch(
+            rollout, instance, now=self._clock(), incarnation=incarnation
+        )
         self._timer_wake.set()
         return attempt.episode
 
@@ -702,8 +711,10 @@ class RolloutClient:
             if end.verdict is Verdict.ENDED:
                 return
             if end.verdict is Verdict.STALE:
-                # The agent retired it, but a resources server may still hold its
-                # session: retired everywhere too if the agent ever accepted it.
+                # The agent retired it, or it is another incarnation than the one that
+                # accepted it (the execution died with its process), but a resources
+                # server may still hold its session: retired everywhere too if the agent
+                # ever accepted it.
                 ledger.abandon(attempt, end.detail, retire=attempt.accepted_once)
                 return
             if end.verdict is Verdict.FATAL:
@@ -711,6 +722,15 @@ class RolloutClient:
                 return
             if end.verdict is Verdict.REFUSED:
                 step = ledger.refused(attempt, end.sent_generation)
+            elif end.verdict is Verdict.LOST:
+                step = ledger.lost(attempt, end.detail)
+                if step.again:
+                    _LOG.info(
+                        "%s is lost on %s, waiting for its heal: %s",
+                        attempt.episode,
+                        attempt.instance,
+                        step.reason,
+                    )
             else:
                 step = ledger.broken(attempt, end.detail)
                 if step.again:
@@ -741,6 +761,9 @@ class RolloutClient:
         await self._changes.wait_for(lambda: self._closed or ledger.may_send(attempt), None)
         if attempt.phase is AttemptPhase.ENDED or self._closed:
             return CallEnd(Verdict.ENDED)
+        if attempt.lost:
+            # Never sent again: only the heal or the abandonment past the bound ends it.
+            return CallEnd(Verdict.LOST, f"{attempt.instance} restarted since it accepted")
         # No await from the gate check to the call: a Run is sent only through an open
         # gate (or for an attempt a participant already owns).
         generation = ledger.begin_call(attempt)
@@ -769,7 +792,7 @@ class RolloutClient:
         ledger = self._ledger
         async for event in read_run(call, attempt.episode, self._settings.accept_timeout_s):
             if isinstance(event, Accepted):
-                if ledger.accept(attempt, self._clock()):
+                if ledger.accept(attempt, self._clock(), event.incarnation):
                     self._timer_wake.set()
             elif isinstance(event, BoundarySeen):
                 ledger.boundary(attempt, event.boundary_index)

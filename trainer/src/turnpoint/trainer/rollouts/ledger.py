@@ -175,7 +175,12 @@ class RolloutLedger:
         return tuple(saved)
 
     def redispatch(
-        self, rollout: InFlightRollout, instance: str | None = None, *, now: float
+        self,
+        rollout: InFlightRollout,
+        instance: str | None = None,
+        *,
+        now: float,
+        incarnation: str = "",
     ) -> Attempt:
         """Continue a saved attempt N as N+1 on ``instance`` (default: the one that saved it).
 
@@ -183,7 +188,9 @@ class RolloutLedger:
         (in the cut, its budget running) and its Run passes even a closed gate, as the
         participant admits a restored replacement. If the participant refuses it
         nevertheless (it does not hold it), it falls back to an ordinary dispatch that
-        waits for the gate.
+        waits for the gate. ``incarnation`` is the participant incarnation the restore
+        installed N+1 into: its first Run names it, so that a process restarted since
+        refuses instead of starting N+1 from its prompt (docs/spec.md section 6.5 item 5).
         """
         target = rollout.instance if instance is None else instance
         rollout_id = rollout.episode.rollout_id
@@ -198,6 +205,7 @@ class RolloutLedger:
             boundaries_seen=rollout.boundaries_seen,
             phase=AttemptPhase.OWNED,
             restored=True,
+            incarnation=incarnation,
             request_id=self._request_ids(),
         )
         self._add_live(attempt)
@@ -505,15 +513,18 @@ class RolloutLedger:
 
     # ------------------------------------------------------------------ what a Run says
 
-    def accept(self, attempt: Attempt, now: float) -> bool:
+    def accept(self, attempt: Attempt, now: float, incarnation: str = "") -> bool:
         """The participant accepted the Run (its header, or its first message): the
-        attempt is owned from now on and its budget starts. Returns whether it became
-        owned just now."""
+        attempt is owned from now on and its budget starts. ``incarnation`` is the
+        participant incarnation that accepted ("" when it did not say), which every
+        later re-attach names. Returns whether it became owned just now."""
         if attempt.phase is AttemptPhase.ENDED:
             return False
         if attempt.phase is AttemptPhase.PENDING:
             raise RuntimeError(f"{attempt.episode} was accepted but never sent")
         attempt.accepted_once = True
+        if incarnation:
+            attempt.incarnation = incarnation
         if attempt.phase is AttemptPhase.OWNED:
             return False
         attempt.phase = AttemptPhase.OWNED
@@ -598,6 +609,17 @@ class RolloutLedger:
         self._stats.reattaches += 1
         self._changed()
         return NextCall(True, detail, pause_s=backoff_s(self._settings, attempt.broken))
+
+    def lost(self, attempt: Attempt, detail: str) -> NextCall:
+        """Another incarnation refused the re-attach (section 6.5 item 5): the execution
+        is gone with the process that accepted it, and no Run of the attempt is sent
+        again. Otherwise it goes the way of an unreachable participant: it stays owned
+        (in flight, so a heal of that participant continues or reruns it), counts as a
+        broken call at each pause, and past the re-attach bound is abandoned."""
+        if not attempt.lost and attempt.phase is not AttemptPhase.ENDED:
+            attempt.lost = True
+            self._stats.lost += 1
+        return self.broken(attempt, detail)
 
     def clear_hurry(self, attempt: Attempt) -> None:
         """The driver's pause of ``attempt`` ended; a later pause is not hurried."""

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Final, TypeAlias
 import grpc
 
 from turnpoint._status import error_from_rpc
-from turnpoint.auth import ACCEPTED_METADATA
+from turnpoint.auth import ACCEPTED_METADATA, INCARNATION_METADATA_KEY
 from turnpoint.convert import (
     duration_from_seconds,
     episode_from_proto,
@@ -52,6 +52,10 @@ if TYPE_CHECKING:
 # arrives the attempt is not the participant's (docs/spec.md section 6.1 item 2).
 # One source of truth: the servicer's own constant.
 ((ACCEPTED_METADATA_KEY, _ACCEPTED_VALUE),) = ACCEPTED_METADATA
+
+# ErrorInfo metadata of a STALE_ATTEMPT refusal of a re-attach that named another
+# incarnation than the participant's (section 6.5 item 5).
+REQUEST_INCARNATION_KEY: Final = "request_incarnation"
 
 _RESULT_OUTCOMES: Final = {
     pb.RUN_OUTCOME_COMPLETED: RolloutOutcome.COMPLETED,
@@ -94,10 +98,11 @@ class RunBrokenError(CoordinatorError):
 
 @dataclass(frozen=True, slots=True)
 class Accepted:
-    """The participant sent ``turnpoint-accepted: 1``: it owns the attempt."""
+    """The participant sent ``turnpoint-accepted: 1``: it owns the attempt.
+    ``incarnation`` is the one that accepted (``turnpoint-incarnation``, else the first
+    message's header; "" when it said neither), for the re-attach to name."""
 
-
-ACCEPTED: Final = Accepted()
+    incarnation: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,7 +124,7 @@ RunEvent = Accepted | BoundarySeen | ResultReceived
 async def read_run(
     call: RunCall, episode: EpisodeId, accept_timeout_s: float
 ) -> AsyncIterator[RunEvent]:
-    """The events of one Run call of ``episode``, in order; :data:`ACCEPTED` comes
+    """The events of one Run call of ``episode``, in order; :class:`Accepted` comes
     before anything else the participant says.
 
     A refusal raises (``grpc.aio.AioRpcError``) before anything else is read. After the
@@ -133,13 +138,14 @@ async def read_run(
         raise RunBrokenError("no verdict within the accept timeout") from None
     accepted = metadata.get(ACCEPTED_METADATA_KEY) == _ACCEPTED_VALUE
     if accepted:
-        yield ACCEPTED
+        incarnation = metadata.get(INCARNATION_METADATA_KEY)
+        yield Accepted(incarnation if isinstance(incarnation, str) else "")
     async for message in call:
         if not accepted:
             # A participant that sends no acceptance header has accepted once it talks
             # (section 6.1 item 2), even if what it says is malformed.
             accepted = True
-            yield ACCEPTED
+            yield Accepted(message.header.incarnation)
         event = message.WhichOneof("event")
         if event == "boundary":
             yield BoundarySeen(_read_boundary(episode, message.boundary))
@@ -194,6 +200,8 @@ class Verdict(enum.Enum):
     REFUSED = "refused"  # ADMISSION_CLOSED
     BROKEN = "broken"  # transport failure, stream end without result, malformed message
     STALE = "stale"  # STALE_ATTEMPT: the attempt was retired
+    # STALE_ATTEMPT naming another incarnation: the execution died with its process
+    LOST = "lost"
     FATAL = "fatal"  # a protocol error that a retry would only repeat
 
 
@@ -212,6 +220,8 @@ def classify(error: grpc.aio.AioRpcError, generation: GateGeneration) -> CallEnd
         if protocol.reason is Reason.ADMISSION_CLOSED:
             return CallEnd(Verdict.REFUSED, detail, generation)
         if protocol.reason is Reason.STALE_ATTEMPT:
+            if protocol.metadata.get(REQUEST_INCARNATION_KEY):
+                return CallEnd(Verdict.LOST, detail, generation)
             return CallEnd(Verdict.STALE, detail, generation)
         if protocol.transient:
             return CallEnd(Verdict.BROKEN, detail, generation)
@@ -231,7 +241,8 @@ def run_request(
     weights_change: str | None = None,
 ) -> pb.RunRequest:
     """The Run of ``attempt``: the same request id, episode and ``boundaries_seen`` on
-    every re-attach (section 6.5), the coordinator's fence (section 6.9) and what the
+    every re-attach, which also names the incarnation that accepted it (section 6.5),
+    the coordinator's fence (section 6.9) and what the
     agent does with a generation that spans a weight update (section 5.5 item 7)."""
     spec = attempt.spec
     request = pb.RunRequest(
@@ -246,6 +257,9 @@ def run_request(
         # Dispatch reopens once a cut's books are read, before the agents release the
         # checkpoint: a new attempt waits there rather than bounce (section 5.2 item 1).
         wait_for_admission=True,
+        # Set once a participant accepted the attempt: only that execution may answer a
+        # re-attach; a process restarted at the same address refuses (section 6.5 item 5).
+        participant_incarnation=attempt.incarnation,
     )
     if attempt.budget_s is not None and math.isfinite(attempt.budget_s):
         request.budget.CopyFrom(duration_from_seconds(attempt.budget_s))
