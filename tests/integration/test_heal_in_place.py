@@ -34,7 +34,6 @@ from turnpoint.trainer import (
     HealRefusedError,
     LocalProcessLauncher,
     ParticipantLostError,
-    RolloutClientSettings,
     RolloutOutcome,
     SnapshotOutcome,
     TorchAnchorSource,
@@ -112,9 +111,9 @@ async def test_a_killed_agent_process_is_replaced_and_only_its_episode_is_restor
                 final_snapshot=False,
                 watch_liveness=True,
                 launcher=launcher,
-                # The dead agent's Run is re-attached, not given up, until the heal
-                # takes it over: the heal, not the rollout client, decides its fate.
-                rollout_settings=RolloutClientSettings(reattach_attempts=1000),
+                # No rollout_settings: with a launcher the default re-attaches the dead
+                # agent's Run until the heal takes it over (HEAL_REATTACH_ATTEMPTS): the
+                # heal, not the rollout client, decides its fate.
             )
             async with ckpt:
                 # Groups 1 and 3 are group-scored: sibling 0 of each alone parks at its

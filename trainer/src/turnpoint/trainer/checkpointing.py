@@ -29,7 +29,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType, TracebackType
-from typing import TYPE_CHECKING, Self
+from typing import TYPE_CHECKING, Final, Self
 
 from turnpoint.errors import Reason
 from turnpoint.protocol import ParticipantKind
@@ -177,6 +177,11 @@ class HealRefusedError(CoordinatorError):
         return (type(self), (self.instance, self.detail))
 
 
+# Re-attaches of a broken attempt before it is rerun, healing in place: with the backoff
+# capped at 2 s, about a minute, time for the liveness watch and the launcher.
+HEAL_REATTACH_ATTEMPTS: Final = 30
+
+
 class Checkpointing:
     """A coordinator a training loop embeds in a few lines.
 
@@ -213,7 +218,9 @@ class Checkpointing:
     called first, at once (a process that exits there skips winding down calls to a
     participant that is gone). With a ``launcher`` the watch heals a lost participant in
     place instead (:meth:`heal`, docs/spec.md section 7.15) and ends the run only when
-    the heal fails. ``testing_hooks`` is for tests and the demo's
+    the heal fails; without ``rollout_settings`` the rollout client then re-attaches
+    :data:`HEAL_REATTACH_ATTEMPTS` times (about a minute) before it reruns an attempt
+    from its prompt, so that the heal continues it. ``testing_hooks`` is for tests and the demo's
     deterministic crashes only (:class:`turnpoint.trainer.testing.SnapshotHooks`).
 
     Failing fast: :meth:`open` raises :class:`RestoreRefusedError` when a participant
@@ -283,7 +290,14 @@ class Checkpointing:
         self._load_anchor = load_anchor
         self._every_steps = every_steps
         self._periodic = periodic
-        self._rollout_settings = rollout_settings or RolloutClientSettings(max_concurrency=256)
+        self._rollout_settings = rollout_settings or RolloutClientSettings(
+            max_concurrency=256,
+            # Healing in place, the heal decides what becomes of a lost participant's
+            # attempts (continued from the snapshot): re-attach long enough for the
+            # liveness watch to find the loss and the launcher to replace it, rather than
+            # rerun each from its prompt after the default 3 (docs/spec.md 7.15 item 9).
+            reattach_attempts=HEAL_REATTACH_ATTEMPTS if launcher is not None else 3,
+        )
         self._weights = weights
         self._initial_weights_version = initial_weights_version
         self._weight_sync_settings = weight_sync
