@@ -17,7 +17,9 @@ import json
 import os
 import socket
 import stat
+import subprocess
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -28,6 +30,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from rich.console import Console
 
 from turnpoint.apps._cli import main
+from turnpoint.apps._parent import PARENT_PID_ENV
 from turnpoint.apps.demo._command import _with_metrics_port
 from turnpoint.apps.demo._heal import ReplaceRefused
 from turnpoint.apps.demo._report import DemoError
@@ -801,3 +804,58 @@ async def test_the_status_port_stays_held_for_the_run_between_two_trainers(
                 await server.close()
     finally:
         reserved.close()
+
+
+_SUPERVISOR_OF_ONE = r"""
+import asyncio, os, sys
+from pathlib import Path
+from turnpoint.apps.demo._supervisor import ParticipantSpec, ProcessLauncher, prepare_out_dir
+
+async def main():
+    paths, _token = prepare_out_dir(Path(sys.argv[1]))
+    launcher = ProcessLauncher(paths, start_timeout_s=60.0)
+    spec = ParticipantSpec(instance="tools", kind="resources", example="guess",
+                           environment="guess", verifier_log=paths.verifier_log("tools"))
+    participant = await launcher.start(spec, 1)
+    print(participant.pid, flush=True)
+    await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
+
+
+def test_a_participant_runs_in_a_group_of_its_own_and_dies_with_its_supervisor(
+    tmp_path: Path,
+) -> None:
+    """The supervisor starts each child in a process group of its own, so that no exit
+    elsewhere makes the kernel wake one that --chaos paused (an orphaned group holding a
+    stopped process gets SIGHUP and SIGCONT); a real ``turnpoint serve`` then still dies
+    with its supervisor, killed outright (PR_SET_PDEATHSIG via $TURNPOINT_PARENT_PID)."""
+    script = tmp_path / "supervisor_of_one.py"
+    script.write_text(_SUPERVISOR_OF_ONE)
+    supervisor = subprocess.Popen(
+        [sys.executable, str(script), str(tmp_path / "out")], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert supervisor.stdout is not None
+        pid = int(supervisor.stdout.readline())
+        assert os.getpgid(pid) == pid != os.getpgid(supervisor.pid)
+        # The supervisor named itself to its child.
+        assert (
+            f"{PARENT_PID_ENV}={supervisor.pid}\0".encode()
+            in Path(f"/proc/{pid}/environ").read_bytes()
+        )
+    finally:
+        supervisor.kill()
+        supervisor.wait()
+    deadline = time.monotonic() + TIMEOUT_S
+    while Path(f"/proc/{pid}").exists() and _state(pid) != "Z":
+        assert time.monotonic() < deadline, f"participant {pid} outlived its supervisor"
+        time.sleep(0.05)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+    except FileNotFoundError:
+        return "gone"

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from turnpoint.apps._parent import die_with_parent_from_env
 from turnpoint.apps.examples._build import (
     EXAMPLES,
     ExampleSpec,
@@ -203,10 +204,12 @@ def _serve_command(args: argparse.Namespace) -> int:
         slot = worker_slot_from_env()
         if slot is not None:
             # A worker of a group: its name, host and ports are the slot's.
-            die_with_parent(slot)
+            die_with_parent(slot.parent_pid)
             args.instance, args.host, args.port = slot.instance, slot.host, slot.own_port
-        elif args.workers < 1:
-            raise ValueError(f"--workers must be at least 1, got {args.workers}")
+        else:
+            die_with_parent_from_env()
+            if args.workers < 1:
+                raise ValueError(f"--workers must be at least 1, got {args.workers}")
         own = _own_participant(args)
         digest = load_token_sha256(args.control_token_digest_file)
         if digest is not None and args.token_file:

@@ -73,16 +73,17 @@ def worker_slot_from_env(environ: Mapping[str, str] | None = None) -> WorkerSlot
     return None if text is None else WorkerSlot.from_json(text)
 
 
-def die_with_parent(slot: WorkerSlot) -> None:
-    """Ask the kernel to SIGKILL this worker when its parent dies (Linux), so a parent
-    killed outright leaves no orphan serving the shared port. Elsewhere, or if the parent
-    is already gone, a worker whose parent is not ``slot.parent_pid`` exits at once."""
+def die_with_parent(parent_pid: int) -> None:
+    """Ask the kernel to SIGKILL this process when its parent dies (Linux), so a parent
+    killed outright leaves no orphan (a worker serving the shared port, a demo's
+    participant). Elsewhere, or if the parent is already gone, a process whose parent is
+    not ``parent_pid`` (a worker's ``slot.parent_pid``) exits at once."""
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
         if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
     # The parent may have died before the request above: then nobody would signal us.
-    if os.getppid() != slot.parent_pid:
+    if os.getppid() != parent_pid:
         os._exit(1)
 
 

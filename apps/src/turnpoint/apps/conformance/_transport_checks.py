@@ -50,6 +50,10 @@ TRANSPORT_CODES = frozenset(
 # A hostile call that the target accepted as a harmless request (a watch that streams)
 # is cut after this long; a refusal comes at once.
 HOSTILE_CALL_S = 2.0
+# A message past the size bound is never harmless: the target must refuse it. Sending
+# 16 MiB and its refusal can take seconds on a loaded machine, so its deadline only
+# bounds a target that never answers.
+HUGE_CALL_S = 30.0
 _DESCRIBE = f"/{CONTROL_SERVICE}/Describe"
 # A target that refuses an unauthenticated stream at once does so within milliseconds;
 # one that waits for the first request before refusing gets that request after this.
@@ -356,7 +360,10 @@ async def check_hostile_input(kit: Kit) -> str:
                 answer: list[bytes] | WireError
                 try:
                     answer = await kit.target.raw(
-                        path, hostile.payload, shape=method_shape(method), timeout_s=HOSTILE_CALL_S
+                        path,
+                        hostile.payload,
+                        shape=method_shape(method),
+                        timeout_s=HUGE_CALL_S if hostile.expect is Expect.HUGE else HOSTILE_CALL_S,
                     )
                 except Refused as refusal:
                     answer = refusal.error

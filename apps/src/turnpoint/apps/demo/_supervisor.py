@@ -130,13 +130,14 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import IO, Any, Final, Protocol
 
 from rich.console import Console
 from rich.text import Text
 
 from turnpoint._files import create_file, replace_file
 from turnpoint.apps._object_store import ObjectStore, loopback_s3_available
+from turnpoint.apps._parent import PARENT_PID_ENV
 from turnpoint.apps.chaos._proxy import FaultProxy, ProxyMode
 from turnpoint.apps.demo._heal import LaunchService, ReplaceRefused
 from turnpoint.apps.demo._progress import (
@@ -163,6 +164,14 @@ CRASH_POINTS = tuple(point.value for point in SnapshotPoint)
 TRAINER_MODULE = "turnpoint.apps.demo._trainer"
 DEFAULT_SERVE_COMMAND = (sys.executable, "-m", "turnpoint.apps._cli", "serve")
 DEFAULT_TRAINER_COMMAND = (sys.executable, "-m", TRAINER_MODULE)
+# Every child (trainer, participant) starts in a process group of its own, in the
+# supervisor's session: such a group is never orphaned while the supervisor lives, so
+# the kernel never wakes a child that --chaos paused (SIGSTOP) when another process
+# exits (it sends SIGHUP and SIGCONT to an orphaned group that holds a stopped
+# process, and the demo's own group is orphaned when its parent shell exits first).
+# A signal to the supervisor's group no longer reaches them: each dies with the
+# supervisor instead ($TURNPOINT_PARENT_PID, turnpoint.apps._parent).
+CHILD_PROCESS_GROUP: Final = 0
 
 # Calibrated so that the whole run, crash and restart included, takes one to two minutes
 # on a 2-core machine: each start of the five participants takes about 15 s (torch
@@ -960,6 +969,8 @@ class ProcessLauncher:
                 stdout=asyncio.subprocess.PIPE,
                 stderr=stderr,
                 env=self._env,
+                # Its own process group (see CHILD_PROCESS_GROUP).
+                process_group=CHILD_PROCESS_GROUP,
             )
         finally:
             stderr.close()
@@ -1002,6 +1013,8 @@ def _child_env(paths: DemoPaths, token: str | None = None) -> dict[str, str]:
     if token is not None:
         env[TOKEN_ENV] = token
     env["PYTHONUNBUFFERED"] = "1"
+    # Each child dies with the supervisor (see CHILD_PROCESS_GROUP).
+    env[PARENT_PID_ENV] = str(os.getpid())
     if paths.store is not None:
         # The store's endpoint and credentials reach the children only this way.
         env.update(paths.store.environment)
@@ -1220,6 +1233,7 @@ class _Trainer:
                 stdout=stdout,
                 stderr=stderr,
                 env=_child_env(paths, token),
+                process_group=CHILD_PROCESS_GROUP,
             )
         finally:
             stdout.close()

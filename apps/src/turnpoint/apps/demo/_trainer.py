@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from turnpoint.apps._parent import die_with_parent_from_env
 from turnpoint.apps.demo._heal import PARTICIPANT_LOST_STATUS, SupervisorLauncher
 from turnpoint.apps.demo._kill_switch import (
     Fired,
@@ -608,6 +609,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    # The supervisor's child in a process group of its own: it dies with it.
+    die_with_parent_from_env()
     if args.start_on_stdin and not sys.stdin.readline():
         # The supervisor went away before the participants were up: nothing to run.
         print("trainer: not started: stdin closed before the start line", file=sys.stderr)
