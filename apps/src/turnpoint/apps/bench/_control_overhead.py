@@ -156,7 +156,13 @@ class DurableCommit:
     @property
     def fsyncs(self) -> float:
         """Every fsync of one snapshot, participants' and coordinator's."""
-        return self.participant_fsyncs + self.publish_fsyncs + self.other_coordinator_fsyncs
+        return self.durable_fsyncs + self.other_coordinator_fsyncs
+
+    @property
+    def durable_fsyncs(self) -> float:
+        """The fsyncs that make one snapshot durable: the participants' commits and the
+        publication; not retention's, which makes an older snapshot's deletion durable."""
+        return self.participant_fsyncs + self.publish_fsyncs
 
     def to_json(self) -> dict[str, object]:
         return {
