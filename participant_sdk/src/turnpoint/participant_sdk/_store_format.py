@@ -25,7 +25,7 @@ from typing import Any, Final, NoReturn
 
 from turnpoint._json import JSONProblem, StrictJSONError, dumps_indented, loads_strict
 from turnpoint.errors import Reason
-from turnpoint.ids import EpisodeId, validate_id
+from turnpoint.ids import EpisodeId, sorted_episodes, validate_id
 from turnpoint.protocol import ArtifactRef
 
 from ._failures import ParticipantError
@@ -298,7 +298,8 @@ def encode_records(
     for record in records:
         if not isinstance(record, Record):
             raise TypeError(f"records must be Record instances, not {type(record).__name__}")
-        if not isinstance(record.payload, Mapping):
+        # The exact type first: an ABC check costs more than encoding a small record.
+        if type(record.payload) is not dict and not isinstance(record.payload, Mapping):
             raise UnserialisableRecordError(
                 record.episode,
                 record.key,
@@ -317,7 +318,7 @@ def encode_records(
     data = b"".join(lines)
     sha256 = hashlib.sha256(data).hexdigest()
     ref = ArtifactRef(f"{instance}/records-{sha256}.jsonl", sha256, len(data), len(lines))
-    return data, ref, tuple(sorted(episodes))
+    return data, ref, tuple(sorted_episodes(episodes))
 
 
 def entry_of(manifest: Manifest, manifest_bytes: bytes) -> SnapshotEntry:

@@ -543,10 +543,13 @@ async def measure_durable_commit(
     parked: int = 0,
     state_bytes: int = 0,
     label: str = "durable",
+    after_round: Callable[[Path, str], Awaitable[object]] | None = None,
 ) -> DurableCommit:
     """The turnpoint path alone for ``n`` participants on ``root`` (a disk), fsyncs
     counted. With ``parked``, every participant holds that many episodes parked with
-    ``state_bytes`` of state each, and every snapshot exports them all."""
+    ``state_bytes`` of state each, and every snapshot exports them all. ``after_round``
+    is awaited after each measured round, untimed, with the layout's root and the
+    snapshot just published: a baseline measured there sees the disk as the round did."""
     fleet_root = root / label
     fleet_root.mkdir(parents=True, exist_ok=True)
     if not parked:
@@ -582,6 +585,10 @@ async def measure_durable_commit(
                         totals.append(laps["total"])
                         for phase in PHASES:
                             phases[phase].append(laps[phase])
+                        if after_round is not None:
+                            published = await asyncio.to_thread(layout.latest)
+                            if published is not None:
+                                await after_round(fleet_root, published)
                     await asyncio.sleep(settle_s)
             finally:
                 await coordinator.close()

@@ -4,10 +4,11 @@ A fleet of participants each holding parked episodes with incompressible state
 (:class:`~turnpoint.apps.bench._workers.ParkedStateAgent`) is snapshotted through the
 real coordinator on the disk root, every episode exported, fsyncs counted
 (:func:`~turnpoint.apps.bench._control_overhead.measure_durable_commit`). The floor is
-measured in the same run by a plain program: the last published snapshot's files,
-the same sizes, written afresh with one fsync per file and one per directory (and the
-two the publication adds: a pointer file and the root), one writer thread per
-directory as the participants write in parallel. The figures: the whole snapshot
+measured by a plain program right after each measured snapshot, so that both see the
+same disk (a shared disk's fsyncs slow down and speed up by several times within a
+minute): the snapshot's files, the same sizes, written afresh with one fsync per file
+and one per directory (and the two the publication adds: a pointer file and the root),
+one writer thread per directory as the participants write in parallel. The figures: the whole snapshot
 (prepare to resume) over the floor, the microseconds per episode beyond it, and the
 fsyncs that make the snapshot durable (the participants' and the publication's) over
 the files and directories it makes durable; retention's, which delete an older
@@ -33,6 +34,7 @@ from turnpoint.apps.bench._control_overhead import (
     DurableCommit,
     SnapshotTree,
     measure_durable_commit,
+    snapshot_tree,
 )
 from turnpoint.apps.bench._options import RealStateCase
 
@@ -156,11 +158,20 @@ async def measure_real_state(
     token: str,
     progress: Progress,
 ) -> RealStateRow:
-    """One case's snapshots on ``root``, then the floor as many times in the same run."""
+    """One case's snapshots on ``root``, each followed by its physical floor."""
     progress(
         f"real state: {case.participants} participant(s) x {case.parked} parked episodes x "
-        f"{case.state_bytes} B on {root}, fsyncs counted, then the physical floor"
+        f"{case.state_bytes} B on {root}, fsyncs counted, each snapshot then its physical floor"
     )
+    floors: list[float] = []
+
+    async def floor_after(fleet_root: Path, checkpoint_id: str) -> None:
+        tree = await asyncio.to_thread(snapshot_tree, fleet_root, checkpoint_id)
+        with tempfile.TemporaryDirectory(
+            prefix="floor-", dir=root, ignore_cleanup_errors=True
+        ) as scratch:
+            floors.append(await asyncio.to_thread(physical_floor, tree, Path(scratch)))
+
     commit = await measure_durable_commit(
         root,
         case.participants,
@@ -172,16 +183,11 @@ async def measure_real_state(
         parked=case.parked,
         state_bytes=case.state_bytes,
         label=f"real-state-{case.label}",
+        after_round=floor_after,
     )
     tree = commit.tree
-    if tree is None:
+    if tree is None or not floors:
         raise RuntimeError(f"real state {case.label}: no snapshot was published")
-    floors = []
-    for _ in range(rounds):
-        with tempfile.TemporaryDirectory(
-            prefix="floor-", dir=root, ignore_cleanup_errors=True
-        ) as scratch:
-            floors.append(await asyncio.to_thread(physical_floor, tree, Path(scratch)))
     row = RealStateRow(case, commit, tuple(floors))
     progress(
         f"  {case.label}: snapshot {row.snapshot_s * 1000:.1f} ms, floor "
