@@ -199,6 +199,10 @@ class _BadValue(Exception):
         self.location: list[str] = []
 
 
+# The exact types :func:`_plain` passes through unchanged (a float is checked).
+_PLAIN_ATOMS: Final = frozenset({str, int, bool, type(None)})
+
+
 def _plain(value: Any, depth: int) -> Any:
     """Copy ``value`` as plain JSON data, refusing anything that would not round-trip."""
     kind = type(value)
@@ -223,6 +227,10 @@ def _plain(value: Any, depth: int) -> Any:
             # duplicate key: the restored payload would not be the saved one.
             if not isinstance(key, str):
                 raise _BadValue(f"key {key!r} is not a string")
+            # The plain atoms inline: most members are, and a call each is most of the walk.
+            if type(item) in _PLAIN_ATOMS:
+                copy[key] = item
+                continue
             try:
                 copy[key] = _plain(item, depth + 1)
             except _BadValue as error:
@@ -232,6 +240,9 @@ def _plain(value: Any, depth: int) -> Any:
     if kind is list or isinstance(value, (list, tuple)):
         items: list[Any] = []
         for index, item in enumerate(value):
+            if type(item) in _PLAIN_ATOMS:
+                items.append(item)
+                continue
             try:
                 items.append(_plain(item, depth + 1))
             except _BadValue as error:
@@ -263,10 +274,13 @@ def json_copy(value: Any, depth: int = 0) -> Any:
             for key, item in value.items():
                 if type(key) is not str:
                     return copy.deepcopy(value)
-                copied[key] = json_copy(item, depth + 1)
+                # Atoms inline: a call per member is most of the cost of a copy.
+                copied[key] = item if type(item) in _JSON_ATOMS else json_copy(item, depth + 1)
             return copied
         if kind is list:
-            return [json_copy(item, depth + 1) for item in value]
+            return [
+                item if type(item) in _JSON_ATOMS else json_copy(item, depth + 1) for item in value
+            ]
     return copy.deepcopy(value)
 
 
@@ -286,15 +300,18 @@ def _episode_json(episode: EpisodeId) -> dict[str, Any]:
     return {"rollout_id": episode.rollout_id, "attempt": episode.attempt}
 
 
+_PAYLOAD_ENCODER: Final = json.JSONEncoder(
+    ensure_ascii=True, allow_nan=False, check_circular=False, separators=(",", ":")
+)
+
+
 def encode_records(
     instance: str, records: Iterable[Record]
 ) -> tuple[bytes, ArtifactRef, tuple[EpisodeId, ...]]:
     """Serialise every record (so nothing is written if one fails) and describe the file."""
-    lines: list[bytes] = []
+    lines: list[str] = []
     episodes: set[EpisodeId] = set()
-    encoder = json.JSONEncoder(
-        ensure_ascii=True, allow_nan=False, check_circular=False, separators=(",", ":")
-    )
+    encode = _PAYLOAD_ENCODER.encode
     for record in records:
         if not isinstance(record, Record):
             raise TypeError(f"records must be Record instances, not {type(record).__name__}")
@@ -311,11 +328,18 @@ def encode_records(
         except _BadValue as error:
             where = "payload" + "".join(reversed(error.location))
             raise UnserialisableRecordError(record.episode, record.key, where, error.why) from None
-        line = {"episode": _episode_json(record.episode), "key": record.key, "payload": payload}
-        # ASCII-only output: the bytes cannot depend on a locale or hold a lone surrogate.
-        lines.append(encoder.encode(line).encode("ascii") + b"\n")
-        episodes.add(record.episode)
-    data = b"".join(lines)
+        episode = record.episode
+        # What encoding {"episode": {...}, "key": ..., "payload": ...} gives, without
+        # building and walking that dict: the ids are valid ids, [A-Za-z0-9._-] only,
+        # which JSON quotes as they are, and the attempt is an int.
+        lines.append(
+            f'{{"episode":{{"rollout_id":"{episode.rollout_id}","attempt":'
+            f'{int.__repr__(episode.attempt)}}},"key":"{record.key}","payload":'
+            f"{encode(payload)}}}\n"
+        )
+        episodes.add(episode)
+    # ASCII-only output: the bytes cannot depend on a locale or hold a lone surrogate.
+    data = "".join(lines).encode("ascii")
     sha256 = hashlib.sha256(data).hexdigest()
     ref = ArtifactRef(f"{instance}/records-{sha256}.jsonl", sha256, len(data), len(lines))
     return data, ref, tuple(sorted_episodes(episodes))
