@@ -20,6 +20,7 @@ import math
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring_ascii as _escape_ascii
 from pathlib import Path
 from typing import Any, Final, NoReturn
 
@@ -201,20 +202,31 @@ class _BadValue(Exception):
 
 # The exact types :func:`_plain` passes through unchanged (a float is checked).
 _PLAIN_ATOMS: Final = frozenset({str, int, bool, type(None)})
+# A string at least this long is worth checking for characters JSON must escape: the
+# check runs in C several times faster than the escaping, and most large state (hex,
+# base64, token text) has none.
+LONG_TEXT: Final = 1024
+# The ASCII characters a JSON string holds as they are.
+_UNESCAPED: Final = bytes(c for c in range(0x20, 0x7F) if c not in b'"\\')
 
 
-def _plain(value: Any, depth: int) -> Any:
-    """Copy ``value`` as plain JSON data, refusing anything that would not round-trip."""
+def _plain(value: Any, depth: int, long_text: list[str]) -> Any:
+    """Copy ``value`` as plain JSON data, refusing anything that would not round-trip;
+    every string of at least :data:`LONG_TEXT` characters is added to ``long_text``."""
     kind = type(value)
     # Exact types first: this runs for every value of every record.
-    if kind is str or kind is int or kind is bool or value is None:
+    if kind is str:
+        if len(value) >= LONG_TEXT:
+            long_text.append(value)
+        return value
+    if kind is int or kind is bool or value is None:
         return value
     if kind is float or isinstance(value, float):
         if not math.isfinite(value):
             raise _BadValue(f"{value!r} is not a JSON number")
         return float(value)
     if isinstance(value, str):
-        return str(value)
+        return _plain(str(value), depth, long_text)
     if isinstance(value, int):
         # bool is final, so this is an int subclass such as an IntEnum.
         return int(value)
@@ -228,11 +240,12 @@ def _plain(value: Any, depth: int) -> Any:
             if not isinstance(key, str):
                 raise _BadValue(f"key {key!r} is not a string")
             # The plain atoms inline: most members are, and a call each is most of the walk.
-            if type(item) in _PLAIN_ATOMS:
+            atom = type(item)
+            if atom in _PLAIN_ATOMS and (atom is not str or len(item) < LONG_TEXT):
                 copy[key] = item
                 continue
             try:
-                copy[key] = _plain(item, depth + 1)
+                copy[key] = _plain(item, depth + 1, long_text)
             except _BadValue as error:
                 error.location.append(f"[{key!r}]")
                 raise
@@ -240,16 +253,60 @@ def _plain(value: Any, depth: int) -> Any:
     if kind is list or isinstance(value, (list, tuple)):
         items: list[Any] = []
         for index, item in enumerate(value):
-            if type(item) in _PLAIN_ATOMS:
+            atom = type(item)
+            if atom in _PLAIN_ATOMS and (atom is not str or len(item) < LONG_TEXT):
                 items.append(item)
                 continue
             try:
-                items.append(_plain(item, depth + 1))
+                items.append(_plain(item, depth + 1, long_text))
             except _BadValue as error:
                 error.location.append(f"[{index}]")
                 raise
         return items
     raise _BadValue(f"{kind.__name__} is not JSON-serialisable")
+
+
+def needs_no_escape(text: str) -> bool:
+    """Whether JSON (ASCII only) writes ``text`` between its quotes as it is."""
+    return (
+        text.isascii()
+        and '"' not in text
+        and "\\" not in text
+        and "\n" not in text
+        and not text.encode("ascii").translate(None, _UNESCAPED)
+    )
+
+
+def _dumps_plain(value: Any, verbatim: frozenset[int], out: list[str]) -> None:
+    """Append to ``out`` the compact ASCII JSON of plain data (what :func:`_plain`
+    returns), as the stdlib encoder writes it, except that the strings whose ``id`` is in
+    ``verbatim`` (checked by :func:`needs_no_escape`) are copied, not escaped."""
+    kind = type(value)
+    if kind is str:
+        if id(value) in verbatim:
+            out.extend(('"', value, '"'))
+        else:
+            out.append(_escape_ascii(value))
+    elif kind is dict:
+        separator = "{"
+        for key, item in value.items():
+            out.append(separator + _escape_ascii(key) + ":")
+            _dumps_plain(item, verbatim, out)
+            separator = ","
+        out.append("}" if value else "{}")
+    elif kind is list:
+        separator = "["
+        for item in value:
+            out.append(separator)
+            _dumps_plain(item, verbatim, out)
+            separator = ","
+        out.append("]" if value else "[]")
+    elif kind is int:
+        out.append(int.__repr__(value))
+    elif kind is float:
+        out.append(float.__repr__(value))
+    else:
+        out.append("null" if value is None else "true" if value else "false")
 
 
 # Exactly these types are immutable JSON values: a copy may share them.
@@ -309,7 +366,10 @@ def encode_records(
     instance: str, records: Iterable[Record]
 ) -> tuple[bytes, ArtifactRef, tuple[EpisodeId, ...]]:
     """Serialise every record (so nothing is written if one fails) and describe the file."""
-    lines: list[str] = []
+    # One list of pieces for the whole file, joined once: a large record is copied into
+    # the file's text once, not into its line first.
+    parts: list[str] = []
+    lines = 0
     episodes: set[EpisodeId] = set()
     encode = _PAYLOAD_ENCODER.encode
     for record in records:
@@ -323,8 +383,9 @@ def encode_records(
                 "payload",
                 f"must be a mapping, not {type(record.payload).__name__}",
             )
+        long_text: list[str] = []
         try:
-            payload = _plain(record.payload, 1)
+            payload = _plain(record.payload, 1, long_text)
         except _BadValue as error:
             where = "payload" + "".join(reversed(error.location))
             raise UnserialisableRecordError(record.episode, record.key, where, error.why) from None
@@ -332,16 +393,24 @@ def encode_records(
         # What encoding {"episode": {...}, "key": ..., "payload": ...} gives, without
         # building and walking that dict: the ids are valid ids, [A-Za-z0-9._-] only,
         # which JSON quotes as they are, and the attempt is an int.
-        lines.append(
+        parts.append(
             f'{{"episode":{{"rollout_id":"{episode.rollout_id}","attempt":'
             f'{int.__repr__(episode.attempt)}}},"key":"{record.key}","payload":'
-            f"{encode(payload)}}}\n"
         )
+        # Long strings that need no escape are copied by a walk of the payload; any
+        # other payload is the stdlib encoder's, in C.
+        verbatim = frozenset(id(text) for text in long_text if needs_no_escape(text))
+        if verbatim:
+            _dumps_plain(payload, verbatim, parts)
+        else:
+            parts.append(encode(payload))
+        parts.append("}\n")
+        lines += 1
         episodes.add(episode)
     # ASCII-only output: the bytes cannot depend on a locale or hold a lone surrogate.
-    data = "".join(lines).encode("ascii")
+    data = "".join(parts).encode("ascii")
     sha256 = hashlib.sha256(data).hexdigest()
-    ref = ArtifactRef(f"{instance}/records-{sha256}.jsonl", sha256, len(data), len(lines))
+    ref = ArtifactRef(f"{instance}/records-{sha256}.jsonl", sha256, len(data), lines)
     return data, ref, tuple(sorted_episodes(episodes))
 
 
