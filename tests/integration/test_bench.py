@@ -393,6 +393,7 @@ def _real_state_row(
         parked=case.parked,
         state_bytes=case.state_bytes,
         tree=tree,
+        cpu_s={"participants": 0.004 * case.participants, "coordinator": 0.002},
     )
     return RealStateRow(case, commit, floor_s)
 
@@ -430,10 +431,12 @@ def test_the_real_state_figures_and_their_fsyncs_are_in_the_json_with_targets() 
     assert shown["fsyncs_per_snapshot"] == 3 * 64 + 5
     assert shown["retention_fsyncs_per_snapshot"] == 2
     assert shown["floor_runs_s"] == [0.09, 0.1, 0.12] and shown["floor_s"] == 0.1
+    # 4 ms of CPU per participant over its 32 episodes, 2 ms of the coordinator's over 2048.
+    assert shown["cpu_us_per_episode"] == {"participants": 125.0, "coordinator": 0.98}
     assert report.regressions() == []
     out = io.StringIO()
     render_table(report, out)
-    assert "197.0" in out.getvalue()
+    assert "197.0" in out.getvalue() and "125.0 + 1.0" in out.getvalue()
     # The shared snapshot directory synced by every participant again: 4 each.
     extra = _real_state_row(big, 150.0, (0.1,), participant_fsyncs=4 * 64)
     worse = BenchReport(
@@ -639,6 +642,9 @@ async def test_a_snapshot_carrying_real_state_is_measured_against_its_floor(
     assert shown["snapshot_vs_floor"] == pytest.approx(row.ratio, abs=1e-3)
     assert shown["fsyncs_per_snapshot"] == row.commit.durable_fsyncs
     assert shown["retention_fsyncs_per_snapshot"] == row.commit.other_coordinator_fsyncs
+    # The CPU both sides spent per exported episode (Linux reports it per thread).
+    cpu = shown["cpu_us_per_episode"]
+    assert cpu is not None and cpu["participants"] > 0 and cpu["coordinator"] > 0
     assert shown["commit"]["snapshot"]["files"] == len(tree.files)
 
 

@@ -152,6 +152,10 @@ class DurableCommit:
     state_bytes: int = 0
     # The last published snapshot's shape: every file with its size, every directory.
     tree: SnapshotTree | None = None
+    # Median CPU seconds of one measured round: the participants' worker processes and
+    # the coordinator's (its whole process: publication and retention included). None
+    # where the kernel does not report a process's CPU time.
+    cpu_s: Mapping[str, float] | None = None
 
     @property
     def fsyncs(self) -> float:
@@ -179,6 +183,9 @@ class DurableCommit:
             },
             "root": self.root,
             "snapshot": None if self.tree is None else self.tree.to_json(),
+            "cpu_ms_per_snapshot": None
+            if self.cpu_s is None
+            else {k: round(v * 1000, 3) for k, v in self.cpu_s.items()},
         }
 
 
@@ -223,6 +230,20 @@ def snapshot_tree(root: Path, checkpoint_id: str) -> SnapshotTree:
             (str(relative / leaf), (Path(here) / leaf).stat().st_size) for leaf in sorted(leaves)
         )
     return SnapshotTree(tuple(files), tuple(directories))
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    """CPU seconds process ``pid`` has run, summed over its live threads, from Linux's
+    per-thread ``schedstat`` (nanoseconds); None elsewhere or once it is gone. A CPU
+    time, unlike a wall time, barely moves when other work shares the machine."""
+    total_ns = 0
+    try:
+        for task in os.scandir(f"/proc/{pid}/task"):
+            with open(f"{task.path}/schedstat", encoding="ascii") as stat:
+                total_ns += int(stat.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return total_ns / 1e9
 
 
 # -------------------------------------------------------------------------- fleet
@@ -312,6 +333,17 @@ class Fleet:
     def fsyncs(self) -> int:
         """The fsyncs its workers reported on exit (``count_fsyncs``; after close)."""
         return sum(int(worker.final_report.get("fsyncs", 0)) for worker in self._workers)
+
+    def cpu_seconds(self) -> float | None:
+        """CPU seconds its workers have run so far, every thread (blocking: reads /proc);
+        None where the kernel does not say."""
+        total = 0.0
+        for worker in self._workers:
+            seconds = None if worker.pid is None else process_cpu_seconds(worker.pid)
+            if seconds is None:
+                return None
+            total += seconds
+        return total
 
     def endpoints(self, n: int) -> dict[str, str]:
         names = [participant_name(j) for j in range(n)]
@@ -558,6 +590,8 @@ async def measure_durable_commit(
     ids = await asyncio.to_thread(_checkpoint_ids, layout)
     totals: list[float] = []
     phases: dict[str, list[float]] = {phase: [] for phase in PHASES}
+    participants_cpu: list[float] = []
+    coordinator_cpu: list[float] = []
     fleet = Fleet(
         fleet_root,
         n,
@@ -579,8 +613,14 @@ async def measure_durable_commit(
                     coordinator, layout, ids, fsyncs, scope=scope if parked else None
                 )
                 for index in range(warmup + rounds):
+                    cpu_before = await asyncio.to_thread(fleet.cpu_seconds)
+                    coordinator_before = time.process_time()
                     async with asyncio.timeout(_ROUND_TIMEOUT_S):
                         laps = await snapshots.round()
+                    coordinator_cpu.append(time.process_time() - coordinator_before)
+                    cpu_after = await asyncio.to_thread(fleet.cpu_seconds)
+                    if cpu_before is not None and cpu_after is not None:
+                        participants_cpu.append(cpu_after - cpu_before)
                     if index >= warmup:
                         totals.append(laps["total"])
                         for phase in PHASES:
@@ -609,6 +649,14 @@ async def measure_durable_commit(
         parked=parked,
         state_bytes=state_bytes,
         tree=tree,
+        cpu_s=None
+        if len(participants_cpu) < warmup + rounds
+        else MappingProxyType(
+            {
+                "participants": statistics.median(participants_cpu[warmup:]),
+                "coordinator": statistics.median(coordinator_cpu[warmup:]),
+            }
+        ),
     )
     if parked:
         return result

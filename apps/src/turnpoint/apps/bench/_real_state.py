@@ -72,6 +72,16 @@ class RealStateRow:
         return beyond_floor_us(self.snapshot_s, self.floor_median_s, self.episodes)
 
     @property
+    def cpu_us_per_episode(self) -> dict[str, float] | None:
+        """CPU microseconds per exported episode of one snapshot (median round), the
+        participants' and the coordinator's: what the wall-clock figures cost in CPU,
+        which other work on a shared machine barely moves."""
+        cpu = self.commit.cpu_s
+        if cpu is None:
+            return None
+        return {side: seconds / self.episodes * 1e6 for side, seconds in cpu.items()}
+
+    @property
     def fsyncs_per_durable_item(self) -> float | None:
         tree = self.commit.tree
         return None if tree is None else self.commit.durable_fsyncs / tree.durable_items
@@ -87,6 +97,9 @@ class RealStateRow:
             "floor_runs_s": [round(s, 4) for s in self.floor_s],
             "snapshot_vs_floor": round(self.ratio, 3),
             "beyond_floor_us_per_episode": round(self.beyond_floor_us_per_episode, 2),
+            "cpu_us_per_episode": None
+            if (cpu := self.cpu_us_per_episode) is None
+            else {side: round(us, 2) for side, us in cpu.items()},
             "fsyncs_per_snapshot": round(self.commit.durable_fsyncs, 2),
             "retention_fsyncs_per_snapshot": round(self.commit.other_coordinator_fsyncs, 2),
             "fsyncs_per_file_and_directory": None if per_item is None else round(per_item, 3),
@@ -193,7 +206,14 @@ async def measure_real_state(
         f"  {case.label}: snapshot {row.snapshot_s * 1000:.1f} ms, floor "
         f"{row.floor_median_s * 1000:.1f} ms ({tree.bytes / (1 << 20):.1f} MB in "
         f"{len(tree.files)} files, {len(tree.directories)} directories): "
-        f"{row.ratio:.2f}x, {row.beyond_floor_us_per_episode:.1f} us per episode beyond it; "
+        f"{row.ratio:.2f}x, {row.beyond_floor_us_per_episode:.1f} us per episode beyond it"
+        + (
+            ""
+            if (cpu := row.cpu_us_per_episode) is None
+            else f" (CPU per episode: participants {cpu['participants']:.1f} us, "
+            f"coordinator {cpu['coordinator']:.1f} us)"
+        )
+        + "; "
         f"{commit.durable_fsyncs:.1f} fsyncs for {tree.durable_items} files and directories "
         f"(and {commit.other_coordinator_fsyncs:.1f} of retention)"
     )
