@@ -152,9 +152,9 @@ class DurableCommit:
     state_bytes: int = 0
     # The last published snapshot's shape: every file with its size, every directory.
     tree: SnapshotTree | None = None
-    # Median CPU seconds of one measured round: the participants' worker processes and
-    # the coordinator's (its whole process: publication and retention included). None
-    # where the kernel does not report a process's CPU time.
+    # Median CPU seconds of one measured snapshot, prepare to resume: the participants'
+    # worker processes and the coordinator's process. None where the kernel does not
+    # report a process's CPU time.
     cpu_s: Mapping[str, float] | None = None
 
     @property
@@ -382,8 +382,14 @@ class _SnapshotRounds:
         *,
         commit_in_prepare: bool = True,
         scope: Mapping[str, Sequence[EpisodeId]] | None = None,
+        participants_cpu: Callable[[], float | None] | None = None,
     ) -> None:
         self._coordinator = coordinator
+        self._participants_cpu = participants_cpu
+        # CPU seconds of the last round's snapshot (prepare to resume, not the begin or
+        # the retention around it): the participants' (None unless known) and this
+        # process's.
+        self.last_cpu_s: tuple[float | None, float] = (None, 0.0)
         self._commit_in_prepare = commit_in_prepare
         self._scope = scope or {}
         self._layout = layout
@@ -422,6 +428,11 @@ class _SnapshotRounds:
         snapshot = await asyncio.to_thread(self._begin, checkpoint_id)
         anchor = self._anchor
         assert anchor is not None
+        participants_cpu = self._participants_cpu
+        participants_before = (
+            None if participants_cpu is None else await asyncio.to_thread(participants_cpu)
+        )
+        coordinator_before = time.process_time()
         laps = await timed_snapshot(
             coordinator,
             checkpoint_id,
@@ -430,6 +441,16 @@ class _SnapshotRounds:
             self._publish,
             commit_in_prepare=self._commit_in_prepare,
             scope=self._scope,
+        )
+        coordinator_seconds = time.process_time() - coordinator_before
+        participants_after = (
+            None if participants_cpu is None else await asyncio.to_thread(participants_cpu)
+        )
+        self.last_cpu_s = (
+            None
+            if participants_before is None or participants_after is None
+            else participants_after - participants_before,
+            coordinator_seconds,
         )
         await asyncio.to_thread(self._tidy)
         self.rounds += 1
@@ -610,17 +631,20 @@ async def measure_durable_commit(
                     await coordinator.discover()
                 scope = {name: parked_episodes(name, parked) for name in fleet.endpoints(n)}
                 snapshots = _SnapshotRounds(
-                    coordinator, layout, ids, fsyncs, scope=scope if parked else None
+                    coordinator,
+                    layout,
+                    ids,
+                    fsyncs,
+                    scope=scope if parked else None,
+                    participants_cpu=fleet.cpu_seconds,
                 )
                 for index in range(warmup + rounds):
-                    cpu_before = await asyncio.to_thread(fleet.cpu_seconds)
-                    coordinator_before = time.process_time()
                     async with asyncio.timeout(_ROUND_TIMEOUT_S):
                         laps = await snapshots.round()
-                    coordinator_cpu.append(time.process_time() - coordinator_before)
-                    cpu_after = await asyncio.to_thread(fleet.cpu_seconds)
-                    if cpu_before is not None and cpu_after is not None:
-                        participants_cpu.append(cpu_after - cpu_before)
+                    participants_seconds, coordinator_seconds = snapshots.last_cpu_s
+                    coordinator_cpu.append(coordinator_seconds)
+                    if participants_seconds is not None:
+                        participants_cpu.append(participants_seconds)
                     if index >= warmup:
                         totals.append(laps["total"])
                         for phase in PHASES:
