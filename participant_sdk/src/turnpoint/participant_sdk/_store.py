@@ -351,17 +351,21 @@ class SnapshotStore:
 
         # A leading dot can never collide with a valid id or a published file name.
         temp = write_temp(directory, ".records-", data, mode=_FILE_MODE, before_chunk=before_chunk)
+        temp_left = True
         try:
             with _locked_dir(directory) as dir_fd:
                 if (directory / MANIFEST_NAME).exists():
                     return self._settle_against_published(
                         snapshot, instance, directory, manifest, ticket
                     )
-                return self._publish(
+                entry = self._publish(
                     snapshot, directory, dir_fd, temp, ref, manifest, manifest_bytes, ticket
                 )
+                temp_left = False  # published: the temporary name went with the link
+                return entry
         finally:
-            temp.unlink(missing_ok=True)
+            if temp_left:
+                temp.unlink(missing_ok=True)
 
     def _publish(
         self,
@@ -408,6 +412,7 @@ class SnapshotStore:
                     mode=_FILE_MODE,
                     before_chunk=lambda path: self._hit(FaultPoint.MANIFEST_WRITE, path),
                     linked=linked,
+                    directory_fd=dir_fd,
                 )
             except FileExistsError:
                 # Only a writer that ignores the lock gets here; its manifest stands.

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import functools
 import hashlib
 import itertools
 import json
@@ -136,7 +137,17 @@ class Record:
     def __post_init__(self) -> None:
         if not isinstance(self.episode, EpisodeId):
             raise TypeError(f"episode must be an EpisodeId, not {type(self.episode).__name__}")
-        validate_id(self.key, "record key")
+        if type(self.key) is str:
+            _checked_key(self.key)
+        else:
+            validate_id(self.key, "record key")
+
+
+@functools.lru_cache(maxsize=256)
+def _checked_key(key: str) -> str:
+    """A record key, validated once: a commit makes a record or two per episode and a
+    participant uses a handful of keys (a failed check raises and is not cached)."""
+    return validate_id(key, "record key")
 
 
 @dataclass(frozen=True, slots=True)
