@@ -21,10 +21,10 @@ import pytest
 from turnpoint.apps._cli import main
 from turnpoint.apps.bench._bench import BenchReport, Target
 from turnpoint.apps.bench._cli import render_table
-from turnpoint.apps.bench._control_overhead import OverheadRow, SnapshotTree
+from turnpoint.apps.bench._control_overhead import DurableCommit, OverheadRow, SnapshotTree
 from turnpoint.apps.bench._egress_relay import RelayFigures, RelayOverhead, ReplayRow
 from turnpoint.apps.bench._options import RealStateCase
-from turnpoint.apps.bench._real_state import measure_real_state, physical_floor
+from turnpoint.apps.bench._real_state import RealStateRow, measure_real_state, physical_floor
 from turnpoint.apps.bench._sandbox_admission import (
     BUSY_SANDBOXES,
     SandboxAdmission,
@@ -365,6 +365,90 @@ def test_a_target_regresses_only_past_its_margin() -> None:
     # A count that must be zero regresses on the first one: counts are not noisy.
     assert Target("fsyncs", 1, must=0).regressed
     assert Target("fsyncs", 0, must=0).to_json()["met_must"] is True
+    # Nor is a ratio of counts: no margin.
+    assert Target("fsyncs per file", 1.01, must=1.0, exact=True).regressed
+    assert not Target("fsyncs per file", 1.0, must=1.0, exact=True).regressed
+    assert not Target("fsyncs per file", 1.01, must=1.0).regressed
+
+
+def _real_state_row(
+    case: RealStateCase, snapshot_ms: float, floor_s: tuple[float, ...], participant_fsyncs: float
+) -> RealStateRow:
+    tree = SnapshotTree(
+        files=(
+            *((f"ck/p{k}/{name}", 1000) for k in range(case.participants) for name in "rM"),
+            ("ck/MANIFEST.json", 100),
+        ),
+        directories=("ck", "ck/trainer", *(f"ck/p{k}" for k in range(case.participants))),
+    )
+    commit = DurableCommit(
+        participants=case.participants,
+        rounds=len(floor_s),
+        total_ms=snapshot_ms,
+        phases_ms={"prepare": 1.0, "commit": snapshot_ms - 3, "publish": 1.0, "resume": 1.0},
+        participant_fsyncs=participant_fsyncs,
+        publish_fsyncs=5,
+        other_coordinator_fsyncs=2,
+        root="/nowhere",
+        parked=case.parked,
+        state_bytes=case.state_bytes,
+        tree=tree,
+        cpu_s={"participants": 0.004 * case.participants, "coordinator": 0.002},
+    )
+    return RealStateRow(case, commit, floor_s)
+
+
+def test_the_real_state_figures_and_their_fsyncs_are_in_the_json_with_targets() -> None:
+    """64 participants of three fsyncs each (files, directory) and the publication's five
+    over their 2 x 64 + 1 files, 66 directories, LATEST and the root; retention's two
+    are reported beside, not counted. One participant fsync more fails the check."""
+    big, many = RealStateCase(64, 32, 16384), RealStateCase(1, 1000, 1024)
+    rows = (
+        _real_state_row(big, 150.0, (0.09, 0.1, 0.12), participant_fsyncs=3 * 64),
+        _real_state_row(many, 30.0, (0.01, 0.012, 0.011), participant_fsyncs=3),
+    )
+    report = BenchReport(
+        control_overhead=(),
+        throughput=ThroughputResult(steps=1, snapshot_interval_s=2.0, off=(), on=()),
+        restore=RestoreResult(None),
+        workers=1,
+        warmup=0,
+        snapshot_root="/nowhere",
+        real_state=rows,
+    )
+    figures = report.to_json()
+    targets = figures["targets"]
+    ratio = targets["real_state_64x32x16KB_vs_floor"]
+    assert ratio["value"] == pytest.approx(0.150 / 0.1, abs=1e-3) and ratio["must"] == 1.5
+    beyond = targets["real_state_1000_episodes_us_beyond_floor"]
+    # (30 ms - 11 ms) over 1000 episodes.
+    assert beyond["value"] == pytest.approx(19.0, abs=1e-3) and beyond["must"] == 20.0
+    assert beyond["met_must"] is True
+    fsyncs = targets["real_state_fsyncs_per_file_and_directory"]
+    assert fsyncs["value"] == pytest.approx((3 * 64 + 5) / (129 + 66 + 2), abs=1e-3)
+    assert fsyncs["must"] == 1.0 and fsyncs["gated"] is True and fsyncs["met_must"] is True
+    shown = figures["real_state"][0]
+    assert shown["fsyncs_per_snapshot"] == 3 * 64 + 5
+    assert shown["retention_fsyncs_per_snapshot"] == 2
+    assert shown["floor_runs_s"] == [0.09, 0.1, 0.12] and shown["floor_s"] == 0.1
+    # 4 ms of CPU per participant over its 32 episodes, 2 ms of the coordinator's over 2048.
+    assert shown["cpu_us_per_episode"] == {"participants": 125.0, "coordinator": 0.98}
+    assert report.regressions() == []
+    out = io.StringIO()
+    render_table(report, out)
+    assert "197.0" in out.getvalue() and "125.0 + 1.0" in out.getvalue()
+    # The shared snapshot directory synced by every participant again: 4 each.
+    extra = _real_state_row(big, 150.0, (0.1,), participant_fsyncs=4 * 64)
+    worse = BenchReport(
+        control_overhead=(),
+        throughput=ThroughputResult(steps=1, snapshot_interval_s=2.0, off=(), on=()),
+        restore=RestoreResult(None),
+        workers=1,
+        warmup=0,
+        snapshot_root="/nowhere",
+        real_state=(extra,),
+    )
+    assert worse.regressions() == ["real_state_fsyncs_per_file_and_directory"]
 
 
 def test_only_ratios_and_counts_fail_a_check() -> None:
@@ -545,12 +629,22 @@ async def test_a_snapshot_carrying_real_state_is_measured_against_its_floor(
     # One records file per participant, holding its three episodes' state.
     assert len(records) == 2 and all(size > 3 * 1024 for size in records)
     assert row.episodes == 6 and row.floor_median_s > 0 and row.snapshot_s > 0
-    # docs/spec.md 8.4: a participant syncs its records, its manifest, its directory and
-    # the snapshot's directory (its new entry) once each.
-    assert row.commit.participant_fsyncs == 8
-    assert row.fsyncs_per_durable_item == row.commit.fsyncs / tree.durable_items
+    # docs/spec.md 8.4: a participant syncs its records, its manifest and its directory
+    # once each; its directory's entry in the shared snapshot directory is the
+    # publication's (section 8.9: trainer/, the manifest, the snapshot directory, LATEST
+    # and the root), never one per participant.
+    assert row.commit.participant_fsyncs == 6
+    assert row.commit.publish_fsyncs == 5
+    assert row.fsyncs_per_durable_item == row.commit.durable_fsyncs / tree.durable_items
+    # Every file and directory once, except the bench's empty anchor, which no one wrote.
+    assert row.commit.durable_fsyncs == tree.durable_items - 1
     shown = row.to_json()
     assert shown["snapshot_vs_floor"] == pytest.approx(row.ratio, abs=1e-3)
+    assert shown["fsyncs_per_snapshot"] == row.commit.durable_fsyncs
+    assert shown["retention_fsyncs_per_snapshot"] == row.commit.other_coordinator_fsyncs
+    # The CPU both sides spent per exported episode (Linux reports it per thread).
+    cpu = shown["cpu_us_per_episode"]
+    assert cpu is not None and cpu["participants"] > 0 and cpu["coordinator"] > 0
     assert shown["commit"]["snapshot"]["files"] == len(tree.files)
 
 

@@ -9,6 +9,7 @@ from turnpoint.ids import (
     InvalidIdError,
     checkpoint_sequence,
     make_checkpoint_id,
+    sorted_episodes,
     validate_attempt,
     validate_id,
 )
@@ -64,6 +65,24 @@ def test_episode_id_validates_both_parts() -> None:
     with pytest.raises(InvalidIdError):
         EpisodeId("ok", -1)
     assert EpisodeId("r1", 2).next_attempt() == EpisodeId("r1", 3)
+
+
+def test_sorted_episodes_is_the_dataclass_order() -> None:
+    episodes = [
+        EpisodeId("b", 0),
+        EpisodeId("a", 10),
+        EpisodeId("a", 2),
+        EpisodeId("a-1", 0),
+        EpisodeId("A", 3),
+        EpisodeId("b", 0),
+    ]
+    assert sorted_episodes(episodes) == sorted(episodes)
+    assert sorted_episodes(episodes)[:3] == [
+        EpisodeId("A", 3),
+        EpisodeId("a", 2),
+        EpisodeId("a", 10),
+    ]
+    assert sorted_episodes(iter(())) == []
 
 
 def test_episode_id_text_round_trip() -> None:

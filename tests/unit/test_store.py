@@ -29,6 +29,7 @@ from turnpoint.participant_sdk._store_format import (
     MANIFEST_NAME,
     Corruption,
     UnserialisableRecordError,
+    encode_records,
 )
 from turnpoint.participant_sdk.testing import FaultPoint, StoreFaults
 from turnpoint.protocol import ArtifactRef
@@ -770,3 +771,61 @@ def test_artifact_refs_validate_themselves() -> None:
     ]:
         with pytest.raises(ValueError):
             ArtifactRef(path, sha256, size, count)
+
+
+class _Level(enum.IntEnum):
+    HIGH = 3
+
+
+class _Text(str):
+    pass
+
+
+def test_each_record_line_is_the_compact_ascii_json_of_its_three_fields() -> None:
+    """docs/spec.md section 8.2 item 3: what the writer builds line by line (without a
+    dict per line) is exactly the compact ASCII JSON of episode, key and payload."""
+    payloads: list[dict[str, Any]] = [
+        {},
+        {"text": 'quote " backslash \\ newline \n unicode \u00fc \u2028 \U0001f600'},
+        {"n": [1, -2.5, 1e-07, 2**70, True, None, _Level.HIGH], "t": ("a", {"b": []})},
+        {"z": 1, "a": {"nested": {"deep": "x" * 3000}}},
+        # Long strings are checked for what JSON escapes and copied when nothing needs it;
+        # each of these has exactly one character that does, at its end.
+        {
+            "hex": os.urandom(2048).hex(),
+            "long": ["a" * 5000 + tail for tail in ('"', "\\", "\n", "\x1f", "\x7f", "\u00e9")],
+            "x" * 2000: _Text("b" * 3000),
+            "in a list": [os.urandom(1024).hex(), 1.5, [os.urandom(600).hex()]],
+        },
+    ]
+    records = [
+        Record(EpisodeId(rollout, attempt), key, payload)
+        for (rollout, attempt, key), payload in zip(
+            (
+                ("r-1", 0, "run"),
+                ("R.2_x", 7, "turn-3"),
+                ("9", 12, "a.b"),
+                ("r-1", 1, "s"),
+                ("long", 0, "state"),
+            ),
+            payloads,
+            strict=True,
+        )
+    ]
+    data, ref, episodes = encode_records("inst", records)
+    expected = "".join(
+        json.dumps(
+            {
+                "episode": {"rollout_id": r.episode.rollout_id, "attempt": r.episode.attempt},
+                "key": r.key,
+                "payload": r.payload,
+            },
+            ensure_ascii=True,
+            separators=(",", ":"),
+        )
+        + "\n"
+        for r in records
+    ).encode("ascii")
+    assert data == expected
+    assert ref.sha256 == hashlib.sha256(data).hexdigest() and ref.record_count == 5
+    assert episodes == tuple(sorted(r.episode for r in records))

@@ -127,6 +127,7 @@ def create_file(
     staged: Callable[[], None] | None = None,
     linked: Callable[[], None] | None = None,
     sync_temp_dir: bool = True,
+    directory_fd: int | None = None,
 ) -> None:
     """Create ``path`` holding ``data``, complete from its first instant; never replace.
 
@@ -138,7 +139,8 @@ def create_file(
     behind; any other failure before the link leaves nothing either. ``before_chunk``
     is passed to :func:`write_new`. ``staged()`` runs before the link and ``linked()``
     right after it; what they raise propagates and leaves the temporary file, as a
-    crash there would.
+    crash there would. ``directory_fd``: an open descriptor of ``path``'s directory (a
+    writer holding it locked) to fsync instead of opening the directory again.
     """
     directory = path.parent
     staging_dir = directory if temp_dir is None else temp_dir
@@ -153,7 +155,10 @@ def create_file(
     if linked is not None:
         linked()
     staged_path.unlink()
-    fsync_dir(directory)
+    if directory_fd is None:
+        fsync_dir(directory)
+    else:
+        os.fsync(directory_fd)
     if staging_dir != directory and sync_temp_dir:
         fsync_dir(staging_dir)
 

@@ -10,8 +10,10 @@ what lets the snapshot store build paths from ids without any further escaping.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Self
+from operator import attrgetter
+from typing import Final, Self
 
 MAX_ID_LENGTH = 128
 _ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -89,6 +91,16 @@ class EpisodeId:
         if not sep or not attempt.isdigit():
             raise InvalidIdError("episode", text, "expected 'rollout_id#attempt'")
         return cls(rollout_id, int(attempt))
+
+
+_EPISODE_ORDER: Final = attrgetter("rollout_id", "attempt")
+
+
+def sorted_episodes(episodes: Iterable[EpisodeId]) -> list[EpisodeId]:
+    """``sorted(episodes)``, the dataclass order (rollout id, then attempt), with the
+    comparisons made on tuples in C: a snapshot sorts every exported episode a few times,
+    and the generated ``__lt__`` is a Python call per comparison."""
+    return sorted(episodes, key=_EPISODE_ORDER)
 
 
 def make_checkpoint_id(prefix: str, sequence: int) -> str:

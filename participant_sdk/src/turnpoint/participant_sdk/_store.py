@@ -11,8 +11,10 @@ A write serialises every record first (a bad payload fails before a byte is writ
 writes a hidden temporary file, fsyncs it and links it to its digest name; only then is
 the manifest created, itself from a fsynced temporary file linked into place so that it
 appears whole or not at all, and the directory is fsynced once for both links. One fsync
-per file and per directory: the records file, the manifest, the instance directory, and
-the parent of each directory the write creates. ``os.link`` fails instead of replacing,
+per file and per directory the participant owns: the records file, the manifest and the
+instance directory. The instance directory's own entry in the shared snapshot directory
+is the coordinator's publication to make durable (one fsync of that directory for every
+participant, not one per participant). ``os.link`` fails instead of replacing,
 which is what makes "a directory with a manifest never changes" hold even against a
 writer that does not play by the rules. Cooperating writers (threads or processes)
 also serialise the short publish step with ``flock`` on the instance directory, so a
@@ -349,17 +351,21 @@ class SnapshotStore:
 
         # A leading dot can never collide with a valid id or a published file name.
         temp = write_temp(directory, ".records-", data, mode=_FILE_MODE, before_chunk=before_chunk)
+        temp_left = True
         try:
             with _locked_dir(directory) as dir_fd:
                 if (directory / MANIFEST_NAME).exists():
                     return self._settle_against_published(
                         snapshot, instance, directory, manifest, ticket
                     )
-                return self._publish(
+                entry = self._publish(
                     snapshot, directory, dir_fd, temp, ref, manifest, manifest_bytes, ticket
                 )
+                temp_left = False  # published: the temporary name went with the link
+                return entry
         finally:
-            temp.unlink(missing_ok=True)
+            if temp_left:
+                temp.unlink(missing_ok=True)
 
     def _publish(
         self,
@@ -406,6 +412,7 @@ class SnapshotStore:
                     mode=_FILE_MODE,
                     before_chunk=lambda path: self._hit(FaultPoint.MANIFEST_WRITE, path),
                     linked=linked,
+                    directory_fd=dir_fd,
                 )
             except FileExistsError:
                 # Only a writer that ignores the lock gets here; its manifest stands.
@@ -451,14 +458,12 @@ class SnapshotStore:
 
     def _make_dir(self, snapshot: str, instance: str) -> Path:
         directory = self._checked_dir(snapshot, instance)
-        self._root.mkdir(parents=True, exist_ok=True)
-        for path in (directory.parent, directory):
-            try:
-                path.mkdir()
-            except FileExistsError:
-                continue
-            # A new directory entry is only durable once its parent is fsynced.
-            fsync_dir(path.parent)
+        # No fsync of the parents: the entries made here (the instance directory in the
+        # shared snapshot directory, that one in the root) are the publication's to make
+        # durable, which syncs the snapshot directory and the root once each for every
+        # participant (docs/spec.md sections 8.4 and 8.9). Nothing uses this directory
+        # before its snapshot is published.
+        directory.mkdir(parents=True, exist_ok=True)
         # Re-check now that the components exist: one could be a symlink planted meanwhile.
         return self._checked_dir(snapshot, instance)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import functools
 import hashlib
 import itertools
 import json
@@ -20,12 +21,13 @@ import math
 import re
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
+from json.encoder import encode_basestring_ascii as _escape_ascii
 from pathlib import Path
 from typing import Any, Final, NoReturn
 
 from turnpoint._json import JSONProblem, StrictJSONError, dumps_indented, loads_strict
 from turnpoint.errors import Reason
-from turnpoint.ids import EpisodeId, validate_id
+from turnpoint.ids import EpisodeId, sorted_episodes, validate_id
 from turnpoint.protocol import ArtifactRef
 
 from ._failures import ParticipantError
@@ -135,7 +137,17 @@ class Record:
     def __post_init__(self) -> None:
         if not isinstance(self.episode, EpisodeId):
             raise TypeError(f"episode must be an EpisodeId, not {type(self.episode).__name__}")
-        validate_id(self.key, "record key")
+        if type(self.key) is str:
+            _checked_key(self.key)
+        else:
+            validate_id(self.key, "record key")
+
+
+@functools.lru_cache(maxsize=256)
+def _checked_key(key: str) -> str:
+    """A record key, validated once: a commit makes a record or two per episode and a
+    participant uses a handful of keys (a failed check raises and is not cached)."""
+    return validate_id(key, "record key")
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,18 +211,33 @@ class _BadValue(Exception):
         self.location: list[str] = []
 
 
-def _plain(value: Any, depth: int) -> Any:
-    """Copy ``value`` as plain JSON data, refusing anything that would not round-trip."""
+# The exact types :func:`_plain` passes through unchanged (a float is checked).
+_PLAIN_ATOMS: Final = frozenset({str, int, bool, type(None)})
+# A string at least this long is worth checking for characters JSON must escape: the
+# check runs in C several times faster than the escaping, and most large state (hex,
+# base64, token text) has none.
+LONG_TEXT: Final = 1024
+# The ASCII characters a JSON string holds as they are.
+_UNESCAPED: Final = bytes(c for c in range(0x20, 0x7F) if c not in b'"\\')
+
+
+def _plain(value: Any, depth: int, long_text: list[str]) -> Any:
+    """Copy ``value`` as plain JSON data, refusing anything that would not round-trip;
+    every string of at least :data:`LONG_TEXT` characters is added to ``long_text``."""
     kind = type(value)
     # Exact types first: this runs for every value of every record.
-    if kind is str or kind is int or kind is bool or value is None:
+    if kind is str:
+        if len(value) >= LONG_TEXT:
+            long_text.append(value)
+        return value
+    if kind is int or kind is bool or value is None:
         return value
     if kind is float or isinstance(value, float):
         if not math.isfinite(value):
             raise _BadValue(f"{value!r} is not a JSON number")
         return float(value)
     if isinstance(value, str):
-        return str(value)
+        return _plain(str(value), depth, long_text)
     if isinstance(value, int):
         # bool is final, so this is an int subclass such as an IntEnum.
         return int(value)
@@ -223,8 +250,13 @@ def _plain(value: Any, depth: int) -> Any:
             # duplicate key: the restored payload would not be the saved one.
             if not isinstance(key, str):
                 raise _BadValue(f"key {key!r} is not a string")
+            # The plain atoms inline: most members are, and a call each is most of the walk.
+            atom = type(item)
+            if atom in _PLAIN_ATOMS and (atom is not str or len(item) < LONG_TEXT):
+                copy[key] = item
+                continue
             try:
-                copy[key] = _plain(item, depth + 1)
+                copy[key] = _plain(item, depth + 1, long_text)
             except _BadValue as error:
                 error.location.append(f"[{key!r}]")
                 raise
@@ -232,13 +264,60 @@ def _plain(value: Any, depth: int) -> Any:
     if kind is list or isinstance(value, (list, tuple)):
         items: list[Any] = []
         for index, item in enumerate(value):
+            atom = type(item)
+            if atom in _PLAIN_ATOMS and (atom is not str or len(item) < LONG_TEXT):
+                items.append(item)
+                continue
             try:
-                items.append(_plain(item, depth + 1))
+                items.append(_plain(item, depth + 1, long_text))
             except _BadValue as error:
                 error.location.append(f"[{index}]")
                 raise
         return items
     raise _BadValue(f"{kind.__name__} is not JSON-serialisable")
+
+
+def needs_no_escape(text: str) -> bool:
+    """Whether JSON (ASCII only) writes ``text`` between its quotes as it is."""
+    return (
+        text.isascii()
+        and '"' not in text
+        and "\\" not in text
+        and "\n" not in text
+        and not text.encode("ascii").translate(None, _UNESCAPED)
+    )
+
+
+def _dumps_plain(value: Any, verbatim: frozenset[int], out: list[str]) -> None:
+    """Append to ``out`` the compact ASCII JSON of plain data (what :func:`_plain`
+    returns), as the stdlib encoder writes it, except that the strings whose ``id`` is in
+    ``verbatim`` (checked by :func:`needs_no_escape`) are copied, not escaped."""
+    kind = type(value)
+    if kind is str:
+        if id(value) in verbatim:
+            out.extend(('"', value, '"'))
+        else:
+            out.append(_escape_ascii(value))
+    elif kind is dict:
+        separator = "{"
+        for key, item in value.items():
+            out.append(separator + _escape_ascii(key) + ":")
+            _dumps_plain(item, verbatim, out)
+            separator = ","
+        out.append("}" if value else "{}")
+    elif kind is list:
+        separator = "["
+        for item in value:
+            out.append(separator)
+            _dumps_plain(item, verbatim, out)
+            separator = ","
+        out.append("]" if value else "[]")
+    elif kind is int:
+        out.append(int.__repr__(value))
+    elif kind is float:
+        out.append(float.__repr__(value))
+    else:
+        out.append("null" if value is None else "true" if value else "false")
 
 
 # Exactly these types are immutable JSON values: a copy may share them.
@@ -263,10 +342,13 @@ def json_copy(value: Any, depth: int = 0) -> Any:
             for key, item in value.items():
                 if type(key) is not str:
                     return copy.deepcopy(value)
-                copied[key] = json_copy(item, depth + 1)
+                # Atoms inline: a call per member is most of the cost of a copy.
+                copied[key] = item if type(item) in _JSON_ATOMS else json_copy(item, depth + 1)
             return copied
         if kind is list:
-            return [json_copy(item, depth + 1) for item in value]
+            return [
+                item if type(item) in _JSON_ATOMS else json_copy(item, depth + 1) for item in value
+            ]
     return copy.deepcopy(value)
 
 
@@ -286,38 +368,61 @@ def _episode_json(episode: EpisodeId) -> dict[str, Any]:
     return {"rollout_id": episode.rollout_id, "attempt": episode.attempt}
 
 
+_PAYLOAD_ENCODER: Final = json.JSONEncoder(
+    ensure_ascii=True, allow_nan=False, check_circular=False, separators=(",", ":")
+)
+
+
 def encode_records(
     instance: str, records: Iterable[Record]
 ) -> tuple[bytes, ArtifactRef, tuple[EpisodeId, ...]]:
     """Serialise every record (so nothing is written if one fails) and describe the file."""
-    lines: list[bytes] = []
+    # One list of pieces for the whole file, joined once: a large record is copied into
+    # the file's text once, not into its line first.
+    parts: list[str] = []
+    lines = 0
     episodes: set[EpisodeId] = set()
-    encoder = json.JSONEncoder(
-        ensure_ascii=True, allow_nan=False, check_circular=False, separators=(",", ":")
-    )
+    encode = _PAYLOAD_ENCODER.encode
     for record in records:
         if not isinstance(record, Record):
             raise TypeError(f"records must be Record instances, not {type(record).__name__}")
-        if not isinstance(record.payload, Mapping):
+        # The exact type first: an ABC check costs more than encoding a small record.
+        if type(record.payload) is not dict and not isinstance(record.payload, Mapping):
             raise UnserialisableRecordError(
                 record.episode,
                 record.key,
                 "payload",
                 f"must be a mapping, not {type(record.payload).__name__}",
             )
+        long_text: list[str] = []
         try:
-            payload = _plain(record.payload, 1)
+            payload = _plain(record.payload, 1, long_text)
         except _BadValue as error:
             where = "payload" + "".join(reversed(error.location))
             raise UnserialisableRecordError(record.episode, record.key, where, error.why) from None
-        line = {"episode": _episode_json(record.episode), "key": record.key, "payload": payload}
-        # ASCII-only output: the bytes cannot depend on a locale or hold a lone surrogate.
-        lines.append(encoder.encode(line).encode("ascii") + b"\n")
-        episodes.add(record.episode)
-    data = b"".join(lines)
+        episode = record.episode
+        # What encoding {"episode": {...}, "key": ..., "payload": ...} gives, without
+        # building and walking that dict: the ids are valid ids, [A-Za-z0-9._-] only,
+        # which JSON quotes as they are, and the attempt is an int.
+        parts.append(
+            f'{{"episode":{{"rollout_id":"{episode.rollout_id}","attempt":'
+            f'{int.__repr__(episode.attempt)}}},"key":"{record.key}","payload":'
+        )
+        # Long strings that need no escape are copied by a walk of the payload; any
+        # other payload is the stdlib encoder's, in C.
+        verbatim = frozenset(id(text) for text in long_text if needs_no_escape(text))
+        if verbatim:
+            _dumps_plain(payload, verbatim, parts)
+        else:
+            parts.append(encode(payload))
+        parts.append("}\n")
+        lines += 1
+        episodes.add(episode)
+    # ASCII-only output: the bytes cannot depend on a locale or hold a lone surrogate.
+    data = "".join(parts).encode("ascii")
     sha256 = hashlib.sha256(data).hexdigest()
-    ref = ArtifactRef(f"{instance}/records-{sha256}.jsonl", sha256, len(data), len(lines))
-    return data, ref, tuple(sorted(episodes))
+    ref = ArtifactRef(f"{instance}/records-{sha256}.jsonl", sha256, len(data), lines)
+    return data, ref, tuple(sorted_episodes(episodes))
 
 
 def entry_of(manifest: Manifest, manifest_bytes: bytes) -> SnapshotEntry:

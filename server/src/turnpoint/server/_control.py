@@ -34,7 +34,7 @@ from turnpoint.convert import (
     timestamp_from_seconds,
 )
 from turnpoint.errors import TurnpointError
-from turnpoint.ids import InvalidIdError
+from turnpoint.ids import InvalidIdError, sorted_episodes
 from turnpoint.participant_sdk import ParticipantRuntime
 from turnpoint.participant_sdk.advanced import BoundaryEvent, ReadinessUpdate, hook_failure
 from turnpoint.server._convert import header_to_proto
@@ -189,7 +189,7 @@ class ControlServicer(pb_grpc.CheckpointControlServiceServicer):
             header=self._header(),
             checkpoint_id=result.checkpoint_id,
             artifacts=[artifact_to_proto(a) for a in result.artifacts],
-            exported=[episode_to_proto(e) for e in sorted(result.exported)],
+            exported=[episode_to_proto(e) for e in sorted_episodes(result.exported)],
             saved_nothing=result.manifest is None,
             released=result.released,
         )

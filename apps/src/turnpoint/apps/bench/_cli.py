@@ -523,6 +523,7 @@ def render_table(report: BenchReport, out: TextIO) -> None:
             "floor ms",
             "ratio",
             "us/episode beyond",
+            "CPU us/episode (participants + coordinator)",
             "fsyncs",
             "files+dirs",
         ):
@@ -536,7 +537,10 @@ def render_table(report: BenchReport, out: TextIO) -> None:
                 f"{case.floor_median_s * 1000:.1f}",
                 f"{case.ratio:.2f}x",
                 f"{case.beyond_floor_us_per_episode:.1f}",
-                f"{case.commit.fsyncs:.1f}",
+                "n/a"
+                if (cpu := case.cpu_us_per_episode) is None
+                else f"{cpu['participants']:.1f} + {cpu['coordinator']:.1f}",
+                f"{case.commit.durable_fsyncs:.1f}",
                 "n/a" if tree is None else str(tree.durable_items),
             )
         console.print(real)

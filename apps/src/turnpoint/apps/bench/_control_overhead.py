@@ -152,11 +152,21 @@ class DurableCommit:
     state_bytes: int = 0
     # The last published snapshot's shape: every file with its size, every directory.
     tree: SnapshotTree | None = None
+    # Median CPU seconds of one measured snapshot, prepare to resume: the participants'
+    # worker processes and the coordinator's process. None where the kernel does not
+    # report a process's CPU time.
+    cpu_s: Mapping[str, float] | None = None
 
     @property
     def fsyncs(self) -> float:
         """Every fsync of one snapshot, participants' and coordinator's."""
-        return self.participant_fsyncs + self.publish_fsyncs + self.other_coordinator_fsyncs
+        return self.durable_fsyncs + self.other_coordinator_fsyncs
+
+    @property
+    def durable_fsyncs(self) -> float:
+        """The fsyncs that make one snapshot durable: the participants' commits and the
+        publication; not retention's, which makes an older snapshot's deletion durable."""
+        return self.participant_fsyncs + self.publish_fsyncs
 
     def to_json(self) -> dict[str, object]:
         return {
@@ -173,6 +183,9 @@ class DurableCommit:
             },
             "root": self.root,
             "snapshot": None if self.tree is None else self.tree.to_json(),
+            "cpu_ms_per_snapshot": None
+            if self.cpu_s is None
+            else {k: round(v * 1000, 3) for k, v in self.cpu_s.items()},
         }
 
 
@@ -217,6 +230,20 @@ def snapshot_tree(root: Path, checkpoint_id: str) -> SnapshotTree:
             (str(relative / leaf), (Path(here) / leaf).stat().st_size) for leaf in sorted(leaves)
         )
     return SnapshotTree(tuple(files), tuple(directories))
+
+
+def process_cpu_seconds(pid: int) -> float | None:
+    """CPU seconds process ``pid`` has run, summed over its live threads, from Linux's
+    per-thread ``schedstat`` (nanoseconds); None elsewhere or once it is gone. A CPU
+    time, unlike a wall time, barely moves when other work shares the machine."""
+    total_ns = 0
+    try:
+        for task in os.scandir(f"/proc/{pid}/task"):
+            with open(f"{task.path}/schedstat", encoding="ascii") as stat:
+                total_ns += int(stat.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return total_ns / 1e9
 
 
 # -------------------------------------------------------------------------- fleet
@@ -307,6 +334,17 @@ class Fleet:
         """The fsyncs its workers reported on exit (``count_fsyncs``; after close)."""
         return sum(int(worker.final_report.get("fsyncs", 0)) for worker in self._workers)
 
+    def cpu_seconds(self) -> float | None:
+        """CPU seconds its workers have run so far, every thread (blocking: reads /proc);
+        None where the kernel does not say."""
+        total = 0.0
+        for worker in self._workers:
+            seconds = None if worker.pid is None else process_cpu_seconds(worker.pid)
+            if seconds is None:
+                return None
+            total += seconds
+        return total
+
     def endpoints(self, n: int) -> dict[str, str]:
         names = [participant_name(j) for j in range(n)]
         return {name: self.participants[name] for name in names}
@@ -344,8 +382,14 @@ class _SnapshotRounds:
         *,
         commit_in_prepare: bool = True,
         scope: Mapping[str, Sequence[EpisodeId]] | None = None,
+        participants_cpu: Callable[[], float | None] | None = None,
     ) -> None:
         self._coordinator = coordinator
+        self._participants_cpu = participants_cpu
+        # CPU seconds of the last round's snapshot (prepare to resume, not the begin or
+        # the retention around it): the participants' (None unless known) and this
+        # process's.
+        self.last_cpu_s: tuple[float | None, float] = (None, 0.0)
         self._commit_in_prepare = commit_in_prepare
         self._scope = scope or {}
         self._layout = layout
@@ -384,6 +428,11 @@ class _SnapshotRounds:
         snapshot = await asyncio.to_thread(self._begin, checkpoint_id)
         anchor = self._anchor
         assert anchor is not None
+        participants_cpu = self._participants_cpu
+        participants_before = (
+            None if participants_cpu is None else await asyncio.to_thread(participants_cpu)
+        )
+        coordinator_before = time.process_time()
         laps = await timed_snapshot(
             coordinator,
             checkpoint_id,
@@ -392,6 +441,16 @@ class _SnapshotRounds:
             self._publish,
             commit_in_prepare=self._commit_in_prepare,
             scope=self._scope,
+        )
+        coordinator_seconds = time.process_time() - coordinator_before
+        participants_after = (
+            None if participants_cpu is None else await asyncio.to_thread(participants_cpu)
+        )
+        self.last_cpu_s = (
+            None
+            if participants_before is None or participants_after is None
+            else participants_after - participants_before,
+            coordinator_seconds,
         )
         await asyncio.to_thread(self._tidy)
         self.rounds += 1
@@ -537,10 +596,13 @@ async def measure_durable_commit(
     parked: int = 0,
     state_bytes: int = 0,
     label: str = "durable",
+    after_round: Callable[[Path, str], Awaitable[object]] | None = None,
 ) -> DurableCommit:
     """The turnpoint path alone for ``n`` participants on ``root`` (a disk), fsyncs
     counted. With ``parked``, every participant holds that many episodes parked with
-    ``state_bytes`` of state each, and every snapshot exports them all."""
+    ``state_bytes`` of state each, and every snapshot exports them all. ``after_round``
+    is awaited after each measured round, untimed, with the layout's root and the
+    snapshot just published: a baseline measured there sees the disk as the round did."""
     fleet_root = root / label
     fleet_root.mkdir(parents=True, exist_ok=True)
     if not parked:
@@ -549,6 +611,8 @@ async def measure_durable_commit(
     ids = await asyncio.to_thread(_checkpoint_ids, layout)
     totals: list[float] = []
     phases: dict[str, list[float]] = {phase: [] for phase in PHASES}
+    participants_cpu: list[float] = []
+    coordinator_cpu: list[float] = []
     fleet = Fleet(
         fleet_root,
         n,
@@ -567,15 +631,28 @@ async def measure_durable_commit(
                     await coordinator.discover()
                 scope = {name: parked_episodes(name, parked) for name in fleet.endpoints(n)}
                 snapshots = _SnapshotRounds(
-                    coordinator, layout, ids, fsyncs, scope=scope if parked else None
+                    coordinator,
+                    layout,
+                    ids,
+                    fsyncs,
+                    scope=scope if parked else None,
+                    participants_cpu=fleet.cpu_seconds,
                 )
                 for index in range(warmup + rounds):
                     async with asyncio.timeout(_ROUND_TIMEOUT_S):
                         laps = await snapshots.round()
+                    participants_seconds, coordinator_seconds = snapshots.last_cpu_s
+                    coordinator_cpu.append(coordinator_seconds)
+                    if participants_seconds is not None:
+                        participants_cpu.append(participants_seconds)
                     if index >= warmup:
                         totals.append(laps["total"])
                         for phase in PHASES:
                             phases[phase].append(laps[phase])
+                        if after_round is not None:
+                            published = await asyncio.to_thread(layout.latest)
+                            if published is not None:
+                                await after_round(fleet_root, published)
                     await asyncio.sleep(settle_s)
             finally:
                 await coordinator.close()
@@ -596,6 +673,14 @@ async def measure_durable_commit(
         parked=parked,
         state_bytes=state_bytes,
         tree=tree,
+        cpu_s=None
+        if len(participants_cpu) < warmup + rounds
+        else MappingProxyType(
+            {
+                "participants": statistics.median(participants_cpu[warmup:]),
+                "coordinator": statistics.median(coordinator_cpu[warmup:]),
+            }
+        ),
     )
     if parked:
         return result

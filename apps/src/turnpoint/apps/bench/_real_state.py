@@ -4,12 +4,15 @@ A fleet of participants each holding parked episodes with incompressible state
 (:class:`~turnpoint.apps.bench._workers.ParkedStateAgent`) is snapshotted through the
 real coordinator on the disk root, every episode exported, fsyncs counted
 (:func:`~turnpoint.apps.bench._control_overhead.measure_durable_commit`). The floor is
-measured in the same run by a plain program: the last published snapshot's files,
-the same sizes, written afresh with one fsync per file and one per directory (and the
-two the publication adds: a pointer file and the root), one writer thread per
-directory as the participants write in parallel. The figures: the whole snapshot
+measured by a plain program right after each measured snapshot, so that both see the
+same disk (a shared disk's fsyncs slow down and speed up by several times within a
+minute): the snapshot's files, the same sizes, written afresh with one fsync per file
+and one per directory (and the two the publication adds: a pointer file and the root),
+one writer thread per directory as the participants write in parallel. The figures: the whole snapshot
 (prepare to resume) over the floor, the microseconds per episode beyond it, and the
-fsyncs per snapshot over the files and directories it makes durable.
+fsyncs that make the snapshot durable (the participants' and the publication's) over
+the files and directories it makes durable; retention's, which delete an older
+snapshot, are reported beside them and not counted.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from turnpoint.apps.bench._control_overhead import (
     DurableCommit,
     SnapshotTree,
     measure_durable_commit,
+    snapshot_tree,
 )
 from turnpoint.apps.bench._options import RealStateCase
 
@@ -68,9 +72,19 @@ class RealStateRow:
         return beyond_floor_us(self.snapshot_s, self.floor_median_s, self.episodes)
 
     @property
+    def cpu_us_per_episode(self) -> dict[str, float] | None:
+        """CPU microseconds per exported episode of one snapshot (median round), the
+        participants' and the coordinator's: what the wall-clock figures cost in CPU,
+        which other work on a shared machine barely moves."""
+        cpu = self.commit.cpu_s
+        if cpu is None:
+            return None
+        return {side: seconds / self.episodes * 1e6 for side, seconds in cpu.items()}
+
+    @property
     def fsyncs_per_durable_item(self) -> float | None:
         tree = self.commit.tree
-        return None if tree is None else self.commit.fsyncs / tree.durable_items
+        return None if tree is None else self.commit.durable_fsyncs / tree.durable_items
 
     def to_json(self) -> dict[str, Any]:
         per_item = self.fsyncs_per_durable_item
@@ -83,7 +97,11 @@ class RealStateRow:
             "floor_runs_s": [round(s, 4) for s in self.floor_s],
             "snapshot_vs_floor": round(self.ratio, 3),
             "beyond_floor_us_per_episode": round(self.beyond_floor_us_per_episode, 2),
-            "fsyncs_per_snapshot": round(self.commit.fsyncs, 2),
+            "cpu_us_per_episode": None
+            if (cpu := self.cpu_us_per_episode) is None
+            else {side: round(us, 2) for side, us in cpu.items()},
+            "fsyncs_per_snapshot": round(self.commit.durable_fsyncs, 2),
+            "retention_fsyncs_per_snapshot": round(self.commit.other_coordinator_fsyncs, 2),
             "fsyncs_per_file_and_directory": None if per_item is None else round(per_item, 3),
             "commit": self.commit.to_json(),
         }
@@ -153,11 +171,20 @@ async def measure_real_state(
     token: str,
     progress: Progress,
 ) -> RealStateRow:
-    """One case's snapshots on ``root``, then the floor as many times in the same run."""
+    """One case's snapshots on ``root``, each followed by its physical floor."""
     progress(
         f"real state: {case.participants} participant(s) x {case.parked} parked episodes x "
-        f"{case.state_bytes} B on {root}, fsyncs counted, then the physical floor"
+        f"{case.state_bytes} B on {root}, fsyncs counted, each snapshot then its physical floor"
     )
+    floors: list[float] = []
+
+    async def floor_after(fleet_root: Path, checkpoint_id: str) -> None:
+        tree = await asyncio.to_thread(snapshot_tree, fleet_root, checkpoint_id)
+        with tempfile.TemporaryDirectory(
+            prefix="floor-", dir=root, ignore_cleanup_errors=True
+        ) as scratch:
+            floors.append(await asyncio.to_thread(physical_floor, tree, Path(scratch)))
+
     commit = await measure_durable_commit(
         root,
         case.participants,
@@ -169,22 +196,25 @@ async def measure_real_state(
         parked=case.parked,
         state_bytes=case.state_bytes,
         label=f"real-state-{case.label}",
+        after_round=floor_after,
     )
     tree = commit.tree
-    if tree is None:
+    if tree is None or not floors:
         raise RuntimeError(f"real state {case.label}: no snapshot was published")
-    floors = []
-    for _ in range(rounds):
-        with tempfile.TemporaryDirectory(
-            prefix="floor-", dir=root, ignore_cleanup_errors=True
-        ) as scratch:
-            floors.append(await asyncio.to_thread(physical_floor, tree, Path(scratch)))
     row = RealStateRow(case, commit, tuple(floors))
     progress(
         f"  {case.label}: snapshot {row.snapshot_s * 1000:.1f} ms, floor "
         f"{row.floor_median_s * 1000:.1f} ms ({tree.bytes / (1 << 20):.1f} MB in "
         f"{len(tree.files)} files, {len(tree.directories)} directories): "
-        f"{row.ratio:.2f}x, {row.beyond_floor_us_per_episode:.1f} us per episode beyond it; "
-        f"{commit.fsyncs:.1f} fsyncs for {tree.durable_items} files and directories"
+        f"{row.ratio:.2f}x, {row.beyond_floor_us_per_episode:.1f} us per episode beyond it"
+        + (
+            ""
+            if (cpu := row.cpu_us_per_episode) is None
+            else f" (CPU per episode: participants {cpu['participants']:.1f} us, "
+            f"coordinator {cpu['coordinator']:.1f} us)"
+        )
+        + "; "
+        f"{commit.durable_fsyncs:.1f} fsyncs for {tree.durable_items} files and directories "
+        f"(and {commit.other_coordinator_fsyncs:.1f} of retention)"
     )
     return row

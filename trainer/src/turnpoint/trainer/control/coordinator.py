@@ -42,6 +42,7 @@ from turnpoint.ids import (
     InvalidIdError,
     checkpoint_sequence,
     make_checkpoint_id,
+    sorted_episodes,
     validate_id,
 )
 from turnpoint.protocol import ArtifactRef, ParticipantKind, ReadinessReport, RecoveryLevel
@@ -1293,7 +1294,7 @@ class Coordinator:
                 request_id=self.request_id("commit", checkpoint_id, name),
                 checkpoint_id=checkpoint_id,
                 snapshot=snapshot,
-                scope=[episode_to_proto(e) for e in sorted(episodes)],
+                scope=[episode_to_proto(e) for e in sorted_episodes(episodes)],
                 accept_saved_nothing=ACCEPT_SAVED_NOTHING,
                 release=RELEASE_IN_COMMIT,
             )

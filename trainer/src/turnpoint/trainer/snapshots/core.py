@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Final
 
-from turnpoint.ids import EpisodeId
+from turnpoint.ids import EpisodeId, sorted_episodes
 from turnpoint.trainer.rollouts.side import InFlightRollout, UnackedDecision
 from turnpoint.trainer.storage.manifest import PlacedEpisode
 
@@ -521,7 +521,7 @@ def commit_scope_problem(
 
 def exported_problem(exported: Iterable[EpisodeId], scope: Collection[EpisodeId]) -> str | None:
     """Why a commit reply's exported episodes are malformed (outside the scope), or None."""
-    outside = sorted(set(exported) - set(scope))
+    outside = sorted_episodes(set(exported) - set(scope))
     if outside:
         return f"exported {len(outside)} episode(s) outside the scope, e.g. {outside[0]}"
     return None

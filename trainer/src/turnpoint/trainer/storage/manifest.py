@@ -32,6 +32,7 @@ from turnpoint.ids import (
     EpisodeId,
     InvalidIdError,
     checkpoint_sequence,
+    sorted_episodes,
     validate_attempt,
     validate_id,
 )
@@ -280,7 +281,7 @@ class ParticipantEntry:
         if not all(isinstance(episode, EpisodeId) for episode in self.exported):
             raise _fail(f"{where} exported", "must be EpisodeId values")
         artifacts = tuple(sorted(self.artifacts, key=lambda artifact: artifact.path))
-        exported = tuple(sorted(self.exported))
+        exported = tuple(sorted_episodes(self.exported))
         object.__setattr__(self, "artifacts", artifacts)
         object.__setattr__(self, "exported", exported)
         paths = [artifact.path for artifact in artifacts]
