@@ -61,9 +61,38 @@ SESSION_RETRIES: Final = 2
 """Broken sessions a participant's prepare is re-sent on before it gives up."""
 
 
+WATCH_QUIET_FRACTION: Final = 0.2
+"""Streams wait until no prepare answer arrived for this fraction of
+:func:`watch_after_s` (docs/spec.md section 7.4 step 4)."""
+WATCH_LATEST_FACTOR: Final = 8.0
+"""...and are opened at the latest this many times :func:`watch_after_s` after the start."""
+
+
 def watch_after_s(prepare_timeout_s: float) -> float:
     """How long a participant may prepare before its readiness stream is opened."""
     return min(WATCH_AFTER_S, prepare_timeout_s / 10)
+
+
+def watch_wait_s(
+    now: float, *, started_at: float, last_answer_at: float | None, prepare_timeout_s: float
+) -> float:
+    """Seconds until the readiness streams of the participants still preparing are
+    opened (0: now).
+
+    Not before :func:`watch_after_s` since the prepare began; and while answers still
+    arrive (the last one less than :data:`WATCH_QUIET_FRACTION` of that ago) the
+    coordinator is busy reading answers that are already there, not waiting on
+    participants still preparing: a thousand streams opened then would only slow the
+    answers down. At the latest :data:`WATCH_LATEST_FACTOR` times :func:`watch_after_s`
+    after the start, so that answers trickling in never keep a stuck participant's
+    unacknowledged completions waiting long.
+    """
+    after = watch_after_s(prepare_timeout_s)
+    due = started_at + after
+    if last_answer_at is not None:
+        due = max(due, last_answer_at + after * WATCH_QUIET_FRACTION)
+    due = min(due, started_at + after * WATCH_LATEST_FACTOR)
+    return max(0.0, due - now)
 
 
 def _names(instances: Iterable[str]) -> str:
