@@ -203,18 +203,18 @@ def test_the_readiness_stream_opens_after_a_short_while() -> None:
 
 def test_the_readiness_streams_wait_until_the_answers_pause() -> None:
     def wait(now: float, last: float | None) -> float:
-        return watch_wait_s(now, started_at=10.0, last_answer_at=last, prepare_timeout_s=60.0)
+        return watch_wait_s(now, started_at=10.0, last_activity_at=last, prepare_timeout_s=60.0)
 
     # No answer yet: 0.25 s after the start, whatever the clock says when asked.
     assert wait(10.0, None) == pytest.approx(0.25)
     assert wait(10.25, None) == 0.0
-    # Answers still streaming in (the last 10 ms ago): a pause of 50 ms first.
+    # Requests going out or answers coming in (the last 10 ms ago): 50 ms of quiet first.
     assert wait(10.3, 10.29) == pytest.approx(0.04)
     # Quiet for 50 ms: now.
     assert wait(10.4, 10.35) == 0.0
-    # An answer before the 0.25 s are up does not move the opening past them.
+    # Activity before the 0.25 s are up does not move the opening past them.
     assert wait(10.1, 10.05) == pytest.approx(0.15)
-    # Answers that never pause: 8 x 0.25 s after the start at the latest.
+    # A fan-out that never pauses: 8 x 0.25 s after the start at the latest.
     assert wait(11.98, 11.979) == pytest.approx(0.02)
     assert wait(12.0, 11.999) == 0.0
 

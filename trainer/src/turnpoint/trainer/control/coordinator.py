@@ -1056,10 +1056,13 @@ class Coordinator:
             # One timer for the whole prepare, not a waiting task per participant: most
             # are ready within milliseconds and never cost a task or a stream.
             nonlocal opener
+            written = (client.last_written_at for client in self._clients.values())
             wait_s = watch_wait_s(
                 loop.time(),
                 started_at=started_at,
-                last_answer_at=last_answer_at,
+                last_activity_at=max(
+                    (at for at in (last_answer_at, *written) if at is not None), default=None
+                ),
                 prepare_timeout_s=config.prepare_timeout_s,
             )
             if wait_s > 0:
