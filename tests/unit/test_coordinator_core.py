@@ -201,21 +201,21 @@ def test_the_readiness_stream_opens_after_a_short_while() -> None:
     assert watch_after_s(1.0) == pytest.approx(0.1)
 
 
-def test_the_readiness_streams_wait_until_the_answers_pause() -> None:
+def test_the_readiness_streams_wait_until_the_fan_out_pauses() -> None:
     def wait(now: float, last: float | None) -> float:
         return watch_wait_s(now, started_at=10.0, last_activity_at=last, prepare_timeout_s=60.0)
 
-    # No answer yet: 0.25 s after the start, whatever the clock says when asked.
+    # Nothing sent or read yet: 0.25 s after the start, whatever the clock says when asked.
     assert wait(10.0, None) == pytest.approx(0.25)
     assert wait(10.25, None) == 0.0
-    # Requests going out or answers coming in (the last 10 ms ago): 50 ms of quiet first.
-    assert wait(10.3, 10.29) == pytest.approx(0.04)
-    # Quiet for 50 ms: now.
-    assert wait(10.4, 10.35) == 0.0
-    # Activity before the 0.25 s are up does not move the opening past them.
-    assert wait(10.1, 10.05) == pytest.approx(0.15)
+    # Requests going out or answers coming in (the last 10 ms ago): 0.25 s of quiet first.
+    assert wait(10.3, 10.29) == pytest.approx(0.24)
+    # Quiet for 0.25 s: now.
+    assert wait(10.6, 10.35) == 0.0
+    # Activity early on does not move the opening past the first 0.25 s.
+    assert wait(10.0, 9.9) == pytest.approx(0.25)
     # A fan-out that never pauses: 8 x 0.25 s after the start at the latest.
-    assert wait(11.98, 11.979) == pytest.approx(0.02)
+    assert wait(11.9, 11.899) == pytest.approx(0.1)
     assert wait(12.0, 11.999) == 0.0
 
 

@@ -61,9 +61,11 @@ SESSION_RETRIES: Final = 2
 """Broken sessions a participant's prepare is re-sent on before it gives up."""
 
 
-WATCH_QUIET_FRACTION: Final = 0.2
+WATCH_QUIET_FRACTION: Final = 1.0
 """Streams wait until the prepare fan-out sent and read nothing for this fraction of
-:func:`watch_after_s` (docs/spec.md section 7.4 step 4)."""
+:func:`watch_after_s` (docs/spec.md section 7.4 step 4): as long as a participant may
+prepare unwatched. A shorter pause is what a thousand participants answering from a
+few busy processes look like."""
 WATCH_LATEST_FACTOR: Final = 8.0
 """...and are opened at the latest this many times :func:`watch_after_s` after the start."""
 
