@@ -51,6 +51,7 @@ from turnpoint.trainer.snapshots.core import (
     installed_problem,
     scope_commit,
     watch_after_s,
+    watch_wait_s,
 )
 from turnpoint.trainer.storage.layout import PublishStep
 from turnpoint.trainer.storage.manifest import PlacedEpisode
@@ -198,6 +199,24 @@ def test_a_hopeless_participant_is_not_waited_for() -> None:
 def test_the_readiness_stream_opens_after_a_short_while() -> None:
     assert watch_after_s(60.0) == 0.25
     assert watch_after_s(1.0) == pytest.approx(0.1)
+
+
+def test_the_readiness_streams_wait_until_the_fan_out_pauses() -> None:
+    def wait(now: float, last: float | None) -> float:
+        return watch_wait_s(now, started_at=10.0, last_activity_at=last, prepare_timeout_s=60.0)
+
+    # Nothing sent or read yet: 0.25 s after the start, whatever the clock says when asked.
+    assert wait(10.0, None) == pytest.approx(0.25)
+    assert wait(10.25, None) == 0.0
+    # Requests going out or answers coming in (the last 10 ms ago): 0.25 s of quiet first.
+    assert wait(10.3, 10.29) == pytest.approx(0.24)
+    # Quiet for 0.25 s: now.
+    assert wait(10.6, 10.35) == 0.0
+    # Activity early on does not move the opening past the first 0.25 s.
+    assert wait(10.0, 9.9) == pytest.approx(0.25)
+    # A fan-out that never pauses: 8 x 0.25 s after the start at the latest.
+    assert wait(11.9, 11.899) == pytest.approx(0.1)
+    assert wait(12.0, 11.999) == 0.0
 
 
 # ----------------------------------------------------------- unacknowledged results

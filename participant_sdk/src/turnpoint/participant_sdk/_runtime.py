@@ -28,7 +28,6 @@ import asyncio
 import secrets
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from contextlib import suppress
 from dataclasses import replace
 from typing import Any, TypeVar
 
@@ -116,22 +115,26 @@ class ParticipantRuntime(ControlReads, DataPlane):
         self._restore_job: RestoreJob | None = None
         self._stops: dict[WorkKey, asyncio.Task[None]] = {}
         self._background: set[asyncio.Future[Any]] = set()
-        self._lease_task: asyncio.Task[None] | None = None
+        # Armed for the active lease's expiry while started (a timer, not a task that
+        # wakes on every lease change: each prepare and resume moves the lease).
+        self._lease_timer: asyncio.TimerHandle | None = None
+        self._watching_lease = False
 
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
-        """Start the background lease task (expiry turns into resume)."""
-        if self._lease_task is None:
-            self._lease_task = asyncio.create_task(self._lease_loop(), name="turnpoint-lease")
+        """Start watching the lease in the background (expiry turns into resume)."""
+        if not self._watching_lease:
+            self._watching_lease = True
+            self._shared.on_lease_moved = self._arm_lease
+            self._arm_lease(self._shared.view.lease_expires_at)
 
     async def aclose(self) -> None:
-        """Stop the lease task and all hosted work; wait for background writes to settle."""
-        if self._lease_task is not None:
-            self._lease_task.cancel()
-            with suppress(asyncio.CancelledError):
-                await self._lease_task
-            self._lease_task = None
+        """Stop the lease timer and all hosted work; wait for background work to settle."""
+        if self._watching_lease:
+            self._watching_lease = False
+            self._shared.on_lease_moved = None
+            self._arm_lease(None)
         for host in self._hosts.values():
             await host.aclose()
         pending = [job.write for job in self._commit_jobs.values() if job.write is not None]
@@ -595,26 +598,36 @@ class ParticipantRuntime(ControlReads, DataPlane):
         result = await self._resume(expired, Deadline.never(), expired=True)
         return expired if result.ended_active else None
 
-    async def _lease_loop(self) -> None:
-        shared = self._shared
-        while True:
-            async with shared.locked() as core:
-                expires = core.lease_expires_at
-                delay = None if expires is None else expires - shared.now()
-                # Every lease change is published under this lock: cleared here, the
-                # event is set by any renew or resume from now on, and only by those
-                # (not by every state change, several per control call).
-                shared.publish()
-                shared.lease_moved.clear()
-            if delay is None or delay > 0:
-                with suppress(TimeoutError):
-                    async with asyncio.timeout(delay):
-                        await shared.lease_moved.wait()
-                continue
-            try:
-                await self.check_lease()
-            except TurnpointError:
-                logger.exception("lease expiry could not resume the participant")
+    def _arm_lease(self, expires: float | None) -> None:
+        """Arm the lease timer for ``expires`` (protocol clock; None disarms it).
+
+        The wait runs on the event loop's clock for the time the protocol clock says is
+        left; when it ends, :meth:`check_lease` decides (it resumes only an expired lease,
+        and re-arms for whatever lease there is then).
+        """
+        if self._lease_timer is not None:
+            self._lease_timer.cancel()
+            self._lease_timer = None
+        if expires is None or not self._watching_lease:
+            return
+        delay = max(0.0, expires - self._shared.now())
+        self._lease_timer = asyncio.get_running_loop().call_later(delay, self._lease_due)
+
+    def _lease_due(self) -> None:
+        self._lease_timer = None
+        task = asyncio.create_task(self._expire_lease(), name="turnpoint-lease")
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _expire_lease(self) -> None:
+        try:
+            await self.check_lease()
+        except TurnpointError:
+            logger.exception("lease expiry could not resume the participant")
+        if self._lease_timer is None:
+            # Not expired after all (renewed just now, or the clocks disagree): wait
+            # for the lease as it stands.
+            self._arm_lease(self._shared.view.lease_expires_at)
 
     # ------------------------------------------------------------------ restore
 

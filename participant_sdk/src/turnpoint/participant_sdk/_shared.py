@@ -198,9 +198,9 @@ class Shared:
         self._admission_waiters = 0
         self._watchers: set[_Watcher] = set()
         self._published_version = -1
-        # Set when the lease's expiry moved: the lease task waits on this alone, not on
-        # every state change (a control call makes several; waking for each is wasted).
-        self.lease_moved = asyncio.Event()
+        # Called (lock held) with the new expiry when the lease moved: the runtime arms
+        # its lease timer there, on no other state change (a control call makes several).
+        self.on_lease_moved: Callable[[float | None], None] | None = None
         self._published_lease: float | None = None
         self._changing = _Changing(self)
         self._locked = _Locked(self)
@@ -241,7 +241,8 @@ class Shared:
         lease = self._core.lease_expires_at
         if lease != self._published_lease:
             self._published_lease = lease
-            self.lease_moved.set()
+            if self.on_lease_moved is not None:
+                self.on_lease_moved(lease)
         version = self._core.version
         if not force and version == self._published_version:
             return

@@ -89,11 +89,18 @@ class ControlServicer(pb_grpc.CheckpointControlServiceServicer):
             "get_status": self._handle_get_status,
         }
         self._sessions: set[asyncio.Task[Any]] = set()
+        self._last_header = runtime.header()
+        self._header_proto = header_to_proto(self._last_header)
         # Session operations a caller cancelled (or that a closing session cut short).
         self.cancelled_by_caller = 0
 
     def _header(self) -> types_pb2.ResponseHeader:
-        return header_to_proto(self._runtime.header())
+        # Built once per epoch, not per answer: a response copies it in.
+        header = self._runtime.header()
+        if header != self._last_header:
+            self._last_header = header
+            self._header_proto = header_to_proto(header)
+        return self._header_proto
 
     # ------------------------------------------------------------------ handlers
 

@@ -125,6 +125,44 @@ class Target:
         }
 
 
+# Issue 30 item 1: the control path within these ratios of the open-stream floor, per
+# participant count (its must-haves; 1,024 participants only in the full run).
+FLOOR_RATIO_MUSTS: Final = {1: 1.3, 8: 1.15, 64: 1.15, 256: 1.15, 1024: 1.2}
+# Sizes whose ratio --check gates. At 1 and 8 participants the floor is 2 to 3 ms and a
+# shared 2-core machine moves their ratio by a third (1.50 to 2.53 at N=1 within one
+# session), past the 1.5x margin of the gate: reported against the must-have, not
+# gated, lest the check fail on noise.
+FLOOR_RATIO_GATED_FROM: Final = 64
+
+
+def control_path_targets(rows: Sequence[OverheadRow]) -> list[Target]:
+    """The control path's targets: against the floor at every size of
+    :data:`FLOOR_RATIO_MUSTS`, and against HTTP+JSON at 64. Ratios within one run,
+    gated from :data:`FLOOR_RATIO_GATED_FROM` participants up (a size not measured has
+    no value and never fails a check)."""
+    measured = {row.participants: row for row in rows}
+    at_64 = measured.get(64)
+    targets = [
+        Target(
+            f"control_path_{n}_vs_floor",
+            None if n not in measured else measured[n].ratio,
+            must,
+            gated=n >= FLOOR_RATIO_GATED_FROM,
+        )
+        for n, must in FLOOR_RATIO_MUSTS.items()
+    ]
+    targets.append(
+        Target(
+            "control_path_64_vs_http_json",
+            None if at_64 is None else at_64.ratio_vs_http_json,
+            1.0,
+            0.6,
+            gated=True,
+        )
+    )
+    return targets
+
+
 @dataclass(frozen=True, slots=True)
 class BenchReport:
     """The figures of one run (see :meth:`to_json` for the published shape)."""
@@ -166,15 +204,11 @@ class BenchReport:
     def restore_seconds(self) -> float | None:
         return self.restore.seconds
 
-    def _row(self, participants: int) -> OverheadRow | None:
-        return next((r for r in self.control_overhead if r.participants == participants), None)
-
     def _real_state(self, case: RealStateCase) -> RealStateRow | None:
         return next((row for row in self.real_state if row.case == case), None)
 
     def targets(self) -> list[Target]:
         """Every figure that has a target, measured or not (value None)."""
-        at_64, at_256 = self._row(64), self._row(256)
         sandbox = self.sandbox_snapshots[0] if self.sandbox_snapshots else None
         relay = self.egress_relay
         longest = max(relay.replay, key=lambda row: row.turns) if relay and relay.replay else None
@@ -185,26 +219,7 @@ class BenchReport:
         many = self._real_state(RealStateCase(1, 1000, 1024))
         largest = None if self.scale is None else self.scale.largest
         return [
-            Target(
-                "control_path_64_vs_floor",
-                None if at_64 is None else at_64.ratio,
-                2.0,
-                1.3,
-                gated=True,
-            ),
-            Target(
-                "control_path_64_vs_http_json",
-                None if at_64 is None else at_64.ratio_vs_http_json,
-                1.0,
-                0.6,
-                gated=True,
-            ),
-            Target(
-                "control_path_256_vs_floor",
-                None if at_256 is None else at_256.ratio,
-                2.5,
-                gated=True,
-            ),
+            *control_path_targets(self.control_overhead),
             Target(
                 "durable_participant_fsyncs_exporting_nothing",
                 None if durable is None else durable.participant_fsyncs,
@@ -482,24 +497,30 @@ def _sizes_left(sizes: Sequence[int]) -> str:
     return ",".join(map(str, sizes))
 
 
+async def _control_rows(
+    options: BenchOptions, control_root: Path, on_tmpfs: bool, token: str, progress: Progress
+) -> list[OverheadRow]:
+    progress(
+        f"control path: N={_sizes_left(options.sizes)}, snapshot roots under {control_root} "
+        f"({'tmpfs' if on_tmpfs else 'NOT tmpfs: the figure includes the disk'})"
+    )
+    return await measure_control_overhead(
+        control_root,
+        options.sizes,
+        workers=options.workers,
+        rounds=options.rounds_for,
+        warmup=options.warmup,
+        token=token,
+        progress=progress,
+    )
+
+
 async def _run(options: BenchOptions, root: Path, progress: Progress) -> BenchReport:
     token = secrets.token_hex(24)
     machine_before = _machine()
     with _control_root(options, root) as control_root:
         on_tmpfs = _on_tmpfs(control_root)
-        progress(
-            f"control path: N={_sizes_left(options.sizes)}, snapshot roots under {control_root} "
-            f"({'tmpfs' if on_tmpfs else 'NOT tmpfs: the figure includes the disk'})"
-        )
-        rows = await measure_control_overhead(
-            control_root,
-            options.sizes,
-            workers=options.workers,
-            rounds=options.rounds_for,
-            warmup=options.warmup,
-            token=token,
-            progress=progress,
-        )
+        rows = await _control_rows(options, control_root, on_tmpfs, token, progress)
         status_n = options.durable_size
         status_polling = await measure_status_polling(
             control_root,
@@ -590,6 +611,69 @@ async def _run(options: BenchOptions, root: Path, progress: Progress) -> BenchRe
         egress_relay=egress_relay,
         real_state=tuple(real_state),
         scale=scale,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ControlPathReport:
+    """The control-path figure alone (``turnpoint bench --control-path-only``): its rows
+    and targets in the shape the full report gives them."""
+
+    rows: tuple[OverheadRow, ...]
+    workers: int
+    warmup: int
+    control_root: str
+    control_on_tmpfs: bool
+    machine: dict[str, Any] = field(default_factory=dict)
+
+    def targets(self) -> list[Target]:
+        return control_path_targets(self.rows)
+
+    def regressions(self) -> list[str]:
+        return [target.name for target in self.targets() if target.gated and target.regressed]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "control_overhead": [row.to_json() for row in self.rows],
+            "targets": {target.name: target.to_json() for target in self.targets()},
+            "details": {
+                "workers": self.workers,
+                "warmup_rounds": self.warmup,
+                "control_root": self.control_root,
+                "control_root_on_tmpfs": self.control_on_tmpfs,
+                "rounds": {str(row.participants): row.rounds for row in self.rows},
+                "phases_ms": {
+                    str(row.participants): {k: round(v, 3) for k, v in row.phases_ms.items()}
+                    for row in self.rows
+                },
+                "machine": self.machine,
+            },
+        }
+
+
+async def run_control_path(options: BenchOptions, progress: Progress) -> ControlPathReport:
+    """The control-path figure alone, every worker process stopped on return."""
+    async with asyncio.timeout(_RUN_TIMEOUT_S):
+        machine_before = _machine()
+        with tempfile.TemporaryDirectory(
+            prefix="turnpoint-system-bench-", ignore_cleanup_errors=True
+        ) as scratch:
+            disk_root = options.root or Path(scratch)
+            disk_root.mkdir(parents=True, exist_ok=True)
+            with _control_root(options, disk_root) as control_root:
+                on_tmpfs = _on_tmpfs(control_root)
+                rows = await _control_rows(
+                    options, control_root, on_tmpfs, secrets.token_hex(24), progress
+                )
+    machine = _machine()
+    machine["load_average_1m_at_start"] = machine_before["load_average_1m"]
+    return ControlPathReport(
+        rows=tuple(rows),
+        workers=options.workers,
+        warmup=options.warmup,
+        control_root=str(control_root),
+        control_on_tmpfs=on_tmpfs,
+        machine=machine,
     )
 
 

@@ -11,7 +11,7 @@ import argparse
 import json
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -41,7 +41,8 @@ from turnpoint.apps.bench._options import (
 )
 
 if TYPE_CHECKING:
-    from turnpoint.apps.bench._bench import BenchReport
+    from turnpoint.apps.bench._bench import BenchReport, ControlPathReport, Target
+    from turnpoint.apps.bench._control_overhead import OverheadRow
 
 
 # Long enough for at least ten snapshots 2 s apart in a run with snapshots on, on two
@@ -274,6 +275,12 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "temporary directory, removed after)",
     )
     parser.add_argument(
+        "--control-path-only",
+        action="store_true",
+        help="instead: the control-path figure alone (--sizes, --workers, --rounds, "
+        "--warmup, --tmpfs apply; --json and --check too, on its targets)",
+    )
+    parser.add_argument(
         "--ray-scale",
         action="store_true",
         help="instead: one snapshot of 8, 64, 256 participants (or --sizes) spread over "
@@ -348,7 +355,7 @@ def bench_command(args: argparse.Namespace) -> int:
     import asyncio
 
     from turnpoint.apps.bench._baselines import BaselineError
-    from turnpoint.apps.bench._bench import run_bench
+    from turnpoint.apps.bench._bench import ControlPathReport, run_bench, run_control_path
     from turnpoint.apps.bench._workers import WorkerError
     from turnpoint.apps.bench._workload import WorkloadError
     from turnpoint.errors import TurnpointError
@@ -364,7 +371,7 @@ def bench_command(args: argparse.Namespace) -> int:
         OSError,
     )
 
-    async def cancellable() -> BenchReport:
+    async def cancellable() -> BenchReport | ControlPathReport:
         # SIGTERM cancels the run like Ctrl-C does, so that every worker and trainer
         # process is stopped on the way out instead of being orphaned.
         loop = asyncio.get_running_loop()
@@ -372,12 +379,14 @@ def bench_command(args: argparse.Namespace) -> int:
         assert task is not None
         loop.add_signal_handler(signal.SIGTERM, task.cancel)
         try:
+            if args.control_path_only:
+                return await run_control_path(options, _progress)
             return await run_bench(options, _progress)
         finally:
             loop.remove_signal_handler(signal.SIGTERM)
 
     try:
-        report = asyncio.run(cancellable())
+        measured = asyncio.run(cancellable())
     except (KeyboardInterrupt, asyncio.CancelledError):
         print("turnpoint bench: interrupted; every process it started was stopped", file=sys.stderr)
         return 130
@@ -386,6 +395,9 @@ def bench_command(args: argparse.Namespace) -> int:
         detail = str(error) or "a bounded wait ran out"
         print(f"turnpoint bench: {type(error).__name__}: {detail}", file=sys.stderr)
         return 1
+    if isinstance(measured, ControlPathReport):
+        return _control_path_output(measured, json_output=args.json, check=args.check)
+    report = measured
     # The full run also measures long generations with and without token-prefix cutting
     # (docs/spec.md section 5.5); --quick leaves it to --long-generations.
     long_generations: dict[str, Any] | None = None
@@ -441,6 +453,27 @@ def bench_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _control_path_output(report: ControlPathReport, *, json_output: bool, check: bool) -> int:
+    if json_output:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        console = Console(file=sys.stdout, highlight=False, width=_width(sys.stdout))
+        console.print(
+            _overhead_table(
+                report.rows, report.workers, report.control_root, report.control_on_tmpfs
+            )
+        )
+        console.print(_targets_table(report.targets()))
+    regressions = report.regressions()
+    if check and regressions:
+        print(
+            "turnpoint bench: past the must-have by 1.5x: " + ", ".join(regressions),
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
 def _ms(value: float) -> str:
     return f"{value:.1f}"
 
@@ -449,17 +482,20 @@ def _s(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.3f}"
 
 
-def render_table(report: BenchReport, out: TextIO) -> None:
-    """The figures as rich tables (plain text when ``out`` is not a terminal)."""
+def _width(out: TextIO) -> int | None:
+    # A file or a pipe gets room for every column instead of rich's default 80.
+    return None if out.isatty() else _FILE_WIDTH
+
+
+def _overhead_table(
+    rows: Sequence[OverheadRow], workers: int, control_root: str, on_tmpfs: bool
+) -> Table:
     from turnpoint.apps.bench._control_overhead import PHASES
 
-    # A file or a pipe gets room for every column instead of rich's default 80.
-    width = None if out.isatty() else _FILE_WIDTH
-    console = Console(file=out, highlight=False, width=width)
-    where = "tmpfs" if report.control_on_tmpfs else "NOT tmpfs"
+    where = "tmpfs" if on_tmpfs else "NOT tmpfs"
     overhead = Table(
-        title=f"Control path of one snapshot, median ms ({report.workers} worker process(es), "
-        f"the same server layout for every path; snapshot roots under {report.control_root}, "
+        title=f"Control path of one snapshot, median ms ({workers} worker process(es), "
+        f"the same server layout for every path; snapshot roots under {control_root}, "
         f"{where})",
         title_justify="left",
     )
@@ -474,7 +510,7 @@ def render_table(report: BenchReport, out: TextIO) -> None:
     )
     for column in (*columns, *PHASES, "rounds"):
         overhead.add_column(column, justify="right")
-    for row in report.control_overhead:
+    for row in rows:
         overhead.add_row(
             str(row.participants),
             _ms(row.overhead_ms),
@@ -486,7 +522,38 @@ def render_table(report: BenchReport, out: TextIO) -> None:
             *(_ms(row.phases_ms.get(phase, 0.0)) for phase in PHASES),
             str(row.rounds),
         )
-    console.print(overhead)
+    return overhead
+
+
+def _targets_table(measured: Sequence[Target]) -> Table:
+    targets = Table(title="Targets (must-have, aim)", title_justify="left")
+    for column in ("figure", "value", "must", "aim", "met"):
+        targets.add_column(column, justify="left" if column == "figure" else "right")
+    for target in measured:
+        shown = target.to_json()
+        met = {True: "yes", False: "no", None: "n/a"}[shown["met_must"]]
+        if shown["regressed"] and target.gated:
+            met = "REGRESSED"
+        targets.add_row(
+            target.name,
+            "n/a" if target.value is None else f"{target.value:.3f}",
+            f"{'>=' if target.higher_is_better else '<='} {target.must:g}",
+            "" if target.aim is None else f"{target.aim:g}",
+            met,
+        )
+    return targets
+
+
+def render_table(report: BenchReport, out: TextIO) -> None:
+    """The figures as rich tables (plain text when ``out`` is not a terminal)."""
+    from turnpoint.apps.bench._control_overhead import PHASES
+
+    console = Console(file=out, highlight=False, width=_width(out))
+    console.print(
+        _overhead_table(
+            report.control_overhead, report.workers, report.control_root, report.control_on_tmpfs
+        )
+    )
 
     durable = report.durable
     if durable is not None:
@@ -746,19 +813,4 @@ def render_table(report: BenchReport, out: TextIO) -> None:
             )
         console.print(replays)
 
-    targets = Table(title="Targets (must-have, aim)", title_justify="left")
-    for column in ("figure", "value", "must", "aim", "met"):
-        targets.add_column(column, justify="left" if column == "figure" else "right")
-    for target in report.targets():
-        shown = target.to_json()
-        met = {True: "yes", False: "no", None: "n/a"}[shown["met_must"]]
-        if shown["regressed"] and target.gated:
-            met = "REGRESSED"
-        targets.add_row(
-            target.name,
-            "n/a" if target.value is None else f"{target.value:.3f}",
-            f"{'>=' if target.higher_is_better else '<='} {target.must:g}",
-            "" if target.aim is None else f"{target.aim:g}",
-            met,
-        )
-    console.print(targets)
+    console.print(_targets_table(report.targets()))

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
-FULL_SIZES: Final = (1, 8, 64, 256)
+FULL_SIZES: Final = (1, 8, 64, 256, 1024)
 QUICK_SIZES: Final = (1, 8, 64)
 SANDBOX_MB: Final = (10, 100)
 QUICK_SANDBOX_MB: Final = (10,)
@@ -74,11 +74,15 @@ DURABLE_SIZE: Final = 64
 # Rounds per size when --rounds is not given: fewer where one round takes seconds.
 _ROUNDS_SMALL: Final = 15
 _ROUNDS_LARGE: Final = 7
+_ROUNDS_HUGE: Final = 5
 _LARGE: Final = 64
+_HUGE: Final = 256
 
 
 def default_rounds(participants: int) -> int:
-    return _ROUNDS_SMALL if participants <= _LARGE else _ROUNDS_LARGE
+    if participants <= _LARGE:
+        return _ROUNDS_SMALL
+    return _ROUNDS_LARGE if participants <= _HUGE else _ROUNDS_HUGE
 
 
 @dataclass(frozen=True, slots=True)

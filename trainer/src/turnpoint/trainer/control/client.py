@@ -164,6 +164,9 @@ class _Session:
         # after that is a broken stream, not a reason to give up on sessions.
         self.answered = False
         self.broken = False
+        # When the last message went out (loop clock): the coordinator reads it to tell
+        # a fan-out still sending from participants that are slow to answer.
+        self.last_written_at: float | None = None
         self._reader = asyncio.create_task(self._read_loop(), name=f"control-read-{participant}")
         self._writer = asyncio.create_task(self._write_loop(), name=f"control-write-{participant}")
 
@@ -236,6 +239,7 @@ class _Session:
                 continue
             try:
                 await self._call.write(envelope)
+                self.last_written_at = asyncio.get_running_loop().time()
             except grpc.aio.AioRpcError as error:
                 self._break_on(error)
                 return
@@ -392,6 +396,12 @@ class ParticipantControlClient:
     def uses_session(self) -> bool:
         """False once the participant refused ``ControlSession`` and calls went unary."""
         return self._session_supported is not False
+
+    @property
+    def last_written_at(self) -> float | None:
+        """When the current session last sent a message (event loop clock), if ever."""
+        session = self._session
+        return None if session is None else session.last_written_at
 
     @property
     def pending_calls(self) -> int:

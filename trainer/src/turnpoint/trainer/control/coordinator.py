@@ -91,6 +91,7 @@ from turnpoint.trainer.snapshots.core import (
     exported_problem,
     installed_problem,
     watch_after_s,
+    watch_wait_s,
 )
 from turnpoint.trainer.snapshots.levels import LevelDecision, decide_levels
 from turnpoint.trainer.snapshots.preparing import (
@@ -462,7 +463,7 @@ class Coordinator:
         """One renew of ``instances``, abandoned after ``window_s``."""
         requests = {
             name: pb.RenewRequest(
-                fence=self.fence,
+                fence=self._fence,
                 request_id=self.request_id("renew", checkpoint_id, name),
                 checkpoint_id=checkpoint_id,
                 lease=duration_from_seconds(self.config.lease_s),
@@ -528,7 +529,7 @@ class Coordinator:
             _remember(self._resuming, checkpoint_id, group)
             requests = {
                 name: pb.ResumeRequest(
-                    fence=self.fence,
+                    fence=self._fence,
                     request_id=self.request_id("resume", checkpoint_id, name),
                     checkpoint_id=checkpoint_id,
                 )
@@ -584,7 +585,7 @@ class Coordinator:
         key = key or content_key("retire", chosen)
         requests = {
             name: pb.RetireRequest(
-                fence=self.fence,
+                fence=self._fence,
                 request_id=self.request_id("retire", key, name),
                 episodes=[episode_to_proto(e) for e in items],
             )
@@ -606,7 +607,7 @@ class Coordinator:
         key = content_key("forget", chosen)
         requests = {
             name: pb.ForgetRequest(
-                fence=self.fence,
+                fence=self._fence,
                 request_id=self.request_id("forget", key, name),
                 rollout_ids=list(ids),
             )
@@ -743,7 +744,7 @@ class Coordinator:
         lease = duration_from_seconds(self.config.lease_s)
         if self.topology.participants[name].restore_running:
             return pb.RestoreRunningRequest(
-                fence=self.fence,
+                fence=self._fence,
                 request_id=self.request_id("restore_running", restore_id, name),
                 restore_id=restore_id,
                 snapshot=snapshot,
@@ -753,7 +754,7 @@ class Coordinator:
                 retire_unscoped=retire_unscoped,
             )
         return pb.RestoreRequest(
-            fence=self.fence,
+            fence=self._fence,
             request_id=self.request_id("restore", restore_id, name),
             restore_id=restore_id,
             snapshot=snapshot,
@@ -948,7 +949,7 @@ class Coordinator:
         # to fail the job's start: transient failures are asked again, a few times.
         return await retry_same_request(
             {name: self._clients[name] for name in instances},
-            {name: pb.DescribeRequest(fence=self.fence) for name in instances},
+            {name: pb.DescribeRequest(fence=self._fence) for name in instances},
             attempts=DISCOVER_ATTEMPTS,
             deadline_s=DISCOVER_ATTEMPTS * self._call_deadline(),
             per_call_timeout_s=self.config.control_timeout_s,
@@ -983,7 +984,7 @@ class Coordinator:
         snapshot: str | None,
     ) -> pb.PrepareRequest:
         return pb.PrepareRequest(
-            fence=self.fence,
+            fence=self._fence,
             request_id=self.request_id("prepare", checkpoint_id, instance),
             checkpoint_id=checkpoint_id,
             lease=duration_from_seconds(self.config.lease_s),
@@ -1034,7 +1035,12 @@ class Coordinator:
         unacked = Unacked(resolve, self.metrics)
         readiness = {name: Readiness() for name in self._clients}
 
+        started_at = loop.time()
+        last_answer_at: float | None = None
+
         def on_answer(name: str, response: pb.PrepareResponse) -> None:
+            nonlocal last_answer_at
+            last_answer_at = loop.time()
             if not is_ready(response) and self.metrics is not None:
                 self.metrics.prepare_not_ready.labels(self._kind_label(name)).inc()
 
@@ -1051,13 +1057,27 @@ class Coordinator:
             for name, client in self._clients.items()
         }
         watch_request = pb.WatchBoundariesRequest(
-            fence=self.fence, max_blockers=config.max_blockers_listed
+            fence=self._fence, max_blockers=config.max_blockers_listed
         )
         watches: dict[str, asyncio.Task[None]] = {}
+        opener: asyncio.TimerHandle | None = None
 
         def open_watches() -> None:
             # One timer for the whole prepare, not a waiting task per participant: most
             # are ready within milliseconds and never cost a task or a stream.
+            nonlocal opener
+            written = (client.last_written_at for client in self._clients.values())
+            wait_s = watch_wait_s(
+                loop.time(),
+                started_at=started_at,
+                last_activity_at=max(
+                    (at for at in (last_answer_at, *written) if at is not None), default=None
+                ),
+                prepare_timeout_s=config.prepare_timeout_s,
+            )
+            if wait_s > 0:
+                opener = loop.call_later(wait_s, open_watches)
+                return
             for name in self._clients:
                 if readiness[name].settled.is_set():
                     continue
@@ -1088,7 +1108,8 @@ class Coordinator:
             )
         finally:
             self._preparing = None
-            opener.cancel()
+            if opener is not None:
+                opener.cancel()  # the last one armed: it re-arms itself while answers arrive
             for watch in watches.values():
                 watch.cancel()
             ended = await asyncio.gather(*watches.values(), return_exceptions=True)
@@ -1163,7 +1184,7 @@ class Coordinator:
         nothing on an id that is not active, answers STALE_CHECKPOINT for a finished id
         and INVALID_PHASE for any other (docs/spec.md section 4.7). None: it said neither."""
         request = pb.RenewRequest(
-            fence=self.fence,
+            fence=self._fence,
             request_id=self.request_id("renew", checkpoint_id, instance),
             checkpoint_id=checkpoint_id,
             lease=duration_from_seconds(self.config.lease_s),
@@ -1290,7 +1311,7 @@ class Coordinator:
         }
         requests = {
             name: pb.CommitRequest(
-                fence=self.fence,
+                fence=self._fence,
                 request_id=self.request_id("commit", checkpoint_id, name),
                 checkpoint_id=checkpoint_id,
                 snapshot=snapshot,

@@ -121,7 +121,11 @@ class Renewing(Protocol):
 
 
 class Renewer:
-    """Keeps the leases of one checkpoint (or restore) alive in the background."""
+    """Keeps the leases of one checkpoint (or restore) alive in the background.
+
+    Its task starts only when the first renewal is due (a timer until then): most
+    prepares end long before it, and should not pay for a task that only waits.
+    """
 
     def __init__(self, operations: Renewing, checkpoint_id: str, instances: Iterable[str]) -> None:
         self._operations = operations
@@ -130,25 +134,42 @@ class Renewer:
         self._kick = asyncio.Event()
         self._schedule: RenewalSchedule | None = None
         self._task: asyncio.Task[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
         self.failures: dict[str, Failure] = {}
 
     def start(self, *, renew_now: bool = False) -> None:
         config = self._operations.config
+        loop = asyncio.get_running_loop()
         self._schedule = RenewalSchedule(
             interval_s=config.renew_interval_s,
             control_timeout_s=config.control_timeout_s,
-            now=asyncio.get_running_loop().time(),
+            now=loop.time(),
             renew_now=renew_now,
         )
+        if self._task is None and self._timer is None:
+            wait_s = self._schedule.wait_s(loop.time())
+            if wait_s > 0:
+                self._timer = loop.call_later(wait_s, self._spawn)
+            else:
+                self._spawn()
+
+    def _spawn(self) -> None:
+        self._timer = None
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name=f"renew-{self._checkpoint_id}")
 
     def renew_now(self) -> None:
         if self._schedule is not None:
             self._schedule.renew_now()
+            if self._timer is not None:
+                self._timer.cancel()
+                self._spawn()
         self._kick.set()
 
     async def stop(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         task, self._task = self._task, None
         if task is None:
             return

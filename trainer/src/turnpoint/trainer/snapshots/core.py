@@ -61,9 +61,41 @@ SESSION_RETRIES: Final = 2
 """Broken sessions a participant's prepare is re-sent on before it gives up."""
 
 
+WATCH_QUIET_FRACTION: Final = 1.0
+"""Streams wait until the prepare fan-out sent and read nothing for this fraction of
+:func:`watch_after_s` (docs/spec.md section 7.4 step 4): as long as a participant may
+prepare unwatched. A shorter pause is what a thousand participants answering from a
+few busy processes look like."""
+WATCH_LATEST_FACTOR: Final = 8.0
+"""...and are opened at the latest this many times :func:`watch_after_s` after the start."""
+
+
 def watch_after_s(prepare_timeout_s: float) -> float:
     """How long a participant may prepare before its readiness stream is opened."""
     return min(WATCH_AFTER_S, prepare_timeout_s / 10)
+
+
+def watch_wait_s(
+    now: float, *, started_at: float, last_activity_at: float | None, prepare_timeout_s: float
+) -> float:
+    """Seconds until the readiness streams of the participants still preparing are
+    opened (0: now).
+
+    Not before :func:`watch_after_s` since the prepare began; and while the fan-out is
+    still busy (it sent a request or read an answer less than
+    :data:`WATCH_QUIET_FRACTION` of that ago) the coordinator is working through
+    requests and answers, not waiting on participants still preparing: a thousand
+    streams opened then would only slow it down. At the latest
+    :data:`WATCH_LATEST_FACTOR` times :func:`watch_after_s` after the start, so that a
+    busy fan-out never keeps a stuck participant's unacknowledged completions waiting
+    long.
+    """
+    after = watch_after_s(prepare_timeout_s)
+    due = started_at + after
+    if last_activity_at is not None:
+        due = max(due, last_activity_at + after * WATCH_QUIET_FRACTION)
+    due = min(due, started_at + after * WATCH_LATEST_FACTOR)
+    return max(0.0, due - now)
 
 
 def _names(instances: Iterable[str]) -> str:

@@ -34,6 +34,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 
@@ -90,18 +91,23 @@ class Unacked:
         self._metrics = metrics
         self.ledger = UnackedLedger(can_acknowledge=resolve is not None)
         self._asking: dict[tuple[str, str], asyncio.Future[UnackedDecision]] = {}
-        # Per instance, set once it holds a completion that must be retired: it wakes
-        # that participant's prepare, which then gives up.
-        self._hopeless: dict[str, asyncio.Event] = {}
+        # Per instance, done once it holds a completion that must be retired: it wakes
+        # that participant's prepare, which then gives up. A future rather than an
+        # event: a prepare round waits on it with a callback, not with a task of its own.
+        self._hopeless: dict[str, asyncio.Future[None]] = {}
         self._cores: dict[str, ParticipantPrepare] = {}
 
-    def follow(self, core: ParticipantPrepare) -> asyncio.Event:
-        """Tell ``core`` when its participant becomes hopeless; the event wakes its waits."""
+    def follow(self, core: ParticipantPrepare) -> asyncio.Future[None]:
+        """Tell ``core`` when its participant becomes hopeless; the future, done then,
+        wakes its waits."""
         self._cores[core.instance] = core
-        return self.hopeless_event(core.instance)
+        return self.hopeless(core.instance)
 
-    def hopeless_event(self, instance: str) -> asyncio.Event:
-        return self._hopeless.setdefault(instance, asyncio.Event())
+    def hopeless(self, instance: str) -> asyncio.Future[None]:
+        found = self._hopeless.get(instance)
+        if found is None:
+            found = self._hopeless[instance] = asyncio.get_running_loop().create_future()
+        return found
 
     async def handle(self, instance: str, readiness: types_pb2.ReadinessReport) -> None:
         for blocker in readiness.blockers:
@@ -119,7 +125,9 @@ class Unacked:
                 core = self._cores.get(instance)
                 if core is not None:
                     core.mark_hopeless(verdict.reason)
-                self.hopeless_event(instance).set()
+                hopeless = self.hopeless(instance)
+                if not hopeless.done():
+                    hopeless.set_result(None)
 
     async def _decide(self, instance: str, episode: EpisodeId, receipt_id: str) -> UnackedDecision:
         known = self.ledger.decided(instance, receipt_id)
@@ -262,33 +270,51 @@ class PreparingParticipant:
             decision = core.next_round(loop.time())
 
     async def _round(self, request: pb.PrepareRequest, timeout_s: float) -> ControlResponse | None:
-        """One prepare call, abandoned (and cancelled) as soon as waiting is pointless."""
-        calling = asyncio.ensure_future(self._client.call(request, timeout_s))
-        giving_up = asyncio.ensure_future(self._hopeless.wait())
-        try:
-            await asyncio.wait({calling, giving_up}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            giving_up.cancel()
-            if not calling.done():
-                calling.cancel()
-                await asyncio.gather(calling, return_exceptions=True)
-            elif not calling.cancelled():
-                # Cancelled just as the call failed: the failure goes unraised, but is
-                # marked as seen, or asyncio logs it when the task is collected.
-                calling.exception()
-        if calling.cancelled():
+        """One prepare call, abandoned (and cancelled) as soon as waiting is pointless.
+
+        The call runs in this task; becoming hopeless cancels the task the way
+        ``asyncio.timeout`` does (``cancel``, then ``uncancel`` on the way out), so that
+        a round costs no task of its own and no second task racing it: most rounds are
+        answered in milliseconds. A cancellation from outside (the fan-out's deadline)
+        still propagates.
+        """
+        hopeless = self._hopeless
+        if hopeless.done():
             return None
-        return calling.result()
+        task = asyncio.current_task()
+        assert task is not None
+        running = True
+        gave_up = False
+
+        def give_up(_: asyncio.Future[None]) -> None:
+            nonlocal gave_up
+            # Scheduled by the future, so it may run after the round ended: then no-op.
+            if running:
+                gave_up = True
+                task.cancel()
+
+        hopeless.add_done_callback(give_up)
+        try:
+            return await self._client.call(request, timeout_s)
+        except asyncio.CancelledError:
+            if gave_up and task.uncancel() == 0:
+                return None
+            raise
+        finally:
+            running = False
+            hopeless.remove_done_callback(give_up)
 
     async def _wait(self, timeout_s: float, *, until_change: bool) -> None:
-        waits = [asyncio.ensure_future(self._hopeless.wait())]
+        waits: list[asyncio.Future[Any]] = [self._hopeless]
+        changed = None
         if until_change:
-            waits.append(asyncio.ensure_future(self._readiness.changed.wait()))
+            changed = asyncio.ensure_future(self._readiness.changed.wait())
+            waits.append(changed)
         try:
             await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for waiting in waits:
-                waiting.cancel()
+            if changed is not None:
+                changed.cancel()
 
 
 async def watch_readiness(
