@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.participants import TOKEN, start_topology
+from tests.support.participants import TOKEN, guess_agent_command, start_topology
 from tests.support.scripted import poll
 from turnpoint.apps.examples._build import ExampleSpec, build_example
 from turnpoint.apps.examples._guess_jobs import guess_rollouts
@@ -44,35 +44,6 @@ GROUP_SIZE = 2
 BOUND_S = 60.0
 
 
-def _agent_command(root: Path, policy: str, tools: str, group_tools: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "turnpoint.apps._cli",
-        "serve",
-        "--kind",
-        "agent",
-        "--example",
-        "guess",
-        "--instance",
-        "agent-1",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        "0",
-        "--root",
-        str(root),
-        "--group-size",
-        str(GROUP_SIZE),
-        "--policy",
-        policy,
-        "--resources",
-        f"guess={tools}",
-        "--resources",
-        f"guess-group={group_tools}",
-    ]
-
-
 async def test_a_killed_agent_process_is_replaced_and_only_its_episode_is_restored(
     tmp_path: Path,
 ) -> None:
@@ -83,11 +54,13 @@ async def test_a_killed_agent_process_is_replaced_and_only_its_episode_is_restor
         env["PYTHONPATH"] = os.pathsep.join(sys.path)
         launcher = LocalProcessLauncher(
             {
-                "agent-1": _agent_command(
+                "agent-1": guess_agent_command(
+                    "agent-1",
                     root,
-                    topology.policy.address,
-                    topology.tools.address,
-                    topology.group_tools.address,
+                    group_size=GROUP_SIZE,
+                    policy=topology.policy.address,
+                    tools=topology.tools.address,
+                    group_tools=topology.group_tools.address,
                 )
             },
             env=env,

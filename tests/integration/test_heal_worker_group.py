@@ -26,7 +26,7 @@ import grpc
 import pytest
 import torch
 
-from tests.support.participants import METADATA, TOKEN, start_topology
+from tests.support.participants import METADATA, TOKEN, guess_agent_command, start_topology
 from tests.support.scripted import poll
 from turnpoint._status import error_from_rpc
 from turnpoint.apps.examples._guess_jobs import guess_rollouts
@@ -53,32 +53,6 @@ GROUP_SIZE = 2
 BOUND_S = 60.0
 
 
-def _worker_command(root: Path, policy: str, tools: str, group_tools: str) -> list[str]:
-    # The slot in the environment gives each worker its name, host and ports.
-    return [
-        sys.executable,
-        "-m",
-        "turnpoint.apps._cli",
-        "serve",
-        "--kind",
-        "agent",
-        "--example",
-        "guess",
-        "--instance",
-        "agents",
-        "--root",
-        str(root),
-        "--group-size",
-        str(GROUP_SIZE),
-        "--policy",
-        policy,
-        "--resources",
-        f"guess={tools}",
-        "--resources",
-        f"guess-group={group_tools}",
-    ]
-
-
 async def _reattach(address: str, episode: EpisodeId, incarnation: str) -> TurnpointError | None:
     """A raw re-attaching Run of ``episode`` naming ``incarnation``: its refusal."""
     request = pb.RunRequest(
@@ -103,8 +77,15 @@ async def test_a_killed_worker_is_healed_in_place_at_its_own_address(tmp_path: P
         env = dict(os.environ)
         env[TOKEN_ENV] = TOKEN
         env["PYTHONPATH"] = os.pathsep.join(sys.path)
-        command = _worker_command(
-            root, topology.policy.address, topology.tools.address, topology.group_tools.address
+        # The slot in the environment gives each worker its name, host and ports.
+        command = guess_agent_command(
+            "agents",
+            root,
+            group_size=GROUP_SIZE,
+            policy=topology.policy.address,
+            tools=topology.tools.address,
+            group_tools=topology.group_tools.address,
+            own_port=False,
         )
         group = WorkerGroup("agents", 2, command, env=env, start_timeout_s=BOUND_S)
         await asyncio.wait_for(group.start(), BOUND_S)

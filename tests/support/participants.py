@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -257,3 +258,26 @@ async def start_topology(
     finally:
         for hosted in reversed(started):
             await hosted.stop(0)
+
+
+def guess_agent_command(
+    instance: str,
+    root: Path,
+    *,
+    group_size: int,
+    policy: str,
+    tools: str,
+    group_tools: str,
+    own_port: bool = True,
+) -> list[str]:
+    """``turnpoint serve`` of the guess example's agent as a process of its own, reaching
+    the given policy and resources servers. ``own_port=False``: no host and port (a
+    worker group's slot gives them)."""
+    where = ["--host", "127.0.0.1", "--port", "0"] if own_port else []
+    return [
+        *(sys.executable, "-m", "turnpoint.apps._cli", "serve"),
+        *("--kind", "agent", "--example", "guess", "--instance", instance),
+        *where,
+        *("--root", str(root), "--group-size", str(group_size), "--policy", policy),
+        *("--resources", f"guess={tools}", "--resources", f"guess-group={group_tools}"),
+    ]

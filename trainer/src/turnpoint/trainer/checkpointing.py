@@ -800,6 +800,9 @@ class Checkpointing:
         finally:
             self._snapshot_lock.release()
         self.heals.append(plan)
+        if self._pump is not None:
+            # The snapshots that failed on the loss do not count towards ending the run.
+            self._pump.fleet_healed()
         self.history.on_replaced(
             lost,
             time.monotonic(),

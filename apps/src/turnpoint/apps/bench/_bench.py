@@ -418,15 +418,13 @@ class BenchReport:
             "scale": None if self.scale is None else self.scale.to_json(),
             "targets": {target.name: target.to_json() for target in self.targets()},
             "details": {
-                "workers": self.workers,
-                "warmup_rounds": self.warmup,
-                "control_root": self.control_root,
-                "control_root_on_tmpfs": self.control_on_tmpfs,
-                "rounds": {str(row.participants): row.rounds for row in self.control_overhead},
-                "phases_ms": {
-                    str(row.participants): {k: round(v, 3) for k, v in row.phases_ms.items()}
-                    for row in self.control_overhead
-                },
+                **_control_details(
+                    self.control_overhead,
+                    self.workers,
+                    self.warmup,
+                    self.control_root,
+                    self.control_on_tmpfs,
+                ),
                 "bookkeeping_us": None
                 if not self.bookkeeping_repeats_us
                 else _spread_json(self.bookkeeping_repeats_us),
@@ -637,18 +635,29 @@ class ControlPathReport:
             "control_overhead": [row.to_json() for row in self.rows],
             "targets": {target.name: target.to_json() for target in self.targets()},
             "details": {
-                "workers": self.workers,
-                "warmup_rounds": self.warmup,
-                "control_root": self.control_root,
-                "control_root_on_tmpfs": self.control_on_tmpfs,
-                "rounds": {str(row.participants): row.rounds for row in self.rows},
-                "phases_ms": {
-                    str(row.participants): {k: round(v, 3) for k, v in row.phases_ms.items()}
-                    for row in self.rows
-                },
+                **_control_details(
+                    self.rows, self.workers, self.warmup, self.control_root, self.control_on_tmpfs
+                ),
                 "machine": self.machine,
             },
         }
+
+
+def _control_details(
+    rows: Sequence[OverheadRow], workers: int, warmup: int, root: str, on_tmpfs: bool
+) -> dict[str, Any]:
+    """The control-path figure's details, in the full report and in its own."""
+    return {
+        "workers": workers,
+        "warmup_rounds": warmup,
+        "control_root": root,
+        "control_root_on_tmpfs": on_tmpfs,
+        "rounds": {str(row.participants): row.rounds for row in rows},
+        "phases_ms": {
+            str(row.participants): {k: round(v, 3) for k, v in row.phases_ms.items()}
+            for row in rows
+        },
+    }
 
 
 async def run_control_path(options: BenchOptions, progress: Progress) -> ControlPathReport:

@@ -2,7 +2,9 @@
 
 docs/spec.md section 7.5. A published snapshot resets the failure count; a skipped one
 leaves it; a transient failure counts, and ``max_consecutive_failures`` of them in a row
-end the run; an invariant failure ends it at once. After a transient failure the next
+end the run; an invariant failure ends it at once. A participant healed in place
+(:meth:`SnapshotPump.fleet_healed`) also resets the count: the failures before it were
+its loss, which the heal repaired. After a transient failure the next
 tick hands the same checkpoint id back to the driver (see :mod:`turnpoint.trainer.snapshots.driver`).
 """
 
@@ -71,6 +73,12 @@ class SnapshotPump:
     @property
     def consecutive_failures(self) -> int:
         return len(self._failures)
+
+    def fleet_healed(self) -> None:
+        """A lost participant was replaced in place (docs/spec.md section 7.15): the
+        attempts that failed on its loss are explained and repaired, so the count of
+        failures in a row starts again. The next tick still retries the same id."""
+        self._failures.clear()
 
     @property
     def retry_id(self) -> str | None:
