@@ -219,9 +219,11 @@ def add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         type=int,
         default=MAX_RESTARTS,
         metavar="N",
-        help="unplanned job restarts allowed per hour: a participant that dies or a trainer "
-        "that dies or stalls restores the job from the last published snapshot onto fresh "
-        f"processes (default: {MAX_RESTARTS})",
+        help="unplanned recoveries allowed per hour, and heals per participant: a "
+        "participant that dies or is paused is replaced in place, a trainer that dies or "
+        "stalls restarts alone into the running participants, and only what cannot heal "
+        "restores the whole job from the last published snapshot onto fresh processes "
+        f"(default: {MAX_RESTARTS})",
     )
     parser.add_argument(
         # For tests that inject many faults: the backoff's first pause (it doubles with
