@@ -26,19 +26,20 @@ import inspect
 import logging
 import signal
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType, TracebackType
 from typing import TYPE_CHECKING, Final, Self
 
 from turnpoint.errors import Reason
+from turnpoint.ids import EpisodeId
 from turnpoint.protocol import ParticipantKind
 from turnpoint.trainer.anchors.source import AnchorSource
 from turnpoint.trainer.config import CoordinatorConfig
 from turnpoint.trainer.control.coordinator import Coordinator
 from turnpoint.trainer.control.identity import bump_epoch
 from turnpoint.trainer.control.liveness import ParticipantLostError, watch_liveness
-from turnpoint.trainer.control.outcomes import OperationFailed, RestoreFailed
+from turnpoint.trainer.control.outcomes import ControlReport, OperationFailed, RestoreFailed
 from turnpoint.trainer.errors import CoordinatorError
 from turnpoint.trainer.restore.choice import METRICS_KEY
 from turnpoint.trainer.restore.heal import HealPlan, Member, plan_heal, restore_id_for
@@ -180,6 +181,30 @@ class HealRefusedError(CoordinatorError):
 # Re-attaches of a broken attempt before it is rerun, healing in place: with the backoff
 # capped at 2 s, about a minute, time for the liveness watch and the launcher.
 HEAL_REATTACH_ATTEMPTS: Final = 30
+# A heal's retire on the live participants is tried again after these pauses while its
+# failures are transient (a link that dropped for a moment), before the job restarts.
+HEAL_RETRY_PAUSES_S: Final = (0.5, 1.0, 2.0)
+
+
+async def retire_for_heal(
+    retire: Callable[..., Awaitable[ControlReport]],
+    episodes: Mapping[str, Sequence[EpisodeId]],
+    *,
+    key: str,
+    pauses_s: Sequence[float] = HEAL_RETRY_PAUSES_S,
+    sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
+) -> ControlReport:
+    """A heal's retire (``Coordinator.retire``) of ``episodes``, sent again to the
+    participants that failed after each of ``pauses_s`` while every failure is
+    retryable: a live participant's link may drop for a moment. The same ``key`` re-sends
+    the same request ids, so a retire that got through is joined, not repeated."""
+    report = await retire(episodes, key=key)
+    for pause_s in pauses_s:
+        if not report.failures or not all(f.retryable for f in report.failures.values()):
+            break
+        await sleep(pause_s)
+        report = await retire({name: episodes[name] for name in report.failures}, key=key)
+    return report
 
 
 class Checkpointing:
@@ -874,7 +899,9 @@ class Checkpointing:
 
     async def _apply_heal(self, plan: HealPlan, manifest: SnapshotManifest | None) -> None:
         coordinator, rollouts = self.coordinator, self.rollouts
-        retired = await coordinator.retire(plan.retire, key=f"{plan.restore_id}-reruns")
+        retired = await retire_for_heal(
+            coordinator.retire, plan.retire, key=f"{plan.restore_id}-reruns"
+        )
         if retired.failures:
             raise OperationFailed("retire", plan.restore_id, retired.failures)
         scope = {plan.lost.instance: plan.replacement_scope, **plan.running_scope}
