@@ -144,6 +144,46 @@ def test_a_lost_resources_server_restores_its_sessions_on_the_replacement_and_th
     assert not plan.push_weights
 
 
+def test_a_scored_group_with_a_finished_sibling_reruns_whole_when_its_verifier_is_lost() -> None:
+    """The verifier's group state (the finished sibling's answer) went with the lost
+    server, and a finished sibling never submits again: the siblings continued from C
+    would wait for it forever. The group reruns whole, its finished sibling too."""
+    members = (
+        Member("agent-0", AGENT, "duel"),
+        Member("agent-1", AGENT, "duel"),
+        Member("judge", RESOURCES, "duel"),
+    )
+    levels = {"duel": level("duel", RecoveryLevel.TURN, scored=True)}
+    s1 = rollout("s1", 0, "agent-0", group="g7", environment="duel")
+    s2 = rollout("s2", 0, "agent-1", group="g7", environment="duel")
+    other = rollout("o1", 0, "agent-1", group="g8", environment="duel")
+    snapshot = manifest(
+        members, [s1, s2, other], {"judge": [s1.episode, s2.episode, other.episode]}
+    )
+
+    def heal(finished: Sequence[str]) -> HealPlan:
+        return plan_heal(
+            snapshot,
+            [s1, s2, other],
+            "judge",
+            members,
+            levels,
+            target=RecoveryLevel.TURN,
+            restore_id=restore_id_for(2, 1),
+            finished_groups=finished,
+        )
+
+    plan = heal(["g7"])
+    assert plan.regroup == ("g7",)
+    assert [(r.episode, r.reason) for r in plan.rerun] == [
+        (EpisodeId("s1", 1), HealRerunReason.GROUP_FINISHED),
+        (EpisodeId("s2", 1), HealRerunReason.GROUP_FINISHED),
+    ]
+    assert [step.episode for step in plan.continued] == [EpisodeId("o1", 1)]
+    # Without a finished sibling every sibling re-submits after its restore: continued.
+    assert heal([]).regroup == () and len(heal([]).continued) == 3
+
+
 def test_a_lost_agent_restores_its_episodes_on_the_replacement_and_their_sessions_in_place() -> (
     None
 ):

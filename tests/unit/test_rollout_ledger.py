@@ -395,6 +395,26 @@ def test_ready_groups_are_taken_whole_with_siblings_in_order() -> None:
         books.take_oldest()
 
 
+def test_a_heal_reruns_the_finished_siblings_of_a_group_whose_verifier_it_lost() -> None:
+    """docs/spec.md section 7.15 item 2: the finished sibling's result leaves the queue,
+    its attempt is queued for Retire, and it reruns from its prompt above it."""
+    books = ledger()
+    done = started(books, rollout("r0", group="g", sibling=0, size=2))
+    receipt = books.result(done, final(done.episode))
+    assert receipt is not None
+    books.acknowledged(receipt)
+    live = started(books, rollout("r1", group="g", sibling=1, size=2))
+    assert books.finished_groups() == frozenset({"g"})
+
+    (rerun,) = books.rerun_finished("g")
+
+    assert rerun.episode == EpisodeId("r0", 1) and rerun.phase is AttemptPhase.PENDING
+    assert books.finished_groups() == frozenset() and books.ready_group_ids() == []
+    assert books.pending_retires() == {"agent-0": (done.episode,)}
+    assert {a.episode for a in books.live()} == {rerun.episode, live.episode}
+    assert books.rerun_finished("g") == ()
+
+
 # --------------------------------------------------------------------------- budgets
 
 

@@ -869,6 +869,7 @@ class Checkpointing:
                 coordinator.levels,
                 target=self.config.target_level,
                 restore_id=restore_id_for(coordinator.identity.epoch, self._heal_count),
+                finished_groups=rollouts.finished_groups(),
             )
             cannot = sorted(
                 n for n in plan.running_scope if not topology.participants[n].restore_running
@@ -931,6 +932,8 @@ class Checkpointing:
             )
         for rerun in plan.rerun:
             rollouts.rerun_from_prompt(rerun.rollout, attempt=rerun.attempt)
+        for group in plan.regroup:
+            rollouts.rerun_finished(group)
 
     async def _reweigh(self, instance: str, address: str) -> None:
         """A replaced policy model takes the trainer's current weights before calls."""

@@ -15,7 +15,12 @@ manifest, the rollouts in flight now and the lost instance:
   participant (RestoreRunning with ``retire_unscoped`` false, section 4.16): every
   participant that exported a continued episode in C gets it back, nothing else;
 - which live attempts must be retired before a rerun (the rerun's old attempt where it
-  may still run: its agent, its environment's resources servers).
+  may still run: its agent, its environment's resources servers);
+- which prompt groups rerun whole, their finished siblings included: a group-scored
+  group with a session on a lost resources server and a sibling that finished (its
+  result awaits training). The verifier's group state went with the lost server, and a
+  finished sibling never submits again, so siblings continued from C would wait for it
+  forever; the whole group reruns from its prompts instead.
 
 A lost policy model touches no episode: it holds none (section 5.4 item 5); its
 replacement needs the trainer's current weights before it takes calls.
@@ -78,6 +83,9 @@ class HealRerunReason(enum.Enum):
     LEVEL = "level"
     # A sibling of its prompt group reruns and the group is scored (or restored) whole.
     GROUP = "group"
+    # Its group is scored by a lost resources server and a sibling already finished:
+    # the group reruns whole, the finished siblings too (:attr:`HealPlan.regroup`).
+    GROUP_FINISHED = "group_finished"
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +136,9 @@ class HealPlan:
     untouched: tuple[str, ...]
     # The replacement must get the trainer's current weights before it takes calls.
     push_weights: bool = False
+    # Prompt groups whose finished siblings (results not trained yet) rerun from their
+    # prompts too, with the group's live siblings (reason GROUP_FINISHED).
+    regroup: tuple[str, ...] = ()
 
     @property
     def touched(self) -> int:
@@ -153,6 +164,7 @@ def plan_heal(
     target: RecoveryLevel,
     restore_id: str,
     retired: Iterable[EpisodeId] = (),
+    finished_groups: Iterable[str] = (),
 ) -> HealPlan:
     """Decide how to heal the loss of ``lost`` (see the module docstring).
 
@@ -162,6 +174,8 @@ def plan_heal(
     each environment's effective recovery level as discovery decided it; an environment
     no participant describes has the configuration's ``target`` level, as at a restore. ``retired`` are attempts retired earlier (a heal that failed after its
     retire): a rerun goes above them, as a participant refuses every attempt up to one.
+    ``finished_groups`` are the prompt groups with a finished sibling whose result waits
+    for the rest of its group (the ledger's queue).
     """
     topology = {member.instance: member for member in members}
     if lost not in topology:
@@ -224,6 +238,18 @@ def plan_heal(
         return target if decision is None else decision.effective
 
     reasons = {rid: rerun_reason(live_by_id[rid]) for rid in touched}
+    # A group-scored group whose verifier was the lost server, with a sibling that
+    # finished: that sibling's answer went with the server and is never submitted again.
+    finished = set(finished_groups)
+    regroup: set[str] = set()
+    if lost_member.kind is ParticipantKind.RESOURCES:
+        for rid in touched:
+            rollout = live_by_id[rid]
+            decision = levels.get(rollout.environment)
+            scored = decision is not None and decision.group_scored
+            if scored and rollout.prompt_group_id in finished:
+                reasons[rid] = HealRerunReason.GROUP_FINISHED
+                regroup.add(rollout.prompt_group_id)
     # A scored (or whole-group) prompt group whose sibling reruns reruns whole: its live
     # siblings elsewhere are pulled in, as a restore does (section 7.7 item 5).
     whole_groups = {
@@ -278,6 +304,7 @@ def plan_heal(
         rerun=tuple(rerun),
         untouched=tuple(sorted(set(live_by_id) - touched)),
         push_weights=lost_member.kind is ParticipantKind.MODEL,
+        regroup=tuple(sorted(regroup)),
     )
 
 

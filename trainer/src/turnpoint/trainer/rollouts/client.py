@@ -620,6 +620,16 @@ class RolloutClient:
         """
         return self._ledger.rerun_from_prompt(rollout, instance=instance, attempt=attempt).episode
 
+    def finished_groups(self) -> frozenset[str]:
+        """Prompt groups with a finished sibling whose result waits for the rest."""
+        return self._ledger.finished_groups()
+
+    def rerun_finished(self, group: str) -> None:
+        """Rerun ``group``'s finished siblings from their prompts (a heal lost their
+        verifier's group state, docs/spec.md section 7.15 item 2)."""
+        self._ledger.rerun_finished(group)
+        self._changes.notify()
+
     def end_for_heal(self, episodes: Iterable[EpisodeId]) -> None:
         """End the live attempts a heal replaces and stop their Runs (docs/spec.md
         section 7.15); the heal then continues or reruns each (see the ledger's

@@ -721,6 +721,50 @@ class RolloutLedger:
             error_message=f"active-time budget of {attempt.budget_s} s spent",
         )
 
+    def _take_finished(self, group: str) -> list[tuple[Rollout, int, float | None]]:
+        """Take ``group``'s finished siblings out of the queue, their attempts queued for
+        Retire: each one's spec, last attempt and budget, to rerun from its prompt."""
+        again: list[tuple[Rollout, int, float | None]] = []
+        for result in [r for r in self._queue.values() if r.prompt_group_id == group]:
+            del self._queue[result.rollout_id]
+            self._queue_retire(result.instance, result.episode)
+            budget = self._settings.default_budget_s
+            spec = Rollout(
+                rollout_id=result.rollout_id,
+                prompt_group_id=result.prompt_group_id,
+                sibling_index=result.sibling_index,
+                group_size=result.group_size,
+                environment=result.environment,
+                task=result.task,
+                instance=result.instance,
+                budget_s=budget,
+            )
+            again.append((spec, result.episode.attempt, budget))
+        return again
+
+    def finished_groups(self) -> frozenset[str]:
+        """Prompt groups with a finished sibling whose result waits for the rest."""
+        return frozenset(result.prompt_group_id for result in self._queue.values())
+
+    def rerun_finished(self, group: str) -> tuple[Attempt, ...]:
+        """Rerun ``group``'s finished siblings from their prompts, behind the gate: a heal
+        lost the verifier's group state, which holds their answers (docs/spec.md section
+        7.15 item 2). Their results leave the queue; their attempts are queued for Retire."""
+        reruns = []
+        for spec, last, budget in self._take_finished(group):
+            number = max(self._attempts.get(spec.rollout_id, -1), last) + 1
+            attempt = Attempt(
+                spec,
+                EpisodeId(spec.rollout_id, number),
+                spec.instance,
+                budget,
+                request_id=self._request_ids(),
+            )
+            self._add_live(attempt)
+            reruns.append(attempt)
+        self._stats.reruns += len(reruns)
+        return tuple(reruns)
+
     def _retry_group(
         self, failed: Attempt, outcome: RolloutOutcome, why: str, *, rerun: bool, **details: Any
     ) -> Attempt | None:
@@ -754,26 +798,11 @@ class RolloutLedger:
                     error_message=f"group-scored sibling {failed.episode} ended: {why}",
                 )
             return None
-        finished = [result for result in self._queue.values() if result.prompt_group_id == group]
         again: list[tuple[Rollout, int, float | None]] = [
             (failed.spec, failed.episode.attempt, failed.budget_s),
             *((a.spec, a.episode.attempt, a.budget_s) for a in siblings),
+            *self._take_finished(group),
         ]
-        for result in finished:
-            del self._queue[result.rollout_id]
-            self._queue_retire(result.instance, result.episode)
-            budget = self._settings.default_budget_s
-            spec = Rollout(
-                rollout_id=result.rollout_id,
-                prompt_group_id=result.prompt_group_id,
-                sibling_index=result.sibling_index,
-                group_size=result.group_size,
-                environment=result.environment,
-                task=result.task,
-                instance=result.instance,
-                budget_s=budget,
-            )
-            again.append((spec, result.episode.attempt, budget))
         self._stats.groups_retried_whole += 1
         self._stats.reruns += len(again)
         _LOG.warning(
