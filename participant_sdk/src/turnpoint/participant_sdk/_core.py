@@ -33,6 +33,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Final
 
 from turnpoint.errors import Reason, TurnpointError
 from turnpoint.ids import EpisodeId, InvalidIdError, validate_id
@@ -207,6 +208,16 @@ def _work_order(key: WorkKey) -> tuple[str, int, str]:
     return key.episode.rollout_id, key.episode.attempt, key.slot
 
 
+# Enum members as module constants for the per-episode paths: reading one off its class
+# goes through the enum's metaclass, several times slower than a global.
+_IDLE: Final = Phase.IDLE
+_PREPARING: Final = Phase.PREPARING
+_PREPARED: Final = Phase.PREPARED
+_RUNNING: Final = EpisodeState.RUNNING
+_RESTART: Final = EpisodeState.RESTART
+_RETIRING: Final = EpisodeState.RETIRING
+_GONE: Final = EpisodeState.IDLE
+
 # A tuple: membership compares by identity, where the frozenset would call the enum's
 # Python-level __hash__ (this is asked on every change of the work table).
 _BLOCKING_STATES = tuple(BLOCKING_STATES)
@@ -372,7 +383,7 @@ class ParticipantCore:
 
     @property
     def admission_open(self) -> bool:
-        return self._phase is Phase.IDLE
+        return self._phase is _IDLE
 
     @property
     def active_checkpoint_id(self) -> str | None:
@@ -1003,7 +1014,7 @@ class ParticipantCore:
         self._counts[state] += 1
         if entry.blocks:
             self._blockers[key] = None
-        if state is EpisodeState.RESTART:
+        if state is _RESTART:
             self._restart_keys[key] = None
         self._changed(entry, now)
 
@@ -1023,17 +1034,17 @@ class ParticipantCore:
         nothing leaves RETIRING except removal.
         """
         entry = self._entries[key]
-        if entry.state is EpisodeState.RETIRING and state is not EpisodeState.RETIRING:
+        if entry.state is _RETIRING and state is not _RETIRING:
             return entry.state
-        if entry.state is EpisodeState.RESTART and state is not EpisodeState.RETIRING:
-            state = EpisodeState.RESTART
+        if entry.state is _RESTART and state is not _RETIRING:
+            state = _RESTART
         was_blocking = entry.blocks
         if state is not entry.state:
             self._counts[entry.state] -= 1
             self._counts[state] += 1
-            if entry.state is EpisodeState.RESTART:
+            if entry.state is _RESTART:
                 self._restart_keys.pop(key, None)
-            if state is EpisodeState.RESTART:
+            if state is _RESTART:
                 self._restart_keys[key] = None
             entry.state = state
         if receipt is not None:
@@ -1049,10 +1060,32 @@ class ParticipantCore:
         self._changed(entry, now)
         return entry.state
 
-    def seal_boundary(self, key: WorkKey, boundary_index: int, turn_index: int, now: float) -> None:
+    def seal_boundary(self, key: WorkKey, boundary_index: int, turn_index: int, now: float) -> bool:
+        """Record a sealed boundary; returns :meth:`runs_on` (whether it carries on)."""
         entry = self._entries[key]
         entry.boundary_index, entry.turn_index = boundary_index, turn_index
         self._changed(entry, now)
+        return self._runs_on(entry, now)
+
+    def runs_on(self, key: WorkKey, now: float) -> bool:
+        """At a boundary: whether the work carries on rather than park there.
+
+        It does while admission is open, and a restart always does (it is in no cut);
+        it is then RUNNING (a restart stays a restart). False: a checkpoint holds
+        admission, and the caller parks it.
+        """
+        entry = self._entries.get(key)
+        if entry is None:
+            return self.admission_open
+        return self._runs_on(entry, now)
+
+    def _runs_on(self, entry: _Entry, now: float) -> bool:
+        state = entry.state
+        if self._phase is _IDLE or state is _RESTART:
+            if state is not _RUNNING:
+                self.set_state(entry.key, _RUNNING, now)
+            return True
+        return False
 
     def remove(self, key: WorkKey, now: float) -> None:
         if key in self._entries:
@@ -1065,10 +1098,14 @@ class ParticipantCore:
         if not keys:
             del self._by_rollout[key.episode.rollout_id]
         self._counts[entry.state] -= 1
-        self._blockers.pop(key, None)
-        self._restart_keys.pop(key, None)
-        self._pending_restarts.discard(key)
-        entry.state = EpisodeState.IDLE
+        # Each hashes the key in Python (WorkKey.__hash__): ask only a table that holds any.
+        if self._blockers:
+            self._blockers.pop(key, None)
+        if self._restart_keys:
+            self._restart_keys.pop(key, None)
+        if self._pending_restarts:
+            self._pending_restarts.discard(key)
+        entry.state = _GONE
         entry.replayable = False
         self._changed(entry, now, removed=True)
 
@@ -1175,7 +1212,7 @@ class ParticipantCore:
 
     def _changed(self, entry: _Entry, now: float, *, removed: bool = False) -> None:
         self._version += 1
-        if self._phase is Phase.PREPARING or self._phase is Phase.PREPARED:
+        if self._phase is _PREPARING or self._phase is _PREPARED:
             self._refresh_readiness_phase()
         if self._record_events:
             self._events.append(
