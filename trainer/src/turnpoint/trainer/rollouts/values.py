@@ -116,12 +116,16 @@ def backoff_s(settings: RolloutClientSettings, failures: int) -> float:
 # --------------------------------------------------------------------------- values
 
 
+# json.dumps builds an encoder per call when an option differs from its defaults.
+_STRICT_ENCODER: Final = json.JSONEncoder(allow_nan=False)
+
+
 def _plain_json(value: object, what: str) -> dict[str, Any]:
     """A deep copy of ``value`` as a plain JSON object (tuples become lists)."""
     if not isinstance(value, Mapping):
         raise ValueError(f"{what} must be a mapping, got {type(value).__name__}")
     try:
-        copy = json.loads(json.dumps(dict(value), allow_nan=False))
+        copy = json.loads(_STRICT_ENCODER.encode(value if type(value) is dict else dict(value)))
     except (TypeError, ValueError) as error:
         raise ValueError(f"{what} is not plain JSON: {error}") from None
     assert isinstance(copy, dict)
