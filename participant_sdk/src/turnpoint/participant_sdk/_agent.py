@@ -72,6 +72,9 @@ class RunOutcome(enum.Enum):
     FAILED = "FAILED"  # the agent raised; must be acknowledged
     BUDGET_EXHAUSTED = "BUDGET_EXHAUSTED"  # active time ran out; must be acknowledged
 
+    # Singletons compared by identity: an identity hash is C-level (Enum's is Python).
+    __hash__ = object.__hash__
+
 
 # Members read on every episode, as module constants: reading one off its enum class goes
 # through the metaclass, several times slower than a global.

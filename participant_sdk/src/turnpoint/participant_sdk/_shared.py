@@ -141,11 +141,17 @@ class _Lock(asyncio.Lock):
         free and nobody waits for it (a waiter already woken goes first). ``acquire``'s
         own test; a coroutine run by hand to ask it costs more than the change it guards.
         """
-        if self.locked() or self._waiters:
+        if self._locked or self._waiters:
             return False
         # What acquire() does on its fast path; a released take() is a release().
         self._locked = True
         return True
+
+    def release(self) -> None:
+        if self._locked and not self._waiters:
+            self._locked = False  # nobody to wake: what release() comes to, inline
+        else:
+            super().release()
 
 
 class _Changing:
