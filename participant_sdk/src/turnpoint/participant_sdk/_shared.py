@@ -136,6 +136,8 @@ class _Watcher:
 class _Lock(asyncio.Lock):
     """The participant's one lock, which a hot path may also take without a coroutine."""
 
+    _locked: bool  # asyncio.Lock's own state (typeshed declares only its waiters)
+
     def take(self) -> bool:
         """Take the lock now if :meth:`acquire` would take it without waiting: it is
         free and nobody waits for it (a waiter already woken goes first). ``acquire``'s
