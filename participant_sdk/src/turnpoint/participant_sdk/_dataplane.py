@@ -103,7 +103,8 @@ class DataPlane:
         """
         if fence is not None:
             await self._check_data_fence(fence)
-        self._check_incarnation(episode, participant_incarnation)
+        if participant_incarnation:
+            self._check_incarnation(episode, participant_incarnation)
         return await self._agent().accept_run(
             episode,
             task,

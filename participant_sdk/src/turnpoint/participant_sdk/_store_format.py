@@ -322,7 +322,6 @@ def _dumps_plain(value: Any, verbatim: frozenset[int], out: list[str]) -> None:
 
 # Exactly these types are immutable JSON values: a copy may share them.
 _JSON_ATOMS: Final = frozenset({str, int, float, bool, type(None)})
-_STR: Final = frozenset({str})
 # Below this depth a value is copied by the plain-JSON walk; anything deeper (or a
 # cycle, which no JSON has) goes to copy.deepcopy, which copes with both.
 _FAST_COPY_DEPTH: Final = 32
@@ -339,11 +338,6 @@ def json_copy(value: Any, depth: int = 0) -> Any:
         return value
     if depth < _FAST_COPY_DEPTH:
         if kind is dict:
-            if _JSON_ATOMS.issuperset(map(type, value.values())) and _STR.issuperset(
-                map(type, value)
-            ):
-                # Flat (a boundary's usual state): one copy in C, no call per member.
-                return value.copy()
             copied = {}
             for key, item in value.items():
                 if type(key) is not str:
