@@ -113,6 +113,7 @@ def _slot_setters(cls: type, names: str) -> tuple[Callable[[object, object], Non
 
 _new = object.__new__
 _SET_REPORT = _slot_setters(BoundaryReport, "episode boundary_index turn_index sealed_at")
+_SET_RECEIPT = _slot_setters(CompletionReceipt, "episode receipt_id")
 _SET_RESULT = _slot_setters(
     RunResult, "episode outcome receipt result turns active_time_s error_message"
 )
@@ -131,6 +132,14 @@ def _boundary_report(
     set_turn(report, turn_index)
     set_at(report, sealed_at)
     return report
+
+
+def _receipt(episode: EpisodeId, receipt_id: str) -> CompletionReceipt:
+    receipt = _new(CompletionReceipt)
+    set_episode, set_id = _SET_RECEIPT
+    set_episode(receipt, episode)
+    set_id(receipt, receipt_id)
+    return receipt
 
 
 def _run_result(
@@ -233,8 +242,32 @@ class _Stop(enum.Enum):
     SHUTDOWN = "shutdown"
 
 
+_RETIRED: Final = _Stop.RETIRED
+
+
 class _Execution:
     """One execution of one attempt; replaced by a new object when saved state is claimed."""
+
+    # One is made per episode and read at every boundary.
+    __slots__ = (
+        "_saved",
+        "_sealed",
+        "_waiting",
+        "boundaries",
+        "boundary_index",
+        "budget_s",
+        "calls_after_boundary",
+        "clock",
+        "episode",
+        "followers",
+        "key",
+        "restored",
+        "result",
+        "runner",
+        "stop",
+        "task",
+        "weights_change",
+    )
 
     def __init__(
         self,
@@ -328,6 +361,8 @@ class _Execution:
 
 class EpisodeContext:
     """Handed to :meth:`Agent.run`: the episode's identity and its boundary and model calls."""
+
+    __slots__ = ("_ex", "_host")
 
     def __init__(self, host: AgentHost, execution: _Execution) -> None:
         self._host = host
@@ -638,7 +673,7 @@ class AgentHost:
                     if report.boundary_index > boundaries_seen:
                         yield report
                 if result is not None:
-                    if execution.stop is _Stop.RETIRED:
+                    if execution.stop is _RETIRED:
                         raise TurnpointError(
                             Reason.STALE_ATTEMPT,
                             f"{episode} was retired while it ran",
@@ -798,7 +833,7 @@ class AgentHost:
                 del self._executions[execution.episode]
             return
         # A valid protocol id (the wire validates it), unique per completion.
-        receipt = CompletionReceipt(execution.episode, self._receipt_ids.next())
+        receipt = _receipt(execution.episode, self._receipt_ids.next())
         execution.result = _run_result(
             execution.episode, outcome, receipt, dict(value), turns, active, message
         )

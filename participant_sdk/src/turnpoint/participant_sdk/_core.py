@@ -159,6 +159,8 @@ class AnswerLog:
 class ActiveClock:
     """An episode's active time: runs while it works, stops while a checkpoint parks it."""
 
+    __slots__ = ("_since", "_spent")
+
     def __init__(self, now: float) -> None:
         self._spent = 0.0
         self._since: float | None = now
@@ -181,7 +183,7 @@ class ActiveClock:
         return self._spent + running
 
 
-@dataclass(frozen=True, slots=True, order=True)
+@dataclass(frozen=True, slots=True, order=True, init=False)
 class WorkKey:
     """One piece of work in the table: an episode and what of it (``run``, ``session``...)."""
 
@@ -191,14 +193,22 @@ class WorkKey:
     # the rest of the lookup. Not compared, not pickled (string hashes differ per process).
     _hash: int = field(init=False, repr=False, compare=False)
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "_hash", hash((self.episode, self.slot)))
+    def __init__(self, episode: EpisodeId, slot: str) -> None:
+        # The frozen dataclass's own __init__ would set each field through
+        # object.__setattr__ and call __post_init__; one key is made per episode.
+        set_episode, set_slot, set_hash = _WORK_KEY_SLOTS
+        set_episode(self, episode)
+        set_slot(self, slot)
+        set_hash(self, hash((episode, slot)))
 
     def __hash__(self) -> int:
         return self._hash
 
     def __reduce__(self) -> tuple[type[WorkKey], tuple[EpisodeId, str]]:
         return WorkKey, (self.episode, self.slot)
+
+
+_WORK_KEY_SLOTS: Final = tuple(vars(WorkKey)[name].__set__ for name in ("episode", "slot", "_hash"))
 
 
 def _work_order(key: WorkKey) -> tuple[str, int, str]:
@@ -1143,7 +1153,7 @@ class ParticipantCore:
         """The entry holding ``receipt`` (the caller frees it and removes it), or None."""
         for key in self._by_rollout.get(receipt.episode.rollout_id, ()):
             entry = self._entries[key]
-            if key.episode == receipt.episode and (
+            if (key.episode is receipt.episode or key.episode == receipt.episode) and (
                 entry.receipt is receipt or entry.receipt == receipt
             ):
                 return key
