@@ -302,11 +302,11 @@ class _Execution:
         # future, so that news of this execution wakes its followers and nobody else's.
         self._waiting: list[asyncio.Future[None]] = []
 
-    async def news(self) -> None:
-        """Wait for the next boundary or the result (a follower, lock not held)."""
-        waiter = asyncio.get_running_loop().create_future()
+    def news(self) -> asyncio.Future[None]:
+        """What a follower awaits (lock not held) for the next boundary or the result."""
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiting.append(waiter)
-        await waiter
+        return waiter
 
     def tell(self) -> None:
         """Wake the followers: a boundary was sealed, or the result set."""
@@ -511,10 +511,6 @@ class _ReceiptIds:
         return "rc-" + self._pool[start : self._at]
 
 
-def _has_news(execution: _Execution, seen: int) -> bool:
-    return len(execution.boundaries) > seen or execution.result is not None
-
-
 class AgentHost:
     """Hosts one :class:`Agent`: its executions, their parking and their export."""
 
@@ -664,13 +660,13 @@ class AgentHost:
             while True:
                 # Boundaries and the result change only inside synchronous steps of a
                 # change: reading them between two awaits needs no lock.
-                while not _has_news(execution, seen):
+                while len(execution.boundaries) <= seen and execution.result is None:
                     await execution.news()
                 batch = execution.boundaries[seen:]
                 seen = len(execution.boundaries)
                 result = execution.result
                 for report in batch:
-                    if report.boundary_index > boundaries_seen:
+                    if not boundaries_seen or report.boundary_index > boundaries_seen:
                         yield report
                 if result is not None:
                     if execution.stop is _RETIRED:

@@ -986,7 +986,7 @@ class ParticipantCore:
 
     def check_attempt(self, episode: EpisodeId) -> None:
         """Refuse a retired attempt, or one older than an attempt this participant holds."""
-        if self._refused(episode):
+        if self._marks and self._refused(episode):
             raise _error(
                 Reason.STALE_ATTEMPT,
                 f"{episode} was retired",
@@ -1007,7 +1007,7 @@ class ParticipantCore:
         self.check_attempt(key.episode)
         if key in self._entries:
             raise RuntimeError(f"{key} is already in the table")
-        if not self.admission_open:
+        if self._phase is not _IDLE:
             raise _error(
                 Reason.ADMISSION_CLOSED,
                 f"admission is closed by {self._active!r} ({self._phase.name})",
@@ -1020,7 +1020,11 @@ class ParticipantCore:
     def _add(self, key: WorkKey, state: EpisodeState, now: float, *, detail: str = "") -> None:
         entry = _Entry(key, state, detail=detail)
         self._entries[key] = entry
-        self._by_rollout.setdefault(key.episode.rollout_id, set()).add(key)
+        rollout_keys = self._by_rollout.get(key.episode.rollout_id)
+        if rollout_keys is None:
+            self._by_rollout[key.episode.rollout_id] = {key}
+        else:
+            rollout_keys.add(key)
         self._counts[state] += 1
         if entry.blocks:
             self._blockers[key] = None

@@ -260,14 +260,18 @@ class Shared:
         ``finally``), and may await inside as in ``changing``. It takes the lock when
         ``acquire`` would without suspending (:meth:`_Lock.take`).
         """
-        return self._core if self._lock.take() else None
+        lock = self._lock
+        if lock._locked or lock._waiters:  # _Lock.take, inline: a boundary comes here
+            return None
+        lock._locked = True
+        return self._core
 
     def changed(self) -> None:
         """End a change begun by :meth:`change_now`: publish it and release the lock."""
         try:
             self.publish(force=True)
         finally:
-            self.cond.release()
+            self._lock.release()
 
     def locked(self) -> _Locked:
         """Hold the lock to read the core at one instant, publishing nothing.
