@@ -252,7 +252,6 @@ class _Execution:
     __slots__ = (
         "_saved",
         "_sealed",
-        "_waiting",
         "boundaries",
         "boundary_index",
         "budget_s",
@@ -266,6 +265,7 @@ class _Execution:
         "runner",
         "stop",
         "task",
+        "waiting",
         "weights_change",
     )
 
@@ -300,18 +300,18 @@ class _Execution:
         self.calls_after_boundary = 0
         # Followers waiting for the next boundary or the result: each waits on its own
         # future, so that news of this execution wakes its followers and nobody else's.
-        self._waiting: list[asyncio.Future[None]] = []
+        self.waiting: list[asyncio.Future[None]] = []
 
     def news(self) -> asyncio.Future[None]:
         """What a follower awaits (lock not held) for the next boundary or the result."""
         waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiting.append(waiter)
+        self.waiting.append(waiter)
         return waiter
 
     def tell(self) -> None:
         """Wake the followers: a boundary was sealed, or the result set."""
-        if self._waiting:
-            waiting, self._waiting = self._waiting, []
+        if self.waiting:
+            waiting, self.waiting = self.waiting, []
             for waiter in waiting:
                 if not waiter.done():  # a follower cancelled meanwhile
                     waiter.set_result(None)
@@ -728,7 +728,9 @@ class AgentHost:
             core.admit(execution.key, self._admitted_state, now)
         self._executions[episode] = execution
         execution.runner = asyncio.get_running_loop().create_task(
-            self._execute(execution), name=f"turnpoint-run-{episode}"
+            # str(episode) spelled out: its __str__ is a Python call per episode.
+            self._execute(execution),
+            name=f"turnpoint-run-{episode.rollout_id}#{episode.attempt}",
         )
         return execution
 
@@ -868,7 +870,8 @@ class AgentHost:
         execution.boundaries.append(
             _boundary_report(execution.episode, index, turn_index, shared.wall_clock())
         )
-        execution.tell()
+        if execution.waiting:  # most boundaries find their follower busy elsewhere
+            execution.tell()
         return core.seal_boundary(execution.key, index, turn_index, shared.clock())
 
     async def _model_call(self, execution: _Execution, factory: Callable[[], Awaitable[T]]) -> T:
