@@ -121,19 +121,7 @@ _SET_RESULT = _slot_setters(
 
 # The frozen dataclasses' own __init__ sets each field through object.__setattr__; an
 # episode builds a report per boundary and a result, and those calls were the largest
-# single part of its bookkeeping. These fill the same slots directly.
-def _boundary_report(
-    episode: EpisodeId, boundary_index: int, turn_index: int, sealed_at: float
-) -> BoundaryReport:
-    report = _new(BoundaryReport)
-    set_episode, set_index, set_turn, set_at = _SET_REPORT
-    set_episode(report, episode)
-    set_index(report, boundary_index)
-    set_turn(report, turn_index)
-    set_at(report, sealed_at)
-    return report
-
-
+# single part of its bookkeeping. These (and _Execution.seal) fill the slots directly.
 def _receipt(episode: EpisodeId, receipt_id: str) -> CompletionReceipt:
     receipt = _new(CompletionReceipt)
     set_episode, set_id = _SET_RECEIPT
@@ -345,12 +333,24 @@ class _Execution:
         """Whether there is a sealed boundary (``saved is not None``, without building it)."""
         return self._sealed is not None or self._saved is not None
 
-    def seal(self, turn_index: int, state: dict[str, Any]) -> int:
-        """Make a new boundary, one past the last, the saved turn; returns its index."""
-        self.boundary_index += 1
-        self._sealed = (self.boundary_index, turn_index, state)
+    def seal(self, turn_index: int, state: dict[str, Any], sealed_at: float) -> int:
+        """Make a new boundary, one past the last, the saved turn, and report it to the
+        followers; returns its index."""
+        index = self.boundary_index = self.boundary_index + 1
+        self._sealed = (index, turn_index, state)
         self.calls_after_boundary = 0
-        return self.boundary_index
+        # BoundaryReport(self.episode, index, turn_index, sealed_at), its slots filled
+        # directly (see _SET_REPORT).
+        report = _new(BoundaryReport)
+        set_episode, set_index, set_turn, set_at = _SET_REPORT
+        set_episode(report, self.episode)
+        set_index(report, index)
+        set_turn(report, turn_index)
+        set_at(report, sealed_at)
+        self.boundaries.append(report)
+        if self.waiting:  # most boundaries find their follower busy elsewhere
+            self.tell()
+        return index
 
     @property
     def claimable(self) -> bool:
@@ -866,12 +866,7 @@ class AgentHost:
     ) -> bool:
         """Record the boundary (lock held); returns whether the episode runs on."""
         shared = self._shared
-        index = execution.seal(turn_index, state)
-        execution.boundaries.append(
-            _boundary_report(execution.episode, index, turn_index, shared.wall_clock())
-        )
-        if execution.waiting:  # most boundaries find their follower busy elsewhere
-            execution.tell()
+        index = execution.seal(turn_index, state, shared.wall_clock())
         return core.seal_boundary(execution.key, index, turn_index, shared.clock())
 
     async def _model_call(self, execution: _Execution, factory: Callable[[], Awaitable[T]]) -> T:

@@ -271,7 +271,11 @@ class Shared:
         try:
             self.publish(force=True)
         finally:
-            self._lock.release()
+            lock = self._lock
+            if lock._locked and not lock._waiters:
+                lock._locked = False  # _Lock.release, inline: a boundary comes here
+            else:
+                lock.release()
 
     def locked(self) -> _Locked:
         """Hold the lock to read the core at one instant, publishing nothing.
