@@ -398,7 +398,8 @@ class EpisodeContext:
             await host._seal(execution, turn_index, copied)
             return
         try:
-            if not host._sealed(core, execution, turn_index, copied):
+            index = execution.seal(turn_index, copied, shared.wall_clock())
+            if not core.seal_boundary(execution.key, index, turn_index, shared.clock()):
                 await host._park(core, execution)
         finally:
             shared.changed()
@@ -857,17 +858,11 @@ class AgentHost:
 
     async def _seal(self, execution: _Execution, turn_index: int, state: dict[str, Any]) -> None:
         """Seal a boundary once the lock is free (:meth:`EpisodeContext.boundary`)."""
-        async with self._shared.changing() as core:
-            if not self._sealed(core, execution, turn_index, state):
-                await self._park(core, execution)
-
-    def _sealed(
-        self, core: ParticipantCore, execution: _Execution, turn_index: int, state: dict[str, Any]
-    ) -> bool:
-        """Record the boundary (lock held); returns whether the episode runs on."""
         shared = self._shared
-        index = execution.seal(turn_index, state, shared.wall_clock())
-        return core.seal_boundary(execution.key, index, turn_index, shared.clock())
+        async with shared.changing() as core:
+            index = execution.seal(turn_index, state, shared.wall_clock())
+            if not core.seal_boundary(execution.key, index, turn_index, shared.clock()):
+                await self._park(core, execution)
 
     async def _model_call(self, execution: _Execution, factory: Callable[[], Awaitable[T]]) -> T:
         if not execution.has_boundary:

@@ -269,7 +269,17 @@ class Shared:
     def changed(self) -> None:
         """End a change begun by :meth:`change_now`: publish it and release the lock."""
         try:
-            self.publish(force=True)
+            core = self._core
+            if (
+                self._watchers
+                or self._change_waiters
+                or self._admission_waiters
+                or core.lease_expires_at != self._published_lease
+            ):
+                self.publish(force=True)
+            else:
+                # Nobody to tell (every boundary of a lone run): what publish comes to.
+                self._published_version = core.version
         finally:
             lock = self._lock
             if lock._locked and not lock._waiters:
