@@ -250,6 +250,23 @@ def test_not_utf8() -> None:
         SnapshotManifest.from_json(b"\xff\xfe")
 
 
+def test_rollout_state_copies_plain_json_and_names_what_is_not() -> None:
+    # The copy is made by the C encoder when it can; what that would accept silently (a
+    # tuple, a key that is not a string) or reject (NaN) is still copied or named alike.
+    loader = {"at": [1, 2.5, None, True, "x"], "deep": {"a": [{"b": -0.0}]}}
+    state = TrainerRolloutState(data_loader=loader, queue=({"n": (1, 2)},))
+    assert state.data_loader == loader and state.data_loader is not loader
+    assert state.queue == ({"n": [1, 2]},)
+    loader["deep"]["a"][0]["b"] = 7  # type: ignore[index]
+    assert state.data_loader["deep"]["a"][0]["b"] == -0.0  # type: ignore[index,call-overload]
+    with pytest.raises(ManifestError, match=r"data_loader.*keys must be strings"):
+        TrainerRolloutState(data_loader={"a": {1: "one"}})
+    with pytest.raises(ManifestError, match=r"queue\[1\].x.*finite number"):
+        TrainerRolloutState(queue=({"x": 1}, {"x": float("nan")}))
+    with pytest.raises(ManifestError, match=r"queue\[0\].*must be a JSON object"):
+        TrainerRolloutState(queue=([1],))  # type: ignore[arg-type]
+
+
 def test_construction_validates_too() -> None:
     with pytest.raises(ManifestError, match="must be finite"):
         SnapshotManifest(

@@ -39,6 +39,10 @@ class Phase(enum.Enum):
 class EpisodeState(enum.Enum):
     """Where one piece of work is, as far as checkpoint readiness goes."""
 
+    # Members are singletons compared by identity; hashing by identity keeps them C-level
+    # dict keys (Enum's own __hash__ is Python), counted on every change of work state.
+    __hash__ = object.__hash__
+
     RUNNING = "RUNNING"
     PARKED = "PARKED"
     AWAITING_MODEL = "AWAITING_MODEL"

@@ -44,7 +44,7 @@ from ._effects import CallPosition, effect_key
 from ._model import GenerateChunk
 from ._resources import ConfigurationError, Verdict
 from ._shared import Shared, invalid_record, logger
-from ._store_format import Record, json_copy_object
+from ._store_format import Record, json_copy, json_copy_object
 from ._token_prefix import Generation, GenerationRequest, WeightsChange
 from ._tool_client import ResourcesConnection, retried
 
@@ -72,6 +72,17 @@ class RunOutcome(enum.Enum):
     FAILED = "FAILED"  # the agent raised; must be acknowledged
     BUDGET_EXHAUSTED = "BUDGET_EXHAUSTED"  # active time ran out; must be acknowledged
 
+    # Singletons compared by identity: an identity hash is C-level (Enum's is Python).
+    __hash__ = object.__hash__
+
+
+# Members read on every episode, as module constants: reading one off its enum class goes
+# through the metaclass, several times slower than a global.
+_COMPLETED: Final = RunOutcome.COMPLETED
+_CANCELLED: Final = RunOutcome.CANCELLED
+_UNACKED: Final = EpisodeState.COMPLETED_UNACKED
+_DETAIL: Final = {outcome: outcome.value for outcome in RunOutcome}
+
 
 @dataclass(frozen=True, slots=True)
 class BoundaryReport:
@@ -94,6 +105,52 @@ class RunResult:
     turns: int
     active_time_s: float
     error_message: str = ""
+
+
+def _slot_setters(cls: type, names: str) -> tuple[Callable[[object, object], None], ...]:
+    return tuple(vars(cls)[name].__set__ for name in names.split())
+
+
+_new = object.__new__
+_SET_REPORT = _slot_setters(BoundaryReport, "episode boundary_index turn_index sealed_at")
+_SET_RECEIPT = _slot_setters(CompletionReceipt, "episode receipt_id")
+_SET_RESULT = _slot_setters(
+    RunResult, "episode outcome receipt result turns active_time_s error_message"
+)
+
+
+# The frozen dataclasses' own __init__ sets each field through object.__setattr__; an
+# episode builds a report per boundary and a result, and those calls were the largest
+# single part of its bookkeeping. These (and _Execution.seal) fill the slots directly.
+def _receipt(episode: EpisodeId, receipt_id: str) -> CompletionReceipt:
+    receipt = _new(CompletionReceipt)
+    set_episode, set_id = _SET_RECEIPT
+    set_episode(receipt, episode)
+    set_id(receipt, receipt_id)
+    return receipt
+
+
+def _run_result(
+    episode: EpisodeId,
+    outcome: RunOutcome,
+    receipt: CompletionReceipt | None,
+    result: Mapping[str, Any],
+    turns: int,
+    active_time_s: float,
+    error_message: str,
+) -> RunResult:
+    run_result = _new(RunResult)
+    set_episode, set_outcome, set_receipt, set_result, set_turns, set_active, set_error = (
+        _SET_RESULT
+    )
+    set_episode(run_result, episode)
+    set_outcome(run_result, outcome)
+    set_receipt(run_result, receipt)
+    set_result(run_result, result)
+    set_turns(run_result, turns)
+    set_active(run_result, active_time_s)
+    set_error(run_result, error_message)
+    return run_result
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,8 +230,32 @@ class _Stop(enum.Enum):
     SHUTDOWN = "shutdown"
 
 
+_RETIRED: Final = _Stop.RETIRED
+
+
 class _Execution:
     """One execution of one attempt; replaced by a new object when saved state is claimed."""
+
+    # One is made per episode and read at every boundary.
+    __slots__ = (
+        "_saved",
+        "_sealed",
+        "boundaries",
+        "boundary_index",
+        "budget_s",
+        "calls_after_boundary",
+        "clock",
+        "episode",
+        "followers",
+        "key",
+        "restored",
+        "result",
+        "runner",
+        "stop",
+        "task",
+        "waiting",
+        "weights_change",
+    )
 
     def __init__(
         self,
@@ -205,6 +286,23 @@ class _Execution:
         self.stop: _Stop | None = None
         # Keyed calls made since the last boundary (docs/spec.md section 6.12).
         self.calls_after_boundary = 0
+        # Followers waiting for the next boundary or the result: each waits on its own
+        # future, so that news of this execution wakes its followers and nobody else's.
+        self.waiting: list[asyncio.Future[None]] = []
+
+    def news(self) -> asyncio.Future[None]:
+        """What a follower awaits (lock not held) for the next boundary or the result."""
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.waiting.append(waiter)
+        return waiter
+
+    def tell(self) -> None:
+        """Wake the followers: a boundary was sealed, or the result set."""
+        if self.waiting:
+            waiting, self.waiting = self.waiting, []
+            for waiter in waiting:
+                if not waiter.done():  # a follower cancelled meanwhile
+                    waiter.set_result(None)
 
     def next_call_position(self) -> CallPosition:
         """The position of the next keyed call: the last boundary's turn, its index."""
@@ -235,12 +333,24 @@ class _Execution:
         """Whether there is a sealed boundary (``saved is not None``, without building it)."""
         return self._sealed is not None or self._saved is not None
 
-    def seal(self, turn_index: int, state: dict[str, Any]) -> int:
-        """Make a new boundary, one past the last, the saved turn; returns its index."""
-        self.boundary_index += 1
-        self._sealed = (self.boundary_index, turn_index, state)
+    def seal(self, turn_index: int, state: dict[str, Any], sealed_at: float) -> int:
+        """Make a new boundary, one past the last, the saved turn, and report it to the
+        followers; returns its index."""
+        index = self.boundary_index = self.boundary_index + 1
+        self._sealed = (index, turn_index, state)
         self.calls_after_boundary = 0
-        return self.boundary_index
+        # BoundaryReport(self.episode, index, turn_index, sealed_at), its slots filled
+        # directly (see _SET_REPORT).
+        report = _new(BoundaryReport)
+        set_episode, set_index, set_turn, set_at = _SET_REPORT
+        set_episode(report, self.episode)
+        set_index(report, index)
+        set_turn(report, turn_index)
+        set_at(report, sealed_at)
+        self.boundaries.append(report)
+        if self.waiting:  # most boundaries find their follower busy elsewhere
+            self.tell()
+        return index
 
     @property
     def claimable(self) -> bool:
@@ -251,6 +361,8 @@ class _Execution:
 
 class EpisodeContext:
     """Handed to :meth:`Agent.run`: the episode's identity and its boundary and model calls."""
+
+    __slots__ = ("_ex", "_host")
 
     def __init__(self, host: AgentHost, execution: _Execution) -> None:
         self._host = host
@@ -274,7 +386,23 @@ class EpisodeContext:
 
         Woken by resume, the episode stays parked if a new checkpoint closed first.
         """
-        await self._host._seal(self._ex, turn_index, _copied_state(state))
+        if turn_index < 0:
+            raise ValueError(f"turn_index must be >= 0, got {turn_index}")
+        copied = json_copy(state) if type(state) is dict else _copied_state(state)
+        host, execution = self._host, self._ex
+        shared = host._shared
+        # Almost every boundary finds the lock free and admission open: it then takes
+        # the lock, records the boundary and releases it without a coroutine of its own.
+        core = shared.change_now()
+        if core is None:
+            await host._seal(execution, turn_index, copied)
+            return
+        try:
+            index = execution.seal(turn_index, copied, shared.wall_clock())
+            if not core.seal_boundary(execution.key, index, turn_index, shared.clock()):
+                await host._park(core, execution)
+        finally:
+            shared.changed()
 
     async def model_call(self, factory: Callable[[], Awaitable[T]]) -> T:
         """Issue a model call that counts as parked at the last boundary.
@@ -384,10 +512,6 @@ class _ReceiptIds:
         return "rc-" + self._pool[start : self._at]
 
 
-def _has_news(execution: _Execution, seen: int) -> bool:
-    return len(execution.boundaries) > seen or execution.result is not None
-
-
 class AgentHost:
     """Hosts one :class:`Agent`: its executions, their parking and their export."""
 
@@ -404,6 +528,13 @@ class AgentHost:
         self._agent = agent
         self._executions: dict[EpisodeId, _Execution] = {}
         self._receipt_ids = _ReceiptIds()
+        # A restart-only agent's episode is a restart from its start: in no cut, never
+        # parked, never blocking a prepare (docs/spec.md section 5.2 item 7).
+        self._admitted_state = (
+            EpisodeState.RESTART
+            if agent.recovery_mode is RecoveryMode.RESTART_ONLY
+            else EpisodeState.RUNNING
+        )
 
     @property
     def recovery_mode(self) -> RecoveryMode:
@@ -528,16 +659,18 @@ class AgentHost:
         seen = 0
         try:
             while True:
-                async with self._shared.cond:
-                    await self._shared.wait_for(functools.partial(_has_news, execution, seen))
-                    batch = execution.boundaries[seen:]
-                    seen = len(execution.boundaries)
-                    result = execution.result
+                # Boundaries and the result change only inside synchronous steps of a
+                # change: reading them between two awaits needs no lock.
+                while len(execution.boundaries) <= seen and execution.result is None:
+                    await execution.news()
+                batch = execution.boundaries[seen:]
+                seen = len(execution.boundaries)
+                result = execution.result
                 for report in batch:
-                    if report.boundary_index > boundaries_seen:
+                    if not boundaries_seen or report.boundary_index > boundaries_seen:
                         yield report
                 if result is not None:
-                    if execution.stop is _Stop.RETIRED:
+                    if execution.stop is _RETIRED:
                         raise TurnpointError(
                             Reason.STALE_ATTEMPT,
                             f"{episode} was retired while it ran",
@@ -559,9 +692,11 @@ class AgentHost:
         budget_s: float | None,
         weights_change: WeightsChange | None = None,
     ) -> _Execution:
-        core.check_attempt(episode)
-        now = self._shared.now()
+        now = self._shared.clock()
         existing = self._executions.get(episode)
+        if existing is not None:
+            # A new execution is checked by admit or claim_restored below.
+            core.check_attempt(episode)
         if (
             existing is not None
             and not existing.claimable
@@ -591,11 +726,12 @@ class AgentHost:
             execution = _Execution(episode, task, None, budget_s, now, weights_change)
             # A restart-only agent's episode is a restart from its start: in no cut, never
             # parked, never blocking a prepare (docs/spec.md section 5.2 item 7).
-            state = EpisodeState.RESTART if self._restart_only else EpisodeState.RUNNING
-            core.admit(execution.key, state, now)
+            core.admit(execution.key, self._admitted_state, now)
         self._executions[episode] = execution
-        execution.runner = asyncio.create_task(
-            self._execute(execution), name=f"turnpoint-run-{episode}"
+        execution.runner = asyncio.get_running_loop().create_task(
+            # str(episode) spelled out: its __str__ is a Python call per episode.
+            self._execute(execution),
+            name=f"turnpoint-run-{episode.rollout_id}#{episode.attempt}",
         )
         return execution
 
@@ -610,12 +746,12 @@ class AgentHost:
                 if key is None or key.slot != SLOT:
                     unknown.append(receipt)
                     continue
-                core.remove(key, self._shared.now())
+                core.remove(key, self._shared.clock())
                 execution = self._executions.get(receipt.episode)
                 if (
                     execution is not None
                     and execution.result is not None
-                    and execution.result.receipt == receipt
+                    and (execution.result.receipt is receipt or execution.result.receipt == receipt)
                 ):
                     del self._executions[receipt.episode]
                 acknowledged += 1
@@ -634,7 +770,7 @@ class AgentHost:
             if execution.budget_s is not None
             else None
         )
-        outcome = RunOutcome.COMPLETED
+        outcome = _COMPLETED
         value: Mapping[str, Any] = {}
         message = ""
         try:
@@ -642,7 +778,7 @@ class AgentHost:
                 async with self._shared.changing() as core:
                     await self._hold(core, execution)
             value = await self._agent.run(EpisodeContext(self, execution), execution.task)
-            if not isinstance(value, Mapping):
+            if type(value) is not dict and not isinstance(value, Mapping):
                 raise TypeError(f"run returned {type(value).__name__}, not a mapping")
         except asyncio.CancelledError:
             if execution.stop is None:
@@ -670,16 +806,17 @@ class AgentHost:
         value: Mapping[str, Any],
         message: str,
     ) -> None:
-        now = self._shared.now()
+        now = self._shared.clock()
         turns = execution.boundary_index
         active = execution.clock.active(now)
         execution.runner = None
         key = execution.key
         mine = self._executions.get(execution.episode) is execution
-        if outcome is RunOutcome.CANCELLED:
-            execution.result = RunResult(
+        if outcome is _CANCELLED:
+            execution.result = _run_result(
                 execution.episode, outcome, None, {}, turns, active, message
             )
+            execution.tell()
             if execution.stop in (_Stop.RETIRED, _Stop.SHUTDOWN) or not mine:
                 return  # the retire (or shutdown) frees it
             if execution.has_boundary and not self._restart_only and core.state_of(key) is not None:
@@ -695,33 +832,24 @@ class AgentHost:
                 del self._executions[execution.episode]
             return
         # A valid protocol id (the wire validates it), unique per completion.
-        receipt = CompletionReceipt(execution.episode, self._receipt_ids.next())
-        execution.result = RunResult(
+        receipt = _receipt(execution.episode, self._receipt_ids.next())
+        execution.result = _run_result(
             execution.episode, outcome, receipt, dict(value), turns, active, message
         )
+        execution.tell()
         if mine and core.state_of(key) is not None:
-            core.set_state(
-                key, EpisodeState.COMPLETED_UNACKED, now, receipt=receipt, detail=outcome.value
-            )
-
-    def _runs_on(self, core: ParticipantCore, execution: _Execution) -> bool:
-        """At a boundary (lock held): carry on RUNNING if no checkpoint parks it here.
-
-        The check :meth:`_hold` starts with; called first on its own because it is what
-        almost every boundary comes to, and it needs no coroutine.
-        """
-        if core.admission_open or core.is_restart(execution.key):
-            state = core.state_of(execution.key)
-            if state is not None and state is not EpisodeState.RUNNING:
-                core.set_state(execution.key, EpisodeState.RUNNING, self._shared.now())
-            return True
-        return False
+            core.set_state(key, _UNACKED, now, receipt=receipt, detail=_DETAIL[outcome])
 
     async def _hold(self, core: ParticipantCore, execution: _Execution) -> None:
         """Park at the last boundary until admission opens (lock held)."""
         shared = self._shared
-        if self._runs_on(core, execution):
+        if core.runs_on(execution.key, shared.now()):
             return
+        await self._park(core, execution)
+
+    async def _park(self, core: ParticipantCore, execution: _Execution) -> None:
+        """Park at the last boundary, which does not run on, until admission opens."""
+        shared = self._shared
         core.set_state(execution.key, EpisodeState.PARKED, shared.now())
         execution.clock.pause(shared.now())
         await shared.wait_admission_open()
@@ -729,18 +857,12 @@ class AgentHost:
         execution.clock.resume(shared.now())
 
     async def _seal(self, execution: _Execution, turn_index: int, state: dict[str, Any]) -> None:
-        if turn_index < 0:
-            raise ValueError(f"turn_index must be >= 0, got {turn_index}")
+        """Seal a boundary once the lock is free (:meth:`EpisodeContext.boundary`)."""
         shared = self._shared
         async with shared.changing() as core:
-            now = shared.now()
-            index = execution.seal(turn_index, state)
-            execution.boundaries.append(
-                BoundaryReport(execution.episode, index, turn_index, shared.wall_clock())
-            )
-            core.seal_boundary(execution.key, index, turn_index, now)
-            if not self._runs_on(core, execution):
-                await self._hold(core, execution)
+            index = execution.seal(turn_index, state, shared.wall_clock())
+            if not core.seal_boundary(execution.key, index, turn_index, shared.clock()):
+                await self._park(core, execution)
 
     async def _model_call(self, execution: _Execution, factory: Callable[[], Awaitable[T]]) -> T:
         if not execution.has_boundary:
@@ -961,7 +1083,7 @@ class AgentHost:
     # ------------------------------------------------------------------ kind hooks
 
     async def admission_closed(self) -> None:
-        now = self._shared.now()
+        now = self._shared.clock()
         core = self._shared.view
         for execution in self._executions.values():
             if core.state_of(execution.key) is EpisodeState.AWAITING_MODEL:
@@ -969,7 +1091,7 @@ class AgentHost:
         await self._agent.admission_closed()
 
     async def admission_opened(self) -> None:
-        now = self._shared.now()
+        now = self._shared.clock()
         core = self._shared.view
         for execution in self._executions.values():
             if core.state_of(execution.key) is EpisodeState.AWAITING_MODEL:

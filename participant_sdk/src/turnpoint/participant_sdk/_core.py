@@ -33,6 +33,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Final
 
 from turnpoint.errors import Reason, TurnpointError
 from turnpoint.ids import EpisodeId, InvalidIdError, validate_id
@@ -158,6 +159,8 @@ class AnswerLog:
 class ActiveClock:
     """An episode's active time: runs while it works, stops while a checkpoint parks it."""
 
+    __slots__ = ("_since", "_spent")
+
     def __init__(self, now: float) -> None:
         self._spent = 0.0
         self._since: float | None = now
@@ -180,7 +183,7 @@ class ActiveClock:
         return self._spent + running
 
 
-@dataclass(frozen=True, slots=True, order=True)
+@dataclass(frozen=True, slots=True, order=True, init=False)
 class WorkKey:
     """One piece of work in the table: an episode and what of it (``run``, ``session``...)."""
 
@@ -190,8 +193,13 @@ class WorkKey:
     # the rest of the lookup. Not compared, not pickled (string hashes differ per process).
     _hash: int = field(init=False, repr=False, compare=False)
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "_hash", hash((self.episode, self.slot)))
+    def __init__(self, episode: EpisodeId, slot: str) -> None:
+        # The frozen dataclass's own __init__ would set each field through
+        # object.__setattr__ and call __post_init__; one key is made per episode.
+        set_episode, set_slot, set_hash = _WORK_KEY_SLOTS
+        set_episode(self, episode)
+        set_slot(self, slot)
+        set_hash(self, hash((episode, slot)))
 
     def __hash__(self) -> int:
         return self._hash
@@ -200,12 +208,25 @@ class WorkKey:
         return WorkKey, (self.episode, self.slot)
 
 
+_WORK_KEY_SLOTS: Final = tuple(vars(WorkKey)[name].__set__ for name in ("episode", "slot", "_hash"))
+
+
 def _work_order(key: WorkKey) -> tuple[str, int, str]:
     """The dataclass order of a :class:`WorkKey` as a tuple that compares in C: a commit
     sorts every exported key, and the generated ``__lt__`` goes through two Python calls
     per comparison."""
     return key.episode.rollout_id, key.episode.attempt, key.slot
 
+
+# Enum members as module constants for the per-episode paths: reading one off its class
+# goes through the enum's metaclass, several times slower than a global.
+_IDLE: Final = Phase.IDLE
+_PREPARING: Final = Phase.PREPARING
+_PREPARED: Final = Phase.PREPARED
+_RUNNING: Final = EpisodeState.RUNNING
+_RESTART: Final = EpisodeState.RESTART
+_RETIRING: Final = EpisodeState.RETIRING
+_GONE: Final = EpisodeState.IDLE
 
 # A tuple: membership compares by identity, where the frozenset would call the enum's
 # Python-level __hash__ (this is asked on every change of the work table).
@@ -372,7 +393,7 @@ class ParticipantCore:
 
     @property
     def admission_open(self) -> bool:
-        return self._phase is Phase.IDLE
+        return self._phase is _IDLE
 
     @property
     def active_checkpoint_id(self) -> str | None:
@@ -965,7 +986,7 @@ class ParticipantCore:
 
     def check_attempt(self, episode: EpisodeId) -> None:
         """Refuse a retired attempt, or one older than an attempt this participant holds."""
-        if self._refused(episode):
+        if self._marks and self._refused(episode):
             raise _error(
                 Reason.STALE_ATTEMPT,
                 f"{episode} was retired",
@@ -986,7 +1007,7 @@ class ParticipantCore:
         self.check_attempt(key.episode)
         if key in self._entries:
             raise RuntimeError(f"{key} is already in the table")
-        if not self.admission_open:
+        if self._phase is not _IDLE:
             raise _error(
                 Reason.ADMISSION_CLOSED,
                 f"admission is closed by {self._active!r} ({self._phase.name})",
@@ -999,11 +1020,15 @@ class ParticipantCore:
     def _add(self, key: WorkKey, state: EpisodeState, now: float, *, detail: str = "") -> None:
         entry = _Entry(key, state, detail=detail)
         self._entries[key] = entry
-        self._by_rollout.setdefault(key.episode.rollout_id, set()).add(key)
+        rollout_keys = self._by_rollout.get(key.episode.rollout_id)
+        if rollout_keys is None:
+            self._by_rollout[key.episode.rollout_id] = {key}
+        else:
+            rollout_keys.add(key)
         self._counts[state] += 1
         if entry.blocks:
             self._blockers[key] = None
-        if state is EpisodeState.RESTART:
+        if state is _RESTART:
             self._restart_keys[key] = None
         self._changed(entry, now)
 
@@ -1023,17 +1048,17 @@ class ParticipantCore:
         nothing leaves RETIRING except removal.
         """
         entry = self._entries[key]
-        if entry.state is EpisodeState.RETIRING and state is not EpisodeState.RETIRING:
+        if entry.state is _RETIRING and state is not _RETIRING:
             return entry.state
-        if entry.state is EpisodeState.RESTART and state is not EpisodeState.RETIRING:
-            state = EpisodeState.RESTART
+        if entry.state is _RESTART and state is not _RETIRING:
+            state = _RESTART
         was_blocking = entry.blocks
         if state is not entry.state:
             self._counts[entry.state] -= 1
             self._counts[state] += 1
-            if entry.state is EpisodeState.RESTART:
+            if entry.state is _RESTART:
                 self._restart_keys.pop(key, None)
-            if state is EpisodeState.RESTART:
+            if state is _RESTART:
                 self._restart_keys[key] = None
             entry.state = state
         if receipt is not None:
@@ -1049,10 +1074,36 @@ class ParticipantCore:
         self._changed(entry, now)
         return entry.state
 
-    def seal_boundary(self, key: WorkKey, boundary_index: int, turn_index: int, now: float) -> None:
+    def seal_boundary(self, key: WorkKey, boundary_index: int, turn_index: int, now: float) -> bool:
+        """Record a sealed boundary; returns :meth:`runs_on` (whether it carries on)."""
         entry = self._entries[key]
         entry.boundary_index, entry.turn_index = boundary_index, turn_index
+        if self._phase is _IDLE and entry.state is _RUNNING and not self._record_events:
+            # What _changed and _runs_on come to for almost every boundary.
+            self._version += 1
+            return True
         self._changed(entry, now)
+        return self._runs_on(entry, now)
+
+    def runs_on(self, key: WorkKey, now: float) -> bool:
+        """At a boundary: whether the work carries on rather than park there.
+
+        It does while admission is open, and a restart always does (it is in no cut);
+        it is then RUNNING (a restart stays a restart). False: a checkpoint holds
+        admission, and the caller parks it.
+        """
+        entry = self._entries.get(key)
+        if entry is None:
+            return self.admission_open
+        return self._runs_on(entry, now)
+
+    def _runs_on(self, entry: _Entry, now: float) -> bool:
+        state = entry.state
+        if self._phase is _IDLE or state is _RESTART:
+            if state is not _RUNNING:
+                self.set_state(entry.key, _RUNNING, now)
+            return True
+        return False
 
     def remove(self, key: WorkKey, now: float) -> None:
         if key in self._entries:
@@ -1065,10 +1116,14 @@ class ParticipantCore:
         if not keys:
             del self._by_rollout[key.episode.rollout_id]
         self._counts[entry.state] -= 1
-        self._blockers.pop(key, None)
-        self._restart_keys.pop(key, None)
-        self._pending_restarts.discard(key)
-        entry.state = EpisodeState.IDLE
+        # Each hashes the key in Python (WorkKey.__hash__): ask only a table that holds any.
+        if self._blockers:
+            self._blockers.pop(key, None)
+        if self._restart_keys:
+            self._restart_keys.pop(key, None)
+        if self._pending_restarts:
+            self._pending_restarts.discard(key)
+        entry.state = _GONE
         entry.replayable = False
         self._changed(entry, now, removed=True)
 
@@ -1102,7 +1157,7 @@ class ParticipantCore:
         """The entry holding ``receipt`` (the caller frees it and removes it), or None."""
         for key in self._by_rollout.get(receipt.episode.rollout_id, ()):
             entry = self._entries[key]
-            if key.episode == receipt.episode and (
+            if (key.episode is receipt.episode or key.episode == receipt.episode) and (
                 entry.receipt is receipt or entry.receipt == receipt
             ):
                 return key
@@ -1175,7 +1230,7 @@ class ParticipantCore:
 
     def _changed(self, entry: _Entry, now: float, *, removed: bool = False) -> None:
         self._version += 1
-        if self._phase is Phase.PREPARING or self._phase is Phase.PREPARED:
+        if self._phase is _PREPARING or self._phase is _PREPARED:
             self._refresh_readiness_phase()
         if self._record_events:
             self._events.append(

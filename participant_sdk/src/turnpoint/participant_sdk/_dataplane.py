@@ -101,8 +101,10 @@ class DataPlane:
         attempt) other than this process's is ``STALE_ATTEMPT`` before anything starts:
         the execution it names died with that process (docs/spec.md section 6.5 item 5).
         """
-        await self._check_data_fence(fence)
-        self._check_incarnation(episode, participant_incarnation)
+        if fence is not None:
+            await self._check_data_fence(fence)
+        if participant_incarnation:
+            self._check_incarnation(episode, participant_incarnation)
         return await self._agent().accept_run(
             episode,
             task,
@@ -116,7 +118,8 @@ class DataPlane:
         self, receipts: Iterable[CompletionReceipt], *, fence: Fence | None = None
     ) -> AcknowledgeResult:
         """RolloutService.Acknowledge: drop retained results."""
-        await self._check_data_fence(fence)
+        if fence is not None:
+            await self._check_data_fence(fence)
         acknowledged, unknown = await self._agent().acknowledge(receipts)
         return AcknowledgeResult(acknowledged, unknown)
 

@@ -133,6 +133,29 @@ class _Watcher:
         self.wake.set()
 
 
+class _Lock(asyncio.Lock):
+    """The participant's one lock, which a hot path may also take without a coroutine."""
+
+    _locked: bool  # asyncio.Lock's own state (typeshed declares only its waiters)
+
+    def take(self) -> bool:
+        """Take the lock now if :meth:`acquire` would take it without waiting: it is
+        free and nobody waits for it (a waiter already woken goes first). ``acquire``'s
+        own test; a coroutine run by hand to ask it costs more than the change it guards.
+        """
+        if self._locked or self._waiters:
+            return False
+        # What acquire() does on its fast path; a released take() is a release().
+        self._locked = True
+        return True
+
+    def release(self) -> None:
+        if self._locked and not self._waiters:
+            self._locked = False  # nobody to wake: what release() comes to, inline
+        else:
+            super().release()
+
+
 class _Changing:
     """What :meth:`Shared.changing` returns: the lock held around a change, published on exit."""
 
@@ -142,8 +165,10 @@ class _Changing:
         self._shared = shared
 
     async def __aenter__(self) -> ParticipantCore:
-        await self._shared.cond.acquire()
-        return self._shared._core
+        shared = self._shared
+        if not shared._lock.take():
+            await shared.cond.acquire()
+        return shared._core
 
     async def __aexit__(self, *exc: object) -> None:
         try:
@@ -188,7 +213,7 @@ class Shared:
         # The last checkpoint whose commit finished here (GetStatus): a commit that
         # released its checkpoint leaves no phase that shows it was written.
         self.committed_checkpoint_id: str | None = None
-        lock = asyncio.Lock()
+        lock = self._lock = _Lock()
         self.cond = asyncio.Condition(lock)
         # Parked episodes and held replies wait for one thing, admission opening; they
         # wait on this second condition over the same lock, woken only by a change that
@@ -196,6 +221,9 @@ class Shared:
         # during a prepare would wake every episode parked before it.
         self._admission_opened = asyncio.Condition(lock)
         self._admission_waiters = 0
+        # Tasks inside a wait on the general condition: most changes (every boundary)
+        # find none, and then skip the notification.
+        self._change_waiters = 0
         self._watchers: set[_Watcher] = set()
         self._published_version = -1
         # Called (lock held) with the new expiry when the lease moved: the runtime arms
@@ -224,6 +252,41 @@ class Shared:
         """
         return self._changing
 
+    def change_now(self) -> ParticipantCore | None:
+        """The core with the lock taken, if taking it needs no wait; else None.
+
+        The synchronous door to :meth:`changing` for a change made many times per
+        episode (a boundary): the caller then calls :meth:`changed` when done (in a
+        ``finally``), and may await inside as in ``changing``. It takes the lock when
+        ``acquire`` would without suspending (:meth:`_Lock.take`).
+        """
+        lock = self._lock
+        if lock._locked or lock._waiters:  # _Lock.take, inline: a boundary comes here
+            return None
+        lock._locked = True
+        return self._core
+
+    def changed(self) -> None:
+        """End a change begun by :meth:`change_now`: publish it and release the lock."""
+        try:
+            core = self._core
+            if (
+                self._watchers
+                or self._change_waiters
+                or self._admission_waiters
+                or core.lease_expires_at != self._published_lease
+            ):
+                self.publish(force=True)
+            else:
+                # Nobody to tell (every boundary of a lone run): what publish comes to.
+                self._published_version = core.version
+        finally:
+            lock = self._lock
+            if lock._locked and not lock._waiters:
+                lock._locked = False  # _Lock.release, inline: a boundary comes here
+            else:
+                lock.release()
+
     def locked(self) -> _Locked:
         """Hold the lock to read the core at one instant, publishing nothing.
 
@@ -251,7 +314,8 @@ class Shared:
             events = self._core.drain_events()
             for watcher in self._watchers:
                 watcher.push(events)
-        self.cond.notify_all()
+        if self._change_waiters:
+            self.cond.notify_all()
         if self._admission_waiters and self._core.admission_open:
             self._admission_opened.notify_all()
 
@@ -264,7 +328,11 @@ class Shared:
         if predicate():
             return
         self.publish()
-        await self.cond.wait_for(predicate)
+        self._change_waiters += 1
+        try:
+            await self.cond.wait_for(predicate)
+        finally:
+            self._change_waiters -= 1
 
     async def wait_admission_open(self) -> None:
         """Wait (lock held) until admission is open: ``wait_for(lambda: core.admission_open)``.
@@ -284,9 +352,13 @@ class Shared:
     async def wait_change(self, limit_s: float | None = None) -> None:
         """Wait (lock held) for the next state change, or ``limit_s``."""
         self.publish()
-        with suppress(TimeoutError):
-            async with asyncio.timeout(limit_s):
-                await self.cond.wait()
+        self._change_waiters += 1
+        try:
+            with suppress(TimeoutError):
+                async with asyncio.timeout(limit_s):
+                    await self.cond.wait()
+        finally:
+            self._change_waiters -= 1
 
     async def wait_until(self, predicate: Callable[[], bool], limit_s: float | None) -> bool:
         """Wait (lock held) until ``predicate`` holds or ``limit_s`` passed; return it."""
@@ -295,11 +367,14 @@ class Shared:
         if limit_s is not None and limit_s <= 0:
             return False
         self.publish()
+        self._change_waiters += 1
         try:
             async with asyncio.timeout(limit_s):
                 await self.cond.wait_for(predicate)
         except TimeoutError:
             return predicate()
+        finally:
+            self._change_waiters -= 1
         return True
 
     def add_watcher(self) -> _Watcher:

@@ -16,7 +16,12 @@ from typing import Any
 
 from turnpoint.ids import EpisodeId
 from turnpoint.trainer.rollouts.side import InFlightRollout
-from turnpoint.trainer.rollouts.values import Rollout, RolloutOutcome, RolloutResult
+from turnpoint.trainer.rollouts.values import (
+    Rollout,
+    RolloutOutcome,
+    RolloutResult,
+    saved_rollout_json,
+)
 
 # (global reopen count, the instance's own reopen count) when a Run was sent.
 GateGeneration = tuple[int, int]
@@ -91,6 +96,23 @@ class Attempt:
             active_time_s=active_time_s,
             error_message=error_message,
             receipt_id=receipt_id,
+        )
+
+    def saved_json(self) -> dict[str, Any]:
+        """``SavedRollout(self.describe(), budget_s, owned).to_json()`` with the task not
+        copied yet (the ledger copies a cut's tasks together), without the two objects."""
+        spec = self.spec
+        return saved_rollout_json(
+            self.episode,
+            self.instance,
+            spec.prompt_group_id,
+            spec.sibling_index,
+            spec.group_size,
+            spec.environment,
+            self.boundaries_seen,
+            spec.task,
+            self.budget_s,
+            self.phase is AttemptPhase.OWNED,
         )
 
     def describe(self) -> InFlightRollout:

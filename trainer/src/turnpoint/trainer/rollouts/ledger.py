@@ -64,6 +64,7 @@ from turnpoint.trainer.rollouts.values import (
     RolloutResult,
     SavedRollout,
     backoff_s,
+    plain_json_copies,
     read_rollout_state,
 )
 from turnpoint.trainer.storage.manifest import JSONValue, RolloutBooks, TrainerRolloutState
@@ -139,12 +140,13 @@ class RolloutLedger:
 
     def rollout_books(self) -> RolloutBooks:
         """:meth:`rollout_state`'s parts, copied and not yet checked."""
-        in_flight = [
-            SavedRollout(
-                attempt.describe(), attempt.budget_s, attempt.phase is AttemptPhase.OWNED
-            ).to_json()
-            for attempt in self._live.values()
-        ]
+        in_flight = [attempt.saved_json() for attempt in self._live.values()]
+        for descriptor, task in zip(
+            in_flight,
+            plain_json_copies([descriptor["task"] for descriptor in in_flight], "task"),
+            strict=True,
+        ):
+            descriptor["task"] = task
         in_flight += [saved.to_json() for saved in self._saved.values()]
         return RolloutBooks(
             queue=tuple(result.to_json() for result in self._queue.values()),

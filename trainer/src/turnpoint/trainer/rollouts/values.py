@@ -116,12 +116,16 @@ def backoff_s(settings: RolloutClientSettings, failures: int) -> float:
 # --------------------------------------------------------------------------- values
 
 
+# json.dumps builds an encoder per call when an option differs from its defaults.
+_STRICT_ENCODER: Final = json.JSONEncoder(allow_nan=False)
+
+
 def _plain_json(value: object, what: str) -> dict[str, Any]:
     """A deep copy of ``value`` as a plain JSON object (tuples become lists)."""
     if not isinstance(value, Mapping):
         raise ValueError(f"{what} must be a mapping, got {type(value).__name__}")
     try:
-        copy = json.loads(json.dumps(dict(value), allow_nan=False))
+        copy = json.loads(_STRICT_ENCODER.encode(value if type(value) is dict else dict(value)))
     except (TypeError, ValueError) as error:
         raise ValueError(f"{what} is not plain JSON: {error}") from None
     assert isinstance(copy, dict)
@@ -373,6 +377,48 @@ _SAVED_FIELDS: Final = frozenset(
 )
 
 
+def saved_rollout_json(
+    episode: EpisodeId,
+    instance: str,
+    prompt_group_id: str,
+    sibling_index: int,
+    group_size: int,
+    environment: str,
+    boundaries_seen: int,
+    task: Mapping[str, Any],
+    budget_s: float | None,
+    accepted: bool,
+) -> dict[str, Any]:
+    """The descriptor :meth:`SavedRollout.to_json` writes, holding ``task`` itself: the
+    caller copies it (:func:`plain_json_copies` copies a cut's tasks in one pass)."""
+    return {
+        "rollout_id": episode.rollout_id,
+        "attempt": episode.attempt,
+        "instance": instance,
+        "prompt_group_id": prompt_group_id,
+        "sibling_index": sibling_index,
+        "group_size": group_size,
+        "environment": environment,
+        "boundaries_seen": boundaries_seen,
+        "task": task,
+        "budget_s": budget_s,
+        "accepted": accepted,
+    }
+
+
+def plain_json_copies(values: list[Mapping[str, Any]], what: str) -> list[dict[str, Any]]:
+    """``[_plain_json(value, what) for value in values]``, in one encode and decode."""
+    if all(type(value) is dict for value in values):
+        try:
+            copies = json.loads(_STRICT_ENCODER.encode(values))
+        except (TypeError, ValueError):
+            pass  # the copy one by one below names the value that is not plain JSON
+        else:
+            assert isinstance(copies, list)
+            return copies
+    return [_plain_json(value, what) for value in values]
+
+
 @dataclass(frozen=True, slots=True)
 class SavedRollout:
     """An unfinished rollout as a snapshot records it (``TrainerRolloutState.in_flight``).
@@ -391,19 +437,20 @@ class SavedRollout:
 
     def to_json(self) -> dict[str, JSONValue]:
         rollout = self.rollout
-        return {
-            "rollout_id": rollout.episode.rollout_id,
-            "attempt": rollout.episode.attempt,
-            "instance": rollout.instance,
-            "prompt_group_id": rollout.prompt_group_id,
-            "sibling_index": rollout.sibling_index,
-            "group_size": rollout.group_size,
-            "environment": rollout.environment,
-            "boundaries_seen": rollout.boundaries_seen,
-            "task": _plain_json(rollout.task, "task"),
-            "budget_s": self.budget_s,
-            "accepted": self.accepted,
-        }
+        descriptor = saved_rollout_json(
+            rollout.episode,
+            rollout.instance,
+            rollout.prompt_group_id,
+            rollout.sibling_index,
+            rollout.group_size,
+            rollout.environment,
+            rollout.boundaries_seen,
+            rollout.task,
+            self.budget_s,
+            self.accepted,
+        )
+        descriptor["task"] = _plain_json(rollout.task, "task")
+        return descriptor
 
     @classmethod
     def from_json(cls, raw: object, where: str = "in_flight item") -> Self:

@@ -20,6 +20,7 @@ is :mod:`turnpoint.trainer.storage.layout`; :class:`~turnpoint.trainer.storage.l
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -122,8 +123,34 @@ def _check_relpath(value: object, where: str) -> str:
     return value
 
 
+# The C encoder and decoder copy plain JSON many times faster than a walk in Python: a
+# cut holds one descriptor per episode in flight. NaN and infinity fail to encode; a
+# tuple, or a key that is not a string, comes back unequal; either way the walk below
+# then makes the copy, or names what is wrong.
+_COPY_ENCODER = json.JSONEncoder(allow_nan=False)
+_NOT_PLAIN: Any = object()
+
+
+def _plain_copy(value: object) -> Any:
+    """A deep copy of a container of plain JSON, or ``_NOT_PLAIN``."""
+    try:
+        copy = json.loads(_COPY_ENCODER.encode(value))
+    except (TypeError, ValueError, RecursionError):
+        return _NOT_PLAIN
+    return copy if copy == value else _NOT_PLAIN
+
+
 def _check_json(value: object, where: str) -> JSONValue:
     """A deep copy of ``value`` if it is plain JSON (string keys, finite numbers)."""
+    if type(value) is dict or type(value) is list:
+        copy = _plain_copy(value)
+        if copy is not _NOT_PLAIN:
+            checked: JSONValue = copy
+            return checked
+    return _walk_json(value, where)
+
+
+def _walk_json(value: object, where: str) -> JSONValue:
     if value is None or isinstance(value, bool | int | str):
         return value
     if isinstance(value, float):
@@ -131,13 +158,13 @@ def _check_json(value: object, where: str) -> JSONValue:
             raise _fail(where, f"must be a finite number, got {value!r}")
         return value
     if isinstance(value, list | tuple):
-        return [_check_json(item, f"{where}[{index}]") for index, item in enumerate(value)]
+        return [_walk_json(item, f"{where}[{index}]") for index, item in enumerate(value)]
     if isinstance(value, Mapping):
         copy: dict[str, JSONValue] = {}
         for key, item in value.items():
             if not isinstance(key, str):
                 raise _fail(where, f"object keys must be strings, got {key!r}")
-            copy[key] = _check_json(item, f"{where}.{key}")
+            copy[key] = _walk_json(item, f"{where}.{key}")
         return copy
     raise _fail(where, f"is not JSON data: {type(value).__name__}")
 
@@ -148,6 +175,17 @@ def _check_json_object(value: object, where: str) -> dict[str, JSONValue]:
     checked = _check_json(value, where)
     assert isinstance(checked, dict)
     return checked
+
+
+def _check_json_objects(items: Iterable[object], where: str) -> list[dict[str, JSONValue]]:
+    """Copies of ``items``, each a JSON object (``where[index]`` names a bad one)."""
+    items = list(items)
+    if all(type(item) is dict for item in items):
+        copies = _plain_copy(items)  # one pass for the whole list
+        if copies is not _NOT_PLAIN:
+            checked: list[dict[str, JSONValue]] = copies
+            return checked
+    return [_check_json_object(item, f"{where}[{index}]") for index, item in enumerate(items)]
 
 
 # -- manifest parts --------------------------------------------------------------------
@@ -376,10 +414,7 @@ class TrainerRolloutState:
     in_flight: tuple[dict[str, JSONValue], ...] = ()
 
     def __post_init__(self) -> None:
-        queue = tuple(
-            _check_json_object(item, f"rollout_state.queue[{index}]")
-            for index, item in enumerate(self.queue)
-        )
+        queue = tuple(_check_json_objects(self.queue, "rollout_state.queue"))
         data_loader = _check_json(self.data_loader, "rollout_state.data_loader")
         if not isinstance(self.attempts, Mapping):
             raise _fail("rollout_state.attempts", "must be a mapping of rollout id to attempt")
@@ -429,9 +464,8 @@ def _check_in_flight(
     if isinstance(items, str | bytes | Mapping) or not isinstance(items, Iterable):
         raise _fail("rollout_state.in_flight", "must be a list of JSON objects")
     checked: dict[str, dict[str, JSONValue]] = {}
-    for index, item in enumerate(items):
+    for index, descriptor in enumerate(_check_json_objects(items, "rollout_state.in_flight")):
         where = f"rollout_state.in_flight[{index}]"
-        descriptor = _check_json_object(item, where)
         if "rollout_id" not in descriptor or "attempt" not in descriptor:
             raise _fail(where, "must name its rollout_id and attempt")
         rollout_id = check_id(descriptor["rollout_id"], f"{where}.rollout_id")
@@ -686,8 +720,11 @@ def _check_schema_version(value: object) -> int:
     return value
 
 
-def _placed_key(placed: PlacedEpisode) -> tuple[str, EpisodeId]:
-    return (placed.instance, placed.episode)
+def _placed_key(placed: PlacedEpisode) -> tuple[str, str, int]:
+    # The episode's own order (rollout id, attempt) spelled out: tuples of strings and
+    # ints compare in C, where an EpisodeId compares through its Python __lt__.
+    episode = placed.episode
+    return (placed.instance, episode.rollout_id, episode.attempt)
 
 
 def _first_duplicate(items: Iterable[Any]) -> Any:
