@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
+from tests.support.healing import healing_facade
 from tests.support.participants import TOKEN, guess_agent_command, start_topology
 from tests.support.scripted import poll
 from turnpoint.apps.examples._build import ExampleSpec, build_example
@@ -29,15 +29,11 @@ from turnpoint.ids import EpisodeId
 from turnpoint.protocol import ParticipantKind
 from turnpoint.server import HostedParticipant, ServerOptions, host_participant
 from turnpoint.trainer import (
-    Checkpointing,
-    CoordinatorConfig,
     HealRefusedError,
     LocalProcessLauncher,
     ParticipantLostError,
     RolloutOutcome,
     SnapshotOutcome,
-    TorchAnchorSource,
-    torch_anchor_loader,
 )
 
 GROUP_SIZE = 2
@@ -68,26 +64,10 @@ async def test_a_killed_agent_process_is_replaced_and_only_its_episode_is_restor
         try:
             participants = {n: h.address for n, h in topology.participants.items()}
             participants["agent-1"] = await launcher.start("agent-1")
-            model = torch.nn.Linear(2, 2)
-            ckpt = Checkpointing(
-                CoordinatorConfig(
-                    snapshot_root=root,
-                    control_timeout_s=10.0,
-                    liveness_interval_s=0.25,
-                    participant_lost_after_s=2.0,
-                ),
-                participants,
-                token=TOKEN,
-                anchor=TorchAnchorSource(model, None, step=lambda: 0),
-                load_anchor=torch_anchor_loader(model, None),
-                periodic=False,
-                final_snapshot=False,
-                watch_liveness=True,
-                launcher=launcher,
-                # No rollout_settings: with a launcher the default re-attaches the dead
-                # agent's Run until the heal takes it over (HEAL_REATTACH_ATTEMPTS): the
-                # heal, not the rollout client, decides its fate.
-            )
+            # No rollout_settings: with a launcher the default re-attaches the dead
+            # agent's Run until the heal takes it over (HEAL_REATTACH_ATTEMPTS): the
+            # heal, not the rollout client, decides its fate.
+            ckpt = healing_facade(root, participants, launcher)
             async with ckpt:
                 # Groups 1 and 3 are group-scored: sibling 0 of each alone parks at its
                 # verify. Group 1's lands on agent-1, group 3's on agent-0.
@@ -150,23 +130,12 @@ async def test_a_participant_replaced_too_often_ends_the_run_with_the_reason(
 ) -> None:
     root = tmp_path / "p"
     async with start_topology(root, agents=2, group_size=GROUP_SIZE) as topology:
-        model = torch.nn.Linear(2, 2)
-        ckpt = Checkpointing(
-            CoordinatorConfig(
-                snapshot_root=root,
-                control_timeout_s=10.0,
-                liveness_interval_s=0.25,
-                participant_lost_after_s=1.0,
-                max_restarts=0,  # no heal allowed: the first loss ends the run
-            ),
+        ckpt = healing_facade(
+            root,
             {n: h.address for n, h in topology.participants.items()},
-            token=TOKEN,
-            anchor=TorchAnchorSource(model, None, step=lambda: 0),
-            load_anchor=torch_anchor_loader(model, None),
-            periodic=False,
-            final_snapshot=False,
-            watch_liveness=True,
-            launcher=_NeverCalled(),
+            _NeverCalled(),
+            lost_after_s=1.0,
+            config={"max_restarts": 0},  # no heal allowed: the first loss ends the run
         )
         async with ckpt:
             await topology.agents[1].stop(0)
@@ -206,22 +175,11 @@ async def test_a_lost_policy_is_replaced_on_its_port_with_the_current_weights(
     async with start_topology(root, agents=1, group_size=GROUP_SIZE) as topology:
         launcher = _PolicyOnItsPort(root, topology.policy)
         trainer_policy = new_policy(0)
-        model = torch.nn.Linear(2, 2)
-        ckpt = Checkpointing(
-            CoordinatorConfig(
-                snapshot_root=root,
-                control_timeout_s=10.0,
-                liveness_interval_s=0.25,
-                participant_lost_after_s=1.0,
-            ),
+        ckpt = healing_facade(
+            root,
             {n: h.address for n, h in topology.participants.items()},
-            token=TOKEN,
-            anchor=TorchAnchorSource(model, None, step=lambda: 0),
-            load_anchor=torch_anchor_loader(model, None),
-            periodic=False,
-            final_snapshot=False,
-            watch_liveness=True,
-            launcher=launcher,
+            launcher,
+            lost_after_s=1.0,
             weights=trainer_policy.state_bytes,
         )
         try:

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-import torch
 
+from tests.support.healing import healing_facade
 from tests.support.participants import METADATA, TOKEN, guess_agent_command, start_topology
 from tests.support.scripted import poll
 from turnpoint._status import error_from_rpc
@@ -36,15 +36,11 @@ from turnpoint.errors import Reason, TurnpointError
 from turnpoint.ids import EpisodeId
 from turnpoint.server import WorkerGroup
 from turnpoint.trainer import (
-    Checkpointing,
-    CoordinatorConfig,
     LaunchError,
     RolloutClientSettings,
     RolloutOutcome,
     SnapshotOutcome,
     StableAddressLauncher,
-    TorchAnchorSource,
-    torch_anchor_loader,
 )
 from turnpoint.v1 import rollout_service_pb2 as pb
 from turnpoint.v1 import rollout_service_pb2_grpc as pb_grpc
@@ -98,22 +94,10 @@ async def test_a_killed_worker_is_healed_in_place_at_its_own_address(tmp_path: P
             assert first is not None
             participants = {n: h.address for n, h in topology.participants.items()}
             participants["agents"] = group.shared_address
-            model = torch.nn.Linear(2, 2)
-            ckpt = Checkpointing(
-                CoordinatorConfig(
-                    snapshot_root=root,
-                    control_timeout_s=10.0,
-                    liveness_interval_s=0.25,
-                    participant_lost_after_s=2.0,
-                ),
+            ckpt = healing_facade(
+                root,
                 participants,
-                token=TOKEN,
-                anchor=TorchAnchorSource(model, None, step=lambda: 0),
-                load_anchor=torch_anchor_loader(model, None),
-                periodic=False,
-                final_snapshot=False,
-                watch_liveness=True,
-                launcher=launcher,
+                launcher,
                 # The dead worker's Run is re-attached, not given up, until the heal
                 # takes it over: the heal, not the rollout client, decides its fate.
                 rollout_settings=RolloutClientSettings(reattach_attempts=1000),
