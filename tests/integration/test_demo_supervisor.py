@@ -85,7 +85,8 @@ import argparse, json, os, signal, socket, sys, time
 parser = argparse.ArgumentParser()
 for flag in ("--topology", "--out", "--target-level"):
     parser.add_argument(flag, required=True)
-for flag in ("--steps", "--group-size", "--groups-per-step", "--seed", "--incarnation"):
+for flag in ("--steps", "--group-size", "--groups-per-step", "--seed", "--incarnation",
+             "--max-restarts"):
     parser.add_argument(flag, type=int, required=True)
 parser.add_argument("--snapshot-interval", type=float, required=True)
 parser.add_argument("--resume", action="store_true")
@@ -658,7 +659,7 @@ def test_the_trainer_command_carries_every_setting(tmp_path: Path) -> None:
         "--out", str(tmp_path),
         "--steps", "7", "--group-size", "3", "--groups-per-step", "5",
         "--snapshot-interval", "2.5", "--target-level", "sibling", "--seed", "9",
-        "--incarnation", "3", "--start-on-stdin", "--resume",
+        "--max-restarts", "3", "--incarnation", "3", "--start-on-stdin", "--resume",
     ]  # fmt: skip
 
 

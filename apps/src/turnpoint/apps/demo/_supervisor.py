@@ -1165,6 +1165,9 @@ def trainer_command(
         options.target_level,
         "--seed",
         str(options.seed),
+        # The trainer's own bound: heals of one participant per hour (section 7.15).
+        "--max-restarts",
+        str(options.max_restarts),
         "--incarnation",
         str(incarnation),
         # Spawned while the participants start; it waits for the supervisor's word.

@@ -182,6 +182,8 @@ class DemoTrainer:
                 # Small loopback job: notice a lost participant within seconds.
                 "liveness_interval_s": 1.0,
                 "participant_lost_after_s": lost_after_s,
+                # --max-restarts bounds the heals of each participant too (per hour).
+                "max_restarts": self.args.max_restarts,
             }
         )
 
@@ -584,6 +586,13 @@ def build_parser() -> argparse.ArgumentParser:
         "a published snapshot, and the first trainer's root is fresh",
     )
     parser.add_argument("--metrics-port", type=int, default=None, metavar="PORT")
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        default=3,
+        metavar="N",
+        help="heals in place of one participant allowed per hour (the demo's --max-restarts)",
+    )
     parser.add_argument(
         "--incarnation",
         type=int,
