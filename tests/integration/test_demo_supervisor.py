@@ -476,7 +476,7 @@ async def test_a_failing_trainer_fails_the_demo_with_its_stderr_and_stops_everyt
         "the trainer (incarnation 1) exited with status 3; its stderr ends with:\n"
         "    boom: the fake trainer failed\n"
         f"(full log: {paths.logs / 'trainer.1.stderr'})\n"
-        "trainer restart: 0 restart(s) in the last 3600s already, the most allowed "
+        "job restore: 0 restart(s) in the last 3600s already, the most allowed "
         "(max_restarts=0); the run ends"
     )
     assert len(launcher.started) == 5
@@ -486,9 +486,10 @@ async def test_a_failing_trainer_fails_the_demo_with_its_stderr_and_stops_everyt
 async def test_a_trainer_that_keeps_failing_is_restored_max_restarts_times_then_fails(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Unplanned failures are recovered within a bounded budget: the first restarts the
-    trainer alone (docs/spec.md section 7.11 item 3); that trainer failing before its
-    first step, the second restores the job onto fresh processes."""
+    """Unplanned failures are recovered within a bounded budget. A trainer that fails
+    before any snapshot was published is not restarted alone (a new trainer would start
+    over and send the first attempts again to participants that retired them at its
+    epoch): each failure restores the job onto fresh processes."""
     monkeypatch.setenv("FAKE_TRAINER", "fail")
     options = _options(tmp_path / "out", max_restarts=2, first_restart_pause_s=0.01)
     paths, token = prepare_out_dir(options.out)
@@ -507,7 +508,7 @@ async def test_a_trainer_that_keeps_failing_is_restored_max_restarts_times_then_
         )
 
     assert "the trainer (incarnation 3) exited with status 3" in str(caught.value)
-    assert len(launcher.started) == 10  # the first five, then five fresh ones
+    assert len(launcher.started) == 15  # the first five, then five fresh ones twice
     assert all(p.exit_status() is not None for p in launcher.started)
     events = _read_jsonl(paths.supervisor_log)
     crashes = [e for e in events if e["type"] == "crash"]
@@ -519,7 +520,7 @@ async def test_a_trainer_that_keeps_failing_is_restored_max_restarts_times_then_
     )
     restarts = [e for e in events if e["type"] == "restart"]
     assert [e["incarnation"] for e in restarts] == [2, 3]
-    assert [e["participants_restarted"] for e in restarts] == [0, 5]
+    assert [e["participants_restarted"] for e in restarts] == [5, 5]
     # The backoff doubles from the first pause (--restart-pause).
     assert [e["reason"].rpartition(" after ")[2] for e in restarts] == ["0.01s", "0.02s"]
 

@@ -1701,8 +1701,14 @@ class _Supervisor:
         """Whether an unplanned recovery restarts only the trainer: every participant
         still runs (none exited, none paused by --chaos), so the trainer's own fault (a
         SIGKILL, a pause, a crash) is the cause; and the last trainer started alone
-        trained at least a step (one whose restore failed restarts the job instead)."""
+        trained at least a step (one whose restore failed restarts the job instead); and a
+        snapshot was published. Before the first one a new trainer starts over: it would
+        send the rollouts' first attempts again to participants that saw them and retired
+        them at its epoch (a chaos run trained such a rollout failed, its tools server
+        refusing the attempt), so the job restarts onto fresh participants instead."""
         if not self.options.restart_trainer_alone or self.paused:
+            return False
+        if self.state.published == 0:
             return False
         if any(p.exit_status() is not None for p in self.participants.values()):
             return False
