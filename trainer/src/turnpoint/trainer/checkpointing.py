@@ -315,14 +315,17 @@ class Checkpointing:
         self._load_anchor = load_anchor
         self._every_steps = every_steps
         self._periodic = periodic
-        self._rollout_settings = rollout_settings or RolloutClientSettings(
-            max_concurrency=256,
-            # Healing in place, the heal decides what becomes of a lost participant's
-            # attempts (continued from the snapshot): re-attach long enough for the
-            # liveness watch to find the loss and the launcher to replace it, rather than
-            # rerun each from its prompt after the default 3 (docs/spec.md 7.15 item 9).
-            reattach_attempts=HEAL_REATTACH_ATTEMPTS if launcher is not None else 3,
-        )
+        if rollout_settings is None:
+            rollout_settings = RolloutClientSettings(max_concurrency=256)
+            if launcher is not None:
+                # Healing in place, the heal decides what becomes of a lost participant's
+                # attempts (continued from the snapshot): re-attach long enough for the
+                # liveness watch to find the loss and the launcher to replace it, rather
+                # than rerun each from its prompt (docs/spec.md 7.15 item 9).
+                rollout_settings = replace(
+                    rollout_settings, reattach_attempts=HEAL_REATTACH_ATTEMPTS
+                )
+        self._rollout_settings = rollout_settings
         self._weights = weights
         self._initial_weights_version = initial_weights_version
         self._weight_sync_settings = weight_sync
