@@ -65,6 +65,10 @@ from turnpoint.v1 import types_pb2
 API_KEY = "sk-policy-endpoint"
 TASK = {"low": 2, "high": 9, "target": 8, "max_turns": 3, "seed": 3, "max_tokens": 3}
 HARNESS = [sys.executable, react_harness.__file__]
+# The hang guard of a Run that starts harness processes (one per attempt, two when a
+# restored harness diverges and reruns): each start is a Python or Node process start-up,
+# which a loaded two-core machine slows several times; 10 s was seen to expire.
+HARNESS_BOUND_S = 60.0
 # The same loop in Node 20 with plain fetch.
 NODE_HARNESS = ["node", str(Path(react_harness.__file__).with_suffix(".mjs"))]
 
@@ -137,7 +141,7 @@ async def run_through(
         host_scripted(root, agent=agent) as hosted,
         wire_to(hosted, "unary") as wire,
     ):
-        result = await wire.run(episode, TASK).done()
+        result = await wire.run(episode, TASK).done(HARNESS_BOUND_S)
     return struct_to_dict(result.result)
 
 
@@ -173,7 +177,7 @@ async def test_killed_after_every_turn_in_turn_it_ends_as_the_uninterrupted_run(
                     await restore(wire, cut - 1, committed, episode)
                     episode = episode.next_attempt()
                 run = wire.run(episode, TASK)
-                await poll(lambda at=hold_at: policy.started >= at)
+                await poll(lambda at=hold_at: policy.started >= at, HARNESS_BOUND_S)
                 prepared = await wire.prepare(ckpt(cut), lease_s=60)
                 assert prepared.phase == types_pb2.PHASE_PREPARED, prepared
                 committed = await wire.commit(ckpt(cut), f"snap-{cut}", [episode])
@@ -192,7 +196,7 @@ async def test_killed_after_every_turn_in_turn_it_ends_as_the_uninterrupted_run(
             wire_to(hosted, "unary") as wire,
         ):
             await restore(wire, calls - 1, committed, episode)
-            result = await wire.run(episode.next_attempt(), TASK).done()
+            result = await wire.run(episode.next_attempt(), TASK).done(HARNESS_BOUND_S)
         continued = struct_to_dict(result.result)
 
     assert continued["transcript"] == whole["transcript"]
@@ -228,7 +232,7 @@ async def test_a_restored_harness_that_diverges_is_stopped_and_the_episode_rerun
             wire_to(hosted, "unary") as wire,
         ):
             wire.run(episode, TASK)
-            await poll(lambda: policy.started >= 2)
+            await poll(lambda: policy.started >= 2, HARNESS_BOUND_S)
             assert (await wire.prepare(ckpt(1), lease_s=60)).phase == types_pb2.PHASE_PREPARED
             committed = await wire.commit(ckpt(1), "snap-1", [episode])
             await wire.resume(ckpt(1))
@@ -241,7 +245,7 @@ async def test_a_restored_harness_that_diverges_is_stopped_and_the_episode_rerun
             wire_to(hosted, "unary") as wire,
         ):
             await restore(wire, 1, committed, episode)
-            result = await wire.run(episode.next_attempt(), TASK).done()
+            result = await wire.run(episode.next_attempt(), TASK).done(HARNESS_BOUND_S)
         continued = struct_to_dict(result.result)
 
     assert [rerun["position"] for rerun in continued["reruns"]] == [0]
@@ -300,7 +304,7 @@ async def test_a_harness_declared_not_replayable_is_restart_only_and_a_restore_r
         async with trainer(1) as (coordinator, client, agent):
             assert agent.recovery_mode is RecoveryMode.RESTART_ONLY
             client.dispatch(rollout)
-            await poll(lambda: policy.started >= 2)
+            await poll(lambda: policy.started >= 2, HARNESS_BOUND_S)
             driver = SnapshotDriver(
                 coordinator=coordinator,
                 rollouts=client,
@@ -352,7 +356,7 @@ async def test_the_harness_environment_holds_no_control_credential(
         host_scripted(tmp_path / "agent", agent=agent) as hosted,
         wire_to(hosted, "unary") as wire,
     ):
-        result = await wire.run(EpisodeId("env-run", 0), TASK).done()
+        result = await wire.run(EpisodeId("env-run", 0), TASK).done(HARNESS_BOUND_S)
     seen = struct_to_dict(result.result)["transcript"]
     assert TOKEN_ENV not in seen and TOKEN_FILE_ENV not in seen
     assert CONTROL_TOKEN_SHA256_ENV not in seen

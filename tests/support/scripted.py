@@ -371,8 +371,10 @@ class RunCall:
             if not self.call.cancelled():
                 raise
 
-    async def done(self) -> ro_pb.RunResult:
-        await bounded(asyncio.shield(self.task))
+    async def done(self, seconds: float = BOUND_S) -> ro_pb.RunResult:
+        """The Run's result, awaited with a hang guard of ``seconds`` (larger for a Run
+        that starts processes, whose start-up a loaded machine slows many times)."""
+        await bounded(asyncio.shield(self.task), seconds)
         if self.error is not None:
             raise self.error
         assert self.result is not None, "the Run ended without a result"
