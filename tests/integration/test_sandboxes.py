@@ -8,6 +8,7 @@ quietly testing a weaker sandbox (``./dev setup`` installs it).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import os
@@ -390,6 +391,45 @@ async def test_a_cancelled_exec_kills_its_command(
 
 async def _none_under(root: Path) -> bool:
     return _processes_under(root) == []
+
+
+def _processes_naming(root: Path) -> list[int]:
+    """Host processes whose command line names a path under ``root``: bwrap, and the
+    init of each sandbox's pid namespace (their working directory is inside the
+    sandbox's own mounts, so :func:`_processes_under` cannot see them)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                command = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if f"{root}/".encode() in command:
+                found.append(int(entry.name))
+    return found
+
+
+async def test_a_command_cancelled_at_any_moment_of_its_start_leaves_nothing_running(
+    provider: LocalSandboxProvider, tmp_path: Path
+) -> None:
+    """Cancelled while bwrap was still setting the sandbox up, a command used to escape:
+    bwrap was killed and the sandbox, in a session of its own, went on running with the
+    command's pipes open, so that the cancelled call itself hung until the command
+    ended. The cancellations sweep the start-up window in steps of a millisecond."""
+    box = await provider.create("box")
+    trees = tmp_path / "provider" / "sandboxes"
+    for step in range(40):
+        running = asyncio.create_task(provider.exec(box, ["sleep", "60"], timeout_seconds=60))
+        await asyncio.sleep(step / 1000)
+        running.cancel()
+        async with asyncio.timeout(BOUND_S):
+            with contextlib.suppress(asyncio.CancelledError):
+                await running
+    await _eventually(lambda: _nothing_naming(trees))
+
+
+async def _nothing_naming(root: Path) -> bool:
+    return _processes_naming(root) == []
 
 
 async def test_a_machine_without_the_isolation_asked_for_is_refused_and_said(

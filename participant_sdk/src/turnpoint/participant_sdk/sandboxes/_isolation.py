@@ -23,6 +23,7 @@ recent kernels), or, where it passes, that this provider version does not use it
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import shutil
@@ -123,16 +124,27 @@ def mounts(report: IsolationReport) -> tuple[Mount, ...]:
 
 
 def wrap(
-    report: IsolationReport, tree: Path, argv: Sequence[str], limits: ResourceLimits
+    report: IsolationReport,
+    tree: Path,
+    argv: Sequence[str],
+    limits: ResourceLimits,
+    *,
+    info_fd: int | None = None,
 ) -> list[str]:
-    """The command line that runs ``argv`` confined to ``tree`` under ``report``."""
+    """The command line that runs ``argv`` confined to ``tree`` under ``report``.
+
+    With ``info_fd`` (bwrap only), bwrap writes its sandbox's facts there as JSON, among
+    them ``child-pid``: the init of the sandbox's pid namespace, whose death takes every
+    process of the sandbox with it (:func:`namespace_init`)."""
     command = list(argv)
     if report.mechanism is Isolation.BWRAP:
         binds: list[str] = []
         for directory in _SYSTEM_DIRS:
             binds += ["--ro-bind-try", directory, directory]
+        info = [] if info_fd is None else ["--info-fd", str(info_fd)]
         command = [
             "bwrap",
+            *info,
             "--unshare-all",
             "--die-with-parent",
             "--new-session",
@@ -171,3 +183,13 @@ def wrap(
             *command,
         ]
     return command
+
+
+def namespace_init(info: bytes) -> int | None:
+    """The host pid of the sandbox's pid-namespace init from bwrap's ``--info-fd``
+    output, or None when bwrap wrote none (it failed before making the sandbox)."""
+    try:
+        pid = json.loads(info)["child-pid"]
+    except (ValueError, KeyError, TypeError):
+        return None
+    return pid if isinstance(pid, int) and pid > 0 else None

@@ -61,7 +61,7 @@ from ._errors import (
     StaleHandleError,
 )
 from ._format import Limits, TreeManifest, check_path
-from ._isolation import mounts, probe, wrap
+from ._isolation import mounts, namespace_init, probe, wrap
 from ._provider import (
     Capability,
     ExecResult,
@@ -203,6 +203,8 @@ class LocalSandboxProvider(SandboxProvider):
         self._state = self._read_state()
         self._lock = asyncio.Lock()
         self._processes: dict[Sandbox, set[asyncio.subprocess.Process]] = {}
+        # Under bwrap, a pidfd of each command's sandbox init (see :meth:`_kill`).
+        self._namespaces: dict[asyncio.subprocess.Process, int] = {}
 
     @classmethod
     async def open(
@@ -383,7 +385,8 @@ class LocalSandboxProvider(SandboxProvider):
     async def _fence(self, old: Sandbox, state: _SandboxState) -> None:
         """Kill what runs in a generation that is no longer active, and remove its tree."""
         for process in self._processes.get(old, set()):
-            _kill(process)
+            self._kill(process)
+            self._release(process)
         self._processes[old] = set()
         await asyncio.to_thread(shutil.rmtree, self._tree(old.sandbox_id, state), True)
 
@@ -408,12 +411,13 @@ class LocalSandboxProvider(SandboxProvider):
                 await asyncio.wait_for(process.wait(), timeout_seconds)
             except TimeoutError:
                 timed_out = True
-                _kill(process)
+                self._kill(process)
                 await process.wait()
             done, _ = await asyncio.wait({stdout, stderr}, timeout=_DRAIN_SECONDS)
         finally:
             # Also on cancellation: the command dies with the call that ran it.
-            _kill(process)
+            self._kill(process)
+            self._release(process)
             self._processes.get(sandbox, set()).discard(process)
             stdout.cancel()
             stderr.cancel()
@@ -443,10 +447,11 @@ class LocalSandboxProvider(SandboxProvider):
         """Kill every process this provider started; the sandboxes' trees stay."""
         processes = [p for group in self._processes.values() for p in group]
         for process in processes:
-            _kill(process)
+            self._kill(process)
         for process in processes:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(process.wait(), _DRAIN_SECONDS)
+            self._release(process)
         for group in self._processes.values():
             group.clear()
 
@@ -456,25 +461,92 @@ class LocalSandboxProvider(SandboxProvider):
         if not argv:
             raise ValueError("an empty command")
         _, tree = await self._current(sandbox)
-        pipe = asyncio.subprocess.PIPE
-        quiet = asyncio.subprocess.DEVNULL
-        process = await asyncio.create_subprocess_exec(
-            *wrap(self._isolation, tree, argv, self._limits),
-            cwd=tree,
-            stdin=pipe if piped else quiet,
-            stdout=pipe if piped else quiet,
-            stderr=pipe if piped else quiet,
-            start_new_session=True,
-            env=_environment(),
-        )
+        # Started in a task of its own: cancelled mid-spawn, asyncio would kill bwrap
+        # alone and then wait for the command's pipes, which the sandbox still holds.
+        spawning = asyncio.ensure_future(self._start(tree, argv, piped=piped))
+        try:
+            process = await asyncio.shield(spawning)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):  # a spawn that failed left nothing
+                await self._stop(await spawning)
+            raise
         try:
             await self._current(sandbox)  # a restore may have fenced it while it started
         except BaseException:
-            _kill(process)
-            await process.wait()
+            await self._stop(process)
             raise
         self._processes.setdefault(sandbox, set()).add(process)
         return process
+
+    async def _start(
+        self, tree: Path, argv: Sequence[str], *, piped: bool
+    ) -> asyncio.subprocess.Process:
+        pipe = asyncio.subprocess.PIPE
+        quiet = asyncio.subprocess.DEVNULL
+        # bwrap reports its sandbox's init on a pipe of its own (see _kill).
+        info = os.pipe() if self._isolation.mechanism is Isolation.BWRAP else None
+        try:
+            process = await asyncio.create_subprocess_exec(
+                *wrap(
+                    self._isolation,
+                    tree,
+                    argv,
+                    self._limits,
+                    info_fd=None if info is None else info[1],
+                ),
+                cwd=tree,
+                stdin=pipe if piped else quiet,
+                stdout=pipe if piped else quiet,
+                stderr=pipe if piped else quiet,
+                start_new_session=True,
+                env=_environment(),
+                pass_fds=() if info is None else (info[1],),
+            )
+        except BaseException:
+            if info is not None:
+                os.close(info[0])
+            raise
+        finally:
+            if info is not None:
+                os.close(info[1])
+        if info is not None:
+            # Written within milliseconds of bwrap's start, closed when it exits.
+            self._watch_namespace(process, await _read_to_end(info[0]))
+        return process
+
+    async def _stop(self, process: asyncio.subprocess.Process) -> None:
+        self._kill(process)
+        await process.wait()
+        self._release(process)
+
+    def _watch_namespace(self, process: asyncio.subprocess.Process, info: bytes) -> None:
+        """Keep a pidfd of ``process``'s sandbox init from bwrap's report ``info``."""
+        pid = namespace_init(info)
+        if pid is None:
+            return
+        with contextlib.suppress(ProcessLookupError):  # the sandbox has ended already
+            self._namespaces[process] = os.pidfd_open(pid)
+
+    def _kill(self, process: asyncio.subprocess.Process) -> None:
+        """SIGKILL a running command: the init of its sandbox's pid namespace first (the
+        kernel then kills every process in the namespace), then the process group the
+        provider started. Killing bwrap alone is not enough: the sandbox runs in a new
+        session, out of that group, and a bwrap killed while it was still setting the
+        sandbox up leaves the sandbox running (its die-with-parent not yet armed), with
+        the command's pipes open, so that even waiting for the command hangs."""
+        if process.returncode is not None:
+            return  # it ended, and bwrap ends only after its sandbox
+        namespace = self._namespaces.get(process)
+        if namespace is not None:
+            with contextlib.suppress(ProcessLookupError):
+                signal.pidfd_send_signal(namespace, signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, signal.SIGKILL)
+
+    def _release(self, process: asyncio.subprocess.Process) -> None:
+        namespace = self._namespaces.pop(process, None)
+        if namespace is not None:
+            os.close(namespace)
 
     # ---------------------------------------------------------------- files
 
@@ -641,10 +713,19 @@ def _remove_all(trees: list[Path]) -> None:
         shutil.rmtree(tree, ignore_errors=True)
 
 
-def _kill(process: asyncio.subprocess.Process) -> None:
-    if process.returncode is None:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(process.pid, signal.SIGKILL)
+async def _read_to_end(fd: int) -> bytes:
+    """Everything written to the pipe ``fd`` until its writer closes it; closes ``fd``."""
+    return await asyncio.to_thread(_read_fd_to_end, fd)
+
+
+def _read_fd_to_end(fd: int) -> bytes:
+    try:
+        chunks = []
+        while chunk := os.read(fd, 4096):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def _environment() -> dict[str, str]:
