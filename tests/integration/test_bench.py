@@ -539,6 +539,30 @@ def test_the_control_path_alone_prints_its_rows_and_targets(
     assert _children() == []
 
 
+def test_the_real_state_figure_alone_prints_its_rows_and_targets_only(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--real-state-only`` runs that figure and nothing else (no control path, no demo
+    run): its rows, its targets, its details; every worker stopped."""
+    argv = ["bench", "--real-state-only", "--json", "--real-state", "1x2x512", "--workers", "1"]
+    assert main([*argv, "--rounds", "1", "--warmup", "0", "--root", str(tmp_path)]) == 0
+    figures = json.loads(capsys.readouterr().out)
+    assert set(figures) == {"real_state", "targets", "details"}
+    [row] = figures["real_state"]
+    assert (row["participants"], row["episodes_per_participant"]) == (1, 2)
+    assert row["snapshot_s"] > 0 and row["floor_s"] > 0
+    assert set(figures["targets"]) == {
+        "real_state_64x32x16KB_vs_floor",
+        "real_state_1000_episodes_us_beyond_floor",
+        "real_state_fsyncs_per_file_and_directory",
+    }
+    # Its own case is not a default case: the targets have nothing to hold it to.
+    assert all(target["value"] is None for target in figures["targets"].values())
+    # Only the real-state snapshots were written under the root.
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["real-state-1x2x512"]
+    assert _children() == []
+
+
 def test_bad_options_are_refused_before_anything_starts(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

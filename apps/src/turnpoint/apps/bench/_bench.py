@@ -163,6 +163,37 @@ def control_path_targets(rows: Sequence[OverheadRow]) -> list[Target]:
     return targets
 
 
+def real_state_targets(rows: Sequence[RealStateRow]) -> list[Target]:
+    """The real-state snapshots' targets (issue 30 item 2), of the default cases; a case
+    not measured has no value and never fails a check."""
+    measured = {row.case: row for row in rows}
+    big = measured.get(RealStateCase(64, 32, 16384))
+    many = measured.get(RealStateCase(1, 1000, 1024))
+    return [
+        # A snapshot exporting 32 MB (64 participants x 32 parked episodes x 16 KB) over
+        # the same files written by a plain program with one fsync per file and
+        # directory. A ratio, but of two disk timings on a disk other engineers share:
+        # reported, not gated.
+        Target("real_state_64x32x16KB_vs_floor", None if big is None else big.ratio, 1.5),
+        Target(
+            "real_state_1000_episodes_us_beyond_floor",
+            None if many is None else many.beyond_floor_us_per_episode,
+            20.0,
+        ),
+        # Counted, not timed: the fsyncs that make a snapshot durable (the participants'
+        # and the publication's, docs/spec.md sections 8.4 and 8.9) over the files and
+        # directories it makes durable. One each is the floor; counts carry no noise,
+        # so one fsync too many fails the check.
+        Target(
+            "real_state_fsyncs_per_file_and_directory",
+            None if big is None else big.fsyncs_per_durable_item,
+            1.0,
+            gated=True,
+            exact=True,
+        ),
+    ]
+
+
 @dataclass(frozen=True, slots=True)
 class BenchReport:
     """The figures of one run (see :meth:`to_json` for the published shape)."""
@@ -204,9 +235,6 @@ class BenchReport:
     def restore_seconds(self) -> float | None:
         return self.restore.seconds
 
-    def _real_state(self, case: RealStateCase) -> RealStateRow | None:
-        return next((row for row in self.real_state if row.case == case), None)
-
     def targets(self) -> list[Target]:
         """Every figure that has a target, measured or not (value None)."""
         sandbox = self.sandbox_snapshots[0] if self.sandbox_snapshots else None
@@ -215,8 +243,6 @@ class BenchReport:
         durable = self.durable
         admission = self.throughput.admission_closed_s
         interval = self.throughput.interval
-        big = self._real_state(RealStateCase(64, 32, 16384))
-        many = self._real_state(RealStateCase(1, 1000, 1024))
         largest = None if self.scale is None else self.scale.largest
         return [
             *control_path_targets(self.control_overhead),
@@ -226,31 +252,7 @@ class BenchReport:
                 0,
                 gated=True,
             ),
-            # Issue 30 item 2: a snapshot exporting 32 MB (64 participants x 32 parked
-            # episodes x 16 KB) over the same files written by a plain program with one
-            # fsync per file and directory. A ratio, but of two disk timings on a disk
-            # other engineers share: reported, not gated.
-            Target(
-                "real_state_64x32x16KB_vs_floor",
-                None if big is None else big.ratio,
-                1.5,
-            ),
-            Target(
-                "real_state_1000_episodes_us_beyond_floor",
-                None if many is None else many.beyond_floor_us_per_episode,
-                20.0,
-            ),
-            # Counted, not timed: the fsyncs that make a snapshot durable (the
-            # participants' and the publication's, docs/spec.md sections 8.4 and 8.9) over
-            # the files and directories it makes durable. One each is the floor; counts
-            # carry no noise, so one fsync too many fails the check.
-            Target(
-                "real_state_fsyncs_per_file_and_directory",
-                None if big is None else big.fsyncs_per_durable_item,
-                1.0,
-                gated=True,
-                exact=True,
-            ),
+            *real_state_targets(self.real_state),
             # Issue 30 item 5, in process at 1k, 10k and 100k episodes in flight: the
             # trainer's books per episode (tracemalloc, at the largest size: a count,
             # gated), the manifest's bytes per episode, and the snapshot's cost per
@@ -513,6 +515,23 @@ async def _control_rows(
     )
 
 
+async def _real_state_rows(
+    options: BenchOptions, root: Path, token: str, progress: Progress
+) -> list[RealStateRow]:
+    return [
+        await measure_real_state(
+            root,
+            case,
+            workers=options.workers,
+            rounds=options.rounds if options.rounds is not None else _REAL_STATE_ROUNDS,
+            warmup=options.warmup,
+            token=token,
+            progress=progress,
+        )
+        for case in options.real_state
+    ]
+
+
 async def _run(options: BenchOptions, root: Path, progress: Progress) -> BenchReport:
     token = secrets.token_hex(24)
     machine_before = _machine()
@@ -539,18 +558,7 @@ async def _run(options: BenchOptions, root: Path, progress: Progress) -> BenchRe
         token=token,
         progress=progress,
     )
-    real_state = [
-        await measure_real_state(
-            root,
-            case,
-            workers=options.workers,
-            rounds=options.rounds if options.rounds is not None else _REAL_STATE_ROUNDS,
-            warmup=options.warmup,
-            token=token,
-            progress=progress,
-        )
-        for case in options.real_state
-    ]
+    real_state = await _real_state_rows(options, root, token, progress)
     scale = None
     if options.scale_episodes:
         progress(
@@ -682,6 +690,58 @@ async def run_control_path(options: BenchOptions, progress: Progress) -> Control
         warmup=options.warmup,
         control_root=str(control_root),
         control_on_tmpfs=on_tmpfs,
+        machine=machine,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class RealStateReport:
+    """The real-state figure alone (``turnpoint bench --real-state-only``): its rows and
+    targets in the shape the full report gives them."""
+
+    rows: tuple[RealStateRow, ...]
+    workers: int
+    warmup: int
+    snapshot_root: str
+    machine: dict[str, Any] = field(default_factory=dict)
+
+    def targets(self) -> list[Target]:
+        return real_state_targets(self.rows)
+
+    def regressions(self) -> list[str]:
+        return [target.name for target in self.targets() if target.gated and target.regressed]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "real_state": [row.to_json() for row in self.rows],
+            "targets": {target.name: target.to_json() for target in self.targets()},
+            "details": {
+                "workers": self.workers,
+                "warmup_rounds": self.warmup,
+                "snapshot_root": self.snapshot_root,
+                "machine": self.machine,
+            },
+        }
+
+
+async def run_real_state(options: BenchOptions, progress: Progress) -> RealStateReport:
+    """The real-state figure alone, on ``options.root`` (else a temporary directory on
+    disk), every worker process stopped on return."""
+    async with asyncio.timeout(_RUN_TIMEOUT_S):
+        machine_before = _machine()
+        with tempfile.TemporaryDirectory(
+            prefix="turnpoint-system-bench-", ignore_cleanup_errors=True
+        ) as scratch:
+            root = options.root or Path(scratch)
+            root.mkdir(parents=True, exist_ok=True)
+            rows = await _real_state_rows(options, root, secrets.token_hex(24), progress)
+    machine = _machine()
+    machine["load_average_1m_at_start"] = machine_before["load_average_1m"]
+    return RealStateReport(
+        rows=tuple(rows),
+        workers=options.workers,
+        warmup=options.warmup,
+        snapshot_root=str(root),
         machine=machine,
     )
 

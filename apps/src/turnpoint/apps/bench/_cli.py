@@ -41,8 +41,14 @@ from turnpoint.apps.bench._options import (
 )
 
 if TYPE_CHECKING:
-    from turnpoint.apps.bench._bench import BenchReport, ControlPathReport, Target
+    from turnpoint.apps.bench._bench import (
+        BenchReport,
+        ControlPathReport,
+        RealStateReport,
+        Target,
+    )
     from turnpoint.apps.bench._control_overhead import OverheadRow
+    from turnpoint.apps.bench._real_state import RealStateRow
 
 
 # Long enough for at least ten snapshots 2 s apart in a run with snapshots on, on two
@@ -281,6 +287,13 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         "--warmup, --tmpfs apply; --json and --check too, on its targets)",
     )
     parser.add_argument(
+        "--real-state-only",
+        action="store_true",
+        help="instead: the real-state figure alone (--real-state, default "
+        f"{','.join(case.label for case in REAL_STATE)} even with --quick; --root, "
+        "--workers, --rounds, --warmup, --json and --check apply)",
+    )
+    parser.add_argument(
         "--ray-scale",
         action="store_true",
         help="instead: one snapshot of 8, 64, 256 participants (or --sizes) spread over "
@@ -327,7 +340,7 @@ def _options(args: argparse.Namespace) -> BenchOptions:
         replay_turns=args.replay_turns,
         real_state=args.real_state
         if args.real_state is not None
-        else (() if quick else REAL_STATE),
+        else (() if quick and not args.real_state_only else REAL_STATE),
         scale_episodes=args.scale_episodes
         if args.scale_episodes is not None
         else (() if quick else SCALE_EPISODES),
@@ -355,7 +368,13 @@ def bench_command(args: argparse.Namespace) -> int:
     import asyncio
 
     from turnpoint.apps.bench._baselines import BaselineError
-    from turnpoint.apps.bench._bench import ControlPathReport, run_bench, run_control_path
+    from turnpoint.apps.bench._bench import (
+        ControlPathReport,
+        RealStateReport,
+        run_bench,
+        run_control_path,
+        run_real_state,
+    )
     from turnpoint.apps.bench._workers import WorkerError
     from turnpoint.apps.bench._workload import WorkloadError
     from turnpoint.errors import TurnpointError
@@ -371,7 +390,7 @@ def bench_command(args: argparse.Namespace) -> int:
         OSError,
     )
 
-    async def cancellable() -> BenchReport | ControlPathReport:
+    async def cancellable() -> BenchReport | ControlPathReport | RealStateReport:
         # SIGTERM cancels the run like Ctrl-C does, so that every worker and trainer
         # process is stopped on the way out instead of being orphaned.
         loop = asyncio.get_running_loop()
@@ -381,6 +400,8 @@ def bench_command(args: argparse.Namespace) -> int:
         try:
             if args.control_path_only:
                 return await run_control_path(options, _progress)
+            if args.real_state_only:
+                return await run_real_state(options, _progress)
             return await run_bench(options, _progress)
         finally:
             loop.remove_signal_handler(signal.SIGTERM)
@@ -397,6 +418,8 @@ def bench_command(args: argparse.Namespace) -> int:
         return 1
     if isinstance(measured, ControlPathReport):
         return _control_path_output(measured, json_output=args.json, check=args.check)
+    if isinstance(measured, RealStateReport):
+        return _real_state_output(measured, json_output=args.json, check=args.check)
     report = measured
     # The full run also measures long generations with and without token-prefix cutting
     # (docs/spec.md section 5.5); --quick leaves it to --long-generations.
@@ -463,6 +486,23 @@ def _control_path_output(report: ControlPathReport, *, json_output: bool, check:
                 report.rows, report.workers, report.control_root, report.control_on_tmpfs
             )
         )
+        console.print(_targets_table(report.targets()))
+    regressions = report.regressions()
+    if check and regressions:
+        print(
+            "turnpoint bench: past the must-have by 1.5x: " + ", ".join(regressions),
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+def _real_state_output(report: RealStateReport, *, json_output: bool, check: bool) -> int:
+    if json_output:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        console = Console(file=sys.stdout, highlight=False, width=_width(sys.stdout))
+        console.print(_real_state_table(report.rows))
         console.print(_targets_table(report.targets()))
     regressions = report.regressions()
     if check and regressions:
@@ -544,6 +584,42 @@ def _targets_table(measured: Sequence[Target]) -> Table:
     return targets
 
 
+def _real_state_table(rows: Sequence[RealStateRow]) -> Table:
+    real = Table(
+        title="Snapshots carrying real state on disk vs the physical floor (the same "
+        "files and bytes, one fsync per file and directory), medians",
+        title_justify="left",
+    )
+    for column in (
+        "participants x episodes x bytes",
+        "MB",
+        "snapshot ms",
+        "floor ms",
+        "ratio",
+        "us/episode beyond",
+        "CPU us/episode (participants + coordinator)",
+        "fsyncs",
+        "files+dirs",
+    ):
+        real.add_column(column, justify="right")
+    for case in rows:
+        tree = case.commit.tree
+        real.add_row(
+            case.case.label,
+            "n/a" if tree is None else f"{tree.bytes / (1 << 20):.1f}",
+            f"{case.snapshot_s * 1000:.1f}",
+            f"{case.floor_median_s * 1000:.1f}",
+            f"{case.ratio:.2f}x",
+            f"{case.beyond_floor_us_per_episode:.1f}",
+            "n/a"
+            if (cpu := case.cpu_us_per_episode) is None
+            else f"{cpu['participants']:.1f} + {cpu['coordinator']:.1f}",
+            f"{case.commit.durable_fsyncs:.1f}",
+            "n/a" if tree is None else str(tree.durable_items),
+        )
+    return real
+
+
 def render_table(report: BenchReport, out: TextIO) -> None:
     """The figures as rich tables (plain text when ``out`` is not a terminal)."""
     from turnpoint.apps.bench._control_overhead import PHASES
@@ -578,39 +654,7 @@ def render_table(report: BenchReport, out: TextIO) -> None:
         console.print(commit)
 
     if report.real_state:
-        real = Table(
-            title="Snapshots carrying real state on disk vs the physical floor (the same "
-            "files and bytes, one fsync per file and directory), medians",
-            title_justify="left",
-        )
-        for column in (
-            "participants x episodes x bytes",
-            "MB",
-            "snapshot ms",
-            "floor ms",
-            "ratio",
-            "us/episode beyond",
-            "CPU us/episode (participants + coordinator)",
-            "fsyncs",
-            "files+dirs",
-        ):
-            real.add_column(column, justify="right")
-        for case in report.real_state:
-            tree = case.commit.tree
-            real.add_row(
-                case.case.label,
-                "n/a" if tree is None else f"{tree.bytes / (1 << 20):.1f}",
-                f"{case.snapshot_s * 1000:.1f}",
-                f"{case.floor_median_s * 1000:.1f}",
-                f"{case.ratio:.2f}x",
-                f"{case.beyond_floor_us_per_episode:.1f}",
-                "n/a"
-                if (cpu := case.cpu_us_per_episode) is None
-                else f"{cpu['participants']:.1f} + {cpu['coordinator']:.1f}",
-                f"{case.commit.durable_fsyncs:.1f}",
-                "n/a" if tree is None else str(tree.durable_items),
-            )
-        console.print(real)
+        console.print(_real_state_table(report.real_state))
 
     scale = report.scale
     if scale is not None and scale.rows:
