@@ -8,6 +8,9 @@ object, and a store that fails puts.
 from __future__ import annotations
 
 import hashlib
+import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -25,7 +28,7 @@ from turnpoint.trainer.storage.manifest import (
     ManifestError,
     SnapshotManifest,
 )
-from turnpoint.trainer.storage.objects import StoreLayout
+from turnpoint.trainer.storage.objects import StoreLayout, owned_staging
 
 
 @pytest.fixture
@@ -318,3 +321,39 @@ def test_inspect_verifies_every_digest_from_the_url_alone(
     layout.storage.delete(f"{ckpt(2)}/{ANCHOR_DIR}/weights.bin")
     assert main(["inspect", url, "--json"]) == 1
     assert "trainer anchor" in capsys.readouterr().out
+
+
+def test_a_staging_directory_whose_owner_died_is_removed_by_the_next_one(tmp_path: Path) -> None:
+    """A trainer killed mid-snapshot cannot remove its staging directory; the next
+    default staging directory on the machine does, and spares those of live owners and
+    directories it did not make."""
+    owner = (
+        "import sys, time; from pathlib import Path; "
+        "from turnpoint.trainer.storage.objects import owned_staging; "
+        "directory, _ = owned_staging(Path(sys.argv[1])); "
+        "(directory / 'anchor').write_bytes(b'half'); "
+        "print(directory, flush=True); time.sleep(120)"
+    )
+    started = [
+        subprocess.Popen(
+            [sys.executable, "-c", owner, str(tmp_path)], stdout=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
+    try:
+        dead, alive = (Path(process.stdout.readline().strip()) for process in started)  # type: ignore[union-attr]
+        started[0].kill()
+        started[0].wait()
+        foreign = tmp_path / "turnpoint-staging-by-hand"
+        foreign.mkdir()
+
+        mine, lock = owned_staging(tmp_path)
+        os.close(lock)
+
+        assert not dead.exists()
+        assert (alive / "anchor").read_bytes() == b"half"
+        assert foreign.is_dir() and mine.is_dir()
+    finally:
+        for process in started:
+            process.kill()
+            process.wait()

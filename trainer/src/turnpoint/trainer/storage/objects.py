@@ -29,6 +29,7 @@ Everything here blocks: the async side calls it through ``asyncio.to_thread``.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import shutil
@@ -78,7 +79,8 @@ class StoreLayout(PublishedSnapshots):
 
     ``staging`` is a local directory for the anchor a source writes before it is put
     and for anchors read back by a restore (default: a fresh temporary directory,
-    removed by :meth:`close`). ``after_step`` is the crash-injection hook of
+    removed by :meth:`close`, and by the next default layout on the machine when its
+    process died without closing it: :func:`owned_staging`). ``after_step`` is the crash-injection hook of
     :class:`~turnpoint.trainer.storage.layout.SnapshotLayout`, at the same named steps.
     """
 
@@ -91,9 +93,11 @@ class StoreLayout(PublishedSnapshots):
     ) -> None:
         self.storage = storage
         self._owns_staging = staging is None
-        self.staging = Path(
-            tempfile.mkdtemp(prefix="turnpoint-staging-") if staging is None else staging
-        )
+        self._staging_lock: int | None = None
+        if staging is None:
+            self.staging, self._staging_lock = owned_staging()
+        else:
+            self.staging = Path(staging)
         self._after_step = after_step
         self._in_progress: str | None = None
 
@@ -105,6 +109,9 @@ class StoreLayout(PublishedSnapshots):
     def close(self) -> None:
         if self._owns_staging:
             shutil.rmtree(self.staging, ignore_errors=True)
+        if self._staging_lock is not None:
+            os.close(self._staging_lock)
+            self._staging_lock = None
 
     # -- paths -------------------------------------------------------------------------
 
@@ -461,6 +468,41 @@ def _named(manifest: SnapshotManifest) -> Iterable[ArtifactRef]:
         yield from entry.artifacts
         if entry.manifest is not None:
             yield entry.manifest
+
+
+_STAGING_PREFIX = "turnpoint-staging-"
+_STAGING_LOCK = ".owner.lock"
+
+
+def owned_staging(parent: Path | None = None) -> tuple[Path, int]:
+    """A fresh staging directory under ``parent`` (the temporary directory by default)
+    and the descriptor of the lock that marks it owned: an exclusive ``flock`` on a file
+    inside it, held until the descriptor is closed, which the kernel does when the owner
+    dies. Every staging directory there whose lock is free (its owner died without
+    removing it: a trainer killed mid-snapshot) is removed first. A lock works across
+    processes and pid namespaces on one filesystem, where a pid would not. Blocking."""
+    base = Path(tempfile.gettempdir()) if parent is None else parent
+    for old in base.glob(f"{_STAGING_PREFIX}*"):
+        _remove_if_abandoned(old)
+    directory = Path(tempfile.mkdtemp(prefix=_STAGING_PREFIX, dir=base))
+    lock = os.open(directory / _STAGING_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    return directory, lock
+
+
+def _remove_if_abandoned(directory: Path) -> None:
+    try:
+        lock = os.open(directory / _STAGING_LOCK, os.O_RDWR | os.O_CLOEXEC)
+    except OSError:
+        return  # no lock file (made by hand, or by an older version), or gone
+    try:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return  # owned by a live process
+        shutil.rmtree(directory, ignore_errors=True)
+    finally:
+        os.close(lock)
 
 
 def _files_below(directory: Path) -> list[tuple[str, Path]]:
