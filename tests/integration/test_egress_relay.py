@@ -117,15 +117,16 @@ class Upstream:
 
 
 @asynccontextmanager
-async def upstream() -> AsyncIterator[Upstream]:
-    fake = Upstream()
+async def upstream(fake: Upstream | None = None, port: int = 0) -> AsyncIterator[Upstream]:
+    """``fake`` served on ``port`` (a fresh one by default) until the block ends."""
+    fake = Upstream() if fake is None else fake
     app = web.Application()
     app.router.add_post("/v1/chat/completions", fake.chat)
     app.router.add_post("/tool", fake.tool)
     app.router.add_post("/huge", fake.huge)
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
+    site = web.TCPSite(runner, "127.0.0.1", port)
     await site.start()
     fake.base_url = f"http://127.0.0.1:{runner.addresses[0][1]}/v1"
     fake.tool_gate.set()
@@ -136,11 +137,16 @@ async def upstream() -> AsyncIterator[Upstream]:
 
 
 @asynccontextmanager
-async def relay_to(fake: Upstream) -> AsyncIterator[EgressRelay]:
+async def relay_to(fake: Upstream, **options: Any) -> AsyncIterator[EgressRelay]:
     root = fake.base_url.removesuffix("/v1")
     tools = {"echo": root + "/tool", "huge": root + "/huge"}
     options = RelayOptions(
-        fake.base_url, MODEL, upstream_api_key=UPSTREAM_KEY, max_body_bytes=4096, tools=tools
+        fake.base_url,
+        MODEL,
+        upstream_api_key=UPSTREAM_KEY,
+        max_body_bytes=4096,
+        tools=tools,
+        **options,
     )
     async with EgressRelay(options) as relay:
         yield relay
@@ -466,3 +472,45 @@ async def test_a_tool_answer_past_the_cap_is_dropped_unread_and_fails_the_call_o
         assert fake.huge_sent < HUGE_BYTES // 4
         # The episode goes on: the next call is served.
         assert (await use_tool(http, relay, session.api_key, "echo", {"n": 2}))[0] == 201
+
+
+def _port_of(fake: Upstream) -> int:
+    return int(fake.base_url.removesuffix("/v1").rsplit(":", 1)[1])
+
+
+async def test_a_lost_upstream_replaced_where_it_was_answers_the_calls_waiting_for_it() -> None:
+    """docs/spec.md section 7.15: a policy or tool server lost mid-run comes back on its
+    port; the relay asks a call that found nobody there again until it answers, as an
+    SDK agent's call waits, instead of failing the harness's episode. The tool call is
+    sent again under the same key."""
+    fake = Upstream()
+    async with upstream(fake):
+        port = _port_of(fake)
+    # Nobody listens on the port now: every call is refused until the server is back.
+    async with aiohttp.ClientSession() as http, relay_to(fake) as relay:
+        session = relay.open_episode(EPISODE)
+        harness = client(relay, session.api_key)
+        try:
+            model = asyncio.create_task(ask(harness, "range 2 5"))
+            tool = asyncio.create_task(use_tool(http, relay, session.api_key, "echo", {"n": 1}))
+            await poll(lambda: len(session.record.states()) == 2)
+            assert not model.done() and not tool.done()
+            async with upstream(fake, port):
+                assert await bounded(model) == "1"
+                assert await bounded(tool) == (201, {"echo": {"n": 1}})
+        finally:
+            await harness.close()
+    assert sorted(session.record.states().values(), key=str) == [CallState.COMPLETED] * 2
+    assert len(fake.seen) == len(fake.tool_seen) == 1
+
+
+async def test_an_upstream_that_stays_away_past_the_wait_fails_the_call_once() -> None:
+    fake = Upstream()
+    async with upstream(fake):
+        pass
+    async with aiohttp.ClientSession() as http, relay_to(fake, unreachable_wait_s=0.2) as relay:
+        session = relay.open_episode(EPISODE)
+        status, error = await bounded(use_tool(http, relay, session.api_key, "echo", {"n": 1}))
+        assert status == 502 and error["error"]["code"] == "upstream"
+        assert "unreachable" in error["error"]["message"]
+        assert list(session.record.states().values()) == [CallState.TERMINAL_FAILURE]

@@ -73,6 +73,11 @@ IDEMPOTENCY_HEADER: Final = "Idempotency-Key"
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 # What one read of an upstream answer takes at most.
 _READ_PIECE_BYTES: Final = 1 << 16
+# How long a call to a server that cannot be reached is asked again for, by default (as
+# an SDK agent's model and tool calls: RuntimeConfig.unreachable_wait_s), and the backoff.
+DEFAULT_UNREACHABLE_WAIT_S: Final = 60.0
+_UNREACHABLE_FIRST_DELAY_S: Final = 0.05
+_UNREACHABLE_MAX_DELAY_S: Final = 2.0
 
 
 class RelayError(ValueError):
@@ -90,6 +95,9 @@ class RelayOptions:
     ``max_answer_bytes`` caps what the relay reads of an answer (a tool's, the policy
     endpoint's): a larger one is read no further, recorded nowhere and passed on as a
     502 (docs/spec.md section 12.9 item 2), so no upstream makes the relay hold more.
+    ``unreachable_wait_s``: how long a call to an upstream that cannot be reached
+    (refused, or gone mid-call) is sent again, backing off, before it fails: a lost
+    policy or tool server is replaced where it was (docs/spec.md section 7.15).
     """
 
     upstream: str
@@ -102,6 +110,7 @@ class RelayOptions:
     upstream_timeout_s: float = DEFAULT_UPSTREAM_TIMEOUT_S
     tools: Mapping[str, str] = field(default_factory=dict)
     max_answer_bytes: int = DEFAULT_MAX_BODY_BYTES
+    unreachable_wait_s: float = DEFAULT_UNREACHABLE_WAIT_S
 
     def __post_init__(self) -> None:
         if not self.upstream or not self.model:
@@ -113,6 +122,8 @@ class RelayOptions:
             raise ValueError("max_body_bytes must be >= 1024, max_concurrent_calls >= 1")
         if self.max_answer_bytes < 1024:
             raise ValueError("max_answer_bytes must be >= 1024")
+        if self.unreachable_wait_s < 0:
+            raise ValueError("unreachable_wait_s must be >= 0")
 
 
 @dataclass(frozen=True, slots=True)
@@ -601,19 +612,33 @@ class EgressRelay:
         self, url: str, body: Mapping[str, Any], headers: Mapping[str, str], what: str
     ) -> tuple[int, bytes]:
         """POST ``body`` to ``url``: the status and the body. A redirect is the answer,
-        never followed: the relay reaches only the URLs it was configured with."""
-        assert self._session is not None, "the relay is not started"
-        try:
-            async with self._session.post(
-                url, json=dict(body), headers=dict(headers), allow_redirects=False
-            ) as answer:
-                return answer.status, await _read_capped(
-                    answer, self._options.max_answer_bytes, what
-                )
-        except (aiohttp.ClientError, TimeoutError) as error:
-            raise ApiError(
-                502, f"{what} is unreachable: {error}", "server_error", code="upstream"
-            ) from None
+        never followed: the relay reaches only the URLs it was configured with. An
+        upstream that cannot be reached (refused, or gone before its whole answer) is
+        asked again, backing off, for up to ``unreachable_wait_s``: a replaced server
+        comes back where it was. Asking again is safe: a tool's call carries its key, and
+        a model call's lost answer was never passed on (it is generated afresh, as an SDK
+        agent's is). A slow upstream (its timeout) is not asked again."""
+        session = self._session
+        assert session is not None, "the relay is not started"
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + self._options.unreachable_wait_s
+        delay = _UNREACHABLE_FIRST_DELAY_S
+        while True:
+            try:
+                async with session.post(
+                    url, json=dict(body), headers=dict(headers), allow_redirects=False
+                ) as answer:
+                    return answer.status, await _read_capped(
+                        answer, self._options.max_answer_bytes, what
+                    )
+            except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as error:
+                if session.closed or loop.time() + delay > give_up:
+                    raise _unreachable(what, error) from None
+                _LOG.debug("%s unreachable, asked again in %.2f s: %s", what, delay, error)
+            except (aiohttp.ClientError, TimeoutError) as error:
+                raise _unreachable(what, error) from None
+            await asyncio.sleep(delay)  # a backoff, not a synchronisation
+            delay = min(delay * 2, _UNREACHABLE_MAX_DELAY_S)
 
     async def _forward_tool(
         self, episode: EpisodeId, tool: str, body: Mapping[str, Any], key: str
@@ -636,6 +661,10 @@ class EgressRelay:
                 502, f"the tool {tool!r} answered no JSON", "server_error", code="upstream"
             ) from None
         return {"status": status, "body": decoded}
+
+
+def _unreachable(what: str, error: BaseException) -> ApiError:
+    return ApiError(502, f"{what} is unreachable: {error}", "server_error", code="upstream")
 
 
 async def _read_capped(answer: aiohttp.ClientResponse, cap: int, what: str) -> bytes:
