@@ -477,32 +477,36 @@ def bench_command(args: argparse.Namespace) -> int:
 
 
 def _control_path_output(report: ControlPathReport, *, json_output: bool, check: bool) -> int:
-    if json_output:
-        print(json.dumps(report.to_json(), indent=2))
-    else:
-        console = Console(file=sys.stdout, highlight=False, width=_width(sys.stdout))
-        console.print(
-            _overhead_table(
-                report.rows, report.workers, report.control_root, report.control_on_tmpfs
-            )
-        )
-        console.print(_targets_table(report.targets()))
-    regressions = report.regressions()
-    if check and regressions:
-        print(
-            "turnpoint bench: past the must-have by 1.5x: " + ", ".join(regressions),
-            file=sys.stderr,
-        )
-        return 1
-    return 0
+    return _one_figure_output(
+        report,
+        lambda: _overhead_table(
+            report.rows, report.workers, report.control_root, report.control_on_tmpfs
+        ),
+        json_output=json_output,
+        check=check,
+    )
 
 
 def _real_state_output(report: RealStateReport, *, json_output: bool, check: bool) -> int:
+    return _one_figure_output(
+        report, lambda: _real_state_table(report.rows), json_output=json_output, check=check
+    )
+
+
+def _one_figure_output(
+    report: ControlPathReport | RealStateReport,
+    table: Callable[[], Table],
+    *,
+    json_output: bool,
+    check: bool,
+) -> int:
+    """What a ``--*-only`` run prints: its JSON, or its table and targets; 1 when
+    ``check`` and a figure is past its must-have by 1.5x."""
     if json_output:
         print(json.dumps(report.to_json(), indent=2))
     else:
         console = Console(file=sys.stdout, highlight=False, width=_width(sys.stdout))
-        console.print(_real_state_table(report.rows))
+        console.print(table())
         console.print(_targets_table(report.targets()))
     regressions = report.regressions()
     if check and regressions:
