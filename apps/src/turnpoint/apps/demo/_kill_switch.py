@@ -1,7 +1,7 @@
 """Test-only fault injection: the trainer SIGKILLs itself at a named point of a snapshot.
 
 ``turnpoint demo --crash-at POINT[:N]`` hands ``--kill-at POINT[:N]`` to the first demo
-trainer, which attaches a :class:`KillSwitch` to its snapshot driver (nothing here runs
+trainer (a sequence ``POINT[:N],...`` its k-th entry to the k-th), which attaches a :class:`KillSwitch` to its snapshot driver (nothing here runs
 unless asked for). The points are the trainer's own
 (:class:`~turnpoint.trainer.snapshots.attempt.SnapshotPoint`, here :data:`KillPoint`), and the
 switch only watches, it wraps nothing:
@@ -29,7 +29,10 @@ such snapshots published, the newest published snapshot among them. From
 restore picks; there it must continue rollouts too, or it is let through (and,
 published without any, disarms the switch until a snapshot with some is published
 again). ``POINT`` alone is ``POINT:1``: the first attempt, with nothing published before
-it.
+it. The switch counts only the attempts of its own process: a restored trainer's ``N``
+counts from its start, and its ``newest_published`` names only what it published itself
+(at ``POINT:1`` past the first incarnation a restore picks the snapshot this one
+restored, which the event does not name: give later incarnations ``N`` of 2 or more).
 
 Before the kill, ``on_fire`` gets a :class:`Fired` (the demo trainer appends it to its
 event log as a ``kill`` event); then :func:`os.kill` sends SIGKILL to this process: no
