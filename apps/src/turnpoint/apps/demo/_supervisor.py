@@ -34,7 +34,9 @@ serve every environment), then starts the trainer (:func:`trainer_command`)::
 
 The trainer process is spawned before the participants start (after a crash, before the
 old ones are stopped), and imports torch and the facade meanwhile: most of a start is
-imports, on both sides, and they overlap. With
+imports, on both sides, and they overlap. A trainer whose crash is planned (it has a
+``--crash-at`` entry) gets its successor spawned as soon as it is released: the
+successor imports while it runs, and the restart after the kill costs the restore alone. With
 ``--start-on-stdin`` it reads nothing (no topology, no event log, no port) until the
 supervisor writes a line to its stdin, once ``topology.json`` is written; that is when
 the trainer starts. A trainer whose participants never came up is killed unreleased and
@@ -1388,8 +1390,10 @@ class _Supervisor:
 
     async def spawn_trainer(self, *, resume: bool) -> None:
         """Spawn the next incarnation's trainer, waiting for :meth:`start_trainer`: it
-        imports while the participants stop and start."""
-        assert self.next_trainer is None
+        imports while the participants stop and start. Nothing to do when it was
+        spawned ahead (:meth:`start_trainer`, a planned kill)."""
+        if self.next_trainer is not None:
+            return
         incarnation = self.trainer.incarnation + 1 if self.trainer else 1
         self.next_trainer = await _Trainer.start(
             self.options,
@@ -1454,6 +1458,10 @@ class _Supervisor:
         self.last_event_at = self.trainer_started_at = time.monotonic()
         self.steps_since_start = 0
         self.trainer_restarted.set()
+        if self.options.kill_at(self.trainer.incarnation) is not None:
+            # Its crash is planned: the next trainer imports while this one runs, and
+            # the restart after the kill costs the restore alone.
+            await self.spawn_trainer(resume=True)
 
     async def run(self) -> None:
         if self.options.heal_in_place:
@@ -1474,6 +1482,8 @@ class _Supervisor:
         )
         try:
             await self.supervise()
+            # A trainer spawned ahead for a kill that never came (the run ended first).
+            await self.discard_next_trainer()
         finally:
             for task in chaos:
                 task.cancel()
