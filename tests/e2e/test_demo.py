@@ -6,12 +6,14 @@ real crash (SIGKILL of the trainer and one agent), a job restart and a restore. 
 asserts what a user relies on: exit status 0, ``audit: passed`` (every prompt group
 trained exactly once, with the rewards the verifiers returned) and a timeline PNG.
 
-The kill points (``--crash-at POINT:2``) go further, from the logs: the restore picks the
-newest *published* snapshot (the one being taken only once its manifest is linked,
-never a half-written one), and the rollouts it cut continue as attempt N+1 from their
-saved turns. ``:2`` counts snapshots that cut rollouts in flight (see
-:mod:`turnpoint.apps.demo._kill_switch`), so there is always an earlier one to fall back
-to and always saved turns to continue.
+The kill points go further, from the logs: the restore picks the newest *published*
+snapshot (the one being taken only once its manifest is linked, never a half-written
+one), and the rollouts it cut continue as attempt N+1 from their saved turns. One run
+covers them all: ``--crash-at`` lists every point as ``POINT:2``, trainer k dies at the
+k-th and trainer k+1 restores. ``:2`` counts the snapshots of that trainer that cut
+rollouts in flight (see :mod:`turnpoint.apps.demo._kill_switch`), so there is always an
+earlier one to fall back to and always saved turns to continue; and a restored trainer
+dies only once a rollout its restore continued has finished, so every restore shows it.
 
 Runs are short on purpose (eight steps, a fifth of a second between snapshots, two
 agents): most of each run is the participants' and the trainer's start-up, twice.
