@@ -36,10 +36,10 @@ The trainer process is spawned before the participants start (after a crash, bef
 old ones are stopped), and imports torch and the facade meanwhile: most of a start is
 imports, on both sides, and they overlap. A trainer whose crash is planned (it has a
 ``--crash-at`` entry) gets its successor spawned as soon as it is released: the
-successor imports while it runs, and the restart after the kill costs the restore alone. With
-``--start-on-stdin`` it reads nothing (no topology, no event log, no port) until the
-supervisor writes a line to its stdin, once ``topology.json`` is written; that is when
-the trainer starts. A trainer whose participants never came up is killed unreleased and
+successor imports while it runs, and the restart after the kill costs the restore
+alone. With ``--start-on-stdin`` it reads nothing (no topology, no event log, no port)
+until the supervisor writes a line to its stdin, once ``topology.json`` is written; that
+is when the trainer starts. A trainer whose participants never came up is killed unreleased and
 its empty logs removed: no trainer ran.
 
 With ``--turn-delay SECONDS`` every agent turn waits that long inside its model call,
