@@ -6,12 +6,14 @@ real crash (SIGKILL of the trainer and one agent), a job restart and a restore. 
 asserts what a user relies on: exit status 0, ``audit: passed`` (every prompt group
 trained exactly once, with the rewards the verifiers returned) and a timeline PNG.
 
-The kill points (``--crash-at POINT:2``) go further, from the logs: the restore picks the
-newest *published* snapshot (the one being taken only once its manifest is linked,
-never a half-written one), and the rollouts it cut continue as attempt N+1 from their
-saved turns. ``:2`` counts snapshots that cut rollouts in flight (see
-:mod:`turnpoint.apps.demo._kill_switch`), so there is always an earlier one to fall back
-to and always saved turns to continue.
+The kill points go further, from the logs: the restore picks the newest *published*
+snapshot (the one being taken only once its manifest is linked, never a half-written
+one), and the rollouts it cut continue as attempt N+1 from their saved turns. One run
+covers them all: ``--crash-at`` lists every point as ``POINT:2``, trainer k dies at the
+k-th and trainer k+1 restores. ``:2`` counts the snapshots of that trainer that cut
+rollouts in flight (see :mod:`turnpoint.apps.demo._kill_switch`), so there is always an
+earlier one to fall back to and always saved turns to continue; and a restored trainer
+dies only once a rollout its restore continued has finished, so every restore shows it.
 
 Runs are short on purpose (eight steps, a fifth of a second between snapshots, two
 agents): most of each run is the participants' and the trainer's start-up, twice.
@@ -118,14 +120,17 @@ def assert_restored_the_newest_published(run: Run) -> None:
     assert checkpoint_sequence(restored) < 2 * EPOCH_STRIDE, "not a snapshot of the first trainer"
 
 
-def assert_restored_and_continued(run: Run, checkpoint_id: str) -> dict[str, Any]:
-    """Incarnation 2 restored ``checkpoint_id`` and continued its cut rollouts as N+1."""
-    restore = run.only("restore", 2)
+def assert_restored_and_continued(
+    run: Run, checkpoint_id: str, incarnation: int = 2
+) -> dict[str, Any]:
+    """``incarnation`` (the one after the crash) restored ``checkpoint_id`` and continued
+    its cut rollouts as N+1."""
+    restore = run.only("restore", incarnation)
     assert restore["checkpoint_id"] == checkpoint_id
-    assert run.only("start", 2)["restored_from"] == checkpoint_id
+    assert run.only("start", incarnation)["restored_from"] == checkpoint_id
     assert restore["resumed_from_turn"] > 0, restore
-    continued = [event for event in run.of("rollout", 2) if event["resumed"]]
-    assert continued, "no restored rollout finished in incarnation 2"
+    continued = [event for event in run.of("rollout", incarnation) if event["resumed"]]
+    assert continued, f"no restored rollout finished in incarnation {incarnation}"
     # Attempt N was cut by the crash; only N+1 may finish (and be trained on) after it.
     assert all(event["attempt"] >= 1 for event in continued), continued
     return restore
@@ -319,25 +324,47 @@ def test_the_supervisor_knows_every_kill_point_of_the_trainer() -> None:
     assert len(CRASH_POINTS) >= 10
 
 
-@pytest.mark.parametrize("point", list(KillPoint), ids=lambda point: point.value)
-def test_a_kill_at_each_point_restores_the_last_published_snapshot(
-    point: KillPoint, tmp_path: Path
-) -> None:
-    run = run_demo(tmp_path / "out", "--crash-at", f"{point.value}:2")
+# Every point in one run: trainer k dies at the k-th point of its own second snapshot that
+# cut rollouts, and trainer k+1 restores and is the next to die. Each of the 15 kills costs
+# a trainer restart (the participants keep running, the next trainer imported meanwhile)
+# and a step or two of the run (20 for all of them on a loaded 2-core machine); the last
+# trainer trains what is left, so that a faster machine still has steps for every kill.
+KILL_POINT_STEPS = 60
 
-    kill = run.only("kill")
-    assert kill["incarnation"] == 1 and kill["point"] == point.value and kill["nth"] == 2
+
+@pytest.mark.timeout(660)
+def test_a_kill_at_each_point_restores_the_last_published_snapshot(tmp_path: Path) -> None:
+    points = list(KillPoint)
+    plan = ",".join(f"{point.value}:2" for point in points)
+    run = run_demo(
+        tmp_path / "out", "--steps", str(KILL_POINT_STEPS), "--crash-at", plan, timeout_s=600.0
+    )
+
+    assert [event["type"] for event in run.supervisor] == ["crash", "restart"] * len(points)
+    for incarnation, point in enumerate(points, start=1):
+        crash, restart = run.supervisor[2 * incarnation - 2 : 2 * incarnation]
+        assert_killed_at(run, point, incarnation, crash, restart)
+    assert run.only("done", len(points) + 1)["step"] == KILL_POINT_STEPS
+
+
+def assert_killed_at(
+    run: Run, point: KillPoint, incarnation: int, crash: dict[str, Any], restart: dict[str, Any]
+) -> None:
+    """Trainer ``incarnation`` died at ``point`` of its second snapshot that cut rollouts,
+    and the next one restored the newest published snapshot and continued its rollouts."""
+    kill = run.only("kill", incarnation)
+    assert kill["point"] == point.value and kill["nth"] == 2, kill
     killed = kill["checkpoint_id"]
-    crash = next(event for event in run.supervisor if event["type"] == "crash")
+    assert crash["incarnation"] == incarnation, crash
     assert (crash["point"], crash["checkpoint_id"]) == (point.value, killed)
-    assert [event["type"] for event in run.supervisor] == ["crash", "restart"]
     # Better than before (docs/spec.md section 7.11 item 3): the trainer alone restarted,
     # restoring into the participants where they ran, whatever the killed attempt left
     # open on them (section 7.7 item 6).
-    assert crash["killed"] == ["trainer"] and run.supervisor[1]["participants_restarted"] == 0
-    before = published(run, 1)
+    assert crash["killed"] == ["trainer"] and restart["participants_restarted"] == 0
+    assert restart["incarnation"] == incarnation + 1, restart
+    before = published(run, incarnation)
     # The trainer died inside the killed attempt: it never reported it.
-    assert before and killed not in before, before
+    assert before and killed not in before, (point, before)
     if point.restores_this_snapshot:
         # Its manifest was linked: published, complete and the newest.
         expected = killed
@@ -345,13 +372,14 @@ def test_a_kill_at_each_point_restores_the_last_published_snapshot(
         # Half-written at most: the restore falls back to the last published one, which
         # cut rollouts in flight.
         expected = before[-1]
-        last = next(e for e in run.of("snapshot", 1) if e["checkpoint_id"] == expected)
+        last = next(e for e in run.of("snapshot", incarnation) if e["checkpoint_id"] == expected)
         assert last["continued"] > 0, last
-        if published(run, 2):
-            # The partial is cleaned up after the next publication.
-            assert not (run.out / "snapshots" / killed).exists()
-    assert kill["newest_published"] == expected
-    assert_restored_and_continued(run, expected)
+        # The partial is cleaned up after the next publication (the next trainer
+        # published one before its own kill, or ran to the end).
+        assert published(run, incarnation + 1)
+        assert not (run.out / "snapshots" / killed).exists(), point
+    assert kill["newest_published"] == expected, (point, kill)
+    assert_restored_and_continued(run, expected, incarnation + 1)
 
 
 def test_the_demo_on_an_object_store_crashes_half_way_through_a_publication(

@@ -120,6 +120,32 @@ async def test_the_trainers_own_kill_is_the_crash_and_the_trainer_restarts_alone
     assert "--kill-at" not in second and "--resume" in second
 
 
+async def test_a_sequence_kills_each_trainer_at_its_entry_and_the_last_one_finishes(
+    tmp_path: Path,
+) -> None:
+    """``--crash-at`` with several entries: incarnation k gets the k-th as its
+    ``--kill-at``, each SIGKILL with its own ``kill`` event is a planned crash restarting
+    the trainer alone, and the trainer after the last entry runs to the end."""
+    out, _ = await _run(tmp_path, "commit-sent:2,prepared, latest-moved:3")
+
+    supervisor = _jsonl(out / "supervisor.jsonl")
+    assert [event["type"] for event in supervisor] == ["crash", "restart"] * 3
+    crashes = [event for event in supervisor if event["type"] == "crash"]
+    assert [(c["incarnation"], c["point"], c["nth"]) for c in crashes] == [
+        (1, "commit-sent", 2),
+        (2, "prepared", 1),
+        (3, "latest-moved", 3),
+    ]
+    assert all(c["killed"] == ["trainer"] and "unplanned" not in c for c in crashes)
+    restarts = [event for event in supervisor if event["type"] == "restart"]
+    assert [r["incarnation"] for r in restarts] == [2, 3, 4]
+    assert all(r["participants_restarted"] == 0 for r in restarts)
+    argvs = _jsonl(out / "argv.jsonl")
+    kill_at = [argv[argv.index("--kill-at") + 1] if "--kill-at" in argv else None for argv in argvs]
+    assert kill_at == ["commit-sent:2", "prepared", "latest-moved:3", None]
+    assert ["--resume" in argv for argv in argvs] == [False, True, True, True]
+
+
 async def test_a_sigkill_without_the_kill_event_fails_the_demo(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -136,16 +162,47 @@ async def test_a_sigkill_without_the_kill_event_fails_the_demo(
 
 
 @pytest.mark.parametrize(
-    ("crash_at", "crash", "problem"),
+    ("crash_at", "crash", "problem", "entry"),
     [
-        ("prepared:0", True, "--crash-at prepared:0: N in POINT:N counts snapshots and must be"),
-        ("prepared:x", True, "--crash-at prepared:x: N in POINT:N counts snapshots and must be"),
-        ("prepared", False, "--crash-at injects the crash, --no-crash turns it off"),
+        (
+            "prepared:0",
+            True,
+            "--crash-at prepared:0: N in POINT:N counts snapshots and must be",
+            "",
+        ),
+        (
+            "prepared:x",
+            True,
+            "--crash-at prepared:x: N in POINT:N counts snapshots and must be",
+            "",
+        ),
+        ("prepared", False, "--crash-at injects the crash, --no-crash turns it off", ""),
+        # A sequence: the problem names the entry at fault.
+        (
+            "prepared,,committed",
+            True,
+            "--crash-at has an empty entry: write POINT[:N] between the commas",
+            " (entry 2 of 3)",
+        ),
+        (
+            "prepared:2,comitted:2",
+            True,
+            "unknown --crash-at point 'comitted' (did you mean committed?): choose one of "
+            "anchor-written, ",
+            " (entry 2 of 2)",
+        ),
+        (
+            "prepared:2,committed:0",
+            True,
+            "--crash-at committed:0: N in POINT:N counts snapshots and must be",
+            " (entry 2 of 2)",
+        ),
     ],
 )
 def test_bad_crash_at_flags_say_what_to_change(
-    crash_at: str, crash: bool, problem: str, tmp_path: Path
+    crash_at: str, crash: bool, problem: str, entry: str, tmp_path: Path
 ) -> None:
     options = DemoOptions(crash_at=crash_at, crash=crash, out=tmp_path / "out")
     [found] = options.problems()
-    assert found.startswith(problem)
+    assert found.startswith(problem), found
+    assert found.endswith(entry) if entry else "(entry " not in found, found

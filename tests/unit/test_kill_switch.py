@@ -200,6 +200,27 @@ async def test_the_nth_snapshot_counts_only_snapshots_that_continued_rollouts(
     assert fired.checkpoint_id not in (empty.checkpoint_id, loaded.checkpoint_id)
 
 
+async def test_a_restored_trainer_dies_only_once_its_restore_continued_a_rollout(
+    tmp_path: Path,
+) -> None:
+    """A ``--crash-at`` sequence's later trainers: until a rollout the restore resumed has
+    finished, no snapshot counts as the kill's, however many reach the point."""
+    recorder = Recorder()
+    switch = KillSwitch(
+        KillAt(KillPoint.PREPARED), on_fire=recorder.on_fire, kill=recorder.kill, restored=True
+    )
+    world, driver = wired(tmp_path, switch)
+
+    passed = await take(world, driver, in_flight=True)
+    assert passed.outcome is SnapshotOutcome.PUBLISHED and not recorder.fired
+    switch.continuation_seen()
+    with pytest.raises(Killed):
+        await take(world, driver, in_flight=True)
+
+    [fired] = recorder.fired
+    assert fired.checkpoint_id != passed.checkpoint_id
+
+
 async def test_after_the_manifest_is_linked_only_a_snapshot_with_rollouts_dies(
     tmp_path: Path,
 ) -> None:

@@ -149,11 +149,13 @@ def add_demo_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     parser.add_argument(
         "--crash-at",
-        metavar="POINT[:N]",
+        metavar="POINT[:N][,POINT[:N]...]",
         help=(
             "crash at a named point of a snapshot instead of mid-run: the trainer kills "
             "itself at POINT of its N-th snapshot, counting only snapshots that cut rollouts "
-            f"in flight (N defaults to 1); POINT is one of {', '.join(CRASH_POINTS)}"
+            "in flight (N defaults to 1); a comma-separated sequence kills one trainer after "
+            "another, the k-th at the k-th entry, each counting its own snapshots; POINT is "
+            f"one of {', '.join(CRASH_POINTS)}"
         ),
     )
     parser.add_argument(

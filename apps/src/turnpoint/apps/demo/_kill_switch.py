@@ -1,7 +1,7 @@
 """Test-only fault injection: the trainer SIGKILLs itself at a named point of a snapshot.
 
 ``turnpoint demo --crash-at POINT[:N]`` hands ``--kill-at POINT[:N]`` to the first demo
-trainer, which attaches a :class:`KillSwitch` to its snapshot driver (nothing here runs
+trainer (a sequence ``POINT[:N],...`` its k-th entry to the k-th), which attaches a :class:`KillSwitch` to its snapshot driver (nothing here runs
 unless asked for). The points are the trainer's own
 (:class:`~turnpoint.trainer.snapshots.attempt.SnapshotPoint`, here :data:`KillPoint`), and the
 switch only watches, it wraps nothing:
@@ -29,7 +29,15 @@ such snapshots published, the newest published snapshot among them. From
 restore picks; there it must continue rollouts too, or it is let through (and,
 published without any, disarms the switch until a snapshot with some is published
 again). ``POINT`` alone is ``POINT:1``: the first attempt, with nothing published before
-it.
+it. The switch counts only the attempts of its own process: a restored trainer's ``N``
+counts from its start, and its ``newest_published`` names only what it published itself
+(at ``POINT:1`` past the first incarnation a restore picks the snapshot this one
+restored, which the event does not name: give later incarnations ``N`` of 2 or more).
+
+A restored trainer (``restored``, a ``--crash-at`` sequence's later entries) must also
+leave proof of its own restore before it dies, or the crash test of that restore proves
+nothing: it fires only once :meth:`KillSwitch.continuation_seen` says a rollout the
+restore resumed from a saved turn has finished (or that it resumed none).
 
 Before the kill, ``on_fire`` gets a :class:`Fired` (the demo trainer appends it to its
 event log as a ``kill`` event); then :func:`os.kill` sends SIGKILL to this process: no
@@ -257,6 +265,8 @@ class KillSwitch:
     """Fires at most once, at ``at`` (see the module docstring).
 
     ``kill`` ends the process (SIGKILL by default; tests substitute a recorder).
+    ``restored``: the trainer restores at start, and the switch waits for
+    :meth:`continuation_seen`.
     """
 
     def __init__(
@@ -266,8 +276,11 @@ class KillSwitch:
         probe: ParticipantProbe | None = None,
         on_fire: Callable[[Fired], None] = lambda fired: None,
         kill: Callable[[], None] = _sigkill,
+        restored: bool = False,
     ) -> None:
         self.at = at
+        # Read from the publishing thread too: one flag, set once, never cleared.
+        self._continuation_seen = not restored
         self._probe = probe
         self._on_fire = on_fire
         self._kill = kill
@@ -294,6 +307,11 @@ class KillSwitch:
     def after_publish_step(self, step: PublishStep) -> None:
         """The ``SnapshotLayout(after_step=...)`` hook; runs in the publishing thread."""
         self.reached(KillPoint.after(step))
+
+    def continuation_seen(self) -> None:
+        """The trainer's restore continued work: a rollout it resumed from a saved turn
+        finished, or it resumed none. A restored trainer's switch fires only after this."""
+        self._continuation_seen = True
 
     async def aclose(self) -> None:
         for task in (self._watching, self._connecting):
@@ -349,7 +367,7 @@ class KillSwitch:
 
     def armed_for(self, point: KillPoint) -> bool:
         """Whether reaching ``point`` now would fire."""
-        if self.fired is not None or point is not self.at.point:
+        if self.fired is not None or point is not self.at.point or not self._continuation_seen:
             return False
         if self._published_with_rollouts < self.at.nth - 1 or not self._newest_continues:
             return False

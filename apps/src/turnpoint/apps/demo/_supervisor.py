@@ -34,10 +34,12 @@ serve every environment), then starts the trainer (:func:`trainer_command`)::
 
 The trainer process is spawned before the participants start (after a crash, before the
 old ones are stopped), and imports torch and the facade meanwhile: most of a start is
-imports, on both sides, and they overlap. With
-``--start-on-stdin`` it reads nothing (no topology, no event log, no port) until the
-supervisor writes a line to its stdin, once ``topology.json`` is written; that is when
-the trainer starts. A trainer whose participants never came up is killed unreleased and
+imports, on both sides, and they overlap. A trainer whose crash is planned (it has a
+``--crash-at`` entry) gets its successor spawned as soon as it is released: the
+successor imports while it runs, and the restart after the kill costs the restore
+alone. With ``--start-on-stdin`` it reads nothing (no topology, no event log, no port)
+until the supervisor writes a line to its stdin, once ``topology.json`` is written; that
+is when the trainer starts. A trainer whose participants never came up is killed unreleased and
 its empty logs removed: no trainer ran.
 
 With ``--turn-delay SECONDS`` every agent turn waits that long inside its model call,
@@ -96,7 +98,10 @@ injection; it first appends a ``kill`` event naming the point and the checkpoint
 crash: it records ``crash`` with the point and restarts the trainer alone, or, where
 it cannot, SIGKILLs one agent at that moment and restarts the job, exactly as above. A
 trainer that dies of SIGKILL without its ``kill`` event fails the demo like any other
-trainer failure.
+trainer failure. A comma-separated sequence ``POINT[:N],POINT[:N],...`` crashes one
+incarnation after another: incarnation k gets the k-th entry as its ``--kill-at`` (each
+trainer counts N among the snapshots it takes itself, from its own start), and the one
+after the last entry runs to the end; one run then covers every point a test names.
 
 A held prepare, for the status page's browser test. ``--hold-tools-after-restart FILE``
 starts every participant set after the first with ``tools`` told to hold its tool calls
@@ -262,6 +267,12 @@ class DemoOptions:
     # "gym": the example agents written against the SDK; "opaque": the example ReAct
     # harness behind the egress relay and the policy's OpenAI endpoint (spec section 12).
     agent: str = "gym"
+
+    def kill_at(self, incarnation: int) -> str | None:
+        """The ``--kill-at`` of trainer ``incarnation``: the ``incarnation``-th entry of
+        ``--crash-at``, if it has that many."""
+        plan = _crash_plan(self.crash_at)
+        return plan[incarnation - 1] if 1 <= incarnation <= len(plan) else None
 
     @property
     def heal_in_place(self) -> bool:
@@ -503,20 +514,39 @@ def _participant_commands(values: Sequence[str]) -> dict[str, tuple[str, ...]]:
     return commands
 
 
+def _crash_plan(text: str | None) -> tuple[str, ...]:
+    """``--crash-at``'s entries, one per trainer incarnation, in order."""
+    return tuple(entry.strip() for entry in text.split(",")) if text is not None else ()
+
+
 def _crash_at_problems(text: str, *, crash: bool) -> list[str]:
     if not crash:
         return ["--crash-at injects the crash, --no-crash turns it off: drop one of them"]
-    name, sep, number = text.partition(":")
+    plan = _crash_plan(text)
+    problems = []
+    for position, entry in enumerate(plan, start=1):
+        # A sequence names the entry at fault; a single point reads as it always did.
+        where = f" (entry {position} of {len(plan)})" if len(plan) > 1 else ""
+        problem = _crash_entry_problem(entry)
+        if problem is not None:
+            problems.append(problem + where)
+    return problems
+
+
+def _crash_entry_problem(entry: str) -> str | None:
+    if not entry:
+        return "--crash-at has an empty entry: write POINT[:N] between the commas"
+    name, sep, number = entry.partition(":")
     if name not in CRASH_POINTS:
         close = difflib.get_close_matches(name, CRASH_POINTS, n=1)
         hint = f" (did you mean {close[0]}?)" if close else ""
-        return [f"unknown --crash-at point {name!r}{hint}: choose one of {', '.join(CRASH_POINTS)}"]
+        return f"unknown --crash-at point {name!r}{hint}: choose one of {', '.join(CRASH_POINTS)}"
     if sep and (re.fullmatch(r"[0-9]+", number) is None or int(number) < 1):
-        return [
-            f"--crash-at {text}: N in POINT:N counts snapshots and must be a whole number "
+        return (
+            f"--crash-at {entry}: N in POINT:N counts snapshots and must be a whole number "
             f">= 1, got {number!r}"
-        ]
-    return []
+        )
+    return None
 
 
 def _out_dir_problems(out: Path) -> list[str]:
@@ -1143,7 +1173,7 @@ def trainer_command(
 ) -> list[str]:
     """The trainer's command line; ``program`` is what runs it (tests substitute a fake).
 
-    ``kill_at`` (``--crash-at``) goes to the first incarnation only. The supervisor
+    ``kill_at`` is this incarnation's entry of ``--crash-at``, if any. The supervisor
     numbers the incarnation: a trainer that died before it logged its start must not
     make the next one take its number (the supervisor would wait for steps of another).
     """
@@ -1360,8 +1390,10 @@ class _Supervisor:
 
     async def spawn_trainer(self, *, resume: bool) -> None:
         """Spawn the next incarnation's trainer, waiting for :meth:`start_trainer`: it
-        imports while the participants stop and start."""
-        assert self.next_trainer is None
+        imports while the participants stop and start. Nothing to do when it was
+        spawned ahead (:meth:`start_trainer`, a planned kill)."""
+        if self.next_trainer is not None:
+            return
         incarnation = self.trainer.incarnation + 1 if self.trainer else 1
         self.next_trainer = await _Trainer.start(
             self.options,
@@ -1370,7 +1402,7 @@ class _Supervisor:
             incarnation=incarnation,
             resume=resume,
             program=self.trainer_program,
-            kill_at=self.options.crash_at if incarnation == 1 else None,
+            kill_at=self.options.kill_at(incarnation),
             launcher=self.launch_service.address if self.launch_service is not None else None,
         )
 
@@ -1426,6 +1458,10 @@ class _Supervisor:
         self.last_event_at = self.trainer_started_at = time.monotonic()
         self.steps_since_start = 0
         self.trainer_restarted.set()
+        if self.options.kill_at(self.trainer.incarnation) is not None:
+            # Its crash is planned: the next trainer imports while this one runs, and
+            # the restart after the kill costs the restore alone.
+            await self.spawn_trainer(resume=True)
 
     async def run(self) -> None:
         if self.options.heal_in_place:
@@ -1446,6 +1482,8 @@ class _Supervisor:
         )
         try:
             await self.supervise()
+            # A trainer spawned ahead for a kill that never came (the run ended first).
+            await self.discard_next_trainer()
         finally:
             for task in chaos:
                 task.cancel()
@@ -1610,15 +1648,14 @@ class _Supervisor:
             self.state.apply(event)
 
     def killed_itself(self, status: int) -> bool:
-        """Whether the trainer's exit is the ``--crash-at`` kill: SIGKILL, after it
-        logged its ``kill`` event (read with the last events, before this is asked)."""
+        """Whether the trainer's exit is its ``--crash-at`` kill: SIGKILL, after it
+        logged its own ``kill`` event (read with the last events, before this is asked)."""
         assert self.trainer is not None
         return (
-            self.options.crash_at is not None
-            and self.trainer.incarnation == 1
+            self.options.kill_at(self.trainer.incarnation) is not None
             and status == -signal.SIGKILL
             and self.kill_event is not None
-            and self.state.crashed_at_step is None
+            and self.kill_event.get("incarnation") == self.trainer.incarnation
         )
 
     async def lost_participant(self) -> DemoError | None:
@@ -1986,10 +2023,16 @@ async def run_demo(
         groups_per_step=options.groups_per_step,
     )
     warnings = []
-    if options.crash_at is not None and report.recovery.crashes == 0:
+    planned = len(_crash_plan(options.crash_at))
+    if planned and report.recovery.crashes < planned:
+        missed = (
+            "the crash was not injected"
+            if planned == 1
+            else f"{planned - report.recovery.crashes} of the {planned} crashes were not injected"
+        )
         warnings.append(
-            f"the crash was not injected: the trainer finished before a snapshot reached "
-            f"--crash-at {options.crash_at}; raise --steps or lower --snapshot-interval"
+            f"{missed}: the trainer finished before a snapshot reached --crash-at "
+            f"{options.crash_at}; raise --steps or lower --snapshot-interval"
         )
     elif options.crash and report.recovery.crashes == 0:
         warnings.append(

@@ -160,6 +160,8 @@ class DemoTrainer:
         # (docs/spec.md section 7.14: restore_from = "best:mean_reward" picks by them).
         self.last_stats: dict[str, float] = {}
         self.resumed: set[str] = set()
+        # Test-only fault injection (turnpoint demo --crash-at), set up by run().
+        self.kill: KillSwitch | None = None
         self.logged: set[tuple[str, int]] = set()
         self.published = 0
         self._heals_logged = 0
@@ -255,6 +257,9 @@ class DemoTrainer:
                 # An opaque agent's relay record (the egress audit).
                 **({"egress": result.output["egress"]} if "egress" in result.output else {}),
             )
+            if self.kill is not None and result.rollout_id in self.resumed:
+                # Logged first: a kill event follows the rollout that allowed it.
+                self.kill.continuation_seen()
 
     # ------------------------------------------------------------------ training
 
@@ -369,10 +374,12 @@ class DemoTrainer:
         kill = None
         if self.args.kill_at is not None:
             # Test-only fault injection (turnpoint demo --crash-at).
-            kill = KillSwitch(
+            kill = self.kill = KillSwitch(
                 self.args.kill_at,
                 probe=StatusProbe(endpoints, token=self.token),
                 on_fire=self._record_kill,
+                # A restored trainer dies only once its restore shows (_start, _log_results).
+                restored=self.args.resume,
             )
         checkpointing = Checkpointing(
             config,
@@ -442,6 +449,8 @@ class DemoTrainer:
         resumed = ckpt.resumed
         if resumed.restored:
             self._adopt(resumed)
+        if self.kill is not None and not self.resumed:
+            self.kill.continuation_seen()  # nothing resumed: nothing to wait for
         self.events.write(
             "start",
             restored_from=resumed.checkpoint_id,
