@@ -23,7 +23,10 @@ disk's:
   over keep-alive connections.
 
 The N servers of every path are spread over the same worker processes the same way
-(server ``j`` lives in worker ``j mod W``). Within a round the three paths run one after
+(server ``j`` lives in worker ``j mod W``). The workers freeze their start-up heaps once
+serving, as ``turnpoint serve`` does, and this process freezes its own while a size is
+timed (:mod:`turnpoint.apps._heap`), so that no full collection walks thousands of
+connections in the middle of a round. Within a round the three paths run one after
 the other, the one that goes first rotating from round to round, with a short pause
 after each so that the background work one leaves behind (stream teardown, the kernel
 flushing a commit's files) is not billed to the next. After ``warmup`` rounds, the
