@@ -531,6 +531,36 @@ async def test_fan_out_gives_up_on_a_stuck_participant_at_the_deadline(
     assert set(info.value.failures) == {"agent-1"}
 
 
+@TRANSPORTS
+async def test_a_fan_out_of_one_gives_up_at_the_deadline_and_cancels_the_call(
+    harness: Harness, session: bool
+) -> None:
+    # One participant's call runs in the caller's task: the deadline must still end it.
+    stuck = await harness.start("agent-0", session=session)
+    stuck.script["prepare"] = hang
+    client = harness.client(stuck)
+    await warm_up(client)
+
+    result = await fan_out(
+        {"agent-0": client},
+        lambda name: prepare(f"prepare-{name}"),
+        deadline_s=0.5,
+        per_call_timeout_s=30,
+        concurrency=1,
+    )
+
+    assert not result.responses
+    failure = result.failures["agent-0"]
+    assert (failure.kind, failure.code) == (
+        FailureKind.TRANSIENT,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+    )
+    assert set(result.durations_s) == {"agent-0"}
+    assert client.pending_calls == 0
+    if not session:
+        await stuck.until(lambda: stuck.cancelled == [("prepare", "prepare-agent-0")])
+
+
 async def test_fan_out_keeps_at_most_concurrency_calls_in_flight(harness: Harness) -> None:
     gauge = Observed()
     arrived: list[str] = []

@@ -201,6 +201,24 @@ def test_the_readiness_stream_opens_after_a_short_while() -> None:
     assert watch_after_s(1.0) == pytest.approx(0.1)
 
 
+def test_the_readiness_streams_of_a_large_fleet_wait_a_millisecond_per_participant() -> None:
+    assert watch_after_s(60.0, participants=256) == pytest.approx(0.256)
+    assert watch_after_s(60.0, participants=1024) == pytest.approx(1.024)
+    # Never past a tenth of the prepare deadline.
+    assert watch_after_s(5.0, participants=1024) == pytest.approx(0.5)
+
+    def wait(now: float, last: float | None) -> float:
+        return watch_wait_s(
+            now, started_at=10.0, last_activity_at=last, prepare_timeout_s=60.0, participants=1024
+        )
+
+    # Answers 0.3 s apart keep a thousand participants' streams shut...
+    assert wait(10.6, 10.3) == pytest.approx(0.724)
+    # ...a second of quiet opens them, and 8 x 1.024 s after the start at the latest.
+    assert wait(11.5, 10.4) == 0.0
+    assert wait(18.192, 18.19) == 0.0
+
+
 def test_the_readiness_streams_wait_until_the_fan_out_pauses() -> None:
     def wait(now: float, last: float | None) -> float:
         return watch_wait_s(now, started_at=10.0, last_activity_at=last, prepare_timeout_s=60.0)

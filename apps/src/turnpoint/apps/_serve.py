@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from turnpoint.apps._heap import freeze_start_up_heap
 from turnpoint.apps._parent import die_with_parent_from_env
 from turnpoint.apps.examples._build import (
     EXAMPLES,
@@ -366,6 +367,9 @@ async def _serve(
         f"turnpoint: serving {args.kind} {spec.instance} on {options.host}:{hosted.port}",
         flush=True,
     )
+    # Everything built so far lives as long as the process: out of the collector's
+    # reach, so that no full collection walks it in the middle of a snapshot.
+    freeze_start_up_heap()
     if slot is not None:
         announce_ready(slot)
     try:

@@ -23,7 +23,10 @@ disk's:
   over keep-alive connections.
 
 The N servers of every path are spread over the same worker processes the same way
-(server ``j`` lives in worker ``j mod W``). Within a round the three paths run one after
+(server ``j`` lives in worker ``j mod W``). The workers freeze their start-up heaps once
+serving, as ``turnpoint serve`` does, and this process freezes its own while a size is
+timed (:mod:`turnpoint.apps._heap`), so that no full collection walks thousands of
+connections in the middle of a round. Within a round the three paths run one after
 the other, the one that goes first rotating from round to round, with a short pause
 after each so that the background work one leaves behind (stream teardown, the kernel
 flushing a commit's files) is not billed to the next. After ``warmup`` rounds, the
@@ -48,6 +51,7 @@ from pathlib import Path
 from types import MappingProxyType, TracebackType
 from typing import Final, Protocol, Self
 
+from turnpoint.apps._heap import frozen_heap
 from turnpoint.apps.bench._baselines import BidiEchoFanout, HttpJsonFanout
 from turnpoint.apps.bench._workers import (
     HOST,
@@ -490,27 +494,30 @@ async def measure_size(
             await http.open()
         snapshots = _SnapshotRounds(coordinator, layout, ids)
         with_commit = _SnapshotRounds(coordinator, layout, ids, commit_in_prepare=False)
-        for index in range(warmup + rounds):
-            round_id = f"n{n}-r{index}"
-            paths: list[tuple[str, Callable[[], Awaitable[dict[str, float]]]]] = [
-                ("turnpoint", snapshots.round),
-                ("commit", with_commit.round),
-                ("bidi", functools.partial(_baseline_round, bidi, round_id)),
-                ("http", functools.partial(_baseline_round, http, round_id)),
-            ]
-            # Each path goes first in turn, so that none always follows the heaviest.
-            shift = index % len(paths)
-            for name, run in paths[shift:] + paths[:shift]:
-                async with asyncio.timeout(_ROUND_TIMEOUT_S):
-                    laps = await run()
-                if index >= warmup:
-                    totals[name].append(laps["total"])
-                    if name == "turnpoint":
-                        for phase in PHASES:
-                            phases[phase].append(laps[phase])
-                # Background work a round leaves behind (stream teardown, deferred
-                # writes in the workers) must not be billed to the next path.
-                await asyncio.sleep(settle_s)
+        # This process owns its collector: what the paths built to talk to the fleet is
+        # frozen while they are timed, as a trainer would freeze its start-up heap.
+        with frozen_heap():
+            for index in range(warmup + rounds):
+                round_id = f"n{n}-r{index}"
+                paths: list[tuple[str, Callable[[], Awaitable[dict[str, float]]]]] = [
+                    ("turnpoint", snapshots.round),
+                    ("commit", with_commit.round),
+                    ("bidi", functools.partial(_baseline_round, bidi, round_id)),
+                    ("http", functools.partial(_baseline_round, http, round_id)),
+                ]
+                # Each path goes first in turn, so that none always follows the heaviest.
+                shift = index % len(paths)
+                for name, run in paths[shift:] + paths[:shift]:
+                    async with asyncio.timeout(_ROUND_TIMEOUT_S):
+                        laps = await run()
+                    if index >= warmup:
+                        totals[name].append(laps["total"])
+                        if name == "turnpoint":
+                            for phase in PHASES:
+                                phases[phase].append(laps[phase])
+                    # Background work a round leaves behind (stream teardown, deferred
+                    # writes in the workers) must not be billed to the next path.
+                    await asyncio.sleep(settle_s)
         progress(
             f"  N={n}: turnpoint {_ms(totals['turnpoint'])} ms "
             f"({_ms(totals['commit'])} ms with every Commit sent), bidi {_ms(totals['bidi'])} ms, "

@@ -36,6 +36,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Final
 
+from turnpoint.apps._heap import freeze_start_up_heap
 from turnpoint.apps.bench._baselines import start_echo_server, start_http_server
 from turnpoint.apps.examples._build import ExampleSpec, build_example
 from turnpoint.auth import TOKEN_ENV, load_token
@@ -315,6 +316,8 @@ async def _serve(job: Mapping[str, Any]) -> int:
     with counting_fsyncs() as fsyncs:
         try:
             report, closers = await hosting(job, token)
+            # A long-lived server's start-up heap: frozen, as `turnpoint serve` does.
+            freeze_start_up_heap()
             report["pid"] = os.getpid()
             sys.stdout.write(json.dumps(report) + "\n")
             sys.stdout.flush()

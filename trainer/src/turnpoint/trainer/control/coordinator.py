@@ -1074,6 +1074,7 @@ class Coordinator:
                     (at for at in (last_answer_at, *written) if at is not None), default=None
                 ),
                 prepare_timeout_s=config.prepare_timeout_s,
+                participants=len(callers),
             )
             if wait_s > 0:
                 opener = loop.call_later(wait_s, open_watches)
@@ -1094,7 +1095,9 @@ class Coordinator:
                     name=f"watch-{name}",
                 )
 
-        opener = loop.call_later(watch_after_s(config.prepare_timeout_s), open_watches)
+        opener = loop.call_later(
+            watch_after_s(config.prepare_timeout_s, len(callers)), open_watches
+        )
         self._preparing = (checkpoint_id, time.monotonic(), readiness)
         try:
             result = await fan_out(

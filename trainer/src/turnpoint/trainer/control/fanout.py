@@ -15,6 +15,7 @@ participant replays or joins instead of starting the operation again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -171,16 +172,24 @@ async def _fan_out(
             finally:
                 durations[name] = loop.time() - start
 
-    tasks = [asyncio.create_task(one(name), name=f"fan-out-{name}") for name in clients]
-    try:
-        if tasks:
-            await asyncio.wait(tasks, timeout=max(0.0, deadline - loop.time()))
-    finally:
-        # Cancelling cancels each abandoned RPC, so the participant sees it; waiting for
-        # the tasks leaves no call running after fan_out returns.
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+    if len(clients) == 1:
+        # A fan-out of one needs no task of its own (nor a wait for it): its call runs in
+        # the caller's task, under the same deadline, whose expiry cancels it the same way.
+        (only,) = clients
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout_at(deadline):
+                await one(only)
+    else:
+        tasks = [asyncio.create_task(one(name), name=f"fan-out-{name}") for name in clients]
+        try:
+            if tasks:
+                await asyncio.wait(tasks, timeout=max(0.0, deadline - loop.time()))
+        finally:
+            # Cancelling cancels each abandoned RPC, so the participant sees it; waiting
+            # for the tasks leaves no call running after fan_out returns.
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
     for name in clients:
         if name not in responses and name not in failures:
             failures[name] = _deadline_failure(deadline_s, started=name in sent_at)

@@ -57,6 +57,12 @@ MIN_ROUND_FRACTION: Final = 0.2
 WATCH_AFTER_S: Final = 0.25
 """A participant still preparing after this long (or a tenth of the prepare deadline)
 gets its readiness stream watched."""
+WATCH_AFTER_PER_PARTICIPANT_S: Final = 0.001
+"""...or after this long per participant prepared, if that is longer: a fan-out's
+answers take longer to come back the more participants it asks, and before they are
+back a stream per participant only slows them down. A thousand participants answering
+from a few busy processes can leave a quarter of a second without an answer while every
+one of them is ready, and a thousand streams opened then more than doubled the prepare."""
 SESSION_RETRIES: Final = 2
 """Broken sessions a participant's prepare is re-sent on before it gives up."""
 
@@ -70,13 +76,20 @@ WATCH_LATEST_FACTOR: Final = 8.0
 """...and are opened at the latest this many times :func:`watch_after_s` after the start."""
 
 
-def watch_after_s(prepare_timeout_s: float) -> float:
-    """How long a participant may prepare before its readiness stream is opened."""
-    return min(WATCH_AFTER_S, prepare_timeout_s / 10)
+def watch_after_s(prepare_timeout_s: float, participants: int = 1) -> float:
+    """How long a participant may prepare before its readiness stream is opened, in a
+    prepare of ``participants`` participants."""
+    after = max(WATCH_AFTER_S, participants * WATCH_AFTER_PER_PARTICIPANT_S)
+    return min(after, prepare_timeout_s / 10)
 
 
 def watch_wait_s(
-    now: float, *, started_at: float, last_activity_at: float | None, prepare_timeout_s: float
+    now: float,
+    *,
+    started_at: float,
+    last_activity_at: float | None,
+    prepare_timeout_s: float,
+    participants: int = 1,
 ) -> float:
     """Seconds until the readiness streams of the participants still preparing are
     opened (0: now).
@@ -90,7 +103,7 @@ def watch_wait_s(
     busy fan-out never keeps a stuck participant's unacknowledged completions waiting
     long.
     """
-    after = watch_after_s(prepare_timeout_s)
+    after = watch_after_s(prepare_timeout_s, participants)
     due = started_at + after
     if last_activity_at is not None:
         due = max(due, last_activity_at + after * WATCH_QUIET_FRACTION)
