@@ -51,17 +51,25 @@ if TYPE_CHECKING:
     from turnpoint.apps.bench._real_state import RealStateRow
 
 
-# Long enough for at least ten snapshots 2 s apart in a run with snapshots on, on two
-# cores (the demo trainer makes 1.5 to 2.5 steps a second there), five runs a side for
-# a bootstrap interval of the on/off ratio.
+# The full bench's throughput run (see _workload): agent turns of 2 s in their model
+# call, so that 64 rollouts in flight need a few percent of a core and the rate is set
+# by timers and dispatch; blocks of 2 steps (one wave of the trainer's pipeline, about
+# 7.5 s: three or four snapshots 2 s apart in an on block), 18 pairs measured after a
+# pair of start-up (about 5 minutes). The noise left is a wave's jitter (the training
+# step's CPU time on the critical path), the same in seconds whatever the turns last:
+# longer waves divide it by more.
+_FULL_TURN_DELAY_S = 2.0
+_FULL_BLOCK_STEPS = 2
+_FULL_REPEATS = 18
+# The full bench's crashed run (for the restart figures) is killed long before this.
 _FULL_STEPS = 90
-_FULL_REPEATS = 5
 _FILE_WIDTH = 160
 # --quick makes no run each way: the crashed run trains this many steps with snapshots
 # on first (about eight snapshots 2 s apart), and the share of its rollout-seconds that
 # dispatch was closed is the throughput figure (a ratio within one run).
 _QUICK_STEPS = 40
 _QUICK_REPEATS = 0
+_QUICK_TURN_DELAY_S = 0.0
 _QUICK_BOOKKEEPING = 2000
 _FULL_BOOKKEEPING = 5000
 _QUICK_BOOKKEEPING_REPEATS = 3
@@ -113,6 +121,16 @@ def _seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"expected seconds > 0, got {value:g}")
+    return value
+
+
+def _delay(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {value:g}")
     return value
 
 
@@ -247,7 +265,8 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     parser.add_argument(
         "--steps",
         type=_positive_int,
-        help=f"training steps of each demo run (default {_FULL_STEPS}, quick {_QUICK_STEPS})",
+        help="training steps the crashed demo run trains with snapshots on before it may "
+        f"crash, with --repeats 0 (quick: {_QUICK_STEPS}); its bound otherwise",
     )
     parser.add_argument(
         "--groups-per-step",
@@ -263,10 +282,24 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         help="seconds between snapshots in the run with snapshots on (default 2)",
     )
     parser.add_argument(
+        "--turn-delay",
+        type=_delay,
+        help="seconds each agent turn of the demo runs waits in its model call, a real "
+        f"model's latency (default {_FULL_TURN_DELAY_S:g}; quick {_QUICK_TURN_DELAY_S:g}: "
+        "CPU-bound, as the demo)",
+    )
+    parser.add_argument(
         "--repeats",
         type=_count,
-        help=f"demo runs each way, snapshots off and on, interleaved (default {_FULL_REPEATS}; "
-        f"quick {_QUICK_REPEATS}: the crashed run measures the cost of snapshots alone)",
+        help=f"pairs of blocks measured in the throughput run, one block without snapshots "
+        f"and one with (default {_FULL_REPEATS}; quick {_QUICK_REPEATS}: no such run, the "
+        "crashed run measures the cost of snapshots alone)",
+    )
+    parser.add_argument(
+        "--block-steps",
+        type=_positive_int,
+        default=_FULL_BLOCK_STEPS,
+        help="training steps per block of the throughput run (default: %(default)s)",
     )
     parser.add_argument(
         "--agents",
@@ -318,9 +351,13 @@ def _options(args: argparse.Namespace) -> BenchOptions:
         group_size=args.group_size,
         groups_per_step=args.groups_per_step,
         snapshot_interval_s=args.snapshot_interval,
+        turn_delay_s=args.turn_delay
+        if args.turn_delay is not None
+        else (_QUICK_TURN_DELAY_S if quick else _FULL_TURN_DELAY_S),
         repeats=args.repeats
         if args.repeats is not None
         else (_QUICK_REPEATS if quick else _FULL_REPEATS),
+        block_steps=args.block_steps,
     )
     return BenchOptions(
         sizes=args.sizes or (QUICK_SIZES if quick else FULL_SIZES),
@@ -695,12 +732,18 @@ def render_table(report: BenchReport, out: TextIO) -> None:
         )
 
     throughput = report.throughput
-    workload = Table(
-        title=f"Demo trainer, {throughput.steps} steps per run, {len(throughput.off)} run(s) "
-        f"without snapshots and {len(throughput.on)} with"
-        + (" (the crashed run)" if any(run.crashed for run in throughput.on) else ""),
-        title_justify="left",
-    )
+    if throughput.block_steps is not None:
+        title = (
+            f"Demo trainer, one run of {throughput.steps} steps: {len(throughput.off)} pair(s) "
+            f"of blocks of {throughput.block_steps} steps, one without snapshots and one with"
+        )
+    else:
+        title = (
+            f"Demo trainer, {throughput.steps} steps per run, {len(throughput.off)} run(s) "
+            f"without snapshots and {len(throughput.on)} with"
+            + (" (the crashed run)" if any(run.crashed for run in throughput.on) else "")
+        )
+    workload = Table(title=title, title_justify="left")
     workload.add_column("figure")
     workload.add_column("value", justify="right")
     workload.add_row(
@@ -715,7 +758,7 @@ def render_table(report: BenchReport, out: TextIO) -> None:
     details = throughput.to_json()
     spread = details["ratio_on_vs_off_spread"]
     workload.add_row(
-        "throughput on / off (median of the runs' ratios)",
+        "throughput on / off (median of the pairs' ratios)",
         "n/a" if ratio is None else f"{ratio:.3f}",
     )
     if spread is not None:
@@ -723,7 +766,7 @@ def render_table(report: BenchReport, out: TextIO) -> None:
     interval = throughput.interval
     if interval is not None:
         workload.add_row(
-            f"  ratio of means, bootstrap {interval.confidence:.0%} interval",
+            f"  ratio of means, bootstrap {interval.confidence:.0%} interval over pairs",
             f"{interval.ratio:.3f} [{interval.low:.3f}, {interval.high:.3f}]",
         )
     closed = throughput.closed_fraction
