@@ -776,7 +776,9 @@ def render_table(report: BenchReport, out: TextIO) -> None:
         "n/a" if closed is None else f"{closed:.2%}",
     )
     workload.add_row(
-        "snapshots per run with snapshots on",
+        "snapshots per "
+        + ("block" if throughput.block_steps is not None else "run")
+        + " with snapshots on",
         " ".join(str(n) for n in details["snapshots_per_run"]),
     )
     workload.add_row(

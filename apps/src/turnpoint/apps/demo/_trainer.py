@@ -17,7 +17,8 @@ watch, the restore report):
 - prompt groups come from a deterministic loader (group index ``g`` -> prompt ``g``), half
   of them scored per sibling (``guess``), half group-scored (``guess-group``);
 - the facade takes snapshots every ``--snapshot-interval`` seconds while rollouts are in
-  flight;
+  flight (with ``--snapshot-blocks``, for ``turnpoint bench``'s on/off throughput, the
+  trainer takes them itself in every other pair of blocks of steps);
 - it restores the newest usable snapshot first, if the snapshot root holds one (the
   supervisor passes ``--resume`` to every trainer after the first, whose root is
   fresh): the trainer anchor (model, optimizer, step), its queue, loader position and
@@ -39,7 +40,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -144,6 +145,43 @@ def snapshots_on_in_block(block: int) -> bool:
     off, then again (ABBA): each pair of blocks (0 and 1, 2 and 3, ...) has one of each
     side, and a machine that speeds up or slows down favours neither side."""
     return block % 4 in (1, 2)
+
+
+async def snapshot_in_blocks(
+    snapshot_now: Callable[[], Awaitable[object]],
+    steps_done: Callable[[], int],
+    stepped: asyncio.Event,
+    stop: asyncio.Event,
+    *,
+    block_steps: int,
+    interval_s: float,
+) -> None:
+    """``--snapshot-blocks``: steps go in blocks of ``block_steps``; in the blocks that
+    take snapshots (:func:`snapshots_on_in_block`) one every ``interval_s``, the first
+    half an interval in (a block of L seconds holds L / interval of them on average),
+    through ``snapshot_now`` (:meth:`Checkpointing.snapshot_now`, as the facade's timer
+    takes them); none in the others. ``stepped`` is set after every step and on ``stop``.
+    The bench's on/off throughput compares neighbouring blocks of one run: the same
+    processes, seconds apart."""
+    loop = asyncio.get_running_loop()
+    block = -1
+    due: float | None = None
+    while not stop.is_set():
+        if steps_done() // block_steps != block:
+            block = steps_done() // block_steps
+            due = loop.time() + interval_s / 2 if snapshots_on_in_block(block) else None
+        stepped.clear()
+        if due is None:
+            await stepped.wait()
+            continue
+        try:
+            await asyncio.wait_for(stepped.wait(), max(0.0, due - loop.time()))
+        except TimeoutError:
+            if stop.is_set() or steps_done() // block_steps != block:
+                continue  # the block ended as the snapshot fell due: none for it
+            await snapshot_now()
+            # The next one an interval after this one was due, never in a burst.
+            due = max(due + interval_s, loop.time())
 
 
 class DemoTrainer:
@@ -495,31 +533,14 @@ class DemoTrainer:
         )
 
     async def _snapshot_in_blocks(self, ckpt: Checkpointing, stop: asyncio.Event) -> None:
-        """``--snapshot-blocks N``: steps go in blocks of N; in the blocks that take
-        snapshots (:func:`snapshots_on_in_block`) one every ``--snapshot-interval``
-        seconds, the first half an interval in (a block of L seconds holds L / interval
-        of them on average), through :meth:`Checkpointing.snapshot_now`, as the
-        facade's timer takes them; none in the others. The bench's on/off throughput
-        compares neighbouring blocks of one run: the same processes, seconds apart."""
-        size = self.args.snapshot_blocks
-        interval = self.args.snapshot_interval
-        loop = asyncio.get_running_loop()
-        block = -1
-        due: float | None = None
-        while not stop.is_set():
-            if self.step // size != block:
-                block = self.step // size
-                due = loop.time() + interval / 2 if snapshots_on_in_block(block) else None
-            self._stepped.clear()
-            if due is None:
-                await self._stepped.wait()
-                continue
-            try:
-                await asyncio.wait_for(self._stepped.wait(), max(0.0, due - loop.time()))
-            except TimeoutError:
-                await ckpt.snapshot_now()
-                # The next one an interval after this one was due, never in a burst.
-                due = max(due + interval, loop.time())
+        await snapshot_in_blocks(
+            ckpt.snapshot_now,
+            lambda: self.step,
+            self._stepped,
+            stop,
+            block_steps=self.args.snapshot_blocks,
+            interval_s=self.args.snapshot_interval,
+        )
 
     async def _train_loop(self, ckpt: Checkpointing, blocks: asyncio.Task[None] | None) -> None:
         per_step = self.args.groups_per_step
