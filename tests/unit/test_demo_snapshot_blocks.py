@@ -6,7 +6,13 @@ from __future__ import annotations
 
 import asyncio
 
-from turnpoint.apps.demo._trainer import snapshot_in_blocks, snapshots_on_in_block
+import pytest
+
+from turnpoint.apps.demo._trainer import (
+    build_parser,
+    snapshot_in_blocks,
+    snapshots_on_in_block,
+)
 
 _WAIT_S = 10.0
 
@@ -58,3 +64,12 @@ async def test_snapshots_are_taken_in_the_blocks_with_snapshots_on_only() -> Non
     await asyncio.wait_for(task, _WAIT_S)
     assert {1, 2, 5} <= set(taken)
     assert all(snapshots_on_in_block(block) for block in taken), taken
+
+
+@pytest.mark.parametrize("blocks", ["0", "-2", "two"])
+def test_a_block_of_no_steps_is_refused(blocks: str, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["--topology", "t.json", "--out", "out", "--snapshot-blocks", blocks]
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(argv)
+    assert "--snapshot-blocks" in capsys.readouterr().err
+    assert build_parser().parse_args([*argv[:-1], "2"]).snapshot_blocks == 2

@@ -87,10 +87,13 @@ def default_rounds(participants: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class WorkloadOptions:
-    """The demo trainer's run: ``steps`` training steps of ``groups_per_step`` prompt
-    groups of ``group_size`` siblings, on ``agents`` agent servers, with a snapshot every
-    ``snapshot_interval_s`` when snapshots are on; ``repeats`` runs each way (0: none,
-    the crashed run measures the cost of snapshots on its own, as ``--quick`` does).
+    """The demo trainer's runs: training steps of ``groups_per_step`` prompt groups of
+    ``group_size`` siblings, on ``agents`` agent servers, with a snapshot every
+    ``snapshot_interval_s`` when snapshots are on. The throughput run measures
+    ``repeats`` pairs of blocks of ``block_steps`` steps, one block without snapshots and
+    one with, its agent turns waiting ``turn_delay_s`` (0 repeats: no such run, the
+    crashed run measures the cost of snapshots on its own after ``steps`` steps, as
+    ``--quick`` does; otherwise ``steps`` only bounds the crashed run).
     ``run_timeout_s`` bounds each run."""
 
     # 8 agent servers and 8 groups of 4 in flight: the load the admission-closed target

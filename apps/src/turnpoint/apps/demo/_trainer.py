@@ -654,6 +654,16 @@ def _registry() -> Any:
     return CollectorRegistry()
 
 
+def _block_steps(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of steps, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected steps >= 1, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m turnpoint.apps.demo._trainer")
     parser.add_argument("--topology", required=True)
@@ -664,7 +674,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--snapshot-interval", type=float, default=3.0)
     parser.add_argument(
         "--snapshot-blocks",
-        type=int,
+        type=_block_steps,
         default=None,
         metavar="STEPS",
         help="the bench's on/off throughput: steps in blocks of STEPS, snapshots every "
