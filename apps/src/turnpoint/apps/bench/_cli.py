@@ -51,15 +51,17 @@ if TYPE_CHECKING:
     from turnpoint.apps.bench._real_state import RealStateRow
 
 
-# The full bench's throughput run (see _workload): agent turns of 2 s in their model
-# call, so that 64 rollouts in flight need a few percent of a core and the rate is set
-# by timers and dispatch; blocks of 2 steps (one wave of the trainer's pipeline, about
-# 7.5 s: three or four snapshots 2 s apart in an on block), 18 pairs measured after a
-# pair of start-up (about 5 minutes). The noise left is a wave's jitter (the training
-# step's CPU time on the critical path), the same in seconds whatever the turns last:
-# longer waves divide it by more.
-_FULL_TURN_DELAY_S = 2.0
-_FULL_BLOCK_STEPS = 2
+# The full bench's throughput run (see _workload): agent turns of 1 s in their model
+# call, so that 64 rollouts in flight need about a tenth of a core and the rate (about
+# 19 rollouts/s) is set by timers and dispatch; blocks of 4 steps (two waves of the
+# trainer's pipeline, about 7 s: three or four snapshots 2 s apart in an on block), 18
+# pairs measured after a pair of start-up (about 5 minutes). Measured on the shared
+# 2-core machine at load 8 to 13: a pair's ratio varies by 3.3% (the trainer's pipeline
+# and the count of rollouts in a block), so 18 pairs give an interval about 3 points
+# wide (2 points would take about 40 pairs). Turns of 2 s and blocks of 2 steps halved
+# the rate and gave 11 points; whole CPU-bound runs, 70.
+_FULL_TURN_DELAY_S = 1.0
+_FULL_BLOCK_STEPS = 4
 _FULL_REPEATS = 18
 # The full bench's crashed run (for the restart figures) is killed long before this.
 _FULL_STEPS = 90

@@ -110,7 +110,7 @@ class WorkloadOptions:
     repeats: int = 1
     # The full bench's run alternates snapshots off and on in blocks of this many steps
     # (``repeats`` pairs of blocks measured); the quick bench makes no such run.
-    block_steps: int = 2
+    block_steps: int = 4
     seed: int = 0
     run_timeout_s: float = 600.0
 
