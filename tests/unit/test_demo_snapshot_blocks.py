@@ -10,6 +10,7 @@ import pytest
 
 from turnpoint.apps.demo._trainer import (
     build_parser,
+    first_snapshot_phase,
     snapshot_in_blocks,
     snapshots_on_in_block,
 )
@@ -22,6 +23,13 @@ def test_the_blocks_go_off_on_on_off() -> None:
     assert sides == [False, True, True, False, False, True, True, False]
     # Every pair of neighbours (0 and 1, 2 and 3, ...) has one block of each side.
     assert all(sides[b] != sides[b + 1] for b in range(0, 8, 2))
+
+
+def test_the_first_snapshot_of_a_block_falls_at_a_phase_that_moves_block_to_block() -> None:
+    phases = [first_snapshot_phase(block) for block in range(1, 41)]
+    assert all(0.0 <= phase < 1.0 for phase in phases)
+    # Spread over the interval: every tenth of it holds some of forty blocks' phases.
+    assert {int(phase * 10) for phase in phases} == set(range(10))
 
 
 async def test_snapshots_are_taken_in_the_blocks_with_snapshots_on_only() -> None:

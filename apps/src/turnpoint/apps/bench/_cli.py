@@ -56,10 +56,12 @@ if TYPE_CHECKING:
 # 19 rollouts/s) is set by timers and dispatch; blocks of 4 steps (two waves of the
 # trainer's pipeline, about 7 s: three or four snapshots 2 s apart in an on block), 18
 # pairs measured after a pair of start-up (about 5 minutes). Measured on the shared
-# 2-core machine at load 8 to 13: a pair's ratio varies by 3.3% (the trainer's pipeline
-# and the count of rollouts in a block), so 18 pairs give an interval about 3 points
-# wide (2 points would take about 40 pairs). Turns of 2 s and blocks of 2 steps halved
-# the rate and gave 11 points; whole CPU-bound runs, 70.
+# 2-core machine at load 3 to 13: a pair's ratio varies by 3 to 5% (the trainer's
+# pipeline and the count of rollouts in a block), so 18 pairs give an interval 3 to 4
+# points wide (2 points would take 50 to 100 pairs). Turns of 2 s and blocks of 2 steps
+# halved the rate and gave 11 points; whole CPU-bound runs, 70. With every on block's
+# first snapshot 1 s in, one run read 1.040 [1.005, 1.083] and another 0.984 [0.970,
+# 0.998]: the snapshots locked onto the turns' phase; the phase now moves block to block.
 _FULL_TURN_DELAY_S = 1.0
 _FULL_BLOCK_STEPS = 4
 _FULL_REPEATS = 18

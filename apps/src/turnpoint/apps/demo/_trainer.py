@@ -147,6 +147,15 @@ def snapshots_on_in_block(block: int) -> bool:
     return block % 4 in (1, 2)
 
 
+def first_snapshot_phase(block: int) -> float:
+    """With ``--snapshot-blocks``: when block ``block``'s first snapshot falls, as a
+    fraction of the interval after the block begins. The fractional parts of multiples
+    of the golden ratio spread evenly over [0, 1) block after block, so that the
+    snapshots do not lock onto one phase of the trainer's pipeline (which begins each
+    block by dispatching rollouts whose turns all last alike) in every block."""
+    return (block * 0.6180339887498949) % 1.0
+
+
 async def snapshot_in_blocks(
     snapshot_now: Callable[[], Awaitable[object]],
     steps_done: Callable[[], int],
@@ -158,7 +167,8 @@ async def snapshot_in_blocks(
 ) -> None:
     """``--snapshot-blocks``: steps go in blocks of ``block_steps``; in the blocks that
     take snapshots (:func:`snapshots_on_in_block`) one every ``interval_s``, the first
-    half an interval in (a block of L seconds holds L / interval of them on average),
+    :func:`first_snapshot_phase` of an interval in (a block of L seconds holds L /
+    interval of them on average),
     through ``snapshot_now`` (:meth:`Checkpointing.snapshot_now`, as the facade's timer
     takes them); none in the others. ``stepped`` is set after every step and on ``stop``.
     The bench's on/off throughput compares neighbouring blocks of one run: the same
@@ -169,7 +179,11 @@ async def snapshot_in_blocks(
     while not stop.is_set():
         if steps_done() // block_steps != block:
             block = steps_done() // block_steps
-            due = loop.time() + interval_s / 2 if snapshots_on_in_block(block) else None
+            due = (
+                loop.time() + interval_s * first_snapshot_phase(block)
+                if snapshots_on_in_block(block)
+                else None
+            )
         stepped.clear()
         if due is None:
             await stepped.wait()
