@@ -34,12 +34,15 @@ from turnpoint.apps.bench._sandbox_snapshots import SandboxSnapshotRow, measure_
 from turnpoint.apps.bench._scale import measure_scale
 from turnpoint.apps.bench._workers import counting_fsyncs
 from turnpoint.apps.bench._workload import (
+    DRAIN_STEPS,
     RestoreResult,
     RunFigures,
     ThroughputResult,
     WorkloadError,
+    block_pairs,
     run_figures,
 )
+from turnpoint.apps.demo._trainer import snapshots_on_in_block
 from turnpoint.trainer.advanced import SnapshotLayout
 
 SIZES = (2, 3)
@@ -285,7 +288,9 @@ def test_the_details_say_what_was_measured(bench: tuple[dict[str, Any], list[int
     else:
         assert closed is None
     assert bench[0]["targets"]["dispatch_closed_fraction"]["gated"] is True
-    assert throughput["enough_snapshots"] is (throughput["min_snapshots_per_run"] >= 10)
+    assert throughput["enough_snapshots"] is (throughput["snapshots_published"] >= 10)
+    # No block run in --quick: the crashed run, whole.
+    assert throughput["block_steps"] is None
     if throughput["snapshots_published"]:
         assert throughput["admission_closed_p99_s"] >= throughput["admission_closed_median_s"]
     restore = details["restore"]
@@ -669,6 +674,83 @@ def test_a_crashed_run_s_figures_run_to_its_last_event() -> None:
     assert figures.closed_fraction == pytest.approx(0.4 / 32.0)
     with pytest.raises(WorkloadError):
         run_figures(events)  # a finished run needs its done event
+
+
+def test_a_finished_run_s_rate_is_its_steady_state() -> None:
+    """Six steps of 8 rollouts: the two of the start-up (ending at 101 and 102) and the
+    two of the drain are left out; steps 3 and 4 trained 16 rollouts in the 2 s from
+    the end of step 2 to the end of step 4."""
+    ends = [101.0, 102.0, 103.0, 104.0, 107.0, 110.0]
+    events = [
+        {"t": 100.0, "type": "start"},
+        *({"t": t, "type": "train_step", "rollouts": [{}] * 8} for t in ends),
+        {"t": 110.5, "type": "done"},
+    ]
+    figures = run_figures(events)
+    assert (figures.rollouts, figures.seconds) == (48, 10.5)
+    assert figures.per_second == pytest.approx(16 / 2.0)
+    assert figures.whole_per_second == pytest.approx(48 / 10.5)
+
+
+def _block_run_events(block_steps: int, pairs: int) -> list[dict[str, Any]]:
+    """The events of a run with ``--snapshot-blocks``, as the demo trainer logs them:
+    steps of 8 rollouts 1 s apart, 1.25 s in the blocks with snapshots on, and in each
+    of those blocks one snapshot at its start that closed dispatch for 50 ms with 8
+    rollouts held; 8 rollouts in flight sampled every 0.5 s."""
+    events: list[dict[str, Any]] = [{"t": 0.0, "type": "start"}]
+    t = 0.0
+    for step in range(1, block_steps * 2 * pairs + DRAIN_STEPS + 1):
+        block = (step - 1) // block_steps
+        on = snapshots_on_in_block(block)
+        if on and (step - 1) % block_steps == 0:
+            events.append(
+                {"t": t + 0.1, "type": "snapshot", "outcome": "published", "t_start": t + 0.05,
+                 "t_end": t + 0.1, "admission_closed_s": 0.05, "continued": 8}
+            )  # fmt: skip
+        t += 1.25 if on else 1.0
+        events.append(
+            {"t": t, "type": "train_step", "rollouts": [{}] * 8, "block": block,
+             "snapshots_on": on}
+        )  # fmt: skip
+    events += [{"t": i * 0.5, "type": "progress", "in_flight": 8} for i in range(int(t * 2) + 1)]
+    events.append({"t": t + 0.1, "type": "done"})
+    return sorted(events, key=lambda event: event["t"])
+
+
+def test_a_block_run_is_measured_in_pairs_of_neighbouring_blocks() -> None:
+    events = _block_run_events(block_steps=2, pairs=4)
+    pairs = block_pairs(events, block_steps=2)
+    # Blocks 0 and 1 hold the start-up: pairs (2, 3), (4, 5), (6, 7), ABBA.
+    assert len(pairs) == 3
+    for off, on in pairs:
+        assert (off.rollouts, on.rollouts) == (16, 16)
+        assert off.seconds == pytest.approx(2.0) and on.seconds == pytest.approx(2.5)
+        assert on.per_second / off.per_second == pytest.approx(0.8)
+        assert (off.snapshots_published, on.snapshots_published) == (0, 1)
+        assert on.admission_closed_seconds == (0.05,)
+        # 50 ms x 8 held over the block's 2.5 s x 8 in flight.
+        assert on.closed_fraction == pytest.approx(0.4 / 20.0)
+    throughput = ThroughputResult(
+        steps=18,
+        snapshot_interval_s=2.0,
+        off=tuple(off for off, _ in pairs),
+        on=tuple(on for _, on in pairs),
+        block_steps=2,
+    )
+    assert throughput.ratios == pytest.approx((0.8, 0.8, 0.8))
+    interval = throughput.interval
+    assert interval is not None and interval.width == pytest.approx(0.0)
+    assert throughput.closed_fraction == pytest.approx(0.02)
+    shown = throughput.to_json()
+    assert shown["block_steps"] == 2 and shown["runs_on"] == shown["runs_off"] == 3
+
+
+def test_a_block_with_steps_on_both_sides_is_refused() -> None:
+    events = _block_run_events(block_steps=2, pairs=2)
+    step = next(e for e in events if e["type"] == "train_step" and e["block"] == 2)
+    step["snapshots_on"] = not step["snapshots_on"]
+    with pytest.raises(WorkloadError, match="block 2"):
+        block_pairs(events, block_steps=2)
 
 
 def test_the_full_bench_reports_the_on_off_interval_beside_the_cost_of_snapshots() -> None:

@@ -1,8 +1,13 @@
 """The bench's arithmetic: pure functions of measured numbers, no clock, no I/O.
 
-- :func:`ratio_interval`: the bootstrap interval of the on/off throughput ratio (runs
-  of each side resampled with replacement, the ratio of the resampled means), drawn
-  from a seeded generator so that one set of runs always gives one interval;
+- :func:`ratio_interval`: the bootstrap interval of the on/off throughput ratio (pairs
+  of neighbouring runs, one each side, resampled with replacement, the ratio of the
+  resampled sides' means), drawn from a seeded generator so that one set of runs
+  always gives one interval;
+- :func:`steady_window`: a run's rollouts per second between the end of its start-up
+  and the start of its drain, counted in whole training steps;
+- :func:`block_windows`: the same for each block of a run's steps (the bench's on and
+  off blocks), and :func:`integrate_between` the rollout-seconds inside one;
 - :func:`closed_fraction`: the rollout-seconds that dispatch was closed by snapshots as
   a fraction of the rollout-seconds of the same run (the cost of snapshots where it
   arises, from one run with snapshots on);
@@ -77,35 +82,123 @@ def _quantile(ordered: Sequence[float], fraction: float) -> float:
 
 
 def ratio_interval(
-    on: Sequence[float],
-    off: Sequence[float],
+    pairs: Sequence[tuple[float, float]],
     *,
     seed: int = 0,
     resamples: int = _RESAMPLES,
     confidence: float = _CONFIDENCE,
 ) -> Interval | None:
-    """mean(on) / mean(off) with its percentile bootstrap interval; None without runs
-    on both sides or with a side whose mean is not positive."""
-    if not on or not off or resamples < 1 or not 0 < confidence < 1:
+    """mean(on) / mean(off) over ``pairs`` of (on, off) rates, with its percentile
+    bootstrap interval; None without a pair or when a side's mean is not positive.
+
+    A resample draws whole pairs: the two runs of a pair ran side by side on the same
+    machine, so what the machine did to both (a neighbour's load that came and went)
+    stays inside the pair instead of widening the interval."""
+    if not pairs or resamples < 1 or not 0 < confidence < 1:
         return None
-    if statistics.fmean(off) <= 0 or statistics.fmean(on) < 0:
+    on_mean = statistics.fmean(on for on, _ in pairs)
+    off_mean = statistics.fmean(off for _, off in pairs)
+    if off_mean <= 0 or on_mean < 0:
         return None
     draw = _SplitMix64(seed)
     ratios = []
     for _ in range(resamples):
-        on_mean = sum(on[draw.below(len(on))] for _ in on) / len(on)
-        off_mean = sum(off[draw.below(len(off))] for _ in off) / len(off)
-        if off_mean > 0:
-            ratios.append(on_mean / off_mean)
+        drawn = [pairs[draw.below(len(pairs))] for _ in pairs]
+        off_total = sum(off for _, off in drawn)
+        if off_total > 0:
+            ratios.append(sum(on for on, _ in drawn) / off_total)
     ratios.sort()
     tail = (1 - confidence) / 2
     return Interval(
-        ratio=statistics.fmean(on) / statistics.fmean(off),
+        ratio=on_mean / off_mean,
         low=_quantile(ratios, tail),
         high=_quantile(ratios, 1 - tail),
         confidence=confidence,
         resamples=resamples,
     )
+
+
+@dataclass(frozen=True, slots=True)
+class Window:
+    """``rollouts`` trained in the ``seconds`` from ``opened`` (a run's steady state, or
+    one of its blocks)."""
+
+    rollouts: int
+    seconds: float
+    opened: float = 0.0
+
+    @property
+    def closed(self) -> float:
+        return self.opened + self.seconds
+
+    @property
+    def per_second(self) -> float:
+        return self.rollouts / self.seconds if self.seconds > 0 else 0.0
+
+
+def steady_window(steps: Sequence[tuple[float, int]], *, head: int, tail: int) -> Window | None:
+    """The rollouts per second of a run's steady state, from its training steps.
+
+    ``steps``: (time the step ended, rollouts it trained on), in order. The window opens
+    when step ``head`` ends (the start-up before it: processes connecting, the first
+    weights, a pipeline filling at once) and closes when the last step but ``tail``
+    ends (the drain after it: no new rollout dispatched, the pipeline emptying); it
+    counts the rollouts of the steps that ended inside it. Whole steps, so a window
+    never counts part of a rollout. None when no step is left between head and tail.
+    """
+    if head < 1 or tail < 0:
+        raise ValueError("head must be >= 1 and tail >= 0")
+    last = len(steps) - 1 - tail
+    if last <= head - 1:
+        return None
+    opened = steps[head - 1][0]
+    closed = steps[last][0]
+    return Window(
+        rollouts=sum(rollouts for _, rollouts in steps[head : last + 1]),
+        seconds=closed - opened,
+        opened=opened,
+    )
+
+
+def block_windows(
+    steps: Sequence[tuple[float, int]], *, block_steps: int, tail: int
+) -> dict[int, Window]:
+    """Block ``b`` of ``block_steps`` steps (steps ``b * block_steps + 1`` to ``(b + 1) *
+    block_steps``, counted from 1) as a window from the end of the block before it to
+    the end of its last step, with the rollouts of its steps. Block 0 has no block
+    before it (it holds the run's start-up) and blocks reaching into the last ``tail``
+    steps (the drain) are left out, as is a block the run did not finish."""
+    if block_steps < 1 or tail < 0:
+        raise ValueError("block_steps must be >= 1 and tail >= 0")
+    usable = len(steps) - tail
+    windows = {}
+    block = 1
+    while (block + 1) * block_steps <= usable:
+        first = block * block_steps
+        last = first + block_steps - 1
+        windows[block] = Window(
+            rollouts=sum(rollouts for _, rollouts in steps[first : last + 1]),
+            seconds=steps[last][0] - steps[first - 1][0],
+            opened=steps[first - 1][0],
+        )
+        block += 1
+    return windows
+
+
+def integrate_between(samples: Sequence[tuple[float, float]], start: float, end: float) -> float:
+    """:func:`integrate` of the samples over ``[start, end]`` only, the value at each
+    end interpolated between the samples around it (held past the last one)."""
+    if end <= start or not samples:
+        return 0.0
+
+    def at(t: float) -> float:
+        for (t0, v0), (t1, v1) in itertools.pairwise(samples):
+            if t0 <= t <= t1:
+                return v0 if t1 == t0 else v0 + (v1 - v0) * (t - t0) / (t1 - t0)
+        return samples[0][1] if t < samples[0][0] else samples[-1][1]
+
+    inside = [(t, v) for t, v in samples if start < t < end]
+    return integrate([(start, at(start)), *inside, (end, at(end))])
 
 
 def integrate(samples: Sequence[tuple[float, float]]) -> float:

@@ -51,17 +51,29 @@ if TYPE_CHECKING:
     from turnpoint.apps.bench._real_state import RealStateRow
 
 
-# Long enough for at least ten snapshots 2 s apart in a run with snapshots on, on two
-# cores (the demo trainer makes 1.5 to 2.5 steps a second there), five runs a side for
-# a bootstrap interval of the on/off ratio.
+# The full bench's throughput run (see _workload): agent turns of 1 s in their model
+# call, so that 64 rollouts in flight need about a tenth of a core and the rate (about
+# 19 rollouts/s) is set by timers and dispatch; blocks of 4 steps (two waves of the
+# trainer's pipeline, about 7 s: three or four snapshots 2 s apart in an on block), 18
+# pairs measured after a pair of start-up (about 5 minutes). Measured on the shared
+# 2-core machine at load 3 to 13: a pair's ratio varies by 3 to 5% (the trainer's
+# pipeline and the count of rollouts in a block), so 18 pairs give an interval 3 to 4
+# points wide (2 points would take 50 to 100 pairs). Turns of 2 s and blocks of 2 steps
+# halved the rate and gave 11 points; whole CPU-bound runs, 70. With every on block's
+# first snapshot 1 s in, one run read 1.040 [1.005, 1.083] and another 0.984 [0.970,
+# 0.998]: the snapshots locked onto the turns' phase; the phase now moves block to block.
+_FULL_TURN_DELAY_S = 1.0
+_FULL_BLOCK_STEPS = 4
+_FULL_REPEATS = 18
+# The full bench's crashed run (for the restart figures) is killed long before this.
 _FULL_STEPS = 90
-_FULL_REPEATS = 5
 _FILE_WIDTH = 160
 # --quick makes no run each way: the crashed run trains this many steps with snapshots
 # on first (about eight snapshots 2 s apart), and the share of its rollout-seconds that
 # dispatch was closed is the throughput figure (a ratio within one run).
 _QUICK_STEPS = 40
 _QUICK_REPEATS = 0
+_QUICK_TURN_DELAY_S = 0.0
 _QUICK_BOOKKEEPING = 2000
 _FULL_BOOKKEEPING = 5000
 _QUICK_BOOKKEEPING_REPEATS = 3
@@ -113,6 +125,16 @@ def _seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"expected seconds > 0, got {value:g}")
+    return value
+
+
+def _delay(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds, got {text!r}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"expected seconds >= 0, got {value:g}")
     return value
 
 
@@ -247,7 +269,8 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     parser.add_argument(
         "--steps",
         type=_positive_int,
-        help=f"training steps of each demo run (default {_FULL_STEPS}, quick {_QUICK_STEPS})",
+        help="training steps the crashed demo run trains with snapshots on before it may "
+        f"crash, with --repeats 0 (quick: {_QUICK_STEPS}); its bound otherwise",
     )
     parser.add_argument(
         "--groups-per-step",
@@ -263,10 +286,24 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
         help="seconds between snapshots in the run with snapshots on (default 2)",
     )
     parser.add_argument(
+        "--turn-delay",
+        type=_delay,
+        help="seconds each agent turn of the demo runs waits in its model call, a real "
+        f"model's latency (default {_FULL_TURN_DELAY_S:g}; quick {_QUICK_TURN_DELAY_S:g}: "
+        "CPU-bound, as the demo)",
+    )
+    parser.add_argument(
         "--repeats",
         type=_count,
-        help=f"demo runs each way, snapshots off and on, interleaved (default {_FULL_REPEATS}; "
-        f"quick {_QUICK_REPEATS}: the crashed run measures the cost of snapshots alone)",
+        help=f"pairs of blocks measured in the throughput run, one block without snapshots "
+        f"and one with (default {_FULL_REPEATS}; quick {_QUICK_REPEATS}: no such run, the "
+        "crashed run measures the cost of snapshots alone)",
+    )
+    parser.add_argument(
+        "--block-steps",
+        type=_positive_int,
+        default=_FULL_BLOCK_STEPS,
+        help="training steps per block of the throughput run (default: %(default)s)",
     )
     parser.add_argument(
         "--agents",
@@ -318,9 +355,13 @@ def _options(args: argparse.Namespace) -> BenchOptions:
         group_size=args.group_size,
         groups_per_step=args.groups_per_step,
         snapshot_interval_s=args.snapshot_interval,
+        turn_delay_s=args.turn_delay
+        if args.turn_delay is not None
+        else (_QUICK_TURN_DELAY_S if quick else _FULL_TURN_DELAY_S),
         repeats=args.repeats
         if args.repeats is not None
         else (_QUICK_REPEATS if quick else _FULL_REPEATS),
+        block_steps=args.block_steps,
     )
     return BenchOptions(
         sizes=args.sizes or (QUICK_SIZES if quick else FULL_SIZES),
@@ -695,12 +736,18 @@ def render_table(report: BenchReport, out: TextIO) -> None:
         )
 
     throughput = report.throughput
-    workload = Table(
-        title=f"Demo trainer, {throughput.steps} steps per run, {len(throughput.off)} run(s) "
-        f"without snapshots and {len(throughput.on)} with"
-        + (" (the crashed run)" if any(run.crashed for run in throughput.on) else ""),
-        title_justify="left",
-    )
+    if throughput.block_steps is not None:
+        title = (
+            f"Demo trainer, one run of {throughput.steps} steps: {len(throughput.off)} pair(s) "
+            f"of blocks of {throughput.block_steps} steps, one without snapshots and one with"
+        )
+    else:
+        title = (
+            f"Demo trainer, {throughput.steps} steps per run, {len(throughput.off)} run(s) "
+            f"without snapshots and {len(throughput.on)} with"
+            + (" (the crashed run)" if any(run.crashed for run in throughput.on) else "")
+        )
+    workload = Table(title=title, title_justify="left")
     workload.add_column("figure")
     workload.add_column("value", justify="right")
     workload.add_row(
@@ -715,7 +762,7 @@ def render_table(report: BenchReport, out: TextIO) -> None:
     details = throughput.to_json()
     spread = details["ratio_on_vs_off_spread"]
     workload.add_row(
-        "throughput on / off (median of the runs' ratios)",
+        "throughput on / off (median of the pairs' ratios)",
         "n/a" if ratio is None else f"{ratio:.3f}",
     )
     if spread is not None:
@@ -723,7 +770,7 @@ def render_table(report: BenchReport, out: TextIO) -> None:
     interval = throughput.interval
     if interval is not None:
         workload.add_row(
-            f"  ratio of means, bootstrap {interval.confidence:.0%} interval",
+            f"  ratio of means, bootstrap {interval.confidence:.0%} interval over pairs",
             f"{interval.ratio:.3f} [{interval.low:.3f}, {interval.high:.3f}]",
         )
     closed = throughput.closed_fraction
@@ -733,7 +780,9 @@ def render_table(report: BenchReport, out: TextIO) -> None:
         "n/a" if closed is None else f"{closed:.2%}",
     )
     workload.add_row(
-        "snapshots per run with snapshots on",
+        "snapshots per "
+        + ("block" if throughput.block_steps is not None else "run")
+        + " with snapshots on",
         " ".join(str(n) for n in details["snapshots_per_run"]),
     )
     workload.add_row(

@@ -87,10 +87,13 @@ def default_rounds(participants: int) -> int:
 
 @dataclass(frozen=True, slots=True)
 class WorkloadOptions:
-    """The demo trainer's run: ``steps`` training steps of ``groups_per_step`` prompt
-    groups of ``group_size`` siblings, on ``agents`` agent servers, with a snapshot every
-    ``snapshot_interval_s`` when snapshots are on; ``repeats`` runs each way (0: none,
-    the crashed run measures the cost of snapshots on its own, as ``--quick`` does).
+    """The demo trainer's runs: training steps of ``groups_per_step`` prompt groups of
+    ``group_size`` siblings, on ``agents`` agent servers, with a snapshot every
+    ``snapshot_interval_s`` when snapshots are on. The throughput run measures
+    ``repeats`` pairs of blocks of ``block_steps`` steps, one block without snapshots and
+    one with, its agent turns waiting ``turn_delay_s`` (0 repeats: no such run, the
+    crashed run measures the cost of snapshots on its own after ``steps`` steps, as
+    ``--quick`` does; otherwise ``steps`` only bounds the crashed run).
     ``run_timeout_s`` bounds each run."""
 
     # 8 agent servers and 8 groups of 4 in flight: the load the admission-closed target
@@ -100,7 +103,14 @@ class WorkloadOptions:
     group_size: int = 4
     groups_per_step: int = 8
     snapshot_interval_s: float = 2.0
+    # Each agent turn's model call waits this long (a real model's or tool's latency):
+    # rollouts then last seconds, as in agentic RL, and the rate is set by timers and
+    # dispatch rather than by CPU the machine shares (0: CPU-bound, as the demo).
+    turn_delay_s: float = 0.0
     repeats: int = 1
+    # The full bench's run alternates snapshots off and on in blocks of this many steps
+    # (``repeats`` pairs of blocks measured); the quick bench makes no such run.
+    block_steps: int = 4
     seed: int = 0
     run_timeout_s: float = 600.0
 
@@ -168,13 +178,15 @@ class BenchOptions:
         if any(n < 1 for n in self.scale_episodes):
             raise ValueError("scale episodes must be >= 1")
         workload = self.workload
-        for name in ("agents", "steps", "group_size", "groups_per_step"):
+        for name in ("agents", "steps", "group_size", "groups_per_step", "block_steps"):
             if getattr(workload, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if workload.repeats < 0:
             raise ValueError("repeats must be >= 0")
         if not workload.snapshot_interval_s > 0 or not workload.run_timeout_s > 0:
             raise ValueError("the snapshot interval and the run timeout must be > 0")
+        if not workload.turn_delay_s >= 0:
+            raise ValueError("the turn delay must be >= 0 seconds")
 
     def rounds_for(self, participants: int) -> int:
         return self.rounds if self.rounds is not None else default_rounds(participants)

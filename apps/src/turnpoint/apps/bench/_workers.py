@@ -167,14 +167,18 @@ def fleet_job(
     }
 
 
-def topology_job(root: Path, agents: int, group_size: int, seed: int = 0) -> dict[str, Any]:
-    """The job of a topology worker: the example Gym servers of the demo workload."""
+def topology_job(
+    root: Path, agents: int, group_size: int, seed: int = 0, turn_delay_s: float = 0.0
+) -> dict[str, Any]:
+    """The job of a topology worker: the example Gym servers of the demo workload, each
+    agent turn waiting ``turn_delay_s`` in its model call (a real model's latency)."""
     return {
         "mode": "topology",
         "root": str(root),
         "agents": agents,
         "group_size": group_size,
         "seed": seed,
+        "turn_delay_s": turn_delay_s,
     }
 
 
@@ -276,6 +280,7 @@ async def _host_topology(job: Mapping[str, Any], token: str) -> tuple[dict[str, 
                 f"agent-{index}",
                 policy_address=policy.address,
                 resources={"guess": tools.address, "guess-group": group_tools.address},
+                turn_delay_s=float(job.get("turn_delay_s", 0.0)),
             ),
         )
     return {"participants": participants}, closers
@@ -311,6 +316,12 @@ async def _serve(job: Mapping[str, Any]) -> int:
         # commits' fsyncs would queue behind each other in the default pool of a few.
         threads = len(job["participants"]) + 4
         loop.set_default_executor(ThreadPoolExecutor(threads, thread_name_prefix="bench"))
+    else:
+        # The policy's forward passes are a few small matrices: one thread each, as the
+        # demo trainer's, rather than a pool per process contending for two cores.
+        import torch
+
+        torch.set_num_threads(1)
     hosting = _host_fleet if job["mode"] == "fleet" else _host_topology
     closers: list[Closer] = []
     with counting_fsyncs() as fsyncs:

@@ -7,17 +7,26 @@ the training loop) against the example Gym servers, which a topology worker host
 process (as ``turnpoint serve`` would host each). The bench writes the
 ``topology.json`` the trainer reads and reads back the ``events.jsonl`` it writes.
 
-- **Throughput**: runs of the same number of training steps, each on fresh
-  participants, alternately without snapshots (an interval longer than any run) and with
-  a snapshot every ``snapshot_interval_s`` (off/on, then on/off, ...: the sides are
-  interleaved, so a machine that speeds up or slows down favours neither). Rollouts per
-  second is the number of rollouts trained on over the trainer's wall time from its
-  ``start`` event to its ``done`` event. The figure is the median over the repeats of
-  each repeat's on / off ratio, reported with its spread (lowest, highest); the pooled
-  rates of each side are details. Runs should be long enough for at least
-  :data:`MIN_SNAPSHOTS` snapshots each (``min_snapshots_per_run`` says whether they
-  were). Admission-closed seconds per published snapshot are reported as a median and
-  a 99th percentile over every snapshot of every run.
+- **Throughput**: one run of the trainer on one set of participants whose agent turns
+  wait ``turn_delay_s`` in their model call (a real model's latency: the rate is then
+  set by timers and dispatch, not by CPU the machine shares with other work), its
+  training steps in blocks of ``block_steps`` (the trainer's ``--snapshot-blocks``),
+  alternately without snapshots and with one every ``snapshot_interval_s`` (off, on,
+  on, off: ABBA, so that a machine that speeds up or slows down favours neither side).
+  Each block's rate is the rollouts of its steps over the seconds from the end of the
+  block before it to the end of its last step: whole steps, so no part of a rollout is
+  counted, and the trainer's pipeline is in the same phase at both ends. Blocks 0 and 1
+  hold the start-up and the last :data:`DRAIN_STEPS` steps the drain; the other blocks
+  pair up with their neighbour (2 and 3, 4 and 5, ...), seconds apart in the same
+  processes. The figure is the ratio of the sides' mean rates with its bootstrap 95%
+  interval, whole pairs resampled (what the machine did to both blocks of a pair
+  cancels), beside the median of the pairs' ratios and their spread. Beside it, the
+  cost of snapshots where it arises: the rollout-seconds that dispatch was closed
+  (each snapshot's admission-closed seconds times the episodes it held) over the
+  rollout-seconds of the on blocks. Admission-closed seconds per published snapshot
+  are reported as a median and a 99th percentile. Why blocks of one run rather than
+  whole runs: runs a minute apart on a shared 2-core machine differed by up to 70%
+  (25 and 42 rollouts/s back to back), while the effect is about 1%.
 - **Restore**: a third run's trainer is crashed (SIGKILL) as soon as a published
   snapshot holds episodes in flight and the restore planner accepts it (a snapshot it
   would refuse is reported, with the planner's reason, and the run goes on to the next
@@ -56,7 +65,15 @@ from pathlib import Path
 from typing import IO, Any, Final
 
 from turnpoint._files import create_file, replace_file
-from turnpoint.apps.bench._arithmetic import Interval, integrate, ratio_interval
+from turnpoint.apps.bench._arithmetic import (
+    Interval,
+    Window,
+    block_windows,
+    integrate,
+    integrate_between,
+    ratio_interval,
+    steady_window,
+)
 from turnpoint.apps.bench._options import WorkloadOptions
 from turnpoint.apps.bench._workers import WorkerProcess, topology_job
 from turnpoint.ids import EpisodeId
@@ -78,8 +95,6 @@ from turnpoint.trainer.advanced import (
 )
 
 _TRAINER_MODULE: Final = "turnpoint.apps.demo._trainer"
-# "No snapshots": an interval no run of the bench lasts.
-_NO_SNAPSHOTS_S: Final = 1e9
 _WORKER_START_TIMEOUT_S: Final = 120.0
 _RESTORE_TIMEOUT_S: Final = 120.0
 _FIRST_PROGRESS_TIMEOUT_S: Final = 120.0
@@ -91,6 +106,13 @@ _STDERR_TAIL_CHARS: Final = 2000
 _TARGET_LEVEL: Final = "turn"
 MIN_SNAPSHOTS: Final = 10
 """Snapshots a run with snapshots on should publish for its figure to mean something."""
+START_UP_STEPS: Final = 2
+"""Training steps a run's rate leaves out at its start: the trainer dispatches two steps'
+worth of prompt groups at once (its pipeline's depth), so the first two steps end in a
+burst after the connections and the first weight push, not at the steady rate."""
+DRAIN_STEPS: Final = 2
+"""Training steps a run's rate leaves out at its end: the last two steps train on what
+the pipeline already held, nothing new is dispatched, and it empties."""
 
 Progress = Callable[[str], None]
 
@@ -114,9 +136,21 @@ class RunFigures:
     closed_rollout_seconds: float = 0.0
     rollout_seconds: float = 0.0
     crashed: bool = False
+    # The steady state: the steps between the start-up and the drain (None: too few).
+    steady: Window | None = None
+
+    @property
+    def counted(self) -> Window:
+        """What the run's rate counts: its steady state, else the whole run."""
+        return self.steady if self.steady is not None else Window(self.rollouts, self.seconds)
 
     @property
     def per_second(self) -> float:
+        """Rollouts per second in the run's steady state (whole run if it has none)."""
+        return self.counted.per_second
+
+    @property
+    def whole_per_second(self) -> float:
         return self.rollouts / self.seconds if self.seconds > 0 else 0.0
 
     @property
@@ -127,21 +161,26 @@ class RunFigures:
 
 
 def _pooled_rate(runs: Sequence[RunFigures]) -> float:
-    seconds = sum(run.seconds for run in runs)
-    return sum(run.rollouts for run in runs) / seconds if seconds > 0 else 0.0
+    seconds = sum(run.counted.seconds for run in runs)
+    return sum(run.counted.rollouts for run in runs) / seconds if seconds > 0 else 0.0
 
 
 @dataclass(frozen=True, slots=True)
 class ThroughputResult:
-    """Runs of ``steps`` training steps each, snapshots off and on, in equal numbers.
+    """Runs of ``steps`` training steps each, snapshots off and on, in equal numbers,
+    ``off[i]`` and ``on[i]`` side by side (a pair).
 
-    A side's rate pools its runs: all their rollouts over all their seconds.
+    A run's rate is that of its steady state (:attr:`RunFigures.per_second`); a side's
+    pools its runs: all their counted rollouts over all their counted seconds.
     """
 
     steps: int
     snapshot_interval_s: float
     off: tuple[RunFigures, ...]
     on: tuple[RunFigures, ...]
+    # The full bench's sides are blocks of this many steps of one run (``off[i]`` and
+    # ``on[i]`` neighbours); None: whole runs (the quick bench's crashed run).
+    block_steps: int | None = None
 
     @property
     def per_second_off(self) -> float:
@@ -173,10 +212,10 @@ class ThroughputResult:
 
     @property
     def interval(self) -> Interval | None:
-        """The pooled on/off ratio (mean rate on over mean rate off) with its bootstrap
-        95% interval over the runs of each side."""
+        """Mean rate on over mean rate off with its bootstrap 95% interval, the pairs of
+        runs made side by side resampled whole."""
         return ratio_interval(
-            [run.per_second for run in self.on], [run.per_second for run in self.off]
+            [(on.per_second, off.per_second) for off, on in zip(self.off, self.on, strict=False)]
         )
 
     @property
@@ -230,12 +269,19 @@ class ThroughputResult:
             "admission_closed_p99_s": _percentile(admission, 0.99),
             "snapshots_per_run": [run.snapshots_published for run in self.on],
             "min_snapshots_per_run": self.min_snapshots_per_run,
-            "enough_snapshots": self.min_snapshots_per_run >= MIN_SNAPSHOTS,
+            "enough_snapshots": self.snapshots_published >= MIN_SNAPSHOTS,
+            "block_steps": self.block_steps,
             "runs_off": len(self.off),
             "runs_on": len(self.on),
             "rollouts_per_run": [run.rollouts for run in self.on],
             "rollouts_per_s_off": round(self.per_second_off, 3),
             "rollouts_per_s_on": round(self.per_second_on, 3),
+            # Each run's steady state (the rates the ratios are of), and the whole run's.
+            "steady_window": {"start_up_steps": START_UP_STEPS, "drain_steps": DRAIN_STEPS},
+            "rates_off": [round(run.per_second, 3) for run in self.off],
+            "rates_on": [round(run.per_second, 3) for run in self.on],
+            "whole_run_rates_off": [round(run.whole_per_second, 3) for run in self.off],
+            "whole_run_rates_on": [round(run.whole_per_second, 3) for run in self.on],
             "seconds_off": [round(run.seconds, 3) for run in self.off],
             "seconds_on": [round(run.seconds, 3) for run in self.on],
             "snapshot_interval_s": self.snapshot_interval_s,
@@ -336,7 +382,10 @@ def run_figures(events: Sequence[Mapping[str, Any]], *, crashed: bool = False) -
         ends = [float(e["t"]) for e in events if e.get("type") == "done"]
     if not starts or not ends:
         raise WorkloadError("the trainer's event log has no start and done events")
-    rollouts = sum(len(e.get("rollouts", ())) for e in events if e.get("type") == "train_step")
+    steps = [
+        (float(e["t"]), len(e.get("rollouts", ()))) for e in events if e.get("type") == "train_step"
+    ]
+    rollouts = sum(trained for _, trained in steps)
     snapshots = [e for e in events if e.get("type") == "snapshot"]
     published = [e for e in snapshots if e.get("outcome") == "published"]
     in_flight = [
@@ -356,11 +405,67 @@ def run_figures(events: Sequence[Mapping[str, Any]], *, crashed: bool = False) -
         closed_rollout_seconds=sum(seconds * held for seconds, held in closed),
         rollout_seconds=integrate(in_flight),
         crashed=crashed,
+        # A crashed run never drained: it was killed in its stride.
+        steady=steady_window(steps, head=START_UP_STEPS, tail=0 if crashed else DRAIN_STEPS),
         snapshots_published=len(published),
         snapshots_failed=sum(e.get("outcome") == "failed" for e in snapshots),
         snapshot_seconds=tuple(float(e["t_end"]) - float(e["t_start"]) for e in published),
         admission_closed_seconds=tuple(float(e["admission_closed_s"]) for e in published),
     )
+
+
+def block_pairs(
+    events: Sequence[Mapping[str, Any]], *, block_steps: int
+) -> tuple[tuple[RunFigures, RunFigures], ...]:
+    """The (off, on) pairs of blocks of a run made with ``--snapshot-blocks
+    block_steps``: blocks 2 and 3, 4 and 5, ... (0 and 1 hold the start-up; blocks
+    reaching into the drain, :data:`DRAIN_STEPS`, are left out). Each block is measured
+    as a run of its own: its steps' rollouts over the seconds from the end of the block
+    before it, and the snapshots that started inside it with the rollout-seconds they
+    held closed over the block's own (the rollouts in flight integrated over it)."""
+    trained = [e for e in events if e.get("type") == "train_step"]
+    sides: dict[int, bool] = {}
+    for event in trained:
+        block, on = int(event["block"]), bool(event["snapshots_on"])
+        if sides.setdefault(block, on) != on:
+            raise WorkloadError(f"block {block} has steps with snapshots on and off")
+    windows = block_windows(
+        [(float(e["t"]), len(e.get("rollouts", ()))) for e in trained],
+        block_steps=block_steps,
+        tail=DRAIN_STEPS,
+    )
+    in_flight = [
+        (float(e["t"]), float(e.get("in_flight", 0))) for e in events if e.get("type") == "progress"
+    ]
+    snapshots = [e for e in events if e.get("type") == "snapshot"]
+
+    def measured(block: int) -> RunFigures:
+        window = windows[block]
+        inside = [s for s in snapshots if window.opened <= float(s["t_start"]) < window.closed]
+        published = [s for s in inside if s.get("outcome") == "published"]
+        return RunFigures(
+            rollouts=window.rollouts,
+            seconds=window.seconds,
+            snapshots_published=len(published),
+            snapshots_failed=sum(s.get("outcome") == "failed" for s in inside),
+            snapshot_seconds=tuple(float(s["t_end"]) - float(s["t_start"]) for s in published),
+            admission_closed_seconds=tuple(float(s["admission_closed_s"]) for s in published),
+            closed_rollout_seconds=sum(
+                float(s.get("admission_closed_s", 0.0)) * int(s.get("continued", 0)) for s in inside
+            ),
+            rollout_seconds=integrate_between(in_flight, window.opened, window.closed),
+        )
+
+    pairs = []
+    first = 2
+    while first + 1 in windows:
+        second = first + 1
+        if sides[first] == sides[second]:
+            raise WorkloadError(f"blocks {first} and {second} are on the same side")
+        off_block, on_block = (first, second) if sides[second] else (second, first)
+        pairs.append((measured(off_block), measured(on_block)))
+        first += 2
+    return tuple(pairs)
 
 
 # ------------------------------------------------------------------------- one run
@@ -411,7 +516,14 @@ class _Run:
         )
 
 
-def _trainer_argv(run: _Run, options: WorkloadOptions, interval_s: float, steps: int) -> list[str]:
+def _trainer_argv(
+    run: _Run,
+    options: WorkloadOptions,
+    interval_s: float,
+    steps: int,
+    block_steps: int | None = None,
+) -> list[str]:
+    blocks = [] if block_steps is None else ["--snapshot-blocks", str(block_steps)]
     return [
         sys.executable,
         "-m",
@@ -430,15 +542,21 @@ def _trainer_argv(run: _Run, options: WorkloadOptions, interval_s: float, steps:
         repr(interval_s),
         "--seed",
         str(options.seed),
+        *blocks,
     ]
 
 
 class _Trainer:
-    """The demo trainer as a child process; killed on exit whatever happened."""
+    """The demo trainer as a child process; killed on exit whatever happened.
 
-    def __init__(self, run: _Run, argv: Sequence[str]) -> None:
+    ``start_on_stdin``: it imports (torch: seconds on a loaded machine) and then waits
+    for :meth:`go` before it reads the topology, so that its start-up overlaps the
+    participants' (as the demo's supervisor starts it)."""
+
+    def __init__(self, run: _Run, argv: Sequence[str], *, start_on_stdin: bool = False) -> None:
         self._run = run
-        self._argv = list(argv)
+        self._argv = [*argv, "--start-on-stdin"] if start_on_stdin else list(argv)
+        self._start_on_stdin = start_on_stdin
         self._process: asyncio.subprocess.Process | None = None
         self._logs: list[IO[bytes]] = []
         self._stderr = run.out / "trainer.stderr"
@@ -449,7 +567,7 @@ class _Trainer:
         self._logs = [stdout, stderr]
         self._process = await asyncio.create_subprocess_exec(
             *self._argv,
-            stdin=asyncio.subprocess.DEVNULL,
+            stdin=asyncio.subprocess.PIPE if self._start_on_stdin else asyncio.subprocess.DEVNULL,
             stdout=stdout,
             stderr=stderr,
             env={"GRPC_VERBOSITY": "ERROR", **os.environ},
@@ -460,6 +578,15 @@ class _Trainer:
         await self.kill()
         for handle in self._logs:
             handle.close()
+
+    async def go(self) -> None:
+        """Let a trainer started on stdin read the topology and run."""
+        process = self._process
+        assert process is not None and process.stdin is not None
+        process.stdin.write(b"start\n")
+        with contextlib.suppress(ConnectionError):
+            # A trainer that already died says why in :meth:`wait`.
+            await process.stdin.drain()
 
     @property
     def exited(self) -> bool:
@@ -491,10 +618,12 @@ class _Trainer:
         return text[-_STDERR_TAIL_CHARS:].strip()
 
 
-async def _start_participants(run: _Run, options: WorkloadOptions) -> WorkerProcess:
+async def _start_participants(
+    run: _Run, options: WorkloadOptions, turn_delay_s: float = 0.0
+) -> WorkerProcess:
     worker = WorkerProcess(
         f"topology-{run.out.name}",
-        topology_job(run.snapshots, options.agents, options.group_size, options.seed),
+        topology_job(run.snapshots, options.agents, options.group_size, options.seed, turn_delay_s),
         run.token,
     )
     report = await worker.start(_WORKER_START_TIMEOUT_S)
@@ -504,24 +633,75 @@ async def _start_participants(run: _Run, options: WorkloadOptions) -> WorkerProc
 
 
 async def _finished_run(
-    run: _Run, options: WorkloadOptions, interval_s: float, progress: Progress
+    run: _Run,
+    options: WorkloadOptions,
+    interval_s: float,
+    progress: Progress,
+    *,
+    steps: int | None = None,
+    block_steps: int | None = None,
+    turn_delay_s: float = 0.0,
 ) -> RunFigures:
-    """A whole run of ``options.steps`` steps on fresh participants."""
+    """A whole run of ``steps`` steps (``options.steps``) on fresh participants whose
+    agent turns wait ``turn_delay_s``, its snapshots in blocks of ``block_steps`` steps
+    if given (the trainer's ``--snapshot-blocks``)."""
     await asyncio.to_thread(run.snapshots.mkdir, parents=True, exist_ok=True)
-    worker = await _start_participants(run, options)
-    try:
-        argv = _trainer_argv(run, options, interval_s, options.steps)
-        async with _Trainer(run, argv) as trainer:
+    argv = _trainer_argv(run, options, interval_s, steps or options.steps, block_steps)
+    async with _Trainer(run, argv, start_on_stdin=True) as trainer:
+        worker = await _start_participants(run, options, turn_delay_s)
+        try:
+            await trainer.go()
             await trainer.wait(options.run_timeout_s)
-    finally:
-        await worker.stop()
+        finally:
+            await worker.stop()
     figures = run_figures(await asyncio.to_thread(read_events, run.events))
+    counted = figures.counted
     progress(
-        f"    {figures.rollouts} rollouts in {figures.seconds:.1f} s: "
-        f"{figures.per_second:.1f} rollouts/s ({figures.snapshots_published} snapshots, "
-        f"dispatch closed for {_share(figures.closed_fraction)} of the rollout-seconds)"
+        f"    {figures.rollouts} rollouts in {figures.seconds:.1f} s; steady state "
+        f"{counted.rollouts} in {counted.seconds:.1f} s: {counted.per_second:.2f} rollouts/s "
+        f"({figures.snapshots_published} snapshots, dispatch closed for "
+        f"{_share(figures.closed_fraction)} of the rollout-seconds)"
     )
     return figures
+
+
+def _block_run_steps(options: WorkloadOptions) -> int:
+    """Blocks 0 and 1 (the start-up), ``repeats`` pairs measured, and the drain."""
+    return options.block_steps * 2 * (options.repeats + 1) + DRAIN_STEPS
+
+
+async def _block_run(
+    run: _Run, options: WorkloadOptions, progress: Progress
+) -> tuple[tuple[RunFigures, RunFigures], ...]:
+    """One trainer run whose snapshots alternate in blocks (off, on, on, off, ...), its
+    pairs of neighbouring blocks measured (:func:`block_pairs`)."""
+    steps = _block_run_steps(options)
+    progress(
+        f"throughput: demo trainer, {steps} steps of {options.groups_per_step} groups x "
+        f"{options.group_size}, {options.agents} agents, each turn {options.turn_delay_s:g} s "
+        f"in its model call; blocks of {options.block_steps} steps alternately without "
+        f"snapshots and with one every {options.snapshot_interval_s:g} s (off, on, on, off), "
+        f"{options.repeats} pairs measured after a pair of start-up"
+    )
+    await _finished_run(
+        run,
+        options,
+        # The trainer's own interval inside its on blocks; none outside them.
+        options.snapshot_interval_s,
+        progress,
+        steps=steps,
+        block_steps=options.block_steps,
+        turn_delay_s=options.turn_delay_s,
+    )
+    events = await asyncio.to_thread(read_events, run.events)
+    pairs = block_pairs(events, block_steps=options.block_steps)
+    for index, (off, on) in enumerate(pairs):
+        progress(
+            f"    pair {index + 1}: off {off.per_second:.2f}, on {on.per_second:.2f} rollouts/s "
+            f"({on.per_second / off.per_second:.3f}; {on.snapshots_published} snapshots, "
+            f"dispatch closed for {_share(on.closed_fraction)} of the rollout-seconds)"
+        )
+    return pairs
 
 
 # ------------------------------------------------------------------------ restore
@@ -809,23 +989,9 @@ async def run_workload(
     snapshots (the share of its rollout-seconds that dispatch was closed) is the
     throughput figure; there is no on/off ratio."""
     work = root / "workload"
+    pairs: tuple[tuple[RunFigures, RunFigures], ...] = ()
     if options.repeats:
-        progress(
-            f"throughput: demo trainer, {options.steps} steps of {options.groups_per_step} "
-            f"groups x {options.group_size}, {options.agents} agents; {options.repeats} "
-            "run(s) without snapshots and as many with one every "
-            f"{options.snapshot_interval_s:g} s, interleaved"
-        )
-    runs: dict[str, list[RunFigures]] = {"off": [], "on": []}
-    for repeat in range(options.repeats):
-        # Off, on, then on, off: a machine that speeds up or slows down during the runs
-        # favours neither side.
-        order = ("off", "on") if repeat % 2 == 0 else ("on", "off")
-        for side in order:
-            interval = options.snapshot_interval_s if side == "on" else _NO_SNAPSHOTS_S
-            run = _Run(work / f"{side}-{repeat}", token)
-            progress(f"  run {repeat + 1}, snapshots {side}")
-            runs[side].append(await _finished_run(run, options, interval, progress))
+        pairs = await _block_run(_Run(work / "blocks", token), options, progress)
     measured_before_crash = 0 if options.repeats else options.steps
     if measured_before_crash:
         progress(
@@ -851,10 +1017,17 @@ async def run_workload(
     finally:
         await preload
     if crash.figures is not None:
-        runs["on"].append(crash.figures)
-    throughput = ThroughputResult(
-        options.steps, options.snapshot_interval_s, tuple(runs["off"]), tuple(runs["on"])
-    )
+        throughput = ThroughputResult(
+            options.steps, options.snapshot_interval_s, off=(), on=(crash.figures,)
+        )
+    else:
+        throughput = ThroughputResult(
+            _block_run_steps(options),
+            options.snapshot_interval_s,
+            off=tuple(off for off, _ in pairs),
+            on=tuple(on for _, on in pairs),
+            block_steps=options.block_steps,
+        )
     try:
         if crash.problem is not None:
             unusable = RestoreResult(

@@ -17,7 +17,8 @@ watch, the restore report):
 - prompt groups come from a deterministic loader (group index ``g`` -> prompt ``g``), half
   of them scored per sibling (``guess``), half group-scored (``guess-group``);
 - the facade takes snapshots every ``--snapshot-interval`` seconds while rollouts are in
-  flight;
+  flight (with ``--snapshot-blocks``, for ``turnpoint bench``'s on/off throughput, the
+  trainer takes them itself in every other pair of blocks of steps);
 - it restores the newest usable snapshot first, if the snapshot root holds one (the
   supervisor passes ``--resume`` to every trainer after the first, whose root is
   fresh): the trainer anchor (model, optimizer, step), its queue, loader position and
@@ -39,7 +40,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -139,6 +140,64 @@ def failures_allowed(snapshot_interval_s: float, lost_after_s: float) -> int:
     return max(3, math.ceil(window_s / snapshot_interval_s) + 2)
 
 
+def snapshots_on_in_block(block: int) -> bool:
+    """With ``--snapshot-blocks``: whether block ``block`` takes snapshots. Off, on, on,
+    off, then again (ABBA): each pair of blocks (0 and 1, 2 and 3, ...) has one of each
+    side, and a machine that speeds up or slows down favours neither side."""
+    return block % 4 in (1, 2)
+
+
+def first_snapshot_phase(block: int) -> float:
+    """With ``--snapshot-blocks``: when block ``block``'s first snapshot falls, as a
+    fraction of the interval after the block begins. The fractional parts of multiples
+    of the golden ratio spread evenly over [0, 1) block after block, so that the
+    snapshots do not lock onto one phase of the trainer's pipeline (which begins each
+    block by dispatching rollouts whose turns all last alike) in every block."""
+    return (block * 0.6180339887498949) % 1.0
+
+
+async def snapshot_in_blocks(
+    snapshot_now: Callable[[], Awaitable[object]],
+    steps_done: Callable[[], int],
+    stepped: asyncio.Event,
+    stop: asyncio.Event,
+    *,
+    block_steps: int,
+    interval_s: float,
+) -> None:
+    """``--snapshot-blocks``: steps go in blocks of ``block_steps``; in the blocks that
+    take snapshots (:func:`snapshots_on_in_block`) one every ``interval_s``, the first
+    :func:`first_snapshot_phase` of an interval in (a block of L seconds holds L /
+    interval of them on average),
+    through ``snapshot_now`` (:meth:`Checkpointing.snapshot_now`, as the facade's timer
+    takes them); none in the others. ``stepped`` is set after every step and on ``stop``.
+    The bench's on/off throughput compares neighbouring blocks of one run: the same
+    processes, seconds apart."""
+    loop = asyncio.get_running_loop()
+    block = -1
+    due: float | None = None
+    while not stop.is_set():
+        if steps_done() // block_steps != block:
+            block = steps_done() // block_steps
+            due = (
+                loop.time() + interval_s * first_snapshot_phase(block)
+                if snapshots_on_in_block(block)
+                else None
+            )
+        stepped.clear()
+        if due is None:
+            await stepped.wait()
+            continue
+        try:
+            await asyncio.wait_for(stepped.wait(), max(0.0, due - loop.time()))
+        except TimeoutError:
+            if stop.is_set() or steps_done() // block_steps != block:
+                continue  # the block ended as the snapshot fell due: none for it
+            await snapshot_now()
+            # The next one an interval after this one was due, never in a burst.
+            due = max(due + interval_s, loop.time())
+
+
 class DemoTrainer:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -165,6 +224,8 @@ class DemoTrainer:
         self.logged: set[tuple[str, int]] = set()
         self.published = 0
         self._heals_logged = 0
+        # Set on every training step (and at the end): the snapshot blocks follow steps.
+        self._stepped = asyncio.Event()
 
     # ------------------------------------------------------------------ set-up
 
@@ -412,6 +473,8 @@ class DemoTrainer:
             # The supervisor holds the port reserved with SO_REUSEPORT for the whole run.
             status_reuse_port=True,
             snapshot_metrics=lambda: dict(self.last_stats),
+            # --snapshot-blocks: the trainer takes them itself, in its on blocks.
+            periodic=self.args.snapshot_blocks is None,
             # The supervisor replaces a lost participant under its name, and only what
             # depended on it goes back to the last snapshot (docs/spec.md section 7.15).
             launcher=SupervisorLauncher(self.args.launcher, self.token, timeout_s=LAUNCH_TIMEOUT_S)
@@ -428,14 +491,21 @@ class DemoTrainer:
                     asyncio.create_task(self._progress(ckpt, stop)),
                     asyncio.create_task(self._watch_results(ckpt.rollouts, stop)),
                 ]
+                blocks = None
+                if self.args.snapshot_blocks is not None:
+                    blocks = asyncio.create_task(self._snapshot_in_blocks(ckpt, stop))
                 try:
-                    await self._train_loop(ckpt)
+                    await self._train_loop(ckpt, blocks)
                 except BaseException:
                     for task in background:
                         task.cancel()
                     raise
                 finally:
                     stop.set()
+                    self._stepped.set()
+                    if blocks is not None:
+                        # A snapshot under way finishes, as the facade's own timer's does.
+                        await asyncio.gather(blocks, return_exceptions=True)
                     await asyncio.gather(*background, return_exceptions=True)
             # Closed: the snapshot under way at the end was finished first.
         finally:
@@ -476,9 +546,23 @@ class DemoTrainer:
             by_instance=_restored_by_instance(resumed),
         )
 
-    async def _train_loop(self, ckpt: Checkpointing) -> None:
+    async def _snapshot_in_blocks(self, ckpt: Checkpointing, stop: asyncio.Event) -> None:
+        await snapshot_in_blocks(
+            ckpt.snapshot_now,
+            lambda: self.step,
+            self._stepped,
+            stop,
+            block_steps=self.args.snapshot_blocks,
+            interval_s=self.args.snapshot_interval,
+        )
+
+    async def _train_loop(self, ckpt: Checkpointing, blocks: asyncio.Task[None] | None) -> None:
         per_step = self.args.groups_per_step
         while self.step < self.args.steps:
+            if blocks is not None and blocks.done():
+                # The snapshots of the blocks ended (the pump gave up): so does the run.
+                blocks.result()
+                raise RuntimeError("the snapshot blocks ended before the run")
             self._fill_pipeline(ckpt)
             # Raises what ended the run: the pump giving up, a lost participant.
             if not await ckpt.wait_groups(per_step, timeout_s=1.0):
@@ -489,6 +573,7 @@ class DemoTrainer:
                 stats = await asyncio.to_thread(self._train, groups)
                 self.last_stats = {name: float(value) for name, value in stats.items()}
                 self.step += 1
+                self._stepped.set()
                 state = await asyncio.to_thread(self.model.state_bytes)
             self._log_heals(ckpt)
             self.events.write(
@@ -506,11 +591,20 @@ class DemoTrainer:
                     for r in group
                 ],
                 mean_reward=stats["mean_reward"],
+                **self._block_of(self.step),
             )
             # No await since the step lock: push_weights names this version before it
             # yields, so a snapshot's anchor holds these weights and records this
             # version with them, pushed or not yet.
             self._log_push(await ckpt.push_weights(_next_version(ckpt, self.step), state))
+
+    def _block_of(self, step: int) -> dict[str, Any]:
+        """With ``--snapshot-blocks``: the block step ``step`` was trained in, and its side."""
+        size = self.args.snapshot_blocks
+        if size is None:
+            return {}
+        block = (step - 1) // size
+        return {"block": block, "snapshots_on": snapshots_on_in_block(block)}
 
 
 def _next_version(ckpt: Checkpointing, step: int) -> int:
@@ -574,6 +668,16 @@ def _registry() -> Any:
     return CollectorRegistry()
 
 
+def _block_steps(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of steps, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected steps >= 1, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m turnpoint.apps.demo._trainer")
     parser.add_argument("--topology", required=True)
@@ -582,6 +686,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--group-size", type=int, default=4)
     parser.add_argument("--groups-per-step", type=int, default=4)
     parser.add_argument("--snapshot-interval", type=float, default=3.0)
+    parser.add_argument(
+        "--snapshot-blocks",
+        type=_block_steps,
+        default=None,
+        metavar="STEPS",
+        help="the bench's on/off throughput: steps in blocks of STEPS, snapshots every "
+        "--snapshot-interval in blocks 1 and 2 of every four (off, on, on, off), none in "
+        "the others; each train_step event names its block",
+    )
     parser.add_argument(
         "--target-level", default="turn", choices=["token", "turn", "sibling", "prompt_group"]
     )
