@@ -61,8 +61,15 @@ if TYPE_CHECKING:
 # jitter), about 0.1 s a wave whatever the turns last: 2 s turns halve its share of a
 # wave against 1 s turns. Measured on the shared 2-core machine at load 1 to 2, the same
 # day: turns of 1 s in blocks of 4 steps (18 pairs, 4.2 minutes) gave a width of 4.2
-# points with one step's end as a block's boundary and 3.7 with the mean of two; turns
-# of 2 s in blocks of 2 steps (30 pairs) 1.5 and 1.2 points. Earlier, at load 8 to 13
+# points with one step's end as a block's boundary and 3.7 with the mean of two; three
+# runs of 2 s turns in blocks of 2 steps (30 pairs, 6.7 minutes) 1.5, 0.8 and 5.6
+# points with one step's end and 1.2, 1.3 and 5.3 with the mean of two. The 5.3: one
+# pair of 1.42 where the others lay within 0.97 to 1.12, its on block (block 50)
+# stepping every 4.2 s instead of 6.3; block 50 was the fastest of another run too
+# (1.09; there its first step's rollouts all ended within two turns, where most take
+# three). The prompts of a block are the same in every run (seeded): a pair's blocks
+# differ in their work as well as in their snapshots, and the same pair can stand out
+# run after run. Earlier, at load 8 to 13
 # and with every on block's first snapshot 1 s in (since moved block to block: the
 # snapshots had locked onto the turns' phase), 2 s turns in 2-step blocks gave 11.6
 # points; whole CPU-bound runs, 70.
