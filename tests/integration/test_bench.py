@@ -35,6 +35,7 @@ from turnpoint.apps.bench._scale import measure_scale
 from turnpoint.apps.bench._workers import counting_fsyncs
 from turnpoint.apps.bench._workload import (
     DRAIN_STEPS,
+    PIPELINE_STEPS,
     RestoreResult,
     RunFigures,
     ThroughputResult,
@@ -291,6 +292,7 @@ def test_the_details_say_what_was_measured(bench: tuple[dict[str, Any], list[int
     assert throughput["enough_snapshots"] is (throughput["snapshots_published"] >= 10)
     # No block run in --quick: the crashed run, whole.
     assert throughput["block_steps"] is None
+    assert throughput["block_boundary_steps"] is None
     if throughput["snapshots_published"]:
         assert throughput["admission_closed_p99_s"] >= throughput["admission_closed_median_s"]
     restore = details["restore"]
@@ -694,9 +696,10 @@ def test_a_finished_run_s_rate_is_its_steady_state() -> None:
 
 def _block_run_events(block_steps: int, pairs: int) -> list[dict[str, Any]]:
     """The events of a run with ``--snapshot-blocks``, as the demo trainer logs them:
-    steps of 8 rollouts 1 s apart, 1.25 s in the blocks with snapshots on, and in each
-    of those blocks one snapshot at its start that closed dispatch for 50 ms with 8
-    rollouts held; 8 rollouts in flight sampled every 0.5 s."""
+    steps of 8 rollouts in pairs 0.1 s apart (its pipeline is two steps deep), a pair
+    every 2 s, 2.5 s in the blocks with snapshots on, and in each of those blocks one
+    snapshot at its start that closed dispatch for 50 ms with 8 rollouts held; 8
+    rollouts in flight sampled every 0.5 s."""
     events: list[dict[str, Any]] = [{"t": 0.0, "type": "start"}]
     t = 0.0
     for step in range(1, block_steps * 2 * pairs + DRAIN_STEPS + 1):
@@ -707,7 +710,10 @@ def _block_run_events(block_steps: int, pairs: int) -> list[dict[str, Any]]:
                 {"t": t + 0.1, "type": "snapshot", "outcome": "published", "t_start": t + 0.05,
                  "t_end": t + 0.1, "admission_closed_s": 0.05, "continued": 8}
             )  # fmt: skip
-        t += 1.25 if on else 1.0
+        if step % 2:
+            t += (2.5 if on else 2.0) - 0.1
+        else:
+            t += 0.1
         events.append(
             {"t": t, "type": "train_step", "rollouts": [{}] * 8, "block": block,
              "snapshots_on": on}
@@ -743,6 +749,7 @@ def test_a_block_run_is_measured_in_pairs_of_neighbouring_blocks() -> None:
     assert throughput.closed_fraction == pytest.approx(0.02)
     shown = throughput.to_json()
     assert shown["block_steps"] == 2 and shown["runs_on"] == shown["runs_off"] == 3
+    assert shown["block_boundary_steps"] == PIPELINE_STEPS == 2
 
 
 def test_a_block_with_steps_on_both_sides_is_refused() -> None:

@@ -112,6 +112,29 @@ def test_blocks_are_windows_of_whole_steps_from_the_end_of_the_block_before() ->
         block_windows([], block_steps=0, tail=0)
 
 
+def test_block_boundaries_at_the_mean_end_of_the_pipeline_s_steps() -> None:
+    # A pipeline two steps deep: two chains of steps, A ending every 3 s and B 0.2 s
+    # after it, until one of B's periods takes 4 s (a slow step) and B goes on 1.2 s
+    # behind A. In blocks of 2 steps, one of each chain, block 2 (steps 5 and 6) holds
+    # A's 3 s and B's 4 s.
+    chain_a = [1.0, 4.0, 7.0, 10.0, 13.0, 16.0]
+    chain_b = [1.2, 4.2, 8.2, 11.2, 14.2, 17.2]
+    ends = sorted(chain_a + chain_b)
+    steps = [(t, 32) for t in ends]
+    # From one step's end to another's, block 2 reads B's 4 s alone.
+    single = block_windows(steps, block_steps=2, tail=0)
+    assert [single[block].seconds for block in (1, 2, 3)] == pytest.approx([3.0, 4.0, 3.0])
+    # Between the mean ends of two steps, it reads the mean of the chains' periods.
+    paired = block_windows(steps, block_steps=2, tail=0, depth=2)
+    assert set(paired) == {1, 2, 3, 4, 5}
+    assert paired[2] == Window(64, pytest.approx(3.5), opened=pytest.approx(4.1))
+    assert [paired[block].seconds for block in (1, 3, 4, 5)] == pytest.approx([3.0] * 4)
+    # In blocks of one step, block 1's opening would need a step before the first.
+    assert min(block_windows(steps, block_steps=1, tail=0, depth=2)) == 2
+    with pytest.raises(ValueError, match="depth"):
+        block_windows(steps, block_steps=2, tail=0, depth=0)
+
+
 def test_rollout_seconds_between_two_times_interpolate_the_samples_at_the_ends() -> None:
     # 4 in flight from t=0 to 2, then down to 0 at t=4 (12 rollout-seconds in all).
     samples = [(0.0, 4.0), (2.0, 4.0), (4.0, 0.0)]

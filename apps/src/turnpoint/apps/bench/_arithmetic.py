@@ -7,7 +7,8 @@
 - :func:`steady_window`: a run's rollouts per second between the end of its start-up
   and the start of its drain, counted in whole training steps;
 - :func:`block_windows`: the same for each block of a run's steps (the bench's on and
-  off blocks), and :func:`integrate_between` the rollout-seconds inside one;
+  off blocks), each boundary optionally the mean end of the pipeline's last steps, and
+  :func:`integrate_between` the rollout-seconds inside one;
 - :func:`closed_fraction`: the rollout-seconds that dispatch was closed by snapshots as
   a fraction of the rollout-seconds of the same run (the cost of snapshots where it
   arises, from one run with snapshots on);
@@ -161,25 +162,39 @@ def steady_window(steps: Sequence[tuple[float, int]], *, head: int, tail: int) -
 
 
 def block_windows(
-    steps: Sequence[tuple[float, int]], *, block_steps: int, tail: int
+    steps: Sequence[tuple[float, int]], *, block_steps: int, tail: int, depth: int = 1
 ) -> dict[int, Window]:
     """Block ``b`` of ``block_steps`` steps (steps ``b * block_steps + 1`` to ``(b + 1) *
     block_steps``, counted from 1) as a window from the end of the block before it to
     the end of its last step, with the rollouts of its steps. Block 0 has no block
     before it (it holds the run's start-up) and blocks reaching into the last ``tail``
-    steps (the drain) are left out, as is a block the run did not finish."""
-    if block_steps < 1 or tail < 0:
-        raise ValueError("block_steps must be >= 1 and tail >= 0")
+    steps (the drain) are left out, as is a block the run did not finish.
+
+    ``depth``: the trainer's pipeline holds that many steps' worth of rollouts in flight
+    (the demo trainer's two), so its steps form ``depth`` interleaved chains, each step
+    training what was dispatched when the step ``depth`` before it ended. A boundary is
+    then the mean end of the ``depth`` steps up to it: each chain is measured over whole
+    periods of its own, instead of one chain's and the others' offset from it (the
+    chains drift apart and back during a run, by up to half a period). A block whose
+    opening would need a step before the first is left out too."""
+    if block_steps < 1 or tail < 0 or depth < 1:
+        raise ValueError("block_steps and depth must be >= 1 and tail >= 0")
     usable = len(steps) - tail
+
+    def boundary(last: int) -> float:
+        ends = [end for end, _ in steps[last - depth + 1 : last + 1]]
+        return sum(ends) / depth
+
     windows = {}
-    block = 1
+    block = max(1, -(-depth // block_steps))
     while (block + 1) * block_steps <= usable:
         first = block * block_steps
         last = first + block_steps - 1
+        opened = boundary(first - 1)
         windows[block] = Window(
             rollouts=sum(rollouts for _, rollouts in steps[first : last + 1]),
-            seconds=steps[last][0] - steps[first - 1][0],
-            opened=steps[first - 1][0],
+            seconds=boundary(last) - opened,
+            opened=opened,
         )
         block += 1
     return windows

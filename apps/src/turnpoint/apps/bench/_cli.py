@@ -51,20 +51,31 @@ if TYPE_CHECKING:
     from turnpoint.apps.bench._real_state import RealStateRow
 
 
-# The full bench's throughput run (see _workload): agent turns of 1 s in their model
+# The full bench's throughput run (see _workload): agent turns of 2 s in their model
 # call, so that 64 rollouts in flight need about a tenth of a core and the rate (about
-# 19 rollouts/s) is set by timers and dispatch; blocks of 4 steps (two waves of the
-# trainer's pipeline, about 7 s: three or four snapshots 2 s apart in an on block), 18
-# pairs measured after a pair of start-up (about 5 minutes). Measured on the shared
-# 2-core machine at load 3 to 13: a pair's ratio varies by 3 to 5% (the trainer's
-# pipeline and the count of rollouts in a block), so 18 pairs give an interval 3 to 4
-# points wide (2 points would take 50 to 100 pairs). Turns of 2 s and blocks of 2 steps
-# halved the rate and gave 11 points; whole CPU-bound runs, 70. With every on block's
-# first snapshot 1 s in, one run read 1.040 [1.005, 1.083] and another 0.984 [0.970,
-# 0.998]: the snapshots locked onto the turns' phase; the phase now moves block to block.
-_FULL_TURN_DELAY_S = 1.0
-_FULL_BLOCK_STEPS = 4
-_FULL_REPEATS = 18
+# 10 rollouts/s) is set by timers and dispatch; blocks of 2 steps (one wave of the
+# trainer's two-deep pipeline, about 6.3 s: three or four snapshots 2 s apart in an on
+# block), each boundary the mean end of the pipeline's two steps; 30 pairs measured
+# after a pair of start-up (about 6.7 minutes). What varies a block's rate is the
+# seconds a wave takes beyond its turns (the training steps' CPU, a shared machine's
+# jitter), about 0.1 s a wave whatever the turns last: 2 s turns halve its share of a
+# wave against 1 s turns. Measured on the shared 2-core machine at load 1 to 2, the same
+# day: turns of 1 s in blocks of 4 steps (18 pairs, 4.2 minutes) gave a width of 4.2
+# points with one step's end as a block's boundary and 3.7 with the mean of two; three
+# runs of 2 s turns in blocks of 2 steps (30 pairs, 6.7 minutes) 1.5, 0.8 and 5.6
+# points with one step's end and 1.2, 1.3 and 5.3 with the mean of two. The 5.3: one
+# pair of 1.42 where the others lay within 0.97 to 1.12, its on block (block 50)
+# stepping every 4.2 s instead of 6.3; block 50 was the fastest of another run too
+# (1.09; there its first step's rollouts all ended within two turns, where most take
+# three). The prompts of a block are the same in every run (seeded): a pair's blocks
+# differ in their work as well as in their snapshots, and the same pair can stand out
+# run after run. Earlier, at load 8 to 13
+# and with every on block's first snapshot 1 s in (since moved block to block: the
+# snapshots had locked onto the turns' phase), 2 s turns in 2-step blocks gave 11.6
+# points; whole CPU-bound runs, 70.
+_FULL_TURN_DELAY_S = 2.0
+_FULL_BLOCK_STEPS = 2
+_FULL_REPEATS = 30
 # The full bench's crashed run (for the restart figures) is killed long before this.
 _FULL_STEPS = 90
 _FILE_WIDTH = 160

@@ -15,7 +15,12 @@ process (as ``turnpoint serve`` would host each). The bench writes the
   on, off: ABBA, so that a machine that speeds up or slows down favours neither side).
   Each block's rate is the rollouts of its steps over the seconds from the end of the
   block before it to the end of its last step: whole steps, so no part of a rollout is
-  counted, and the trainer's pipeline is in the same phase at both ends. Blocks 0 and 1
+  counted, and the trainer's pipeline is in the same phase at both ends. The trainer's
+  pipeline holds two steps in flight (:data:`PIPELINE_STEPS`), so its steps form two
+  interleaved chains that drift apart and back during a run; each boundary is the mean
+  end of the last two steps, so that both chains are measured over whole periods of
+  their own (with one step's end as the boundary, one chain's share of a block read
+  up to half a period long or short). Blocks 0 and 1
   hold the start-up and the last :data:`DRAIN_STEPS` steps the drain; the other blocks
   pair up with their neighbour (2 and 3, 4 and 5, ...), seconds apart in the same
   processes. The figure is the ratio of the sides' mean rates with its bootstrap 95%
@@ -113,6 +118,11 @@ burst after the connections and the first weight push, not at the steady rate.""
 DRAIN_STEPS: Final = 2
 """Training steps a run's rate leaves out at its end: the last two steps train on what
 the pipeline already held, nothing new is dispatched, and it empties."""
+PIPELINE_STEPS: Final = 2
+"""The demo trainer's pipeline depth in steps (two steps' worth of prompt groups in
+flight, each step's groups dispatched when the step two before it ended): a block's rate
+is measured between boundaries that are the mean end of this many steps
+(:func:`~turnpoint.apps.bench._arithmetic.block_windows`)."""
 
 Progress = Callable[[str], None]
 
@@ -271,6 +281,8 @@ class ThroughputResult:
             "min_snapshots_per_run": self.min_snapshots_per_run,
             "enough_snapshots": self.snapshots_published >= MIN_SNAPSHOTS,
             "block_steps": self.block_steps,
+            # A block's boundary is the mean end of this many steps (the pipeline's depth).
+            "block_boundary_steps": None if self.block_steps is None else PIPELINE_STEPS,
             "runs_off": len(self.off),
             "runs_on": len(self.on),
             "rollouts_per_run": [run.rollouts for run in self.on],
@@ -415,33 +427,35 @@ def run_figures(events: Sequence[Mapping[str, Any]], *, crashed: bool = False) -
 
 
 def block_pairs(
-    events: Sequence[Mapping[str, Any]], *, block_steps: int
+    events: Sequence[Mapping[str, Any]], *, block_steps: int, depth: int = PIPELINE_STEPS
 ) -> tuple[tuple[RunFigures, RunFigures], ...]:
     """The (off, on) pairs of blocks of a run made with ``--snapshot-blocks
     block_steps``: blocks 2 and 3, 4 and 5, ... (0 and 1 hold the start-up; blocks
     reaching into the drain, :data:`DRAIN_STEPS`, are left out). Each block is measured
     as a run of its own: its steps' rollouts over the seconds from the end of the block
-    before it, and the snapshots that started inside it with the rollout-seconds they
-    held closed over the block's own (the rollouts in flight integrated over it)."""
+    before it, each boundary the mean end of the pipeline's last ``depth`` steps
+    (:data:`PIPELINE_STEPS`), and the snapshots that started while the trainer was in
+    it (from the end of the block before it to the end of its last step) with the
+    rollout-seconds they held closed over the block's own (the rollouts in flight
+    integrated over that span)."""
     trained = [e for e in events if e.get("type") == "train_step"]
     sides: dict[int, bool] = {}
     for event in trained:
         block, on = int(event["block"]), bool(event["snapshots_on"])
         if sides.setdefault(block, on) != on:
             raise WorkloadError(f"block {block} has steps with snapshots on and off")
-    windows = block_windows(
-        [(float(e["t"]), len(e.get("rollouts", ()))) for e in trained],
-        block_steps=block_steps,
-        tail=DRAIN_STEPS,
-    )
+    ends = [(float(e["t"]), len(e.get("rollouts", ()))) for e in trained]
+    windows = block_windows(ends, block_steps=block_steps, tail=DRAIN_STEPS, depth=depth)
+    # Where the trainer switched its snapshots on and off: at the ends of the blocks.
+    spans = block_windows(ends, block_steps=block_steps, tail=DRAIN_STEPS)
     in_flight = [
         (float(e["t"]), float(e.get("in_flight", 0))) for e in events if e.get("type") == "progress"
     ]
     snapshots = [e for e in events if e.get("type") == "snapshot"]
 
     def measured(block: int) -> RunFigures:
-        window = windows[block]
-        inside = [s for s in snapshots if window.opened <= float(s["t_start"]) < window.closed]
+        window, span = windows[block], spans[block]
+        inside = [s for s in snapshots if span.opened <= float(s["t_start"]) < span.closed]
         published = [s for s in inside if s.get("outcome") == "published"]
         return RunFigures(
             rollouts=window.rollouts,
@@ -453,7 +467,7 @@ def block_pairs(
             closed_rollout_seconds=sum(
                 float(s.get("admission_closed_s", 0.0)) * int(s.get("continued", 0)) for s in inside
             ),
-            rollout_seconds=integrate_between(in_flight, window.opened, window.closed),
+            rollout_seconds=integrate_between(in_flight, span.opened, span.closed),
         )
 
     pairs = []
