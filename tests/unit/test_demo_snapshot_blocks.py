@@ -11,6 +11,7 @@ import pytest
 from turnpoint.apps.demo._trainer import (
     build_parser,
     first_snapshot_phase,
+    prompt_of,
     snapshot_in_blocks,
     snapshots_on_in_block,
 )
@@ -81,3 +82,16 @@ def test_a_block_of_no_steps_is_refused(blocks: str, capsys: pytest.CaptureFixtu
         build_parser().parse_args(argv)
     assert "--snapshot-blocks" in capsys.readouterr().err
     assert build_parser().parse_args([*argv[:-1], "2"]).snapshot_blocks == 2
+
+
+def test_with_a_prompt_cycle_every_block_of_groups_plays_the_same_prompts() -> None:
+    assert [prompt_of(group, None) for group in range(40)] == list(range(40))
+    cycle = 16
+    blocks = [
+        [prompt_of(group, cycle) for group in range(b * cycle, (b + 1) * cycle)] for b in range(3)
+    ]
+    assert blocks[0] == blocks[1] == blocks[2] == list(range(cycle))
+    argv = ["--topology", "t.json", "--out", "out", "--prompt-cycle"]
+    assert build_parser().parse_args([*argv, "16"]).prompt_cycle == 16
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([*argv, "0"])

@@ -537,7 +537,18 @@ def _trainer_argv(
     steps: int,
     block_steps: int | None = None,
 ) -> list[str]:
-    blocks = [] if block_steps is None else ["--snapshot-blocks", str(block_steps)]
+    # Both blocks of a pair play the same prompts (every block plays the same ones): a
+    # block of easy prompts beside one of hard prompts read as a 1.4 ratio once.
+    blocks = (
+        []
+        if block_steps is None
+        else [
+            "--snapshot-blocks",
+            str(block_steps),
+            "--prompt-cycle",
+            str(block_steps * options.groups_per_step),
+        ]
+    )
     return [
         sys.executable,
         "-m",

@@ -140,6 +140,14 @@ def failures_allowed(snapshot_interval_s: float, lost_after_s: float) -> int:
     return max(3, math.ceil(window_s / snapshot_interval_s) + 2)
 
 
+def prompt_of(group: int, cycle: int | None) -> int:
+    """The prompt prompt group ``group`` plays: its own, or with ``--prompt-cycle N`` the
+    one of ``group`` modulo ``N``, so that every N groups play the same prompts (the
+    bench's on/off throughput gives both blocks of a pair the same work, and compares
+    only their snapshots)."""
+    return group if cycle is None else group % cycle
+
+
 def snapshots_on_in_block(block: int) -> bool:
     """With ``--snapshot-blocks``: whether block ``block`` takes snapshots. Off, on, on,
     off, then again (ABBA): each pair of blocks (0 and 1, 2 and 3, ...) has one of each
@@ -262,10 +270,11 @@ class DemoTrainer:
     def _rollout(self, group: int, sibling: int, agents: Sequence[str]) -> Rollout:
         size = self.args.group_size
         environment = self.args.env
-        inner = {"seed": _env_seed(self.args.seed, group)}
+        prompt = prompt_of(group, self.args.prompt_cycle)
+        inner = {"seed": _env_seed(self.args.seed, prompt)}
         if environment == GUESS:
             environment = GUESS if group % 2 == 0 else GUESS_GROUP
-            inner = make_prompt(group, self.args.seed).to_dict()
+            inner = make_prompt(prompt, self.args.seed).to_dict()
         group_id = _group_id(group)
         return Rollout(
             rollout_id=f"{group_id}-s{sibling}",
@@ -668,14 +677,19 @@ def _registry() -> Any:
     return CollectorRegistry()
 
 
-def _block_steps(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of steps, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected steps >= 1, got {value}")
-    return value
+def _count_of(what: str) -> Callable[[str], int]:
+    """An argparse type: a whole number of ``what``, at least one."""
+
+    def count(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number of {what}, got {text!r}") from None
+        if value < 1:
+            raise argparse.ArgumentTypeError(f"expected {what} >= 1, got {value}")
+        return value
+
+    return count
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -688,12 +702,20 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--snapshot-interval", type=float, default=3.0)
     parser.add_argument(
         "--snapshot-blocks",
-        type=_block_steps,
+        type=_count_of("steps"),
         default=None,
         metavar="STEPS",
         help="the bench's on/off throughput: steps in blocks of STEPS, snapshots every "
         "--snapshot-interval in blocks 1 and 2 of every four (off, on, on, off), none in "
         "the others; each train_step event names its block",
+    )
+    parser.add_argument(
+        "--prompt-cycle",
+        type=_count_of("groups"),
+        default=None,
+        metavar="GROUPS",
+        help="the bench's on/off throughput: prompt group g plays the prompt of g modulo "
+        "GROUPS, so that every block of GROUPS groups plays the same prompts",
     )
     parser.add_argument(
         "--target-level", default="turn", choices=["token", "turn", "sibling", "prompt_group"]
