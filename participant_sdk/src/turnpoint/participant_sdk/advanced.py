@@ -12,7 +12,10 @@ way (another RPC stack, another process model) needs the same names:
 - :func:`hook_failure`: how an exception a hook raised becomes the protocol error the
   caller sees (docs/spec.md section 5.1);
 - :func:`effect_key` at a :class:`CallPosition`: the key a tool call carries so that a
-  retry or a restored attempt is answered from the tool's record (section 6.12).
+  retry or a restored attempt is answered from the tool's record (section 6.12);
+- :func:`retried`: a call asked again while its server is unreachable, for as long as
+  a lost server takes to be replaced where it was (section 7.15), as the SDK's agents
+  ask their model and tool calls again.
 """
 
 from ._agent import BoundaryReport, RunOutcome, RunResult
@@ -34,6 +37,7 @@ from ._results import (
     StatusResult,
     WatchEvent,
 )
+from ._tool_client import retried
 
 __all__ = [
     "AcknowledgeResult",
@@ -56,4 +60,5 @@ __all__ = [
     "WatchEvent",
     "effect_key",
     "hook_failure",
+    "retried",
 ]

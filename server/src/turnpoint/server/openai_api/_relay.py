@@ -45,8 +45,10 @@ from turnpoint.egress import (
     request_digest,
     tool_digest,
 )
+from turnpoint.errors import Reason, TurnpointError
 from turnpoint.ids import EpisodeId
-from turnpoint.participant_sdk.advanced import CallPosition, effect_key
+from turnpoint.participant_sdk import RuntimeConfig
+from turnpoint.participant_sdk.advanced import CallPosition, effect_key, retried
 from turnpoint.server.openai_api._chat import (
     ATTEMPT_HEADER,
     ROLLOUT_HEADER,
@@ -73,11 +75,9 @@ IDEMPOTENCY_HEADER: Final = "Idempotency-Key"
 _TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 # What one read of an upstream answer takes at most.
 _READ_PIECE_BYTES: Final = 1 << 16
-# How long a call to a server that cannot be reached is asked again for, by default (as
-# an SDK agent's model and tool calls: RuntimeConfig.unreachable_wait_s), and the backoff.
-DEFAULT_UNREACHABLE_WAIT_S: Final = 60.0
-_UNREACHABLE_FIRST_DELAY_S: Final = 0.05
-_UNREACHABLE_MAX_DELAY_S: Final = 2.0
+# How long a call to a server that cannot be reached is asked again for, by default: as
+# long as an SDK agent's model and tool calls are.
+DEFAULT_UNREACHABLE_WAIT_S: Final = RuntimeConfig().unreachable_wait_s
 
 
 class RelayError(ValueError):
@@ -620,10 +620,8 @@ class EgressRelay:
         agent's is). A slow upstream (its timeout) is not asked again."""
         session = self._session
         assert session is not None, "the relay is not started"
-        loop = asyncio.get_running_loop()
-        give_up = loop.time() + self._options.unreachable_wait_s
-        delay = _UNREACHABLE_FIRST_DELAY_S
-        while True:
+
+        async def attempt() -> tuple[int, bytes]:
             try:
                 async with session.post(
                     url, json=dict(body), headers=dict(headers), allow_redirects=False
@@ -632,13 +630,25 @@ class EgressRelay:
                         answer, self._options.max_answer_bytes, what
                     )
             except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as error:
-                if session.closed or loop.time() + delay > give_up:
+                if session.closed:
                     raise _unreachable(what, error) from None
-                _LOG.debug("%s unreachable, asked again in %.2f s: %s", what, delay, error)
+                # Asked again by retried() while the wait lasts.
+                raise TurnpointError(
+                    Reason.UNAVAILABLE, f"{what} is unreachable: {error}"
+                ) from None
             except (aiohttp.ClientError, TimeoutError) as error:
                 raise _unreachable(what, error) from None
-            await asyncio.sleep(delay)  # a backoff, not a synchronisation
-            delay = min(delay * 2, _UNREACHABLE_MAX_DELAY_S)
+
+        try:
+            return await retried(
+                attempt,
+                unreachable_wait_s=self._options.unreachable_wait_s,
+                retries=0,
+                reasons=_UNREACHABLE,
+                what=what,
+            )
+        except TurnpointError as error:
+            raise ApiError(502, error.message, "server_error", code="upstream") from None
 
     async def _forward_tool(
         self, episode: EpisodeId, tool: str, body: Mapping[str, Any], key: str
@@ -661,6 +671,9 @@ class EgressRelay:
                 502, f"the tool {tool!r} answered no JSON", "server_error", code="upstream"
             ) from None
         return {"status": status, "body": decoded}
+
+
+_UNREACHABLE: Final = frozenset({Reason.UNAVAILABLE})
 
 
 def _unreachable(what: str, error: BaseException) -> ApiError:
