@@ -76,9 +76,10 @@ sys.exit(0)
 """
 
 # Follows the trainer's contract with made-up rollouts. The first incarnation trains
-# until the crash is due; given --launcher, it then watches the agents' ports as the
-# liveness watch would, asks the supervisor to replace the one that went away and trains
-# one more step; then it leaves a torn line and waits to be killed. A resumed one
+# two steps and holds its first fault window until the supervisor's word on stdin;
+# given --launcher, it then watches the agents' ports as the liveness watch would, asks
+# the supervisor to replace the one that went away, trains one more step and holds its
+# second window; then it leaves a torn line and waits to be killed. A resumed one
 # restores the step its "snapshot" recorded and finishes. FAKE_TRAINER=fail fails.
 _FAKE_TRAINER = r"""
 import argparse, json, os, signal, socket, sys, time
@@ -92,6 +93,7 @@ parser.add_argument("--snapshot-interval", type=float, required=True)
 parser.add_argument("--resume", action="store_true")
 parser.add_argument("--launcher")
 parser.add_argument("--start-on-stdin", action="store_true")
+parser.add_argument("--fault-windows", type=int, default=0)
 args = parser.parse_args()
 if args.start_on_stdin and not sys.stdin.readline():
     sys.exit(2)
@@ -174,10 +176,14 @@ while step < args.steps:
              t_start=time.time() - 0.2, t_end=time.time(), admission_closed_s=0.2,
              phases={"prepare": 0.1, "commit": 0.1}, continued=2, restarts=0)
     if not args.resume and step >= 2:
+        assert args.fault_windows == (2 if args.launcher else 1), args.fault_windows
+        emit("fault_window", n=1, step=step)
+        assert sys.stdin.readline() == "go\n"
         if args.launcher:
             step += 1
             heal(step)
             train(step, 0)
+            emit("fault_window", n=2, step=step)
         events.write('{"t": 1, "type": "progr')  # torn by the coming SIGKILL
         events.flush()
         signal.pause()

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from rich.console import Console
 
+from turnpoint.apps.demo._fault_window import FAULT_WINDOW
 from turnpoint.apps.demo._progress import EventTail, ProgressState
 from turnpoint.apps.demo._report import (
     EventLogError,
@@ -803,56 +804,53 @@ def test_the_tail_reads_only_complete_lines(tmp_path: Path) -> None:
     assert tail.read_new() == []
 
 
-def test_the_crash_is_due_after_a_published_snapshot_with_rollouts_in_flight() -> None:
+def _with_a_fault_window(run: _Run, after_step: int = 4) -> list[dict[str, Any]]:
+    """The run's events with the first trainer's window 1 logged after ``after_step``."""
+    events = []
+    for event in run.events:
+        events.append(event)
+        if event["type"] == "train_step" and (event["incarnation"], event["step"]) == (
+            1,
+            after_step,
+        ):
+            events.append({"t": event["t"], "type": FAULT_WINDOW, "incarnation": 1, "n": 1})
+    return events
+
+
+def test_the_crash_is_due_when_the_first_trainer_holds_its_first_fault_window() -> None:
     state = ProgressState(total_steps=10)
-    events = _good_run().events
     due_at = None
-    for event in events:
+    for event in _with_a_fault_window(_good_run()):
         state.apply(event)
         if state.crash_due():
             due_at = event
             break
 
-    assert due_at is not None
-    assert state.published_this_incarnation >= 1
-    assert state.in_flight > 0
-    assert 4 <= state.step < 10
+    assert due_at is not None and due_at["type"] == FAULT_WINDOW
+    assert state.step == 4
 
 
-def test_the_crash_waits_for_a_published_snapshot_that_cut_rollouts_in_flight() -> None:
-    """A snapshot taken between groups cuts nothing: crashing after it would show no
-    recovery of in-flight work, so the crash waits for one that cut some."""
-    run = _Run()
-    run.start()
-    state = ProgressState(total_steps=10)
-    for step in range(1, 6):
-        run.train(step)
-    run.snapshot("ckpt-0005", continued=0, restarts=0)
-    for event in run.events:
-        state.apply(event)
-    assert state.published_this_incarnation == 1 and state.in_flight > 0
-    assert state.step >= 4 and not state.crash_due()
-    run.snapshot("ckpt-0006", continued=0, restarts=2)  # rerun from their prompts
-    state.apply(run.events[-1])
-    assert state.crash_due()
-    run.snapshot("ckpt-0007", continued=0, restarts=0)  # the newest is what a restore takes
-    state.apply(run.events[-1])
-    assert not state.crash_due()
-
-
-def test_the_crash_is_never_due_without_a_published_snapshot() -> None:
+def test_the_crash_is_never_due_without_a_fault_window() -> None:
+    """A published snapshot, rollouts in flight, half the steps done: the supervisor no
+    longer judges that from the log it reads late; the trainer's window says it."""
     state = ProgressState(total_steps=10)
     for event in _good_run().events:
-        if event["type"] == "snapshot" and event["outcome"] == "published":
-            continue
         state.apply(event)
         assert not state.crash_due()
 
 
 def test_the_crash_is_due_once_and_never_in_a_later_incarnation() -> None:
     state = ProgressState(total_steps=10)
+    run = _good_run()
+    events = _with_a_fault_window(run)
+    # A second window 1, logged by the restored trainer: not the planned crash's.
+    restored_start = next(e for e in events if e["type"] == "start" and e["incarnation"] == 2)
+    events.insert(
+        events.index(restored_start) + 1,
+        {"t": restored_start["t"], "type": FAULT_WINDOW, "incarnation": 2, "n": 1},
+    )
     fired = 0
-    for event in _good_run().events:
+    for event in events:
         if event["incarnation"] == 2 and state.crashed_at_step is None:
             state.note_crash()
             state.note_restart()
@@ -863,9 +861,15 @@ def test_the_crash_is_due_once_and_never_in_a_later_incarnation() -> None:
     assert fired == 1
 
 
+def test_a_malformed_fault_window_is_counted_not_raised() -> None:
+    state = ProgressState(total_steps=10)
+    state.apply({"t": 1.0, "type": FAULT_WINDOW, "incarnation": 1, "n": "one"})
+    assert state.unreadable == 1 and not state.crash_due()
+
+
 def test_no_crash_is_due_with_no_crash() -> None:
     state = ProgressState(total_steps=10, crash_planned=False)
-    for event in _good_run().events:
+    for event in _with_a_fault_window(_good_run()):
         state.apply(event)
         assert not state.crash_due()
     assert state.crash_status == "off (--no-crash)"

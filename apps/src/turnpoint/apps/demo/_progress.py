@@ -12,7 +12,6 @@ table on a terminal, or one plain line every few seconds otherwise (and with
 from __future__ import annotations
 
 import json
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +21,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from turnpoint.apps.demo._fault_window import FAULT_WINDOW
 from turnpoint.apps.demo._report import (
     Done,
     EventLogError,
@@ -34,9 +34,6 @@ from turnpoint.apps.demo._report import (
     parse_event,
 )
 from turnpoint.trainer.advanced import SnapshotState
-
-CRASH_WINDOW = (0.4, 0.6)
-"""The share of training steps done at which the injected crash is aimed."""
 
 PLAIN_INTERVAL_S = 5.0
 
@@ -115,6 +112,9 @@ class ProgressState:
     """Rollouts in flight the newest published snapshot of this incarnation cut (continued
     or restarted): what a restore of it would recover."""
     failed: int = 0
+    fault_window: int = 0
+    """The fault window the current trainer opened last (``_fault_window.py``): it holds
+    it until the supervisor's fault has landed."""
     crashed_at_step: int | None = None
     restarted: bool = False
     restored_from: str | None = None
@@ -125,7 +125,6 @@ class ProgressState:
     snapshot: str = "none yet"
     """The snapshot attempt under way and its state, or how the last one ended."""
     unreadable: int = 0
-    _seen_progress: bool = field(default=False, repr=False)
     _restored_incarnation: int | None = field(default=None, repr=False)
     _rollout_keys: set[tuple[str, int]] = field(default_factory=set, repr=False)
 
@@ -133,6 +132,13 @@ class ProgressState:
         """Fold one trainer event; a malformed one is counted, never raised."""
         if raw.get("type") == SNAPSHOT_STATE:
             self._apply_snapshot_state(raw)
+            return
+        if raw.get("type") == FAULT_WINDOW:
+            window = raw.get("n")
+            if isinstance(window, int) and not isinstance(window, bool):
+                self.fault_window = window
+            else:
+                self.unreadable += 1
             return
         try:
             event = parse_event(raw)
@@ -144,6 +150,7 @@ class ProgressState:
             self.step = event.step
             self.published_this_incarnation = 0
             self.newest_published_cut = 0
+            self.fault_window = 0
             self.in_flight = 0
             self.admission_closed = False
             # The trainer may log its restore before or after its start.
@@ -157,7 +164,6 @@ class ProgressState:
             self.in_flight = event.in_flight
             self.queue = event.queue
             self.admission_closed = event.admission_closed
-            self._seen_progress = True
             if self.phase in ("starting the trainer", "restoring"):
                 self.phase = "training"
         elif isinstance(event, RolloutResult):
@@ -210,28 +216,16 @@ class ProgressState:
         self.phase = "restarted: trainer resuming"
 
     def crash_due(self) -> bool:
-        """Whether the injected crash should land now.
-
-        Only once: when the newest snapshot this incarnation published cut rollouts in
-        flight (so its restore recovers work mid-episode, not only finished groups),
-        rollouts are in flight now (so the crash cuts some), and 40-60% of the steps are
-        done. A run whose window passes without both conditions still crashes
-        at the first moment they hold, up to the last step. Never with ``crash_point``:
-        the trainer kills itself there.
+        """Whether the injected crash should land now: the first trainer holds its
+        first fault window (:mod:`turnpoint.apps.demo._fault_window`: a snapshot that cut
+        rollouts in flight published, rollouts in flight, 40% of the steps done, steps
+        left). Only once; never with ``crash_point``: the trainer kills itself there.
         """
         if not self.crash_planned or self.crash_point is not None:
             return False
         if self.crashed_at_step is not None or self.done:
             return False
-        if self.incarnation != 1 or not self._seen_progress:
-            return False
-        earliest = math.ceil(CRASH_WINDOW[0] * self.total_steps)
-        return (
-            self.published_this_incarnation > 0
-            and self.newest_published_cut > 0
-            and self.in_flight > 0
-            and earliest <= self.step < self.total_steps
-        )
+        return self.incarnation == 1 and self.fault_window == 1
 
     @property
     def crash_status(self) -> str:
@@ -240,7 +234,7 @@ class ProgressState:
         if self.crashed_at_step is None:
             if self.crash_point is not None:
                 return f"armed (the trainer dies at {self.crash_point})"
-            return "armed (after a published snapshot, 40-60% through)"
+            return "armed (after a published snapshot, 40% through or later)"
         status = f"crashed at step {self.crashed_at_step}"
         if self.restarted:
             status += ", restarted"

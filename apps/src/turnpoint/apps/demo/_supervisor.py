@@ -67,10 +67,13 @@ restarts as below. A dead participant the trainer does not ask about within
 cluster places its actors), ``--participant-command`` (such participants may not serve
 RestoreRunning) or ``--hold-tools-after-restart`` (see below).
 
-The crash. Once the event log shows a published snapshot of the first trainer with
-rollouts in flight, 40-60% through the steps, the supervisor SIGKILLs one agent
-(``agent_lost``); once the trainer replaced it in place and trained a step since, it
-SIGKILLs the trainer and records ``crash`` in ``<out>/supervisor.jsonl``. The recovery
+The crash. It lands in windows the first trainer finds and holds
+(:mod:`turnpoint.apps.demo._fault_window`: it logs ``fault_window`` and stops until the
+supervisor writes ``go`` on its stdin). At the first (a published snapshot of the first
+trainer cut rollouts in flight, rollouts are in flight, 40% of the steps done or more)
+the supervisor SIGKILLs one agent (``agent_lost``); at the second (the trainer replaced
+it in place and trained a step since) it SIGKILLs the trainer and records ``crash`` in
+``<out>/supervisor.jsonl``. The recovery
 is a *trainer restart*: every participant keeps running, the trainer starts again with
 ``--resume`` and restores ``LATEST`` into them where they run (RestoreRunning,
 docs/spec.md section 4.16; its epoch fences the dead one, whatever that left on them is
@@ -144,6 +147,7 @@ from turnpoint._files import create_file, replace_file
 from turnpoint.apps._object_store import ObjectStore, loopback_s3_available
 from turnpoint.apps._parent import PARENT_PID_ENV
 from turnpoint.apps.chaos._proxy import FaultProxy, ProxyMode
+from turnpoint.apps.demo._fault_window import GO
 from turnpoint.apps.demo._heal import LaunchService, ReplaceRefused
 from turnpoint.apps.demo._progress import (
     EventTail,
@@ -273,6 +277,15 @@ class DemoOptions:
         ``--crash-at``, if it has that many."""
         plan = _crash_plan(self.crash_at)
         return plan[incarnation - 1] if 1 <= incarnation <= len(plan) else None
+
+    def fault_windows(self, incarnation: int) -> int:
+        """The ``--fault-windows`` of trainer ``incarnation``: where the timed crash
+        lands (:mod:`turnpoint.apps.demo._fault_window`). The first trainer's only: one
+        window for a crash or a lost node, two where a lost agent heals in place and the
+        trainer's own crash follows."""
+        if incarnation != 1 or not self.crash or self.crash_at is not None:
+            return 0
+        return 2 if self.heal_in_place and not self.lose_node else 1
 
     @property
     def heal_in_place(self) -> bool:
@@ -1170,10 +1183,12 @@ def trainer_command(
     program: Sequence[str] = DEFAULT_TRAINER_COMMAND,
     kill_at: str | None = None,
     launcher: str | None = None,
+    fault_windows: int = 0,
 ) -> list[str]:
     """The trainer's command line; ``program`` is what runs it (tests substitute a fake).
 
-    ``kill_at`` is this incarnation's entry of ``--crash-at``, if any. The supervisor
+    ``kill_at`` is this incarnation's entry of ``--crash-at``, if any; ``fault_windows``
+    its windows of the timed crash (:meth:`DemoOptions.fault_windows`). The supervisor
     numbers the incarnation: a trainer that died before it logged its start must not
     make the next one take its number (the supervisor would wait for steps of another).
     """
@@ -1209,6 +1224,8 @@ def trainer_command(
         command.append("--resume")
     if kill_at is not None:
         command += ["--kill-at", kill_at]
+    if fault_windows:
+        command += ["--fault-windows", str(fault_windows)]
     if launcher is not None:
         command += ["--launcher", launcher]
     if options.metrics_port is not None:
@@ -1220,15 +1237,21 @@ class _Trainer:
     """One trainer process (one incarnation); stdout and stderr go to files.
 
     Spawned waiting (``--start-on-stdin``): it imports, then starts on :meth:`release`,
-    or is killed unreleased by :meth:`discard`."""
+    or is killed unreleased by :meth:`discard`. Given fault windows, its stdin stays
+    open: it stops at each window until :meth:`go`."""
 
     def __init__(
-        self, process: asyncio.subprocess.Process, incarnation: int, logs: tuple[Path, Path]
+        self,
+        process: asyncio.subprocess.Process,
+        incarnation: int,
+        logs: tuple[Path, Path],
+        fault_windows: int = 0,
     ) -> None:
         self.process = process
         self.incarnation = incarnation
         self.logs = logs
         self.stderr = logs[1]
+        self.windows_left = fault_windows
         self._exit = asyncio.get_running_loop().create_task(process.wait())
 
     @classmethod
@@ -1243,6 +1266,7 @@ class _Trainer:
         program: Sequence[str],
         kill_at: str | None = None,
         launcher: str | None = None,
+        fault_windows: int = 0,
     ) -> _Trainer:
         stdout_path = paths.logs / f"trainer.{incarnation}.stdout"
         stderr_path = paths.logs / f"trainer.{incarnation}.stderr"
@@ -1261,6 +1285,7 @@ class _Trainer:
                     program=program,
                     kill_at=kill_at,
                     launcher=launcher,
+                    fault_windows=fault_windows,
                 ),
                 stdin=asyncio.subprocess.PIPE,
                 stdout=stdout,
@@ -1271,18 +1296,27 @@ class _Trainer:
         finally:
             stdout.close()
             stderr.close()
-        return cls(process, incarnation, (stdout_path, stderr_path))
+        return cls(process, incarnation, (stdout_path, stderr_path), fault_windows)
 
     async def release(self) -> None:
         """Tell the waiting trainer that its topology is written: it starts now."""
+        await self._say(b"start\n")
+
+    async def go(self) -> None:
+        """Close the fault window the trainer holds: the fault has landed."""
+        self.windows_left -= 1
+        await self._say(GO)
+
+    async def _say(self, line: bytes) -> None:
         stdin = self.process.stdin
         assert stdin is not None
         # A trainer that died while it waited (an import that failed) cannot hear it;
         # its exit status and stderr say why, and the supervisor acts on them.
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-            stdin.write(b"start\n")
+            stdin.write(line)
             await stdin.drain()
-        stdin.close()
+        if self.windows_left <= 0:
+            stdin.close()
 
     async def discard(self) -> None:
         """Kill a trainer never released: it read nothing and wrote nothing of the run."""
@@ -1297,12 +1331,18 @@ class _Trainer:
     async def wait(self, timeout_s: float) -> int | None:
         """The exit status, or None if still running after ``timeout_s``."""
         done, _ = await asyncio.wait({self._exit}, timeout=timeout_s)
-        return self._exit.result() if done else None
+        if not done:
+            return None
+        if self.process.stdin is not None:
+            self.process.stdin.close()  # a window it never reached
+        return self._exit.result()
 
     async def kill(self) -> None:
         if self.process.returncode is None:
             self.process.kill()
         await self._exit
+        if self.process.stdin is not None:
+            self.process.stdin.close()
 
     async def failure(self, status: int) -> DemoError:
         tail = await _tail_of(self.stderr)
@@ -1403,6 +1443,7 @@ class _Supervisor:
             resume=resume,
             program=self.trainer_program,
             kill_at=self.options.kill_at(incarnation),
+            fault_windows=self.options.fault_windows(incarnation),
             launcher=self.launch_service.address if self.launch_service is not None else None,
         )
 
@@ -1532,12 +1573,15 @@ class _Supervisor:
                 if self.healed_since():
                     await self.crash_and_restart()
             elif self.state.crash_due() and self.node_lost is None:
+                # The trainer holds its first fault window until the fault has landed.
                 if self.options.lose_node:
                     # The trainer heals the node's agents in place; if it cannot, its
                     # failure (or an agent still dead after HEAL_GRACE_S) restarts the job.
                     await self.lose_node()
+                    await self.trainer.go()
                 elif self.options.heal_in_place:
                     await self.lose_agent()
+                    await self.trainer.go()
                 else:
                     await self.crash_and_restart()
 
@@ -1876,10 +1920,11 @@ class _Supervisor:
     def healed_since(self) -> bool:
         """Whether the trainer's half of the default crash is due: the lost agent was
         replaced, the trainer logged its heal (restored what depended on it), trained a
-        step since and has steps left."""
+        step since and has steps left; it holds its second fault window for it."""
         state = self.state
         return (
-            self.agent_lost in self.replaced
+            state.fault_window == 2
+            and self.agent_lost in self.replaced
             and self.agent_lost in self.healed
             and self.steps_since_start > 0
             and state.crashed_at_step is None
@@ -2034,10 +2079,13 @@ async def run_demo(
             f"{missed}: the trainer finished before a snapshot reached --crash-at "
             f"{options.crash_at}; raise --steps or lower --snapshot-interval"
         )
-    elif options.crash and report.recovery.crashes == 0:
+    elif options.crash and not (
+        report.recovery.participants_replaced if options.lose_node else report.recovery.crashes
+    ):
         warnings.append(
-            "the crash was not injected: no snapshot was published while rollouts were in "
-            "flight before the last step; lower --snapshot-interval or raise --steps"
+            f"the {'node loss' if options.lose_node else 'crash'} was not injected: no "
+            "snapshot was published while rollouts were in flight before the last step; "
+            "lower --snapshot-interval or raise --steps"
         )
     from turnpoint.apps.demo._timeline import render_timeline
 

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from turnpoint.apps._parent import die_with_parent_from_env
+from turnpoint.apps.demo._fault_window import FAULT_WINDOW, FaultWindows
 from turnpoint.apps.demo._heal import PARTICIPANT_LOST_STATUS, SupervisorLauncher
 from turnpoint.apps.demo._kill_switch import (
     Fired,
@@ -231,7 +232,12 @@ class DemoTrainer:
         self.kill: KillSwitch | None = None
         self.logged: set[tuple[str, int]] = set()
         self.published = 0
+        # Rollouts in flight that the newest snapshot this trainer published cut.
+        self.newest_published_cut = 0
         self._heals_logged = 0
+        self._healed_at_step: int | None = None
+        # The supervisor's timed faults (--fault-windows, _fault_window.py).
+        self.fault_windows = FaultWindows(args.fault_windows, args.steps)
         # Set on every training step (and at the end): the snapshot blocks follow steps.
         self._stepped = asyncio.Event()
 
@@ -362,6 +368,8 @@ class DemoTrainer:
         progress loop and before every training step, so a heal is in the log before
         the step the supervisor's planned crash waits for (the crash may follow at once)."""
         for plan in ckpt.heals[self._heals_logged :]:
+            if self._healed_at_step is None:
+                self._healed_at_step = self.step
             self.events.write(
                 "heal",
                 lost=plan.lost.instance,
@@ -406,6 +414,7 @@ class DemoTrainer:
         outcome = report.outcome.value
         if outcome == "published":
             self.published += 1
+            self.newest_published_cut = report.continued + report.restarts
         end = time.time()
         self.events.write(
             "snapshot",
@@ -573,6 +582,7 @@ class DemoTrainer:
                 blocks.result()
                 raise RuntimeError("the snapshot blocks ended before the run")
             self._fill_pipeline(ckpt)
+            self._hold_fault_window(ckpt)
             # Raises what ended the run: the pump giving up, a lost participant.
             if not await ckpt.wait_groups(per_step, timeout_s=1.0):
                 continue
@@ -606,6 +616,30 @@ class DemoTrainer:
             # yields, so a snapshot's anchor holds these weights and records this
             # version with them, pushed or not yet.
             self._log_push(await ckpt.push_weights(_next_version(ckpt, self.step), state))
+
+    def _hold_fault_window(self, ckpt: Checkpointing) -> None:
+        """``--fault-windows``: at a window of the supervisor's timed fault, log it and
+        stop until the supervisor's ``go`` (:mod:`turnpoint.apps.demo._fault_window`).
+        The wait blocks the event loop on purpose: nothing of this trainer moves (no
+        step, snapshot or dispatch) while the fault lands."""
+        in_flight = len(ckpt.rollouts.in_flight())
+        window = self.fault_windows.due(
+            step=self.step,
+            in_flight=in_flight,
+            newest_published_cut=self.newest_published_cut,
+            healed_at_step=self._healed_at_step,
+        )
+        if window is None:
+            return
+        self.events.write(
+            FAULT_WINDOW,
+            n=window,
+            step=self.step,
+            in_flight=in_flight,
+            newest_published_cut=self.newest_published_cut,
+        )
+        # An empty line: the supervisor is gone (and takes this process with it).
+        sys.stdin.readline()
 
     def _block_of(self, step: int) -> dict[str, Any]:
         """With ``--snapshot-blocks``: the block step ``step`` was trained in, and its side."""
@@ -757,6 +791,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="import, then wait for a line on stdin before reading anything of the run: the "
         "supervisor spawns the trainer while the participants start and writes that line "
         "once the topology is written",
+    )
+    parser.add_argument(
+        "--fault-windows",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the supervisor's timed faults: at each of the first N windows (see "
+        "turnpoint.apps.demo._fault_window) log a fault_window event and stop until a "
+        "line on stdin",
     )
     parser.add_argument(
         "--kill-at",

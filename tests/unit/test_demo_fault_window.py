@@ -1,0 +1,59 @@
+"""The demo's timed fault lands in a window the first trainer finds and holds
+(turnpoint.apps.demo._fault_window): the decision, pure."""
+
+from __future__ import annotations
+
+from turnpoint.apps.demo._fault_window import FaultWindows, first_window_step
+
+
+def _due(windows: FaultWindows, step: int, **known: int | None) -> int | None:
+    facts: dict[str, int | None] = {
+        "in_flight": 3,
+        "newest_published_cut": 2,
+        "healed_at_step": None,
+    }
+    facts.update(known)
+    return windows.due(step=step, **facts)  # type: ignore[arg-type]
+
+
+def test_window_1_opens_once_forty_percent_of_the_steps_are_done() -> None:
+    windows = FaultWindows(planned=1, total_steps=8)
+    assert first_window_step(8) == 4
+    assert [_due(windows, step) for step in range(4)] == [None] * 4
+    assert _due(windows, 4) == 1
+    assert windows.opened == 1
+    # Opened once: never again, whatever follows.
+    assert [_due(windows, step) for step in range(4, 8)] == [None] * 4
+
+
+def test_window_1_waits_for_a_published_snapshot_that_cut_rollouts_in_flight() -> None:
+    """A snapshot between groups cuts nothing: a crash after it would show no recovery
+    of work mid-episode; a restore takes the newest published snapshot, so it is the
+    newest that must have cut some."""
+    windows = FaultWindows(planned=1, total_steps=10)
+    assert _due(windows, 5, newest_published_cut=0) is None
+    assert _due(windows, 5, in_flight=0) is None
+    assert _due(windows, 5, newest_published_cut=1) == 1
+
+
+def test_no_window_once_the_steps_are_trained_or_none_planned() -> None:
+    assert _due(FaultWindows(planned=1, total_steps=8), 8) is None
+    assert _due(FaultWindows(planned=0, total_steps=8), 5) is None
+
+
+def test_window_2_opens_once_a_step_was_trained_after_the_heal() -> None:
+    """The default crash heals a lost agent in place, then kills the trainer: it must
+    have trained on after the heal, with steps left for the restored trainer."""
+    windows = FaultWindows(planned=2, total_steps=10)
+    assert _due(windows, 4) == 1
+    assert _due(windows, 4) is None  # not healed yet
+    assert _due(windows, 5, healed_at_step=5) is None  # healed, nothing trained since
+    assert _due(windows, 6, healed_at_step=5) == 2
+    assert windows.opened == 2
+    assert _due(windows, 7, healed_at_step=5) is None
+
+
+def test_window_2_needs_a_step_left() -> None:
+    windows = FaultWindows(planned=2, total_steps=6)
+    assert _due(windows, 3) == 1
+    assert _due(windows, 6, healed_at_step=5) is None
