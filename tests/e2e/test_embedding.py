@@ -5,7 +5,7 @@ trainer is a real process. One test SIGKILLs it mid-run and runs it again: it mu
 from a snapshot and train every prompt group exactly once. Another sends SIGTERM: the
 trainer snapshots once more and exits 0, and the next run restores that snapshot. The
 chaos test loses every reply of the policy server to the trainer for two seconds
-mid-run (through the loopback fault proxy): the weight pushes are retried, the run ends
+mid-run, and until a weight push met the fault (through the loopback fault proxy): the weight pushes are retried, the run ends
 without a restart, every group trained once and every weights version installed once.
 """
 
@@ -159,6 +159,8 @@ async def test_sigterm_takes_a_final_snapshot_exits_0_and_the_next_run_restores_
 
 
 LOST_REPLIES_S = 2.0
+REPLY_CUT_S = 1.0
+"""Time for a reply the policy sends (at once) to reach the proxy and be cut."""
 
 
 async def test_chaos_policy_replies_lost_for_two_seconds_cost_retries_not_a_restart(
@@ -166,7 +168,7 @@ async def test_chaos_policy_replies_lost_for_two_seconds_cost_retries_not_a_rest
 ) -> None:
     """The trainer reaches the policy server only through the fault proxy (its control
     calls and its weight pushes; the agents reach it directly), and the proxy loses
-    every reply for two seconds once training is under way."""
+    every reply for two seconds once training is under way, and until a push met it."""
     installed: list[int] = []
     install = TinyPolicyServer.update_weights
 
@@ -188,8 +190,15 @@ async def test_chaos_policy_replies_lost_for_two_seconds_cost_retries_not_a_rest
         trainer = await job.start()
         await poll(lambda: len(job.entries("train")) >= 8, 120, "eight steps")
         proxy.set_mode(ProxyMode.DROP_REPLIES)
-        # The fault's length, not a wait for something to happen: the run goes on.
-        asyncio.get_running_loop().call_later(LOST_REPLIES_S, proxy.set_mode, ProxyMode.PASS)
+        loop = asyncio.get_running_loop()
+        began, pushed_before = loop.time(), len(installed)
+        # Two seconds, and until a weight push has reached the policy in the fault (its
+        # reply then lost): a snapshot that the eighth step set off parks every rollout
+        # until its prepare's lost replies run out, and no step, so no push, need come in
+        # the first two seconds (it did not, once in CI).
+        await poll(lambda: len(installed) > pushed_before, 120, "a push during the fault")
+        await asyncio.sleep(max(LOST_REPLIES_S - (loop.time() - began), REPLY_CUT_S))
+        proxy.set_mode(ProxyMode.PASS)
         assert await asyncio.wait_for(trainer.wait(), 180) == 0
         assert proxy.stats.cut > 0, "no reply was lost"
     assert len(job.entries("start")) == 1, "the trainer restarted"
