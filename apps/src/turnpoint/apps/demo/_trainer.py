@@ -46,6 +46,7 @@ from typing import Any
 
 import torch
 
+from turnpoint.apps._heap import freeze_start_up_heap
 from turnpoint.apps._parent import die_with_parent_from_env
 from turnpoint.apps.demo._fault_window import FAULT_WINDOW, FaultWindows
 from turnpoint.apps.demo._heal import PARTICIPANT_LOST_STATUS, SupervisorLauncher
@@ -504,6 +505,10 @@ class DemoTrainer:
                 if ckpt.status_address is not None:
                     print(f"status: {ckpt.status_address}", flush=True)
                 self._start(ckpt)
+                # The job is set up (torch, the model, the restore): the collector need
+                # never walk that heap again, in a snapshot's prepare least of all
+                # (docs/embedding.md, the process's garbage collector).
+                freeze_start_up_heap()
                 stop = asyncio.Event()
                 background = [
                     asyncio.create_task(self._progress(ckpt, stop)),

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import time
 from collections.abc import Sequence
@@ -47,6 +48,8 @@ async def train(args: argparse.Namespace, participants: dict[str, str], token: s
         weights=model.state_bytes,  # what the policy servers install (run in a thread)
     ) as ckpt:  # restored, and the policy servers hold the (restored) weights
         ckpt.install_preemption_handler(deadline_s=20.0)
+        gc.collect()  # the job is set up: keep the collector off this heap for good,
+        gc.freeze()  # so that no full collection falls in a snapshot (docs/embedding.md)
         state["step"] = ckpt.resumed.step  # 0, or the restored snapshot's
         if isinstance(position := ckpt.resumed.data_loader, int):  # None on a fresh start
             state["next_group"] = position
