@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from turnpoint.apps.demo._fault_window import FaultWindows, first_window_step
+from turnpoint.apps.demo._supervisor import DemoOptions
 
 
 def _due(windows: FaultWindows, step: int, **known: int | None) -> int | None:
@@ -57,3 +58,14 @@ def test_window_2_needs_a_step_left() -> None:
     windows = FaultWindows(planned=2, total_steps=6)
     assert _due(windows, 3) == 1
     assert _due(windows, 6, healed_at_step=5) is None
+
+
+def test_only_the_first_trainer_of_a_timed_crash_holds_windows() -> None:
+    """Two where a lost agent heals in place and the trainer's crash follows; one where
+    the fault is the crash itself (a job restart) or a lost node; none for a restored
+    trainer, a --crash-at kill (the trainer fires it) or no crash."""
+    assert [DemoOptions().fault_windows(n) for n in (1, 2)] == [2, 0]
+    assert DemoOptions(ray=True).fault_windows(1) == 1
+    assert DemoOptions(ray=True, ray_nodes=3, lose_node=True).fault_windows(1) == 1
+    assert DemoOptions(crash_at="prepare-sent").fault_windows(1) == 0
+    assert DemoOptions(crash=False).fault_windows(1) == 0

@@ -11,9 +11,9 @@ every object alive now to a permanent generation that collections skip.
 That is a decision about the whole process's collector, so only the code that owns the
 process makes it: ``turnpoint serve`` once its participant is serving, the demo trainer
 (and the embedded trainer example) once its job is set up, the bench's worker processes
-once their servers are, and the bench itself around each figure. The libraries never touch the collector: a trainer that embeds the
-coordinator or a server that embeds the participant SDK decides for itself
-(docs/participant.md, Hosting; docs/embedding.md).
+once their servers are, and the bench itself around each figure. The libraries never
+touch the collector: a trainer that embeds the coordinator or a server that embeds the
+participant SDK decides for itself (docs/participant.md, Hosting; docs/embedding.md).
 """
 
 from __future__ import annotations
