@@ -71,6 +71,33 @@ async def test_a_dropped_reply_breaks_the_call_and_the_retry_replays_it(
     )
 
 
+async def test_replies_dropped_now_lose_the_reply_to_a_request_already_sent(
+    proxied: tuple[FaultProxy, ScriptedAgent],
+) -> None:
+    """A fault switched on while the participant handles a request (held in its admission
+    hook) loses that request's reply, though no byte of it goes up after the switch: the
+    prepare acted, the caller sees the connection break, its retry replays."""
+    proxy, agent = proxied
+    agent.close_gate = asyncio.Event()
+    async with grpc.aio.insecure_channel(proxy.address, options=_OWN_CONNECTION) as channel:
+        stub = pb_grpc.CheckpointControlServiceStub(channel)
+        await stub.GetStatus(pb.GetStatusRequest(), metadata=METADATA, timeout=5)  # up
+        preparing = asyncio.ensure_future(
+            stub.Prepare(_prepare("p-3"), metadata=METADATA, timeout=5)
+        )
+        await asyncio.wait_for(agent.close_gate_reached.wait(), 5)
+        proxy.drop_replies_now()
+        agent.close_gate.set()
+        with pytest.raises(grpc.aio.AioRpcError) as lost:
+            await preparing
+    assert lost.value.code() is grpc.StatusCode.UNAVAILABLE
+    assert proxy.stats.cut == 1
+
+    proxy.set_mode(ProxyMode.PASS)
+    answer = await _call(proxy.address, _prepare("p-3"))
+    assert answer.readiness.ready and answer.phase == PHASE_PREPARED
+
+
 async def test_a_delay_slows_replies_and_loses_none(
     proxied: tuple[FaultProxy, ScriptedAgent],
 ) -> None:

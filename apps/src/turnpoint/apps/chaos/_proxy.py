@@ -107,6 +107,16 @@ class FaultProxy:
             for link in list(self._links):
                 self._cut(link)
 
+    def drop_replies_now(self) -> None:
+        """``DROP_REPLIES``, the replies to requests already sent included: every open
+        connection whose server has spoken loses the next bytes its server sends. For a
+        fault that must begin at a known request, from the server's handler of it (its
+        reply, written once the handler returns, is the first thing lost)."""
+        self.set_mode(ProxyMode.DROP_REPLIES)
+        for link in self._links:
+            if link.server_spoke:
+                link.armed = True
+
     def _cut(self, link: _Link) -> None:
         if link in self._links:
             self._links.discard(link)
