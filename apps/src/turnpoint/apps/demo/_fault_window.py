@@ -8,8 +8,10 @@ Found from outside, by reading the event log every quarter of a second, such a m
 can pass unseen: a short run trains its last four steps in under half a second, and a
 loaded machine delays the supervisor's reads, so the run ended with no fault at all.
 
-So the trainer, given ``--fault-windows N``, finds each window itself, before a
-training step, logs ``fault_window`` (its number ``n``) and stops: its event loop blocks
+So the trainer, given ``--fault-windows N``, finds each window itself (before each
+training step, and as each snapshot is reported: a pipeline that drains between waves
+of rollouts can have none in flight before every step of a short run), logs
+``fault_window`` (its number ``n``) and stops: its event loop blocks
 on a line from stdin, so it neither trains, snapshots nor dispatches until the
 supervisor has injected the fault and writes ``go`` (or kills it, which is the fault).
 A fault then always lands inside its window, however fast the trainer or slow the

@@ -239,6 +239,7 @@ class DemoTrainer:
         self._healed_at_step: int | None = None
         # The supervisor's timed faults (--fault-windows, _fault_window.py).
         self.fault_windows = FaultWindows(args.fault_windows, args.steps)
+        self._ckpt: Checkpointing | None = None  # open, for the windows a report opens
         # Set on every training step (and at the end): the snapshot blocks follow steps.
         self._stepped = asyncio.Event()
 
@@ -429,6 +430,10 @@ class DemoTrainer:
             continued=report.continued,
             restarts=report.restarts,
         )
+        if self._ckpt is not None:
+            # Mid-wave too: a pipeline that drains between waves may have none in flight
+            # before any step, while a snapshot that just cut some finds them running.
+            self._hold_fault_window(self._ckpt)
 
     def _participant_lost(self, error: ParticipantLostError) -> None:
         """The facade's liveness watch found a participant gone: this incarnation is
@@ -505,6 +510,7 @@ class DemoTrainer:
                 if ckpt.status_address is not None:
                     print(f"status: {ckpt.status_address}", flush=True)
                 self._start(ckpt)
+                self._ckpt = ckpt
                 # The job is set up (torch, the model, the restore): the collector need
                 # never walk that heap again, in a snapshot's prepare least of all
                 # (docs/embedding.md, the process's garbage collector).
