@@ -49,7 +49,9 @@ def test_window_2_opens_once_a_step_was_trained_after_the_heal() -> None:
     assert _due(windows, 4) == 1
     assert _due(windows, 4) is None  # not healed yet
     assert _due(windows, 5, healed_at_step=5) is None  # healed, nothing trained since
-    assert _due(windows, 6, healed_at_step=5) == 2
+    # The newest snapshot cut nothing: a restore of it would continue nothing.
+    assert _due(windows, 6, healed_at_step=5, newest_published_cut=0) is None
+    assert _due(windows, 6, healed_at_step=5, in_flight=0) == 2
     assert windows.opened == 2
     assert _due(windows, 7, healed_at_step=5) is None
 

@@ -22,7 +22,8 @@ supervisor. The windows:
    is left at least;
 2. where the first fault was an agent healed in place and the trainer's own crash
    follows (the default crash, docs/spec.md section 7.15): a heal was logged and a step
-   trained since, and one is left at least.
+   trained since, the newest published snapshot cut rollouts in flight (what the
+   restore will continue), and a step is left at least.
 
 This module decides (pure: the trainer hands it what it knows); the trainer logs and
 waits.
@@ -73,7 +74,10 @@ class FaultWindows:
                 and in_flight > 0
             )
         else:
-            opens = healed_at_step is not None and step > healed_at_step
+            # The trainer's crash: its restore must continue work cut mid-episode.
+            opens = (
+                healed_at_step is not None and step > healed_at_step and newest_published_cut > 0
+            )
         if not opens:
             return None
         self.opened += 1
