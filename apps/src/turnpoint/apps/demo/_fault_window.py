@@ -53,6 +53,11 @@ class FaultWindows:
     total_steps: int
     opened: int = 0
 
+    @property
+    def pending(self) -> bool:
+        """Whether a window is still to open (else :meth:`due` is None, whatever it is told)."""
+        return self.opened < self.planned
+
     def due(
         self,
         *,
@@ -65,7 +70,7 @@ class FaultWindows:
         number of steps trained, ``newest_published_cut`` the rollouts in flight that
         this trainer's newest published snapshot cut, ``healed_at_step`` the step at
         which its first heal in place was logged."""
-        if self.opened >= self.planned or step >= self.total_steps:
+        if not self.pending or step >= self.total_steps:
             return None
         if self.opened == 0:
             opens = (

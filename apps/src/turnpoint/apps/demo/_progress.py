@@ -107,10 +107,6 @@ class ProgressState:
     admission_closed: bool = False
     rollouts: int = 0
     published: int = 0
-    published_this_incarnation: int = 0
-    newest_published_cut: int = 0
-    """Rollouts in flight the newest published snapshot of this incarnation cut (continued
-    or restarted): what a restore of it would recover."""
     failed: int = 0
     fault_window: int = 0
     """The fault window the current trainer opened last (``_fault_window.py``): it holds
@@ -148,8 +144,6 @@ class ProgressState:
         if isinstance(event, Start):
             self.incarnation = event.incarnation
             self.step = event.step
-            self.published_this_incarnation = 0
-            self.newest_published_cut = 0
             self.fault_window = 0
             self.in_flight = 0
             self.admission_closed = False
@@ -176,8 +170,6 @@ class ProgressState:
         elif isinstance(event, Snapshot):
             if event.outcome == "published":
                 self.published += 1
-                self.published_this_incarnation += 1
-                self.newest_published_cut = event.continued + event.restarts
             elif event.outcome == "failed":
                 self.failed += 1
         elif isinstance(event, Restore):

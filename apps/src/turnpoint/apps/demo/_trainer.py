@@ -633,6 +633,8 @@ class DemoTrainer:
         stop until the supervisor's ``go`` (:mod:`turnpoint.apps.demo._fault_window`).
         The wait blocks the event loop on purpose: nothing of this trainer moves (no
         step, snapshot or dispatch) while the fault lands."""
+        if not self.fault_windows.pending:
+            return  # no count of the rollouts in flight at every step for nothing
         in_flight = len(ckpt.rollouts.in_flight())
         window = self.fault_windows.due(
             step=self.step,
