@@ -12,9 +12,10 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 from tests.support.fakes import expect, state_of
 from tests.unit.test_participant_runtime import (
@@ -33,7 +34,13 @@ from tests.unit.test_participant_runtime import (
     start_episode,
 )
 from turnpoint.errors import Reason
-from turnpoint.participant_sdk import ParticipantRuntime, RuntimeConfig, SnapshotStore
+from turnpoint.ids import EpisodeId
+from turnpoint.participant_sdk import (
+    ParticipantRuntime,
+    RuntimeConfig,
+    SavedTurn,
+    SnapshotStore,
+)
 from turnpoint.participant_sdk.testing import StoreFaults
 from turnpoint.protocol import EpisodeState, Phase
 
@@ -46,12 +53,34 @@ def written_states(store: SnapshotStore, snapshot: str) -> dict[str, object]:
     return {line["episode"]["rollout_id"]: line["payload"]["state"] for line in lines}
 
 
+class LiveStateAgent(StepAgent):
+    """Exports one object of its own for every episode and changes it, at every depth,
+    as soon as admission reopens: the state a careless agent hands over and keeps using.
+    A releasing commit reopens admission before its write starts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[str, Any] = {"notes": ["at the cut"], "count": 1}
+        self.exported = False
+
+    async def export_states(
+        self, states: Mapping[EpisodeId, SavedTurn]
+    ) -> Mapping[EpisodeId, Mapping[str, Any]]:
+        self.exported = True
+        return {episode: self.live for episode in states}
+
+    async def admission_opened(self) -> None:
+        if self.exported:
+            self.live["notes"].append("after the release")
+            self.live["count"] = 2
+
+
 @asynccontextmanager
 async def parked(
-    store: SnapshotStore, turns: int = 3
+    store: SnapshotStore, turns: int = 3, agent: StepAgent | None = None
 ) -> AsyncIterator[tuple[ParticipantRuntime, StepAgent, Follower]]:
     """An agent whose episode EP_A is parked at its first boundary, ckpt(1) prepared."""
-    agent = StepAgent()
+    agent = agent or StepAgent()
     async with hosted(make_runtime(store, agent=agent)) as runtime:
         follower = await start_episode(runtime, EP_A, turns=turns)
         await park_all(runtime, agent, ckpt(1), EP_A)
@@ -82,6 +111,40 @@ async def test_a_releasing_commit_reopens_admission_before_its_write_and_writes_
         assert written_states(store, ckpt(1)) == {"rollout-a": {"history": [0]}}
         agent.release(EP_A)
         assert (await follower.done()).result == {"history": [0, 1, 2]}
+
+
+async def test_a_releasing_commit_writes_the_exported_state_as_it_was_at_the_cut(
+    tmp_path: Path,
+) -> None:
+    store = SnapshotStore(tmp_path)
+    agent = LiveStateAgent()
+    async with parked(store, agent=agent) as (runtime, _, _):
+        result = await runtime.commit(FENCE, rid(), ckpt(1), ckpt(1), [EP_A], release=True)
+        assert result.released
+        # The agent changed what it exported once admission reopened; the records
+        # hold the cut.
+        assert agent.live == {"notes": ["at the cut", "after the release"], "count": 2}
+        assert written_states(store, ckpt(1)) == {
+            "rollout-a": {"notes": ["at the cut"], "count": 1}
+        }
+
+
+async def test_a_releasing_commit_of_state_that_is_not_json_fails_before_it_releases(
+    tmp_path: Path,
+) -> None:
+    agent = LiveStateAgent()
+    agent.live["tags"] = {"a", "b"}  # a set: no JSON value
+    async with parked(SnapshotStore(tmp_path), agent=agent) as (runtime, _, _):
+        error = await expect(
+            Reason.INVALID_CHECKPOINT_STATE,
+            runtime.commit(FENCE, rid(), ckpt(1), ckpt(1), [EP_A], release=True),
+        )
+        assert error.metadata["location"] == "payload['state']['tags']"
+        # Nothing was released: the checkpoint holds admission until its resume.
+        assert runtime.phase is not Phase.IDLE
+        assert not list((tmp_path / ckpt(1)).glob(f"{INSTANCE}/records-*"))
+        await runtime.resume(FENCE, rid(), ckpt(1))
+        assert runtime.phase is Phase.IDLE
 
 
 async def test_a_repeat_of_a_released_commit_replays_it_and_other_arguments_conflict(

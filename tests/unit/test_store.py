@@ -28,6 +28,7 @@ from turnpoint.participant_sdk._store import WriteCancelled, WriteState, WriteTi
 from turnpoint.participant_sdk._store_format import (
     MANIFEST_NAME,
     Corruption,
+    Manifest,
     UnserialisableRecordError,
     encode_records,
 )
@@ -829,3 +830,24 @@ def test_each_record_line_is_the_compact_ascii_json_of_its_three_fields() -> Non
     assert data == expected
     assert ref.sha256 == hashlib.sha256(data).hexdigest() and ref.record_count == 5
     assert episodes == tuple(sorted(r.episode for r in records))
+
+
+@pytest.mark.parametrize("count", [0, 1, 3])
+def test_a_manifest_is_the_indented_json_of_its_fields(count: int) -> None:
+    """docs/spec.md section 8.3: what the writer builds without a dict per episode is
+    exactly ``json.dumps(..., indent=2)`` of the manifest's fields."""
+    episodes = tuple(EpisodeId(f"r-{k}.x_{k}", k * 7) for k in range(count))
+    refs = (ArtifactRef(f"{INST}/records-{'a' * 64}.jsonl", "a" * 64, 123, count),)
+    manifest = Manifest(CKPT, INST, refs if count else (), episodes)
+    document = {
+        "schema_version": 1,
+        "checkpoint_id": CKPT,
+        "instance": INST,
+        "artifacts": [
+            {"path": r.path, "sha256": r.sha256, "size_bytes": 123, "record_count": count}
+            for r in manifest.artifacts
+        ],
+        "episodes": [{"rollout_id": e.rollout_id, "attempt": e.attempt} for e in episodes],
+    }
+    expected = json.dumps(document, indent=2, ensure_ascii=True) + "\n"
+    assert manifest.to_bytes() == expected.encode("ascii")

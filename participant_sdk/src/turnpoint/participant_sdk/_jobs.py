@@ -19,7 +19,13 @@ from turnpoint.ids import EpisodeId, InvalidIdError
 from ._core import WorkKey
 from ._results import CommitResult, RestoreResult
 from ._store import SnapshotConflictError, WriteCancelled, WriteTicket
-from ._store_format import CorruptSnapshotError, Record, SnapshotEntry, UnserialisableRecordError
+from ._store_format import (
+    CorruptSnapshotError,
+    PlainRecord,
+    Record,
+    SnapshotEntry,
+    UnserialisableRecordError,
+)
 
 
 class Stage(enum.Enum):
@@ -40,7 +46,7 @@ class CommitJob:
     export_keys: tuple[WorkKey, ...]
     discard_keys: tuple[WorkKey, ...]
     stage: Stage = Stage.EXPORTING
-    records: tuple[Record, ...] | None = None
+    records: tuple[Record | PlainRecord, ...] | None = None
     discarded: bool = False
     task: asyncio.Task[CommitResult] | None = None
     ticket: WriteTicket | None = None

@@ -53,7 +53,13 @@ from ._results import (
 )
 from ._shared import Deadline, KindHost, RuntimeConfig, Shared, invalid_record, logger
 from ._store import SnapshotStore, WriteState, WriteTicket
-from ._store_format import CorruptSnapshotError, Record, SnapshotEntry, StoreError, detached
+from ._store_format import (
+    CorruptSnapshotError,
+    Record,
+    SnapshotEntry,
+    StoreError,
+    plain_record,
+)
 
 T = TypeVar("T")
 
@@ -413,9 +419,16 @@ class ParticipantRuntime(ControlReads, DataPlane):
         if job.records is None:
             job.stage = Stage.EXPORTING
             exported = await self._export(job.export_keys)
-            # Written after admission reopened, the records must not share the state
-            # the work then changes.
-            job.records = tuple(map(detached, exported)) if job.release else exported
+            if job.release:
+                # Written after admission reopened, the records must not share the state
+                # the work then changes: each is copied here as the writer would walk it
+                # (checked once, encoded without a second walk), before the release.
+                try:
+                    job.records = tuple(map(plain_record, exported))
+                except StoreError as error:
+                    raise storage_error(error, what) from error
+            else:
+                job.records = exported
         if not job.discarded:
             for key in job.discard_keys:
                 await self._stop_and_drop(key)

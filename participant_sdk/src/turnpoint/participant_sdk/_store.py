@@ -58,6 +58,7 @@ from ._store_format import (
     CorruptSnapshotError,
     LoadedSnapshot,
     Manifest,
+    PlainRecord,
     Record,
     SnapshotEntry,
     StoreError,
@@ -284,7 +285,7 @@ class SnapshotStore:
         snapshot: str,
         instance: str,
         checkpoint_id: str,
-        records: Iterable[Record],
+        records: Iterable[Record | PlainRecord],
         *,
         ticket: WriteTicket | None = None,
     ) -> SnapshotEntry:
@@ -317,7 +318,7 @@ class SnapshotStore:
         snapshot: str,
         instance: str,
         checkpoint_id: str,
-        records: Iterable[Record],
+        records: Iterable[Record | PlainRecord],
         ticket: WriteTicket,
     ) -> SnapshotEntry:
         data, ref, episodes = encode_records(instance, records)

@@ -45,6 +45,8 @@ _MANIFEST_FIELDS: Final = frozenset(
 _ARTIFACT_FIELDS: Final = frozenset({"path", "sha256", "size_bytes", "record_count"})
 _EPISODE_FIELDS: Final = frozenset({"rollout_id", "attempt"})
 _RECORD_FIELDS: Final = frozenset({"episode", "key", "payload"})
+# How dumps_indented ends a manifest whose episode list is empty.
+_NO_EPISODES: Final = "[]\n}"
 
 
 # --------------------------------------------------------------------------- errors
@@ -196,9 +198,22 @@ class Manifest:
                 }
                 for ref in self.artifacts
             ],
-            "episodes": [_episode_json(episode) for episode in self.episodes],
+            "episodes": [],
         }
-        return (dumps_indented(document) + "\n").encode("ascii")
+        text = dumps_indented(document)
+        if self.episodes:
+            # The episodes as dumps_indented writes them, without a dict each (a
+            # manifest lists every exported episode): valid ids are [A-Za-z0-9._-],
+            # which JSON quotes as they are, and an attempt is an int.
+            listed = ",".join(
+                [
+                    f'\n    {{\n      "rollout_id": "{episode.rollout_id}",\n      "attempt": '
+                    f"{int.__repr__(episode.attempt)}\n    }}"
+                    for episode in self.episodes
+                ]
+            )
+            text = f"{text.removesuffix(_NO_EPISODES)}[{listed}\n  ]\n}}"
+        return (text + "\n").encode("ascii")
 
 
 # --------------------------------------------------------------------------- encoding
@@ -358,14 +373,49 @@ def json_copy_object(value: Mapping[str, Any]) -> dict[str, Any]:
     return copied
 
 
-def detached(record: Record) -> Record:
-    """``record`` with a payload of its own: what the participant does after the
-    export (a commit that releases admission) cannot change what is written."""
-    return Record(record.episode, record.key, json_copy_object(record.payload))
+class PlainRecord:
+    """A record checked and copied for encoding (:func:`plain_record`): its payload is
+    plain JSON of its own, sharing only immutable strings and numbers with what was
+    exported, so that what the participant does after the export (a commit that
+    releases admission before its write) cannot change what is written, and the writer
+    encodes it without walking it again."""
+
+    __slots__ = ("episode", "key", "long_text", "payload")
+
+    def __init__(
+        self, episode: EpisodeId, key: str, payload: dict[str, Any], long_text: list[str]
+    ) -> None:
+        self.episode = episode
+        self.key = key
+        self.payload = payload
+        # The strings of at least LONG_TEXT characters in the payload, for the
+        # encoder's verbatim path.
+        self.long_text = long_text
 
 
-def _episode_json(episode: EpisodeId) -> dict[str, Any]:
-    return {"rollout_id": episode.rollout_id, "attempt": episode.attempt}
+def plain_record(record: Record | PlainRecord) -> PlainRecord:
+    """``record`` checked and copied as plain JSON (one walk of its payload);
+    :class:`UnserialisableRecordError` names the episode, key and location of a value
+    that would not round-trip."""
+    if type(record) is PlainRecord:
+        return record
+    if not isinstance(record, Record):
+        raise TypeError(f"records must be Record instances, not {type(record).__name__}")
+    # The exact type first: an ABC check costs more than encoding a small record.
+    if type(record.payload) is not dict and not isinstance(record.payload, Mapping):
+        raise UnserialisableRecordError(
+            record.episode,
+            record.key,
+            "payload",
+            f"must be a mapping, not {type(record.payload).__name__}",
+        )
+    long_text: list[str] = []
+    try:
+        payload = _plain(record.payload, 1, long_text)
+    except _BadValue as error:
+        where = "payload" + "".join(reversed(error.location))
+        raise UnserialisableRecordError(record.episode, record.key, where, error.why) from None
+    return PlainRecord(record.episode, record.key, payload, long_text)
 
 
 _PAYLOAD_ENCODER: Final = json.JSONEncoder(
@@ -374,32 +424,19 @@ _PAYLOAD_ENCODER: Final = json.JSONEncoder(
 
 
 def encode_records(
-    instance: str, records: Iterable[Record]
+    instance: str, records: Iterable[Record | PlainRecord]
 ) -> tuple[bytes, ArtifactRef, tuple[EpisodeId, ...]]:
-    """Serialise every record (so nothing is written if one fails) and describe the file."""
+    """Serialise every record (so nothing is written if one fails) and describe the file.
+    A :class:`PlainRecord` was checked and copied already and is encoded as it is."""
     # One list of pieces for the whole file, joined once: a large record is copied into
     # the file's text once, not into its line first.
     parts: list[str] = []
     lines = 0
     episodes: set[EpisodeId] = set()
     encode = _PAYLOAD_ENCODER.encode
-    for record in records:
-        if not isinstance(record, Record):
-            raise TypeError(f"records must be Record instances, not {type(record).__name__}")
-        # The exact type first: an ABC check costs more than encoding a small record.
-        if type(record.payload) is not dict and not isinstance(record.payload, Mapping):
-            raise UnserialisableRecordError(
-                record.episode,
-                record.key,
-                "payload",
-                f"must be a mapping, not {type(record.payload).__name__}",
-            )
-        long_text: list[str] = []
-        try:
-            payload = _plain(record.payload, 1, long_text)
-        except _BadValue as error:
-            where = "payload" + "".join(reversed(error.location))
-            raise UnserialisableRecordError(record.episode, record.key, where, error.why) from None
+    for item in records:
+        record = plain_record(item)
+        payload = record.payload
         episode = record.episode
         # What encoding {"episode": {...}, "key": ..., "payload": ...} gives, without
         # building and walking that dict: the ids are valid ids, [A-Za-z0-9._-] only,
@@ -410,7 +447,7 @@ def encode_records(
         )
         # Long strings that need no escape are copied by a walk of the payload; any
         # other payload is the stdlib encoder's, in C.
-        verbatim = frozenset(id(text) for text in long_text if needs_no_escape(text))
+        verbatim = frozenset(id(text) for text in record.long_text if needs_no_escape(text))
         if verbatim:
             _dumps_plain(payload, verbatim, parts)
         else:
