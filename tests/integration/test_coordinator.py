@@ -612,12 +612,24 @@ async def test_a_hung_resume_keeps_the_original_failure(fleet: Fleet) -> None:
     assert len(ids) == 2 and len(set(ids)) == 1
 
 
-async def test_commit_rejects_exports_outside_the_scope(fleet: Fleet) -> None:
+@pytest.mark.parametrize(
+    ("stray", "problem"),
+    [
+        (types_pb2.EpisodeId(rollout_id="stranger", attempt=0), "outside the scope"),
+        # Not even a valid id: the reply is malformed before any scope is looked at.
+        (types_pb2.EpisodeId(rollout_id="no/slashes", attempt=0), "bad episode"),
+        # The scope's rollout with another attempt is another episode.
+        (types_pb2.EpisodeId(rollout_id="r1", attempt=1), "outside the scope"),
+    ],
+)
+async def test_commit_rejects_exports_outside_the_scope(
+    fleet: Fleet, stray: types_pb2.EpisodeId, problem: str
+) -> None:
     agent = await fleet.start("agent-0")
 
     async def overreach(request: Any, timeout_s: float) -> Any:
         response = await agent.default_commit(request, timeout_s)
-        response.exported.append(episode_pb(EpisodeId("stranger", 0)))
+        response.exported.append(stray)
         return response
 
     agent.script["commit"] = overreach
@@ -630,7 +642,7 @@ async def test_commit_rejects_exports_outside_the_scope(fleet: Fleet) -> None:
             )
 
     assert not info.value.transient
-    assert "outside the scope" in str(info.value)
+    assert problem in str(info.value)
     assert agent.finished == {"ck-000000000001"}
 
 

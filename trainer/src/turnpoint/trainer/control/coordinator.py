@@ -1345,16 +1345,33 @@ class Coordinator:
         return entries
 
 
+def _exported_in_scope(
+    messages: Sequence[types_pb2.EpisodeId], scope: frozenset[EpisodeId], instance: str
+) -> tuple[EpisodeId, ...]:
+    """The episodes a commit reply exported, each the scope's own :class:`EpisodeId`:
+    a reply may name only episodes of its scope, whose ids were checked when the scope
+    was made, so that a snapshot of thousands of episodes builds and checks none of them
+    again. An episode outside the scope is a malformed reply."""
+    known = {(episode.rollout_id, episode.attempt): episode for episode in scope}
+    find = known.get
+    exported: list[EpisodeId] = []
+    for message in messages:
+        episode = find((message.rollout_id, message.attempt))
+        if episode is None:
+            problem = exported_problem(episodes_of(messages, instance, "Commit"), scope)
+            assert problem is not None  # an episode not in the scope is outside it
+            raise MalformedReplyError(instance, "Commit", problem)
+        exported.append(episode)
+    return tuple(exported)
+
+
 def _entry_from_commit(
     instance: str,
     kind: ParticipantKind,
     response: pb.CommitResponse,
     scope: frozenset[EpisodeId],
 ) -> ParticipantEntry:
-    exported = episodes_of(response.exported, instance, "Commit")
-    problem = exported_problem(exported, scope)
-    if problem is not None:
-        raise MalformedReplyError(instance, "Commit", problem)
+    exported = _exported_in_scope(response.exported, scope, instance)
     if response.saved_nothing and (
         response.HasField("manifest") or response.artifacts or response.exported
     ):
