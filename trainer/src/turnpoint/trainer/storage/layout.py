@@ -307,7 +307,8 @@ class SnapshotLayout(PublishedSnapshots):
         """
         checkpoint_id = manifest.checkpoint_id
         expected = self.path(checkpoint_id)
-        if Path(snapshot).resolve() != expected.resolve():
+        # The same path needs no resolving (a realpath is an lstat per component).
+        if Path(snapshot) != expected and Path(snapshot).resolve() != expected.resolve():
             raise ManifestError(
                 f"manifest for {checkpoint_id!r} cannot be published in {snapshot}; "
                 f"its directory is {expected}",
