@@ -35,7 +35,7 @@ from turnpoint.ids import EpisodeId, InvalidIdError
 from turnpoint.protocol import ParticipantKind
 from turnpoint.trainer.config import CoordinatorConfig
 from turnpoint.trainer.control.client import (
-    new_request_id,
+    request_id_source,
 )
 from turnpoint.trainer.control.failures import Failure, MalformedReplyError
 from turnpoint.trainer.control.fanout import FanoutResult
@@ -73,6 +73,7 @@ class _RequestIds:
     def __init__(self, max_keys: int = 64) -> None:
         self._max_keys = max_keys
         self._ids: OrderedDict[str, dict[tuple[str, str], str]] = OrderedDict()
+        self._new_id = request_id_source()
 
     def get(self, operation: str, key: str, instance: str) -> str:
         ids = self._ids.get(key)
@@ -84,7 +85,7 @@ class _RequestIds:
             self._ids.move_to_end(key)
         request_id = ids.get((operation, instance))
         if request_id is None:
-            request_id = ids[(operation, instance)] = new_request_id()
+            request_id = ids[(operation, instance)] = self._new_id()
         return request_id
 
 

@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
 import time
 import uuid
@@ -73,6 +72,7 @@ from turnpoint._status import error_from_rpc
 from turnpoint.auth import auth_metadata
 from turnpoint.errors import Reason, TurnpointError
 from turnpoint.ids import EpisodeId, validate_id
+from turnpoint.trainer.control.client import request_id_source
 from turnpoint.trainer.errors import CoordinatorError
 from turnpoint.trainer.rollouts.attempts import (
     Attempt,
@@ -133,14 +133,6 @@ class AgentEndpoint:
     address: str
     token: str | None = field(default=None, repr=False)
     credentials: grpc.ChannelCredentials | None = field(default=None, repr=False)
-
-
-def _request_ids() -> Callable[[], str]:
-    """Run request ids: a random prefix per client and a counter (one uuid4 per attempt
-    cost 2% of the coordinator's CPU); unique across incarnations by the prefix."""
-    prefix = uuid.uuid4().hex[:16]
-    numbers = itertools.count()
-    return lambda: f"{prefix}-{next(numbers)}"
 
 
 class AcknowledgementError(CoordinatorError):
@@ -222,7 +214,7 @@ class RolloutClient:
         self._ledger = RolloutLedger(
             self._endpoints,
             self._settings,
-            request_ids=_request_ids(),
+            request_ids=request_id_source(),
             on_change=self._changes.notify,
             group_scored=group_scored,
         )
