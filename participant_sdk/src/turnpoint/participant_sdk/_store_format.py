@@ -247,15 +247,17 @@ def _plain(value: Any, depth: int, long_text: list[str]) -> Any:
         return value
     if kind is int or kind is bool or value is None:
         return value
-    if kind is float or isinstance(value, float):
-        if not math.isfinite(value):
-            raise _BadValue(f"{value!r} is not a JSON number")
-        return float(value)
-    if isinstance(value, str):
-        return _plain(str(value), depth, long_text)
-    if isinstance(value, int):
-        # bool is final, so this is an int subclass such as an IntEnum.
-        return int(value)
+    # A dict or a list is none of the atoms: it skips their subclass checks.
+    if kind is not dict and kind is not list:
+        if kind is float or isinstance(value, float):
+            if not math.isfinite(value):
+                raise _BadValue(f"{value!r} is not a JSON number")
+            return float(value)
+        if isinstance(value, str):
+            return _plain(str(value), depth, long_text)
+        if isinstance(value, int):
+            # bool is final, so this is an int subclass such as an IntEnum.
+            return int(value)
     if depth >= MAX_PAYLOAD_DEPTH:
         raise _BadValue(f"nested deeper than {MAX_PAYLOAD_DEPTH} levels")
     if kind is dict or isinstance(value, Mapping):
