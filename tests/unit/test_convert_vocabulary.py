@@ -20,6 +20,7 @@ from turnpoint.protocol import (
     RecoveryLevel,
 )
 from turnpoint.server import _convert as server_convert
+from turnpoint.v1 import checkpoint_control_service_pb2 as pb
 from turnpoint.v1 import types_pb2
 
 EPISODE = EpisodeId("r1", 2)
@@ -97,3 +98,12 @@ def test_the_servicers_convert_the_vocabulary_with_the_core_conversions() -> Non
         for name in names:
             assert getattr(module, name) is getattr(convert, name)
             assert not hasattr(server_convert, name)
+
+
+def test_episodes_added_in_place_are_the_ones_built_one_by_one_in_order() -> None:
+    episodes = [EpisodeId("b", 2), EpisodeId("a", 0), EpisodeId("a.b_c-1", 7)]
+    added = pb.CommitResponse()
+    convert.add_episodes(added.exported, episodes)
+    built = pb.CommitResponse(exported=[convert.episode_to_proto(e) for e in episodes])
+    assert added == built
+    assert convert.episodes_from_proto(added.exported, "exported", 10) == episodes

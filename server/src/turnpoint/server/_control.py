@@ -19,6 +19,7 @@ import grpc
 
 from turnpoint._status import abort, error_to_control_error
 from turnpoint.convert import (
+    add_episodes,
     artifact_from_proto,
     artifact_to_proto,
     artifacts_from_proto,
@@ -196,10 +197,10 @@ class ControlServicer(pb_grpc.CheckpointControlServiceServicer):
             header=self._header(),
             checkpoint_id=result.checkpoint_id,
             artifacts=[artifact_to_proto(a) for a in result.artifacts],
-            exported=[episode_to_proto(e) for e in sorted_episodes(result.exported)],
             saved_nothing=result.manifest is None,
             released=result.released,
         )
+        add_episodes(response.exported, sorted_episodes(result.exported))
         if result.manifest is not None:
             response.manifest.CopyFrom(artifact_to_proto(result.manifest))
         return response

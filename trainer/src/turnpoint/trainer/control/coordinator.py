@@ -35,7 +35,12 @@ from typing import Any, Protocol, Self
 
 import grpc
 
-from turnpoint.convert import duration_from_seconds, episode_to_proto, readiness_from_proto
+from turnpoint.convert import (
+    add_episodes,
+    duration_from_seconds,
+    episode_to_proto,
+    readiness_from_proto,
+)
 from turnpoint.errors import Reason, TurnpointError
 from turnpoint.ids import (
     EpisodeId,
@@ -1312,19 +1317,19 @@ class Coordinator:
             for name, incarnation in sorted(done.items())
             if name in scopes
         }
-        requests = {
-            name: pb.CommitRequest(
+        requests: dict[str, pb.CommitRequest] = {}
+        for name, episodes in scopes.items():
+            if name in entries:
+                continue
+            request = requests[name] = pb.CommitRequest(
                 fence=self._fence,
                 request_id=self.request_id("commit", checkpoint_id, name),
                 checkpoint_id=checkpoint_id,
                 snapshot=snapshot,
-                scope=[episode_to_proto(e) for e in sorted_episodes(episodes)],
                 accept_saved_nothing=ACCEPT_SAVED_NOTHING,
                 release=RELEASE_IN_COMMIT,
             )
-            for name, episodes in scopes.items()
-            if name not in entries
-        }
+            add_episodes(request.scope, sorted_episodes(episodes))
         _remember(self._committing, checkpoint_id, requests)
         result = await self._fan_out_once(
             "commit", requests, attempts=JOINING_ATTEMPTS, checkpoint_id=checkpoint_id
