@@ -14,6 +14,7 @@ import errno
 import json
 import os
 import stat
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -91,6 +92,63 @@ def test_a_failure_after_some_chunks_leaves_nothing(tmp_path: Path) -> None:
     with pytest.raises(_Crash):
         write_temp(tmp_path, ".t-", b"x" * (CHUNK_BYTES + 1), before_chunk=fail_second)
     assert _names(tmp_path) == []
+
+
+def test_pieces_are_written_in_order_as_they_are_made(tmp_path: Path) -> None:
+    def line(n: int) -> bytes:
+        return f"line {n} ".encode() * (n % 7 + 1) + b"\n"
+
+    on_disk_before_the_last: list[int] = []
+
+    def pieces() -> Iterator[bytes]:
+        for n in range(3000):
+            if n == 2999:
+                # The file is written as the pieces come, not once they are all made.
+                (temp,) = tmp_path.iterdir()
+                on_disk_before_the_last.append(temp.stat().st_size)
+            yield line(n)
+
+    path = write_temp(tmp_path, ".t-", pieces())
+    assert path.read_bytes() == b"".join(line(n) for n in range(3000))
+    assert on_disk_before_the_last[0] > 0
+
+
+def test_before_chunk_runs_again_after_each_chunk_of_pieces_and_once_for_none(
+    tmp_path: Path,
+) -> None:
+    seen: list[Path] = []
+    piece = b"y" * 4096
+    count = 2 * CHUNK_BYTES // len(piece) + 1
+    path = write_temp(tmp_path, ".t-", (piece for _ in range(count)), before_chunk=seen.append)
+    assert path.read_bytes() == piece * count
+    assert seen == [path] * 3
+    seen.clear()
+    path = write_temp(tmp_path, ".t-", iter(()), before_chunk=seen.append)
+    assert seen == [path] and path.read_bytes() == b""
+
+
+def test_a_failure_while_making_pieces_leaves_nothing(tmp_path: Path) -> None:
+    def pieces() -> Iterator[bytes]:
+        for _ in range(100):
+            yield b"z" * 100_000
+        raise _Crash("the encoder failed half way")
+
+    with pytest.raises(_Crash):
+        write_temp(tmp_path, ".t-", pieces())
+    assert _names(tmp_path) == []
+
+
+def test_a_short_writev_is_finished(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = os.writev
+
+    def short(fd: int, buffers: list[bytes]) -> int:
+        # The kernel may write less than asked (a signal, a full disk about to fail).
+        return real(fd, [bytes(buffers[0])[:3]])
+
+    monkeypatch.setattr(os, "writev", short)
+    pieces = [b"abcdef", b"ghij", b"k" * 70_000, b"lmn"]
+    path = write_temp(tmp_path, ".t-", iter(pieces))
+    assert path.read_bytes() == b"".join(pieces)
 
 
 def test_write_new_refuses_an_existing_name_and_leaves_it_alone(tmp_path: Path) -> None:

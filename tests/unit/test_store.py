@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 import threading
+import tracemalloc
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -851,3 +852,21 @@ def test_a_manifest_is_the_indented_json_of_its_fields(count: int) -> None:
     }
     expected = json.dumps(document, indent=2, ensure_ascii=True) + "\n"
     assert manifest.to_bytes() == expected.encode("ascii")
+
+
+def test_the_records_file_is_never_whole_in_memory(tmp_path: Path) -> None:
+    """The lines go to the file as they are encoded: what a write allocates is a few
+    lines, not the file (once as text and once as bytes, as it was)."""
+    records = [
+        Record(EpisodeId(f"r-{k}", 0), "state", {"hex": os.urandom(8192).hex()}) for k in range(300)
+    ]
+    tracemalloc.start()
+    try:
+        entry = SnapshotStore(tmp_path).write(SNAP, INST, CKPT, records)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    size = entry.artifacts[0].size_bytes
+    assert size > 4 << 20 and peak < size // 8
+    loaded = SnapshotStore(tmp_path).read(SNAP, INST, entry)
+    assert [r.payload for r in loaded.records] == [r.payload for r in records]

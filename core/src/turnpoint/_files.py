@@ -24,12 +24,16 @@ from __future__ import annotations
 import os
 import secrets
 import stat
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Final
 
 TEMP_SUFFIX: Final = ".tmp"
 CHUNK_BYTES: Final = 1 << 20
+# Pieces are gathered into one writev of about this many bytes (and at most _BATCH_PIECES
+# of them): few system calls, and little memory held between them.
+_BATCH_BYTES: Final = 1 << 16
+_BATCH_PIECES: Final = 512
 
 # The default mode of a new file before the umask, as open() uses.
 _DEFAULT_MODE: Final = 0o666
@@ -42,26 +46,32 @@ def temp_path(directory: Path, prefix: str) -> Path:
 
 def write_new(
     path: Path,
-    data: bytes,
+    data: bytes | Iterable[bytes],
     *,
     mode: int = _DEFAULT_MODE,
     before_chunk: Callable[[Path], None] | None = None,
 ) -> None:
     """Create ``path`` exclusively, write ``data`` and fsync it; on any failure remove it.
 
-    ``before_chunk(path)`` runs before each chunk of at most :data:`CHUNK_BYTES` (once
-    for empty data): the place for a fault hook or a cancellation check. Whatever it
-    raises propagates, with the file removed. ``FileExistsError`` when the name exists
-    (nothing is removed then: the file is someone else's).
+    ``data`` is the bytes, or an iterable of pieces written one after the other as it
+    yields them (a large file is then never whole in memory, and no buffer of its size is
+    allocated: fresh pages cost a fault each). ``before_chunk(path)`` runs before each
+    chunk of at most :data:`CHUNK_BYTES` (once for empty data): the place for a fault hook
+    or a cancellation check. Whatever it or the iterable raises propagates, with the file
+    removed. ``FileExistsError`` when the name exists (nothing is removed then: the file
+    is someone else's).
     """
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, mode)
     try:
         try:
-            view = memoryview(data)
-            for offset in range(0, max(len(view), 1), CHUNK_BYTES):
-                if before_chunk is not None:
-                    before_chunk(path)
-                _write_all(fd, view[offset : offset + CHUNK_BYTES])
+            if isinstance(data, bytes | bytearray | memoryview):
+                view = memoryview(data)
+                for offset in range(0, max(len(view), 1), CHUNK_BYTES):
+                    if before_chunk is not None:
+                        before_chunk(path)
+                    _write_all(fd, view[offset : offset + CHUNK_BYTES])
+            else:
+                _write_pieces(fd, path, data, before_chunk)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -73,7 +83,7 @@ def write_new(
 def write_temp(
     directory: Path,
     prefix: str,
-    data: bytes,
+    data: bytes | Iterable[bytes],
     *,
     mode: int = _DEFAULT_MODE,
     before_chunk: Callable[[Path], None] | None = None,
@@ -210,3 +220,44 @@ def _write_all(fd: int, data: memoryview) -> None:
     while data:
         written = os.write(fd, data)
         data = data[written:]
+
+
+def _write_pieces(
+    fd: int, path: Path, pieces: Iterable[bytes], before_chunk: Callable[[Path], None] | None
+) -> None:
+    """Write ``pieces`` in order, gathered into writevs; ``before_chunk`` runs before the
+    first write (also of nothing) and again before each write that follows
+    :data:`CHUNK_BYTES` or more written since it last ran."""
+    batch: list[bytes] = []
+    batched = 0
+    unchecked: int | None = None  # bytes written since before_chunk ran; None: never
+    for piece in pieces:
+        batch.append(piece)
+        batched += len(piece)
+        if batched >= _BATCH_BYTES or len(batch) >= _BATCH_PIECES:
+            unchecked = _write_batch(fd, path, batch, batched, unchecked, before_chunk)
+            batch = []
+            batched = 0
+    if batch or unchecked is None:
+        _write_batch(fd, path, batch, batched, unchecked, before_chunk)
+
+
+def _write_batch(
+    fd: int,
+    path: Path,
+    batch: list[bytes],
+    size: int,
+    unchecked: int | None,
+    before_chunk: Callable[[Path], None] | None,
+) -> int:
+    """One writev of ``batch`` (``size`` bytes), preceded by ``before_chunk`` when due;
+    returns the bytes written since it last ran."""
+    if unchecked is None or unchecked >= CHUNK_BYTES:
+        if before_chunk is not None:
+            before_chunk(path)
+        unchecked = 0
+    if batch:
+        written = os.writev(fd, batch)
+        if written < size:  # a short write: the rest from one buffer
+            _write_all(fd, memoryview(b"".join(batch))[written:])
+    return unchecked + size

@@ -60,12 +60,15 @@ from ._store_format import (
     Manifest,
     PlainRecord,
     Record,
+    RecordsFile,
     SnapshotEntry,
     StoreError,
     decode_records,
     encode_records,
     entry_of,
     parse_manifest,
+    plain_record,
+    record_lines,
 )
 from ._store_objects import ObjectRecords
 
@@ -321,27 +324,29 @@ class SnapshotStore:
         records: Iterable[Record | PlainRecord],
         ticket: WriteTicket,
     ) -> SnapshotEntry:
-        data, ref, episodes = encode_records(instance, records)
-        manifest = Manifest(checkpoint_id, instance, (ref,), episodes)
+        # Every record checked before a byte is written (docs/spec.md section 8.2).
+        plain = [plain_record(record) for record in records]
         if self._objects is not None:
+            data, ref, episodes = encode_records(instance, plain)
             return self._objects.write(
                 snapshot,
                 instance,
                 data,
                 ref,
-                manifest,
+                Manifest(checkpoint_id, instance, (ref,), episodes),
                 ticket,
                 self._faults,
                 FaultPoint,
                 WriteCancelled(snapshot, instance, checkpoint_id),
                 _MAX_MANIFEST_BYTES,
             )
-        manifest_bytes = manifest.to_bytes()
         directory = self._make_dir(snapshot, instance)
 
         # Fast path for a retry: a published directory never changes, so no lock needed.
         if (directory / MANIFEST_NAME).exists():
-            return self._settle_against_published(snapshot, instance, directory, manifest, ticket)
+            return self._settle_against_published(
+                snapshot, instance, directory, _manifest(checkpoint_id, instance, plain), ticket
+            )
         if not ticket._still_writing():
             raise WriteCancelled(snapshot, instance, checkpoint_id)
 
@@ -350,17 +355,23 @@ class SnapshotStore:
             if not ticket._still_writing():
                 raise WriteCancelled(snapshot, instance, checkpoint_id)
 
-        # A leading dot can never collide with a valid id or a published file name.
-        temp = write_temp(directory, ".records-", data, mode=_FILE_MODE, before_chunk=before_chunk)
+        # The lines go to the file as they are encoded, the digest that names it taken
+        # on the way: the file is never whole in memory. A leading dot can never collide
+        # with a valid id or a published file name.
+        described = RecordsFile()
+        lines = (described.add(episode, line) for episode, line in record_lines(plain))
+        temp = write_temp(directory, ".records-", lines, mode=_FILE_MODE, before_chunk=before_chunk)
         temp_left = True
         try:
+            ref = described.ref(instance)
+            manifest = Manifest(checkpoint_id, instance, (ref,), described.episodes())
             with _locked_dir(directory) as dir_fd:
                 if (directory / MANIFEST_NAME).exists():
                     return self._settle_against_published(
                         snapshot, instance, directory, manifest, ticket
                     )
                 entry = self._publish(
-                    snapshot, directory, dir_fd, temp, ref, manifest, manifest_bytes, ticket
+                    snapshot, directory, dir_fd, temp, ref, manifest, manifest.to_bytes(), ticket
                 )
                 temp_left = False  # published: the temporary name went with the link
                 return entry
@@ -620,6 +631,12 @@ class SnapshotStore:
 
 
 # --------------------------------------------------------------------------- file helpers
+
+
+def _manifest(checkpoint_id: str, instance: str, records: list[PlainRecord]) -> Manifest:
+    """The manifest ``records`` would be published with (encoded in memory)."""
+    _, ref, episodes = encode_records(instance, records)
+    return Manifest(checkpoint_id, instance, (ref,), episodes)
 
 
 def _file_name(path: str) -> str:

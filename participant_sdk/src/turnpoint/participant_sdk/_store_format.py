@@ -425,43 +425,70 @@ _PAYLOAD_ENCODER: Final = json.JSONEncoder(
 )
 
 
+def record_lines(records: Iterable[Record | PlainRecord]) -> Iterator[tuple[EpisodeId, bytes]]:
+    """Each record's line of the records file, in order, with its episode: the compact
+    ASCII JSON of ``{"episode": ..., "key": ..., "payload": ...}`` and a newline. A
+    :class:`Record` is checked and copied first (:func:`plain_record`); a
+    :class:`PlainRecord` is encoded as it is."""
+    encode = _PAYLOAD_ENCODER.encode
+    for item in records:
+        record = plain_record(item)
+        episode = record.episode
+        # What encoding {"episode": {...}, "key": ..., "payload": ...} gives, without
+        # building and walking that dict: the ids are valid ids, [A-Za-z0-9._-] only,
+        # which JSON quotes as they are, and the attempt is an int.
+        parts = [
+            f'{{"episode":{{"rollout_id":"{episode.rollout_id}","attempt":'
+            f'{int.__repr__(episode.attempt)}}},"key":"{record.key}","payload":'
+        ]
+        # Long strings that need no escape are copied by a walk of the payload; any
+        # other payload is the stdlib encoder's, in C.
+        verbatim = frozenset(id(text) for text in record.long_text if needs_no_escape(text))
+        if verbatim:
+            _dumps_plain(record.payload, verbatim, parts)
+        else:
+            parts.append(encode(record.payload))
+        parts.append("}\n")
+        # ASCII-only output: the bytes cannot depend on a locale or hold a lone surrogate.
+        yield episode, "".join(parts).encode("ascii")
+
+
+class RecordsFile:
+    """What the lines of one records file add up to, line by line: its digest, size,
+    line count and episodes, which name and describe the file (:meth:`ref`)."""
+
+    __slots__ = ("_digest", "_episodes", "lines", "size")
+
+    def __init__(self) -> None:
+        self._digest = hashlib.sha256()
+        self._episodes: set[EpisodeId] = set()
+        self.lines = 0
+        self.size = 0
+
+    def add(self, episode: EpisodeId, line: bytes) -> bytes:
+        """Count ``line`` (of ``episode``) in; returns it."""
+        self._digest.update(line)
+        self._episodes.add(episode)
+        self.lines += 1
+        self.size += len(line)
+        return line
+
+    def ref(self, instance: str) -> ArtifactRef:
+        sha256 = self._digest.hexdigest()
+        return ArtifactRef(f"{instance}/records-{sha256}.jsonl", sha256, self.size, self.lines)
+
+    def episodes(self) -> tuple[EpisodeId, ...]:
+        return tuple(sorted_episodes(self._episodes))
+
+
 def encode_records(
     instance: str, records: Iterable[Record | PlainRecord]
 ) -> tuple[bytes, ArtifactRef, tuple[EpisodeId, ...]]:
     """Serialise every record (so nothing is written if one fails) and describe the file.
     A :class:`PlainRecord` was checked and copied already and is encoded as it is."""
-    # One list of pieces for the whole file, joined once: a large record is copied into
-    # the file's text once, not into its line first.
-    parts: list[str] = []
-    lines = 0
-    episodes: set[EpisodeId] = set()
-    encode = _PAYLOAD_ENCODER.encode
-    for item in records:
-        record = plain_record(item)
-        payload = record.payload
-        episode = record.episode
-        # What encoding {"episode": {...}, "key": ..., "payload": ...} gives, without
-        # building and walking that dict: the ids are valid ids, [A-Za-z0-9._-] only,
-        # which JSON quotes as they are, and the attempt is an int.
-        parts.append(
-            f'{{"episode":{{"rollout_id":"{episode.rollout_id}","attempt":'
-            f'{int.__repr__(episode.attempt)}}},"key":"{record.key}","payload":'
-        )
-        # Long strings that need no escape are copied by a walk of the payload; any
-        # other payload is the stdlib encoder's, in C.
-        verbatim = frozenset(id(text) for text in record.long_text if needs_no_escape(text))
-        if verbatim:
-            _dumps_plain(payload, verbatim, parts)
-        else:
-            parts.append(encode(payload))
-        parts.append("}\n")
-        lines += 1
-        episodes.add(episode)
-    # ASCII-only output: the bytes cannot depend on a locale or hold a lone surrogate.
-    data = "".join(parts).encode("ascii")
-    sha256 = hashlib.sha256(data).hexdigest()
-    ref = ArtifactRef(f"{instance}/records-{sha256}.jsonl", sha256, len(data), lines)
-    return data, ref, tuple(sorted_episodes(episodes))
+    described = RecordsFile()
+    data = b"".join([described.add(episode, line) for episode, line in record_lines(records)])
+    return data, described.ref(instance), described.episodes()
 
 
 def entry_of(manifest: Manifest, manifest_bytes: bytes) -> SnapshotEntry:
