@@ -24,6 +24,7 @@ from turnpoint.participant_sdk import (
     SnapshotConflictError,
     SnapshotEntry,
     SnapshotStore,
+    _store_format,
 )
 from turnpoint.participant_sdk._store import WriteCancelled, WriteState, WriteTicket
 from turnpoint.participant_sdk._store_format import (
@@ -783,9 +784,22 @@ class _Text(str):
     pass
 
 
-def test_each_record_line_is_the_compact_ascii_json_of_its_three_fields() -> None:
+def test_this_python_s_c_encoder_is_made_once_and_used() -> None:
+    """The writer makes its C encoder once per file, not once per record as
+    ``JSONEncoder.encode`` does: on the CPython the project runs on, that encoder takes
+    the arguments given and writes what ``JSONEncoder`` does."""
+    assert _store_format._c_encoder_works()
+    assert _store_format._C_ENCODER
+
+
+@pytest.mark.parametrize("c_encoder", [True, False], ids=["c-encoder", "json-encoder"])
+def test_each_record_line_is_the_compact_ascii_json_of_its_three_fields(
+    c_encoder: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """docs/spec.md section 8.2 item 3: what the writer builds line by line (without a
-    dict per line) is exactly the compact ASCII JSON of episode, key and payload."""
+    dict per line) is exactly the compact ASCII JSON of episode, key and payload, with
+    the C encoder made once or (a Python whose C encoder differs) ``JSONEncoder``."""
+    monkeypatch.setattr(_store_format, "_C_ENCODER", c_encoder)
     payloads: list[dict[str, Any]] = [
         {},
         {"text": 'quote " backslash \\ newline \n unicode \u00fc \u2028 \U0001f600'},
@@ -799,6 +813,12 @@ def test_each_record_line_is_the_compact_ascii_json_of_its_three_fields() -> Non
             "x" * 2000: _Text("b" * 3000),
             "in a list": [os.urandom(1024).hex(), 1.5, [os.urandom(600).hex()]],
         },
+        # A long string copied as it is stands in the encoder's output for a moment as
+        # the escaped string "\x00": payloads that hold that string (or an escape that
+        # looks like it) beside long strings must come out the same.
+        {"a": "c" * 2000, "b": "\x00", "d": ["e" * 1500, '"\x00', "\x00\x00"]},
+        {"\x00": "f" * 4000, "g": {"\x00": "\x00"}, "h": "i" * 1024},
+        {"j": "k" * 1024, "l": "\u0000", "m": "\\u0000", "n": "o" * 1023},
     ]
     records = [
         Record(EpisodeId(rollout, attempt), key, payload)
@@ -809,6 +829,9 @@ def test_each_record_line_is_the_compact_ascii_json_of_its_three_fields() -> Non
                 ("9", 12, "a.b"),
                 ("r-1", 1, "s"),
                 ("long", 0, "state"),
+                ("nul", 0, "state"),
+                ("nul", 1, "state"),
+                ("nul", 2, "state"),
             ),
             payloads,
             strict=True,
@@ -829,7 +852,7 @@ def test_each_record_line_is_the_compact_ascii_json_of_its_three_fields() -> Non
         for r in records
     ).encode("ascii")
     assert data == expected
-    assert ref.sha256 == hashlib.sha256(data).hexdigest() and ref.record_count == 5
+    assert ref.sha256 == hashlib.sha256(data).hexdigest() and ref.record_count == 8
     assert episodes == tuple(sorted(r.episode for r in records))
 
 

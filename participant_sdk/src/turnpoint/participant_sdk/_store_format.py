@@ -19,7 +19,7 @@ import itertools
 import json
 import math
 import re
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from json.encoder import encode_basestring_ascii as _escape_ascii
 from pathlib import Path
@@ -232,19 +232,31 @@ _PLAIN_ATOMS: Final = frozenset({str, int, bool, type(None)})
 # check runs in C several times faster than the escaping, and most large state (hex,
 # base64, token text) has none.
 LONG_TEXT: Final = 1024
+
+
+class _LongText:
+    """A string of at least :data:`LONG_TEXT` characters in a plain payload: the
+    encoder's ``default`` hook writes it between its quotes as it is when JSON escapes
+    nothing in it (checked in the writer, off the loop), and escapes it otherwise."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+
 # The ASCII characters a JSON string holds as they are.
 _UNESCAPED: Final = bytes(c for c in range(0x20, 0x7F) if c not in b'"\\')
 
 
-def _plain(value: Any, depth: int, long_text: list[str]) -> Any:
+def _plain(value: Any, depth: int) -> Any:
     """Copy ``value`` as plain JSON data, refusing anything that would not round-trip;
-    every string of at least :data:`LONG_TEXT` characters is added to ``long_text``."""
+    every string of at least :data:`LONG_TEXT` characters is wrapped in a
+    :class:`_LongText` for the encoder."""
     kind = type(value)
     # Exact types first: this runs for every value of every record.
     if kind is str:
-        if len(value) >= LONG_TEXT:
-            long_text.append(value)
-        return value
+        return value if len(value) < LONG_TEXT else _LongText(value)
     if kind is int or kind is bool or value is None:
         return value
     # A dict or a list is none of the atoms: it skips their subclass checks.
@@ -254,7 +266,7 @@ def _plain(value: Any, depth: int, long_text: list[str]) -> Any:
                 raise _BadValue(f"{value!r} is not a JSON number")
             return float(value)
         if isinstance(value, str):
-            return _plain(str(value), depth, long_text)
+            return _plain(str(value), depth)
         if isinstance(value, int):
             # bool is final, so this is an int subclass such as an IntEnum.
             return int(value)
@@ -273,7 +285,7 @@ def _plain(value: Any, depth: int, long_text: list[str]) -> Any:
                 copy[key] = item
                 continue
             try:
-                copy[key] = _plain(item, depth + 1, long_text)
+                copy[key] = _plain(item, depth + 1)
             except _BadValue as error:
                 error.location.append(f"[{key!r}]")
                 raise
@@ -286,7 +298,7 @@ def _plain(value: Any, depth: int, long_text: list[str]) -> Any:
                 items.append(item)
                 continue
             try:
-                items.append(_plain(item, depth + 1, long_text))
+                items.append(_plain(item, depth + 1))
             except _BadValue as error:
                 error.location.append(f"[{index}]")
                 raise
@@ -303,38 +315,6 @@ def needs_no_escape(text: str) -> bool:
         and "\n" not in text
         and not text.encode("ascii").translate(None, _UNESCAPED)
     )
-
-
-def _dumps_plain(value: Any, verbatim: frozenset[int], out: list[str]) -> None:
-    """Append to ``out`` the compact ASCII JSON of plain data (what :func:`_plain`
-    returns), as the stdlib encoder writes it, except that the strings whose ``id`` is in
-    ``verbatim`` (checked by :func:`needs_no_escape`) are copied, not escaped."""
-    kind = type(value)
-    if kind is str:
-        if id(value) in verbatim:
-            out.extend(('"', value, '"'))
-        else:
-            out.append(_escape_ascii(value))
-    elif kind is dict:
-        separator = "{"
-        for key, item in value.items():
-            out.append(separator + _escape_ascii(key) + ":")
-            _dumps_plain(item, verbatim, out)
-            separator = ","
-        out.append("}" if value else "{}")
-    elif kind is list:
-        separator = "["
-        for item in value:
-            out.append(separator)
-            _dumps_plain(item, verbatim, out)
-            separator = ","
-        out.append("]" if value else "[]")
-    elif kind is int:
-        out.append(int.__repr__(value))
-    elif kind is float:
-        out.append(float.__repr__(value))
-    else:
-        out.append("null" if value is None else "true" if value else "false")
 
 
 # Exactly these types are immutable JSON values: a copy may share them.
@@ -380,19 +360,15 @@ class PlainRecord:
     plain JSON of its own, sharing only immutable strings and numbers with what was
     exported, so that what the participant does after the export (a commit that
     releases admission before its write) cannot change what is written, and the writer
-    encodes it without walking it again."""
+    encodes it without walking it again. Its long strings are :class:`_LongText`: the
+    payload is for :func:`record_lines` only."""
 
-    __slots__ = ("episode", "key", "long_text", "payload")
+    __slots__ = ("episode", "key", "payload")
 
-    def __init__(
-        self, episode: EpisodeId, key: str, payload: dict[str, Any], long_text: list[str]
-    ) -> None:
+    def __init__(self, episode: EpisodeId, key: str, payload: dict[str, Any]) -> None:
         self.episode = episode
         self.key = key
         self.payload = payload
-        # The strings of at least LONG_TEXT characters in the payload, for the
-        # encoder's verbatim path.
-        self.long_text = long_text
 
 
 def plain_record(record: Record | PlainRecord) -> PlainRecord:
@@ -411,18 +387,62 @@ def plain_record(record: Record | PlainRecord) -> PlainRecord:
             "payload",
             f"must be a mapping, not {type(record.payload).__name__}",
         )
-    long_text: list[str] = []
     try:
-        payload = _plain(record.payload, 1, long_text)
+        payload = _plain(record.payload, 1)
     except _BadValue as error:
         where = "payload" + "".join(reversed(error.location))
         raise UnserialisableRecordError(record.episode, record.key, where, error.why) from None
-    return PlainRecord(record.episode, record.key, payload, long_text)
+    return PlainRecord(record.episode, record.key, payload)
 
 
-_PAYLOAD_ENCODER: Final = json.JSONEncoder(
-    ensure_ascii=True, allow_nan=False, check_circular=False, separators=(",", ":")
-)
+_ENCODER_SETTINGS: Final[dict[str, Any]] = {
+    "ensure_ascii": True,
+    "allow_nan": False,
+    "check_circular": False,
+    "separators": (",", ":"),
+}
+
+
+def _c_encoder_works() -> bool:
+    """Whether this Python's C encoder takes the arguments :func:`_payload_encoder` gives
+    it and writes what ``JSONEncoder`` does with the same settings."""
+    make = getattr(json.encoder, "c_make_encoder", None)
+    if make is None:
+        return False
+    try:
+        chunks = make(None, None, _escape_ascii, None, ":", ",", False, False, False)
+        probe = {"a": [1, 2.5, True, None, "\u00e9\n"], "b": {}}
+        return "".join(chunks(probe, 0)) == json.JSONEncoder(**_ENCODER_SETTINGS).encode(probe)
+    except TypeError:  # another signature than this Python's
+        return False
+
+
+_C_ENCODER: Final = _c_encoder_works()
+
+
+def _payload_encoder(default: Callable[[Any], Any]) -> Callable[[Any], str]:
+    """The compact ASCII JSON of a plain payload, ``default`` called for what is not
+    JSON. ``JSONEncoder.encode`` makes a C encoder for every call, which costs more than
+    encoding a small payload: one is made here with the arguments ``JSONEncoder(
+    **_ENCODER_SETTINGS)`` would give it (``JSONEncoder`` itself where that is not this
+    Python's C encoder)."""
+    if not _C_ENCODER:
+        return json.JSONEncoder(**_ENCODER_SETTINGS, default=default).encode
+    chunks = json.encoder.c_make_encoder(  # type: ignore[attr-defined]
+        None, default, _escape_ascii, None, ":", ",", False, False, False
+    )
+
+    def encode(payload: Any) -> str:
+        return "".join(chunks(payload, 0))
+
+    return encode
+
+
+# What a long string copied as it is stands for in the encoder's output, before it is
+# put in: the escaped string "\x00". A payload holding that very string makes the
+# count of these come out wrong, and that record is encoded again escaping every string.
+_MARK: Final = "\x00"
+_MARKED: Final = _escape_ascii(_MARK)
 
 
 def record_lines(records: Iterable[Record | PlainRecord]) -> Iterator[tuple[EpisodeId, bytes]]:
@@ -430,27 +450,47 @@ def record_lines(records: Iterable[Record | PlainRecord]) -> Iterator[tuple[Epis
     ASCII JSON of ``{"episode": ..., "key": ..., "payload": ...}`` and a newline. A
     :class:`Record` is checked and copied first (:func:`plain_record`); a
     :class:`PlainRecord` is encoded as it is."""
-    encode = _PAYLOAD_ENCODER.encode
+    verbatim: list[str] = []
+    escape_all = False
+
+    def long_text(value: Any) -> str:
+        if type(value) is not _LongText:
+            raise TypeError(f"{type(value).__name__} is not JSON-serialisable")
+        text = value.text
+        if escape_all or not needs_no_escape(text):
+            return text
+        verbatim.append(text)
+        return _MARK
+
+    encode = _payload_encoder(long_text)
     for item in records:
         record = plain_record(item)
         episode = record.episode
         # What encoding {"episode": {...}, "key": ..., "payload": ...} gives, without
         # building and walking that dict: the ids are valid ids, [A-Za-z0-9._-] only,
         # which JSON quotes as they are, and the attempt is an int.
-        parts = [
+        head = (
             f'{{"episode":{{"rollout_id":"{episode.rollout_id}","attempt":'
             f'{int.__repr__(episode.attempt)}}},"key":"{record.key}","payload":'
-        ]
-        # Long strings that need no escape are copied by a walk of the payload; any
-        # other payload is the stdlib encoder's, in C.
-        verbatim = frozenset(id(text) for text in record.long_text if needs_no_escape(text))
+        )
+        body = encode(record.payload)
         if verbatim:
-            _dumps_plain(record.payload, verbatim, parts)
+            pieces = body.split(_MARKED)
+            if len(pieces) == len(verbatim) + 1:
+                parts = [head, pieces[0]]
+                for text, piece in zip(verbatim, pieces[1:], strict=True):
+                    parts += ('"', text, '"', piece)
+                parts.append("}\n")
+                line = "".join(parts)
+            else:
+                escape_all = True
+                line = f"{head}{encode(record.payload)}}}\n"
+                escape_all = False
+            verbatim.clear()
         else:
-            parts.append(encode(record.payload))
-        parts.append("}\n")
+            line = f"{head}{body}}}\n"
         # ASCII-only output: the bytes cannot depend on a locale or hold a lone surrogate.
-        yield episode, "".join(parts).encode("ascii")
+        yield episode, line.encode("ascii")
 
 
 class RecordsFile:
