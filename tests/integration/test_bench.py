@@ -402,7 +402,8 @@ def _real_state_row(
         tree=tree,
         cpu_s={"participants": 0.004 * case.participants, "coordinator": 0.002},
     )
-    return RealStateRow(case, commit, floor_s)
+    # The floor's CPU: half its time (2 cores).
+    return RealStateRow(case, commit, floor_s, tuple(s / 2 for s in floor_s), cores=2)
 
 
 def test_the_real_state_figures_and_their_fsyncs_are_in_the_json_with_targets() -> None:
@@ -440,10 +441,16 @@ def test_the_real_state_figures_and_their_fsyncs_are_in_the_json_with_targets() 
     assert shown["floor_runs_s"] == [0.09, 0.1, 0.12] and shown["floor_s"] == 0.1
     # 4 ms of CPU per participant over its 32 episodes, 2 ms of the coordinator's over 2048.
     assert shown["cpu_us_per_episode"] == {"participants": 125.0, "coordinator": 0.98}
+    # 258 ms of CPU against the floor's 50: over 2 cores, no less than 129 ms, 1.29x its
+    # 100 ms.
+    assert shown["snapshot_cpu_ms"] == 258.0 and shown["floor_cpu_ms"] == 50.0
+    assert shown["cpu_vs_floor_cpu"] == pytest.approx(5.16) and shown["cores"] == 2
+    assert shown["least_ratio_cpu_allows"] == pytest.approx(1.29)
     assert report.regressions() == []
     out = io.StringIO()
     render_table(report, out)
     assert "197.0" in out.getvalue() and "125.0 + 1.0" in out.getvalue()
+    assert "5.2x" in out.getvalue() and "1.29x on 2" in out.getvalue()
     # The shared snapshot directory synced by every participant again: 4 each.
     extra = _real_state_row(big, 150.0, (0.1,), participant_fsyncs=4 * 64)
     worse = BenchReport(
@@ -830,6 +837,12 @@ async def test_a_snapshot_carrying_real_state_is_measured_against_its_floor(
     cpu = shown["cpu_us_per_episode"]
     assert cpu is not None and cpu["participants"] > 0 and cpu["coordinator"] > 0
     assert shown["commit"]["snapshot"]["files"] == len(tree.files)
+    # And the floor's, against which the snapshot's says how close it can come.
+    assert len(row.floor_cpu_s) == len(row.floor_s) == 1 and row.cores >= 1
+    assert shown["snapshot_cpu_ms"] > 0 and shown["floor_cpu_ms"] > 0
+    assert row.commit.cpu_s is not None
+    least = sum(row.commit.cpu_s.values()) / row.cores / row.floor_s[0]
+    assert shown["least_ratio_cpu_allows"] == pytest.approx(least, abs=1e-3)
 
 
 def test_the_floor_writes_the_same_files_with_one_fsync_each_and_per_directory(
@@ -840,8 +853,8 @@ def test_the_floor_writes_the_same_files_with_one_fsync_each_and_per_directory(
         directories=("ck", "ck/a", "ck/b"),
     )
     with counting_fsyncs() as fsyncs:
-        seconds = physical_floor(tree, tmp_path)
-    assert seconds > 0
+        run = physical_floor(tree, tmp_path)
+    assert run.seconds > 0 and run.cpu_s >= 0
     # Three files, three directories, the pointer file and the root.
     assert fsyncs.value == tree.durable_items == 8
     for name, size in tree.files:

@@ -654,6 +654,8 @@ def _real_state_table(rows: Sequence[RealStateRow]) -> Table:
         "ratio",
         "us/episode beyond",
         "CPU us/episode (participants + coordinator)",
+        "CPU vs floor's",
+        "least ratio its CPU allows",
         "fsyncs",
         "files+dirs",
     ):
@@ -670,6 +672,10 @@ def _real_state_table(rows: Sequence[RealStateRow]) -> Table:
             "n/a"
             if (cpu := case.cpu_us_per_episode) is None
             else f"{cpu['participants']:.1f} + {cpu['coordinator']:.1f}",
+            "n/a" if (per_floor := case.cpu_vs_floor_cpu) is None else f"{per_floor:.1f}x",
+            "n/a"
+            if (least := case.least_ratio_cpu_allows) is None
+            else f"{least:.2f}x on {case.cores}",
             f"{case.commit.durable_fsyncs:.1f}",
             "n/a" if tree is None else str(tree.durable_items),
         )

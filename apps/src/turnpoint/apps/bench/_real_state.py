@@ -13,12 +13,19 @@ one writer thread per directory as the participants write in parallel. The figur
 fsyncs that make the snapshot durable (the participants' and the publication's) over
 the files and directories it makes durable; retention's, which delete an older
 snapshot, are reported beside them and not counted.
+
+Both sides' CPU is measured too (the floor's from this process's own usage, user and
+system, while nothing else runs in it), which says why a ratio is what it is: on a
+machine of ``cores`` cores, a snapshot that needs ``C`` CPU-seconds cannot take less than
+``C / cores`` seconds, so ``C / cores`` over the floor's time is the least ratio its CPU
+allows, however well its work overlaps the disk's waits.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import resource
 import statistics
 import tempfile
 import time
@@ -50,6 +57,10 @@ class RealStateRow:
     case: RealStateCase
     commit: DurableCommit
     floor_s: tuple[float, ...]
+    # The floor's CPU-seconds (user and system) per run, and the cores the processes
+    # could run on.
+    floor_cpu_s: tuple[float, ...] = ()
+    cores: int = 1
 
     @property
     def snapshot_s(self) -> float:
@@ -82,6 +93,29 @@ class RealStateRow:
         return {side: seconds / self.episodes * 1e6 for side, seconds in cpu.items()}
 
     @property
+    def snapshot_cpu_s(self) -> float | None:
+        """CPU-seconds of one snapshot (median round), participants and coordinator."""
+        cpu = self.commit.cpu_s
+        return None if cpu is None else sum(cpu.values())
+
+    @property
+    def floor_cpu_median_s(self) -> float | None:
+        return statistics.median(self.floor_cpu_s) if self.floor_cpu_s else None
+
+    @property
+    def cpu_vs_floor_cpu(self) -> float | None:
+        """The snapshot's CPU over the floor's: what it burns to write the same bytes."""
+        cpu, floor = self.snapshot_cpu_s, self.floor_cpu_median_s
+        return None if cpu is None or not floor else cpu / floor
+
+    @property
+    def least_ratio_cpu_allows(self) -> float | None:
+        """The snapshot's CPU spread over every core, over the floor's time: no snapshot
+        that needs this CPU can come closer to the floor on this machine."""
+        cpu = self.snapshot_cpu_s
+        return None if cpu is None else cpu / self.cores / self.floor_median_s
+
+    @property
     def fsyncs_per_durable_item(self) -> float | None:
         tree = self.commit.tree
         return None if tree is None else self.commit.durable_fsyncs / tree.durable_items
@@ -100,11 +134,37 @@ class RealStateRow:
             "cpu_us_per_episode": None
             if (cpu := self.cpu_us_per_episode) is None
             else {side: round(us, 2) for side, us in cpu.items()},
+            "snapshot_cpu_ms": _ms(self.snapshot_cpu_s),
+            "floor_cpu_ms": _ms(self.floor_cpu_median_s),
+            "cpu_vs_floor_cpu": _rounded(self.cpu_vs_floor_cpu),
+            "cores": self.cores,
+            "least_ratio_cpu_allows": _rounded(self.least_ratio_cpu_allows),
             "fsyncs_per_snapshot": round(self.commit.durable_fsyncs, 2),
             "retention_fsyncs_per_snapshot": round(self.commit.other_coordinator_fsyncs, 2),
             "fsyncs_per_file_and_directory": None if per_item is None else round(per_item, 3),
             "commit": self.commit.to_json(),
         }
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 3)
+
+
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
+
+
+@dataclass(frozen=True, slots=True)
+class FloorRun:
+    """One run of the physical floor: its seconds and its CPU-seconds (user and system)."""
+
+    seconds: float
+    cpu_s: float
+
+
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _write_file(path: Path, data: memoryview) -> None:
@@ -126,10 +186,11 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def physical_floor(tree: SnapshotTree, scratch: Path) -> float:
+def physical_floor(tree: SnapshotTree, scratch: Path) -> FloorRun:
     """Seconds to write ``tree`` under ``scratch`` (a fresh directory) with one fsync per
-    file and per directory, plus a pointer file and the fsync of ``scratch`` itself.
-    Blocking; the bytes are drawn before the clock starts."""
+    file and per directory, plus a pointer file and the fsync of ``scratch`` itself, and
+    the CPU this process spent meanwhile (all of it the floor's when nothing else runs
+    in the process). Blocking; the bytes are drawn before the clock starts."""
     largest = max((size for _, size in tree.files), default=0)
     data = memoryview(os.urandom(max(largest, 1)))
     by_directory: dict[str, list[tuple[str, int]]] = defaultdict(list)
@@ -147,6 +208,7 @@ def physical_floor(tree: SnapshotTree, scratch: Path) -> float:
             _write_file(scratch / name, data[:size])
         _fsync_dir(scratch / directory)
 
+    cpu = _cpu_s()
     start = time.perf_counter()
     for directory in tree.directories:
         (scratch / directory).mkdir()
@@ -158,7 +220,7 @@ def physical_floor(tree: SnapshotTree, scratch: Path) -> float:
         write_directory(directory)
     _write_file(scratch / "LATEST", memoryview(b"pointer\n"))
     _fsync_dir(scratch)
-    return time.perf_counter() - start
+    return FloorRun(time.perf_counter() - start, _cpu_s() - cpu)
 
 
 async def measure_real_state(
@@ -176,7 +238,7 @@ async def measure_real_state(
         f"real state: {case.participants} participant(s) x {case.parked} parked episodes x "
         f"{case.state_bytes} B on {root}, fsyncs counted, each snapshot then its physical floor"
     )
-    floors: list[float] = []
+    floors: list[FloorRun] = []
 
     async def floor_after(fleet_root: Path, checkpoint_id: str) -> None:
         tree = await asyncio.to_thread(snapshot_tree, fleet_root, checkpoint_id)
@@ -201,7 +263,13 @@ async def measure_real_state(
     tree = commit.tree
     if tree is None or not floors:
         raise RuntimeError(f"real state {case.label}: no snapshot was published")
-    row = RealStateRow(case, commit, tuple(floors))
+    row = RealStateRow(
+        case,
+        commit,
+        tuple(run.seconds for run in floors),
+        tuple(run.cpu_s for run in floors),
+        len(os.sched_getaffinity(0)),
+    )
     progress(
         f"  {case.label}: snapshot {row.snapshot_s * 1000:.1f} ms, floor "
         f"{row.floor_median_s * 1000:.1f} ms ({tree.bytes / (1 << 20):.1f} MB in "
@@ -212,6 +280,13 @@ async def measure_real_state(
             if (cpu := row.cpu_us_per_episode) is None
             else f" (CPU per episode: participants {cpu['participants']:.1f} us, "
             f"coordinator {cpu['coordinator']:.1f} us)"
+        )
+        + (
+            ""
+            if (least := row.least_ratio_cpu_allows) is None
+            or (per_floor := row.cpu_vs_floor_cpu) is None
+            else f"; {per_floor:.1f}x the floor's CPU, so at least {least:.2f}x on "
+            f"{row.cores} cores"
         )
         + "; "
         f"{commit.durable_fsyncs:.1f} fsyncs for {tree.durable_items} files and directories "
