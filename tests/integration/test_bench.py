@@ -56,7 +56,27 @@ ROW_KEYS = {
     "http_json_ms",
     "ratio_vs_http_json",
     "with_commit_ms",
+    # Why the ratio is what it is: the CPU both sides spend, the least ratio that CPU
+    # allows on this machine's cores, and what one thread hop costs here.
+    "cores",
+    "cpu_vs_floor_cpu",
+    "least_ratio_cpu_allows",
+    "thread_hop_us",
 }
+PATHS = ("turnpoint", "commit", "bidi", "http")
+
+
+def _check_control_row(row: dict[str, Any]) -> None:
+    assert set(row) == ROW_KEYS | {"cpu_ms"}
+    for key in ROW_KEYS:
+        assert _positive(row[key]), (key, row)
+    assert set(row["cpu_ms"]) == set(PATHS) and all(_positive(row["cpu_ms"][p]) for p in PATHS)
+    assert row["cpu_vs_floor_cpu"] == pytest.approx(
+        row["cpu_ms"]["turnpoint"] / row["cpu_ms"]["bidi"], rel=0.01
+    )
+    assert row["least_ratio_cpu_allows"] == pytest.approx(
+        row["cpu_ms"]["turnpoint"] / row["cores"] / row["lower_bound_ms"], rel=0.01
+    )
 
 
 def _children() -> list[int]:
@@ -199,9 +219,7 @@ def test_the_json_has_every_figure_as_a_positive_number(
     rows = figures["control_overhead"]
     assert [row["participants"] for row in rows] == list(SIZES)
     for row in rows:
-        assert set(row) == ROW_KEYS
-        for key in ROW_KEYS:
-            assert _positive(row[key]), (key, row)
+        _check_control_row(row)
         assert row["ratio"] == pytest.approx(row["overhead_ms"] / row["lower_bound_ms"], rel=0.01)
         assert row["ratio_vs_http_json"] == pytest.approx(
             row["overhead_ms"] / row["http_json_ms"], rel=0.01
@@ -322,6 +340,9 @@ def test_the_table_shows_the_figures_and_why_a_restore_was_not_measured() -> Non
                 http_json_ms=60.0,
                 rounds=15,
                 phases_ms={"prepare": 30.0, "commit": 50.0, "publish": 20.0, "resume": 20.0},
+                cpu_ms={"turnpoint": 90.0, "bidi": 40.0},
+                cores=2,
+                thread_hop_us=180.0,
             ),
         ),
         throughput=ThroughputResult(
@@ -342,6 +363,9 @@ def test_the_table_shows_the_figures_and_why_a_restore_was_not_measured() -> Non
     render_table(report, out)
     text = out.getvalue()
     # The runs' ratios are 24/24 -> 21.8/24 = 0.909 and 18.5/24 = 0.769: median 0.839.
+    # 90 ms of CPU against the floor's 40: over 2 cores, 45 ms, 1.5x the floor's 30 ms.
+    for shown in ("2.25x", "1.50x", "180"):
+        assert shown in text, shown
     for shown in ("120.0", "30.0", "4.00x", "2.00x", "24.0", "20.0", "0.839", "11 / 0"):
         assert shown in text, (shown, text)
     assert "0.769, 0.909" in text
@@ -450,7 +474,7 @@ def test_the_real_state_figures_and_their_fsyncs_are_in_the_json_with_targets() 
     out = io.StringIO()
     render_table(report, out)
     assert "197.0" in out.getvalue() and "125.0 + 1.0" in out.getvalue()
-    assert "5.2x" in out.getvalue() and "1.29x on 2" in out.getvalue()
+    assert "5.2x" in out.getvalue() and "1.29x" in out.getvalue()
     # The shared snapshot directory synced by every participant again: 4 each.
     extra = _real_state_row(big, 150.0, (0.1,), participant_fsyncs=4 * 64)
     worse = BenchReport(
@@ -546,7 +570,7 @@ def test_the_control_path_alone_prints_its_rows_and_targets(
     rows = figures["control_overhead"]
     assert [row["participants"] for row in rows] == [1, 2]
     for row in rows:
-        assert set(row) == ROW_KEYS and all(_positive(row[key]) for key in ROW_KEYS)
+        _check_control_row(row)
     assert figures["targets"]["control_path_1_vs_floor"]["value"] == rows[0]["ratio"]
     assert figures["targets"]["control_path_1024_vs_floor"]["value"] is None
     assert figures["details"]["rounds"] == {"1": 1, "2": 1}

@@ -604,7 +604,14 @@ def _overhead_table(
         "vs HTTP",
         "every Commit sent",
     )
-    for column in (*columns, *PHASES, "rounds"):
+    for column in (
+        *columns,
+        *PHASES,
+        "CPU vs floor's",
+        "least ratio its CPU allows on these cores",
+        "thread hop us",
+        "rounds",
+    ):
         overhead.add_column(column, justify="right")
     for row in rows:
         overhead.add_row(
@@ -616,6 +623,11 @@ def _overhead_table(
             f"{row.ratio_vs_http_json:.2f}x",
             "n/a" if row.with_commit_ms is None else _ms(row.with_commit_ms),
             *(_ms(row.phases_ms.get(phase, 0.0)) for phase in PHASES),
+            "n/a" if (per_floor := row.cpu_vs_floor_cpu) is None else f"{per_floor:.2f}x",
+            "n/a"
+            if (least := row.least_ratio_cpu_allows) is None
+            else f"{least:.2f}x",
+            "n/a" if row.thread_hop_us is None else f"{row.thread_hop_us:.0f}",
             str(row.rounds),
         )
     return overhead
@@ -655,7 +667,7 @@ def _real_state_table(rows: Sequence[RealStateRow]) -> Table:
         "us/episode beyond",
         "CPU us/episode (participants + coordinator)",
         "CPU vs floor's",
-        "least ratio its CPU allows",
+        "least ratio its CPU allows on these cores",
         "fsyncs",
         "files+dirs",
     ):
@@ -675,7 +687,7 @@ def _real_state_table(rows: Sequence[RealStateRow]) -> Table:
             "n/a" if (per_floor := case.cpu_vs_floor_cpu) is None else f"{per_floor:.1f}x",
             "n/a"
             if (least := case.least_ratio_cpu_allows) is None
-            else f"{least:.2f}x on {case.cores}",
+            else f"{least:.2f}x",
             f"{case.commit.durable_fsyncs:.1f}",
             "n/a" if tree is None else str(tree.durable_items),
         )

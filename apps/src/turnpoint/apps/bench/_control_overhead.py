@@ -49,7 +49,7 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType, TracebackType
-from typing import Final, Protocol, Self
+from typing import Any, Final, Protocol, Self
 
 from turnpoint.apps._heap import frozen_heap
 from turnpoint.apps.bench._baselines import BidiEchoFanout, HttpJsonFanout
@@ -110,6 +110,14 @@ class OverheadRow:
     rounds: int
     phases_ms: Mapping[str, float] = field(default_factory=dict)
     with_commit_ms: float | None = None
+    # Median CPU milliseconds of one round of each path ("turnpoint", "bidi", ...): the
+    # coordinator's process and the workers', every thread; empty where Linux does not
+    # say. A path cannot take less than its CPU spread over the ``cores``.
+    cpu_ms: Mapping[str, float] = field(default_factory=dict)
+    cores: int = 1
+    # Median microseconds of one ``asyncio.to_thread`` round trip in the coordinator's
+    # process (a thread woken and the loop woken back), measured before the rounds.
+    thread_hop_us: float | None = None
 
     @property
     def ratio(self) -> float:
@@ -119,7 +127,20 @@ class OverheadRow:
     def ratio_vs_http_json(self) -> float:
         return self.overhead_ms / self.http_json_ms
 
-    def to_json(self) -> dict[str, float | int | None]:
+    @property
+    def cpu_vs_floor_cpu(self) -> float | None:
+        """The snapshot's CPU over the bidi floor's for the same N."""
+        ours, floor = self.cpu_ms.get("turnpoint"), self.cpu_ms.get("bidi")
+        return None if ours is None or not floor else ours / floor
+
+    @property
+    def least_ratio_cpu_allows(self) -> float | None:
+        """The snapshot's CPU spread over every core, over the floor's time: no path
+        that needs this CPU comes closer to the floor on this machine."""
+        ours = self.cpu_ms.get("turnpoint")
+        return None if ours is None else ours / self.cores / self.lower_bound_ms
+
+    def to_json(self) -> dict[str, Any]:
         return {
             "participants": self.participants,
             "overhead_ms": round(self.overhead_ms, 3),
@@ -130,6 +151,15 @@ class OverheadRow:
             "with_commit_ms": None
             if self.with_commit_ms is None
             else round(self.with_commit_ms, 3),
+            "cpu_ms": {path: round(ms, 3) for path, ms in self.cpu_ms.items()},
+            "cores": self.cores,
+            "cpu_vs_floor_cpu": None
+            if (per_floor := self.cpu_vs_floor_cpu) is None
+            else round(per_floor, 3),
+            "least_ratio_cpu_allows": None
+            if (least := self.least_ratio_cpu_allows) is None
+            else round(least, 3),
+            "thread_hop_us": None if self.thread_hop_us is None else round(self.thread_hop_us, 1),
         }
 
 
@@ -485,6 +515,7 @@ async def measure_size(
     bidi = BidiEchoFanout(fleet.echo[:n])
     http = HttpJsonFanout(fleet.http[:n])
     totals: dict[str, list[float]] = {"turnpoint": [], "commit": [], "bidi": [], "http": []}
+    cpu: dict[str, list[float]] = {name: [] for name in totals}
     phases: dict[str, list[float]] = {phase: [] for phase in PHASES}
     try:
         async with asyncio.timeout(_ROUND_TIMEOUT_S):
@@ -492,8 +523,16 @@ async def measure_size(
             await coordinator.discover()
             await bidi.open()
             await http.open()
-        snapshots = _SnapshotRounds(coordinator, layout, ids)
-        with_commit = _SnapshotRounds(coordinator, layout, ids, commit_in_prepare=False)
+        hop_us = await thread_hop_us()
+        snapshots = _SnapshotRounds(coordinator, layout, ids, participants_cpu=fleet.cpu_seconds)
+        with_commit = _SnapshotRounds(
+            coordinator,
+            layout,
+            ids,
+            commit_in_prepare=False,
+            participants_cpu=fleet.cpu_seconds,
+        )
+        snapshot_paths = {"turnpoint": snapshots, "commit": with_commit}
         # This process owns its collector: what the paths built to talk to the fleet is
         # frozen while they are timed, as a trainer would freeze its start-up heap.
         with frozen_heap():
@@ -509,9 +548,11 @@ async def measure_size(
                 shift = index % len(paths)
                 for name, run in paths[shift:] + paths[:shift]:
                     async with asyncio.timeout(_ROUND_TIMEOUT_S):
-                        laps = await run()
+                        laps, spent = await _with_cpu(run, fleet, snapshot_paths.get(name))
                     if index >= warmup:
                         totals[name].append(laps["total"])
+                        if spent is not None:
+                            cpu[name].append(spent)
                         if name == "turnpoint":
                             for phase in PHASES:
                                 phases[phase].append(laps[phase])
@@ -537,7 +578,46 @@ async def measure_size(
             {phase: statistics.median(values) * 1000 for phase, values in phases.items()}
         ),
         with_commit_ms=statistics.median(totals["commit"]) * 1000,
+        cpu_ms=MappingProxyType(
+            {name: statistics.median(values) * 1000 for name, values in cpu.items() if values}
+        ),
+        cores=len(os.sched_getaffinity(0)),
+        thread_hop_us=hop_us,
     )
+
+
+async def _with_cpu(
+    run: Callable[[], Awaitable[dict[str, float]]],
+    fleet: Fleet,
+    snapshots: _SnapshotRounds | None,
+) -> tuple[dict[str, float], float | None]:
+    """``run()``'s laps and the CPU seconds it took, the coordinator's process and the
+    workers'. A snapshot's are its rounds' own (prepare to resume, its retention left
+    out); a baseline's are taken around it. None where Linux does not say."""
+    if snapshots is not None:
+        laps = await run()
+        workers, coordinator = snapshots.last_cpu_s
+        return laps, None if workers is None else workers + coordinator
+    workers_before = await asyncio.to_thread(fleet.cpu_seconds)
+    coordinator_before = time.process_time()
+    laps = await run()
+    coordinator_cpu = time.process_time() - coordinator_before
+    workers_after = await asyncio.to_thread(fleet.cpu_seconds)
+    if workers_before is None or workers_after is None:
+        return laps, None
+    return laps, coordinator_cpu + workers_after - workers_before
+
+
+async def thread_hop_us(hops: int = 101) -> float:
+    """Median microseconds of one ``asyncio.to_thread`` round trip of a call that does
+    nothing: what moving blocking work off the loop costs here before any work (a
+    publication makes one). Woken threads on an idle virtual CPU make it slow."""
+    laps = []
+    for _ in range(hops):
+        start = time.perf_counter()
+        await asyncio.to_thread(int)
+        laps.append(time.perf_counter() - start)
+    return statistics.median(laps) * 1e6
 
 
 async def _coordinator(fleet: Fleet, n: int) -> Coordinator:
