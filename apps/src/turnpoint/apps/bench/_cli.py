@@ -624,9 +624,7 @@ def _overhead_table(
             "n/a" if row.with_commit_ms is None else _ms(row.with_commit_ms),
             *(_ms(row.phases_ms.get(phase, 0.0)) for phase in PHASES),
             "n/a" if (per_floor := row.cpu_vs_floor_cpu) is None else f"{per_floor:.2f}x",
-            "n/a"
-            if (least := row.least_ratio_cpu_allows) is None
-            else f"{least:.2f}x",
+            "n/a" if (least := row.least_ratio_cpu_allows) is None else f"{least:.2f}x",
             "n/a" if row.thread_hop_us is None else f"{row.thread_hop_us:.0f}",
             str(row.rounds),
         )
@@ -685,9 +683,7 @@ def _real_state_table(rows: Sequence[RealStateRow]) -> Table:
             if (cpu := case.cpu_us_per_episode) is None
             else f"{cpu['participants']:.1f} + {cpu['coordinator']:.1f}",
             "n/a" if (per_floor := case.cpu_vs_floor_cpu) is None else f"{per_floor:.1f}x",
-            "n/a"
-            if (least := case.least_ratio_cpu_allows) is None
-            else f"{least:.2f}x",
+            "n/a" if (least := case.least_ratio_cpu_allows) is None else f"{least:.2f}x",
             f"{case.commit.durable_fsyncs:.1f}",
             "n/a" if tree is None else str(tree.durable_items),
         )
