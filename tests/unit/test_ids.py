@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import pytest
 
 from turnpoint.ids import (
@@ -67,7 +70,29 @@ def test_episode_id_validates_both_parts() -> None:
     assert EpisodeId("r1", 2).next_attempt() == EpisodeId("r1", 3)
 
 
-def test_sorted_episodes_is_the_dataclass_order() -> None:
+def test_an_episode_id_is_its_two_fields_checked_and_frozen() -> None:
+    """Hashing, equality and order are those of ``(rollout_id, attempt)``, in C; a
+    copy or a pickle (Ray ships them between processes) is an EpisodeId again; keyword
+    arguments and the field names still work, and nothing can change a field."""
+    episode = EpisodeId(rollout_id="r-1", attempt=2)
+    assert (episode.rollout_id, episode.attempt) == ("r-1", 2)
+    assert hash(episode) == hash(("r-1", 2)) and episode == EpisodeId("r-1", 2)
+    assert EpisodeId("r-1", 2) < EpisodeId("r-1", 10) < EpisodeId("r-2", 0)
+    assert repr(episode) == "EpisodeId(rollout_id='r-1', attempt=2)"
+    assert EpisodeId("r") == EpisodeId("r", 0)
+    for copied in (
+        copy.copy(episode),
+        copy.deepcopy(episode),
+        pickle.loads(pickle.dumps(episode)),
+    ):
+        assert type(copied) is EpisodeId and copied == episode
+    with pytest.raises(AttributeError):
+        episode.attempt = 3  # type: ignore[misc]
+    with pytest.raises(InvalidIdError):
+        EpisodeId("r", True)  # type: ignore[arg-type]
+
+
+def test_sorted_episodes_is_the_rollout_then_attempt_order() -> None:
     episodes = [
         EpisodeId("b", 0),
         EpisodeId("a", 10),

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
-from operator import attrgetter
-from typing import Final, Self
+from typing import NamedTuple, Self
 
 MAX_ID_LENGTH = 128
 _ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -63,20 +61,29 @@ def validate_attempt(value: object, field: str = "attempt") -> int:
     return value
 
 
-@dataclass(frozen=True, order=True, slots=True)
-class EpisodeId:
+class _EpisodeFields(NamedTuple):
+    rollout_id: str
+    attempt: int = 0
+
+
+class EpisodeId(_EpisodeFields):
     """One attempt of one rollout: ``(rollout_id, attempt)``.
 
     Restoring a snapshot continues attempt N as attempt N+1 (:meth:`next_attempt`);
     attempt N is then dead everywhere.
+
+    A tuple of its two fields, checked when made: hashing, equality and order (rollout
+    id, then attempt) are the tuple's, in C. A snapshot hashes and compares every
+    episode it holds a dozen times on each side of the wire, and the methods a
+    dataclass generates are a Python call each.
     """
 
-    rollout_id: str
-    attempt: int = 0
+    __slots__ = ()
 
-    def __post_init__(self) -> None:
-        validate_id(self.rollout_id, "rollout_id")
-        validate_attempt(self.attempt)
+    def __new__(cls, rollout_id: str, attempt: int = 0) -> Self:
+        validate_id(rollout_id, "rollout_id")
+        validate_attempt(attempt)
+        return tuple.__new__(cls, (rollout_id, attempt))
 
     def next_attempt(self) -> EpisodeId:
         return EpisodeId(self.rollout_id, self.attempt + 1)
@@ -93,14 +100,9 @@ class EpisodeId:
         return cls(rollout_id, int(attempt))
 
 
-_EPISODE_ORDER: Final = attrgetter("rollout_id", "attempt")
-
-
 def sorted_episodes(episodes: Iterable[EpisodeId]) -> list[EpisodeId]:
-    """``sorted(episodes)``, the dataclass order (rollout id, then attempt), with the
-    comparisons made on tuples in C: a snapshot sorts every exported episode a few times,
-    and the generated ``__lt__`` is a Python call per comparison."""
-    return sorted(episodes, key=_EPISODE_ORDER)
+    """``sorted(episodes)``: rollout id, then attempt (the tuple's order, in C)."""
+    return sorted(episodes)
 
 
 def make_checkpoint_id(prefix: str, sequence: int) -> str:

@@ -720,11 +720,9 @@ def _check_schema_version(value: object) -> int:
     return value
 
 
-def _placed_key(placed: PlacedEpisode) -> tuple[str, str, int]:
-    # The episode's own order (rollout id, attempt) spelled out: tuples of strings and
-    # ints compare in C, where an EpisodeId compares through its Python __lt__.
-    episode = placed.episode
-    return (placed.instance, episode.rollout_id, episode.attempt)
+def _placed_key(placed: PlacedEpisode) -> tuple[str, EpisodeId]:
+    # By instance, then the episode's own order (rollout id, attempt: a tuple's, in C).
+    return (placed.instance, placed.episode)
 
 
 def _first_duplicate(items: Iterable[Any]) -> Any:
