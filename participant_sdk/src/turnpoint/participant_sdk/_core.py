@@ -211,11 +211,11 @@ class WorkKey:
 _WORK_KEY_SLOTS: Final = tuple(vars(WorkKey)[name].__set__ for name in ("episode", "slot", "_hash"))
 
 
-def _work_order(key: WorkKey) -> tuple[str, int, str]:
+def _work_order(key: WorkKey) -> tuple[EpisodeId, str]:
     """The dataclass order of a :class:`WorkKey` as a tuple that compares in C: a commit
     sorts every exported key, and the generated ``__lt__`` goes through two Python calls
     per comparison."""
-    return key.episode.rollout_id, key.episode.attempt, key.slot
+    return key.episode, key.slot
 
 
 # Enum members as module constants for the per-episode paths: reading one off its class

@@ -1357,7 +1357,8 @@ def _exported_in_scope(
     a reply may name only episodes of its scope, whose ids were checked when the scope
     was made, so that a snapshot of thousands of episodes builds and checks none of them
     again. An episode outside the scope is a malformed reply."""
-    known = {(episode.rollout_id, episode.attempt): episode for episode in scope}
+    # An EpisodeId is the tuple of its fields: the reply's pair finds the scope's own.
+    known: dict[tuple[str, int], EpisodeId] = {episode: episode for episode in scope}
     find = known.get
     exported: list[EpisodeId] = []
     for message in messages:
