@@ -182,7 +182,10 @@ class ScriptedAgent(pb_grpc.RolloutServiceServicer):
                 await self.signal.until(news(sent))
                 if execution.breaks != breaks:
                     await context.abort(grpc.StatusCode.UNAVAILABLE, "scripted: stream broken")
-                for index in range(sent, len(execution.turns)):
+                # The turns sealed so far: the test may seal the next one while a
+                # yield below waits for its send, and that one goes in the next round.
+                sealed = len(execution.turns)
+                for index in range(sent, sealed):
                     yield pb.RunResponse(
                         header=self.header(),
                         boundary=pb.BoundaryReport(
@@ -191,8 +194,9 @@ class ScriptedAgent(pb_grpc.RolloutServiceServicer):
                             turn_index=execution.turns[index],
                         ),
                     )
-                sent = len(execution.turns)
-                if execution.result is not None:
+                sent = sealed
+                # The result once every sealed turn went before it.
+                if execution.result is not None and sent == len(execution.turns):
                     yield pb.RunResponse(header=self.header(), result=execution.result)
                     return
         except asyncio.CancelledError:
