@@ -19,11 +19,17 @@ from typing import Any
 import pytest
 
 from turnpoint.apps._cli import main
-from turnpoint.apps.bench._bench import BenchReport, ControlPathReport, Target
+from turnpoint.apps.bench._bench import (
+    BenchReport,
+    ControlPathReport,
+    Target,
+    bookkeeping_by_cpu,
+)
 from turnpoint.apps.bench._cli import render_table
 from turnpoint.apps.bench._control_overhead import DurableCommit, OverheadRow, SnapshotTree
 from turnpoint.apps.bench._egress_relay import RelayFigures, RelayOverhead, ReplayRow
 from turnpoint.apps.bench._options import FULL_SIZES, QUICK_SIZES, RealStateCase, default_rounds
+from turnpoint.apps.bench._participant_bench import bookkeeping_cpus, pinned
 from turnpoint.apps.bench._real_state import RealStateRow, measure_real_state, physical_floor
 from turnpoint.apps.bench._sandbox_admission import (
     BUSY_SANDBOXES,
@@ -192,6 +198,12 @@ def test_the_json_has_every_figure_as_a_positive_number(
     bookkeeping = figures["details"]["bookkeeping_us"]
     assert bookkeeping["repeats"] == 2 and len(bookkeeping["values"]) == 2
     assert bookkeeping["low"] <= bookkeeping["median"] <= bookkeeping["high"]
+    # The repeats took turns on the CPUs this process may use, each pinned.
+    cpus = sorted(os.sched_getaffinity(0))
+    assert bookkeeping["cpus"] == [cpus[0], cpus[1 % len(cpus)]]
+    assert set(bookkeeping["median_by_cpu"]) == {str(cpu) for cpu in bookkeeping["cpus"]}
+    for median in bookkeeping["median_by_cpu"].values():
+        assert bookkeeping["low"] <= median <= bookkeeping["high"]
     # docs/spec.md section 5.7.3: the unchanged tree writes its handle record only.
     [sandbox] = figures["sandbox_snapshots"]
     assert sandbox["megabytes"] == 2
@@ -358,10 +370,19 @@ def test_the_table_shows_the_figures_and_why_a_restore_was_not_measured() -> Non
         workers=2,
         warmup=3,
         snapshot_root="/nowhere",
+        bookkeeping_us=60.0,
+        bookkeeping_repeats_us=(52.0, 81.0, 60.0, 77.0),
+        bookkeeping_cpus=(0, 1, 0, 1),
     )
     out = io.StringIO()
     render_table(report, out)
     text = out.getvalue()
+    # Each CPU's repeats: CPU 0 52 and 60, median 56; CPU 1 81 and 77, median 79.
+    assert "CPU 0: 56.0, CPU 1: 79.0" in text
+    assert report.to_json()["details"]["bookkeeping_us"]["median_by_cpu"] == {
+        "0": 56.0,
+        "1": 79.0,
+    }
     # The runs' ratios are 24/24 -> 21.8/24 = 0.909 and 18.5/24 = 0.769: median 0.839.
     # 90 ms of CPU against the floor's 40: over 2 cores, 45 ms, 1.5x the floor's 30 ms.
     for shown in ("2.25x", "1.50x", "180"):
@@ -385,6 +406,28 @@ def test_the_table_shows_the_figures_and_why_a_restore_was_not_measured() -> Non
     assert targets["throughput_on_vs_off"]["regressed"] is False
     assert report.regressions() == ["control_path_64_vs_floor", "control_path_64_vs_http_json"]
     assert "REGRESSED" in text
+
+
+def test_the_bookkeeping_repeats_are_summed_up_per_cpu_they_were_pinned_to() -> None:
+    assert bookkeeping_by_cpu([5.0, 9.0, 7.0, 1.0, 3.0], [2, 0, 2, None, 2]) == {0: 9.0, 2: 5.0}
+    assert bookkeeping_by_cpu([4.0, 6.0], [1, 1]) == {1: 5.0}
+    assert bookkeeping_by_cpu([4.0], [None]) == {}
+    with pytest.raises(ValueError, match="2 repeats but 1 CPUs"):
+        bookkeeping_by_cpu([4.0, 6.0], [1])
+
+
+def test_pinned_holds_the_thread_to_one_cpu_and_gives_back_what_it_had() -> None:
+    before = os.sched_getaffinity(0)
+    cpu = max(before)
+    with pinned(cpu):
+        assert os.sched_getaffinity(0) == {cpu}
+    assert os.sched_getaffinity(0) == before
+    with pytest.raises(RuntimeError, match="inside"), pinned(cpu):
+        raise RuntimeError("inside")
+    assert os.sched_getaffinity(0) == before
+    with pinned(None):
+        assert os.sched_getaffinity(0) == before
+    assert bookkeeping_cpus() == tuple(sorted(before))
 
 
 def test_a_target_regresses_only_past_its_margin() -> None:

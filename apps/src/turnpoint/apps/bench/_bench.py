@@ -57,7 +57,7 @@ from turnpoint.apps.bench._control_overhead import (
 )
 from turnpoint.apps.bench._egress_relay import RelayFigures, measure_egress_relay
 from turnpoint.apps.bench._options import BenchOptions, RealStateCase
-from turnpoint.apps.bench._participant_bench import bookkeeping_us
+from turnpoint.apps.bench._participant_bench import bookkeeping_cpus, bookkeeping_us, pinned
 from turnpoint.apps.bench._real_state import RealStateRow, measure_real_state
 from turnpoint.apps.bench._sandbox_admission import (
     BUSY_SANDBOXES,
@@ -211,6 +211,8 @@ class BenchReport:
     durable: DurableCommit | None = None
     bookkeeping_us: float | None = None
     bookkeeping_repeats_us: tuple[float, ...] = ()
+    # The CPU each repeat ran on, pinned (None: not pinned), in the repeats' order.
+    bookkeeping_cpus: tuple[int | None, ...] = ()
     status_polling: StatusPolling | None = None
     sandbox_snapshots: tuple[SandboxSnapshotRow, ...] = ()
     sandbox_admission: SandboxAdmission | None = None
@@ -430,7 +432,7 @@ class BenchReport:
                 ),
                 "bookkeeping_us": None
                 if not self.bookkeeping_repeats_us
-                else _spread_json(self.bookkeeping_repeats_us),
+                else _bookkeeping_json(self.bookkeeping_repeats_us, self.bookkeeping_cpus),
                 "throughput": self.throughput.to_json(),
                 "restore": self.restore.to_json(),
                 "trainer_restart": None
@@ -451,6 +453,31 @@ class BenchReport:
 def _spread_json(values: Sequence[float]) -> dict[str, Any] | None:
     shown = spread(values)
     return None if shown is None else shown.to_json() | {"values": [round(v, 2) for v in values]}
+
+
+def bookkeeping_by_cpu(values: Sequence[float], cpus: Sequence[int | None]) -> dict[int, float]:
+    """The median of the bookkeeping repeats pinned to each CPU (``cpus[i]`` is the CPU
+    of ``values[i]``; None, not pinned, counts for none)."""
+    if len(cpus) != len(values):
+        raise ValueError(f"{len(values)} repeats but {len(cpus)} CPUs")
+    on: dict[int, list[float]] = {}
+    for cpu, value in zip(cpus, values, strict=True):
+        if cpu is not None:
+            on.setdefault(cpu, []).append(value)
+    return {cpu: statistics.median(on[cpu]) for cpu in sorted(on)}
+
+
+def _bookkeeping_json(values: Sequence[float], cpus: Sequence[int | None]) -> dict[str, Any] | None:
+    """The repeats' spread, the CPU each ran on, and the median of each CPU's repeats."""
+    shown = _spread_json(values)
+    if shown is None or len(cpus) != len(values):
+        return shown
+    return shown | {
+        "cpus": list(cpus),
+        "median_by_cpu": {
+            str(cpu): round(value, 2) for cpu, value in bookkeeping_by_cpu(values, cpus).items()
+        },
+    }
 
 
 def _machine() -> dict[str, Any]:
@@ -576,10 +603,18 @@ async def _run(options: BenchOptions, root: Path, progress: Progress) -> BenchRe
         f"bookkeeping: {options.bookkeeping_repeats} repeat(s) of "
         f"{options.bookkeeping_episodes} episodes in process"
     )
-    bookkeeping_repeats = [
-        await bookkeeping_us(options.bookkeeping_episodes, root / f"bookkeeping-{repeat}")
-        for repeat in range(options.bookkeeping_repeats)
-    ]
+    # The repeats take turns on the CPUs, each pinned: which core a process lands on
+    # moved this figure by half on the 2-core machine (bookkeeping_cpus says why).
+    cpus = bookkeeping_cpus()
+    bookkeeping_repeats: list[float] = []
+    bookkeeping_on: list[int | None] = []
+    for repeat in range(options.bookkeeping_repeats):
+        cpu = cpus[repeat % len(cpus)]
+        with pinned(cpu):
+            bookkeeping_repeats.append(
+                await bookkeeping_us(options.bookkeeping_episodes, root / f"bookkeeping-{repeat}")
+            )
+        bookkeeping_on.append(cpu)
     progress(f"sandbox snapshots: {_sizes_left(options.sandbox_mb)} MB, full then unchanged")
     sandbox_snapshots = await measure_sandbox_snapshots(root / "sandboxes", options.sandbox_mb)
     progress(
@@ -612,6 +647,7 @@ async def _run(options: BenchOptions, root: Path, progress: Progress) -> BenchRe
         durable=durable,
         bookkeeping_us=statistics.median(bookkeeping_repeats),
         bookkeeping_repeats_us=tuple(bookkeeping_repeats),
+        bookkeeping_cpus=tuple(bookkeeping_on),
         status_polling=status_polling,
         sandbox_snapshots=sandbox_snapshots,
         sandbox_admission=sandbox_admission,

@@ -692,6 +692,7 @@ def _real_state_table(rows: Sequence[RealStateRow]) -> Table:
 
 def render_table(report: BenchReport, out: TextIO) -> None:
     """The figures as rich tables (plain text when ``out`` is not a terminal)."""
+    from turnpoint.apps.bench._bench import bookkeeping_by_cpu
     from turnpoint.apps.bench._control_overhead import PHASES
 
     console = Console(file=out, highlight=False, width=_width(out))
@@ -827,6 +828,16 @@ def render_table(report: BenchReport, out: TextIO) -> None:
         workload.add_row(
             f"  spread over {len(repeats)} repeats (lowest, highest)",
             f"{min(repeats):.1f}, {max(repeats):.1f}",
+        )
+    by_cpu = (
+        bookkeeping_by_cpu(repeats, report.bookkeeping_cpus)
+        if len(report.bookkeeping_cpus) == len(repeats)
+        else {}
+    )
+    if len(by_cpu) > 1:
+        workload.add_row(
+            "  median of the repeats pinned to each CPU",
+            ", ".join(f"CPU {cpu}: {value:.1f}" for cpu, value in by_cpu.items()),
         )
     restore = report.restore
     workload.add_row("restore s (cold start to first redispatched rollout)", _s(restore.seconds))

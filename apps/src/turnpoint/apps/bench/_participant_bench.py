@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import os
 import secrets
 import statistics
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -114,6 +116,32 @@ class _BoundaryAgent(Agent):
 
 
 # ---------------------------------------------------------------------- bookkeeping
+
+
+def bookkeeping_cpus() -> tuple[int | None, ...]:
+    """The CPUs the bookkeeping repeats take turns on: those this process may run on
+    (``(None,)`` where a process cannot be pinned). A machine's cores need not run
+    Python equally fast (a virtual one's may share a physical core with a busy
+    neighbour), and a process keeps to one for seconds at a time: pinned in turn, every
+    core the figure could land on is measured and named."""
+    getaffinity = getattr(os, "sched_getaffinity", None)
+    if getaffinity is None or not hasattr(os, "sched_setaffinity"):
+        return (None,)
+    return tuple(sorted(getaffinity(0)))
+
+
+@contextlib.contextmanager
+def pinned(cpu: int | None) -> Iterator[None]:
+    """The calling thread on ``cpu`` alone (nothing for None), as it was afterwards."""
+    if cpu is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {cpu})
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
 
 
 async def bookkeeping_us(episodes: int, root: Path) -> float:
