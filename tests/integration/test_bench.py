@@ -19,12 +19,7 @@ from typing import Any
 import pytest
 
 from turnpoint.apps._cli import main
-from turnpoint.apps.bench._bench import (
-    BenchReport,
-    ControlPathReport,
-    Target,
-    bookkeeping_by_cpu,
-)
+from turnpoint.apps.bench._bench import BenchReport, ControlPathReport, Target
 from turnpoint.apps.bench._cli import render_table
 from turnpoint.apps.bench._control_overhead import DurableCommit, OverheadRow, SnapshotTree
 from turnpoint.apps.bench._egress_relay import RelayFigures, RelayOverhead, ReplayRow
@@ -407,14 +402,6 @@ def test_the_table_shows_the_figures_and_why_a_restore_was_not_measured() -> Non
     assert targets["throughput_on_vs_off"]["regressed"] is False
     assert report.regressions() == ["control_path_64_vs_floor", "control_path_64_vs_http_json"]
     assert "REGRESSED" in text
-
-
-def test_the_bookkeeping_repeats_are_summed_up_per_cpu_they_were_pinned_to() -> None:
-    assert bookkeeping_by_cpu([5.0, 9.0, 7.0, 1.0, 3.0], [2, 0, 2, None, 2]) == {0: 9.0, 2: 5.0}
-    assert bookkeeping_by_cpu([4.0, 6.0], [1, 1]) == {1: 5.0}
-    assert bookkeeping_by_cpu([4.0], [None]) == {}
-    with pytest.raises(ValueError, match="2 repeats but 1 CPUs"):
-        bookkeeping_by_cpu([4.0, 6.0], [1])
 
 
 def test_pinned_holds_the_thread_to_one_cpu_and_gives_back_what_it_had() -> None:

@@ -11,6 +11,7 @@ from turnpoint.apps.bench._arithmetic import (
     Window,
     beyond_floor_us,
     block_windows,
+    bookkeeping_by_cpu,
     closed_fraction,
     fit_line,
     integrate,
@@ -204,3 +205,11 @@ def test_the_spread_of_repeats() -> None:
     assert shown is not None
     assert (shown.median, shown.low, shown.high, shown.repeats) == (30.5, 28.0, 35.0, 4)
     assert spread([]) is None
+
+
+def test_the_bookkeeping_repeats_are_summed_up_per_cpu_they_were_pinned_to() -> None:
+    assert bookkeeping_by_cpu([5.0, 9.0, 7.0, 1.0, 3.0], [2, 0, 2, None, 2]) == {0: 9.0, 2: 5.0}
+    assert bookkeeping_by_cpu([4.0, 6.0], [1, 1]) == {1: 5.0}
+    assert bookkeeping_by_cpu([4.0], [None]) == {}
+    with pytest.raises(ValueError, match="2 repeats but 1 CPUs"):
+        bookkeeping_by_cpu([4.0, 6.0], [1])

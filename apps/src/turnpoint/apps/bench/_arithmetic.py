@@ -15,7 +15,8 @@
 - :func:`fit_line`: least squares of y on x (the slope of snapshot time or memory
   against episodes) and the curvature left once the line is taken out;
 - :func:`beyond_floor_us`: microseconds per item beyond a floor measured beside it;
-- :func:`spread`: median, lowest and highest of repeats.
+- :func:`spread`: median, lowest and highest of repeats, and :func:`bookkeeping_by_cpu`
+  the median of the repeats pinned to each CPU.
 """
 
 from __future__ import annotations
@@ -323,3 +324,15 @@ def spread(values: Sequence[float]) -> Spread | None:
     if not values:
         return None
     return Spread(statistics.median(values), min(values), max(values), len(values))
+
+
+def bookkeeping_by_cpu(values: Sequence[float], cpus: Sequence[int | None]) -> dict[int, float]:
+    """The median of the bookkeeping repeats pinned to each CPU (``cpus[i]`` is the CPU
+    of ``values[i]``; None, not pinned, counts for none)."""
+    if len(cpus) != len(values):
+        raise ValueError(f"{len(values)} repeats but {len(cpus)} CPUs")
+    on: dict[int, list[float]] = {}
+    for cpu, value in zip(cpus, values, strict=True):
+        if cpu is not None:
+            on.setdefault(cpu, []).append(value)
+    return {cpu: statistics.median(on[cpu]) for cpu in sorted(on)}

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from turnpoint.apps.bench._arithmetic import spread
+from turnpoint.apps.bench._arithmetic import bookkeeping_by_cpu, spread
 from turnpoint.apps.bench._control_overhead import (
     DurableCommit,
     OverheadRow,
@@ -453,18 +453,6 @@ class BenchReport:
 def _spread_json(values: Sequence[float]) -> dict[str, Any] | None:
     shown = spread(values)
     return None if shown is None else shown.to_json() | {"values": [round(v, 2) for v in values]}
-
-
-def bookkeeping_by_cpu(values: Sequence[float], cpus: Sequence[int | None]) -> dict[int, float]:
-    """The median of the bookkeeping repeats pinned to each CPU (``cpus[i]`` is the CPU
-    of ``values[i]``; None, not pinned, counts for none)."""
-    if len(cpus) != len(values):
-        raise ValueError(f"{len(values)} repeats but {len(cpus)} CPUs")
-    on: dict[int, list[float]] = {}
-    for cpu, value in zip(cpus, values, strict=True):
-        if cpu is not None:
-            on.setdefault(cpu, []).append(value)
-    return {cpu: statistics.median(on[cpu]) for cpu in sorted(on)}
 
 
 def _bookkeeping_json(values: Sequence[float], cpus: Sequence[int | None]) -> dict[str, Any] | None:

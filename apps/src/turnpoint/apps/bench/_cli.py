@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, TextIO
 from rich.console import Console
 from rich.table import Table
 
+from turnpoint.apps.bench._arithmetic import bookkeeping_by_cpu
 from turnpoint.apps.bench._heal_bench import add_heal_arguments
 from turnpoint.apps.bench._long_generations import add_long_generation_arguments
 from turnpoint.apps.bench._options import (
@@ -692,7 +693,6 @@ def _real_state_table(rows: Sequence[RealStateRow]) -> Table:
 
 def render_table(report: BenchReport, out: TextIO) -> None:
     """The figures as rich tables (plain text when ``out`` is not a terminal)."""
-    from turnpoint.apps.bench._bench import bookkeeping_by_cpu
     from turnpoint.apps.bench._control_overhead import PHASES
 
     console = Console(file=out, highlight=False, width=_width(out))
