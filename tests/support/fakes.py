@@ -355,7 +355,6 @@ class FakeCoordinator:
         self,
         checkpoint_id: str,
         *,
-        expected: Mapping[str, Iterable[EpisodeId]] | None = None,
         resolve: UnackedResolver | None = None,
         snapshot: str | None = None,
     ) -> PreparedCheckpoint:

@@ -206,7 +206,6 @@ class Participants:
         self,
         checkpoint_id: str,
         *,
-        expected: Mapping[str, Iterable[EpisodeId]] | None = None,
         resolve: UnackedResolver | None = None,
         snapshot: str | None = None,
     ) -> PreparedCheckpoint:

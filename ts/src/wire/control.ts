@@ -121,7 +121,7 @@ export class ControlServicer {
         const fence = fenceFromProto(r.fence);
         const rid = requestId(r.requestId);
         const leaseS = secondsFromDuration(r.lease, "lease");
-        episodesFromProto(r.expectedEpisodes, "expected_episodes"); // a hint: checked, not used
+        checkListLength("expected_episodes", r.expectedEpisodes.length); // a hint: held to the limit, not parsed
         const emptyCommitSnapshot = r.emptyCommitSnapshot ? idFromProto(r.emptyCommitSnapshot, "empty_commit_snapshot") : null;
         const result = await rt.prepare(fence, rid, checkpointId, { leaseS, maxBlockers: r.maxBlockers, emptyCommitSnapshot }, options);
         return {

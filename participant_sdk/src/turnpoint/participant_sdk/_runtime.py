@@ -201,7 +201,6 @@ class ParticipantRuntime(ControlReads, DataPlane):
         *,
         lease_s: float | None = None,
         max_blockers: int = 0,
-        expected_episodes: Sequence[EpisodeId] = (),
         timeout_s: float | None = None,
         empty_commit_snapshot: str | None = None,
     ) -> PrepareResult:
@@ -209,14 +208,12 @@ class ParticipantRuntime(ControlReads, DataPlane):
 
         Not ready in time is an answer (phase PREPARING, blockers listed), not an error;
         admission stays closed until resume. A repeat of a ready prepare replays it.
-        ``expected_episodes`` is a hint only (the coordinator's view of what runs here).
         With ``empty_commit_snapshot``, a participant ready with nothing to export but
         restarts commits saved-nothing under that snapshot in the same call (docs/spec.md
         section 4.6 item 8).
         """
         deadline = Deadline(timeout_s, self._config)
         cap = self._cap(max_blockers)
-        del expected_episodes  # a hint; readiness is computed from what actually runs here
         if empty_commit_snapshot is not None:
             checked_id(empty_commit_snapshot, "empty_commit_snapshot")
         return await self._control(

@@ -138,15 +138,15 @@ class ControlServicer(pb_grpc.CheckpointControlServiceServicer):
         self, request: pb.PrepareRequest, timeout_s: float | None
     ) -> pb.PrepareResponse:
         checkpoint_id = id_from_proto(request.checkpoint_id, "checkpoint_id")
+        # A hint this participant ignores (docs/spec.md section 4.6): held to the list
+        # limit like every list, its entries not parsed.
+        check_list_length("expected_episodes", request.expected_episodes, self._max_list)
         result = await self._runtime.prepare(
             fence_from_proto(request.fence, request.HasField("fence")),
             _request_id(request.request_id),
             checkpoint_id,
             lease_s=seconds_from_duration(request.lease, "lease"),
             max_blockers=request.max_blockers,
-            expected_episodes=episodes_from_proto(
-                request.expected_episodes, "expected_episodes", self._max_list
-            ),
             timeout_s=timeout_s,
             empty_commit_snapshot=(
                 id_from_proto(request.empty_commit_snapshot, "empty_commit_snapshot")

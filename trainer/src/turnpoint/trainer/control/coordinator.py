@@ -985,7 +985,6 @@ class Coordinator:
         self,
         checkpoint_id: str,
         instance: str,
-        expected: Mapping[str, Iterable[EpisodeId]],
         snapshot: str | None,
     ) -> pb.PrepareRequest:
         return pb.PrepareRequest(
@@ -994,7 +993,6 @@ class Coordinator:
             checkpoint_id=checkpoint_id,
             lease=duration_from_seconds(self.config.lease_s),
             max_blockers=self.config.max_blockers_listed,
-            expected_episodes=[episode_to_proto(e) for e in sorted(expected.get(instance, ()))],
             # Committing in the prepare answers saved-nothing: only with that accepted.
             empty_commit_snapshot=snapshot if snapshot and ACCEPT_SAVED_NOTHING else "",
         )
@@ -1003,14 +1001,12 @@ class Coordinator:
         self,
         checkpoint_id: str,
         *,
-        expected: Mapping[str, Iterable[EpisodeId]] | None = None,
         resolve: UnackedResolver | None = None,
         snapshot: str | None = None,
     ) -> PreparedCheckpoint:
         """Prepare every participant under one deadline (``prepare_timeout_s``).
 
-        ``expected`` is the scope hint per instance (the episodes the trainer believes
-        each runs). ``resolve`` decides unacknowledged completions; without it they are
+        ``resolve`` decides unacknowledged completions; without it they are
         treated as "retire". ``snapshot``, the name the commit will use, lets a
         participant with nothing to export commit saved-nothing in its prepare
         (docs/spec.md section 4.6 item 8); :meth:`commit` under that name then skips it.
@@ -1020,14 +1016,13 @@ class Coordinator:
         renewer = Renewer(self, checkpoint_id, self.instances)
         renewer.start()
         try:
-            return await self._prepare(checkpoint_id, expected or {}, resolve, snapshot)
+            return await self._prepare(checkpoint_id, resolve, snapshot)
         finally:
             await renewer.stop()
 
     async def _prepare(
         self,
         checkpoint_id: str,
-        expected: Mapping[str, Iterable[EpisodeId]],
         resolve: UnackedResolver | None,
         snapshot: str | None,
     ) -> PreparedCheckpoint:
@@ -1107,7 +1102,7 @@ class Coordinator:
         try:
             result = await fan_out(
                 callers,
-                lambda name: self._prepare_request(checkpoint_id, name, expected, snapshot),
+                lambda name: self._prepare_request(checkpoint_id, name, snapshot),
                 deadline_s=config.prepare_timeout_s + config.reply_grace_s,
                 per_call_timeout_s=config.prepare_timeout_s + config.reply_grace_s,
                 # Every participant waits for its own work at once: a concurrency limit
@@ -1218,7 +1213,6 @@ class Coordinator:
         self,
         checkpoint_id: str,
         *,
-        expected: Mapping[str, Iterable[EpisodeId]] | None = None,
         resolve: UnackedResolver | None = None,
         snapshot: str | None = None,
     ) -> AsyncIterator[PreparedCheckpoint]:
@@ -1234,9 +1228,7 @@ class Coordinator:
         the snapshot is published and each participant's lease reopens it anyway.
         """
         try:
-            checkpoint = await self.prepare(
-                checkpoint_id, expected=expected, resolve=resolve, snapshot=snapshot
-            )
+            checkpoint = await self.prepare(checkpoint_id, resolve=resolve, snapshot=snapshot)
         except BaseException as error:
             verdict = error.verdict if isinstance(error, PrepareFailed) else None
             # The verdict resumes everyone; without one (cancelled, say) so do we.

@@ -177,7 +177,6 @@ class SnapshotParticipants(Protocol):
         self,
         checkpoint_id: str,
         *,
-        expected: Mapping[str, Iterable[EpisodeId]] | None = None,
         resolve: UnackedResolver | None = None,
         snapshot: str | None = None,
     ) -> PreparedCheckpoint: ...
@@ -568,15 +567,11 @@ class SnapshotDriver:
         # scope is never exported, so keeping it a while changes no snapshot.
         await self._flush_retires(with_sessions=False)
 
-        expected: dict[str, list[EpisodeId]] = {}
-        for rollout in rollouts.in_flight():
-            expected.setdefault(rollout.instance, []).append(rollout.episode)
         self._expose(checkpoint_id)
         try:
             self._set_state(attempt, _S.PREPARE)
             prepared = await self._coordinator.prepare(
                 checkpoint_id,
-                expected=expected,
                 resolve=rollouts.resolve_unacknowledged,
                 snapshot=checkpoint_id,
             )
