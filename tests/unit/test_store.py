@@ -28,11 +28,18 @@ from turnpoint.participant_sdk import (
 )
 from turnpoint.participant_sdk._store import WriteCancelled, WriteState, WriteTicket
 from turnpoint.participant_sdk._store_format import (
+    KEPT_LINE_BYTES,
+    LONG_TEXT,
     MANIFEST_NAME,
+    MAX_PAYLOAD_DEPTH,
     Corruption,
     Manifest,
+    PlainRecord,
     UnserialisableRecordError,
     encode_records,
+    plain_member,
+    plain_record,
+    record_lines,
 )
 from turnpoint.participant_sdk.testing import FaultPoint, StoreFaults
 from turnpoint.protocol import ArtifactRef
@@ -242,6 +249,75 @@ def test_unserialisable_payload_fails_before_writing_and_names_the_record(
     assert caught.value.location == location
     assert "rollout-7#2" in str(caught.value) and "turn-3" in str(caught.value)
     assert not (tmp_path / "root").exists()
+
+
+def _nested(levels: int) -> dict[str, Any]:
+    deep: dict[str, Any] = {}
+    node = deep
+    for _ in range(levels):
+        node["d"] = {}
+        node = node["d"]
+    return deep
+
+
+@pytest.mark.parametrize(
+    "member",
+    [
+        {"ok": 1, "bad": [1, object()]},
+        {"n": {1: "int key"}},
+        {"x": {"y": float("inf")}},
+        {"t": (1, "x" * LONG_TEXT), "c": Color.RED, "f": 0.5, "s": {"deep": ["y" * 5000]}},
+        "z" * LONG_TEXT,
+        7,
+        # Either side of the depth limit: a member is checked at its depth in the payload.
+        _nested(MAX_PAYLOAD_DEPTH - 3),
+        _nested(MAX_PAYLOAD_DEPTH - 2),
+    ],
+)
+def test_a_member_checked_alone_is_what_a_walk_of_its_payload_makes(member: Any) -> None:
+    # An agent's payload is made by the SDK around members it does not own, each checked
+    # alone (plain_member): the same copy, the same bytes, the same error.
+    def whole() -> PlainRecord:
+        return plain_record(Record(EP_A, "run", {"turn_index": 3, "state": member}))
+
+    def alone() -> PlainRecord:
+        return PlainRecord(
+            EP_A, "run", {"turn_index": 3, "state": plain_member(EP_A, "run", "state", member)}
+        )
+
+    try:
+        expected = whole()
+    except UnserialisableRecordError as error:
+        with pytest.raises(UnserialisableRecordError) as caught:
+            alone()
+        assert (caught.value.episode, caught.value.key, caught.value.location) == (
+            error.episode,
+            error.key,
+            error.location,
+        )
+        return
+    assert list(record_lines([alone()])) == list(record_lines([expected]))
+
+
+@pytest.mark.parametrize(
+    "state",
+    [
+        {"short": "x"},
+        {"long": "y" * (KEPT_LINE_BYTES + 1)},
+        {"long": 'quoted "' * LONG_TEXT, "also": "z" * LONG_TEXT},
+    ],
+)
+def test_a_record_written_again_is_the_same_line_and_a_short_one_is_not_encoded_again(
+    state: dict[str, Any],
+) -> None:
+    record = plain_record(Record(EP_A, "run", {"turn_index": 1, "state": state}))
+    ((_, first),) = record_lines([record])
+    ((_, second),) = record_lines([record])
+    assert second == first
+    assert json.loads(first)["payload"]["state"] == state
+    # A short line is kept and written as it is; a long one is encoded again (its long
+    # strings checked for escapes once).
+    assert (second is first) is (len(first) <= KEPT_LINE_BYTES)
 
 
 def test_too_deep_payload_is_unserialisable(tmp_path: Path) -> None:

@@ -44,7 +44,7 @@ from ._effects import CallPosition, effect_key
 from ._model import GenerateChunk
 from ._resources import ConfigurationError, Verdict
 from ._shared import Shared, invalid_record, logger
-from ._store_format import Record, json_copy, json_copy_object
+from ._store_format import PlainRecord, Record, json_copy, json_copy_object, plain_member
 from ._token_prefix import Generation, GenerationRequest, WeightsChange
 from ._tool_client import ResourcesConnection, retried
 
@@ -246,6 +246,7 @@ class _Execution:
         "calls_after_boundary",
         "clock",
         "episode",
+        "exported",
         "followers",
         "key",
         "restored",
@@ -275,6 +276,9 @@ class _Execution:
         self._sealed: tuple[int, int, dict[str, Any]] | None = None
         self.boundary_index = 0 if saved is None else saved.boundary_index
         self.restored = saved
+        # The record the last snapshot exported, the saved turn and a copy of the task
+        # it was made of: the next snapshot writes it again while both are unchanged.
+        self.exported: tuple[SavedTurn, dict[str, Any], PlainRecord] | None = None
         self.budget_s = budget_s
         # The Run's say on a generation that spans a weight update; None: the agent's.
         self.weights_change = weights_change
@@ -526,6 +530,10 @@ class AgentHost:
             )
         self._shared = shared
         self._agent = agent
+        # An agent that exports the states it sealed (Agent.export_states as it is)
+        # exports, for a saved turn, what the SDK holds: the record of a turn and task
+        # that did not change since the last snapshot is that snapshot's record.
+        self._exports_sealed = getattr(agent.export_states, "__func__", None) is Agent.export_states
         self._executions: dict[EpisodeId, _Execution] = {}
         self._receipt_ids = _ReceiptIds()
         # A restart-only agent's episode is a restart from its start: in no cut, never
@@ -1098,7 +1106,7 @@ class AgentHost:
                 execution.clock.resume(now)
         await self._agent.admission_opened()
 
-    async def export(self, keys: Sequence[WorkKey]) -> list[Record]:
+    async def export(self, keys: Sequence[WorkKey]) -> list[PlainRecord]:
         saved: dict[EpisodeId, SavedTurn] = {}
         for key in keys:
             execution = self._executions.get(key.episode)
@@ -1109,24 +1117,46 @@ class AgentHost:
                     {"episode": str(key.episode)},
                 )
             saved[key.episode] = execution.saved
-        states = await self._agent.export_states(MappingProxyType(saved))
-        records: list[Record] = []
+        sealed = self._exports_sealed
+        states: Mapping[EpisodeId, Mapping[str, Any]] = (
+            {} if sealed else await self._agent.export_states(MappingProxyType(saved))
+        )
+        # Plain records at once, each member the SDK does not own (the task the agent was
+        # given, the state it exported, a generation) checked and copied alone: the
+        # payload around them is made here, and a walk of it would only visit it again.
+        records: list[PlainRecord] = []
+        executions = self._executions
         for episode, turn in saved.items():
-            if episode not in states:
+            execution = executions[episode]
+            if sealed:
+                kept = execution.exported
+                # A saved turn is never changed, only replaced; the task is compared.
+                if kept is not None and kept[0] is turn and kept[1] == execution.task:
+                    records.append(kept[2])
+                    continue
+                state = turn.state
+            elif episode in states:
+                state = states[episode]
+            else:
                 raise TurnpointError(
                     Reason.INVALID_CHECKPOINT_STATE,
                     f"the agent's export left out {episode}",
                     {"episode": str(episode)},
                 )
             payload: dict[str, Any] = {
-                "task": self._executions[episode].task,
+                "task": plain_member(episode, SLOT, "task", execution.task),
                 "boundary_index": turn.boundary_index,
                 "turn_index": turn.turn_index,
-                "state": states[episode],
+                "state": plain_member(episode, SLOT, "state", state),
             }
             if turn.generation is not None:
-                payload[_GENERATION_FIELD] = turn.generation.to_json()
-            records.append(Record(episode, SLOT, payload))
+                payload[_GENERATION_FIELD] = plain_member(
+                    episode, SLOT, _GENERATION_FIELD, turn.generation.to_json()
+                )
+            record = PlainRecord(episode, SLOT, payload)
+            if sealed:
+                execution.exported = (turn, json_copy_object(execution.task), record)
+            records.append(record)
         return records
 
     def validate(self, record: Record) -> None:

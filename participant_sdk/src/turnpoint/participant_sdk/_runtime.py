@@ -55,6 +55,7 @@ from ._shared import Deadline, KindHost, RuntimeConfig, Shared, invalid_record, 
 from ._store import SnapshotStore, WriteState, WriteTicket
 from ._store_format import (
     CorruptSnapshotError,
+    PlainRecord,
     Record,
     SnapshotEntry,
     StoreError,
@@ -493,8 +494,8 @@ class ParticipantRuntime(ControlReads, DataPlane):
                 if self._commit_jobs.get(checkpoint_id) is job:
                     del self._commit_jobs[checkpoint_id]
 
-    async def _export(self, keys: Sequence[WorkKey]) -> tuple[Record, ...]:
-        records: list[Record] = []
+    async def _export(self, keys: Sequence[WorkKey]) -> tuple[Record | PlainRecord, ...]:
+        records: list[Record | PlainRecord] = []
         wanted = {key.episode for key in keys}
         for slot, host in self._hosts.items():
             mine = [key for key in keys if slot_of(key) == slot]

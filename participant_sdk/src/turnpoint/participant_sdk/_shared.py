@@ -25,7 +25,7 @@ from turnpoint.ids import EpisodeId
 from turnpoint.protocol import ParticipantKind, RecoveryMode
 
 from ._core import CoreEvent, CoreView, ParticipantCore, WorkKey
-from ._store_format import Record
+from ._store_format import PlainRecord, Record
 
 logger = logging.getLogger("turnpoint.participant_sdk")
 
@@ -423,8 +423,9 @@ class KindHost(Protocol):
     async def admission_opened(self) -> None:
         """Admission just reopened (lock held). Also called after a restore ends."""
 
-    async def export(self, keys: Sequence[WorkKey]) -> list[Record]:
-        """Records of the frozen state of ``keys`` (every key at least one record)."""
+    async def export(self, keys: Sequence[WorkKey]) -> Sequence[Record | PlainRecord]:
+        """Records of the frozen state of ``keys`` (every key at least one record); a
+        :class:`PlainRecord` is one checked and copied already."""
 
     def validate(self, record: Record) -> None:
         """Raise (TurnpointError INVALID_CHECKPOINT_STATE) if ``record`` cannot be installed."""

@@ -239,10 +239,13 @@ class _LongText:
     encoder's ``default`` hook writes it between its quotes as it is when JSON escapes
     nothing in it (checked in the writer, off the loop), and escapes it otherwise."""
 
-    __slots__ = ("text",)
+    __slots__ = ("clean", "text")
 
     def __init__(self, text: str) -> None:
         self.text = text
+        # Whether JSON escapes nothing in it, once checked: a record kept for the next
+        # snapshot (an agent's parked episode) is not checked again.
+        self.clean: bool | None = None
 
 
 # The ASCII characters a JSON string holds as they are.
@@ -361,14 +364,26 @@ class PlainRecord:
     exported, so that what the participant does after the export (a commit that
     releases admission before its write) cannot change what is written, and the writer
     encodes it without walking it again. Its long strings are :class:`_LongText`: the
-    payload is for :func:`record_lines` only."""
+    payload is for :func:`record_lines` only.
 
-    __slots__ = ("episode", "key", "payload")
+    A record that is written again unchanged (an agent keeps its parked episodes'
+    records from one snapshot to the next) is not encoded again: the writer keeps its
+    line (``line``) when it is at most :data:`KEPT_LINE_BYTES` long, and a longer one's
+    long strings remember whether they needed escaping."""
+
+    __slots__ = ("episode", "key", "line", "payload")
 
     def __init__(self, episode: EpisodeId, key: str, payload: dict[str, Any]) -> None:
         self.episode = episode
         self.key = key
         self.payload = payload
+        self.line: bytes | None = None
+
+
+# The longest records-file line a PlainRecord keeps once encoded: a parked episode's
+# line costs its length in memory for as long as the record is kept, and a longer
+# record's time goes to its bytes (hashed every time), not to its encoding.
+KEPT_LINE_BYTES: Final = 4096
 
 
 def plain_record(record: Record | PlainRecord) -> PlainRecord:
@@ -393,6 +408,21 @@ def plain_record(record: Record | PlainRecord) -> PlainRecord:
         where = "payload" + "".join(reversed(error.location))
         raise UnserialisableRecordError(record.episode, record.key, where, error.why) from None
     return PlainRecord(record.episode, record.key, payload)
+
+
+def plain_member(episode: EpisodeId, key: str, name: str, value: Any) -> Any:
+    """``value`` checked and copied as the member ``name`` of a record's payload, as
+    :func:`plain_record` does each member: for a payload the SDK itself makes around a
+    few members it does not own, which a walk of the whole payload would visit again.
+    :class:`UnserialisableRecordError` names the same location."""
+    kind = type(value)
+    if kind in _PLAIN_ATOMS and (kind is not str or len(value) < LONG_TEXT):
+        return value
+    try:
+        return _plain(value, 2)
+    except _BadValue as error:
+        where = f"payload[{name!r}]" + "".join(reversed(error.location))
+        raise UnserialisableRecordError(episode, key, where, error.why) from None
 
 
 _ENCODER_SETTINGS: Final[dict[str, Any]] = {
@@ -457,7 +487,12 @@ def record_lines(records: Iterable[Record | PlainRecord]) -> Iterator[tuple[Epis
         if type(value) is not _LongText:
             raise TypeError(f"{type(value).__name__} is not JSON-serialisable")
         text = value.text
-        if escape_all or not needs_no_escape(text):
+        if escape_all:
+            return text
+        clean = value.clean
+        if clean is None:
+            clean = value.clean = needs_no_escape(text)
+        if not clean:
             return text
         verbatim.append(text)
         return _MARK
@@ -466,6 +501,10 @@ def record_lines(records: Iterable[Record | PlainRecord]) -> Iterator[tuple[Epis
     for item in records:
         record = plain_record(item)
         episode = record.episode
+        kept = record.line
+        if kept is not None:
+            yield episode, kept
+            continue
         # What encoding {"episode": {...}, "key": ..., "payload": ...} gives, without
         # building and walking that dict: the ids are valid ids, [A-Za-z0-9._-] only,
         # which JSON quotes as they are, and the attempt is an int.
@@ -490,7 +529,10 @@ def record_lines(records: Iterable[Record | PlainRecord]) -> Iterator[tuple[Epis
         else:
             line = f"{head}{body}}}\n"
         # ASCII-only output: the bytes cannot depend on a locale or hold a lone surrogate.
-        yield episode, line.encode("ascii")
+        encoded = line.encode("ascii")
+        if len(encoded) <= KEPT_LINE_BYTES:
+            record.line = encoded
+        yield episode, encoded
 
 
 class RecordsFile:
