@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import pickle
+from types import SimpleNamespace
 
 import pytest
 
@@ -11,6 +12,7 @@ from turnpoint.ids import (
     EpisodeId,
     InvalidIdError,
     checkpoint_sequence,
+    episodes_of,
     make_checkpoint_id,
     sorted_episodes,
     validate_attempt,
@@ -60,6 +62,29 @@ def test_non_string_id_is_refused() -> None:
 def test_invalid_attempts(attempt: object) -> None:
     with pytest.raises(InvalidIdError):
         validate_attempt(attempt)
+
+
+_ROLLOUT_IDS = ["a", "x" * 128, "A.b_c-D", "", "x" * 129, "-dash", "a/b", "a\nb", "é", 5, None]
+_ATTEMPTS = [0, 3, -1, 1.0, True, "1", None]
+
+
+@pytest.mark.parametrize("rollout_id", _ROLLOUT_IDS)
+@pytest.mark.parametrize("attempt", _ATTEMPTS)
+def test_episodes_of_wire_fields_are_what_episode_id_makes_or_refuses(
+    rollout_id: object, attempt: object
+) -> None:
+    fields = SimpleNamespace(rollout_id=rollout_id, attempt=attempt)
+    good = SimpleNamespace(rollout_id="ok", attempt=0)
+    try:
+        expected = EpisodeId(rollout_id, attempt)  # type: ignore[arg-type]
+    except InvalidIdError as error:
+        with pytest.raises(InvalidIdError) as info:
+            episodes_of([good, fields])
+        assert (str(info.value), info.value.field) == (str(error), error.field)
+        return
+    made = episodes_of([good, fields])
+    assert made == [EpisodeId("ok", 0), expected]
+    assert all(type(episode) is EpisodeId for episode in made)
 
 
 def test_episode_id_validates_both_parts() -> None:

@@ -28,7 +28,7 @@ from google.protobuf.internal.containers import RepeatedCompositeFieldContainer
 from google.protobuf.json_format import MessageToDict
 
 from turnpoint.errors import Reason, TurnpointError
-from turnpoint.ids import EpisodeId, InvalidIdError, validate_id
+from turnpoint.ids import EpisodeId, InvalidIdError, episodes_of, validate_id
 from turnpoint.protocol import (
     ArtifactRef,
     Blocker,
@@ -69,7 +69,10 @@ def episodes_from_proto(
 ) -> list[EpisodeId]:
     items = list(messages)
     check_list_length(field, items, limit)
-    return [episode_from_proto(m, field) for m in items]
+    try:
+        return episodes_of(items)
+    except InvalidIdError as error:
+        raise bad_argument(error, at=field) from None
 
 
 def episode_to_proto(episode: EpisodeId) -> types_pb2.EpisodeId:

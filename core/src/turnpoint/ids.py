@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from typing import NamedTuple, Self
+from typing import Any, NamedTuple, Self
 
 MAX_ID_LENGTH = 128
 _ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -98,6 +98,30 @@ class EpisodeId(_EpisodeFields):
         if not sep or not attempt.isdigit():
             raise InvalidIdError("episode", text, "expected 'rollout_id#attempt'")
         return cls(rollout_id, int(attempt))
+
+
+def episodes_of(items: Iterable[Any]) -> list[EpisodeId]:
+    """The :class:`EpisodeId` of each item with ``rollout_id`` and ``attempt`` fields (a
+    wire message), checked as ``EpisodeId()`` checks them, in one loop: a commit's scope
+    names every episode it continues. The first invalid one raises
+    :class:`InvalidIdError`, as ``EpisodeId()`` would."""
+    fits = _ID_PATTERN.fullmatch
+    make = tuple.__new__
+    episodes: list[EpisodeId] = []
+    append = episodes.append
+    for item in items:
+        rollout_id, attempt = item.rollout_id, item.attempt
+        if (
+            type(attempt) is int
+            and attempt >= 0
+            and type(rollout_id) is str
+            and len(rollout_id) <= MAX_ID_LENGTH
+            and fits(rollout_id) is not None
+        ):
+            append(make(EpisodeId, (rollout_id, attempt)))
+        else:
+            append(EpisodeId(rollout_id, attempt))  # raises what is wrong with it
+    return episodes
 
 
 def sorted_episodes(episodes: Iterable[EpisodeId]) -> list[EpisodeId]:
