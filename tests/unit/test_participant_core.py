@@ -303,6 +303,18 @@ def test_commit_plan_leaves_out_restarts_and_discards_unscoped_restored_state() 
     assert start.discard == (run(EP_B),)
 
 
+def test_episodes_in_a_state_are_those_of_its_slot_only() -> None:
+    core = core_with(
+        (EP_A, EpisodeState.AWAITING_MODEL),
+        (EP_B, EpisodeState.RUNNING),
+        (EP_C, EpisodeState.AWAITING_MODEL),
+    )
+    core.admit(WorkKey(EP_B, "session"), EpisodeState.AWAITING_MODEL, now=0.0)
+    assert sorted(core.episodes_in(EpisodeState.AWAITING_MODEL, "run")) == [EP_A, EP_C]
+    assert core.episodes_in(EpisodeState.AWAITING_MODEL, "session") == [EP_B]
+    assert core.episodes_in(EpisodeState.RESTORED, "run") == []
+
+
 # ---------------------------------------------------------------------- restore
 
 
@@ -629,9 +641,35 @@ class CoreMachine(RuleBasedStateMachine):
         active = self.core.active_checkpoint_id
         if active is None:
             return
+        views = list(self.core.entries())
         start = self._try(lambda: self.core.begin_commit(active, frozenset(scope), scope, self.now))
         if start is not None:
             assert isinstance(start, CommitStart)
+            if start.kind is StartKind.NEW:
+                # Exactly what section 4.8 items 5 and 6 name, in work order.
+                refused = self.core.refusal_mark
+                assert list(start.export) == sorted(
+                    (
+                        view.key
+                        for view in views
+                        if view.key.episode in scope
+                        and not view.blocks
+                        and view.state not in (EpisodeState.RESTART, EpisodeState.RETIRING)
+                        and not (
+                            (mark := refused(view.key.episode.rollout_id)) is not None
+                            and view.key.episode.attempt <= mark
+                        )
+                    ),
+                    key=lambda key: (key.episode, key.slot),
+                )
+                assert list(start.discard) == sorted(
+                    (
+                        view.key
+                        for view in views
+                        if view.state is EpisodeState.RESTORED and view.key.episode not in scope
+                    ),
+                    key=lambda key: (key.episode, key.slot),
+                )
             restarts = set(self.core.readiness(0).restarts)
             for key in start.export:
                 assert key.episode not in restarts
@@ -709,6 +747,16 @@ class CoreMachine(RuleBasedStateMachine):
                 with pytest.raises(TurnpointError) as info:
                     self.core.renew(checkpoint_id, 30.0, self.now)
                 assert info.value.reason is Reason.STALE_CHECKPOINT
+
+    @invariant()
+    def episodes_in_a_state_are_the_tables_own(self) -> None:
+        for state in EpisodeState:
+            found = sorted(self.core.episodes_in(state, "run"))
+            assert found == sorted(
+                view.key.episode
+                for view in self.core.entries()
+                if view.state is state and view.key.slot == "run"
+            )
 
     @invariant()
     def restarts_never_block(self) -> None:

@@ -23,6 +23,7 @@ from collections.abc import (
     Awaitable,
     Callable,
     Iterable,
+    Iterator,
     Mapping,
     Sequence,
 )
@@ -1092,19 +1093,24 @@ class AgentHost:
 
     async def admission_closed(self) -> None:
         now = self._shared.clock()
-        core = self._shared.view
-        for execution in self._executions.values():
-            if core.state_of(execution.key) is EpisodeState.AWAITING_MODEL:
-                execution.clock.pause(now)
+        for execution in self._awaiting_model():
+            execution.clock.pause(now)
         await self._agent.admission_closed()
 
     async def admission_opened(self) -> None:
         now = self._shared.clock()
-        core = self._shared.view
-        for execution in self._executions.values():
-            if core.state_of(execution.key) is EpisodeState.AWAITING_MODEL:
-                execution.clock.resume(now)
+        for execution in self._awaiting_model():
+            execution.clock.resume(now)
         await self._agent.admission_opened()
+
+    def _awaiting_model(self) -> Iterator[_Execution]:
+        """The executions waiting on a model call: parked by a checkpoint, their budget
+        clocks stop while it holds admission."""
+        executions = self._executions
+        for episode in self._shared.view.episodes_in(EpisodeState.AWAITING_MODEL, SLOT):
+            execution = executions.get(episode)
+            if execution is not None:
+                yield execution
 
     async def export(self, keys: Sequence[WorkKey]) -> list[PlainRecord]:
         saved: dict[EpisodeId, SavedTurn] = {}

@@ -226,6 +226,7 @@ _PREPARED: Final = Phase.PREPARED
 _RUNNING: Final = EpisodeState.RUNNING
 _RESTART: Final = EpisodeState.RESTART
 _RETIRING: Final = EpisodeState.RETIRING
+_RESTORED: Final = EpisodeState.RESTORED
 _GONE: Final = EpisodeState.IDLE
 
 # A tuple: membership compares by identity, where the frozenset would call the enum's
@@ -470,6 +471,17 @@ class ParticipantCore:
         """The state of one entry, None if it is not in the table (no view is built)."""
         entry = self._entries.get(key)
         return None if entry is None else entry.state
+
+    def episodes_in(self, state: EpisodeState, slot: str) -> list[EpisodeId]:
+        """The episodes whose ``slot`` entry is in ``state``, in one pass of the table
+        (none when the state's count says so): a checkpoint pauses every parked one."""
+        if not self._counts[state]:
+            return []
+        return [
+            key.episode
+            for key, entry in self._entries.items()
+            if entry.state is state and key.slot == slot
+        ]
 
     def entries(self) -> Iterator[EntryView]:
         return (_view(entry) for entry in self._entries.values())
@@ -745,27 +757,36 @@ class ParticipantCore:
                 f"scope names {len(restarts)} restart episodes, e.g. {restarts[0]}",
                 episode=restarts[0],
             )
+        # Exportable: not blocking, neither a restart nor retiring, its attempt not
+        # refused (the marks asked only if there are any): every entry of the table.
+        marks = self._marks
         export = tuple(
             sorted(
                 (
                     key
                     for key, entry in self._entries.items()
                     if key.episode in scoped
-                    and _exportable(entry)
-                    and not self._refused(key.episode)
+                    and not entry.blocks
+                    and entry.state is not _RESTART
+                    and entry.state is not _RETIRING
+                    and not (marks and self._refused(key.episode))
                 ),
                 key=_work_order,
             )
         )
-        discard = tuple(
-            sorted(
-                (
-                    key
-                    for key, entry in self._entries.items()
-                    if entry.state is EpisodeState.RESTORED and key.episode not in scoped
-                ),
-                key=_work_order,
+        discard = (
+            tuple(
+                sorted(
+                    (
+                        key
+                        for key, entry in self._entries.items()
+                        if entry.state is _RESTORED and key.episode not in scoped
+                    ),
+                    key=_work_order,
+                )
             )
+            if self._counts[_RESTORED]
+            else ()
         )
         self._answers[(checkpoint_id, "commit")] = (fingerprint, None)
         return CommitStart(StartKind.NEW, None, export, discard)
@@ -1245,10 +1266,6 @@ class ParticipantCore:
             )
 
 
-def _exportable(entry: _Entry) -> bool:
-    return not entry.blocks and entry.state not in (EpisodeState.RESTART, EpisodeState.RETIRING)
-
-
 def _view(entry: _Entry) -> EntryView:
     return EntryView(
         entry.key,
@@ -1343,6 +1360,9 @@ class CoreView:
 
     def state_of(self, key: WorkKey) -> EpisodeState | None:
         return self._core.state_of(key)
+
+    def episodes_in(self, state: EpisodeState, slot: str) -> list[EpisodeId]:
+        return self._core.episodes_in(state, slot)
 
     def entries(self) -> Iterator[EntryView]:
         return self._core.entries()
