@@ -614,12 +614,17 @@ def test_the_real_state_figure_alone_prints_its_rows_and_targets_only(
     """``--real-state-only`` runs that figure and nothing else (no control path, no demo
     run): its rows, its targets, its details; every worker stopped."""
     argv = ["bench", "--real-state-only", "--json", "--real-state", "1x2x512", "--workers", "1"]
-    assert main([*argv, "--rounds", "1", "--warmup", "0", "--root", str(tmp_path)]) == 0
+    assert main([*argv, "--rounds", "2", "--warmup", "0", "--root", str(tmp_path)]) == 0
     figures = json.loads(capsys.readouterr().out)
     assert set(figures) == {"real_state", "targets", "details"}
     [row] = figures["real_state"]
     assert (row["participants"], row["episodes_per_participant"]) == (1, 2)
     assert row["snapshot_s"] > 0 and row["floor_s"] > 0
+    # The same case again, every episode taking a turn before each snapshot (a fleet of
+    # its own, whose worker made both episodes seal a new boundary and park again).
+    turned = row["every_episode_a_new_turn"]
+    assert (turned["participants"], turned["episodes_per_participant"]) == (1, 2)
+    assert turned["snapshot_s"] > 0 and turned["every_episode_a_new_turn"] is None
     assert set(figures["targets"]) == {
         "real_state_64x32x16KB_vs_floor",
         "real_state_1000_episodes_us_beyond_floor",
@@ -628,7 +633,13 @@ def test_the_real_state_figure_alone_prints_its_rows_and_targets_only(
     # Its own case is not a default case: the targets have nothing to hold it to.
     assert all(target["value"] is None for target in figures["targets"].values())
     # Only the real-state snapshots were written under the root.
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["real-state-1x2x512"]
+    assert sorted(path.name for path in tmp_path.iterdir()) == [
+        "real-state-1x2x512",
+        "real-state-1x2x512-turned",
+    ]
+    # Each turned snapshot holds new states: no record of the last one is in the next.
+    first, second = sorted((tmp_path / "real-state-1x2x512-turned").glob("*/p0000/records-*"))
+    assert set(first.read_text().splitlines()).isdisjoint(second.read_text().splitlines())
     assert _children() == []
 
 

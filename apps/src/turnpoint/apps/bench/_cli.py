@@ -227,8 +227,9 @@ def add_bench_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -
     parser.add_argument(
         "--real-state",
         type=_real_state,
-        help="snapshots carrying real state against the disk's floor, as "
-        "PARTICIPANTSxEPISODESxBYTES[,...] (default "
+        help="snapshots carrying real state against the disk's floor, each case with its "
+        "episodes parked all along and again with every episode a new turn before each "
+        "snapshot, as PARTICIPANTSxEPISODESxBYTES[,...] (default "
         f"{','.join(case.label for case in REAL_STATE)}; quick: none; 'none' for none)",
     )
     parser.add_argument(
@@ -671,10 +672,14 @@ def _real_state_table(rows: Sequence[RealStateRow]) -> Table:
         "files+dirs",
     ):
         real.add_column(column, justify="right")
-    for case in rows:
+    shown = [(row.case.label, row) for row in rows]
+    for row in rows:
+        if row.turned is not None:
+            shown.append((f"{row.case.label}, each a new turn", row.turned))
+    for label, case in shown:
         tree = case.commit.tree
         real.add_row(
-            case.case.label,
+            label,
             "n/a" if tree is None else f"{tree.bytes / (1 << 20):.1f}",
             f"{case.snapshot_s * 1000:.1f}",
             f"{case.floor_median_s * 1000:.1f}",

@@ -379,6 +379,14 @@ class Fleet:
             total += seconds
         return total
 
+    async def take_turns(self) -> int:
+        """Every parked episode of the fleet takes a turn (a new boundary, new state) and
+        parks again; returns how many did."""
+        turned = await asyncio.gather(
+            *(worker.take_turn(_WORKER_START_TIMEOUT_S) for worker in self._workers)
+        )
+        return sum(turned)
+
     def endpoints(self, n: int) -> dict[str, str]:
         names = [participant_name(j) for j in range(n)]
         return {name: self.participants[name] for name in names}
@@ -684,10 +692,13 @@ async def measure_durable_commit(
     state_bytes: int = 0,
     label: str = "durable",
     after_round: Callable[[Path, str], Awaitable[object]] | None = None,
+    turns: bool = False,
 ) -> DurableCommit:
     """The turnpoint path alone for ``n`` participants on ``root`` (a disk), fsyncs
     counted. With ``parked``, every participant holds that many episodes parked with
-    ``state_bytes`` of state each, and every snapshot exports them all. ``after_round``
+    ``state_bytes`` of state each, and every snapshot exports them all; with ``turns``
+    too, every episode takes a turn before each snapshot (untimed), so that no episode
+    is as the last snapshot saw it. ``after_round``
     is awaited after each measured round, untimed, with the layout's root and the
     snapshot just published: a baseline measured there sees the disk as the round did."""
     fleet_root = root / label
@@ -726,6 +737,10 @@ async def measure_durable_commit(
                     participants_cpu=fleet.cpu_seconds,
                 )
                 for index in range(warmup + rounds):
+                    if turns and parked:
+                        turned = await fleet.take_turns()
+                        if turned != n * parked:
+                            raise RuntimeError(f"{turned} of {n * parked} episodes took a turn")
                     async with asyncio.timeout(_ROUND_TIMEOUT_S):
                         laps = await snapshots.round()
                     participants_seconds, coordinator_seconds = snapshots.last_cpu_s

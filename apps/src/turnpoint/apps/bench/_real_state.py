@@ -32,7 +32,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Final
 
@@ -61,6 +61,10 @@ class RealStateRow:
     # could run on.
     floor_cpu_s: tuple[float, ...] = ()
     cores: int = 1
+    # The same case with every episode taking a turn before each snapshot: no record is
+    # as the last snapshot wrote it (the row above: episodes parked all along). None
+    # when not measured.
+    turned: RealStateRow | None = None
 
     @property
     def snapshot_s(self) -> float:
@@ -143,6 +147,7 @@ class RealStateRow:
             "retention_fsyncs_per_snapshot": round(self.commit.other_coordinator_fsyncs, 2),
             "fsyncs_per_file_and_directory": None if per_item is None else round(per_item, 3),
             "commit": self.commit.to_json(),
+            "every_episode_a_new_turn": None if self.turned is None else self.turned.to_json(),
         }
 
 
@@ -232,11 +237,52 @@ async def measure_real_state(
     warmup: int,
     token: str,
     progress: Progress,
+    turns: bool = True,
 ) -> RealStateRow:
-    """One case's snapshots on ``root``, each followed by its physical floor."""
+    """One case's snapshots on ``root``, each followed by its physical floor: with the
+    episodes parked all along, then (``turns``) with each taking a turn before every
+    snapshot, in a fleet of its own."""
+    parked = await _measure_case(
+        root,
+        case,
+        workers=workers,
+        rounds=rounds,
+        warmup=warmup,
+        token=token,
+        progress=progress,
+        turns=False,
+    )
+    if not turns:
+        return parked
+    turned = await _measure_case(
+        root,
+        case,
+        workers=workers,
+        rounds=rounds,
+        warmup=warmup,
+        token=token,
+        progress=progress,
+        turns=True,
+    )
+    return replace(parked, turned=turned)
+
+
+async def _measure_case(
+    root: Path,
+    case: RealStateCase,
+    *,
+    workers: int,
+    rounds: int,
+    warmup: int,
+    token: str,
+    progress: Progress,
+    turns: bool,
+) -> RealStateRow:
+    how = ", every episode a new turn before each snapshot" if turns else ""
     progress(
         f"real state: {case.participants} participant(s) x {case.parked} parked episodes x "
-        f"{case.state_bytes} B on {root}, fsyncs counted, each snapshot then its physical floor"
+        f"{case.state_bytes} B on {root}{how}, fsyncs counted, each snapshot then its "
+        "physical floor"
     )
     floors: list[FloorRun] = []
 
@@ -257,8 +303,9 @@ async def measure_real_state(
         progress=progress,
         parked=case.parked,
         state_bytes=case.state_bytes,
-        label=f"real-state-{case.label}",
+        label=f"real-state-{case.label}" + ("-turned" if turns else ""),
         after_round=floor_after,
+        turns=turns,
     )
     tree = commit.tree
     if tree is None or not floors:
@@ -271,7 +318,7 @@ async def measure_real_state(
         len(os.sched_getaffinity(0)),
     )
     progress(
-        f"  {case.label}: snapshot {row.snapshot_s * 1000:.1f} ms, floor "
+        f"  {case.label}{' turned' if turns else ''}: snapshot {row.snapshot_s * 1000:.1f} ms, floor "
         f"{row.floor_median_s * 1000:.1f} ms ({tree.bytes / (1 << 20):.1f} MB in "
         f"{len(tree.files)} files, {len(tree.directories)} directories): "
         f"{row.ratio:.2f}x, {row.beyond_floor_us_per_episode:.1f} us per episode beyond it"

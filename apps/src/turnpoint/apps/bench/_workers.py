@@ -14,7 +14,10 @@ share of the servers in its own asyncio loop, on ``127.0.0.1:0``:
 The driver passes the job as one JSON argument and the bearer token in
 ``$TURNPOINT_TOKEN`` (never on the command line). A worker prints one JSON line with
 its ports once every server is serving, then runs until its stdin closes (the driver
-stops it, or died) or it gets SIGTERM/SIGINT. A job with ``count_fsyncs`` counts every
+stops it, or died) or it gets SIGTERM/SIGINT. A fleet with parked episodes takes a turn
+on every one of them when a ``turn`` line comes on its stdin (each seals a new boundary
+with new state and parks again) and prints ``{"turned": N}`` once all are parked again
+(:meth:`WorkerProcess.take_turn`). A job with ``count_fsyncs`` counts every
 ``os.fsync`` the worker makes (:func:`counting_fsyncs`) and prints a last JSON line,
 ``{"fsyncs": N}``, once its servers are stopped. :class:`WorkerProcess` is the driver's
 handle: it bounds every wait and kills a worker that does not stop in time.
@@ -25,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import itertools
 import json
 import logging
 import os
@@ -118,23 +122,33 @@ class NoopResources(ResourcesServer):
 
 
 class ParkedStateAgent(Agent):
-    """An agent whose every episode seals one boundary with ``task["state_bytes"]``
+    """An agent whose every episode seals a boundary with ``task["state_bytes"]``
     characters of incompressible state (hex of random bytes, made here so that the
-    task itself stays small) and then waits on a model call that never returns: parked
-    at its boundary, holding that state for every snapshot to export."""
+    task itself stays small) and then waits on a model call: parked at its boundary,
+    holding that state for every snapshot to export. The call returns only when the
+    worker makes every episode take a turn (:meth:`take_turn`): each then seals its next
+    boundary with new state and waits again."""
 
     def __init__(self) -> None:
-        self._never: asyncio.Future[None] | None = None
+        self._turn: asyncio.Future[None] | None = None
+        self.sealed = 0  # boundaries sealed, all episodes together
 
-    async def _wait_forever(self) -> None:
-        if self._never is None:
-            self._never = asyncio.get_running_loop().create_future()
-        await self._never
+    async def _wait_for_turn(self) -> None:
+        if self._turn is None or self._turn.done():
+            self._turn = asyncio.get_running_loop().create_future()
+        await self._turn
+
+    def take_turn(self) -> None:
+        """Answer every episode's model call: each seals its next boundary."""
+        if self._turn is not None and not self._turn.done():
+            self._turn.set_result(None)
 
     async def run(self, ctx: EpisodeContext, task: Mapping[str, Any]) -> Mapping[str, Any]:
         size = int(task["state_bytes"])
-        await ctx.boundary(0, {"state": os.urandom((size + 1) // 2).hex()[:size]})
-        await ctx.model_call(self._wait_forever)
+        for turn in itertools.count():
+            await ctx.boundary(turn, {"state": os.urandom((size + 1) // 2).hex()[:size]})
+            self.sealed += 1
+            await ctx.model_call(self._wait_for_turn)
         return {}
 
 
@@ -188,37 +202,63 @@ def topology_job(
 Closer = Callable[[], Awaitable[None]]
 
 
-async def _host_fleet(job: Mapping[str, Any], token: str) -> tuple[dict[str, Any], list[Closer]]:
+TakeTurn = Callable[[], Awaitable[int]]
+
+
+async def _host_fleet(
+    job: Mapping[str, Any], token: str
+) -> tuple[dict[str, Any], list[Closer], TakeTurn | None]:
     root = Path(job["root"])
     closers: list[Closer] = []
     participants: dict[str, int] = {}
 
     parked = int(job.get("parked", 0))
     state_bytes = int(job.get("state_bytes", 0))
+    agents: dict[str, ParkedStateAgent] = {}
 
     async def participant(instance: str) -> HostedParticipant:
         if parked:
-            runtime = ParticipantRuntime(instance, SnapshotStore(root), agent=ParkedStateAgent())
+            agent = agents[instance] = ParkedStateAgent()
+            runtime = ParticipantRuntime(instance, SnapshotStore(root), agent=agent)
         else:
             runtime = ParticipantRuntime(instance, SnapshotStore(root), resources=NoopResources())
         return await host_participant(
             runtime, ServerOptions(host=HOST, port=0, token=token)
         ).start()
 
-    async def park(runtime: ParticipantRuntime) -> None:
-        for episode in parked_episodes(runtime.instance_name, parked):
-            stream = await runtime.accept_run(episode, {"state_bytes": state_bytes})
-            closers.append(stream.aclose)
+    async def settle(runtime: ParticipantRuntime, sealed: int) -> None:
+        """Until every episode sealed ``sealed`` boundaries in all and parked again."""
+        agent = agents[runtime.instance_name]
         settled = await runtime.wait_until(
             lambda core: (
-                core.ready and core.recount()[1].get(EpisodeState.AWAITING_MODEL) == parked
+                agent.sealed >= sealed
+                and core.ready
+                and core.recount()[1].get(EpisodeState.AWAITING_MODEL) == parked
             ),
             _PARK_TIMEOUT_S,
         )
         if not settled:
             raise RuntimeError(f"{runtime.instance_name}: the episodes never parked")
 
+    async def park(runtime: ParticipantRuntime) -> None:
+        for episode in parked_episodes(runtime.instance_name, parked):
+            stream = await runtime.accept_run(episode, {"state_bytes": state_bytes})
+            closers.append(stream.aclose)
+        await settle(runtime, parked)
+
     hosted = await asyncio.gather(*(participant(name) for name in job["participants"]))
+
+    async def take_turn() -> int:
+        targets = []
+        for item in hosted:
+            agent = agents[item.runtime.instance_name]
+            targets.append(agent.sealed + parked)
+            agent.take_turn()
+        await asyncio.gather(
+            *(settle(item.runtime, target) for item, target in zip(hosted, targets, strict=True))
+        )
+        return parked * len(hosted)
+
     if parked:
         await asyncio.gather(*(park(item.runtime) for item in hosted))
     for item in hosted:
@@ -234,10 +274,12 @@ async def _host_fleet(job: Mapping[str, Any], token: str) -> tuple[dict[str, Any
         closers.append(runner.cleanup)
         http_ports.append(http_port)
     report = {"participants": participants, "echo": echo_ports, "http": http_ports}
-    return report, closers
+    return report, closers, take_turn if parked else None
 
 
-async def _host_topology(job: Mapping[str, Any], token: str) -> tuple[dict[str, Any], list[Closer]]:
+async def _host_topology(
+    job: Mapping[str, Any], token: str
+) -> tuple[dict[str, Any], list[Closer], TakeTurn | None]:
     root = Path(job["root"])
     closers: list[Closer] = []
     participants: list[dict[str, Any]] = []
@@ -283,21 +325,30 @@ async def _host_topology(job: Mapping[str, Any], token: str) -> tuple[dict[str, 
                 turn_delay_s=float(job.get("turn_delay_s", 0.0)),
             ),
         )
-    return {"participants": participants}, closers
+    return {"participants": participants}, closers, None
 
 
-def _watch_stdin(loop: asyncio.AbstractEventLoop, stop: asyncio.Event) -> None:
-    """Set ``stop`` when stdin closes: the driver stopped us, or it is gone."""
+def _watch_stdin(
+    loop: asyncio.AbstractEventLoop, stop: asyncio.Event, turns: asyncio.Queue[None]
+) -> None:
+    """Set ``stop`` when stdin closes: the driver stopped us, or it is gone. A ``turn``
+    line asks for a turn of every parked episode (``turns``)."""
 
     def read() -> None:
         with contextlib.suppress(OSError, ValueError):
-            while sys.stdin.buffer.read(4096):
-                pass
+            for line in sys.stdin.buffer:
+                if line.strip() == b"turn":
+                    loop.call_soon_threadsafe(turns.put_nowait, None)
         with contextlib.suppress(RuntimeError):
             loop.call_soon_threadsafe(stop.set)
 
     # A daemon thread: a blocked read must never hold up the interpreter's exit.
     threading.Thread(target=read, name="bench-stdin", daemon=True).start()
+
+
+def _say(message: Mapping[str, Any]) -> None:
+    sys.stdout.write(json.dumps(message) + "\n")
+    sys.stdout.flush()
 
 
 async def _serve(job: Mapping[str, Any]) -> int:
@@ -309,7 +360,8 @@ async def _serve(job: Mapping[str, Any]) -> int:
     stop = asyncio.Event()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    _watch_stdin(loop, stop)
+    turns: asyncio.Queue[None] = asyncio.Queue()
+    _watch_stdin(loop, stop, turns)
     if job["mode"] == "fleet":
         # Each participant would own a process and its thread pool in production; here
         # dozens share one loop, so give the loop a thread per participant, or their
@@ -326,13 +378,21 @@ async def _serve(job: Mapping[str, Any]) -> int:
     closers: list[Closer] = []
     with counting_fsyncs() as fsyncs:
         try:
-            report, closers = await hosting(job, token)
+            report, closers, take_turn = await hosting(job, token)
             # A long-lived server's start-up heap: frozen, as `turnpoint serve` does.
             freeze_start_up_heap()
             report["pid"] = os.getpid()
-            sys.stdout.write(json.dumps(report) + "\n")
-            sys.stdout.flush()
-            await stop.wait()
+            _say(report)
+            stopping = asyncio.create_task(stop.wait())
+            while not stopping.done():
+                asked = asyncio.create_task(turns.get())
+                await asyncio.wait({stopping, asked}, return_when=asyncio.FIRST_COMPLETED)
+                if not asked.done():
+                    asked.cancel()
+                elif take_turn is None:
+                    _say({"turned": 0})
+                else:
+                    _say({"turned": await take_turn()})
         finally:
             for close in reversed(closers):
                 # Best effort: a server that fails to stop must not keep the others up,
@@ -341,8 +401,7 @@ async def _serve(job: Mapping[str, Any]) -> int:
                     await asyncio.wait_for(close(), _STOP_TIMEOUT_S)
         if job.get("count_fsyncs"):
             with contextlib.suppress(OSError):
-                sys.stdout.write(json.dumps({"fsyncs": fsyncs.value}) + "\n")
-                sys.stdout.flush()
+                _say({"fsyncs": fsyncs.value})
     return 0
 
 
@@ -427,6 +486,23 @@ class WorkerProcess:
             _LOG.warning("worker %s did not stop in %g s; killing it", self.name, timeout_s)
             self.kill()
             await process.wait()
+
+    async def take_turn(self, timeout_s: float) -> int:
+        """Every parked episode it hosts takes a turn (seals a new boundary with new
+        state) and parks again; returns how many did."""
+        process = self._process
+        if process is None or process.stdin is None or process.stdout is None:
+            raise WorkerError(f"worker {self.name} is not running")
+        process.stdin.write(b"turn\n")
+        await process.stdin.drain()
+        try:
+            async with asyncio.timeout(timeout_s):
+                line = await process.stdout.readline()
+        except TimeoutError:
+            raise WorkerError(f"worker {self.name} took no turn in {timeout_s:g} s") from None
+        if not line:
+            raise WorkerError(f"worker {self.name} exited instead of taking a turn")
+        return int(json.loads(line)["turned"])
 
     def _read_final(self, rest: bytes) -> None:
         for line in reversed(rest.decode("utf-8", errors="replace").splitlines()):
