@@ -44,7 +44,7 @@ import statistics
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Final
 
@@ -534,18 +534,25 @@ async def _control_rows(
 async def _real_state_rows(
     options: BenchOptions, root: Path, token: str, progress: Progress
 ) -> list[RealStateRow]:
-    return [
-        await measure_real_state(
-            root,
-            case,
-            workers=options.workers,
-            rounds=options.rounds if options.rounds is not None else _REAL_STATE_ROUNDS,
-            warmup=options.warmup,
-            token=token,
-            progress=progress,
-        )
-        for case in options.real_state
-    ]
+    rows = []
+    for case in options.real_state:
+        # Each case twice: its episodes parked all along, then each a new turn before
+        # every snapshot (the row's ``turned``).
+        parked, turned = [
+            await measure_real_state(
+                root,
+                case,
+                workers=options.workers,
+                rounds=options.rounds if options.rounds is not None else _REAL_STATE_ROUNDS,
+                warmup=options.warmup,
+                token=token,
+                progress=progress,
+                turns=turns,
+            )
+            for turns in (False, True)
+        ]
+        rows.append(replace(parked, turned=turned))
+    return rows
 
 
 async def _run(options: BenchOptions, root: Path, progress: Progress) -> BenchReport:

@@ -32,7 +32,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
@@ -237,47 +237,11 @@ async def measure_real_state(
     warmup: int,
     token: str,
     progress: Progress,
-    turns: bool = True,
+    turns: bool = False,
 ) -> RealStateRow:
-    """One case's snapshots on ``root``, each followed by its physical floor: with the
-    episodes parked all along, then (``turns``) with each taking a turn before every
-    snapshot, in a fleet of its own."""
-    parked = await _measure_case(
-        root,
-        case,
-        workers=workers,
-        rounds=rounds,
-        warmup=warmup,
-        token=token,
-        progress=progress,
-        turns=False,
-    )
-    if not turns:
-        return parked
-    turned = await _measure_case(
-        root,
-        case,
-        workers=workers,
-        rounds=rounds,
-        warmup=warmup,
-        token=token,
-        progress=progress,
-        turns=True,
-    )
-    return replace(parked, turned=turned)
-
-
-async def _measure_case(
-    root: Path,
-    case: RealStateCase,
-    *,
-    workers: int,
-    rounds: int,
-    warmup: int,
-    token: str,
-    progress: Progress,
-    turns: bool,
-) -> RealStateRow:
+    """One case's snapshots on ``root`` in a fleet of its own, each followed by its
+    physical floor: with the episodes parked all along, or (``turns``) with each taking
+    a turn before every snapshot."""
     how = ", every episode a new turn before each snapshot" if turns else ""
     progress(
         f"real state: {case.participants} participant(s) x {case.parked} parked episodes x "
