@@ -31,7 +31,13 @@ from turnpoint._files import (
     write_new,
     write_temp,
 )
-from turnpoint._json import JSONProblem, StrictJSONError, dumps_indented, loads_strict
+from turnpoint._json import (
+    FlatObjects,
+    JSONProblem,
+    StrictJSONError,
+    dumps_indented,
+    loads_strict,
+)
 
 
 class _Crash(Exception):
@@ -346,6 +352,34 @@ _json_values = st.recursive(
 @given(value=_json_values, sort_keys=st.booleans())
 def test_dumps_indented_writes_what_the_stdlib_writes(value: object, sort_keys: bool) -> None:
     assert dumps_indented(value, sort_keys=sort_keys) == _stdlib(value, sort_keys)
+
+
+_flat_members = st.text() | st.integers()
+
+
+@given(
+    keys=st.lists(st.text(max_size=6), min_size=1, max_size=4, unique=True),
+    data=st.data(),
+    depth=st.integers(0, 3),
+)
+def test_flat_objects_are_written_as_the_list_of_their_dicts(
+    keys: list[str], data: st.DataObject, depth: int
+) -> None:
+    rows = data.draw(st.lists(st.tuples(*[_flat_members] * len(keys)), max_size=5))
+    dicts = [dict(zip(keys, row, strict=True)) for row in rows]
+    # At any depth, as a list member and as an object member.
+    flat: object = [FlatObjects(tuple(keys), rows), {"k": FlatObjects(tuple(keys), rows)}]
+    plain: object = [dicts, {"k": dicts}]
+    for _ in range(depth):
+        flat, plain = {"d": [flat]}, {"d": [plain]}
+    assert dumps_indented(flat) == _stdlib(plain, sort_keys=False)
+
+
+def test_flat_objects_refuse_what_is_not_flat() -> None:
+    with pytest.raises(TypeError, match="not bool"):
+        dumps_indented(FlatObjects(("a",), [(True,)]))
+    with pytest.raises(ValueError, match="members"):
+        dumps_indented(FlatObjects(("a", "b"), [("x",)]))
 
 
 class _Count(enum.IntEnum):

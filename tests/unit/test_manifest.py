@@ -91,6 +91,19 @@ def make_manifest(
 # -- the manifest --------------------------------------------------------------------
 
 
+def test_the_bytes_are_the_stdlibs_indented_json_of_the_dict() -> None:
+    # docs/spec.md 8.6's canonical form, written without a dict per episode: the same
+    # bytes as json.dumps of to_dict, with its lists of episodes full, one long, empty.
+    full = make_manifest()
+    one = dataclasses.replace(full, continued=full.continued[:1], restarts=())
+    model_only = dataclasses.replace(
+        full, participants=full.participants[1:], continued=(), restarts=()
+    )
+    for manifest in (full, one, model_only):
+        expected = json.dumps(manifest.to_dict(), indent=2, sort_keys=True, ensure_ascii=True)
+        assert manifest.to_json() == (expected + "\n").encode("ascii")
+
+
 def test_round_trip_and_canonical_bytes() -> None:
     manifest = make_manifest()
     data = manifest.to_json()

@@ -22,7 +22,7 @@ from __future__ import annotations
 import enum
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from json.encoder import encode_basestring_ascii
 from typing import Any, Final, NoReturn
 
@@ -119,6 +119,61 @@ def _key_text(key: object) -> str:
     raise TypeError(f"keys must be str, int, float, bool or None, not {type(key).__name__}")
 
 
+class FlatObjects:
+    """A JSON list of objects that all have the same ``keys`` (in the order written:
+    sorted, for a sorted document), each member a string or an int (not a bool), one
+    tuple of values per object: what :func:`dumps_indented` writes for the list of those
+    dicts, without a dict per object or a call per member. A manifest lists every
+    exported, continued and restarted episode this way."""
+
+    __slots__ = ("keys", "rows")
+
+    def __init__(self, keys: tuple[str, ...], rows: list[tuple[str | int, ...]]) -> None:
+        self.keys = keys
+        self.rows = rows
+
+    def render(self, newline: str) -> str:
+        """The list's text, its first line continuing the current one, the others
+        indented from ``newline``."""
+        if not self.rows:
+            return "[]"
+        if set(map(len, self.rows)) != {len(self.keys)}:
+            raise ValueError(f"every flat object has the {len(self.keys)} members {self.keys}")
+        inner = newline + _INDENT
+        # One template of the object; each column's texts made in C (a str column is
+        # escaped, an int column written), then every object formatted from them.
+        template = (
+            "{"
+            + inner
+            + _INDENT
+            + ("," + inner + _INDENT).join(
+                _escape(key).replace("%", "%%") + ": %s" for key in self.keys
+            )
+            + inner
+            + "}"
+        )
+        columns = [_column_texts(column) for column in zip(*self.rows, strict=True)]
+        objects = map(template.__mod__, zip(*columns, strict=True))
+        return "[" + inner + ("," + inner).join(objects) + newline + "]"
+
+
+def _column_texts(column: tuple[str | int, ...]) -> Iterator[str]:
+    kinds = set(map(type, column))
+    if kinds == {str}:
+        return map(_escape, column)  # type: ignore[arg-type]
+    if kinds == {int}:
+        return map(_int_repr, column)
+    return map(_member_text, column)
+
+
+def _member_text(value: str | int) -> str:
+    if type(value) is str:
+        return _escape(value)
+    if type(value) is int:
+        return _int_repr(value)
+    raise TypeError(f"a flat object's member is a str or an int, not {type(value).__name__}")
+
+
 def dumps_indented(value: Any, *, sort_keys: bool = False) -> str:
     """``json.dumps(value, indent=2, ensure_ascii=True, allow_nan=False, sort_keys=...)``.
 
@@ -142,6 +197,8 @@ def dumps_indented(value: Any, *, sort_keys: bool = False) -> str:
             append(_int_repr(item))
         elif kind is float:
             append(_float_text(item))
+        elif kind is FlatObjects:
+            append(item.render(newline))
         elif kind is dict or (kind is not list and isinstance(item, dict)):
             if not item:
                 append("{}")
@@ -159,6 +216,8 @@ def dumps_indented(value: Any, *, sort_keys: bool = False) -> str:
                     append(head + ": " + _escape(member))
                 elif member_kind is int:
                     append(head + ": " + _int_repr(member))
+                elif member_kind is FlatObjects:
+                    append(head + ": " + member.render(inner))
                 else:
                     append(head + ": ")
                     encode(member, inner)

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Self, TypeAlias, TypeVar
 
-from turnpoint._json import JSONProblem, StrictJSONError, dumps_indented, loads_strict
+from turnpoint._json import FlatObjects, JSONProblem, StrictJSONError, dumps_indented, loads_strict
 from turnpoint.errors import Reason
 from turnpoint.ids import (
     EpisodeId,
@@ -276,6 +276,19 @@ def _check_attempt(value: object, where: str) -> int:
         raise _fail(where, error.why + f" (got {value!r})") from None
 
 
+def _episode_objects(episodes: Sequence[EpisodeId]) -> FlatObjects:
+    """``[_episode_to_dict(e) for e in episodes]`` for dumps_indented, keys sorted."""
+    return FlatObjects(("attempt", "rollout_id"), [(e.attempt, e.rollout_id) for e in episodes])
+
+
+def _placed_objects(placed: Sequence[PlacedEpisode]) -> FlatObjects:
+    """``[p.to_dict() for p in placed]`` for dumps_indented, keys sorted."""
+    return FlatObjects(
+        ("attempt", "instance", "rollout_id"),
+        [(p.episode.attempt, p.instance, p.episode.rollout_id) for p in placed],
+    )
+
+
 def _episode_to_dict(episode: EpisodeId) -> dict[str, JSONValue]:
     return {"rollout_id": episode.rollout_id, "attempt": episode.attempt}
 
@@ -338,13 +351,16 @@ class ParticipantEntry:
             raise _fail(f"{where} manifest", "is required when anything was saved")
 
     def to_dict(self) -> dict[str, JSONValue]:
+        return self._dict([_episode_to_dict(episode) for episode in self.exported])
+
+    def _dict(self, exported: Any) -> dict[str, Any]:
         return {
             "instance": self.instance,
             "kind": self.kind.value,
             "incarnation": self.incarnation,
             "artifacts": [_artifact_to_dict(artifact) for artifact in self.artifacts],
             "manifest": None if self.manifest is None else _artifact_to_dict(self.manifest),
-            "exported": [_episode_to_dict(episode) for episode in self.exported],
+            "exported": exported,
         }
 
     @classmethod
@@ -638,22 +654,37 @@ class SnapshotManifest:
     # -- (de)serialisation -------------------------------------------------------------
 
     def to_dict(self) -> dict[str, JSONValue]:
+        return self._document(
+            ParticipantEntry.to_dict, lambda placed: [item.to_dict() for item in placed]
+        )
+
+    def to_json(self) -> bytes:
+        """Canonical bytes: equal manifests serialise identically."""
+        # Each list of episodes (exported, continued, restarted: one entry per episode of
+        # the snapshot) as FlatObjects, which dumps_indented writes as the list of the
+        # dicts to_dict has, without making them.
+        document = self._document(
+            lambda entry: entry._dict(_episode_objects(entry.exported)), _placed_objects
+        )
+        return (dumps_indented(document, sort_keys=True) + "\n").encode("ascii")
+
+    def _document(
+        self,
+        participant: Callable[[ParticipantEntry], dict[str, Any]],
+        placed: Callable[[tuple[PlacedEpisode, ...]], Any],
+    ) -> dict[str, Any]:
         return {
             "schema_version": self.schema_version,
             "checkpoint_id": self.checkpoint_id,
             "step": self.step,
             "created_at": self.created_at,
             "anchor": self.anchor.to_dict(),
-            "participants": [entry.to_dict() for entry in self.participants],
-            "continued": [placed.to_dict() for placed in self.continued],
-            "restarts": [placed.to_dict() for placed in self.restarts],
+            "participants": [participant(entry) for entry in self.participants],
+            "continued": placed(self.continued),
+            "restarts": placed(self.restarts),
             "rollout_state": self.rollout_state.to_dict(),
             "extra": dict(self.extra),
         }
-
-    def to_json(self) -> bytes:
-        """Canonical bytes: equal manifests serialise identically."""
-        return (dumps_indented(self.to_dict(), sort_keys=True) + "\n").encode("ascii")
 
     @classmethod
     def from_dict(cls, raw: object) -> Self:
