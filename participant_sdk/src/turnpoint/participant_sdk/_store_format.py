@@ -402,11 +402,7 @@ def plain_record(record: Record | PlainRecord) -> PlainRecord:
             "payload",
             f"must be a mapping, not {type(record.payload).__name__}",
         )
-    try:
-        payload = _plain(record.payload, 1)
-    except _BadValue as error:
-        where = "payload" + "".join(reversed(error.location))
-        raise UnserialisableRecordError(record.episode, record.key, where, error.why) from None
+    payload = _checked_copy(record.episode, record.key, "payload", record.payload, 1)
     return PlainRecord(record.episode, record.key, payload)
 
 
@@ -415,14 +411,17 @@ def plain_member(episode: EpisodeId, key: str, name: str, value: Any) -> Any:
     :func:`plain_record` does each member: for a payload the SDK itself makes around a
     few members it does not own, which a walk of the whole payload would visit again.
     :class:`UnserialisableRecordError` names the same location."""
-    kind = type(value)
-    if kind in _PLAIN_ATOMS and (kind is not str or len(value) < LONG_TEXT):
-        return value
+    return _checked_copy(episode, key, f"payload[{name!r}]", value, 2)
+
+
+def _checked_copy(episode: EpisodeId, key: str, where: str, value: Any, depth: int) -> Any:
+    """:func:`_plain` of ``value`` (at ``depth`` in its record's payload, at ``where``),
+    a value that would not round-trip named in an :class:`UnserialisableRecordError`."""
     try:
-        return _plain(value, 2)
+        return _plain(value, depth)
     except _BadValue as error:
-        where = f"payload[{name!r}]" + "".join(reversed(error.location))
-        raise UnserialisableRecordError(episode, key, where, error.why) from None
+        at = where + "".join(reversed(error.location))
+        raise UnserialisableRecordError(episode, key, at, error.why) from None
 
 
 _ENCODER_SETTINGS: Final[dict[str, Any]] = {
