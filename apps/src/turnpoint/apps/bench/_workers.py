@@ -383,16 +383,17 @@ async def _serve(job: Mapping[str, Any]) -> int:
             freeze_start_up_heap()
             report["pid"] = os.getpid()
             _say(report)
-            stopping = asyncio.create_task(stop.wait())
-            while not stopping.done():
-                asked = asyncio.create_task(turns.get())
-                await asyncio.wait({stopping, asked}, return_when=asyncio.FIRST_COMPLETED)
-                if not asked.done():
-                    asked.cancel()
-                elif take_turn is None:
-                    _say({"turned": 0})
-                else:
-                    _say({"turned": await take_turn()})
+
+            async def answer_turns() -> None:
+                while True:
+                    await turns.get()
+                    _say({"turned": 0 if take_turn is None else await take_turn()})
+
+            answering = asyncio.create_task(answer_turns())
+            try:
+                await stop.wait()
+            finally:
+                answering.cancel()
         finally:
             for close in reversed(closers):
                 # Best effort: a server that fails to stop must not keep the others up,
